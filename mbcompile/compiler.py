@@ -1,0 +1,308 @@
+"""``mbcompile.compile``: capture -> shapes -> batch analysis -> plan -> rewrite.
+
+>>> cm = mbcompile.compile(model, gbs=10, num_csx=3, mbs=2, example_inputs=(ids, labels))
+>>> print(cm.plan)                  # systems get 4, 3, 3 samples; 2 microbatches each
+>>> loss = cm(ids, labels)          # same call and output structure as model(ids, labels)
+>>> loss.backward()                 # param.grad == the full-batch gradient, to rounding
+
+The module compiles once per combination of its submodules' ``training`` flags
+(``cm.train()`` and ``cm.eval()`` can change what is safe: BatchNorm mixes
+samples only in training), and reuses the result on every call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from mbcompile import runtime
+from mbcompile.errors import (
+    ArgumentTypeError,
+    CaptureError,
+    InputError,
+    MbcompileError,
+    RetainedActivationsWarning,
+)
+from mbcompile.passes.batch_analysis import analyse_batch, mixing_error
+from mbcompile.passes.capture import OutputSpec, capture
+from mbcompile.passes.facts import Batched, Container, Fact, Free
+from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
+from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
+from mbcompile.plan import MicrobatchPlan, make_plan
+
+__all__ = ["CompiledModule", "compile"]
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """How a call's arguments map onto the graph's placeholders."""
+
+    names: tuple[str, ...]  # forward's parameters, in order
+    in_dims: tuple[int | None, ...]  # batch dim per parameter (None: unbatched)
+    concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    graph_module: fx.GraphModule
+    original_graph_module: fx.GraphModule
+    output_spec: OutputSpec
+    fused: bool
+
+
+def _check_module(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; wrap functions in a "
+            "Module whose forward calls them")
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise InputError(
+            f"model has parameters on the meta device ({meta[0]!r}, ...), which hold no values; "
+            "materialise them first (model.to_empty(device='cpu') and load weights)")
+    return model
+
+
+def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: Any
+          ) -> tuple[inspect.Signature, dict[str, Any], _Inputs]:
+    """Bind the example call to forward's signature and resolve ``in_dims`` per parameter."""
+    if example_inputs is None and example_kwargs is None:
+        raise InputError(
+            "example_inputs (or example_kwargs) are required: mbcompile traces shapes from one "
+            "example call, e.g. compile(model, gbs, num_csx, example_inputs=(x, y))")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    args = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+    sig = inspect.signature(model.forward)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+        raise CaptureError(
+            f"{type(model).__name__}.forward takes *args or **kwargs; mbcompile needs named "
+            "parameters to map inputs to the graph. Wrap the model in a Module whose forward "
+            "names its inputs.")
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise InputError(f"example inputs do not match {type(model).__name__}.forward{sig}: "
+                         f"{exc}") from None
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    names = tuple(values)
+    positional = list(sig.parameters)[:len(args)]
+    if isinstance(in_dims, bool) or not isinstance(in_dims, (int, tuple, list, dict, type(None))):
+        raise ArgumentTypeError(
+            f"in_dims must be an int, a tuple per positional input, or a dict per keyword, "
+            f"got {in_dims!r}")
+    if isinstance(in_dims, (tuple, list)) and len(in_dims) != len(args):
+        raise InputError(
+            f"in_dims has {len(in_dims)} entries but there are {len(args)} positional example "
+            f"inputs; give one entry per positional input (None for unbatched ones)")
+    dims: list[int | None] = []
+    for name in names:
+        value = values[name]
+        if isinstance(in_dims, (tuple, list)) and name in positional:
+            d = in_dims[positional.index(name)]
+        elif isinstance(in_dims, dict):
+            d = in_dims.get(name, 0)
+        elif isinstance(in_dims, (tuple, list)):
+            d = 0
+        else:
+            d = in_dims
+        has_tensor = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+            raise ArgumentTypeError(f"in_dims for input {name!r} must be an int or None, "
+                                    f"got {d!r}")
+        dims.append(d if has_tensor else None)
+    concrete = {n: values[n] for n, d in zip(names, dims)
+                if d is None and not any(isinstance(t, torch.Tensor)
+                                         for t in pytree.tree_leaves(values[n]))}
+    inputs = _Inputs(names, tuple(dims), concrete)
+    _batch_size(inputs, [values[n] for n in names], check_ndim=True)
+    return sig, values, inputs
+
+
+def _batch_size(inputs: _Inputs, values: Sequence[Any], check_ndim: bool = False) -> int | None:
+    """The common batch size of the batched inputs; raises if they disagree."""
+    seen: dict[int, str] = {}
+    for name, value, d in zip(inputs.names, values, inputs.in_dims):
+        if d is None:
+            continue
+        for t in pytree.tree_leaves(value):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.dim() <= d or d < 0:
+                raise InputError(
+                    f"in_dims gives input {name!r} batch dim {d}, but it has {t.dim()} dims; "
+                    "pass in_dims=None for unbatched inputs or the right dim")
+            seen.setdefault(t.shape[d], name)
+    if len(seen) > 1:
+        detail = ", ".join(f"{n!r} has {b}" for b, n in seen.items())
+        raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
+                         "input must have the same number of samples along its in_dims dim")
+    return next(iter(seen), None)
+
+
+def _fact_for(value: Any, dim: int | None) -> Fact:
+    if dim is None:
+        return Free()
+    if isinstance(value, torch.Tensor):
+        return Batched(dim)
+    if isinstance(value, Mapping):
+        return Container(tuple((k, _fact_for(v, dim)) for k, v in value.items()))
+    if isinstance(value, (tuple, list)):
+        return Container(tuple((i, _fact_for(v, dim)) for i, v in enumerate(value)))
+    return Free()
+
+
+class CompiledModule(nn.Module):
+    """A model compiled for microbatching: call it like the model.
+
+    Attributes: ``plan`` (a ``MicrobatchPlan``), ``graph_module`` (the rewritten
+    ``fx.GraphModule``: split -> loop over ``graph_module.body`` -> accumulate) and
+    ``original_graph_module`` (the captured graph, annotated with batch facts).
+    Parameters are the model's own (shared, not copied); ``state_dict()`` is the
+    model's, so it loads into the original and back.
+    """
+
+    def __init__(self, model: nn.Module, plan: MicrobatchPlan, signature: inspect.Signature,
+                 inputs: _Inputs, example: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.module = model
+        object.__setattr__(self, "plan", plan)
+        object.__setattr__(self, "_signature", signature)
+        object.__setattr__(self, "_inputs", inputs)
+        object.__setattr__(self, "_example", dict(example))
+        object.__setattr__(self, "_cache", {})
+        object.__setattr__(self, "_warned", False)
+        self._compiled()  # compile now: errors belong to compile(), not the first call
+
+    # -------------------------------------------------------------- compiling
+    def _mode_key(self) -> tuple[bool, ...]:
+        return tuple(m.training for m in self.module.modules())
+
+    def _compiled(self) -> _Compiled:
+        key = self._mode_key()
+        if key not in self._cache:
+            self._cache[key] = _compile_graph(self.module, self.plan, self._inputs, self._example)
+        return self._cache[key]
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The rewritten graph for the module's current train/eval mode."""
+        return self._compiled().graph_module
+
+    @property
+    def original_graph_module(self) -> fx.GraphModule:
+        """The captured graph, with ``node.meta['mbcompile.fact']`` on every node."""
+        return self._compiled().original_graph_module
+
+    # ---------------------------------------------------------------- calling
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        compiled = self._compiled()
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InputError(f"call does not match forward{self._signature}: {exc}") from None
+        bound.apply_defaults()
+        values = [bound.arguments[n] for n in self._inputs.names]
+        for name, expected in self._inputs.concrete.items():
+            got = bound.arguments[name]
+            if got is not expected and not _same(got, expected):
+                raise InputError(
+                    f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "
+                    "non-tensor arguments are fixed when compiling: compile again with the "
+                    "new value")
+        batch = _batch_size(self._inputs, values)
+        if batch is not None and batch != self.plan.gbs:
+            raise InputError(
+                f"the batch has {batch} samples but the module was compiled for "
+                f"gbs={self.plan.gbs}; pass batches of {self.plan.gbs} samples, or compile "
+                f"again with gbs={batch}")
+        if (not compiled.fused and torch.is_grad_enabled() and not self._warned
+                and any(p.requires_grad for p in self.module.parameters())):
+            object.__setattr__(self, "_warned", True)
+            warnings.warn(
+                "training without a single scalar loss inside the model: the loop keeps every "
+                "microbatch's activations alive until backward (same numbers, more memory). "
+                "Return the loss from forward to get one microbatch's memory.",
+                RetainedActivationsWarning, stacklevel=2)
+        flat = compiled.graph_module(*values)
+        return compiled.output_spec.rebuild(flat)
+
+    # ------------------------------------------------------------ state dicts
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def extra_repr(self) -> str:
+        p = self.plan
+        return (f"gbs={p.gbs}, num_csx={p.num_csx}, mbs={p.mbs}, "
+                f"num_microbatches={p.num_microbatches}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # values without a truthy == are compared by identity only
+        return False
+
+
+def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
+                   example: Mapping[str, Any]) -> _Compiled:
+    captured = capture(model, inputs.concrete)
+    gm = captured.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [example[n] for n in inputs.names]
+    try:
+        propagate_shapes(gm, values, inputs.in_dims, plan.gbs)
+    except ShapePropagationError as exc:
+        raise mixing_error(exc.node, gm, "it cannot run with a different batch size on "
+                           f"shape-only tensors ({exc}); data-dependent shapes (nonzero, "
+                           "masked_select, .item()) or a batch size baked into a constant "
+                           "cannot be microbatched",
+                           "keep shapes independent of tensor values and derive batch sizes "
+                           "from x.size(0)") from None
+    facts = {p.target: _fact_for(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
+    analyse_batch(gm, facts, plan.gbs)
+    slices = [s for system in plan.microbatch_slices for s in system if s[1] > s[0]]
+    systems = [sum(1 for s in system if s[1] > s[0]) for system in plan.microbatch_slices]
+    rewritten = microbatch_rewrite(
+        gm, slices=slices, systems=systems,
+        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)})
+    loop = next(n for n in rewritten.graph.nodes if n.target is runtime.microbatch_loop)
+    return _Compiled(rewritten, gm, captured.output_spec, loop.kwargs["fused_index"] is not None)
+
+
+def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
+            example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
+            in_dims: Any = 0, system: Any = None) -> CompiledModule:
+    """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
+
+    ``mbs`` is ``"auto"``, ``"none"`` (no split), an int, or ``"explore"``.
+    ``example_inputs``/``example_kwargs`` are one example call (any batch size);
+    ``in_dims`` gives the batch dim of the tensor inputs, vmap style: an int for
+    all, a tuple per positional input, or a dict per keyword (None: unbatched).
+    Raises ``MixingError`` when splitting the batch would change the result.
+    """
+    model = _check_module(model)
+    plan = make_plan(gbs, num_csx, mbs)
+    sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
+    try:
+        return CompiledModule(model, plan, sig, inputs, values)
+    except MbcompileError:
+        raise
+    except Exception as exc:  # a pass crashed: say so with the model's name
+        raise CaptureError(f"compiling {type(model).__name__} failed in mbcompile itself: "
+                           f"{type(exc).__name__}: {exc}. Please report this with the model."
+                           ) from exc

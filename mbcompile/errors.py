@@ -1,0 +1,66 @@
+"""The project's exception and warning types.
+
+Every error mbcompile raises on purpose is an ``MbcompileError``; the ones that
+Python convention says are value or type errors also subclass ``ValueError`` or
+``TypeError``, so ``except ValueError`` in a user's code keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArgumentTypeError",
+    "CaptureError",
+    "InputError",
+    "MbcompileError",
+    "MbcompileWarning",
+    "MbsAdjustedWarning",
+    "MicrobatchError",
+    "MixingError",
+    "PlanError",
+    "RetainedActivationsWarning",
+    "UnsupportedOpError",
+]
+
+
+class MbcompileError(Exception):
+    """Base class of every error mbcompile raises on purpose."""
+
+
+class PlanError(MbcompileError, ValueError):
+    """A (gbs, num_csx, mbs) configuration that cannot be planned."""
+
+
+class ArgumentTypeError(MbcompileError, TypeError):
+    """An argument of the wrong type (a float or bool where an int belongs, ...)."""
+
+
+class InputError(MbcompileError, ValueError):
+    """Inputs of a call that do not match what the module was compiled for."""
+
+
+class CaptureError(MbcompileError):
+    """The model could not be captured as an fx graph."""
+
+
+class MixingError(MbcompileError):
+    """An op couples samples of the batch, so splitting it would change the result."""
+
+
+class UnsupportedOpError(MixingError):
+    """An op without a batch rule: rejected, never guessed."""
+
+
+class MicrobatchError(MbcompileError):
+    """A microbatch raised or produced a non-finite loss; the step was rolled back."""
+
+
+class MbcompileWarning(UserWarning):
+    """Base class of mbcompile's warnings."""
+
+
+class MbsAdjustedWarning(MbcompileWarning):
+    """The requested MBS is not supported and was replaced by the closest supported one."""
+
+
+class RetainedActivationsWarning(MbcompileWarning):
+    """Training without a loss inside the model keeps every microbatch's activations alive."""

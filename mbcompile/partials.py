@@ -1,0 +1,154 @@
+"""Per-microbatch partials of reductions over the batch.
+
+The rewritten body calls these in place of a mean over the batch: each returns
+``(sum, count)`` for its microbatch, the loop adds them up, and the mean is
+divided once by the global count. That is what keeps token-level losses exact
+when microbatches hold different numbers of non-padding tokens:
+
+    eager:      loss = Σ_all l_i / N_valid
+    microbatch: loss = (Σ_mb1 l_i + Σ_mb2 l_i) / (n_valid_mb1 + n_valid_mb2)   # same
+
+A microbatch's count is a Python int when the shapes fix it, a 0-dim tensor when
+the data do (targets equal to ``ignore_index`` do not count).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn import _reduction
+
+__all__ = [
+    "binary_cross_entropy_partial",
+    "binary_cross_entropy_with_logits_partial",
+    "cross_entropy_partial",
+    "huber_loss_partial",
+    "kl_div_partial",
+    "l1_loss_partial",
+    "loss_reduction",
+    "mean_combine",
+    "mean_partial",
+    "module_loss_partial",
+    "mse_loss_partial",
+    "nll_loss_partial",
+    "smooth_l1_loss_partial",
+]
+
+Count = int | torch.Tensor
+
+
+def mean_partial(input: torch.Tensor, dim: Any = None, keepdim: bool = False, *,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, int]:
+    """``x.mean(dim)`` -> ``(x.sum(dim), number of elements averaged)``."""
+    dims = range(input.dim()) if dim is None else ([dim] if isinstance(dim, int) else dim)
+    count = math.prod(input.shape[d] for d in dims)
+    total = input.sum(dim=tuple(dims), keepdim=keepdim, dtype=dtype)
+    return total, count
+
+
+def mean_combine(total: torch.Tensor, count: Count) -> torch.Tensor:
+    """The global mean from the added-up partials: one division by the global count."""
+    return total / count
+
+
+def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def loss_reduction(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The effective ``reduction`` of a functional loss call, legacy arguments included."""
+    a = _bound(fn, args, kwargs)
+    if a.get("size_average") is not None or a.get("reduce") is not None:
+        return _reduction.legacy_get_string(a.get("size_average"), a.get("reduce"))
+    return a.get("reduction", "mean")
+
+
+def _summed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[torch.Tensor, dict[str, Any]]:
+    a = _bound(fn, args, kwargs)
+    for legacy in ("size_average", "reduce"):  # already folded into the reduction
+        if legacy in a:
+            a[legacy] = None
+    a["reduction"] = "sum"
+    return fn(**a), a
+
+
+def _class_count(a: dict[str, Any]) -> Count:
+    """Denominator of a 'mean' class loss: Σ weight[target] over non-ignored targets."""
+    input, target, weight = a["input"], a["target"], a.get("weight")
+    if target.is_floating_point():  # class probabilities: one count per sample position
+        return input.numel() // input.shape[1] if input.dim() > 1 else 1
+    valid = target != a.get("ignore_index", -100)
+    if weight is None:
+        return valid.sum()
+    return weight[target.masked_fill(~valid, 0)].masked_fill(~valid, 0).sum()
+
+
+def _elementwise_count(a: dict[str, Any]) -> int:
+    return math.prod(torch.broadcast_shapes(a["input"].shape, a["target"].shape))
+
+
+def _partial(fn: Callable[..., Any], count: Callable[[dict[str, Any]], Count]
+             ) -> Callable[..., tuple[torch.Tensor, Count]]:
+    def partial(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Count]:
+        total, a = _summed(fn, args, kwargs)
+        return total, count(a)
+
+    partial.__name__ = f"{fn.__name__}_partial"
+    partial.__qualname__ = partial.__name__
+    partial.__module__ = __name__
+    partial.__doc__ = f"``F.{fn.__name__}(..., reduction='mean')`` as ``(sum, count)``."
+    return partial
+
+
+cross_entropy_partial = _partial(F.cross_entropy, _class_count)
+nll_loss_partial = _partial(F.nll_loss, _class_count)
+mse_loss_partial = _partial(F.mse_loss, _elementwise_count)
+l1_loss_partial = _partial(F.l1_loss, _elementwise_count)
+smooth_l1_loss_partial = _partial(F.smooth_l1_loss, _elementwise_count)
+huber_loss_partial = _partial(F.huber_loss, _elementwise_count)
+binary_cross_entropy_partial = _partial(F.binary_cross_entropy, _elementwise_count)
+binary_cross_entropy_with_logits_partial = _partial(
+    F.binary_cross_entropy_with_logits, _elementwise_count)
+
+
+def kl_div_partial(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Count]:
+    """``F.kl_div`` with 'mean' (count = elements) or 'batchmean' (count = samples)."""
+    batchmean = loss_reduction(F.kl_div, args, kwargs) == "batchmean"
+    total, a = _summed(F.kl_div, args, kwargs)
+    return total, (a["input"].shape[0] if batchmean else _elementwise_count(a))
+
+
+# Loss modules and the functional call (and extra keyword arguments) they make.
+_MODULE_LOSSES: dict[type[nn.Module], tuple[Callable[..., Any], tuple[str, ...]]] = {
+    nn.CrossEntropyLoss: (cross_entropy_partial, ("weight", "ignore_index", "label_smoothing")),
+    nn.NLLLoss: (nll_loss_partial, ("weight", "ignore_index")),
+    nn.MSELoss: (mse_loss_partial, ()),
+    nn.L1Loss: (l1_loss_partial, ()),
+    nn.SmoothL1Loss: (smooth_l1_loss_partial, ("beta",)),
+    nn.HuberLoss: (huber_loss_partial, ("delta",)),
+    nn.BCELoss: (binary_cross_entropy_partial, ("weight",)),
+    nn.BCEWithLogitsLoss: (binary_cross_entropy_with_logits_partial, ("weight", "pos_weight")),
+    nn.KLDivLoss: (kl_div_partial, ("log_target",)),
+}
+
+
+def module_loss_partial(module: nn.Module, input: torch.Tensor, target: torch.Tensor
+                        ) -> tuple[torch.Tensor, Count]:
+    """A loss module's ``(sum, count)`` for one microbatch, from its own settings."""
+    for cls in type(module).__mro__:
+        if cls in _MODULE_LOSSES:
+            fn, attrs = _MODULE_LOSSES[cls]
+            kwargs = {a: getattr(module, a) for a in attrs}
+            if module.reduction == "batchmean":
+                kwargs["reduction"] = "batchmean"
+            return fn(input, target, **kwargs)
+    raise TypeError(f"no partial for loss module {type(module).__name__}")

@@ -1,0 +1,214 @@
+"""The runtime ops the rewritten graph calls: split, the microbatch loop, accumulate.
+
+One step of ``gbs 10 over 3 systems, mbs 2`` (sizes ((2, 2), (2, 1), (2, 1))):
+
+1. ``split`` cuts each batched input into views ``[0:2] [2:4] | [4:6] [6:7] |
+   [7:9] [9:10]`` (no copies; empty microbatches never appear);
+2. ``microbatch_loop`` runs the body on each view. Under ``torch.no_grad`` or
+   when nothing is trained it just collects outputs. When training with a loss
+   inside the model it runs each microbatch's forward *and* backward at once, so
+   only one microbatch's activations are alive, through ``_FusedStep`` below;
+3. ``accumulate_cat`` joins per-sample outputs in the original order and
+   ``accumulate_sum`` adds partial sums per system, then across systems, as an
+   all-reduce would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from mbcompile.errors import InputError, MicrobatchError
+
+__all__ = ["BodyOutput", "accumulate_cat", "accumulate_sum", "microbatch_loop", "split"]
+
+
+@dataclass(frozen=True)
+class BodyOutput:
+    """How one output of the body is combined over microbatches."""
+
+    kind: str  # "cat": per-sample, joined along ``dim``; "sum": a partial sum
+    dim: int = 0
+
+
+def _narrow(value: Any, dim: int | None, start: int, length: int) -> Any:
+    """Rows [start, start + length) of every tensor in ``value`` along ``dim`` (views)."""
+    if dim is None:
+        return value
+    return pytree.tree_map(
+        lambda t: t.narrow(dim, start, length) if isinstance(t, torch.Tensor) else t, value)
+
+
+def split(*inputs: Any, slices: Sequence[tuple[int, int]], in_dims: Sequence[Any]
+          ) -> list[tuple[Any, ...]]:
+    """Views of ``inputs`` for every non-empty microbatch, in global batch order."""
+    return [tuple(_narrow(x, d, start, stop - start) for x, d in zip(inputs, in_dims))
+            for start, stop in slices]
+
+
+class _Loop:
+    """One call's loop state, shared by the fused autograd function."""
+
+    def __init__(self, body: fx.GraphModule, microbatches: list[tuple[Any, ...]],
+                 fused_index: int | None) -> None:
+        self.body = body
+        self.microbatches = microbatches
+        self.fused_index = fused_index
+        self.step_grads: list[torch.Tensor | None] | None = None
+
+    def run(self) -> list[tuple[Any, ...]]:
+        return [_as_tuple(self.body(*mb)) for mb in self.microbatches]
+
+    def run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+        # Set the user's gradients aside so autograd's own accumulation builds this
+        # step's gradient in fresh .grad slots; put them back whatever happens.
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            results = []
+            with torch.enable_grad():
+                for i, mb in enumerate(self.microbatches):
+                    out = _as_tuple(self.body(*mb))
+                    partial = out[self.fused_index]
+                    if not bool(torch.isfinite(partial.detach()).all()):
+                        raise MicrobatchError(
+                            f"the loss of microbatch {i} is {partial.item()} (not finite); "
+                            "the step was rolled back, parameters and gradients are unchanged")
+                    partial.backward()
+                    results.append(tuple(_detach(o) for o in out))
+            self.step_grads = [p.grad for p in params]
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g
+        return results
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _detach(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+class _FusedStep(torch.autograd.Function):
+    """Forward runs every microbatch's forward and backward; backward hands over grads.
+
+    Outputs are the microbatch outputs (flattened). The gradient arriving for the
+    loss's partial sums is the same scalar ``g`` for every microbatch (the loss is
+    their sum, maybe divided by a count), so the parameters' gradient is
+    ``g * Σ_m ∂partial_m/∂θ``, which the forward already accumulated.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, loop: _Loop, n_params: int, *params: Any) -> Any:
+        results = loop.run_fused(params)
+        ctx.loop, ctx.n_params = loop, n_params
+        ctx.set_materialize_grads(False)
+        flat = [o for out in results for o in out if isinstance(o, torch.Tensor)]
+        loop.layout = [[isinstance(o, torch.Tensor) for o in out] for out in results]
+        loop.constants = [[o for o in out] for out in results]
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        loop: _Loop = ctx.loop
+        width = sum(loop.layout[0])
+        tensor_pos = [sum(loop.layout[0][:i]) for i in range(len(loop.layout[0]))]
+        loss_pos = tensor_pos[loop.fused_index]
+        for m in range(len(loop.layout)):
+            for j in range(width):
+                g = grads[m * width + j]
+                if j != loss_pos and g is not None and bool(g.ne(0).any()):
+                    raise MicrobatchError(
+                        "a gradient flows into a per-sample output of the compiled module, "
+                        "but its backward already ran per microbatch for the loss only; "
+                        "compute everything you backpropagate through inside the model "
+                        "(return it in the loss), or call the module under torch.no_grad() "
+                        "for outputs you only read")
+        loss_grads = [grads[m * width + loss_pos] for m in range(len(loop.layout))]
+        if loop.step_grads is None:
+            raise MicrobatchError(
+                "backward through a compiled module's step ran twice; each call's gradients "
+                "are handed over once (retain_graph is not supported across its loop)")
+        step, loop.step_grads = loop.step_grads, None
+        if all(g is None for g in loss_grads):
+            return (None, None) + (None,) * ctx.n_params
+        g = next(x for x in loss_grads if x is not None)
+        if any(x is None or not torch.equal(x, g) for x in loss_grads):
+            raise MicrobatchError("microbatch losses received different gradients; only the "
+                                  "combined loss can be differentiated")
+        if not bool(g.eq(1).all()):  # the usual mean: scale in place, no second buffer
+            step = [s.mul_(g) if s is not None else None for s in step]
+        return (None, None, *step)
+
+
+def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *,
+                    fused_index: int | None) -> list[tuple[Any, ...]]:
+    """Run ``body`` on every microbatch; returns each microbatch's outputs.
+
+    ``fused_index`` names the body output that is the loss's partial sum, when
+    the model has exactly one scalar loss to train on; then, with grad enabled,
+    each microbatch's backward runs right after its forward.
+    """
+    params = [p for p in body.parameters() if p.requires_grad]
+    loop = _Loop(body, microbatches, fused_index)
+    if (fused_index is None or not params or not torch.is_grad_enabled()
+            or any(_requires_grad(mb) for mb in microbatches[:1])):
+        return loop.run()
+    flat = iter(_FusedStep.apply(loop, len(params), *params))
+    return [tuple(next(flat) if is_t else c for is_t, c in zip(layout, consts))
+            for layout, consts in zip(loop.layout, loop.constants)]
+
+
+def _requires_grad(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
+
+
+def accumulate_cat(results: list[tuple[Any, ...]], index: int, dim: int) -> torch.Tensor:
+    """Per-sample output ``index`` of every microbatch, joined in the original order."""
+    pieces = [r[index] for r in results]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def accumulate_sum(results: list[tuple[Any, ...]], index: int, systems: Sequence[int]) -> Any:
+    """Partial sums added within each system, then across systems (the all-reduce)."""
+    totals, start = [], 0
+    for count in systems:
+        part = [r[index] for r in results[start:start + count]]
+        start += count
+        if part:
+            total = part[0]
+            for p in part[1:]:
+                total = total + p
+            totals.append(total)
+    total = totals[0]
+    for t in totals[1:]:
+        total = total + t
+    return total
+
+
+def check_batch(inputs: Sequence[Any], in_dims: Sequence[Any], names: Sequence[str],
+                gbs: int) -> None:
+    """Raise ``InputError`` unless every batched input has ``gbs`` samples."""
+    for name, value, dims in zip(names, inputs, in_dims):
+        if dims is None:
+            continue
+        d = dims
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                if leaf.dim() <= d:
+                    raise InputError(
+                        f"input {name!r} has {leaf.dim()} dims but in_dims says its batch dim "
+                        f"is {d}; pass in_dims=None for unbatched inputs")
+                if leaf.shape[d] != gbs:
+                    raise InputError(
+                        f"input {name!r} has batch size {leaf.shape[d]} along dim {d}, but the "
+                        f"module was compiled for gbs={gbs}; pass batches of {gbs} samples, or "
+                        f"compile again with gbs={leaf.shape[d]}")

@@ -1,0 +1,178 @@
+"""Capture pass: a model becomes an ``fx.GraphModule`` with flat outputs.
+
+Before::
+
+    class Net(nn.Module):
+        def forward(self, x, y): return {"loss": F.mse_loss(self.l(x), y), "out": self.l(x)}
+
+After (``capture(net, ...)``)::
+
+    def forward(self, x, y):
+        ...
+        return (mse_loss, l_1)          # flat leaves; CaptureResult.output_spec rebuilds the dict
+
+Outputs are flattened (tuples, lists, dicts, dataclasses, ``ModelOutput``-like
+objects) so that later passes see one fact per output leaf; ``OutputSpec`` puts
+the structure back after the call. An ``fx.GraphModule`` is taken as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from mbcompile.errors import CaptureError
+
+__all__ = ["CaptureResult", "OutputSpec", "capture", "user_frame"]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """The structure of a model's output, with leaves numbered 0..n-1.
+
+    ``kind`` is "leaf", "const", "tuple", "list", "dict" or "dataclass"; ``children``
+    hold the sub-specs and ``keys`` their names (dict keys or dataclass fields).
+    """
+
+    kind: str
+    index: int = -1  # for "leaf": position in the flat outputs
+    value: Any = None  # for "const"
+    type: Any = None  # container type to rebuild
+    keys: tuple[Any, ...] = ()
+    children: tuple[OutputSpec, ...] = ()
+
+    def rebuild(self, leaves: tuple[Any, ...] | list[Any]) -> Any:
+        if self.kind == "leaf":
+            return leaves[self.index]
+        if self.kind == "const":
+            return self.value
+        values = [c.rebuild(leaves) for c in self.children]
+        if self.kind == "tuple":
+            return self.type(*values) if _is_namedtuple(self.type) else self.type(values)
+        if self.kind == "list":
+            return self.type(values)
+        return self.type(**dict(zip(self.keys, values))) if self.kind == "dataclass" else (
+            self.type(zip(self.keys, values)))
+
+
+def _is_namedtuple(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields")
+
+
+def flatten_output(obj: Any, leaves: list[Any], is_leaf: Callable[[Any], bool]) -> OutputSpec:
+    """Flatten ``obj`` into ``leaves`` (appending) and return its spec."""
+    if is_leaf(obj):
+        leaves.append(obj)
+        return OutputSpec("leaf", index=len(leaves) - 1)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # ModelOutput-like objects are dataclasses (and OrderedDicts): rebuild by field.
+        names = tuple(f.name for f in dataclasses.fields(obj))
+        kids = tuple(flatten_output(getattr(obj, n), leaves, is_leaf) for n in names)
+        return OutputSpec("dataclass", type=type(obj), keys=names, children=kids)
+    if isinstance(obj, tuple):
+        kids = tuple(flatten_output(v, leaves, is_leaf) for v in obj)
+        return OutputSpec("tuple", type=type(obj), children=kids)
+    if isinstance(obj, list):
+        kids = tuple(flatten_output(v, leaves, is_leaf) for v in obj)
+        return OutputSpec("list", type=type(obj), children=kids)
+    if isinstance(obj, Mapping):
+        keys = tuple(obj.keys())
+        kids = tuple(flatten_output(obj[k], leaves, is_leaf) for k in keys)
+        return OutputSpec("dict", type=dict if type(obj) is fx.immutable_collections.immutable_dict
+                          else type(obj), keys=keys, children=kids)
+    return OutputSpec("const", value=obj)
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """A captured model: the graph (flat outputs), its output spec, the specialised args."""
+
+    graph_module: fx.GraphModule
+    output_spec: OutputSpec
+    concrete_args: Mapping[str, Any]
+    method: str = "symbolic_trace"
+
+
+class _FlatOutputTracer(fx.Tracer):
+    """A tracer that records source lines and flattens the traced function's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self.output_spec: OutputSpec | None = None
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+
+        def flat_fn(*a: Any) -> tuple[Any, ...]:
+            leaves: list[Any] = []
+            self.output_spec = flatten_output(fn(*a), leaves, lambda v: isinstance(v, fx.Proxy))
+            return tuple(leaves)
+
+        return flat_fn, args
+
+
+def user_frame(tb: traceback.StackSummary | list[traceback.FrameSummary]) -> str:
+    """The innermost frame outside torch and mbcompile, as ``file:line: code``."""
+    for frame in reversed(list(tb)):
+        f = frame.filename
+        if "/torch/" in f or "/mbcompile/" in f or "/passes/" in f or f.startswith("<frozen"):
+            continue
+        return f"{f}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "<unknown source line>"
+
+
+def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = None) -> CaptureResult:
+    """Trace ``model`` with ``torch.fx`` into a graph whose outputs are flat leaves.
+
+    ``concrete_args`` fixes non-tensor arguments (fx inserts a check that later
+    calls pass the same value). A tracing failure raises ``CaptureError`` naming
+    the user's source line and the ways out.
+    """
+    concrete_args = dict(concrete_args or {})
+    if isinstance(model, fx.GraphModule):
+        gm = model
+        leaves: list[Any] = []
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        spec = flatten_output(out.args[0], leaves, lambda v: isinstance(v, fx.Node))
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                graph.output(tuple(env[n] for n in leaves))
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        return CaptureResult(fx.GraphModule(gm, graph), spec, concrete_args, "graph_module")
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(
+            f"mbcompile.compile expects a torch.nn.Module, got {type(model).__name__}. "
+            "Wrap a function in an nn.Module whose forward calls it.")
+    tracer = _FlatOutputTracer()
+    try:
+        graph = tracer.trace(model, concrete_args=concrete_args or None)
+    except Exception as exc:  # any tracing failure becomes one clear error
+        where = user_frame(traceback.extract_tb(exc.__traceback__))
+        raise CaptureError(
+            f"torch.fx could not trace {type(model).__name__}.forward at {where}\n"
+            f"  {type(exc).__name__}: {exc}\n"
+            "  fx tracing runs forward with symbolic values, so Python control flow on "
+            "tensor values or data-dependent shapes cannot be captured. Fix: move the "
+            "data-dependent part into a leaf module or function, make the branch depend on "
+            "a non-tensor argument (it is then fixed at compile time), or pass an already "
+            "captured torch.fx.GraphModule.") from exc
+    assert tracer.output_spec is not None
+    name = type(model).__name__
+    gm = fx.GraphModule(tracer.root, graph, name)
+    return CaptureResult(gm, tracer.output_spec, concrete_args)
+
+
+def signature_of(model: torch.nn.Module) -> inspect.Signature:
+    """The signature users call the model with (``forward``'s, without self)."""
+    return inspect.signature(model.forward)
