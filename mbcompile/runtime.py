@@ -55,11 +55,20 @@ class _Loop:
     """One call's loop state, shared by the fused autograd function."""
 
     def __init__(self, body: fx.GraphModule, microbatches: list[tuple[Any, ...]],
-                 fused_index: int | None) -> None:
+                 fused_index: int | None, systems: Sequence[int]) -> None:
         self.body = body
         self.microbatches = microbatches
         self.fused_index = fused_index
+        self.systems = systems
         self.step_grads: list[torch.Tensor | None] | None = None
+
+    def where(self, index: int) -> tuple[int, int]:
+        """(system, microbatch within it) of the ``index``-th non-empty microbatch."""
+        for system, count in enumerate(self.systems):
+            if index < count:
+                return system, index
+            index -= count
+        return len(self.systems) - 1, index
 
     def run(self) -> list[tuple[Any, ...]]:
         return [_as_tuple(self.body(*mb)) for mb in self.microbatches]
@@ -77,9 +86,11 @@ class _Loop:
                     out = _as_tuple(self.body(*mb))
                     partial = out[self.fused_index]
                     if not bool(torch.isfinite(partial.detach()).all()):
+                        system, local = self.where(i)
                         raise MicrobatchError(
-                            f"the loss of microbatch {i} is {partial.item()} (not finite); "
-                            "the step was rolled back, parameters and gradients are unchanged")
+                            f"the loss of system {system}, microbatch {local} is "
+                            f"{partial.item()} (not finite); the step was rolled back: "
+                            "parameters and gradients are as they were before the call")
                     partial.backward()
                     results.append(tuple(_detach(o) for o in out))
             self.step_grads = [p.grad for p in params]
@@ -150,7 +161,7 @@ class _FusedStep(torch.autograd.Function):
 
 
 def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *,
-                    fused_index: int | None) -> list[tuple[Any, ...]]:
+                    fused_index: int | None, systems: Sequence[int]) -> list[tuple[Any, ...]]:
     """Run ``body`` on every microbatch; returns each microbatch's outputs.
 
     ``fused_index`` names the body output that is the loss's partial sum, when
@@ -158,7 +169,7 @@ def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *
     each microbatch's backward runs right after its forward.
     """
     params = [p for p in body.parameters() if p.requires_grad]
-    loop = _Loop(body, microbatches, fused_index)
+    loop = _Loop(body, microbatches, fused_index, systems)
     if (fused_index is None or not params or not torch.is_grad_enabled()
             or any(_requires_grad(mb) for mb in microbatches[:1])):
         return loop.run()

@@ -58,8 +58,9 @@ class OutputSpec:
             return self.type(*values) if _is_namedtuple(self.type) else self.type(values)
         if self.kind == "list":
             return self.type(values)
-        return self.type(**dict(zip(self.keys, values))) if self.kind == "dataclass" else (
-            self.type(zip(self.keys, values)))
+        if self.kind == "dataclass":
+            return self.type(**dict(zip(self.keys, values)))
+        return self.type(zip(self.keys, values))  # dict and its subclasses
 
 
 def _is_namedtuple(t: Any) -> bool:
@@ -129,7 +130,8 @@ def user_frame(tb: traceback.StackSummary | list[traceback.FrameSummary]) -> str
     return "<unknown source line>"
 
 
-def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = None) -> CaptureResult:
+def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = None
+            ) -> CaptureResult:
     """Trace ``model`` with ``torch.fx`` into a graph whose outputs are flat leaves.
 
     ``concrete_args`` fixes non-tensor arguments (fx inserts a check that later

@@ -12,7 +12,7 @@ After::
     def forward(self, x, y):
         microbatches = split(x, y, slices=((0, 2), (2, 4), ...), in_dims=(0, 0))
         body = self.body
-        loop = microbatch_loop(body, microbatches, fused_index=0)
+        loop = microbatch_loop(body, microbatches, fused_index=0, systems=(2, 2, 2))
         h = accumulate_cat(loop, 0, dim=0)
         cross_entropy_sum = accumulate_sum(loop, 1, systems=(2, 2, 2))
         cross_entropy_count = accumulate_sum(loop, 2, systems=(2, 2, 2))
@@ -106,7 +106,8 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
     mbs.name = "microbatches"
     body_ref = top.get_attr("body")
     loop = top.call_function(runtime.microbatch_loop, (body_ref, mbs),
-                             {"fused_index": _fused_index(reductions, slots)})
+                             {"fused_index": _fused_index(reductions, slots),
+                              "systems": tuple(systems)})
     loop.name = "loop"
     acc: list[fx.Node] = []
     for i, spec in enumerate(specs):

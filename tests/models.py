@@ -1,0 +1,462 @@
+"""The shared registry of test models.
+
+Every entry of ``MODELS`` is a ``Maker``: ``make(batch, seed=0)`` returns
+``(model, inputs)`` in float64, where ``inputs`` is the tuple for
+``model(*inputs)`` (batch dim 0 unless the entry says otherwise). The built-in
+models of ``mbcompile.models`` are re-exported with small widths; the others are
+test-only models that exercise one loss form or one output structure each.
+
+``FIRST_LAYER[name](model)`` is the first module to see the batch, for hooks that
+count the rows reaching it; ``WARNS_RETAINED`` lists the models that train
+without a single scalar loss inside (several losses, or no loss at all), which
+``compile`` runs with every microbatch's activations kept, with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mbcompile.models import CNN, MLP, TinyGPT, make_cnn, make_mlp, make_tiny_gpt, token_batch
+
+__all__ = [
+    "CNN",
+    "FIRST_LAYER",
+    "MLP",
+    "MODELS",
+    "WARNS_RETAINED",
+    "BatchNormNet",
+    "DataclassOutNet",
+    "DictOutNet",
+    "FlagNet",
+    "Maker",
+    "NamedTupleOutNet",
+    "Out",
+    "Pair",
+    "PerSampleNet",
+    "TensorOutNet",
+    "TimeMajorNet",
+    "TinyGPT",
+    "UnbatchedInputNet",
+    "make_cnn",
+    "make_mlp",
+    "make_tiny_gpt",
+    "token_batch",
+]
+
+DTYPE = torch.float64
+FEATURES, HIDDEN, CLASSES = 6, 16, 4
+
+Maker = Callable[..., tuple[nn.Module, tuple[Any, ...]]]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed + 1)
+
+
+def _features(batch: int, g: torch.Generator, features: int = FEATURES) -> torch.Tensor:
+    return torch.randn(batch, features, generator=g, dtype=DTYPE)
+
+
+def _classes(batch: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+class _Trunk(nn.Module):
+    """Linear -> tanh -> Linear: the shared body of the small test models."""
+
+    def __init__(self, out: int = CLASSES) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, HIDDEN)
+        self.out = nn.Linear(HIDDEN, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x)))
+
+
+# --------------------------------------------------------------------------- #
+# Loss forms
+# --------------------------------------------------------------------------- #
+
+
+class SumLossNet(nn.Module):
+    """Cross-entropy with reduction='sum' (a plain sum over the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+        self.loss = nn.CrossEntropyLoss(reduction="sum")
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.trunk(x)
+        return self.loss(logits, y), logits
+
+
+class MeanOutputNet(nn.Module):
+    """The loss is a mean over per-sample outputs: ``out.mean()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.trunk(x)).mean()
+
+
+class MaskedMeanLM(nn.Module):
+    """Token losses averaged by hand: ``(tok_loss * mask).sum() / mask.sum()``."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.emb(ids)))
+        tok_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0),
+                                   reduction="none")
+        mask = (labels.flatten() != -100).to(tok_loss.dtype)
+        return (tok_loss * mask).sum() / mask.sum()
+
+
+class TwoLossNet(nn.Module):
+    """Two heads, two losses: ``ce + 0.1 * mse``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, HIDDEN)
+        self.cls = nn.Linear(HIDDEN, CLASSES)
+        self.reg = nn.Linear(HIDDEN, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return F.cross_entropy(self.cls(h), y) + 0.1 * F.mse_loss(self.reg(h), target)
+
+
+class WeightedNLLNet(nn.Module):
+    """nll_loss with class weights and an ignore_index: the mean is Σ w[y] l / Σ w[y]."""
+
+    IGNORE = -1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+        self.register_buffer("class_weight",
+                             torch.linspace(0.5, 2.0, CLASSES, dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp = F.log_softmax(self.trunk(x), dim=-1)
+        return F.nll_loss(logp, y, weight=self.class_weight, ignore_index=self.IGNORE), logp
+
+
+class BCELogitsNet(nn.Module):
+    """Multi-label BCEWithLogitsLoss with a pos_weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk(out=3)
+        self.loss = nn.BCEWithLogitsLoss(pos_weight=torch.tensor([1.0, 2.0, 0.5], dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.trunk(x), y)
+
+
+class SmoothL1Net(nn.Module):
+    """Regression with F.smooth_l1_loss(beta=0.5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk(out=2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.smooth_l1_loss(self.trunk(x), y, beta=0.5)
+
+
+class KLDivNet(nn.Module):
+    """Distillation-style nn.KLDivLoss(reduction='batchmean')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+        self.loss = nn.KLDivLoss(reduction="batchmean")
+
+    def forward(self, x: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        return self.loss(F.log_softmax(self.trunk(x), dim=-1), teacher)
+
+
+class PerSampleNet(nn.Module):
+    """No loss inside: returns per-sample logits; training puts the loss outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trunk(x)
+
+
+class BatchNormNet(nn.Module):
+    """Linear -> BatchNorm1d -> Linear: per-sample in eval only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, HIDDEN)
+        self.bn = nn.BatchNorm1d(HIDDEN)
+        self.out = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.out(torch.relu(self.bn(self.inp(x))))
+        return F.cross_entropy(logits, y), logits
+
+
+# --------------------------------------------------------------------------- #
+# Output structures and argument forms
+# --------------------------------------------------------------------------- #
+
+
+class Pair(NamedTuple):
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+@dataclasses.dataclass
+class Out:
+    loss: torch.Tensor
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class TensorOutNet(nn.Module):
+    """Returns the loss tensor alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.trunk(x), y)
+
+
+class DictOutNet(nn.Module):
+    """Returns ``{"loss": ..., "logits": ..., "probs": ...}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.trunk(x)
+        return {"loss": F.cross_entropy(logits, y), "logits": logits,
+                "probs": logits.softmax(-1)}
+
+
+class DataclassOutNet(nn.Module):
+    """Returns a dataclass (the shape of a HuggingFace ``ModelOutput``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, HIDDEN)
+        self.out = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Out:
+        hidden = torch.tanh(self.inp(x))
+        logits = self.out(hidden)
+        return Out(loss=F.cross_entropy(logits, y), logits=logits, hidden=hidden)
+
+
+class NamedTupleOutNet(nn.Module):
+    """Returns a NamedTuple ``Pair(loss, logits)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Pair:
+        logits = self.trunk(x)
+        return Pair(F.cross_entropy(logits, y), logits)
+
+
+class FlagNet(nn.Module):
+    """Non-tensor arguments: ``double`` (a bool) and ``repeats`` (an int) shape the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, double: bool = False,
+                repeats: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.trunk(x)
+        for _ in range(repeats):
+            logits = logits + torch.tanh(logits)
+        if double:
+            logits = 2 * logits
+        return F.cross_entropy(logits, y), logits
+
+
+class UnbatchedInputNet(nn.Module):
+    """A second tensor input shared by all samples (``in_dims=(0, 0, None)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.trunk(x) + bias
+        return F.cross_entropy(logits, y), logits
+
+
+class TimeMajorNet(nn.Module):
+    """(T, B, F) inputs, batch dim 1 (``in_dims=1``): a per-step regression."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.out = nn.Linear(HIDDEN, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pred = self.out(torch.tanh(self.norm(self.inp(x))))
+        return F.mse_loss(pred, y), pred
+
+
+# --------------------------------------------------------------------------- #
+# Makers
+# --------------------------------------------------------------------------- #
+
+
+def _seeded(cls: type[nn.Module], seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return cls().to(DTYPE)
+
+
+def tiny_gpt(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    """TinyGPT (width 16, seq 8) on right-padded token labels (-100)."""
+    return make_tiny_gpt(batch, seed=seed, dtype=DTYPE, vocab=32, width=16, depth=2, heads=2,
+                         seq=8)
+
+
+def mlp(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    return make_mlp(batch, seed=seed, dtype=DTYPE)
+
+
+def cnn(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    """CNN with GroupNorm and CrossEntropyLoss(label_smoothing=0.1)."""
+    return make_cnn(batch, seed=seed, dtype=DTYPE)
+
+
+def _classifier(cls: type[nn.Module]) -> Maker:
+    def make(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+        g = _gen(seed)
+        return _seeded(cls, seed), (_features(batch, g), _classes(batch, g))
+
+    make.__name__ = cls.__name__
+    return make
+
+
+def weighted_nll(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    g = _gen(seed)
+    y = _classes(batch, g)
+    y[torch.rand(batch, generator=g) < 0.3] = WeightedNLLNet.IGNORE
+    y[0] = 1  # at least one counted target, whatever the seed
+    return _seeded(WeightedNLLNet, seed), (_features(batch, g), y)
+
+
+def bce_logits(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    g = _gen(seed)
+    return _seeded(BCELogitsNet, seed), (
+        _features(batch, g), torch.rand(batch, 3, generator=g, dtype=DTYPE))
+
+
+def smooth_l1(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    g = _gen(seed)
+    return _seeded(SmoothL1Net, seed), (
+        _features(batch, g), 2 * torch.randn(batch, 2, generator=g, dtype=DTYPE))
+
+
+def kl_div(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    g = _gen(seed)
+    teacher = torch.softmax(torch.randn(batch, CLASSES, generator=g, dtype=DTYPE), -1)
+    return _seeded(KLDivNet, seed), (_features(batch, g), teacher)
+
+
+def mean_output(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    return _seeded(MeanOutputNet, seed), (_features(batch, _gen(seed)),)
+
+
+def masked_mean(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    torch.manual_seed(seed)
+    model = MaskedMeanLM().to(DTYPE)
+    return model, token_batch(batch, 8, 32, seed=seed + 1)
+
+
+def two_losses(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    g = _gen(seed)
+    return _seeded(TwoLossNet, seed), (
+        _features(batch, g), _classes(batch, g), torch.randn(batch, 2, generator=g, dtype=DTYPE))
+
+
+def per_sample(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    return _seeded(PerSampleNet, seed), (_features(batch, _gen(seed)),)
+
+
+def time_major(batch: int, seed: int = 0, steps: int = 5) -> tuple[nn.Module, tuple[Any, ...]]:
+    g = _gen(seed)
+    return _seeded(TimeMajorNet, seed), (
+        torch.randn(steps, batch, FEATURES, generator=g, dtype=DTYPE),
+        torch.randn(steps, batch, 2, generator=g, dtype=DTYPE))
+
+
+def unbatched_input(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    g = _gen(seed)
+    return _seeded(UnbatchedInputNet, seed), (
+        _features(batch, g), _classes(batch, g),
+        torch.randn(CLASSES, generator=g, dtype=DTYPE))
+
+
+MODELS: dict[str, Maker] = {
+    "tiny_gpt": tiny_gpt,
+    "mlp": mlp,
+    "cnn": cnn,
+    "sum_loss": _classifier(SumLossNet),
+    "mean_output": mean_output,
+    "masked_mean": masked_mean,
+    "two_losses": two_losses,
+    "weighted_nll": weighted_nll,
+    "bce_logits": bce_logits,
+    "smooth_l1": smooth_l1,
+    "kl_div": kl_div,
+    "per_sample": per_sample,
+    "batch_norm": _classifier(BatchNormNet),
+    "tensor_out": _classifier(TensorOutNet),
+    "dict_out": _classifier(DictOutNet),
+    "dataclass_out": _classifier(DataclassOutNet),
+    "namedtuple_out": _classifier(NamedTupleOutNet),
+    "flag": _classifier(FlagNet),
+    "unbatched_input": unbatched_input,
+    "time_major": time_major,
+}
+
+#: The first module each model feeds the batch into (for row-counting hooks).
+FIRST_LAYER: dict[str, Callable[[Any], nn.Module]] = {
+    "tiny_gpt": lambda m: m.tok,
+    "mlp": lambda m: m.net[0],
+    "cnn": lambda m: m.features[0],
+    "sum_loss": lambda m: m.trunk.inp,
+    "mean_output": lambda m: m.trunk.inp,
+    "masked_mean": lambda m: m.emb,
+    "two_losses": lambda m: m.inp,
+    "weighted_nll": lambda m: m.trunk.inp,
+    "bce_logits": lambda m: m.trunk.inp,
+    "smooth_l1": lambda m: m.trunk.inp,
+    "kl_div": lambda m: m.trunk.inp,
+    "per_sample": lambda m: m.trunk.inp,
+}
+
+#: Models trained without one scalar loss inside: compile keeps all activations and warns.
+WARNS_RETAINED = frozenset({"two_losses", "per_sample"})
