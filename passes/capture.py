@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import re
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -120,14 +122,28 @@ class _FlatOutputTracer(fx.Tracer):
         return flat_fn, args
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # mbcompile.passes
+             os.path.dirname(os.path.abspath(__file__)))
+_FRAME = re.compile(r'  File "([^"]+)", line \d+, in [^\n]*\n(?:    [^\n]*\n?)?')
+
+
 def user_frame(tb: traceback.StackSummary | list[traceback.FrameSummary]) -> str:
-    """The innermost frame outside torch and mbcompile, as ``file:line: code``."""
+    """The innermost frame outside torch and mbcompile's passes, as ``file:line: code``."""
     for frame in reversed(list(tb)):
-        f = frame.filename
-        if "/torch/" in f or "/mbcompile/" in f or "/passes/" in f or f.startswith("<frozen"):
+        f = os.path.abspath(frame.filename)
+        if f.startswith((_TORCH_DIR, *_OWN_DIRS)) or f.startswith("<frozen"):
             continue
-        return f"{f}:{frame.lineno}: {(frame.line or '').strip()}"
+        return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return "<unknown source line>"
+
+
+def _user_stack(stack_trace: str) -> str:
+    """The recorded stack without torch's own frames (fx's printouts then show the user's line)."""
+    frames = [m.group(0) for m in _FRAME.finditer("  " + stack_trace.lstrip())]
+    kept = [f for f in frames if not os.path.abspath(_FRAME.match(f).group(1)).startswith(
+        _TORCH_DIR)]
+    return "".join(kept).rstrip("\n") if kept else stack_trace
 
 
 def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = None
@@ -170,6 +186,9 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
             "a non-tensor argument (it is then fixed at compile time), or pass an already "
             "captured torch.fx.GraphModule.") from exc
     assert tracer.output_spec is not None
+    for node in graph.nodes:
+        if node.stack_trace:
+            node.stack_trace = _user_stack(node.stack_trace)
     name = type(model).__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     return CaptureResult(gm, tracer.output_spec, concrete_args)
