@@ -173,10 +173,11 @@ class CompiledModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, plan: MicrobatchPlan, signature: inspect.Signature,
-                 inputs: _Inputs, example: Mapping[str, Any]) -> None:
+                 inputs: _Inputs, example: Mapping[str, Any], rank: int | None = None) -> None:
         super().__init__()
         self.module = model
         object.__setattr__(self, "plan", plan)
+        object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "_signature", signature)
         object.__setattr__(self, "_inputs", inputs)
         object.__setattr__(self, "_example", dict(example))
@@ -191,7 +192,8 @@ class CompiledModule(nn.Module):
     def _compiled(self) -> _Compiled:
         key = self._mode_key()
         if key not in self._cache:
-            self._cache[key] = _compile_graph(self.module, self.plan, self._inputs, self._example)
+            self._cache[key] = _compile_graph(self.module, self.plan, self._inputs, self._example,
+                                              self.rank)
         return self._cache[key]
 
     @property
@@ -221,7 +223,14 @@ class CompiledModule(nn.Module):
                     "non-tensor arguments are fixed when compiling: compile again with the "
                     "new value")
         batch = _batch_size(self._inputs, values)
-        if batch is not None and batch != self.plan.gbs:
+        if self.rank is not None:
+            local = self.plan.per_system_batch_sizes[self.rank]
+            if batch is not None and batch != local:
+                raise InputError(
+                    f"rank {self.rank} was called with {batch} samples but its share of "
+                    f"gbs={self.plan.gbs} is {local} (plan.per_system_batch_sizes[{self.rank}]); "
+                    "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank)")
+        elif batch is not None and batch != self.plan.gbs:
             raise InputError(
                 f"the batch has {batch} samples but the module was compiled for "
                 f"gbs={self.plan.gbs}; pass batches of {self.plan.gbs} samples, or compile "
@@ -259,7 +268,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
-                   example: Mapping[str, Any]) -> _Compiled:
+                   example: Mapping[str, Any], rank: int | None = None) -> _Compiled:
     captured = capture(model, inputs.concrete)
     gm = captured.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -275,31 +284,46 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
                            "from x.size(0)") from None
     facts = {p.target: _fact_for(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
     analyse_batch(gm, facts, plan.gbs)
-    slices = [s for system in plan.microbatch_slices for s in system if s[1] > s[0]]
-    systems = [sum(1 for s in system if s[1] > s[0]) for system in plan.microbatch_slices]
+    systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
+    offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
+    slices = [(a - offset, b - offset) for system in systems for a, b in system if b > a]
     rewritten = microbatch_rewrite(
-        gm, slices=slices, systems=systems,
-        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)})
+        gm, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
+        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)},
+        distributed=rank is not None)
     loop = next(n for n in rewritten.graph.nodes if n.target is runtime.microbatch_loop)
     return _Compiled(rewritten, gm, captured.output_spec, loop.kwargs["fused_index"] is not None)
 
 
+BACKENDS = ("simulated", "torch.distributed")
+
+
 def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
-            in_dims: Any = 0, system: Any = None) -> CompiledModule:
+            in_dims: Any = 0, system: Any = None, backend: str = "simulated") -> CompiledModule:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
     ``mbs`` is ``"auto"``, ``"none"`` (no split), an int, or ``"explore"``.
     ``example_inputs``/``example_kwargs`` are one example call (any batch size);
     ``in_dims`` gives the batch dim of the tensor inputs, vmap style: an int for
     all, a tuple per positional input, or a dict per keyword (None: unbatched).
+    ``backend`` is ``"simulated"`` (every system in this process, one after the
+    other) or ``"torch.distributed"`` (this process is rank r = system r of an
+    initialised process group of ``num_csx`` ranks, called with its own share).
     Raises ``MixingError`` when splitting the batch would change the result.
     """
     model = _check_module(model)
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     plan = make_plan(gbs, num_csx, mbs)
+    rank = None
+    if backend == "torch.distributed":
+        from mbcompile.distributed import check_world
+
+        rank = check_world(plan)
     sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
     try:
-        return CompiledModule(model, plan, sig, inputs, values)
+        return CompiledModule(model, plan, sig, inputs, values, rank)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name

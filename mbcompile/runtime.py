@@ -15,15 +15,17 @@ One step of ``gbs 10 over 3 systems, mbs 2`` (sizes ((2, 2), (2, 1), (2, 1))):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import InputError, MicrobatchError
+
+T = TypeVar("T")
 
 __all__ = ["BodyOutput", "accumulate_cat", "accumulate_sum", "microbatch_loop", "split"]
 
@@ -55,11 +57,12 @@ class _Loop:
     """One call's loop state, shared by the fused autograd function."""
 
     def __init__(self, body: fx.GraphModule, microbatches: list[tuple[Any, ...]],
-                 fused_index: int | None, systems: Sequence[int]) -> None:
+                 fused_index: int | None, systems: Sequence[int], distributed: bool) -> None:
         self.body = body
         self.microbatches = microbatches
         self.fused_index = fused_index
         self.systems = systems
+        self.distributed = distributed
         self.step_grads: list[torch.Tensor | None] | None = None
 
     def where(self, index: int) -> tuple[int, int]:
@@ -71,9 +74,26 @@ class _Loop:
         return len(self.systems) - 1, index
 
     def run(self) -> list[tuple[Any, ...]]:
-        return [_as_tuple(self.body(*mb)) for mb in self.microbatches]
+        return self._agreed(lambda: [_as_tuple(self.body(*mb)) for mb in self.microbatches])
+
+    def _agreed(self, fn: Callable[[], T]) -> T:
+        """Run the local loop; on real ranks, every rank learns if any rank failed."""
+        if not self.distributed:
+            return fn()
+        from mbcompile.distributed import step_status
+
+        try:
+            result = fn()
+        except Exception as exc:
+            step_status(exc)  # raises exc here, and an error on every other rank
+            raise
+        step_status(None)
+        return result
 
     def run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+        return self._agreed(lambda: self._run_fused(params))
+
+    def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         # Set the user's gradients aside so autograd's own accumulation builds this
         # step's gradient in fresh .grad slots; put them back whatever happens.
         saved = [p.grad for p in params]
@@ -149,6 +169,10 @@ class _FusedStep(torch.autograd.Function):
                 "backward through a compiled module's step ran twice; each call's gradients "
                 "are handed over once (retain_graph is not supported across its loop)")
         step, loop.step_grads = loop.step_grads, None
+        if loop.distributed:  # one bucketed all-reduce per step, never per microbatch
+            from mbcompile.distributed import all_reduce_gradients
+
+            all_reduce_gradients(step)
         if all(g is None for g in loss_grads):
             return (None, None) + (None,) * ctx.n_params
         g = next(x for x in loss_grads if x is not None)
@@ -161,7 +185,8 @@ class _FusedStep(torch.autograd.Function):
 
 
 def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *,
-                    fused_index: int | None, systems: Sequence[int]) -> list[tuple[Any, ...]]:
+                    fused_index: int | None, systems: Sequence[int], distributed: bool = False
+                    ) -> list[tuple[Any, ...]]:
     """Run ``body`` on every microbatch; returns each microbatch's outputs.
 
     ``fused_index`` names the body output that is the loss's partial sum, when
@@ -169,9 +194,16 @@ def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *
     each microbatch's backward runs right after its forward.
     """
     params = [p for p in body.parameters() if p.requires_grad]
-    loop = _Loop(body, microbatches, fused_index, systems)
-    if (fused_index is None or not params or not torch.is_grad_enabled()
-            or any(_requires_grad(mb) for mb in microbatches[:1])):
+    loop = _Loop(body, microbatches, fused_index, systems, distributed)
+    if not params or not torch.is_grad_enabled():
+        return loop.run()
+    if fused_index is None or any(_requires_grad(mb) for mb in microbatches[:1]):
+        if distributed:
+            raise InputError(
+                "training on torch.distributed needs the loss computed inside the model (one "
+                "scalar loss) and inputs that do not require grad: gradients are reduced once "
+                "per step from the per-microbatch backward. Return the loss from forward, or "
+                "wrap the model in DistributedDataParallel and use the simulated backend")
         return loop.run()
     flat = iter(_FusedStep.apply(loop, len(params), *params))
     return [tuple(next(flat) if is_t else c for is_t, c in zip(layout, consts))
@@ -203,23 +235,3 @@ def accumulate_sum(results: list[tuple[Any, ...]], index: int, systems: Sequence
     for t in totals[1:]:
         total = total + t
     return total
-
-
-def check_batch(inputs: Sequence[Any], in_dims: Sequence[Any], names: Sequence[str],
-                gbs: int) -> None:
-    """Raise ``InputError`` unless every batched input has ``gbs`` samples."""
-    for name, value, dims in zip(names, inputs, in_dims):
-        if dims is None:
-            continue
-        d = dims
-        for leaf in pytree.tree_leaves(value):
-            if isinstance(leaf, torch.Tensor):
-                if leaf.dim() <= d:
-                    raise InputError(
-                        f"input {name!r} has {leaf.dim()} dims but in_dims says its batch dim "
-                        f"is {d}; pass in_dims=None for unbatched inputs")
-                if leaf.shape[d] != gbs:
-                    raise InputError(
-                        f"input {name!r} has batch size {leaf.shape[d]} along dim {d}, but the "
-                        f"module was compiled for gbs={gbs}; pass batches of {gbs} samples, or "
-                        f"compile again with gbs={leaf.shape[d]}")

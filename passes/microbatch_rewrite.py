@@ -39,6 +39,7 @@ from typing import Any
 import torch.fx as fx
 
 from mbcompile import partials, runtime
+from mbcompile.distributed import all_reduce_sums
 
 from .facts import FACT, PARAMS, REDUCTION, SHAPES, Batched, BatchSize, ReductionSpec, ValueInfo
 
@@ -60,11 +61,14 @@ def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
 
 
 def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
-                       systems: Sequence[int], in_dims: Mapping[str, Any]) -> fx.GraphModule:
+                       systems: Sequence[int], in_dims: Mapping[str, Any],
+                       distributed: bool = False) -> fx.GraphModule:
     """Return the microbatched ``GraphModule`` (with the body as submodule ``body``).
 
-    ``slices`` are the non-empty microbatches' (start, stop) in global order,
-    ``systems`` how many of them each system runs; ``gm`` must be analysed.
+    ``slices`` are the non-empty microbatches' (start, stop) in the batch the
+    module is called with, ``systems`` how many of them each system runs; ``gm``
+    must be analysed. With ``distributed`` the call holds one rank's share and the
+    partial sums are all-reduced over ranks after the loop.
     """
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -107,8 +111,11 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
     body_ref = top.get_attr("body")
     loop = top.call_function(runtime.microbatch_loop, (body_ref, mbs),
                              {"fused_index": _fused_index(reductions, slots),
-                              "systems": tuple(systems)})
+                              "systems": tuple(systems), "distributed": distributed})
     loop.name = "loop"
+    names = {i: leaf.name for leaf in batched_leaves for i in slots[leaf]}
+    for n in reductions:
+        names.update(zip(slots[n], (f"{n.name}_sum", f"{n.name}_count")))
     acc: list[fx.Node] = []
     for i, spec in enumerate(specs):
         if spec.kind == "cat":
@@ -116,12 +123,18 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
         else:
             acc.append(top.call_function(runtime.accumulate_sum, (loop, i),
                                          {"systems": tuple(systems)}))
+        acc[-1].name = names[i]
+    sums = [i for i, s in enumerate(specs) if s.kind == "sum"]
+    if distributed and sums:  # one collective for every partial sum of the step
+        totals = top.call_function(all_reduce_sums, tuple(acc[i] for i in sums))
+        totals.name = "global_sums"
+        for k, i in enumerate(sums):
+            acc[i] = top.call_function(operator.getitem, (totals, k))
+            acc[i].name = f"global_{names[i]}"
     for n in reductions:
         spec: ReductionSpec = n.meta[REDUCTION]
         ids = slots[n]
-        acc[ids[0]].name = f"{n.name}_sum"
         if spec.kind == "mean":
-            acc[ids[1]].name = f"{n.name}_count"
             top_env[n] = top.call_function(partials.mean_combine, (acc[ids[0]], acc[ids[1]]))
             top_env[n].name = n.name
         else:
@@ -129,7 +142,7 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
         top_env[n].meta = dict(n.meta)
     for leaf in batched_leaves:
         top_env[leaf] = acc[slots[leaf][0]]
-        top_env[leaf].name, top_env[leaf].meta = leaf.name, dict(leaf.meta)
+        top_env[leaf].meta = dict(leaf.meta)
     stop = set(top_env)
     tail = _ancestors([x for x in leaves if isinstance(x, fx.Node)], stop) | {
         n for n in nodes if n.op not in ("placeholder", "output") and n.is_impure()

@@ -1,0 +1,201 @@
+"""Real multi-system runs on ``torch.distributed``: one rank per system.
+
+With ``compile(..., backend="torch.distributed")`` inside a process group of
+``num_csx`` ranks, rank ``r`` is system ``r`` and is called with its own share of
+the global batch (``plan.per_system_batch_sizes[r]`` samples; ``shard`` cuts it).
+Per step there are three kinds of collective, never one per microbatch:
+
+1. a status all-reduce after the local loop, so that a rank whose microbatch
+   raised ends the step with an error on *every* rank instead of a hang;
+2. one all-reduce of the packed partial sums (loss sums, token counts, ...) per
+   dtype, so denominators and the loss are global on every rank;
+3. the gradient all-reduce, bucketed like DDP's, when ``backward`` runs.
+
+Everything here is a no-op for the simulated backend, which sums systems in
+process (``runtime.accumulate_sum``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils import _pytree as pytree
+
+from mbcompile.errors import InputError, MicrobatchError
+from mbcompile.plan import MicrobatchPlan
+
+__all__ = [
+    "BUCKET_BYTES",
+    "PlanSampler",
+    "all_reduce_gradients",
+    "all_reduce_sums",
+    "check_world",
+    "gradient_buckets",
+    "launch",
+    "rank_slice",
+    "shard",
+    "step_status",
+]
+
+#: Gradient bucket size, DDP's default: big enough to amortise each call's latency.
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def check_world(plan: MicrobatchPlan) -> int:
+    """This process's rank; raises unless a process group of ``num_csx`` ranks is up."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError(
+            "backend='torch.distributed' needs an initialised process group: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets it up), or use "
+            "the default simulated backend")
+    world = dist.get_world_size()
+    if world != plan.num_csx:
+        raise InputError(
+            f"the process group has {world} ranks but num_csx={plan.num_csx}; each rank is one "
+            f"system: compile with num_csx={world} or launch {plan.num_csx} ranks")
+    return dist.get_rank()
+
+
+def rank_slice(plan: MicrobatchPlan, rank: int) -> slice:
+    """The samples of the global batch that system ``rank`` runs."""
+    start = sum(plan.per_system_batch_sizes[:rank])
+    return slice(start, start + plan.per_system_batch_sizes[rank])
+
+
+def shard(batch: Any, plan: MicrobatchPlan, rank: int, dim: int = 0) -> Any:
+    """Rank ``rank``'s share of a global batch (views along ``dim`` of every tensor)."""
+    s = rank_slice(plan, rank)
+    return pytree.tree_map(
+        lambda t: t.narrow(dim, s.start, s.stop - s.start) if isinstance(t, torch.Tensor) else t,
+        batch)
+
+
+class PlanSampler(torch.utils.data.Sampler[list[int]]):
+    """Batches of dataset indices for one rank: step k's global batch is
+    ``[k*gbs, (k+1)*gbs)`` (shuffled by ``seed`` if given) and this rank takes its
+    plan-sized share. Use as ``DataLoader(ds, batch_sampler=PlanSampler(...))``.
+    """
+
+    def __init__(self, length: int, plan: MicrobatchPlan, rank: int,
+                 seed: int | None = None) -> None:
+        self.length, self.plan, self.rank, self.seed = length, plan, rank, seed
+
+    def __len__(self) -> int:
+        return self.length // self.plan.gbs
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = list(range(self.length))
+        if self.seed is not None:
+            g = torch.Generator().manual_seed(self.seed)
+            order = torch.randperm(self.length, generator=g).tolist()
+        s = rank_slice(self.plan, self.rank)
+        for step in range(len(self)):
+            base = step * self.plan.gbs
+            yield order[base + s.start:base + s.stop]
+
+
+def step_status(error: BaseException | None) -> None:
+    """All ranks learn whether any rank's microbatches failed; all raise if one did."""
+    flag = torch.tensor([0 if error is None else 1 << dist.get_rank()], dtype=torch.int64)
+    dist.all_reduce(flag)
+    failed = [r for r in range(dist.get_world_size()) if int(flag) >> r & 1]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    raise MicrobatchError(
+        f"rank(s) {failed} failed in their microbatches; this rank ({dist.get_rank()}) stops "
+        "the step too, with parameters and gradients as they were")
+
+
+class _AllReduceSums(torch.autograd.Function):
+    """Sum each tensor over ranks; the gradient of the total passes to the local part."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for idx in by_dtype.values():  # one call per dtype: loss sums and counts together
+            flat = _flatten_dense_tensors([tensors[i].detach() for i in idx]).clone()
+            dist.all_reduce(flat)
+            for i, t in zip(idx, _unflatten_dense_tensors(flat, [tensors[i] for i in idx])):
+                out[i] = t
+        return tuple(out)  # type: ignore[arg-type]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return grads
+
+
+def all_reduce_sums(*values: Any) -> tuple[Any, ...]:
+    """Global totals of per-rank partial sums (Python ints become tensors)."""
+    tensors = [v if isinstance(v, torch.Tensor) else torch.tensor(v) for v in values]
+    return _AllReduceSums.apply(*tensors)
+
+
+def all_reduce_gradients(grads: Sequence[torch.Tensor | None],
+                         bucket_bytes: int | None = None) -> int:
+    """Sum gradients over ranks in place, in buckets; returns the number of calls made."""
+    present = [g for g in grads if g is not None]
+    calls = 0
+    for bucket in gradient_buckets(present, bucket_bytes or BUCKET_BYTES):
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat)
+        for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(reduced)
+        calls += 1
+    return calls
+
+
+def gradient_buckets(tensors: Sequence[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype grouped up to ``cap`` bytes (one all-reduce each)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > cap or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a local process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, fn: Callable[..., Any],
+            args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120.0) -> None:
+    """Run ``fn(rank, world, *args)`` on ``nproc`` local gloo ranks (CPU) and wait.
+
+    If a rank raises, the others are stopped and the error is raised here; a rank
+    stuck in a collective gives up after ``timeout_s``.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(nproc, free_port(), timeout_s, fn, args), nprocs=nproc, join=True)
