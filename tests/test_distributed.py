@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
+import dist_workers
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-import dist_workers
 from mbcompile import distributed as mbdist
 from mbcompile.check import relative_error
 from mbcompile.models import make_tiny_gpt
