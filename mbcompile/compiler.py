@@ -31,12 +31,14 @@ from mbcompile.errors import (
     MbcompileError,
     RetainedActivationsWarning,
 )
+from mbcompile.noise import NoiseScale
 from mbcompile.passes.batch_analysis import analyse_batch, mixing_error
 from mbcompile.passes.capture import OutputSpec, capture
 from mbcompile.passes.facts import Batched, Container, Fact, Free
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
 from mbcompile.plan import MicrobatchPlan, make_plan
+from mbcompile.runtime import NOISE_ATTR
 
 __all__ = ["CompiledModule", "compile"]
 
@@ -173,11 +175,13 @@ class CompiledModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, plan: MicrobatchPlan, signature: inspect.Signature,
-                 inputs: _Inputs, example: Mapping[str, Any], rank: int | None = None) -> None:
+                 inputs: _Inputs, example: Mapping[str, Any], rank: int | None = None,
+                 noise_scale: NoiseScale | None = None) -> None:
         super().__init__()
         self.module = model
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "noise_scale", noise_scale)
         object.__setattr__(self, "_signature", signature)
         object.__setattr__(self, "_inputs", inputs)
         object.__setattr__(self, "_example", dict(example))
@@ -194,6 +198,8 @@ class CompiledModule(nn.Module):
         if key not in self._cache:
             self._cache[key] = _compile_graph(self.module, self.plan, self._inputs, self._example,
                                               self.rank)
+            if self.noise_scale is not None:
+                setattr(self._cache[key].graph_module.body, NOISE_ATTR, self.noise_scale)
         return self._cache[key]
 
     @property
@@ -298,9 +304,19 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
 BACKENDS = ("simulated", "torch.distributed")
 
 
+def _noise_scale(option: bool | NoiseScale) -> NoiseScale | None:
+    if isinstance(option, NoiseScale):
+        return option
+    if not isinstance(option, bool):
+        raise ArgumentTypeError(f"measure_noise_scale must be a bool or a NoiseScale, got "
+                                f"{option!r}")
+    return NoiseScale() if option else None
+
+
 def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
-            in_dims: Any = 0, system: Any = None, backend: str = "simulated") -> CompiledModule:
+            in_dims: Any = 0, system: Any = None, backend: str = "simulated",
+            measure_noise_scale: bool | NoiseScale = False) -> CompiledModule:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
     ``mbs`` is ``"auto"``, ``"none"`` (no split), an int, or ``"explore"``.
@@ -310,6 +326,9 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     ``backend`` is ``"simulated"`` (every system in this process, one after the
     other) or ``"torch.distributed"`` (this process is rank r = system r of an
     initialised process group of ``num_csx`` ranks, called with its own share).
+    ``measure_noise_scale`` estimates the gradient noise scale every training step
+    from the microbatch gradients (``cm.noise_scale``, see ``mbcompile.noise``);
+    pass a ``NoiseScale(decay=...)`` to choose the smoothing.
     Raises ``MixingError`` when splitting the batch would change the result.
     """
     model = _check_module(model)
@@ -321,9 +340,13 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
         from mbcompile.distributed import check_world
 
         rank = check_world(plan)
+        if measure_noise_scale:
+            raise InputError("measure_noise_scale works with the simulated backend only so far; "
+                             "measure on one process, then train on ranks")
     sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
     try:
-        return CompiledModule(model, plan, sig, inputs, values, rank)
+        return CompiledModule(model, plan, sig, inputs, values, rank,
+                              _noise_scale(measure_noise_scale))
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name

@@ -24,8 +24,12 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import InputError, MicrobatchError
+from mbcompile.noise import NoiseScale, estimate_noise_scale
 
 T = TypeVar("T")
+
+#: Attribute of the body GraphModule holding a ``NoiseScale`` to update, if any.
+NOISE_ATTR = "mbcompile_noise_scale"
 
 __all__ = ["BodyOutput", "accumulate_cat", "accumulate_sum", "microbatch_loop", "split"]
 
@@ -57,12 +61,19 @@ class _Loop:
     """One call's loop state, shared by the fused autograd function."""
 
     def __init__(self, body: fx.GraphModule, microbatches: list[tuple[Any, ...]],
-                 fused_index: int | None, systems: Sequence[int], distributed: bool) -> None:
+                 fused_index: int | None, systems: Sequence[int], distributed: bool,
+                 count_index: int | None = None, sizes: Sequence[int] = ()) -> None:
         self.body = body
         self.microbatches = microbatches
         self.fused_index = fused_index
         self.systems = systems
         self.distributed = distributed
+        self.count_index = count_index
+        self.sizes = sizes
+        # the gradient-noise-scale measurement, when CompiledModule switched it on
+        self.noise: NoiseScale | None = getattr(body, NOISE_ATTR, None)
+        self.small_sq: list[float] = []
+        self.counts: list[float] = []
         self.step_grads: list[torch.Tensor | None] | None = None
 
     def where(self, index: int) -> tuple[int, int]:
@@ -99,6 +110,12 @@ class _Loop:
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
+        sq = torch.zeros((), dtype=torch.float64)
+
+        def add_square(g: torch.Tensor) -> None:  # returns None: the gradient is unchanged
+            sq.add_(g.detach().double().square().sum())
+
+        hooks = [p.register_hook(add_square) for p in params] if self.noise is not None else []
         try:
             results = []
             with torch.enable_grad():
@@ -112,9 +129,17 @@ class _Loop:
                             f"{partial.item()} (not finite); the step was rolled back: "
                             "parameters and gradients are as they were before the call")
                     partial.backward()
+                    if hooks:  # |g_m|^2 of this microbatch alone, taken before accumulation
+                        self.small_sq.append(float(sq))
+                        sq.zero_()
+                        count = out[self.count_index] if self.count_index is not None \
+                            else self.sizes[i]
+                        self.counts.append(float(count))
                     results.append(tuple(_detach(o) for o in out))
             self.step_grads = [p.grad for p in params]
         finally:
+            for h in hooks:
+                h.remove()
             for p, g in zip(params, saved):
                 p.grad = g
         return results
@@ -173,6 +198,8 @@ class _FusedStep(torch.autograd.Function):
             from mbcompile.distributed import all_reduce_gradients
 
             all_reduce_gradients(step)
+        if loop.noise is not None and any(g is not None for g in loss_grads):
+            _measure_noise(loop, step, next(g for g in loss_grads if g is not None))
         if all(g is None for g in loss_grads):
             return (None, None) + (None,) * ctx.n_params
         g = next(x for x in loss_grads if x is not None)
@@ -184,8 +211,23 @@ class _FusedStep(torch.autograd.Function):
         return (None, None, *step)
 
 
+def _measure_noise(loop: _Loop, step: Sequence[torch.Tensor | None], g: torch.Tensor) -> None:
+    """Update the noise-scale estimate from this step's microbatch and step gradients.
+
+    The squared norms were taken of the loss's partial sums; ``g * N`` is the
+    factor from those to the per-sample loss (``L = g * S`` with ``g = 1/N`` for a
+    plain mean), so tr(Σ) and |G|^2 come out in the loss's own units.
+    """
+    total = sum(loop.counts)
+    scale = (float(g) * total) ** 2
+    big = sum(float(s.detach().double().square().sum()) for s in step if s is not None)
+    loop.noise.update(estimate_noise_scale([q * scale for q in loop.small_sq], loop.counts,
+                                           big * scale, total))
+
+
 def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *,
-                    fused_index: int | None, systems: Sequence[int], distributed: bool = False
+                    fused_index: int | None, systems: Sequence[int], distributed: bool = False,
+                    count_index: int | None = None, sizes: Sequence[int] = ()
                     ) -> list[tuple[Any, ...]]:
     """Run ``body`` on every microbatch; returns each microbatch's outputs.
 
@@ -194,7 +236,7 @@ def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *
     each microbatch's backward runs right after its forward.
     """
     params = [p for p in body.parameters() if p.requires_grad]
-    loop = _Loop(body, microbatches, fused_index, systems, distributed)
+    loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes)
     if not params or not torch.is_grad_enabled():
         return loop.run()
     if fused_index is None or any(_requires_grad(mb) for mb in microbatches[:1]):

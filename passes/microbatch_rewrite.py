@@ -109,9 +109,13 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
                              "in_dims": tuple(in_dims.get(p.target) for p in placeholders)})
     mbs.name = "microbatches"
     body_ref = top.get_attr("body")
+    fused = _fused_index(reductions, slots)
+    count_index = next((ids[1] for ids in slots.values() if fused == ids[0] and len(ids) == 2),
+                       None)
     loop = top.call_function(runtime.microbatch_loop, (body_ref, mbs),
-                             {"fused_index": _fused_index(reductions, slots),
-                              "systems": tuple(systems), "distributed": distributed})
+                             {"fused_index": fused, "count_index": count_index,
+                              "systems": tuple(systems), "distributed": distributed,
+                              "sizes": tuple(b - a for a, b in slices)})
     loop.name = "loop"
     names = {i: leaf.name for leaf in batched_leaves for i in slots[leaf]}
     for n in reductions:

@@ -1,0 +1,112 @@
+"""The gradient noise scale from the microbatches themselves (McCandlish et al. 2018).
+
+Every microbatched step gives gradients at two batch sizes for free: each
+microbatch's (``B_small`` samples or tokens) and the whole step's (``B_big``). For
+a mean loss, ``E|G_B|^2 = |G|^2 + tr(Σ)/B``, so the two measured squared norms
+give unbiased estimates of both terms (appendix A of the paper)::
+
+    S_small = mean over microbatches of |g_m / n_m|^2      (a = mean of 1/n_m)
+    S_big   = |Σ_m g_m / N|^2                              (b = 1/N)
+    tr(Σ)   ≈ (S_small - S_big) / (a - b)
+    |G|^2   ≈ (a S_big - b S_small) / (a - b)
+    B_simple = tr(Σ) / |G|^2
+
+With uneven microbatches ``a`` is the mean of ``1/n_m``, which keeps the
+estimator unbiased. Single-step estimates are noisy, so numerator and
+denominator are smoothed separately with exponential moving averages, as the
+paper advises, before taking their ratio.
+
+The cost: one squared-norm reduction of each parameter's gradient per
+microbatch, taken by a tensor hook as autograd hands the gradient over (before
+it is accumulated), and one over the step's gradient: no extra gradient buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["NoiseScale", "NoiseScaleEstimate", "estimate_noise_scale"]
+
+
+@dataclass(frozen=True)
+class NoiseScaleEstimate:
+    """One step's unbiased estimates."""
+
+    trace_sigma: float  # tr(Σ): per-sample gradient variance, summed over parameters
+    grad_norm_sq: float  # |G|^2: squared norm of the true gradient
+    b_small: float  # the effective microbatch size, 1 / mean(1/n_m)
+    b_big: float  # the step's batch size N
+
+    @property
+    def b_simple(self) -> float:
+        return self.trace_sigma / self.grad_norm_sq if self.grad_norm_sq > 0 else math.inf
+
+
+def estimate_noise_scale(small_sq_norms: Sequence[float], small_sizes: Sequence[float],
+                         big_sq_norm: float, big_size: float) -> NoiseScaleEstimate | None:
+    """Estimates from per-microbatch ``|g_m|^2`` (of the *summed* loss) and ``|Σ g_m|^2``.
+
+    ``small_sizes`` are the microbatches' counts ``n_m`` (samples, or tokens for a
+    token-level loss) and ``big_size`` their total. Returns None with fewer than
+    two microbatches (no second batch size to compare with).
+    """
+    pairs = [(sq, n) for sq, n in zip(small_sq_norms, small_sizes) if n > 0]
+    if len(pairs) < 2 or big_size <= 0:
+        return None
+    s_small = sum(sq / n**2 for sq, n in pairs) / len(pairs)
+    a = sum(1 / n for _, n in pairs) / len(pairs)
+    b = 1 / big_size
+    s_big = big_sq_norm / big_size**2
+    if a <= b:
+        return None
+    trace = (s_small - s_big) / (a - b)
+    norm_sq = (a * s_big - b * s_small) / (a - b)
+    return NoiseScaleEstimate(trace, norm_sq, 1 / a, big_size)
+
+
+@dataclass
+class NoiseScale:
+    """Exponential moving averages of tr(Σ) and |G|^2, smoothed separately.
+
+    ``decay`` is the EMA weight of the past (0.9 ~ the last ten steps);
+    ``b_simple`` is the ratio of the bias-corrected averages.
+    """
+
+    decay: float = 0.9
+    steps: int = 0
+    _trace: float = 0.0
+    _norm: float = 0.0
+    history: list[NoiseScaleEstimate] = field(default_factory=list)
+
+    def update(self, estimate: NoiseScaleEstimate | None) -> None:
+        if estimate is None:
+            return
+        self.steps += 1
+        self._trace = self.decay * self._trace + (1 - self.decay) * estimate.trace_sigma
+        self._norm = self.decay * self._norm + (1 - self.decay) * estimate.grad_norm_sq
+        self.history.append(estimate)
+
+    @property
+    def trace_sigma(self) -> float:
+        return self._trace / (1 - self.decay**self.steps) if self.steps else math.nan
+
+    @property
+    def grad_norm_sq(self) -> float:
+        return self._norm / (1 - self.decay**self.steps) if self.steps else math.nan
+
+    @property
+    def b_simple(self) -> float:
+        """The smoothed simple noise scale, in the units of the counts (samples or tokens)."""
+        if not self.steps:
+            return math.nan
+        return self.trace_sigma / self.grad_norm_sq if self.grad_norm_sq > 0 else math.inf
+
+    def spread(self) -> tuple[float, float]:
+        """(low, high) quartiles of the per-step B_simple estimates (finite, positive ones)."""
+        values = sorted(e.b_simple for e in self.history
+                        if math.isfinite(e.b_simple) and e.b_simple > 0)
+        if not values:
+            return (math.nan, math.nan)
+        return values[len(values) // 4], values[(3 * len(values)) // 4]
