@@ -6,6 +6,8 @@ rewrites it into split -> microbatch loop -> accumulate, and runs it.
 """
 
 from mbcompile.compiler import CompiledModule, compile
+from mbcompile.config import ConfigError, load_config
+from mbcompile.draw import draw
 from mbcompile.errors import (
     ArgumentTypeError,
     CaptureError,
@@ -19,8 +21,11 @@ from mbcompile.errors import (
     RetainedActivationsWarning,
     UnsupportedOpError,
 )
+from mbcompile.flags import GlobalFlags, ScopedTrainFlags, ScopedValidateFlags
+from mbcompile.noise import NoiseScale
 from mbcompile.passes.batch_rules import register_batch_rule, trust_module
 from mbcompile.plan import MicrobatchPlan, make_plan
+from mbcompile.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -28,6 +33,8 @@ __all__ = [
     "ArgumentTypeError",
     "CaptureError",
     "CompiledModule",
+    "ConfigError",
+    "GlobalFlags",
     "InputError",
     "MbcompileError",
     "MbcompileWarning",
@@ -35,10 +42,16 @@ __all__ = [
     "MicrobatchError",
     "MicrobatchPlan",
     "MixingError",
+    "NoiseScale",
     "PlanError",
     "RetainedActivationsWarning",
+    "ScopedTrainFlags",
+    "ScopedValidateFlags",
+    "Trainer",
     "UnsupportedOpError",
     "compile",
+    "draw",
+    "load_config",
     "make_plan",
     "register_batch_rule",
     "trust_module",

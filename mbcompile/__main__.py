@@ -1,0 +1,8 @@
+"""``python -m mbcompile``: the same as the ``mbcompile`` command."""
+
+import sys
+
+from mbcompile.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""YAML configs: the examples load, every mistake is reported with file and line."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mbcompile import compiler
+from mbcompile.config import (
+    ConfigError,
+    build_callbacks,
+    build_data,
+    build_model,
+    build_optimizer,
+    load_config,
+)
+from mbcompile.flags import GlobalFlags, ScopedTrainFlags
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+def test_there_is_an_example_for_each_built_in_model():
+    assert {p.stem for p in EXAMPLE_FILES} >= {"tiny_gpt", "mlp", "cnn"}
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.stem)
+def test_examples_load_and_build(path):
+    cfg = load_config(path)
+    model = build_model(cfg)
+    batch = next(iter(build_data(cfg, "train")))
+    assert all(t.shape[0] == cfg.batch_size for t in batch)
+    loss, _ = model(*batch)
+    assert torch.isfinite(loss)
+    assert isinstance(build_optimizer(cfg, model), torch.optim.Optimizer)
+    assert build_callbacks(cfg)
+
+
+def test_the_tiny_gpt_example_reads_as_written():
+    cfg = load_config(EXAMPLES / "tiny_gpt.yaml")
+    assert (cfg.model, cfg.batch_size, cfg.num_csx, cfg.backend) == ("tiny_gpt", 16, 4,
+                                                                     "simulated")
+    assert cfg.model_kwargs["width"] == 32
+    assert cfg.optimizer == "AdamW" and cfg.optimizer_kwargs["lr"] == 3e-3  # a float, not '3.0e-3'
+    assert cfg.flags() == {"micro_batch_size": "auto"}  # the path key, read as the short one
+    assert cfg.flags("train") == {"micro_batch_size": 2}
+    assert cfg.flags("validate") == {"micro_batch_size": 4}
+    assert (cfg.max_steps, cfg.val_steps, cfg.val_every) == (20, 2, 10)
+    assert cfg.output_dir.endswith("tiny_gpt")
+
+
+def test_yaml_1_2_floats_and_nested_flag_paths(tmp_path):
+    cfg = load_config(write(tmp_path, """
+        model: mlp
+        batch_size: 8
+        num_csx: 2
+        optimizer: {name: SGD, lr: 1e-2}
+        callbacks:
+          - GlobalFlags:
+              csx:
+                performance:
+                  micro_batch_size: 2
+          - ScopedTrainFlags
+    """))
+    assert cfg.optimizer_kwargs == {"lr": 0.01}
+    assert cfg.flags("train") == {"micro_batch_size": 2}
+    callbacks = build_callbacks(cfg, mbs="none")  # --mbs overrides every MBS flag
+    assert isinstance(callbacks[0], GlobalFlags) and callbacks[0].flags == {
+        "micro_batch_size": "none"}
+    assert isinstance(callbacks[-1], ScopedTrainFlags) and callbacks[-1].flags == {}
+
+
+# (file text, line of the error, words it must contain)
+BAD = {
+    "wrong type": ("model: mlp\nbatch_size: '8'\n", 2, "batch_size: must be an int, got string"),
+    "missing key": ("model: mlp\nnum_csx: 2\n", 1, "missing required key 'batch_size'"),
+    "missing name": ("model:\n  kwargs: {}\nbatch_size: 8\n", 1, "missing required key 'name'"),
+    "unknown key": ("model: mlp\nbatch_size: 8\nnum_cxs: 2\n", 3,
+                    "unknown key 'num_cxs' (did you mean 'num_csx'?)"),
+    "unknown nested key": ("model: mlp\nbatch_size: 8\nfit:\n  max_step: 2\n", 4,
+                           "did you mean 'max_steps'?"),
+    "bad value": ("model: mlp\nbatch_size: 8\nfit:\n  max_steps: 0\n", 4, "at least 1"),
+    "unknown model": ("model: tiny_gtp\nbatch_size: 8\n", 1, "did you mean 'tiny_gpt'?"),
+    "model kwarg": ("model:\n  name: mlp\n  kwargs:\n    hiden: 4\nbatch_size: 8\n", 4,
+                    "MLP has no argument 'hiden' (did you mean 'hidden'?)"),
+    "import path": ("model: no_such_pkg.mod:Net\nbatch_size: 8\n", 1,
+                    "cannot import 'no_such_pkg.mod:Net'"),
+    "unknown callback": ("model: mlp\nbatch_size: 8\ncallbacks:\n  - GlobalFlag: {}\n", 4,
+                         "did you mean 'GlobalFlags'?"),
+    "unknown flag": ("model: mlp\nbatch_size: 8\ncallbacks:\n  - ScopedTrainFlags:\n"
+                     "      csx.performance.micro_batch_sise: 2\n", 5,
+                     "did you mean 'csx.performance.micro_batch_size'?"),
+    "flag value": ("model: mlp\nbatch_size: 8\ncallbacks:\n  - GlobalFlags:\n"
+                   "      micro_batch_size: atuo\n", 5, "unknown mbs 'atuo'"),
+    "mbs above pbs": ("model: mlp\nbatch_size: 8\nnum_csx: 2\ncallbacks:\n  - GlobalFlags:\n"
+                      "      micro_batch_size: 5\n", 6, "at most the per-system batch size 4"),
+    "optimizer": ("model: mlp\nbatch_size: 8\noptimizer: {name: Adamw}\n", 3,
+                  "did you mean 'AdamW'?"),
+    "optimizer kwarg": ("model: mlp\nbatch_size: 8\noptimizer:\n  name: AdamW\n"
+                        "  momentum: 0.9\n", 5, "AdamW has no argument 'momentum'"),
+    "backend": ("model: mlp\nbatch_size: 8\nbackend: simulate\n", 3,
+                "did you mean 'simulated'?"),
+    "duplicate key": ("model: mlp\nbatch_size: 8\nbatch_size: 9\n", 3, "appears twice"),
+    "yaml syntax": ("model: mlp\nbatch_size: [8\n", 3, "not valid YAML"),
+    "empty": ("", 1, "the file is empty"),
+    "not a mapping": ("- model\n", 1, "must be a mapping"),
+    "gbs < num_csx": ("model: mlp\nbatch_size: 2\nnum_csx: 4\n", 2, "smaller than num_csx=4"),
+    "both only": ("model: mlp\nbatch_size: 8\ncompile_only: true\nvalidate_only: true\n", 4,
+                  "both true"),
+    "synthetic for own model": ("model: collections:OrderedDict\nbatch_size: 8\n", 1,
+                                "synthetic data is built in only for the example models"),
+    "data source": ("model: mlp\nbatch_size: 8\ndata: {source: synthetc}\n", 3,
+                    "did you mean 'synthetic'?"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_mistakes_name_the_file_and_line(tmp_path, name):
+    text, line, words = BAD[name]
+    path = write(tmp_path, text, "bad.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:{line}: "), message
+    assert words in message
+    assert info.value.line == line and info.value.file == str(path)
+
+
+def test_a_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_only_flags_need_the_compile_options(tmp_path):
+    params = inspect.signature(compiler.compile).parameters
+    path = write(tmp_path, "model: mlp\nbatch_size: 8\ncompile_only: true\n")
+    if "compile_only" in params:
+        assert load_config(path).compile_only
+    else:  # until the cost-model issue lands, the key is refused at its line
+        with pytest.raises(ConfigError, match=r"run.yaml:3: compile_only: .*does not have"):
+            load_config(path)
+
+
+USER_MODULE = '''
+import torch
+import torch.nn as nn
+
+
+class Net(nn.Module):
+    def __init__(self, features, classes=3):
+        super().__init__()
+        self.l = nn.Linear(features, classes)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.l(x), y)
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, n, features):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, features, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def dataset(split, features, n=20):
+    return Pairs(n if split == "train" else 10, features)
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    name = f"user_models_{abs(hash(tmp_path)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_import_path_model_and_dataset_factory(tmp_path, user_module):
+    cfg = load_config(write(tmp_path, f"""
+        model:
+          name: {user_module}:Net
+          kwargs: {{features: 4}}
+        data:
+          source: {user_module}:dataset
+          kwargs: {{features: 4}}
+        batch_size: 6
+        num_csx: 2
+    """))
+    model = build_model(cfg)
+    batches = list(build_data(cfg, "train"))
+    assert len(batches) == 3  # 20 samples in batches of 6, the last partial one dropped
+    assert all(x.shape == (6, 4) and y.shape == (6,) for x, y in batches)
+    assert torch.isfinite(model(*batches[0]))
+    assert len(list(build_data(cfg, "validate"))) == 1
+
+
+def test_import_path_kwargs_are_checked_against_the_signature(tmp_path, user_module):
+    with pytest.raises(ConfigError, match=r"run.yaml:2: .*needs the argument\(s\) features"):
+        load_config(write(tmp_path, f"""
+            model:
+              name: {user_module}:Net
+            data: {user_module}:dataset
+            batch_size: 6
+        """))
+    with pytest.raises(ConfigError, match=r"run.yaml:5: data.kwargs.split: 'split' is set by "
+                                          r"mbcompile"):
+        load_config(write(tmp_path, f"""
+            model: {{name: {user_module}:Net, kwargs: {{features: 4}}}}
+            data:
+              source: {user_module}:dataset
+              kwargs:
+                split: train
+                features: 4
+            batch_size: 6
+        """))

@@ -1,0 +1,174 @@
+"""Trainer: scoped MBS per phase, restore after a failing phase, compile once per phase,
+exact steps, per-step logs."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from mbcompile import compiler
+from mbcompile.errors import ArgumentTypeError
+from mbcompile.flags import Callback, GlobalFlags, ScopedTrainFlags, ScopedValidateFlags
+from mbcompile.models import make_mlp
+from mbcompile.trainer import Trainer, TrainerError, batch_args, loss_of
+
+GBS, NUM_CSX = 12, 2  # pbs 6: supported MBS 1, 2, 3, 6
+
+
+def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(GBS, 8, generator=g, dtype=torch.float64),
+             torch.randn(GBS, 3, generator=g, dtype=torch.float64)) for _ in range(n)]
+
+
+class Recorder(Callback):
+    """Records the MBS flag the trainer sees at each step, and phase boundaries."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, object]] = []
+
+    def on_train_step_end(self, trainer, row):
+        self.seen.append(("train", trainer.flags.micro_batch_size))
+
+    def on_validate_step_end(self, trainer, row):
+        self.seen.append(("validate", trainer.flags.micro_batch_size))
+
+
+def make_trainer(*callbacks, model=None, **kwargs):
+    if model is None:
+        model, _ = make_mlp(GBS, dtype=torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs.setdefault("console", Console(file=io.StringIO()))
+    return Trainer(model, opt, gbs=GBS, num_csx=NUM_CSX, callbacks=list(callbacks), **kwargs)
+
+
+def test_each_phase_runs_with_its_own_mbs_and_globals_come_back():
+    rec = Recorder()
+    trainer = make_trainer(GlobalFlags(micro_batch_size=6), ScopedTrainFlags(micro_batch_size=2),
+                           ScopedValidateFlags(**{"csx.performance.micro_batch_size": 3}), rec)
+    assert trainer.flags.micro_batch_size == 6
+    rows = trainer.fit(batches(3), batches(2, seed=1), max_steps=4, val_every=2, val_steps=1)
+    # validation in the middle (step 2) and at the end; train flags never leak into it
+    assert rec.seen == [("train", 2), ("train", 2), ("validate", 3), ("train", 2), ("train", 2),
+                        ("validate", 3)]
+    assert [(r["phase"], r["mbs"]) for r in rows] == [
+        ("train", 2), ("train", 2), ("validate", 3), ("train", 2), ("train", 2), ("validate", 3)]
+    assert trainer.flags.micro_batch_size == 6 and trainer.flags.depth == 0
+    summary = trainer.validate(batches(1, seed=2))  # standalone: the validation scope again
+    assert summary["mbs"] == 3 and summary["steps"] == 1
+    assert trainer.flags.micro_batch_size == 6
+
+
+def test_flags_and_modes_are_restored_when_a_phase_raises():
+    class Boom(Callback):
+        def on_train_step_end(self, trainer, row):
+            if row["step"] == 2:
+                raise RuntimeError("boom")
+
+    trainer = make_trainer(GlobalFlags(micro_batch_size=6), ScopedTrainFlags(micro_batch_size=2),
+                           Boom())
+    trainer.model.eval()
+    before = trainer.flags.snapshot()
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(batches(3), max_steps=3)
+    assert trainer.flags.snapshot() == before == {"micro_batch_size": 6}
+    assert trainer.flags.depth == 0
+    assert not trainer.model.training  # the user's mode is back
+    assert trainer._live is None  # the progress display is closed
+
+    def broken_data():
+        yield batches(1)[0]
+        raise ValueError("reader failed")
+
+    with pytest.raises(ValueError, match="reader failed"):
+        trainer.validate(broken_data())
+    assert trainer.flags.snapshot() == before and trainer.flags.depth == 0
+
+
+def test_each_phase_compiles_once_and_reuses(monkeypatch):
+    calls = []
+    real = compiler.compile
+
+    def counting(*args, **kwargs):
+        calls.append(args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "compile", counting)
+    trainer = make_trainer(ScopedTrainFlags(micro_batch_size=2),
+                           ScopedValidateFlags(micro_batch_size=3))
+    trainer.fit(batches(2), batches(1), max_steps=4, val_every=1, val_steps=1)
+    trainer.fit(batches(2), batches(1), max_steps=2, val_steps=1)
+    assert calls == [2, 3]  # one compile per phase, across steps and fits
+    assert sorted(k[0] for k in trainer.compiled) == ["train", "validate"]
+
+
+def test_a_step_equals_a_full_batch_sgd_step():
+    model, _ = make_mlp(GBS, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    data = batches(1)
+    trainer = make_trainer(GlobalFlags(micro_batch_size=2), model=model, progress=False)
+    (row,) = trainer.fit(data, max_steps=1)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    loss, _ = reference(*data[0])
+    loss.backward()
+    opt.step()
+    assert row["loss"] == pytest.approx(loss.item(), rel=1e-12)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_rows_go_to_csv_jsonl_and_the_terminal(tmp_path):
+    out = io.StringIO()
+    trainer = make_trainer(GlobalFlags(micro_batch_size=3), log_dir=tmp_path / "run",
+                           metrics={"pred_mean": lambda output, batch: output[1].mean()},
+                           console=Console(file=out, width=200), log_every=2)
+    trainer.fit(batches(2), batches(1), max_steps=3, val_steps=1)
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["phase"] for r in rows] == ["train"] * 3 + ["validate"]
+    assert [r["step"] for r in rows] == ["1", "2", "3", "1"]
+    assert all(float(r["loss"]) > 0 and r["mbs"] == "3" for r in rows)
+    assert rows[0]["lr"] == "0.1" and rows[-1]["lr"] == ""
+    assert "pred_mean" in rows[0]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["global_step"] for line in lines] == [1, 2, 3, 3]
+    text = out.getvalue()
+    assert "train step 2/3: loss" in text and "train step 3/3" in text
+    assert "train step 1/3" not in text  # log_every=2; the last step is always shown
+    assert "validate: mean loss" in text
+
+
+def test_loss_and_batch_forms():
+    loss = torch.tensor(1.5, requires_grad=True)
+    for output in (loss, (loss, torch.ones(3)), {"loss": loss, "x": 1}):
+        assert loss_of(output) is loss
+    with pytest.raises(TrainerError, match="no scalar loss"):
+        loss_of(torch.ones(3))
+    x = torch.ones(2)
+    assert batch_args(x) == ((x,), {})
+    assert batch_args({"x": x}) == ((), {"x": x})
+    assert batch_args([x, x]) == ((x, x), {})
+    with pytest.raises(TrainerError, match="a batch must be"):
+        batch_args(3)
+
+
+def test_bad_arguments_fail_before_anything_runs():
+    model, _ = make_mlp(GBS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ArgumentTypeError, match="torch.optim.Optimizer"):
+        Trainer(model, "sgd", gbs=GBS, num_csx=NUM_CSX)
+    with pytest.raises(ArgumentTypeError, match="callbacks must be"):
+        Trainer(model, opt, gbs=GBS, num_csx=NUM_CSX, callbacks=[{"micro_batch_size": 2}])
+    with pytest.raises(TrainerError, match="no 'frobnicate' option"):
+        Trainer(model, opt, gbs=GBS, num_csx=NUM_CSX, compile_options={"frobnicate": 1})
+    trainer = make_trainer()
+    with pytest.raises(TrainerError, match="yielded no batches"):
+        trainer.fit([], max_steps=2)
+    with pytest.raises(TrainerError, match="max_steps must be at least 1"):
+        trainer.fit(batches(1), max_steps=0)
