@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "Train the configured model, validating as `fit:` says; logs every "
                          "step to the terminal and to metrics.csv and metrics.jsonl. With "
                          "compile_only or validate_only in the config it only compiles.")
+    fit.add_argument("--nproc", type=_positive, default=None, metavar="N",
+                     help="launch N CPU ranks (gloo on 127.0.0.1), one per system: the "
+                          "config's num_csx must be N")
     fit.add_argument("--max-steps", type=_positive, default=None,
                      help="override fit.max_steps")
     fit.set_defaults(run=run_fit)
@@ -386,21 +389,67 @@ def run_fit(args: argparse.Namespace) -> int:
              "compiling only, no training")
         return compile_config(cfg, out, mbs=args.mbs, compile_only=cfg.compile_only,
                               validate_only=cfg.validate_only)
-    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(out), console=Console(soft_wrap=True))
+    if getattr(args, "nproc", None):
+        if args.nproc != cfg.num_csx:
+            raise CommandError(f"--nproc {args.nproc} launches one rank per system, but "
+                               f"{cfg.file} has num_csx {cfg.num_csx}: make them equal")
+        from mbcompile.distributed import launch
+
+        _out(f"launching {args.nproc} CPU ranks (gloo on 127.0.0.1), one per system")
+        launch(_fit_rank, args.nproc, args)
+        return EXIT_OK
+    if cfg.backend == "torch.distributed":
+        _init_from_environment()
+    rank = _rank()
+    return _fit(cfg, args, out if not rank else out / f"rank{rank}", quiet=bool(rank))
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _init_from_environment() -> None:
+    """Join the process group torchrun describes in the environment, if not joined yet."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise CommandError("backend torch.distributed needs ranks: run with --nproc N, or "
+                               "launch with torchrun --nproc-per-node N -m mbcompile fit ...")
+        dist.init_process_group("gloo")
+
+
+def _fit_rank(rank: int, world: int, args: argparse.Namespace) -> None:
+    """One rank of ``fit --nproc``: the config's run on the torch.distributed backend."""
+    import dataclasses
+
+    cfg = dataclasses.replace(load_config(args.config), backend="torch.distributed")
+    out = Path(args.out or cfg.output_dir)
+    _fit(cfg, args, out if rank == 0 else out / f"rank{rank}", quiet=rank != 0)
+
+
+def _fit(cfg: Config, args: argparse.Namespace, out: Path, quiet: bool = False) -> int:
+    say = (lambda *_: None) if quiet else _out
+    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(out), progress=not quiet,
+                            console=Console(soft_wrap=True, quiet=quiet))
     train = build_data(cfg, "train")
     val = build_data(cfg, "validate") if cfg.val_steps else None
     steps = args.max_steps or cfg.max_steps
-    _out(f"fit: {cfg.model}, gbs {cfg.batch_size} over {cfg.num_csx} "
-         f"system{'s' if cfg.num_csx != 1 else ''}, {steps} steps, "
-         f"flags: train {cfg.flags('train')}, validate {cfg.flags('validate')}")
+    say(f"fit: {cfg.model}, gbs {cfg.batch_size} over {cfg.num_csx} "
+        f"system{'s' if cfg.num_csx != 1 else ''}, {steps} steps, "
+        f"flags: train {cfg.flags('train')}, validate {cfg.flags('validate')}")
     rows = trainer.fit(train, val, max_steps=steps, val_steps=cfg.val_steps or None,
                        val_every=cfg.val_every)
     train_rows = [r for r in rows if r["phase"] == "train"]
     val_rows = [r for r in rows if r["phase"] == "validate"]
-    _out(f"trained {len(train_rows)} steps: loss {train_rows[0]['loss']:.4f} -> "
-         f"{train_rows[-1]['loss']:.4f}" + (f"; last validation loss {val_rows[-1]['loss']:.4f}"
-                                             if val_rows else ""))
-    _out(f"metrics: {out / 'metrics.csv'} and {out / 'metrics.jsonl'}")
+    say(f"trained {len(train_rows)} steps: loss {train_rows[0]['loss']:.4f} -> "
+        f"{train_rows[-1]['loss']:.4f}" + (f"; last validation loss {val_rows[-1]['loss']:.4f}"
+                                            if val_rows else ""))
+    say(f"metrics: {out / 'metrics.csv'} and {out / 'metrics.jsonl'}")
     return EXIT_OK
 
 

@@ -83,6 +83,20 @@ def test_fit_two_steps(tmp_path, example):
     assert (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_fit_on_cpu_ranks_matches_one_process(tmp_path):
+    # mlp.yaml: gbs 20 over 3 systems (7, 7, 6); three gloo ranks must train the same model.
+    one = run("fit", str(EXAMPLES / "mlp.yaml"), "--max-steps", "2", "--out", "one",
+              cwd=tmp_path)
+    ranks = run("fit", str(EXAMPLES / "mlp.yaml"), "--max-steps", "2", "--nproc", "3",
+                "--out", "ranks", cwd=tmp_path, timeout=240)
+    assert one.returncode == 0 and ranks.returncode == 0, ranks.stderr
+    trained = [line for line in ranks.stdout.splitlines() if line.startswith("trained")]
+    assert trained == [line for line in one.stdout.splitlines() if line.startswith("trained")]
+    assert (tmp_path / "ranks" / "rank2" / "metrics.csv").exists()
+    wrong = run("fit", str(EXAMPLES / "mlp.yaml"), "--nproc", "2", cwd=tmp_path)
+    assert wrong.returncode == 1 and "num_csx 3" in wrong.stderr
+
+
 @pytest.mark.skipif(not HAS_VALIDATE_ONLY, reason="needs compile(validate_only=...) from the "
                                                   "cost-model issue")
 def test_validate_only(tmp_path):
