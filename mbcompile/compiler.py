@@ -29,6 +29,7 @@ from mbcompile.errors import (
     CaptureError,
     InputError,
     MbcompileError,
+    MixingError,
     RetainedActivationsWarning,
 )
 from mbcompile.noise import NoiseScale
@@ -57,7 +58,7 @@ class _Compiled:
     graph_module: fx.GraphModule
     original_graph_module: fx.GraphModule
     output_spec: OutputSpec
-    fused: bool
+    retains_activations: bool  # training keeps several microbatches' activations alive
 
 
 def _check_module(model: Any) -> nn.Module:
@@ -241,7 +242,7 @@ class CompiledModule(nn.Module):
                 f"the batch has {batch} samples but the module was compiled for "
                 f"gbs={self.plan.gbs}; pass batches of {self.plan.gbs} samples, or compile "
                 f"again with gbs={batch}")
-        if (not compiled.fused and torch.is_grad_enabled() and not self._warned
+        if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned
                 and any(p.requires_grad for p in self.module.parameters())):
             object.__setattr__(self, "_warned", True)
             warnings.warn(
@@ -289,7 +290,14 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
                            "keep shapes independent of tensor values and derive batch sizes "
                            "from x.size(0)") from None
     facts = {p.target: _fact_for(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
-    analyse_batch(gm, facts, plan.gbs)
+    try:
+        analyse_batch(gm, facts, plan.gbs)
+    except MixingError:
+        if plan.num_nonempty_microbatches > 1:
+            raise
+        # one system, one microbatch (mbs="none"): nothing is split, so nothing can mix;
+        # the captured graph runs as it is
+        return _Compiled(gm, gm, captured.output_spec, False)
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
     slices = [(a - offset, b - offset) for system in systems for a, b in system if b > a]
@@ -298,7 +306,8 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
         in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)},
         distributed=rank is not None)
     loop = next(n for n in rewritten.graph.nodes if n.target is runtime.microbatch_loop)
-    return _Compiled(rewritten, gm, captured.output_spec, loop.kwargs["fused_index"] is not None)
+    return _Compiled(rewritten, gm, captured.output_spec,
+                     loop.kwargs["fused_index"] is None and plan.num_nonempty_microbatches > 1)
 
 
 BACKENDS = ("simulated", "torch.distributed")

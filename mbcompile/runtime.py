@@ -74,6 +74,7 @@ class _Loop:
         self.noise: NoiseScale | None = getattr(body, NOISE_ATTR, None)
         self.small_sq: list[float] = []
         self.counts: list[float] = []
+        self.no_grad_outputs: list[bool] = []
         self.step_grads: list[torch.Tensor | None] | None = None
 
     def where(self, index: int) -> tuple[int, int]:
@@ -135,6 +136,9 @@ class _Loop:
                         count = out[self.count_index] if self.count_index is not None \
                             else self.sizes[i]
                         self.counts.append(float(count))
+                    if i == 0:  # outputs autograd never reaches (counts) get no gradient
+                        self.no_grad_outputs = [isinstance(o, torch.Tensor) and not o.requires_grad
+                                                for o in out]
                     results.append(tuple(_detach(o) for o in out))
             self.step_grads = [p.grad for p in params]
         finally:
@@ -170,6 +174,8 @@ class _FusedStep(torch.autograd.Function):
         flat = [o for out in results for o in out if isinstance(o, torch.Tensor)]
         loop.layout = [[isinstance(o, torch.Tensor) for o in out] for out in results]
         loop.constants = [[o for o in out] for out in results]
+        ctx.mark_non_differentiable(*(o for out in results for o, skip in
+                                      zip(out, loop.no_grad_outputs) if skip))
         return tuple(flat)
 
     @staticmethod

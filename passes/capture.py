@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from mbcompile import errors as errors_module
 from mbcompile.errors import CaptureError
 
 __all__ = ["CaptureResult", "OutputSpec", "capture", "user_frame"]
@@ -111,6 +112,13 @@ class _FlatOutputTracer(fx.Tracer):
         self.record_stack_traces = True
         self.output_spec: OutputSpec | None = None
 
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        # modules the user trusts as per-sample (mbcompile.trust_module) stay single nodes
+        from .batch_rules import TRUSTED_MODULES
+
+        return isinstance(m, tuple(TRUSTED_MODULES)) or super().is_leaf_module(
+            m, module_qualified_name)
+
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
         fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
 
@@ -122,9 +130,11 @@ class _FlatOutputTracer(fx.Tracer):
         return flat_fn, args
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # mbcompile.passes
-             os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# mbcompile's own code: this folder (passes/) and the package's (mbcompile/); frames there
+# are never the user's line
+_OWN_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             os.path.dirname(os.path.abspath(errors_module.__file__)) + os.sep)
 _FRAME = re.compile(r'  File "([^"]+)", line \d+, in [^\n]*\n(?:    [^\n]*\n?)?')
 
 

@@ -104,43 +104,37 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
     # 2. The top graph: split -> loop -> accumulate -> tail.
     top = fx.Graph()
     top_env: dict[fx.Node, fx.Node] = {p: top.node_copy(p) for p in placeholders}
-    mbs = top.call_function(runtime.split, tuple(top_env[p] for p in placeholders),
-                            {"slices": tuple(slices),
-                             "in_dims": tuple(in_dims.get(p.target) for p in placeholders)})
-    mbs.name = "microbatches"
+    mbs = _call(top, runtime.split, tuple(top_env[p] for p in placeholders),
+                {"slices": tuple(slices),
+                 "in_dims": tuple(in_dims.get(p.target) for p in placeholders)}, "microbatches")
     body_ref = top.get_attr("body")
     fused = _fused_index(reductions, slots)
     count_index = next((ids[1] for ids in slots.values() if fused == ids[0] and len(ids) == 2),
                        None)
-    loop = top.call_function(runtime.microbatch_loop, (body_ref, mbs),
-                             {"fused_index": fused, "count_index": count_index,
-                              "systems": tuple(systems), "distributed": distributed,
-                              "sizes": tuple(b - a for a, b in slices)})
-    loop.name = "loop"
+    loop = _call(top, runtime.microbatch_loop, (body_ref, mbs),
+                 {"fused_index": fused, "count_index": count_index, "systems": tuple(systems),
+                  "distributed": distributed, "sizes": tuple(b - a for a, b in slices)}, "loop")
     names = {i: leaf.name for leaf in batched_leaves for i in slots[leaf]}
     for n in reductions:
         names.update(zip(slots[n], (f"{n.name}_sum", f"{n.name}_count")))
     acc: list[fx.Node] = []
     for i, spec in enumerate(specs):
         if spec.kind == "cat":
-            acc.append(top.call_function(runtime.accumulate_cat, (loop, i), {"dim": spec.dim}))
+            acc.append(_call(top, runtime.accumulate_cat, (loop, i), {"dim": spec.dim}, names[i]))
         else:
-            acc.append(top.call_function(runtime.accumulate_sum, (loop, i),
-                                         {"systems": tuple(systems)}))
-        acc[-1].name = names[i]
+            acc.append(_call(top, runtime.accumulate_sum, (loop, i), {"systems": tuple(systems)},
+                             names[i]))
     sums = [i for i, s in enumerate(specs) if s.kind == "sum"]
     if distributed and sums:  # one collective for every partial sum of the step
-        totals = top.call_function(all_reduce_sums, tuple(acc[i] for i in sums))
-        totals.name = "global_sums"
+        totals = _call(top, all_reduce_sums, tuple(acc[i] for i in sums), {}, "global_sums")
         for k, i in enumerate(sums):
-            acc[i] = top.call_function(operator.getitem, (totals, k))
-            acc[i].name = f"global_{names[i]}"
+            acc[i] = _call(top, operator.getitem, (totals, k), {}, f"global_{names[i]}")
     for n in reductions:
         spec: ReductionSpec = n.meta[REDUCTION]
         ids = slots[n]
         if spec.kind == "mean":
-            top_env[n] = top.call_function(partials.mean_combine, (acc[ids[0]], acc[ids[1]]))
-            top_env[n].name = n.name
+            top_env[n] = _call(top, partials.mean_combine, (acc[ids[0]], acc[ids[1]]), {},
+                               n.name)
         else:
             top_env[n] = acc[ids[0]]
         top_env[n].meta = dict(n.meta)
@@ -148,9 +142,9 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
         top_env[leaf] = acc[slots[leaf][0]]
         top_env[leaf].meta = dict(leaf.meta)
     stop = set(top_env)
-    tail = _ancestors([x for x in leaves if isinstance(x, fx.Node)], stop) | {
-        n for n in nodes if n.op not in ("placeholder", "output") and n.is_impure()
-        and n not in in_body}
+    checks = [n for n in nodes if n.op not in ("placeholder", "output") and n.is_impure()
+              and n not in in_body]  # fx's asserts on fixed arguments run once, after the loop
+    tail = _ancestors([x for x in leaves if isinstance(x, fx.Node)] + checks, stop)
     for n in nodes:
         if n in top_env or n not in tail or n.op == "output":
             continue
@@ -168,6 +162,12 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
     rewritten = fx.GraphModule(root, top, "Microbatched" + type(gm).__name__)
     top.lint()
     return rewritten
+
+
+def _call(graph: fx.Graph, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+          name: str) -> fx.Node:
+    """A call_function node named ``name`` (made unique in the graph's namespace)."""
+    return graph.create_node("call_function", fn, args, kwargs, name=name)
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> Any:
@@ -191,8 +191,8 @@ def _emit_partial(n: fx.Node, graph: fx.Graph, env: dict[fx.Node, fx.Node],
     kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
     if n.op == "call_module":
         args = (graph.get_attr(n.target), *args)
-    pair = graph.call_function(spec.partial, tuple(args), dict(kwargs))
-    pair.name, pair.meta = n.name, dict(n.meta)
+    pair = _call(graph, spec.partial, tuple(args), dict(kwargs), n.name)
+    pair.meta = dict(n.meta)
     total = graph.call_function(operator.getitem, (pair, 0))
     count = graph.call_function(operator.getitem, (pair, 1))
     total.meta = count.meta = dict(n.meta)

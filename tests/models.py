@@ -10,12 +10,18 @@ test-only models that exercise one loss form or one output structure each.
 count the rows reaching it; ``WARNS_RETAINED`` lists the models that train
 without a single scalar loss inside (several losses, or no loss at all), which
 ``compile`` runs with every microbatch's activations kept, with a warning.
+
+The comparison helpers at the end (``rel_err``, ``max_rel_err_outputs``,
+``grad_errors``) are the tests' one definition of "equal to eager".
+
+Test files import this as ``models`` (pytest puts ``tests/`` on ``sys.path``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -43,9 +49,15 @@ __all__ = [
     "TimeMajorNet",
     "TinyGPT",
     "UnbatchedInputNet",
+    "grad_errors",
+    "grads_of",
     "make_cnn",
     "make_mlp",
     "make_tiny_gpt",
+    "max_rel_err_outputs",
+    "one_intra_op_thread",
+    "rel_err",
+    "tensor_leaves",
     "token_batch",
 ]
 
@@ -109,10 +121,16 @@ class MeanOutputNet(nn.Module):
 
 
 class MaskedMeanLM(nn.Module):
-    """Token losses averaged by hand: ``(tok_loss * mask).sum() / mask.sum()``."""
+    """Token losses averaged by hand: ``(tok_loss * mask).sum() / mask.sum()``.
 
-    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+    ``mask`` picks how the mask is written, as users do: ``"bool"`` keeps the
+    comparison, ``"double"`` casts with ``.double()``, ``"like"`` casts with
+    ``.to(tok_loss.dtype)`` (the mask's values still come from the labels alone).
+    """
+
+    def __init__(self, mask: str = "bool", vocab: int = 32, width: int = 16) -> None:
         super().__init__()
+        self.mask = mask
         self.emb = nn.Embedding(vocab, width)
         self.head = nn.Linear(width, vocab)
 
@@ -120,8 +138,35 @@ class MaskedMeanLM(nn.Module):
         logits = self.head(torch.tanh(self.emb(ids)))
         tok_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0),
                                    reduction="none")
-        mask = (labels.flatten() != -100).to(tok_loss.dtype)
+        mask = labels.flatten() != -100
+        if self.mask == "double":
+            mask = mask.double()
+        elif self.mask == "like":
+            mask = mask.to(tok_loss.dtype)
         return (tok_loss * mask).sum() / mask.sum()
+
+
+class SizeNormalisedNet(nn.Module):
+    """A sum divided by the batch size read off the input: ``sq.sum() / x.size(0)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk(out=2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.trunk(x) - y).pow(2).sum() / x.size(0)
+
+
+class L2RegularisedNet(nn.Module):
+    """A mean loss plus a batch-free penalty on the weights (computed once, after the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        penalty = self.trunk.inp.weight.pow(2).sum() + self.trunk.out.weight.pow(2).sum()
+        return F.cross_entropy(self.trunk(x), y) + 0.01 * penalty
 
 
 class TwoLossNet(nn.Module):
@@ -152,6 +197,19 @@ class WeightedNLLNet(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logp = F.log_softmax(self.trunk(x), dim=-1)
         return F.nll_loss(logp, y, weight=self.class_weight, ignore_index=self.IGNORE), logp
+
+
+class WeightedCENet(nn.Module):
+    """nn.CrossEntropyLoss with class weights and label smoothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = _Trunk()
+        self.loss = nn.CrossEntropyLoss(weight=torch.linspace(2.0, 0.5, CLASSES, dtype=DTYPE),
+                                        label_smoothing=0.2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.trunk(x), y)
 
 
 class BCELogitsNet(nn.Module):
@@ -389,16 +447,25 @@ def mean_output(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
     return _seeded(MeanOutputNet, seed), (_features(batch, _gen(seed)),)
 
 
-def masked_mean(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
-    torch.manual_seed(seed)
-    model = MaskedMeanLM().to(DTYPE)
-    return model, token_batch(batch, 8, 32, seed=seed + 1)
+def _masked_mean(mask: str) -> Maker:
+    def make(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+        torch.manual_seed(seed)
+        model = MaskedMeanLM(mask).to(DTYPE)
+        return model, token_batch(batch, 8, 32, seed=seed + 1)
+
+    return make
 
 
 def two_losses(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
     g = _gen(seed)
     return _seeded(TwoLossNet, seed), (
         _features(batch, g), _classes(batch, g), torch.randn(batch, 2, generator=g, dtype=DTYPE))
+
+
+def size_normalised(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
+    g = _gen(seed)
+    return _seeded(SizeNormalisedNet, seed), (
+        _features(batch, g), torch.randn(batch, 2, generator=g, dtype=DTYPE))
 
 
 def per_sample(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
@@ -425,9 +492,14 @@ MODELS: dict[str, Maker] = {
     "cnn": cnn,
     "sum_loss": _classifier(SumLossNet),
     "mean_output": mean_output,
-    "masked_mean": masked_mean,
+    "masked_mean_bool": _masked_mean("bool"),
+    "masked_mean_double": _masked_mean("double"),
+    "masked_mean_like": _masked_mean("like"),
     "two_losses": two_losses,
+    "size_normalised": size_normalised,
+    "l2_regularised": _classifier(L2RegularisedNet),
     "weighted_nll": weighted_nll,
+    "weighted_ce": _classifier(WeightedCENet),
     "bce_logits": bce_logits,
     "smooth_l1": smooth_l1,
     "kl_div": kl_div,
@@ -449,9 +521,14 @@ FIRST_LAYER: dict[str, Callable[[Any], nn.Module]] = {
     "cnn": lambda m: m.features[0],
     "sum_loss": lambda m: m.trunk.inp,
     "mean_output": lambda m: m.trunk.inp,
-    "masked_mean": lambda m: m.emb,
+    "masked_mean_bool": lambda m: m.emb,
+    "masked_mean_double": lambda m: m.emb,
+    "masked_mean_like": lambda m: m.emb,
     "two_losses": lambda m: m.inp,
+    "size_normalised": lambda m: m.trunk.inp,
+    "l2_regularised": lambda m: m.trunk.inp,
     "weighted_nll": lambda m: m.trunk.inp,
+    "weighted_ce": lambda m: m.trunk.inp,
     "bce_logits": lambda m: m.trunk.inp,
     "smooth_l1": lambda m: m.trunk.inp,
     "kl_div": lambda m: m.trunk.inp,
@@ -460,3 +537,77 @@ FIRST_LAYER: dict[str, Callable[[Any], nn.Module]] = {
 
 #: Models trained without one scalar loss inside: compile keeps all activations and warns.
 WARNS_RETAINED = frozenset({"two_losses", "per_sample"})
+
+
+# --------------------------------------------------------------------------- #
+# Comparison helpers (the oracle is always eager PyTorch on the full batch)
+# --------------------------------------------------------------------------- #
+
+
+def tensor_leaves(value: Any, path: str = "out") -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for every tensor in a nested output, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [(path, value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [leaf for f in dataclasses.fields(value)
+                for leaf in tensor_leaves(getattr(value, f.name), f"{path}.{f.name}")]
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in tensor_leaves(v, f"{path}[{k!r}]")]
+    if isinstance(value, (tuple, list)):
+        return [leaf for i, v in enumerate(value) for leaf in tensor_leaves(v, f"{path}[{i}]")]
+    return []
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Normwise relative error ``max|got - want| / max|want|`` (shapes must match)."""
+    assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"dtype {got.dtype} != {want.dtype}"
+    got, want = got.detach().double(), want.detach().double()
+    if want.numel() == 0:
+        return 0.0
+    scale = want.abs().max().item()
+    diff = (got - want).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def max_rel_err_outputs(got: Any, want: Any) -> dict[str, float]:
+    """Relative error per output leaf; the two outputs must have the same structure."""
+    a, b = tensor_leaves(got), tensor_leaves(want)
+    assert [p for p, _ in a] == [p for p, _ in b], (
+        f"output structure differs: {[p for p, _ in a]} vs {[p for p, _ in b]}")
+    return {p: rel_err(x, y) for (p, x), (_, y) in zip(a, b)}
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """A copy of every parameter's ``.grad`` by name."""
+    return {n: None if p.grad is None else p.grad.detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def grad_errors(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None]
+                ) -> dict[str, float]:
+    """Relative error per parameter gradient; a gradient missing on one side only fails."""
+    assert got.keys() == want.keys()
+    out = {}
+    for name in want:
+        g, w = got[name], want[name]
+        assert (g is None) == (w is None), f"{name}: grad {g is None=} but eager {w is None=}"
+        if w is not None:
+            out[name] = rel_err(g, w)
+    return out
+
+
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Run torch ops on one thread, then restore the setting.
+
+    The test models are tiny: a second intra-op thread buys nothing, and on a busy
+    2-core CI machine its spin-waiting made the microbatch loops (many small ops)
+    up to 100x slower than eager. Test modules enter this in an autouse fixture.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,222 @@
+"""Capture: what can be traced, what cannot (and how that is reported), and what is left alone."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from models import (
+    MODELS,
+    grad_errors,
+    grads_of,
+    max_rel_err_outputs,
+    one_intra_op_thread,
+    tensor_leaves,
+)
+
+import mbcompile
+from mbcompile import CaptureError, InputError, MbcompileError
+from mbcompile.passes.capture import capture
+
+TOL = 1e-10
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny models: see models.one_intra_op_thread."""
+    with one_intra_op_thread():
+        yield
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.sum() > 0:  # untraceable
+            h = -h
+        return F.cross_entropy(h, y)
+
+
+class StarArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.lin(inputs[0]).pow(2).mean()
+
+
+class StarKwargs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).pow(2).mean()
+
+
+def _xy(batch: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(batch, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 4, (batch,), generator=g))
+
+
+def test_untraceable_control_flow_names_the_line() -> None:
+    model = Branchy().double()
+    with pytest.raises(CaptureError) as info:
+        mbcompile.compile(model, 10, 2, 1, example_inputs=_xy())
+    message = str(info.value)
+    lines, start = inspect.getsourcelines(Branchy.forward)
+    offset = next(i for i, line in enumerate(lines) if "# untraceable" in line)
+    assert f"test_capture.py:{start + offset}" in message, message
+    assert "if h.sum() > 0:" in message
+    assert "Branchy" in message
+    assert "GraphModule" in message  # one of the ways out
+    assert isinstance(info.value, MbcompileError)
+
+
+@pytest.mark.parametrize("cls", [StarArgs, StarKwargs], ids=["*args", "**kwargs"])
+def test_variadic_forward_is_a_capture_error(cls: type[nn.Module]) -> None:
+    x, _ = _xy()
+    with pytest.raises(CaptureError, match=cls.__name__):
+        mbcompile.compile(cls().double(), 10, 2, 1, example_inputs=(x,))
+
+
+def test_not_a_module_is_refused() -> None:
+    x, _ = _xy()
+    with pytest.raises(mbcompile.ArgumentTypeError):
+        mbcompile.compile(lambda t: t.sum(), 10, 2, 1, example_inputs=(x,))  # type: ignore[arg-type]
+
+
+def test_example_inputs_are_required() -> None:
+    model, _ = MODELS["mlp"](10)
+    with pytest.raises(InputError, match="example_inputs"):
+        mbcompile.compile(model, 10, 2, 1)
+
+
+def test_traced_graph_module_is_accepted() -> None:
+    model, batch = MODELS["mlp"](10)
+    gm = fx.symbolic_trace(model)
+    cm = mbcompile.compile(gm, 10, 3, 2, example_inputs=batch)
+    assert isinstance(cm(*batch), tuple)
+    # The GraphModule shares the model's parameters: training it trains the model.
+    model.zero_grad(set_to_none=True)
+    out = cm(*batch)
+    out[0].backward()
+    got = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    want = model(*batch)
+    want[0].backward()
+    assert max(max_rel_err_outputs(out, want).values()) <= TOL
+    assert max(grad_errors(got, grads_of(model)).values()) <= TOL
+
+
+def test_traced_graph_module_with_dict_output() -> None:
+    model, batch = MODELS["dict_out"](10)
+    gm = fx.symbolic_trace(model)
+    cm = mbcompile.compile(gm, 10, 3, 2, example_inputs=batch)
+    with torch.no_grad():
+        out, want = cm(*batch), model(*batch)
+    assert list(out) == list(want)
+    assert max(max_rel_err_outputs(out, want).values()) <= TOL
+
+
+@pytest.mark.parametrize("name", ["tensor_out", "mlp", "dict_out", "dataclass_out",
+                                  "namedtuple_out", "tiny_gpt"])
+def test_capture_pass_alone_flattens_and_rebuilds(name: str) -> None:
+    model, batch = MODELS[name](5)
+    result = capture(model)
+    flat = result.graph_module(*batch)
+    assert isinstance(flat, tuple)
+    assert all(isinstance(t, torch.Tensor) for t in flat)
+    want = model(*batch)
+    assert len(flat) == len(tensor_leaves(want))
+    rebuilt = result.output_spec.rebuild(flat)
+    assert type(rebuilt) is type(want)
+    assert max(max_rel_err_outputs(rebuilt, want).values()) == 0.0
+
+
+def test_capture_records_source_lines() -> None:
+    model, _ = MODELS["mlp"](5)
+    gm = capture(model).graph_module
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    assert calls and all(n.stack_trace for n in calls)
+    assert any("mse_loss" in (n.stack_trace or "") for n in calls)
+
+
+# --------------------------------------------------------------------------- #
+# The user's module is left alone
+# --------------------------------------------------------------------------- #
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+               "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks", "_state_dict_pre_hooks")
+
+
+def _snapshot(model: nn.Module) -> dict:
+    return {
+        "type": type(model),
+        "params": [(n, p) for n, p in model.named_parameters()],
+        "buffers": [(n, b) for n, b in model.named_buffers()],
+        "modules": [(n, type(m), m.training) for n, m in model.named_modules()],
+        "hooks": [(n, h, len(getattr(m, h, {}))) for n, m in model.named_modules()
+                  for h in _HOOK_DICTS],
+        "dicts": [(n, sorted(m.__dict__)) for n, m in model.named_modules()],
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+    }
+
+
+@pytest.mark.parametrize("name", ["tiny_gpt", "cnn", "batch_norm"])
+def test_user_module_is_unchanged(name: str) -> None:
+    model, batch = MODELS[name](10)
+    if name == "batch_norm":
+        model.eval()  # compiles in eval; BatchNorm's buffers must not move
+    before = _snapshot(model)
+    twin = copy.deepcopy(model)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    with torch.no_grad():
+        cm(*batch)
+    after = _snapshot(model)
+    assert after["type"] is before["type"]
+    assert all(n1 == n2 and p1 is p2 for (n1, p1), (n2, p2) in zip(after["params"],
+                                                                     before["params"]))
+    assert len(after["params"]) == len(before["params"])
+    assert all(b1 is b2 for (_, b1), (_, b2) in zip(after["buffers"], before["buffers"]))
+    for key in ("modules", "hooks", "dicts", "requires_grad"):
+        assert after[key] == before[key], key
+    assert after["state"].keys() == before["state"].keys()
+    assert all(torch.equal(after["state"][k], before["state"][k]) for k in before["state"])
+    # The model still runs eagerly, as its untouched twin does.
+    with torch.no_grad():
+        assert max(max_rel_err_outputs(model(*batch), twin(*batch)).values()) == 0.0
+
+
+def test_compile_does_not_flip_training_flags() -> None:
+    model, batch = MODELS["mlp"](10)
+    model.net[1].eval()  # a mixed state the user chose
+    flags = [m.training for m in model.modules()]
+    mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    assert [m.training for m in model.modules()] == flags
+
+
+def test_capture_error_leaves_module_unchanged() -> None:
+    model = Branchy().double()
+    before = _snapshot(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CaptureError):
+            mbcompile.compile(model, 10, 2, 1, example_inputs=_xy())
+    after = _snapshot(model)
+    for key in ("modules", "hooks", "dicts"):
+        assert after[key] == before[key], key
