@@ -22,6 +22,7 @@ from mbcompile.errors import (
     UnsupportedOpError,
 )
 from mbcompile.flags import GlobalFlags, ScopedTrainFlags, ScopedValidateFlags
+from mbcompile.monitors import NoiseScaleMonitor
 from mbcompile.noise import NoiseScale
 from mbcompile.passes.batch_rules import register_batch_rule, trust_module
 from mbcompile.plan import MicrobatchPlan, make_plan
@@ -43,6 +44,7 @@ __all__ = [
     "MicrobatchPlan",
     "MixingError",
     "NoiseScale",
+    "NoiseScaleMonitor",
     "PlanError",
     "RetainedActivationsWarning",
     "ScopedTrainFlags",

@@ -111,7 +111,9 @@ TOP_KEYS: dict[str, str] = {
     "output_dir": "where artifacts and metrics go (default mbcompile-artifacts/<file name>)",
     "compile_only": "true: compile and estimate, never run",
     "validate_only": "true: stop after capture and batch analysis",
+    "lr_scaling": "{reference_batch_size, rule: linear | sqrt | none, warmup_steps}",
 }
+LR_SCALING_KEYS = ("reference_batch_size", "rule", "warmup_steps")
 REQUIRED_TOP = ("model", "batch_size")
 FIT_KEYS = {"max_steps": 10, "val_steps": 2, "val_every": None, "log_every": 1}
 DATA_KEYS = ("source", "kwargs", "seed", "num_batches")
@@ -261,6 +263,7 @@ class Config:
     compile_only: bool
     validate_only: bool
     marks: _Marks = field(repr=False, compare=False)
+    lr_scaling: Mapping[str, Any] | None = None  # Trainer keyword arguments, or None
 
     @property
     def builtin(self) -> bool:
@@ -327,6 +330,7 @@ def parse_config(data: Any, marks: _Marks) -> Config:
         if on:
             v.compile_option((key,), key, f"{key}: true")
     seed = v.integer(("seed",), top.get("seed", 0), 0)
+    lr_scaling = v.lr_scaling(top.get("lr_scaling"))
     in_dims = v.in_dims(top.get("in_dims", 0))
     output_dir = top.get("output_dir")
     if output_dir is None:
@@ -340,7 +344,7 @@ def parse_config(data: Any, marks: _Marks) -> Config:
         callbacks=callbacks, max_steps=fit["max_steps"], val_steps=fit["val_steps"],
         val_every=fit["val_every"], log_every=fit["log_every"], in_dims=in_dims, seed=seed,
         output_dir=output_dir, compile_only=compile_only, validate_only=validate_only,
-        marks=marks)
+        lr_scaling=lr_scaling, marks=marks)
 
 
 def _suggest(word: Any, choices: Iterable[str]) -> str:
@@ -707,6 +711,20 @@ class _Validator:
         self.integer(path + ("log_every",), out["log_every"], 1)
         return out
 
+    def lr_scaling(self, value: Any) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        path: Path_ = ("lr_scaling",)
+        section = self.mapping(path, value, LR_SCALING_KEYS, ("reference_batch_size",))
+        out = {"reference_batch_size": self.integer(path + ("reference_batch_size",),
+                                                    section["reference_batch_size"], 1),
+               "warmup_steps": self.integer(path + ("warmup_steps",),
+                                            section.get("warmup_steps", 0), 0)}
+        if "rule" in section:
+            out["lr_scaling"] = self.choice(path + ("rule",), section["rule"],
+                                            ("linear", "sqrt", "none"))
+        return out
+
     def in_dims(self, value: Any) -> Any:
         path: Path_ = ("in_dims",)
 
@@ -855,4 +873,4 @@ def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
                    backend=None if cfg.backend == "simulated" else cfg.backend,
                    in_dims=cfg.in_dims, log_dir=log_dir or cfg.output_dir,
                    log_every=cfg.log_every, progress=progress, console=console,
-                   compile_options=compile_options)
+                   compile_options=compile_options, **(cfg.lr_scaling or {}))

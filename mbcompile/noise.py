@@ -110,3 +110,37 @@ class NoiseScale:
         if not values:
             return (math.nan, math.nan)
         return values[len(values) // 4], values[(3 * len(values)) // 4]
+
+
+def advice(noise: NoiseScale, unit: str = "samples") -> str:
+    """Plain-language batch-size advice from a measured noise scale.
+
+    McCandlish et al.: training steps grow as ``1 + B_noise / B`` and compute as
+    ``1 + B / B_noise``, with ``B_simple`` as the estimate of ``B_noise`` (the
+    critical batch size). ``unit`` names what the loss counts (samples or tokens).
+    """
+    if not noise.steps or not math.isfinite(noise.b_simple) or noise.b_simple <= 0:
+        return ("no usable noise-scale estimate yet (needs training steps with at least two "
+                "microbatches, and a positive estimate)")
+    crit = noise.b_simple
+    batch = sum(e.b_big for e in noise.history) / len(noise.history)
+    low, high = noise.spread()
+
+    def steps(b: float) -> float:
+        return 1 + crit / b
+
+    cut = 1 - steps(2 * batch) / steps(batch)
+    head = (f"critical batch size (B_simple) ~ {crit:.4g} {unit} (per-step estimates "
+            f"{low:.3g} to {high:.3g}, {noise.steps} steps); the batch in use is "
+            f"{batch:.4g} {unit}. ")
+    if batch < 0.5 * crit:
+        tail = (f"It is well below the critical size: doubling the GBS would cut the number of "
+                f"steps by about {cut:.0%} for little extra compute.")
+    elif batch > 2 * crit:
+        tail = (f"It is above the critical size: a larger GBS would mostly waste compute "
+                f"(doubling it cuts the steps by only {cut:.0%}).")
+    else:
+        tail = (f"It is near the critical size, the usual sweet spot: doubling the GBS would cut "
+                f"the steps by about {cut:.0%} at about {1 - cut:.0%} more compute per step's "
+                "worth of progress.")
+    return head + tail

@@ -55,6 +55,7 @@ from mbcompile import compiler
 from mbcompile.compiler import CompiledModule
 from mbcompile.errors import ArgumentTypeError, MbcompileError
 from mbcompile.flags import Callback, Flags
+from mbcompile.lr_scaling import LRScaling
 
 __all__ = ["Trainer", "TrainerError", "batch_args", "loss_of"]
 
@@ -172,6 +173,9 @@ class Trainer:
     (the MBS per phase) and any ``mbcompile.flags.Callback``. ``system`` and
     ``backend`` go to ``mbcompile.compile``, as do ``compile_options``. ``metrics``
     maps a name to ``fn(output, batch) -> number``, logged beside the loss.
+    ``reference_batch_size`` (with ``lr_scaling`` "linear", "sqrt" or "none", default
+    by optimizer, and ``warmup_steps``) scales the learning rate to ``gbs``; see
+    ``mbcompile.lr_scaling``.
     ``log_dir`` receives ``metrics.csv`` and ``metrics.jsonl`` (one row per step);
     the terminal shows a progress bar and a line every ``log_every`` steps.
     """
@@ -182,7 +186,9 @@ class Trainer:
                  metrics: Mapping[str, Metric] | None = None,
                  log_dir: str | Path | None = None, log_every: int = 1,
                  progress: bool = True, console: Console | None = None,
-                 compile_options: Mapping[str, Any] | None = None) -> None:
+                 compile_options: Mapping[str, Any] | None = None,
+                 reference_batch_size: int | None = None, lr_scaling: str | None = None,
+                 warmup_steps: int = 0) -> None:
         if not isinstance(model, nn.Module) or isinstance(model, CompiledModule):
             raise ArgumentTypeError(
                 f"model must be the user's torch.nn.Module (the trainer compiles it), got "
@@ -217,6 +223,15 @@ class Trainer:
         self.log = _MetricsLog(Path(log_dir), COLUMNS + tuple(self.metrics)) \
             if log_dir is not None else None
         self._live: Progress | None = None
+        #: Learning-rate scaling from ``reference_batch_size`` to ``gbs`` (None: rates as given).
+        self.lr_scaling: LRScaling | None = None
+        if reference_batch_size is not None:
+            self.lr_scaling = LRScaling.apply(optimizer, gbs, reference_batch_size, lr_scaling,
+                                              warmup_steps)
+            self._print(self.lr_scaling.describe(optimizer))
+        elif lr_scaling not in (None, "none") or warmup_steps:
+            raise TrainerError("lr_scaling and warmup_steps need reference_batch_size: the batch "
+                               "size the learning rate was tuned at")
         self._check_options()
         for cb in self.callbacks:
             cb.setup(self)
@@ -361,6 +376,8 @@ class Trainer:
             raise TrainerError(f"train step {step}: the loss is {float(loss)}; the step was not "
                                "applied (parameters and optimizer state are unchanged)")
         loss.backward()
+        if self.lr_scaling is not None:  # the warmup ramp, then the scaled rate
+            self.lr_scaling.set_step(self.optimizer, self.global_step)
         self.optimizer.step()
         seconds = time.perf_counter() - started
         self.global_step += 1

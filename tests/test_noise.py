@@ -94,3 +94,18 @@ def test_measuring_keeps_the_step_exact_and_logs_a_positive_scale_on_tiny_gpt():
         loss.backward()
     assert cm.noise_scale.steps == 4
     assert math.isfinite(cm.noise_scale.b_simple) and cm.noise_scale.b_simple > 0
+
+
+def test_trainer_monitor_logs_a_positive_scale_and_advice(capsys):
+    from mbcompile.monitors import NoiseScaleMonitor
+
+    model, batch = make_tiny_gpt(16)
+    monitor = NoiseScaleMonitor(unit="tokens")
+    trainer = mbcompile.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), gbs=16,
+                                num_csx=2, callbacks=[mbcompile.GlobalFlags(micro_batch_size=2),
+                                                      monitor], progress=False)
+    trainer.fit([batch], max_steps=3)
+    values = [row["b_simple"] for row in trainer.history if row["phase"] == "train"]
+    assert len(values) == 3 and all(math.isfinite(v) and v > 0 for v in values)
+    out = capsys.readouterr().out
+    assert "critical batch size (B_simple)" in out and "tokens" in out
