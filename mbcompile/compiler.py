@@ -12,6 +12,7 @@ samples only in training), and reuses the result on every call.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,7 @@ from mbcompile.passes.facts import Batched, Container, Fact, Free
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
 from mbcompile.plan import MicrobatchPlan, make_plan
-from mbcompile.runtime import NOISE_ATTR
+from mbcompile.runtime import LAST_COUNTS_ATTR, NOISE_ATTR
 
 __all__ = ["CompiledModule", "compile"]
 
@@ -153,6 +154,16 @@ def _batch_size(inputs: _Inputs, values: Sequence[Any], check_ndim: bool = False
     return next(iter(seen), None)
 
 
+def _tokens_per_sample(inputs: _Inputs, values: Mapping[str, Any]) -> int | None:
+    """The sequence length of token-id inputs ((B, T) integer tensors), if there are any."""
+    for name, d in zip(inputs.names, inputs.in_dims):
+        value = values[name]
+        if (d is not None and isinstance(value, torch.Tensor) and not value.is_floating_point()
+                and value.dim() == 2):
+            return int(value.shape[1 - d])
+    return None
+
+
 def _fact_for(value: Any, dim: int | None) -> Fact:
     if dim is None:
         return Free()
@@ -252,6 +263,24 @@ class CompiledModule(nn.Module):
                 RetainedActivationsWarning, stacklevel=2)
         flat = compiled.graph_module(*values)
         return compiled.output_spec.rebuild(flat)
+
+    def token_counts(self) -> dict[str, Any] | None:
+        """What the loss's mean counted in the last call: non-padding tokens for a token
+        loss (targets not equal to ``ignore_index``), elements for an MSE, ...
+
+        ``{"global": n, "per_system": [...], "per_microbatch": [[...], ...]}``; None
+        before the first call or when the loss is not a mean.
+        """
+        body = self.graph_module.body
+        counts = getattr(body, LAST_COUNTS_ATTR, None)
+        if counts is None:
+            return None
+        values = iter([float(c) for c in counts])
+        per_mb = [[next(values) if n else 0.0 for n in sizes]
+                  for sizes in (self.plan.microbatch_sizes if self.rank is None
+                                else self.plan.microbatch_sizes[self.rank:self.rank + 1])]
+        return {"global": sum(map(sum, per_mb)), "per_system": [sum(m) for m in per_mb],
+                "per_microbatch": per_mb}
 
     # ------------------------------------------------------------ state dicts
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
@@ -353,6 +382,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             raise InputError("measure_noise_scale works with the simulated backend only so far; "
                              "measure on one process, then train on ranks")
     sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
+    plan = dataclasses.replace(plan, tokens_per_sample=_tokens_per_sample(inputs, values))
     try:
         return CompiledModule(model, plan, sig, inputs, values, rank,
                               _noise_scale(measure_noise_scale))

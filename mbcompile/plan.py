@@ -286,6 +286,8 @@ class MicrobatchPlan:
     supported_mbs: tuple[int, ...]
     warnings: tuple[str, ...]
     reason: str  # why this mbs
+    #: Tokens per sample when the inputs have a sequence dim (set by compile), else None.
+    tokens_per_sample: int | None = None
 
     @property
     def pbs(self) -> int:
@@ -327,6 +329,12 @@ class MicrobatchPlan:
                 d[key] = [list(v) if isinstance(v, tuple) else v for v in value]
         d["pbs"] = self.pbs
         d["num_nonempty_microbatches"] = self.num_nonempty_microbatches
+        if self.tokens_per_sample is not None:
+            t = self.tokens_per_sample
+            d["tokens"] = {"global": self.gbs * t,
+                           "per_system": [n * t for n in self.per_system_batch_sizes],
+                           "per_microbatch": [[n * t for n in mb]
+                                              for mb in self.microbatch_sizes]}
         return d
 
     def __str__(self) -> str:
@@ -342,6 +350,11 @@ class MicrobatchPlan:
             empty = mb.count(0)
             note = f" ({empty} empty, skipped)" if empty else ""
             lines.append(f"    system {i}: {_format_sizes(mb)}{note}")
+        if self.tokens_per_sample is not None:
+            t = self.tokens_per_sample
+            lines.append(f"  tokens ({t} per sample): global {self.gbs * t}, per system "
+                         f"{', '.join(str(n * t) for n in self.per_system_batch_sizes)}, "
+                         f"per microbatch at most {self.max_microbatch_size * t}")
         lines.append(f"  reason: {self.reason}")
         if self.warnings:
             lines.append("  warnings:")

@@ -30,6 +30,8 @@ T = TypeVar("T")
 
 #: Attribute of the body GraphModule holding a ``NoiseScale`` to update, if any.
 NOISE_ATTR = "mbcompile_noise_scale"
+#: Attribute of the body holding the last call's per-microbatch loss counts (references).
+LAST_COUNTS_ATTR = "mbcompile_last_counts"
 
 __all__ = ["BodyOutput", "accumulate_cat", "accumulate_sum", "microbatch_loop", "split"]
 
@@ -241,6 +243,15 @@ def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *
     the model has exactly one scalar loss to train on; then, with grad enabled,
     each microbatch's backward runs right after its forward.
     """
+    results = _loop(body, microbatches, fused_index, systems, distributed, count_index, sizes)
+    if count_index is not None:  # kept for reports (token counts); no copy, no sync
+        setattr(body, LAST_COUNTS_ATTR, tuple(r[count_index] for r in results))
+    return results
+
+
+def _loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], fused_index: int | None,
+          systems: Sequence[int], distributed: bool, count_index: int | None,
+          sizes: Sequence[int]) -> list[tuple[Any, ...]]:
     params = [p for p in body.parameters() if p.requires_grad]
     loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes)
     if not params or not torch.is_grad_enabled():
