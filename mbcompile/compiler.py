@@ -67,11 +67,11 @@ def _check_module(model: Any) -> nn.Module:
         raise ArgumentTypeError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; wrap functions in a "
             "Module whose forward calls them")
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if meta:
         raise InputError(
-            f"model has parameters on the meta device ({meta[0]!r}, ...), which hold no values; "
-            "materialise them first (model.to_empty(device='cpu') and load weights)")
+            f"model has parameters or buffers on the meta device ({meta[0]!r}, ...), which hold "
+            "no values; materialise them first (model.to_empty(device='cpu') and load weights)")
     return model
 
 
@@ -101,6 +101,19 @@ def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: A
     values = dict(bound.arguments)
     names = tuple(values)
     positional = list(sig.parameters)[:len(args)]
+    meta = [n for n in names if any(isinstance(t, torch.Tensor) and t.is_meta
+                                    for t in pytree.tree_leaves(values[n]))]
+    if meta:
+        raise InputError(
+            f"example_inputs hold tensors on the meta device (input {meta[0]!r}), which have no "
+            "values to run the model on; pass real tensors (any batch size) on the model's "
+            "device")
+    if isinstance(in_dims, dict) and set(in_dims) - set(names):
+        unknown = sorted(set(in_dims) - set(names))
+        raise InputError(
+            f"in_dims names {', '.join(map(repr, unknown))}, which "
+            f"{'is' if len(unknown) == 1 else 'are'} not a parameter of "
+            f"{type(model).__name__}.forward{sig}; use the forward's parameter names as keys")
     if isinstance(in_dims, bool) or not isinstance(in_dims, (int, tuple, list, dict, type(None))):
         raise ArgumentTypeError(
             f"in_dims must be an int, a tuple per positional input, or a dict per keyword, "
@@ -139,16 +152,21 @@ def _batch_size(inputs: _Inputs, values: Sequence[Any], check_ndim: bool = False
     for name, value, d in zip(inputs.names, values, inputs.in_dims):
         if d is None:
             continue
-        for t in pytree.tree_leaves(value):
+        for path, t in pytree.tree_flatten_with_path(value)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
-            if t.dim() <= d or d < 0:
+            leaf = repr(name) if not path else f"{name}{pytree.keystr(path)}"  # batch['y']
+            if d < 0:
                 raise InputError(
-                    f"in_dims gives input {name!r} batch dim {d}, but it has {t.dim()} dims; "
+                    f"in_dims gives input {leaf} batch dim {d}: negative dims are not "
+                    f"supported; count from the front (in_dims={t.dim() + d} here)")
+            if t.dim() <= d:
+                raise InputError(
+                    f"in_dims gives input {leaf} batch dim {d}, but it has {t.dim()} dims; "
                     "pass in_dims=None for unbatched inputs or the right dim")
-            seen.setdefault(t.shape[d], name)
+            seen.setdefault(t.shape[d], leaf)
     if len(seen) > 1:
-        detail = ", ".join(f"{n!r} has {b}" for b, n in seen.items())
+        detail = ", ".join(f"{n} has {b}" for b, n in seen.items())
         raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
                          "input must have the same number of samples along its in_dims dim")
     return next(iter(seen), None)
@@ -197,17 +215,27 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_signature", signature)
         object.__setattr__(self, "_inputs", inputs)
         object.__setattr__(self, "_example", dict(example))
+        object.__setattr__(self, "_layout", _layout(inputs, [example[n] for n in inputs.names]))
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "_warned", False)
+        # state_dict() keys are the model's own ("net.0.weight", not "module.net.0.weight"),
+        # also when this module sits inside a parent: hooks, not overrides, so nesting works
+        self.register_state_dict_post_hook(_strip_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_module_prefix)
         self._compiled()  # compile now: errors belong to compile(), not the first call
 
     # -------------------------------------------------------------- compiling
-    def _mode_key(self) -> tuple[bool, ...]:
-        return tuple(m.training for m in self.module.modules())
+    def _mode_key(self) -> tuple[Any, ...]:
+        # The graphs hold the model's Parameter and buffer objects (get_attr copies the
+        # reference): recompile when the user replaces one (load_state_dict(assign=True)).
+        return (tuple(m.training for m in self.module.modules()),
+                tuple(map(id, self.module.parameters())), tuple(map(id, self.module.buffers())))
 
     def _compiled(self) -> _Compiled:
         key = self._mode_key()
         if key not in self._cache:
+            for stale in [k for k in self._cache if k[1:] != key[1:]]:
+                del self._cache[stale]  # they keep replaced parameters alive
             self._cache[key] = _compile_graph(self.module, self.plan, self._inputs, self._example,
                                               self.rank)
             if self.noise_scale is not None:
@@ -241,6 +269,7 @@ class CompiledModule(nn.Module):
                     "non-tensor arguments are fixed when compiling: compile again with the "
                     "new value")
         batch = _batch_size(self._inputs, values)
+        _check_layout(self._inputs, values, self._layout)
         if self.rank is not None:
             local = self.plan.per_system_batch_sizes[self.rank]
             if batch is not None and batch != local:
@@ -282,18 +311,71 @@ class CompiledModule(nn.Module):
         return {"global": sum(map(sum, per_mb)), "per_system": [sum(m) for m in per_mb],
                 "per_microbatch": per_mb}
 
-    # ------------------------------------------------------------ state dicts
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                        assign: bool = False) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+    # --------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        # fx pickles a GraphModule by re-tracing its code, which would trace into the
+        # runtime's loop; drop the graphs and recompile from the model on first use.
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        return state
 
     def extra_repr(self) -> str:
         p = self.plan
         return (f"gbs={p.gbs}, num_csx={p.num_csx}, mbs={p.mbs}, "
                 f"num_microbatches={p.num_microbatches}")
+
+
+def _strip_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                         local_metadata: Any) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                       *args: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _layout(inputs: _Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
+    """Per input: its pytree structure and its tensors' shapes, the batch dim left out."""
+    out = []
+    for value, d in zip(values, inputs.in_dims):
+        leaves, spec = pytree.tree_flatten(value)
+        out.append((spec, tuple(_shape(t, d) for t in leaves)))
+    return tuple(out)
+
+
+def _shape(t: Any, d: int | None) -> tuple[int | None, ...] | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return tuple(None if i == d else s for i, s in enumerate(t.shape))
+
+
+def _check_layout(inputs: _Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
+    """Raise ``InputError`` unless every input is nested and shaped like the example.
+
+    Shapes other than the batch dim are fixed at compile time: the rewritten graph
+    holds sizes computed from them (``x.size(0) * x.size(1)`` after the loop).
+    """
+    for name, value, d, (spec, shapes) in zip(inputs.names, values, inputs.in_dims, layout):
+        if name in inputs.concrete:
+            continue  # compared by value already
+        leaves, got = pytree.tree_flatten_with_path(value)
+        if got != spec:
+            raise InputError(
+                f"input {name!r} is nested differently from the example ({got} instead of "
+                f"{spec}); pass the same structure (keys, lengths) or compile again with an "
+                "example of this one")
+        for (path, t), want in zip(leaves, shapes):
+            if _shape(t, d) != want:
+                leaf = repr(name) if not path else f"{name}{pytree.keystr(path)}"
+                shown = tuple("B" if s is None else s for s in want or ())
+                raise InputError(
+                    f"input {leaf} has shape {tuple(getattr(t, 'shape', ()))} but the example "
+                    f"had {shown} (B: the batch dim); shapes other than the batch dim are "
+                    "fixed at compile time: compile again with an example of this shape")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -88,7 +88,23 @@ class _Loop:
         return len(self.systems) - 1, index
 
     def run(self) -> list[tuple[Any, ...]]:
-        return self._agreed(lambda: [_as_tuple(self.body(*mb)) for mb in self.microbatches])
+        return self._agreed(lambda: [
+            self._in_microbatch(i, lambda mb=mb: _as_tuple(self.body(*mb)))
+            for i, mb in enumerate(self.microbatches)])
+
+    def _in_microbatch(self, index: int, fn: Callable[[], T], what: str = "forward") -> T:
+        """Run ``fn`` for microbatch ``index``; a failure names the system and microbatch."""
+        try:
+            return fn()
+        except MicrobatchError:
+            raise
+        except Exception as exc:
+            system, local = self.where(index)
+            raise MicrobatchError(
+                f"system {system}, microbatch {local} failed in its {what}: "
+                f"{type(exc).__name__}: {exc}\n  the step was rolled back: parameters and "
+                "gradients are as they were before the call (the original error is the "
+                "__cause__ of this one)") from exc
 
     def _agreed(self, fn: Callable[[], T]) -> T:
         """Run the local loop; on real ranks, every rank learns if any rank failed."""
@@ -123,7 +139,7 @@ class _Loop:
             results = []
             with torch.enable_grad():
                 for i, mb in enumerate(self.microbatches):
-                    out = _as_tuple(self.body(*mb))
+                    out = self._in_microbatch(i, lambda mb=mb: _as_tuple(self.body(*mb)))
                     partial = out[self.fused_index]
                     if not bool(torch.isfinite(partial.detach()).all()):
                         system, local = self.where(i)
@@ -131,7 +147,7 @@ class _Loop:
                             f"the loss of system {system}, microbatch {local} is "
                             f"{partial.item()} (not finite); the step was rolled back: "
                             "parameters and gradients are as they were before the call")
-                    partial.backward()
+                    self._in_microbatch(i, partial.backward, "backward")
                     if hooks:  # |g_m|^2 of this microbatch alone, taken before accumulation
                         self.small_sq.append(float(sq))
                         sq.zero_()

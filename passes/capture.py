@@ -120,9 +120,17 @@ class _FlatOutputTracer(fx.Tracer):
             m, module_qualified_name)
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
-        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+        # Non-tensor arguments are substituted here rather than handed to fx as
+        # concrete_args: fx flattens containers ((0, 1), {"a": 1}) into extra
+        # placeholders and emits invalid code for parameters with defaults. Every
+        # parameter keeps one placeholder; CompiledModule.forward checks the values.
+        concrete = dict(concrete_args or {})
+        fn, args = super().create_args_for_root(root_fn, is_module, None)
+        names = list(inspect.signature(root_fn).parameters)
+        fixed = {i: concrete[n] for i, n in enumerate(names) if n in concrete}
 
         def flat_fn(*a: Any) -> tuple[Any, ...]:
+            a = tuple(fixed.get(i, v) for i, v in enumerate(a))
             leaves: list[Any] = []
             self.output_spec = flatten_output(fn(*a), leaves, lambda v: isinstance(v, fx.Proxy))
             return tuple(leaves)
@@ -182,6 +190,17 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
         raise CaptureError(
             f"mbcompile.compile expects a torch.nn.Module, got {type(model).__name__}. "
             "Wrap a function in an nn.Module whose forward calls it.")
+    name = type(model).__name__
+    root_hooks = [k for k in ("_forward_pre_hooks", "_forward_hooks") if getattr(model, k, None)]
+    if root_hooks:
+        raise CaptureError(
+            f"{name} has forward hooks on the model itself ({', '.join(root_hooks)}); torch.fx "
+            "traces forward directly, so they would never run in the compiled module. Fix: "
+            "move their work into forward, register them on a submodule, or compile a wrapper "
+            "Module whose forward calls the model (hooks of submodules are traced)")
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    versions = {n: t._version for n, t in state.items()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     tracer = _FlatOutputTracer()
     try:
         graph = tracer.trace(model, concrete_args=concrete_args or None)
@@ -195,11 +214,22 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
             "data-dependent part into a leaf module or function, make the branch depend on "
             "a non-tensor argument (it is then fixed at compile time), or pass an already "
             "captured torch.fx.GraphModule.") from exc
+    changed = [n for n, t in state.items() if t._version != versions[n]]
+    if changed:  # forward updated state with real tensors while tracing: undo, and refuse
+        with torch.no_grad():
+            for n in changed:
+                if n in buffers:
+                    state[n].copy_(buffers[n])
+        raise CaptureError(
+            f"{name}.forward changes {changed[0]!r} in place (for example "
+            f"self.{changed[0].rsplit('.', 1)[-1]}.add_(1)); tracing runs that update once, at "
+            "compile time, and records nothing for the calls. Fix: return the new value from "
+            "forward and update it outside the model, or keep the update in a module trusted "
+            "with mbcompile.trust_module")
     assert tracer.output_spec is not None
     for node in graph.nodes:
         if node.stack_trace:
             node.stack_trace = _user_stack(node.stack_trace)
-    name = type(model).__name__
     gm = fx.GraphModule(tracer.root, graph, name)
     return CaptureResult(gm, tracer.output_spec, concrete_args)
 
