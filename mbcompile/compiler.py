@@ -35,7 +35,8 @@ from mbcompile.errors import (
 )
 from mbcompile.noise import NoiseScale
 from mbcompile.passes.batch_analysis import analyse_batch, mixing_error
-from mbcompile.passes.capture import OutputSpec, capture
+from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
+from mbcompile.passes.export_capture import export_capture
 from mbcompile.passes.facts import Batched, Container, Fact, Free
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
@@ -52,6 +53,7 @@ class _Inputs:
     names: tuple[str, ...]  # forward's parameters, in order
     in_dims: tuple[int | None, ...]  # batch dim per parameter (None: unbatched)
     concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
+    capture: str = "auto"  # "auto" (fx, then torch.export if fx fails), "fx" or "export"
 
 
 @dataclass(frozen=True)
@@ -87,16 +89,21 @@ def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: A
     args = tuple(example_inputs or ())
     kwargs = dict(example_kwargs or {})
     sig = inspect.signature(model.forward)
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+    if any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
         raise CaptureError(
-            f"{type(model).__name__}.forward takes *args or **kwargs; mbcompile needs named "
+            f"{type(model).__name__}.forward takes *args; mbcompile needs named "
             "parameters to map inputs to the graph. Wrap the model in a Module whose forward "
             "names its inputs.")
+    variadic = [p for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD]
+    if variadic:  # forward(..., **kwargs), as in HuggingFace models: map the named ones only
+        sig = sig.replace(parameters=[p for p in sig.parameters.values() if p not in variadic])
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
+        extra = (f"; mbcompile maps inputs to forward's named parameters only, not to "
+                 f"**{variadic[0].name}") if variadic else ""
         raise InputError(f"example inputs do not match {type(model).__name__}.forward{sig}: "
-                         f"{exc}") from None
+                         f"{exc}{extra}") from None
     bound.apply_defaults()
     values = dict(bound.arguments)
     names = tuple(values)
@@ -385,21 +392,47 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+CAPTURES = ("auto", "fx", "export")
+
+
+def _capture(model: nn.Module, inputs: _Inputs, example: Mapping[str, Any]) -> CaptureResult:
+    """torch.fx symbolic tracing first (its graphs read best), torch.export when it fails.
+
+    A forward that takes ``**kwargs`` (HuggingFace style) goes to torch.export directly:
+    fx would turn ``**kwargs`` into one more graph input that no call argument maps to.
+    """
+    var_keyword = any(p.kind == p.VAR_KEYWORD
+                      for p in inspect.signature(model.forward).parameters.values())
+    if inputs.capture == "fx" and var_keyword and not isinstance(model, fx.GraphModule):
+        raise CaptureError(
+            f"{type(model).__name__}.forward takes **kwargs, which torch.fx turns into an "
+            "extra graph input; compile with capture='auto' or capture='export' (torch.export "
+            "maps the named parameters), or wrap the model in a Module whose forward names "
+            "its inputs.")
+    fx_error = None
+    if inputs.capture == "fx" or (inputs.capture == "auto" and not var_keyword):
+        try:
+            return capture(model, inputs.concrete)
+        except CaptureError as exc:
+            if inputs.capture == "fx" or isinstance(model, fx.GraphModule):
+                raise
+            fx_error = exc
+    return export_capture(model, {n: example[n] for n in inputs.names},
+                          dict(zip(inputs.names, inputs.in_dims)), fx_error=fx_error)
+
+
 def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
                    example: Mapping[str, Any], rank: int | None = None) -> _Compiled:
-    captured = capture(model, inputs.concrete)
+    captured = _capture(model, inputs, example)
     gm = captured.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = [example[n] for n in inputs.names]
     try:
         propagate_shapes(gm, values, inputs.in_dims, plan.gbs)
-    except ShapePropagationError as exc:
-        raise mixing_error(exc.node, gm, "it cannot run with a different batch size on "
-                           f"shape-only tensors ({exc}); data-dependent shapes (nonzero, "
-                           "masked_select, .item()) or a batch size baked into a constant "
-                           "cannot be microbatched",
-                           "keep shapes independent of tensor values and derive batch sizes "
-                           "from x.size(0)") from None
+    except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
+        if plan.num_nonempty_microbatches == 1:  # nothing is split: run the graph as it is
+            return _Compiled(gm, gm, captured.output_spec, False)
+        raise mixing_error(exc.node, gm, exc.reason, exc.fix) from None
     facts = {p.target: _fact_for(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
     try:
         analyse_batch(gm, facts, plan.gbs)
@@ -436,7 +469,8 @@ def _noise_scale(option: bool | NoiseScale) -> NoiseScale | None:
 def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
             in_dims: Any = 0, system: Any = None, backend: str = "simulated",
-            measure_noise_scale: bool | NoiseScale = False) -> CompiledModule:
+            measure_noise_scale: bool | NoiseScale = False,
+            capture: str = "auto") -> CompiledModule:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
     ``mbs`` is ``"auto"``, ``"none"`` (no split), an int, or ``"explore"``.
@@ -449,9 +483,14 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     ``measure_noise_scale`` estimates the gradient noise scale every training step
     from the microbatch gradients (``cm.noise_scale``, see ``mbcompile.noise``);
     pass a ``NoiseScale(decay=...)`` to choose the smoothing.
+    ``capture`` is ``"auto"`` (torch.fx symbolic tracing, and ``torch.export`` with a
+    dynamic batch dim when tracing fails, as for HuggingFace models), ``"fx"`` or
+    ``"export"``.
     Raises ``MixingError`` when splitting the batch would change the result.
     """
     model = _check_module(model)
+    if capture not in CAPTURES:
+        raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     plan = make_plan(gbs, num_csx, mbs)
@@ -464,6 +503,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             raise InputError("measure_noise_scale works with the simulated backend only so far; "
                              "measure on one process, then train on ranks")
     sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
+    inputs = dataclasses.replace(inputs, capture=capture)
     plan = dataclasses.replace(plan, tokens_per_sample=_tokens_per_sample(inputs, values))
     try:
         return CompiledModule(model, plan, sig, inputs, values, rank,

@@ -10,84 +10,203 @@ node, the user's source line, the path from a batched input, why, and the fix.
 Before: ``h = self.l(x); loss = h.mean()``; after, ``node.meta[FACT]``::
 
     x: per-sample(dim 0)   l: per-sample(dim 0)   mean: batch-reduction
+
+A rejection reads (``MixingError``)::
+
+    torch.nn.BatchNorm1d (module 'bn') at node 'bn' cannot be microbatched
+      at /home/me/net.py:12: h = self.bn(self.fc(x))
+      path from the batched input: x -> fc -> bn
+      why: BatchNorm in training mode normalises each channel with the mean and ...
+      fix:
+        - replace it with GroupNorm or LayerNorm (per-sample statistics)
+        - put it in eval mode (model.eval(), or the BatchNorm module's .eval()) ...
+        - compile with mbs='none' to run the whole batch at once
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import networkx as nx
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from mbcompile.errors import MixingError, UnsupportedOpError
 
-from .batch_rules import RuleContext, _Rejected, lookup_rule, node_name
-from .facts import FACT, PARAMS, Batched, BatchSize, Container, Fact, Free, Reduced
+from .batch_rules import (
+    MBS_NONE,
+    RuleContext,
+    _Rejected,
+    apply_rule,
+    is_aten,
+    lookup_rule,
+    node_name,
+)
+from .facts import (
+    FACT,
+    PARAMS,
+    SHAPES,
+    Batched,
+    BatchSize,
+    Container,
+    Fact,
+    Free,
+    Reduced,
+    ValueInfo,
+)
 
-__all__ = ["analyse_batch", "describe_op", "source_line"]
+__all__ = ["analyse_batch", "describe_op", "mixing_error", "source_line"]
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*(?:\n\s*(?!File ")([^\n]*))?')
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # mbcompile's tree
+             os.path.dirname(os.path.abspath(__file__)))  # passes/, wherever it is installed
+_MBCOMPILE_DIR = os.path.dirname(os.path.abspath(__import__("mbcompile").__file__))
+_MAX_PATH = 12  # nodes shown of the path from the input before eliding the middle
+
+
+def _is_library(path: str) -> bool:
+    p = os.path.abspath(path)
+    return p.startswith((_TORCH_DIR + os.sep, _MBCOMPILE_DIR + os.sep,
+                         os.path.dirname(os.path.abspath(__file__)) + os.sep))
 
 
 def source_line(node: fx.Node) -> str:
-    """``file:line: code`` of the user's line that created ``node``."""
-    for path, line, code in _FRAME.findall(node.stack_trace or ""):
-        if "/torch/" not in path and "/mbcompile/" not in path:
-            return f"{path}:{line}: {code.strip()}"
+    """``file:line: code`` of the innermost frame outside torch and mbcompile.
+
+    For a model that calls a block that calls the op, that is the op's own line
+    in the block, the one to change.
+    """
+    frames = _FRAME.findall(node.stack_trace or "")
+    for path, line, code in reversed(frames):
+        if not _is_library(path):
+            return f"{path}:{line}: {code.strip()}" if code else f"{path}:{line}"
     return "<source line not recorded>"
 
 
 def describe_op(node: fx.Node, gm: fx.GraphModule) -> str:
-    """A readable name for the node's op: ``nn.BatchNorm1d``, ``torch.softmax``, ``.view``."""
+    """A readable name for the op: ``torch.nn.BatchNorm1d (module 'bn')``, ``Tensor.view``,
+    ``torch.ops.aten.batch_norm``, ``torch.nn.functional.softmax``."""
     if node.op == "call_module":
-        return f"{type(gm.get_submodule(node.target)).__name__} (module {node.target!r})"
+        cls = type(gm.get_submodule(node.target))
+        return f"{_qualname(cls)} (module {node.target!r})"
     if node.op == "call_method":
         return f"Tensor.{node.target}"
-    target = node.target
-    module = getattr(target, "__module__", None) or ""
-    return f"{module}.{node_name(node)}" if module else node_name(node)
+    return _qualname(node.target)
 
 
-def _path_from_inputs(node: fx.Node, sources: list[fx.Node]) -> list[fx.Node]:
+_PUBLIC = (("torch.nn.functional", torch.nn.functional), ("torch.nn", torch.nn),
+           ("torch.linalg", torch.linalg), ("torch.fft", torch.fft),
+           ("torch.special", torch.special), ("torch", torch))
+_PUBLIC_NAMES: dict[int, str] = {}
+
+
+def _qualname(obj: object) -> str:
+    """The public dotted name of a function, class or ATen op (``torch.fft.fft``)."""
+    if is_aten(obj):
+        return f"torch.ops.aten.{str(obj).split('.')[1]}"
+    if not _PUBLIC_NAMES:  # built once: torch.fft.fft's own __name__ is "fft_fft"
+        for public, namespace in reversed(_PUBLIC):
+            for attr, value in vars(namespace).items():
+                if not attr.startswith("_") and callable(value):
+                    _PUBLIC_NAMES[id(value)] = f"{public}.{attr}"
+    if id(obj) in _PUBLIC_NAMES:
+        return _PUBLIC_NAMES[id(obj)]
+    name = getattr(obj, "__name__", None) or str(obj)
+    module = getattr(obj, "__module__", None) or ""
+    if module == "_operator":
+        return f"operator.{name}"
+    qual = getattr(obj, "__qualname__", name)
+    return f"{module}.{qual}" if module and module != "builtins" else qual
+
+
+def _path_from_inputs(node: fx.Node, sources: Sequence[fx.Node]) -> list[fx.Node]:
+    """The shortest path of nodes from a batched input to ``node`` (networkx on the graph)."""
     graph = nx.DiGraph()
     for n in node.graph.nodes:
+        graph.add_node(n)
         for user in n.users:
             graph.add_edge(n, user)
     best: list[fx.Node] = []
     for s in sources:
-        if s in graph and node in graph and nx.has_path(graph, s, node):
+        if nx.has_path(graph, s, node):
             path = nx.shortest_path(graph, s, node)
             if not best or len(path) < len(best):
                 best = path
     return best or [node]
 
 
-def mixing_error(node: fx.Node, gm: fx.GraphModule, reason: str, fix: str,
+def _format_path(path: Sequence[fx.Node]) -> str:
+    names = [n.name for n in path]
+    if len(names) > _MAX_PATH:  # the input end and the op end matter; the middle is elided
+        head, tail = 4, _MAX_PATH - 5
+        hidden = len(names) - head - tail
+        names = [*names[:head], f"... ({hidden} more)", *names[-tail:]]
+    return " -> ".join(names)
+
+
+def mixing_error(node: fx.Node, gm: fx.GraphModule, reason: str, fix: str | Sequence[str],
                  cls: type[MixingError] = MixingError) -> MixingError:
+    """The ``MixingError`` for ``node``: op, node, source line, path, why, and fixes."""
     sources = [n for n in gm.graph.nodes
                if n.op == "placeholder" and not isinstance(n.meta.get(FACT), Free)]
-    path = " -> ".join(n.name for n in _path_from_inputs(node, sources))
-    fixes = [f for f in (fix, "compile with mbs='none' to run the whole batch at once") if f]
-    message = (f"{describe_op(node, gm)} at node {node.name!r} cannot be microbatched\n"
+    path = _format_path(_path_from_inputs(node, sources))
+    fixes = [fix] if isinstance(fix, str) else list(fix)
+    fixes = list(dict.fromkeys(f for f in [*fixes, MBS_NONE] if f))
+    op = describe_op(node, gm)
+    message = (f"{op} at node {node.name!r} cannot be microbatched\n"
                f"  at {source_line(node)}\n"
                f"  path from the batched input: {path}\n"
                f"  why: {reason}\n"
-               f"  fix: " + "; or ".join(dict.fromkeys(fixes)))
+               f"  fix:\n" + "\n".join(f"    - {f}" for f in fixes))
     err = cls(message)
-    err.node, err.op, err.reason, err.path = node.name, describe_op(node, gm), reason, path  # type: ignore[attr-defined]
+    err.node, err.op, err.reason, err.path = node.name, op, reason, path  # type: ignore[attr-defined]
+    err.fixes = tuple(fixes)  # type: ignore[attr-defined]
+    err.source_line = source_line(node)  # type: ignore[attr-defined]
     return err
 
 
-def _depends_on_params(node: fx.Node, gm: fx.GraphModule) -> bool:
+def _carries_gradient(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether the value depends on parameters through something differentiable.
+
+    Integer and boolean values (argmax, comparisons, counts) carry no gradient,
+    so accuracy counts next to a loss do not count as a second trained output.
+    """
     if node.op == "get_attr":
         return True
-    if node.op == "call_module" and any(True for _ in gm.get_submodule(node.target).parameters()):
-        return True
-    found = []
-    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n.meta.get(PARAMS, False)))
-    return any(found)
+    name = node_name(node) if node.op != "call_module" else ""
+    if name in _NO_VALUES:
+        return False
+    if node.op == "call_module" and any(True for _ in gm.get_submodule(node.target)
+                                        .parameters()):
+        found = True
+    else:
+        args = node.args[:1] if name in _FIRST_ARG_VALUES else (node.args, node.kwargs)
+        flags: list[bool] = []
+        fx.node.map_arg(args, lambda n: flags.append(n.meta.get(PARAMS, False)))
+        found = any(flags)
+    if not found:
+        return False
+    info = node.meta.get(SHAPES)
+    if isinstance(info, ValueInfo) and not info.is_tensor:
+        return False  # sizes and other Python numbers
+    if getattr(info, "is_tensor", False) and info.dtype is not None and not (
+            info.dtype.is_floating_point or info.dtype.is_complex):
+        return False
+    return True
+
+
+# Ops whose other arguments give only a dtype, device or shape (x.to(y), x.view_as(y)),
+# and ops whose values come from none of their arguments (zeros_like(y), x.size()).
+_FIRST_ARG_VALUES = frozenset({"to", "type_as", "view_as", "reshape_as", "expand_as",
+                               "_to_copy", "new_tensor"})
+_NO_VALUES = frozenset({"detach", "detach_", "zeros_like", "ones_like", "empty_like",
+                        "full_like", "rand_like", "randn_like", "randint_like", "new_zeros",
+                        "new_ones", "new_empty", "new_full", "size", "sym_size", "dim",
+                        "numel", "sym_numel", "argmax", "argmin"})
 
 
 def _is_batch_related(fact: Fact) -> bool:
@@ -96,12 +215,20 @@ def _is_batch_related(fact: Fact) -> bool:
     return isinstance(fact, (Batched, BatchSize, Reduced))
 
 
+def _unused_in_place(node: fx.Node) -> bool:
+    """An in-place op whose result nothing reads: the rewrite follows values, not mutations."""
+    name = node_name(node)
+    if node.op not in ("call_method", "call_function") or node.users:
+        return False
+    return name == "setitem" or (name.endswith("_") and not name.endswith("__"))
+
+
 def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
                   ) -> fx.GraphModule:
     """Write ``node.meta[FACT]`` for every node of ``gm`` (in place) and return it."""
     facts: dict[fx.Node, Fact] = {}
     for node in gm.graph.nodes:
-        node.meta[PARAMS] = _depends_on_params(node, gm)
+        node.meta[PARAMS] = _carries_gradient(node, gm)
         if node.op == "placeholder":
             fact: Fact = input_facts.get(node.target, Free())
         elif node.op == "get_attr":
@@ -109,42 +236,63 @@ def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
         elif node.op == "output":
             fact = Free()
             for leaf in node.all_input_nodes:
-                out = facts[leaf]
-                if isinstance(out, Batched) and not out.major:
-                    raise mixing_error(leaf, gm, "it is returned with samples interleaved "
-                                       "with another dim, so microbatch outputs cannot be "
-                                       "concatenated in order",
-                                       "reshape so the batch dim leads before returning it")
+                _check_output(leaf, facts[leaf], gm)
         else:
-            inputs: list[Fact] = []
-            fx.node.map_arg((node.args, node.kwargs), lambda n: inputs.append(facts[n]))
+            inputs = [facts[n] for n in node.all_input_nodes]
             module: nn.Module | None = gm.get_submodule(node.target) \
                 if node.op == "call_module" else None
             if not any(_is_batch_related(f) for f in inputs):
                 fact = Free()  # nothing batched flows in: it cannot mix samples
             else:
+                if _unused_in_place(node):
+                    raise mixing_error(
+                        node, gm, "it changes a batched tensor in place and nothing reads "
+                        "its result; mbcompile's rewrite follows values, not mutations",
+                        "use the out-of-place form and its result: x = x.masked_fill(m, v), "
+                        "x = torch.where(mask, v, x)")
                 rule = lookup_rule(node, module)
                 if rule is None:
-                    raise mixing_error(
-                        node, gm, "mbcompile has no batch rule for this op, and it does not "
-                        "guess whether an op keeps samples independent",
-                        "if it treats samples independently, register a rule: "
-                        f"mbcompile.register_batch_rule({_op_key_repr(node)}, 'per_sample'), or "
-                        "for a module mbcompile.trust_module(YourModule)", UnsupportedOpError)
+                    raise _unsupported(node, gm, module)
                 ctx = RuleContext(node, facts, gbs, module, tuple(node.args), dict(node.kwargs))
                 try:
-                    fact = rule(ctx)
+                    fact = apply_rule(rule, ctx)
                 except _Rejected as rejected:
-                    raise mixing_error(node, gm, rejected.reason, rejected.fix) from None
+                    raise mixing_error(node, gm, rejected.reason, rejected.fixes) from None
         facts[node] = fact
         node.meta[FACT] = fact
     return gm
 
 
-def _op_key_repr(node: fx.Node) -> str:
+def _check_output(leaf: fx.Node, fact: Fact, gm: fx.GraphModule) -> None:
+    if isinstance(fact, Batched) and not fact.major:
+        raise mixing_error(leaf, gm, "it is returned with samples interleaved with another "
+                           "dim, so microbatch outputs cannot be concatenated in order",
+                           "reshape so the batch dim leads before returning it")
+    if isinstance(fact, Batched) and fact.positions:
+        raise mixing_error(leaf, gm, "it returns each sample's position in the batch "
+                           "(torch.arange(B)), which restarts at 0 in every microbatch",
+                           "return per-sample data, not positions")
+    if isinstance(fact, BatchSize) and not fact.multiple:
+        return  # a number computed from the global batch size: the rewrite keeps it global
+
+
+def _unsupported(node: fx.Node, gm: fx.GraphModule, module: nn.Module | None) -> MixingError:
+    key = _op_key_repr(node, module)
+    ways = [f"if it treats samples independently, register a rule: "
+            f"mbcompile.register_batch_rule({key}, 'per_sample')"]
+    if module is not None:
+        ways.append(f"or trust the layer as per-sample: mbcompile.trust_module({key})")
+    else:
+        ways.append("or move the call into an nn.Module of yours and trust it: "
+                    "mbcompile.trust_module(YourModule)")
+    return mixing_error(node, gm, "mbcompile has no batch rule for this op, and it does not "
+                        "guess whether an op keeps samples independent", ways,
+                        UnsupportedOpError)
+
+
+def _op_key_repr(node: fx.Node, module: nn.Module | None) -> str:
     if node.op == "call_method":
         return repr(node.target)
-    if node.op == "call_module":
-        return "YourModuleClass"
-    target = node.target
-    return f"{getattr(target, '__module__', '')}.{node_name(node)}".lstrip(".")
+    if module is not None:
+        return _qualname(type(module))
+    return _qualname(node.target)

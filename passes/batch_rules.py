@@ -5,26 +5,42 @@ value at two batch sizes) and returns the node's fact, or calls ``ctx.mix(...)``
 to reject the op. Keys are:
 
 - a module class (``nn.Linear``) for ``call_module`` nodes,
-- a function (``torch.relu``, ``F.linear``, ``operator.add``, an ATen overload
-  packet such as ``torch.ops.aten.linear``) for ``call_function`` nodes,
+- a function (``torch.relu``, ``F.linear``, ``operator.add``) for ``call_function``
+  nodes of ``torch.fx.symbolic_trace`` graphs,
+- an ATen overload packet (``torch.ops.aten.linear``) for the ``call_function``
+  nodes of ``torch.export`` graphs (any overload maps to its packet),
 - a method name string (``"view"``) for ``call_method`` nodes.
 
-As in JAX's ``primitive_batchers``, an op without a rule is rejected, never
-guessed. Users add rules with ``register_batch_rule(op, rule)``.
+Each family below registers all the spellings of its ops at once (``torch.X``,
+``Tensor.X``, ``F.X``, ``torch.ops.aten.X``), one line per op or group, with a
+comment saying what it does to the batch dim. As in JAX's ``primitive_batchers``,
+an op without a rule is rejected, never guessed; users add rules with
+``register_batch_rule(op, rule)`` and trust whole layers with ``trust_module``.
 
 Worked example, ``loss = F.cross_entropy(self.head(x).view(-1, V), y.view(-1))``:
 
 1. ``x`` is ``Batched(0)`` (an input); ``self.head`` is ``nn.Linear``, whose rule
-   ``contracts_last`` checks the batch dim is not the contracted last dim.
+   checks the batch dim is not the contracted last dim.
 2. ``view(-1, V)`` merges (B, T) into B*T rows: ``reshape_rule`` sees from the
    shapes at gbs and gbs+1 that dim 0 scales as T*B, batch-major: ``Batched(0, T)``.
 3. ``cross_entropy`` with ``reduction='mean'`` is a reduction over the batch:
-   ``loss_rule`` returns ``Reduced`` and records a ``ReductionSpec("mean",
+   ``loss`` returns ``Reduced`` and records a ``ReductionSpec("mean",
    cross_entropy_partial)`` so the rewrite computes (sum, count) per microbatch.
+
+Two values need more care than "which dim is the batch":
+
+- ``BatchSize`` ints (``x.size(0)``) may shape tensors (``view(B, -1)``,
+  ``zeros(B, D)``, ``arange(B)``) but never enter per-sample arithmetic: a
+  microbatch would see its own size (``pointwise`` rejects ``x * x.size(0)``);
+- ``torch.arange(B)`` is ``Batched(positions=True)``: each sample's index in
+  its batch. It may index the batch dim of a batched tensor (the identity
+  ``x[torch.arange(B), labels]``) and go through reshapes and casts, nothing
+  else, since positions restart at 0 in every microbatch (``apply_rule``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -37,10 +53,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mbcompile import partials
-from mbcompile.errors import MixingError
 
 from .facts import (
+    PARAMS,
     REDUCTION,
+    SHAPES,
     Batched,
     BatchSize,
     Container,
@@ -53,8 +70,13 @@ from .facts import (
 
 __all__ = [
     "BATCH_RULES",
+    "FAMILIES",
+    "POSITION_PRESERVING",
+    "TRUSTED_MODULES",
     "RuleContext",
+    "apply_rule",
     "lookup_rule",
+    "node_name",
     "register_batch_rule",
     "rule_key",
     "trust_module",
@@ -65,14 +87,27 @@ Rule = Callable[["RuleContext"], Fact]
 #: The one table: op -> rule.
 BATCH_RULES: dict[Any, Rule] = {}
 
+#: Ops that only move or copy elements: ``arange(B)`` positions stay positions through them.
+POSITION_PRESERVING: set[Any] = set()
+
+#: Module classes the capture pass keeps as leaves (``trust_module``).
+TRUSTED_MODULES: set[type[nn.Module]] = set()
+
+MBS_NONE = ("run the batch unsplit: mbcompile.compile(model, gbs, num_csx=1, mbs='none') "
+            "(one system, one microbatch)")
+
 
 class _Rejected(Exception):
     """Raised by ``RuleContext.mix``; the analysis turns it into a ``MixingError``."""
 
-    def __init__(self, reason: str, fix: str) -> None:
+    def __init__(self, reason: str, fixes: Sequence[str]) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.fix = fix
+        self.fixes = tuple(f for f in fixes if f)
+
+    @property
+    def fix(self) -> str:
+        return "; or ".join(self.fixes)
 
 
 @dataclass
@@ -88,10 +123,15 @@ class RuleContext:
 
     # ----------------------------------------------------------------- inputs
     def arg(self, index: int, name: str | None = None, default: Any = None) -> Any:
-        """The raw argument (an fx.Node or a constant) by position or keyword."""
-        if name is not None and name in self._kwargs:
-            return self._kwargs[name]
-        if index < len(self._args):
+        """The raw argument (an fx.Node or a constant) by position or keyword.
+
+        ``index`` is the position in the call (for ``call_module`` nodes, after
+        the module itself); ``name`` also matches ATen's ``self`` for ``input``.
+        """
+        for key in (name, "self" if name == "input" else None):
+            if key is not None and key in self._kwargs:
+                return self._kwargs[key]
+        if 0 <= index < len(self._args):
             return self._args[index]
         return default
 
@@ -111,42 +151,63 @@ class RuleContext:
 
     def info(self, value: Any = None) -> Any:
         """The ``ValueInfo`` of the node's value, or of an argument node."""
-        from .facts import SHAPES
-
         node = self.node if value is None else value
         return node.meta.get(SHAPES) if isinstance(node, fx.Node) else None
 
-    # ---------------------------------------------------------------- verdicts
-    def mix(self, reason: str, fix: str = "") -> NoReturn:
-        raise _Rejected(reason, fix)
+    def ndim(self, value: Any) -> int:
+        info = self.info(value)
+        return info.ndim if isinstance(info, ValueInfo) and info.is_tensor else 0
 
-    def batched_out(self, major: bool | None = None) -> Batched:
-        """The node's value as per-sample, locating the batch dim from its shapes."""
+    def is_tensor(self, value: Any) -> bool:
+        info = self.info(value)
+        return isinstance(info, ValueInfo) and info.is_tensor
+
+    # ---------------------------------------------------------------- verdicts
+    def mix(self, reason: str, *fixes: str) -> NoReturn:
+        """Reject the op: ``reason`` says why it mixes samples, ``fixes`` what to do."""
+        raise _Rejected(reason, fixes)
+
+    def batched_out(self, major: bool | None = None) -> Fact:
+        """The node's value as per-sample, locating the batch dim from its shapes.
+
+        Ops that return several tensors get a ``Container`` with one fact each.
+        """
         info = self.info()
         if isinstance(info, tuple):
-            self.mix("returns several values; give it a rule that names each one's batch dim")
+            return Container(tuple((i, self._piece(p, major)) for i, p in enumerate(info)))
         if not isinstance(info, ValueInfo) or not info.is_tensor:
-            self.mix("produces a non-tensor value from per-sample inputs")
+            return _int_fact(self)
+        return self._piece(info, major)
+
+    def _piece(self, info: Any, major: bool | None) -> Fact:
+        if isinstance(info, tuple):
+            return Container(tuple((i, self._piece(p, major)) for i, p in enumerate(info)))
+        if not isinstance(info, ValueInfo):
+            return Free()
+        if not info.is_tensor:
+            return _number_fact(info, self)
         dims = info.batch_dims
         if len(dims) == 0:
             self.mix("its output no longer has a batch dim: it selects, drops or combines "
-                     "samples (for example indexing or slicing the batch dim)",
-                     "keep the batch dim whole: index and slice only the other dims")
+                     "samples (indexing, slicing or reducing the batch dim)",
+                     "keep the batch dim whole: index, slice and reduce only the other dims")
         if len(dims) > 1:
             self.mix(f"its output has {len(dims)} dims that grow with the batch "
                      f"(shape {tuple(info.shape_a)} at batch {self.gbs}), so it pairs "
                      "every sample with every other sample",
-                     "compute the interaction per sample, or compile with mbs='none'")
+                     "compute the interaction within each sample (in-batch negatives, "
+                     "x @ x.T and similar need the whole batch)")
         d = dims[0]
         factor = _factor(info.shape_a[d], info.shape_b[d], self.gbs)
         if factor is None:
             self.mix(f"dim {d} has {info.shape_a[d]} rows at batch {self.gbs} and "
                      f"{info.shape_b[d]} at batch {self.gbs + 1}: not a whole number of rows "
-                     "per sample, so the batch size is baked in (a constant in a view, "
-                     "a slice of the batch dim)",
-                     "derive batch sizes from the input (x.size(0), -1) instead of constants")
+                     "per sample, so part of the batch is dropped or the batch size is baked "
+                     "in (a constant in a view, a slice of the batch dim)",
+                     "derive batch sizes from the input (x.size(0) or -1) and keep the "
+                     "batch dim whole")
         if major is None:
-            major = all(f.major for f in self.arg_facts() if isinstance(f, Batched))
+            major = all(f.major for f in _batched(self.arg_facts()))
         return Batched(d, factor, major or factor == 1)
 
 
@@ -155,39 +216,57 @@ def _factor(size_a: int, size_b: int, gbs: int) -> int | None:
     return f if f > 0 and size_a == f * gbs else None
 
 
+def _batched(facts: Iterable[Fact]) -> list[Batched]:
+    return [f for f in facts if isinstance(f, Batched)]
+
+
 def _join(facts: Iterable[Fact], ctx: RuleContext) -> Fact:
     """The fact of a value computed from several facts by an op applied per sample."""
     facts = list(facts)
     if any(isinstance(f, Reduced) for f in facts):
-        if any(isinstance(f, (Batched, BatchSize)) for f in facts):
+        if any(isinstance(f, Batched) for f in facts):
             ctx.mix("it combines per-sample values with a statistic of the whole batch "
                     "(such as x - x.mean(0)): each microbatch would see only its own "
                     "statistic",
-                    "use per-sample normalisation (LayerNorm, GroupNorm), or compile with "
-                    "mbs='none'")
+                    "use per-sample normalisation (LayerNorm, GroupNorm) or statistics over "
+                    "the non-batch dims")
         return Reduced(count=all(f.count for f in facts if isinstance(f, Reduced)))
     if any(isinstance(f, Batched) for f in facts):
         return ctx.batched_out()
     if any(isinstance(f, BatchSize) for f in facts):
         return _int_fact(ctx)
+    if any(isinstance(f, Container) for f in facts):
+        return ctx.batched_out() if _has_batched(facts) else Free()
     return Free()
 
 
+def _has_batched(facts: Iterable[Fact]) -> bool:
+    for f in facts:
+        if isinstance(f, Container) and _has_batched(g for _, g in f.items):
+            return True
+        if isinstance(f, (Batched, BatchSize)):
+            return True
+    return False
+
+
+def _number_fact(info: ValueInfo, ctx: RuleContext) -> Fact:
+    """A Python number seen at two batch sizes: free, a batch size, or derived from one."""
+    if info.int_a is None or info.int_a == info.int_b:
+        return Free()
+    factor = _factor(info.int_a, info.int_b, ctx.gbs)
+    return BatchSize(factor) if factor else BatchSize(0, multiple=False)
+
+
 def _int_fact(ctx: RuleContext) -> Fact:
-    """Facts of Python ints derived from batch sizes, read off their two values."""
+    """Facts of Python numbers derived from batch sizes, read off their two values."""
     info = ctx.info()
     if isinstance(info, ValueInfo) and info.is_tensor:
         return ctx.batched_out()
-    if not isinstance(info, ValueInfo) or info.int_a is None:
+    if isinstance(info, tuple):
+        return ctx.batched_out()
+    if not isinstance(info, ValueInfo):
         return Free()
-    if info.int_a == info.int_b:
-        return Free()
-    factor = _factor(info.int_a, info.int_b, ctx.gbs)
-    if factor is None:
-        ctx.mix(f"it computes {info.int_a} from the batch size {ctx.gbs}, which is not a "
-                "multiple of it, so it would differ per microbatch",
-                "use sizes that are multiples of the batch size, or compile with mbs='none'")
-    return BatchSize(factor)
+    return _number_fact(info, ctx)
 
 
 # ---------------------------------------------------------------------------
@@ -206,41 +285,121 @@ def register_batch_rule(op: Any, rule: Rule | str) -> None:
 
     ``rule`` is a function ``(RuleContext) -> Fact`` or the name of a built-in
     family: ``"per_sample"`` (the op never mixes samples: the output's batch dim
-    is found from its shape), ``"pointwise"``, ``"free"``.
+    is found from its shape), ``"pointwise"`` (elementwise: also rejects a
+    non-linear function of a batch reduction), ``"linear"`` (linear in its
+    inputs, so reductions pass through), ``"free"`` (batch-free unless shaped
+    by the batch).
+
+    >>> mbcompile.register_batch_rule(my_ops.fused_gelu, "per_sample")
+    >>> mbcompile.register_batch_rule("my_method", lambda ctx: ctx.batched_out())
     """
     if isinstance(rule, str):
         try:
             rule = FAMILIES[rule]
         except KeyError:
             raise ValueError(f"unknown rule family {rule!r}; one of {sorted(FAMILIES)}") from None
+    if not callable(rule):
+        raise TypeError(f"a batch rule is a function (RuleContext) -> Fact or a family name, "
+                        f"got {rule!r}")
     BATCH_RULES[rule_key(op)] = rule
 
 
-def trust_module(module_type: type[nn.Module]) -> None:
+def trust_module(module_type: type[nn.Module]) -> type[nn.Module]:
     """Trust every instance of ``module_type`` as per-sample (a leaf, never traced into).
 
-    Use it for your own layers that you know treat samples independently; the
-    capture pass keeps them as single ``call_module`` nodes.
+    Use it for your own layers that you know treat samples independently
+    (custom kernels, code fx cannot trace): ``torch.fx`` capture keeps them as
+    single ``call_module`` nodes, and the batch analysis finds their output's
+    batch dim from its shape. Works as a class decorator too.
     """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"trust_module takes an nn.Module subclass, got {module_type!r}")
     register_batch_rule(module_type, per_sample)
     TRUSTED_MODULES.add(module_type)
+    return module_type
 
 
-TRUSTED_MODULES: set[type[nn.Module]] = set()
-
-
-def _register(ops: Iterable[Any], rule: Rule) -> None:
+def _register(ops: Iterable[Any], rule: Rule, *, preserves_positions: bool = False) -> None:
     for op in ops:
+        if op is None:
+            continue
         BATCH_RULES[rule_key(op)] = rule
+        if preserves_positions:
+            POSITION_PRESERVING.add(rule_key(op))
 
 
 def lookup_rule(node: fx.Node, module: nn.Module | None) -> Rule | None:
+    """The rule for ``node``: by module class (most derived first), function or method name."""
     if node.op == "call_module":
         for cls in type(module).__mro__:
             if cls in BATCH_RULES:
                 return BATCH_RULES[cls]
         return None
-    return BATCH_RULES.get(rule_key(node.target))
+    try:
+        return BATCH_RULES.get(rule_key(node.target))
+    except TypeError:  # an unhashable target
+        return None
+
+
+def apply_rule(rule: Rule, ctx: RuleContext) -> Fact:
+    """Run ``rule``, then police ``arange(B)`` positions (see the module docstring)."""
+    fact = rule(ctx)
+    positions = [f for f in _batched(ctx.arg_facts()) if f.positions]
+    if not positions or getattr(rule, "handles_positions", False):
+        return fact
+    key = ctx.module.__class__ if ctx.module is not None else rule_key(ctx.node.target)
+    others = [f for f in _batched(ctx.arg_facts()) if not f.positions]
+    if (key in POSITION_PRESERVING and not others and isinstance(fact, Batched)
+            and fact.factor == positions[0].factor):
+        return dataclasses.replace(fact, positions=True)
+    if isinstance(fact, Container) and key in POSITION_PRESERVING and not others:
+        return Container(tuple((k, dataclasses.replace(f, positions=True))  # pieces of arange
+                               if isinstance(f, Batched) else (k, f) for k, f in fact.items))
+    ctx.mix("it uses each sample's position in the batch (torch.arange(B)) as a value; "
+            "positions restart at 0 in every microbatch, so sample i would see a different "
+            "number",
+            "use arange(B) only to index the batch dim (x[torch.arange(B), idx]); for "
+            "positions along the sequence use torch.arange(T)")
+
+
+def _handles_positions(rule: Rule) -> Rule:
+    rule.handles_positions = True  # type: ignore[attr-defined]
+    return rule
+
+
+# ---------------------------------------------------------------------------
+# Spellings: every name an op goes by
+# ---------------------------------------------------------------------------
+
+def aten(*names: str) -> list[Any]:
+    """ATen overload packets (``torch.ops.aten.<name>``) that exist in this torch."""
+    out = []
+    for name in names:
+        try:
+            out.append(getattr(torch.ops.aten, name))
+        except (AttributeError, RuntimeError):
+            continue
+    return out
+
+
+def spellings(*names: str, functional: bool = True, method: bool = True,
+              torch_ns: bool = True, aten_ns: bool = True) -> list[Any]:
+    """``torch.X``, ``Tensor.X`` (as the method name), ``F.X`` and ``aten.X`` for each name."""
+    out: list[Any] = []
+    for name in names:
+        if torch_ns and hasattr(torch, name):
+            out.append(getattr(torch, name))
+        if method and hasattr(torch.Tensor, name):
+            out.append(name)
+        if functional and hasattr(F, name):
+            out.append(getattr(F, name))
+        if aten_ns:
+            out.extend(aten(name))
+    return out
+
+
+def _mods(*names: str) -> list[type[nn.Module]]:
+    return [getattr(nn, n) for n in names if hasattr(nn, n)]
 
 
 # ---------------------------------------------------------------------------
@@ -252,21 +411,34 @@ def free(ctx: RuleContext) -> Fact:
     return _join(ctx.arg_facts(), ctx)
 
 
+def _no_batch_size_values(ctx: RuleContext, facts: Sequence[Fact]) -> None:
+    if any(isinstance(f, BatchSize) for f in facts) and ctx.is_tensor(ctx.node) and not any(
+            isinstance(f, Reduced) for f in facts):
+        ctx.mix("it uses the batch size (x.size(0), len(x)) as a value in per-sample work: "
+                "inside the microbatch loop it is the microbatch's size, not the batch's",
+                "use the batch size only for shapes (view, expand, zeros), or divide a "
+                "reduction by it (loss.sum() / x.size(0)), which mbcompile keeps global")
+
+
 def pointwise(ctx: RuleContext) -> Fact:
     """Elementwise / broadcasting op: samples stay independent."""
     facts = ctx.arg_facts()
-    if any(isinstance(f, Reduced) for f in facts) and not any(
-            isinstance(f, (Batched, BatchSize)) for f in facts):
+    if any(isinstance(f, Reduced) for f in facts) and not _batched(facts):
         ctx.mix("it applies a non-linear function to a reduction over the batch (such as "
-                "loss.sqrt()); reductions are combined across microbatches linearly",
-                "apply non-linear functions per sample before reducing, or compile with "
-                "mbs='none'")
+                "loss.sqrt() or acc ** 2); mbcompile combines reductions across microbatches "
+                "linearly and only divides sums by counts",
+                "apply the non-linear function per sample before reducing, or return the "
+                "reduction and transform it outside the model")
+    _no_batch_size_values(ctx, facts)
     return _join(facts, ctx)
 
 
 def linear(ctx: RuleContext) -> Fact:
-    """Ops linear in each argument: a reduction may be scaled by batch-free values."""
-    return _join(ctx.arg_facts(), ctx)
+    """Ops linear in each argument (negation, casts, reshapes): reductions pass through."""
+    facts = ctx.arg_facts()
+    if any(isinstance(f, Reduced) for f in facts):
+        return _join(facts, ctx)
+    return per_sample(ctx)
 
 
 def _linear_arith(op: str) -> Rule:
@@ -274,21 +446,27 @@ def _linear_arith(op: str) -> Rule:
 
     def rule(ctx: RuleContext) -> Fact:
         a, b = ctx.fact(ctx.arg(0)), ctx.fact(ctx.arg(1))
+        if op == "div" and ctx.arg(2, "rounding_mode") is not None:
+            return pointwise(ctx)  # floor / trunc division is not linear
         reduced = [f for f in (a, b) if isinstance(f, Reduced)]
-        if not reduced or op in ("add", "sub"):
+        if not reduced:
+            _no_batch_size_values(ctx, (a, b))
+            return _join((a, b), ctx)
+        if op in ("add", "sub"):
             return _join((a, b), ctx)
         if isinstance(a, Reduced) and isinstance(b, Reduced):
             if op == "div" and b.count:
-                return Reduced(count=a.count)  # sum / count: a mean, exact on totals
+                return Reduced(count=a.count)  # sum / count: a mean, exact on the totals
             ctx.mix("it multiplies or divides two reductions over the batch, which is not "
                     "linear in the samples",
-                    "divide only by counts computed from the inputs (mask.sum()), or "
-                    "compile with mbs='none'")
+                    "divide only by counts computed from the inputs (mask.sum(), "
+                    "(labels != -100).sum()), which mbcompile adds up before dividing")
         if op == "div" and isinstance(b, Reduced):
-            ctx.mix("it divides by a reduction over the batch that depends on parameters",
+            ctx.mix("it divides by a reduction over the batch that depends on the parameters, "
+                    "which is not linear in the samples",
                     "divide by counts computed from the inputs only")
         other = b if isinstance(a, Reduced) else a
-        if isinstance(other, BatchSize) and op in ("div", "mul"):
+        if isinstance(other, BatchSize):
             return Reduced(count=a.count if isinstance(a, Reduced) else False)  # sum / B
         return _join((a, b), ctx)
 
@@ -304,34 +482,43 @@ def per_sample(ctx: RuleContext) -> Fact:
 
 
 def _check_batch_not_in(ctx: RuleContext, value: Any, dims: Sequence[int], what: str,
-                        fix: str = "") -> None:
+                        *fixes: str) -> None:
     fact = ctx.fact(value)
     if not isinstance(fact, Batched):
         return
-    info = ctx.info(value)
-    ndim = info.ndim if isinstance(info, ValueInfo) else 0
-    if fact.dim in {d % ndim for d in dims} if ndim else False:
+    ndim = ctx.ndim(value)
+    if ndim and fact.dim in {d % ndim for d in dims}:
         ctx.mix(f"it {what} along dim {fact.dim}, which is the batch dim",
-                fix or f"make it {what} along a non-batch dim, or compile with mbs='none'")
+                *(fixes or (f"make it {what} along a non-batch dim",)))
 
 
-def along(get_dims: Callable[[RuleContext], Sequence[int]], what: str, fix: str = "",
-          input_index: int = 0, input_name: str = "input") -> Rule:
-    """The op couples elements along some dims of its input: fine unless the batch dim."""
+def along(get_dims: Callable[[RuleContext], Sequence[int]], what: str, *fixes: str,
+          inputs: Sequence[tuple[int, str]] = ((0, "input"),)) -> Rule:
+    """The op couples elements along some dims of its inputs: fine unless the batch dim."""
 
     def rule(ctx: RuleContext) -> Fact:
-        _check_batch_not_in(ctx, ctx.arg(input_index, input_name), get_dims(ctx), what, fix)
+        dims = get_dims(ctx)
+        for index, name in inputs:
+            _check_batch_not_in(ctx, ctx.arg(index, name), dims, what, *fixes)
         return per_sample(ctx)
 
     return rule
 
 
-def _dim_arg(index: int = 1, name: str = "dim", default: Any = None) -> Callable[[RuleContext], list[int]]:
+def _all_dims(ctx: RuleContext, value: Any) -> list[int]:
+    return list(range(ctx.ndim(value)))
+
+
+def _dim_arg(index: int = 1, name: str = "dim", default: Any = None,
+             of: tuple[int, str] = (0, "input")) -> Callable[[RuleContext], list[int]]:
+    """Dims named by an argument; ``None`` or ``[]`` mean every dim of the input."""
+
     def get(ctx: RuleContext) -> list[int]:
         d = ctx.arg(index, name, default)
-        if d is None:
-            info = ctx.info(ctx.arg(0, "input"))
-            return list(range(info.ndim)) if isinstance(info, ValueInfo) else []
+        if d is None or (isinstance(d, (tuple, list)) and len(d) == 0):
+            return _all_dims(ctx, ctx.arg(*of))
+        if isinstance(d, fx.Node):  # a symbolic dim: assume the worst
+            return _all_dims(ctx, ctx.arg(*of))
         return list(d) if isinstance(d, (tuple, list)) else [d]
 
     return get
@@ -341,76 +528,131 @@ def _last(k: int) -> Callable[[RuleContext], list[int]]:
     return lambda ctx: list(range(-k, 0))
 
 
-def _from(start: int) -> Callable[[RuleContext], list[int]]:
-    """Every dim from ``start`` on: conv, pooling and GroupNorm need the batch at dim 0."""
+def _softmax_dim(index: int = 1) -> Callable[[RuleContext], list[int]]:
+    """softmax's dim; ``None`` is the legacy implicit dim (0 for 0-, 1- and 3-d inputs, else 1)."""
 
     def get(ctx: RuleContext) -> list[int]:
-        info = ctx.info(ctx.arg(0, "input"))
-        return list(range(start, info.ndim)) if isinstance(info, ValueInfo) else []
+        d = ctx.arg(index, "dim")
+        if d is None:
+            ndim = ctx.ndim(ctx.arg(0, "input"))
+            return [0 if ndim in (0, 1, 3) else 1]
+        return [d]
 
     return get
 
 
-def reduction(kind: str, partial: Callable[..., Any] | None, other: str = "",
-              index: int = 0, name: str = "input") -> Rule:
-    """Sum/mean-style reductions: over the batch dim they become a ``ReductionSpec``.
+def channels_first(spatial: int | None, what: str, *, input_index: int = 0,
+                   input_name: str = "input", extra: Sequence[tuple[int, str]] = ()) -> Rule:
+    """(N, C, *spatial) ops (conv, pooling, upsampling, GroupNorm): the batch must be N.
 
-    ``other`` names a non-linear reduction (max, var, ...) that is rejected over the
-    batch dim.
+    ``spatial`` is the number of spatial dims when the op fixes it (``Conv2d``: 2;
+    ``None``: read it off the op's name, ``max_pool2d``; 0: any): a 3-d input to a
+    2-d conv is unbatched (C, H, W), so its dim 0 is channels, not samples.
     """
 
     def rule(ctx: RuleContext) -> Fact:
-        x = ctx.arg(index, name)
-        fact = ctx.fact(x)
-        dims = _dim_arg(1, "dim")(ctx)
-        if isinstance(fact, Reduced):
-            if other:
-                ctx.mix(f"it takes the {other} of a reduction over the batch, which is not "
-                        "linear in the samples", "reduce per sample first")
-            return fact  # summing / averaging the remaining dims is linear
-        if not isinstance(fact, Batched):
-            return _join(ctx.arg_facts(), ctx)
-        ndim = ctx.info(x).ndim
-        if fact.dim not in {d % ndim for d in dims}:
-            return per_sample(ctx)
-        if other:
-            ctx.mix(f"it takes the {other} over the batch dim, which couples samples "
-                    "non-linearly",
-                    "take it over non-batch dims, or compile with mbs='none'")
-        ctx.node.meta[REDUCTION] = ReductionSpec(kind, partial)
-        return Reduced(count=not ctx.node.meta.get("mbcompile.params", True))
+        for index, name in ((input_index, input_name), *extra):
+            value = ctx.arg(index, name)
+            fact = ctx.fact(value)
+            if not isinstance(fact, Batched):
+                continue
+            ndim = ctx.ndim(value)
+            n = spatial if spatial is not None else _spatial_of(ctx)
+            n = None if n == 0 else n
+            if fact.dim != 0 or (n is not None and ndim != n + 2):
+                expected = f"{n + 2}-d (N, C, ...)" if n is not None else "(N, C, ...)"
+                ctx.mix(f"it {what} a {ndim}-d input whose batch dim is {fact.dim}; it treats "
+                        f"only dim 0 of a {expected} input as samples, so here the batch is "
+                        "mixed in as channels or space",
+                        "move the batch dim first (x.movedim(d, 0)) and pass a batched "
+                        f"{expected} input")
+        return per_sample(ctx)
 
     return rule
 
 
-def loss(fn: Callable[..., Any], partial: Callable[..., Any], batch_at_zero: bool) -> Rule:
+def _spatial_of(ctx: RuleContext) -> int | None:
+    """Spatial dims of a module or functional (N, C, ...) op, when its name tells them."""
+    name = type(ctx.module).__name__ if ctx.module is not None else node_name(ctx.node)
+    for n in (1, 2, 3):
+        if f"{n}d" in name.lower():
+            return n
+    return None
+
+
+def reduction(kind: str, partial: Callable[..., Any] | None, other: str = "",
+              dims: Callable[[RuleContext], Sequence[int]] | None = None) -> Rule:
+    """Sum/mean-style reductions: over the batch dim they become a ``ReductionSpec``.
+
+    ``other`` names a non-linear reduction (max, var, ...) that is rejected over the
+    batch dim. ``torch.max(a, b)`` (two tensors) is elementwise.
+    """
+    get_dims = dims or _dim_arg(1, "dim")
+
+    def rule(ctx: RuleContext) -> Fact:
+        x = ctx.arg(0, "input")
+        second = ctx.arg(1, "other")
+        if other in ("max", "min") and ctx.is_tensor(second):
+            return pointwise(ctx)  # torch.max(a, b): elementwise maximum
+        fact = ctx.fact(x)
+        if isinstance(fact, Reduced):
+            if other:
+                ctx.mix(f"it takes the {other} of a reduction over the batch, which is not "
+                        "linear in the samples", "reduce each sample first")
+            return fact  # summing / averaging the remaining dims is linear
+        if not isinstance(fact, Batched):
+            return per_sample(ctx)
+        ndim = ctx.ndim(x)
+        if fact.dim not in {d % ndim for d in get_dims(ctx)}:
+            return per_sample(ctx)
+        if other:
+            ctx.mix(f"it takes the {other} over the batch dim, which couples samples "
+                    "non-linearly (the result of a microbatch is not a part of the batch's)",
+                    f"take the {other} over the non-batch dims only")
+        ctx.node.meta[REDUCTION] = ReductionSpec(kind, partial)
+        return Reduced(count=not ctx.node.meta.get(PARAMS, True))
+
+    return rule
+
+
+def loss(fn: Callable[..., Any] | None, partial: Callable[..., Any], batch_at_zero: bool,
+         reduction_of: Callable[[RuleContext], str] | None = None) -> Rule:
     """Loss functions: per-sample with reduction='none', else a reduction over the batch."""
 
     def rule(ctx: RuleContext) -> Fact:
-        if ctx.module is not None:
-            reduction_mode = ctx.module.reduction
+        if reduction_of is not None:
+            mode = reduction_of(ctx)
+        elif ctx.module is not None:
+            mode = ctx.module.reduction
         else:
-            reduction_mode = partials.loss_reduction(fn, ctx._args, ctx._kwargs)
+            mode = partials.loss_reduction(fn, ctx._args, ctx._kwargs)
         facts = ctx.arg_facts()
         if any(isinstance(f, Reduced) for f in facts):
             return pointwise(ctx)
-        batched = [f for f in facts if isinstance(f, Batched)]
+        batched = _batched(facts)
         if not batched:
             return _join(facts, ctx)
         if batch_at_zero and any(f.dim != 0 for f in batched):
             ctx.mix("its batch dim is not dim 0 (the N of (N, C, ...)), so the loss "
                     "would treat samples as classes",
-                    "move the batch dim to dim 0 (x.transpose / movedim) before the loss")
-        if reduction_mode == "none":
+                    "move the batch dim to dim 0 (x.movedim(d, 0)) before the loss")
+        if mode == "none":
             return ctx.batched_out()
-        if reduction_mode == "sum":
-            ctx.node.meta[REDUCTION] = ReductionSpec("sum", None)
-        else:
-            ctx.node.meta[REDUCTION] = ReductionSpec(
-                "mean", partials.module_loss_partial if ctx.module is not None else partial)
+        ctx.node.meta[REDUCTION] = ReductionSpec(
+            "sum" if mode == "sum" else "mean",
+            None if mode == "sum" else
+            partials.module_loss_partial if ctx.module is not None else partial)
         return Reduced()
 
     return rule
+
+
+def _aten_reduction(ctx: RuleContext) -> str:
+    """An ATen loss's ``reduction`` (0 none, 1 mean, 2 sum) as the string."""
+    schema = ctx.node.target._schema
+    names = [a.name for a in schema.arguments]
+    value = ctx.arg(names.index("reduction"), "reduction", 1)
+    return {0: "none", 1: "mean", 2: "sum"}[int(value)]
 
 
 def reshape_rule(ctx: RuleContext) -> Fact:
@@ -418,11 +660,13 @@ def reshape_rule(ctx: RuleContext) -> Fact:
     x = ctx.arg(0, "input")
     fact = ctx.fact(x)
     if not isinstance(fact, Batched):
-        return per_sample(ctx)
+        return linear(ctx)
     info_in, info_out = ctx.info(x), ctx.info()
     out = ctx.batched_out(major=True)
-    for batch, shape_in, shape_out in ((ctx.gbs, info_in.shape_a, info_out.shape_a),
-                                       (ctx.gbs + 1, info_in.shape_b, info_out.shape_b)):
+    assert isinstance(out, Batched)
+    major = True
+    for shape_in, shape_out in ((info_in.shape_a, info_out.shape_a),
+                                (info_in.shape_b, info_out.shape_b)):
         outer_in = math.prod(shape_in[:fact.dim]) * (1 if fact.major else fact.factor)
         outer_out = math.prod(shape_out[:out.dim])
         if outer_out == outer_in:
@@ -438,280 +682,904 @@ def reshape_rule(ctx: RuleContext) -> Fact:
     return Batched(out.dim, out.factor, major or out.factor == 1)
 
 
+def squeeze_rule(ctx: RuleContext) -> Fact:
+    """squeeze(d): fine on other dims; on the batch dim (or all dims) a 1-sample
+    microbatch would lose its batch dim, though batches of gbs and gbs+1 keep it."""
+    x = ctx.arg(0, "input")
+    dims = ctx.arg(1, "dim")
+    if isinstance(ctx.fact(x), Batched):
+        if dims is None:
+            ctx.mix("squeeze() without a dim also drops the batch dim of a microbatch that "
+                    "holds one sample",
+                    "name the dims to squeeze: x.squeeze(-1)")
+        _check_batch_not_in(ctx, x, dims if isinstance(dims, (tuple, list)) else [dims],
+                            "squeezes (drops the batch dim of a 1-sample microbatch)",
+                            "squeeze only size-1 non-batch dims")
+    return per_sample(ctx)
+
+
+def repeat_rule(ctx: RuleContext) -> Fact:
+    """x.repeat(r0, r1, ...): copies along the batch dim are interleaved, not batch-major."""
+    x = ctx.arg(0, "input")
+    fact = ctx.fact(x)
+    out = per_sample(ctx)
+    if not isinstance(fact, Batched) or not isinstance(out, Batched) or out.factor == 1:
+        return out
+    return dataclasses.replace(out, major=False)  # [x0..xB, x0..xB]: sample rows are apart
+
+
+def _index_entries(ctx: RuleContext, index: Any, ndim: int) -> list[tuple[int, Any]]:
+    """``(input dim, entry)`` for each entry of a Python index that consumes input dims."""
+    entries = list(index) if isinstance(index, (tuple, list)) else [index]
+
+    def width(e: Any) -> int:
+        if e is None or e is Ellipsis:
+            return 0
+        info = ctx.info(e)
+        if isinstance(info, ValueInfo) and info.is_tensor and info.dtype == torch.bool:
+            return max(info.ndim, 1)
+        return 1
+
+    used = sum(width(e) for e in entries)
+    out: list[tuple[int, Any]] = []
+    dim = 0
+    for e in entries:
+        if e is Ellipsis:
+            dim += ndim - used
+            continue
+        w = width(e)
+        for k in range(w):
+            out.append((dim + k, e))
+        dim += w
+    return out
+
+
+def _check_tensor_index(ctx: RuleContext, source: Any, by_dim: dict[int, Any]) -> None:
+    """Indexing ``source`` with tensors: the batch dim may only be indexed by positions."""
+    fact = ctx.fact(source)
+    for dim, idx in by_dim.items():
+        ifact = ctx.fact(idx)
+        if not (isinstance(idx, fx.Node) and ctx.is_tensor(idx)):
+            continue
+        if isinstance(fact, Batched) and dim == fact.dim:
+            if isinstance(ifact, Batched) and ifact.positions and ifact.factor == fact.factor \
+                    and fact.major:
+                continue  # x[arange(B)]: each sample picks itself
+            ctx.mix("it selects rows of the batch dim with an index tensor (x[idx] along "
+                    "the batch): sample i of the output can come from any sample",
+                    "index only the non-batch dims; to pick one row per sample use "
+                    "x[torch.arange(x.size(0)), idx] or torch.gather along a feature dim")
+        if isinstance(ifact, Batched) and ifact.positions:
+            ctx.mix("it indexes a batch-free tensor with sample positions (table[arange(B)]): "
+                    "positions restart at 0 in every microbatch",
+                    "index batch-free tables with per-sample data (ids), not with positions")
+
+
+@_handles_positions
 def getitem_rule(ctx: RuleContext) -> Fact:
     """``x[i]`` on tuples picks a fact; on tensors the batch dim must stay whole."""
     container, index = ctx.arg(0), ctx.arg(1)
     fact = ctx.fact(container)
     if isinstance(fact, Container):
+        if isinstance(index, slice):  # x.shape[-1:]: the items it keeps, renumbered
+            kept = [f for _, f in fact.items][index]
+            return Container(tuple(enumerate(kept)))
         return fact.get(index)
     info_in = ctx.info(container)
-    if isinstance(info_in, tuple):  # a tuple-valued op (chunk, split, ...): same fact
-        return fact
+    if isinstance(info_in, tuple):  # a tuple-valued op without per-piece facts
+        return _join([fact], ctx) if not isinstance(fact, Batched) else ctx.batched_out()
     if isinstance(info_in, ValueInfo) and not info_in.is_tensor:
         return _int_fact(ctx)  # x.shape[0], size()[1]
+    entries = _index_entries(ctx, index, ctx.ndim(container))
+    tensors = {d: e for d, e in entries if isinstance(e, fx.Node) and ctx.is_tensor(e)}
+    _check_tensor_index(ctx, container, tensors)
+    out = per_sample(ctx)
+    if (isinstance(fact, Batched) and fact.positions and not tensors
+            and isinstance(out, Batched) and out.factor == fact.factor):
+        return dataclasses.replace(out, positions=True)  # pos[:, None]
+    return out
+
+
+@_handles_positions
+def aten_index_rule(ctx: RuleContext) -> Fact:
+    """aten.index(x, [i0, i1, ...]): advanced indexing, entry k indexes dim k (None: all)."""
+    source, indices = ctx.arg(0, "input"), ctx.arg(1, "indices") or []
+    by_dim: dict[int, Any] = {}
+    dim = 0
+    for idx in indices:
+        info = ctx.info(idx)
+        width = info.ndim if isinstance(info, ValueInfo) and info.dtype == torch.bool else 1
+        for k in range(width):
+            by_dim[dim + k] = idx
+        dim += width
+    _check_tensor_index(ctx, source, {d: i for d, i in by_dim.items() if i is not None})
     return per_sample(ctx)
 
 
-def matmul_rule(ctx: RuleContext) -> Fact:
-    """a @ b: fine while the batch dim is a batch (not a contracted) dim of each side."""
-    a, b = ctx.arg(0), ctx.arg(1)
-    _check_batch_not_in(ctx, a, [-1], "contracts")
-    info_b = ctx.info(b)
-    if isinstance(info_b, ValueInfo) and info_b.ndim >= 2:
-        _check_batch_not_in(ctx, b, [-2], "contracts")
+def _dim_of(ctx: RuleContext, value: Any, d: Any) -> int | None:
+    ndim = ctx.ndim(value)
+    return d % ndim if isinstance(d, int) and ndim else None
+
+
+@_handles_positions
+def index_select_rule(ctx: RuleContext) -> Fact:
+    """index_select(x, dim, idx): along the batch dim only with arange(B) (identity)."""
+    source, dim, idx = ctx.arg(0, "input"), ctx.arg(1, "dim"), ctx.arg(2, "index")
+    d = _dim_of(ctx, source, dim)
+    _check_tensor_index(ctx, source, {d: idx} if d is not None else {})
     return per_sample(ctx)
 
 
-def chunk_rule(ctx: RuleContext) -> Fact:
-    """split/chunk/unbind along a non-batch dim: every piece keeps the batch dim."""
-    x = ctx.arg(0)
-    fact = ctx.fact(x)
-    dim = ctx.arg(2, "dim", 0)
-    if node_name(ctx.node) == "unbind":
-        dim = ctx.arg(1, "dim", 0)
-    _check_batch_not_in(ctx, x, [dim], "splits")
-    info = ctx.info()
-    if not isinstance(fact, Batched):
-        return _join(ctx.arg_facts(), ctx)
-    pieces = []
-    for i, piece in enumerate(info):
-        d = piece.batch_dims
-        if len(d) != 1:
-            ctx.mix("a piece loses the batch dim")
-        pieces.append((i, Batched(d[0], fact.factor, fact.major)))
-    return Container(tuple(pieces))
+@_handles_positions
+def gather_rule(ctx: RuleContext) -> Fact:
+    """gather/scatter/take_along_dim along a non-batch dim, index batched like the input.
 
-
-def cat_rule(ctx: RuleContext) -> Fact:
-    """cat/stack: per-sample tensors joined along a non-batch dim."""
-    tensors = ctx.arg(0, "tensors")
-    dim = ctx.arg(1, "dim", 0)
-    facts = [ctx.fact(t) for t in tensors]
-    if any(isinstance(f, Batched) for f in facts):
-        if any(isinstance(f, Free) for f in facts) and node_name(ctx.node) == "cat":
-            pass  # a batch-free piece along a feature dim is fine; the shapes check the rest
-        for t in tensors:
-            if node_name(ctx.node) == "cat":
-                _check_batch_not_in(ctx, t, [dim], "concatenates")
-    return per_sample(ctx)
-
-
-def node_name(node: fx.Node) -> str:
-    t = node.target
-    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
-
-
-def multihead_attention_rule(ctx: RuleContext) -> Fact:
-    """nn.MultiheadAttention: per-sample along its batch dim (0 if batch_first else 1)."""
-    mod = ctx.module
-    want = 0 if getattr(mod, "batch_first", False) else 1
-    for f in ctx.arg_facts():
-        if isinstance(f, Batched) and f.dim != want:
-            ctx.mix(f"its batch dim is {want} (batch_first={mod.batch_first}) but the input's "
-                    f"batch dim is {f.dim}", "pass inputs with the batch dim where the layer "
-                    "expects it")
-    info = ctx.info()
-    items = []
-    for i, piece in enumerate(info):
-        if piece is None:
-            items.append((i, Free()))
-        else:
-            d = piece.batch_dims
-            items.append((i, Batched(d[0]) if len(d) == 1 else Free()))
-    return Container(tuple(items))
-
-
-def rnn_rule(ctx: RuleContext) -> Fact:
-    """RNN/LSTM/GRU: per sample along dim 0 (batch_first) or 1; states carry dim 1."""
-    mod = ctx.module
-    want = 0 if mod.batch_first else 1
-    x = ctx.fact(ctx.arg(0, "input"))
-    if isinstance(x, Batched) and x.dim != want:
-        ctx.mix(f"its batch dim is {want} (batch_first={mod.batch_first}) but the input's "
-                f"batch dim is {x.dim}", "pass inputs with the batch dim where the layer "
-                "expects it")
-    out_info, state_info = ctx.info()
-    states = state_info if isinstance(state_info, tuple) else (state_info,)
-    state_facts = tuple((i, Batched(1)) for i in range(len(states)))
-    state = Container(state_facts) if isinstance(state_info, tuple) else Batched(1)
-    return Container(((0, Batched(want)), (1, state)))
-
-
-def batch_norm_rule(ctx: RuleContext) -> Fact:
-    """BatchNorm: eval mode uses running statistics (per-sample); training mixes."""
-    mod = ctx.module
-    if mod is not None:
-        uses_batch_stats = mod.training or not mod.track_running_stats
+    ``out[i][j] = x[i][idx[i][j]]`` (dim 1) stays in sample i when x and idx share
+    the batch dim; along the batch dim it reads other samples.
+    """
+    name = node_name(ctx.node)
+    if name == "take_along_dim":
+        source, idx, dim = ctx.arg(0, "input"), ctx.arg(1, "indices"), ctx.arg(2, "dim")
     else:
-        uses_batch_stats = bool(ctx.arg(5, "training", False)) or ctx.arg(1, "running_mean") is None
-    if uses_batch_stats and any(isinstance(f, Batched) for f in ctx.arg_facts()):
-        ctx.mix("BatchNorm in training mode normalises each channel with the mean and variance "
-                "of the whole batch, so every sample's output depends on every other sample",
-                "replace it with GroupNorm or LayerNorm, put it in eval mode (model.eval() "
-                "or module.eval() to use running statistics), or compile with mbs='none'")
-    return along(_from(1), "normalises", "put the batch first: (N, C, ...)")(ctx)
-
-
-def instance_norm_rule(ctx: RuleContext) -> Fact:
-    """InstanceNorm: per sample, but updating running stats in training averages samples."""
-    mod = ctx.module
-    if mod is not None and mod.training and mod.track_running_stats:
-        ctx.mix("InstanceNorm with track_running_stats updates running statistics averaged "
-                "over the batch", "set track_running_stats=False, use eval mode, or "
-                "mbs='none'")
-    return along(lambda c: [0], "normalises")(ctx)
-
-
-def sdpa_rule(ctx: RuleContext) -> Fact:
-    """scaled_dot_product_attention: (..., L, E) inputs; the batch must be a leading dim."""
-    for i, name in enumerate(("query", "key", "value")):
-        _check_batch_not_in(ctx, ctx.arg(i, name), [-1, -2], "attends")
+        source, dim, idx = ctx.arg(0, "input"), ctx.arg(1, "dim"), ctx.arg(2, "index")
+    d = _dim_of(ctx, source, dim)
+    fact, ifact = ctx.fact(source), ctx.fact(idx)
+    if isinstance(fact, Batched) and d == fact.dim and not (
+            isinstance(ifact, Batched) and ifact.positions):
+        ctx.mix(f"it {'writes' if 'scatter' in name or 'index_' in name else 'reads'} along "
+                "the batch dim with an index tensor, so a sample's output comes from (or goes "
+                "to) other samples",
+                "gather and scatter along a non-batch dim")
+    if isinstance(ifact, Batched) and ifact.positions:
+        ctx.mix("it uses sample positions (torch.arange(B)) as gather/scatter indices; "
+                "positions restart at 0 in every microbatch", "gather with per-sample data")
+    if isinstance(ifact, Batched) and isinstance(fact, Batched) and ifact.dim != fact.dim:
+        ctx.mix(f"its index has the batch at dim {ifact.dim} but the input at dim {fact.dim}, "
+                "so the index of one sample reads another sample's row",
+                "give the index the input's batch dim")
+    if isinstance(ifact, Batched) and not isinstance(fact, Batched) and ifact.dim != d \
+            and ctx.is_tensor(source) and ctx.ndim(source) > 1:
+        ctx.mix("it reads row i of a batch-free tensor for sample i (its index has the batch "
+                "along a dim it does not gather), a position-dependent value",
+                "expand the batch-free tensor to the batch first, or gather along the "
+                "index's batch dim")
     return per_sample(ctx)
 
 
+@_handles_positions
+def index_put_rule(ctx: RuleContext) -> Fact:
+    """index_put(x, indices, values) (``x[idx] = v``): the batch dim by a mask or positions."""
+    source, indices = ctx.arg(0, "input"), ctx.arg(1, "indices") or []
+    fact = ctx.fact(source)
+    dim = 0
+    for idx in indices:
+        info = ctx.info(idx)
+        width = info.ndim if isinstance(info, ValueInfo) and info.dtype == torch.bool else 1
+        ifact = ctx.fact(idx)
+        if isinstance(fact, Batched) and dim <= fact.dim < dim + width and idx is not None:
+            aligned = isinstance(ifact, Batched) and (
+                ifact.positions or (width > 1 and ifact.dim == fact.dim - dim))
+            if not aligned:
+                ctx.mix("it writes into rows of the batch dim chosen by an index tensor, so "
+                        "one sample's values can land in another sample",
+                        "assign with a per-sample mask: torch.where(mask, v, x)")
+        dim += width
+    return per_sample(ctx)
+
+
+@_handles_positions
+def arange_rule(ctx: RuleContext) -> Fact:
+    """torch.arange(B): each sample's position in its batch (0, 1, ..., B-1)."""
+    args = [a for a in ctx._args]
+    start = ctx._kwargs.get("start", args[0] if len(args) >= 2 else 0)
+    end = ctx._kwargs.get("end", args[1] if len(args) >= 2 else (args[0] if args else None))
+    step = ctx._kwargs.get("step", args[2] if len(args) >= 3 else 1)
+    facts = [ctx.fact(v) for v in (start, end, step)]
+    if not any(isinstance(f, (BatchSize, Batched, Reduced)) for f in facts):
+        return Free()
+    efact = ctx.fact(end)
+    if (isinstance(efact, BatchSize) and efact.multiple and ctx.fact(start) == Free()
+            and start == 0 and step == 1):
+        out = ctx.batched_out(major=True)
+        if isinstance(out, Batched):
+            return dataclasses.replace(out, positions=True)
+    ctx.mix("it builds a range from the batch size that is not 0..B-1 (a start, step or "
+            "end that is not a whole batch), which changes with every microbatch",
+            "use torch.arange(x.size(0)) to index samples, or sizes of non-batch dims")
+
+
+@_handles_positions
 def size_rule(ctx: RuleContext) -> Fact:
-    """x.size(d) / x.shape: ints (or tuples) that may be multiples of the batch size."""
+    """x.size(d) / x.shape / numel: ints (or tuples) that may be multiples of the batch size."""
     info = ctx.info()
     if isinstance(info, tuple):
         return Container(tuple((i, _int_of(v, ctx)) for i, v in enumerate(info)))
     return _int_fact(ctx)
 
 
+def read_value_rule(ctx: RuleContext) -> Fact:
+    """x.item() / x.tolist(): Python values read out of batched data."""
+    ctx.mix("it reads tensor values into Python (.item(), .tolist()), so what follows depends "
+            "on the data of the whole batch (or of one microbatch), not on shapes",
+            "keep the computation in tensors: use torch.where or a mask instead of Python "
+            "branches and numbers")
+
+
 def _int_of(info: Any, ctx: RuleContext) -> Fact:
-    if not isinstance(info, ValueInfo) or info.int_a == info.int_b:
-        return Free()
-    factor = _factor(info.int_a, info.int_b, ctx.gbs)
-    return BatchSize(factor) if factor else Free()
+    return _number_fact(info, ctx) if isinstance(info, ValueInfo) else Free()
 
 
-def arange_rule(ctx: RuleContext) -> Fact:
-    """torch.arange(B): the index of each sample within its (micro)batch."""
-    facts = ctx.arg_facts()
-    if any(isinstance(f, BatchSize) for f in facts):
-        return ctx.batched_out(major=True)
-    return _join(facts, ctx)
+@_handles_positions
+def getattr_rule(ctx: RuleContext) -> Fact:
+    """getattr(x, name): ``.shape`` ints, ``.values``/``.indices`` of a namedtuple result."""
+    obj, name = ctx.arg(0), ctx.arg(1)
+    fact = ctx.fact(obj)
+    info = ctx.info(obj)
+    if isinstance(fact, Container):
+        fields = getattr(info, "fields", None) or ("values", "indices")
+        if name in fields:
+            return fact.get(fields.index(name))
+    if name in ("shape", "ndim", "dtype", "device", "is_cuda", "layout", "requires_grad"):
+        return size_rule(ctx)
+    if name in ("T", "mT", "H", "mH", "real", "imag", "data"):
+        return per_sample(ctx)
+    return size_rule(ctx)
 
 
-def size_like_rule(ctx: RuleContext) -> Fact:
-    """zeros(B, ...)/x.new_zeros(B, ...)/ones_like(x): shaped by the batch, values free."""
-    return _join(ctx.arg_facts(), ctx)
+def _value_arg(index: int | None, name: str | None = None) -> Rule:
+    """Creation ops: shaped by the batch at most; the fill value must not be a batch size."""
+
+    @_handles_positions
+    def rule(ctx: RuleContext) -> Fact:
+        if index is not None:
+            value = ctx.arg(index, name)
+            vfact = ctx.fact(value)
+            if isinstance(vfact, BatchSize) or (
+                    isinstance(vfact, Batched) and vfact.positions):
+                ctx.mix("it fills a tensor with the batch size or sample positions, which "
+                        "are the microbatch's inside the loop",
+                        "use the batch size only for shapes")
+        facts = ctx.arg_facts()
+        if any(isinstance(f, Reduced) for f in facts):
+            return linear(ctx)
+        out = _join(facts, ctx)
+        if isinstance(out, Batched) and out.positions:
+            out = dataclasses.replace(out, positions=False)
+        return out
+
+    return rule
+
+
+size_like_rule = _value_arg(None)
+
+
+def matmul_rule(ctx: RuleContext) -> Fact:
+    """a @ b: fine while the batch dim is a batch (not a contracted) dim of each side."""
+    name = node_name(ctx.node)
+    first = 1 if name in ("addmm", "baddbmm", "addbmm", "addmv", "addr") else 0
+    a, b = ctx.arg(first, "mat1"), ctx.arg(first + 1, "mat2")
+    _check_batch_not_in(ctx, a, [-1], "contracts",
+                        "put the batch dim before the contracted (last) dim of the left side")
+    if ctx.ndim(b) >= 2:
+        _check_batch_not_in(ctx, b, [-2], "contracts",
+                            "put the batch dim outside the contracted dim of the right side")
+    if name == "addbmm":
+        _check_batch_not_in(ctx, a, [0], "sums the products over")
+    return per_sample(ctx)
+
+
+def chunk_rule(ctx: RuleContext) -> Fact:
+    """split/chunk/unbind along a non-batch dim: every piece keeps the batch dim."""
+    x = ctx.arg(0, "input")
+    name = node_name(ctx.node)
+    dim = ctx.arg(1, "dim", 0) if name == "unbind" else ctx.arg(2, "dim", 0)
+    _check_batch_not_in(ctx, x, [dim], "splits", "split along a non-batch dim")
+    fact = ctx.fact(x)
+    if not isinstance(fact, Batched):
+        return _join(ctx.arg_facts(), ctx)
+    out = ctx.batched_out()
+    if isinstance(out, Container):
+        return Container(tuple((i, dataclasses.replace(f, factor=fact.factor, major=fact.major)
+                                if isinstance(f, Batched) else f) for i, f in out.items))
+    return out
+
+
+def _pieces(ctx: RuleContext, tensors: Any) -> list[tuple[Fact, int]]:
+    """(fact, ndim) of each tensor in a list argument, or in a node holding a tuple."""
+    if isinstance(tensors, fx.Node):  # torch.stack(x.unbind(1))
+        fact, info = ctx.fact(tensors), ctx.info(tensors)
+        facts = [f for _, f in fact.items] if isinstance(fact, Container) else []
+        ndims = [i.ndim if isinstance(i, ValueInfo) else 0 for i in info or ()]
+        return list(zip(facts, ndims))
+    return [(ctx.fact(t), ctx.ndim(t)) for t in tensors or ()]
+
+
+def cat_rule(ctx: RuleContext) -> Fact:
+    """cat/stack: per-sample tensors joined along a non-batch dim."""
+    name = node_name(ctx.node)
+    dim = ctx.arg(1, "dim", 0)
+    for fact, ndim in _pieces(ctx, ctx.arg(0, "tensors")):
+        if name in ("hstack", "column_stack"):
+            dims = [1] if ndim > 1 else [0]
+        elif name in ("vstack", "row_stack"):
+            dims = [0]
+        elif name == "dstack":
+            dims = [2] if ndim > 2 else []
+        elif name in ("cat", "concat", "concatenate"):
+            dims = [dim]
+        else:
+            continue  # stack: a new dim, the shapes check the rest
+        if isinstance(fact, Batched) and ndim and fact.dim in {d % ndim for d in dims}:
+            ctx.mix(f"it concatenates along dim {fact.dim}, which is the batch dim",
+                    "concatenate along a non-batch dim (torch.cat(xs, dim=1))")
+    return per_sample(ctx)  # batch-free pieces along a feature dim are fine: shapes tell
+
+
+def is_aten(target: Any) -> bool:
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def node_name(node: fx.Node) -> str:
+    """The op's short name: ``view``, ``linear`` (for ``aten.linear.default`` too)."""
+    t = node.target
+    if isinstance(t, str):
+        return t
+    if is_aten(t):
+        return str(t).split(".")[1]  # "aten.linear.default" -> "linear"
+    return getattr(t, "__name__", str(t))
+
+
+def batch_norm_rule(spelling: str) -> Rule:
+    """BatchNorm: eval mode uses running statistics (per-sample); training mixes."""
+    training_at, mean_at = {"module": (None, None), "F": (5, 1), "aten": (5, 3),
+                            "native": (5, 3), "legit": (5, 3)}[spelling]
+
+    def rule(ctx: RuleContext) -> Fact:
+        mod = ctx.module
+        if mod is not None:
+            uses_batch_stats = mod.training or not mod.track_running_stats
+        elif spelling == "legit" and node_name(ctx.node).endswith("no_training"):
+            uses_batch_stats = False
+        else:
+            uses_batch_stats = bool(ctx.arg(training_at, "training", False)) or (
+                ctx.arg(mean_at, "running_mean") is None)
+        x = ctx.arg(0, "input")
+        if uses_batch_stats and isinstance(ctx.fact(x), Batched):
+            ctx.mix("BatchNorm in training mode normalises each channel with the mean and "
+                    "variance of the whole batch, so every sample's output depends on every "
+                    "other sample",
+                    "replace it with GroupNorm or LayerNorm (per-sample statistics)",
+                    "put it in eval mode (model.eval(), or the BatchNorm module's .eval()) to "
+                    "use its running statistics")
+        return channels_first(0, "normalises")(ctx)
+
+    return rule
+
+
+def instance_norm_rule(ctx: RuleContext) -> Fact:
+    """InstanceNorm: per sample, but updating running stats in training averages samples."""
+    mod = ctx.module
+    if mod is not None:
+        tracking = mod.training and mod.track_running_stats
+    else:
+        tracking = ctx.arg(1, "running_mean") is not None and bool(
+            ctx.arg(5, "use_input_stats", True))
+        if is_aten(ctx.node.target):  # aten.instance_norm(x, w, b, mean, var, use_input_stats)
+            tracking = ctx.arg(3, "running_mean") is not None and bool(
+                ctx.arg(5, "use_input_stats", True))
+    if tracking and isinstance(ctx.fact(ctx.arg(0, "input")), Batched):
+        ctx.mix("InstanceNorm with track_running_stats updates its running statistics with "
+                "an average over the batch",
+                "set track_running_stats=False, or use eval mode")
+    return channels_first(0, "normalises")(ctx)
+
+
+def sdpa_rule(ctx: RuleContext) -> Fact:
+    """scaled_dot_product_attention: (..., L, E) inputs; the batch must be a leading dim."""
+    for i, name in enumerate(("query", "key", "value", "attn_mask")):
+        _check_batch_not_in(ctx, ctx.arg(i, name), [-1, -2], "attends",
+                            "keep the batch in a leading dim: (B, heads, L, E)")
+    return per_sample(ctx)
+
+
+def multihead_attention_rule(ctx: RuleContext) -> Fact:
+    """nn.MultiheadAttention: per-sample along its batch dim (0 if batch_first else 1)."""
+    mod = ctx.module
+    want = 0 if getattr(mod, "batch_first", False) else 1
+    for i, name in enumerate(("query", "key", "value")):
+        f = ctx.fact(ctx.arg(i, name))
+        if isinstance(f, Batched) and ctx.ndim(ctx.arg(i, name)) == 3 and f.dim != want:
+            ctx.mix(f"its batch dim is {want} (batch_first={mod.batch_first}) but the input's "
+                    f"batch dim is {f.dim}, so samples would attend to each other",
+                    "pass inputs with the batch dim where the layer expects it (or set "
+                    "batch_first to match)")
+    mask = ctx.arg(4, "attn_mask")
+    mfact = ctx.fact(mask)
+    if isinstance(mfact, Batched) and ctx.ndim(mask) == 2:
+        ctx.mix("its 2-d attn_mask grows with the batch, so it would pair samples",
+                "pass a per-sample mask as (B * num_heads, L, S) or key_padding_mask (B, S)")
+    return per_sample(ctx)
+
+
+def rnn_rule(ctx: RuleContext) -> Fact:
+    """RNN/LSTM/GRU: per sample along dim 0 (batch_first) or 1; hidden states carry dim 1."""
+    mod = ctx.module
+    if mod is not None:
+        want = 0 if mod.batch_first else 1
+    else:  # aten.lstm.input(input, hx, params, has_biases, layers, dropout, train, bidir, bf)
+        want = 0 if ctx.arg(8, "batch_first", False) else 1
+    x, hx = ctx.arg(0, "input"), ctx.arg(1, "hx")
+    states = list(hx) if isinstance(hx, (tuple, list)) else [hx]
+    xfact = ctx.fact(x)
+    if isinstance(xfact, Batched) and ctx.ndim(x) == 3 and xfact.dim != want:
+        ctx.mix(f"its batch dim is {want} (batch_first={want == 0}) but the input's batch dim "
+                f"is {xfact.dim}, so it would run over samples as if they were time steps",
+                "pass inputs with the batch dim where the layer expects it (or set "
+                "batch_first to match)")
+    for s in states:
+        sf = ctx.fact(s) if isinstance(s, fx.Node) else Free()
+        for f in ([g for _, g in sf.items] if isinstance(sf, Container) else [sf]):
+            if isinstance(f, Batched) and f.dim != 1:
+                ctx.mix(f"its initial hidden state has the batch at dim {f.dim}; RNN states "
+                        "are (layers, B, hidden) whatever batch_first says",
+                        "pass h0 with the batch at dim 1")
+    if ctx.ndim(x) == 2 and isinstance(xfact, Batched):
+        ctx.mix("it gets an unbatched (L, features) sequence whose time steps are samples",
+                "add the batch dim: (B, L, features) with batch_first=True")
+    return per_sample(ctx)
+
+
+def _module_batch_first(mod: nn.Module) -> bool:
+    """batch_first of a transformer module: its own, or that of its first attention layer."""
+    if hasattr(mod, "batch_first"):
+        return bool(mod.batch_first)
+    attn = next((m for m in mod.modules() if isinstance(m, nn.MultiheadAttention)), None)
+    return bool(attn.batch_first) if attn is not None else False
+
+
+def transformer_layer_rule(ctx: RuleContext) -> Fact:
+    """nn.Transformer*Layer: like MultiheadAttention, per sample along its batch dim."""
+    mod = ctx.module
+    want = 0 if _module_batch_first(mod) else 1
+    for i, name in enumerate(("src", "tgt", "memory")):
+        v = ctx.arg(i, name)
+        f = ctx.fact(v)
+        if isinstance(f, Batched) and ctx.ndim(v) == 3 and f.dim != want:
+            ctx.mix(f"its batch dim is {want} (batch_first={want == 0}) but the input's batch "
+                    f"dim is {f.dim}, so samples would attend to each other",
+                    "pass inputs with the batch dim where the layer expects it (or set "
+                    "batch_first to match)")
+    for name in ("mask", "src_mask", "tgt_mask", "memory_mask"):
+        m = ctx._kwargs.get(name)
+        if isinstance(ctx.fact(m), Batched) and ctx.ndim(m) == 2:
+            ctx.mix(f"its 2-d {name} grows with the batch, so it would pair samples",
+                    "pass per-sample masks as key_padding_mask (B, S)")
+    return per_sample(ctx)
+
+
+def embedding_rule(table_index: int, table_name: str = "weight") -> Rule:
+    """embedding(ids, table): rows of a batch-free table picked per sample."""
+    return along(lambda ctx: [0], "looks up rows", "look up rows of a batch-free table",
+                 inputs=((table_index, table_name),))
+
+
+def embedding_bag_rule(ctx: RuleContext) -> Fact:
+    """EmbeddingBag: (B, L) ids pool per sample; flat ids with offsets are one bag list."""
+    if ctx.module is not None:  # module(input, offsets=None)
+        ids, offsets = ctx.arg(0, "input"), ctx.arg(1, "offsets")
+    elif is_aten(ctx.node.target):  # aten.embedding_bag(weight, indices, offsets, ...)
+        ids, offsets = ctx.arg(1, "indices"), ctx.arg(2, "offsets")
+    else:  # F.embedding_bag(input, weight, offsets=None, ...)
+        ids, offsets = ctx.arg(0, "input"), ctx.arg(2, "offsets")
+    if offsets is not None and isinstance(ctx.fact(ids), Batched):
+        ctx.mix("its bags are given by offsets into one flat index tensor, so the split "
+                "points do not follow samples",
+                "pass 2-d (B, L) indices (pad with padding_idx) so each row is one bag")
+    _check_batch_not_in(ctx, ids, [-1], "pools a bag")
+    return per_sample(ctx)
+
+
+def _pad_dims(index: int = 1, name: str = "pad") -> Callable[[RuleContext], list[int]]:
+    """F.pad(x, pad): pads the last len(pad) // 2 dims."""
+
+    def get(ctx: RuleContext) -> list[int]:
+        pad = ctx.module.padding if ctx.module is not None else ctx.arg(index, name)
+        if isinstance(pad, int):  # modules: an int pads every spatial dim
+            n = _spatial_of(ctx) or 1
+            return list(range(-n, 0))
+        return list(range(-(len(pad) // 2), 0))
+
+    return get
+
+
+def _length(ctx: RuleContext, value: Any) -> int:
+    """len() of a shape argument: a list, or a node holding one (``x.shape[-1:]``)."""
+    if isinstance(value, (tuple, list)):
+        return len(value)
+    if isinstance(value, int):
+        return 1
+    info = ctx.info(value)
+    if isinstance(info, tuple):
+        return len(info)
+    return ctx.ndim(ctx.arg(0, "input"))  # unknown: assume every dim (rejects over the batch)
+
+
+def _tril_dims(ctx: RuleContext) -> list[int]:
+    return [-2, -1]
+
+
+def _diagonal_dims(ctx: RuleContext) -> list[int]:
+    if node_name(ctx.node) == "diag" or node_name(ctx.node) == "trace":
+        return _all_dims(ctx, ctx.arg(0, "input"))
+    return [ctx.arg(2, "dim1", 0), ctx.arg(3, "dim2", 1)]
+
+
+def _roll_dims(ctx: RuleContext) -> list[int]:
+    d = ctx.arg(2, "dims")
+    if d is None or (isinstance(d, (tuple, list)) and not d):
+        return _all_dims(ctx, ctx.arg(0, "input"))  # roll of the flattened tensor
+    return list(d) if isinstance(d, (tuple, list)) else [d]
+
+
+def _unfold_dims(ctx: RuleContext) -> list[int]:
+    return [ctx.arg(1, "dimension")]
+
+
+def _flip_dims(ctx: RuleContext) -> list[int]:
+    d = ctx.arg(1, "dims")
+    return list(d) if isinstance(d, (tuple, list)) else [d]
+
+
+@_handles_positions
+def drop_rule(ctx: RuleContext) -> Fact:
+    """Ops that produce no value the model uses (asserts, prints): batch-free."""
+    return Free()
+
+
+@_handles_positions
+def detach_rule(ctx: RuleContext) -> Fact:
+    """detach/alias and the like: the same values (positions stay positions)."""
+    x = ctx.arg(0, "input")
+    f = ctx.fact(x)
+    out = linear(ctx)
+    if isinstance(f, Batched) and isinstance(out, Batched) and f.positions:
+        return dataclasses.replace(out, positions=True)
+    return out
 
 
 # ---------------------------------------------------------------------------
 # The table, one family per block, one line per op or group
 # ---------------------------------------------------------------------------
 
-FAMILIES: dict[str, Rule] = {"per_sample": per_sample, "pointwise": pointwise, "free": free}
+FAMILIES: dict[str, Rule] = {"per_sample": per_sample, "pointwise": pointwise, "free": free,
+                             "linear": linear}
 
-_UNARY = [  # elementwise unary: batch dim unchanged
-    "relu", "relu_", "gelu", "silu", "sigmoid", "tanh", "exp", "log", "log1p", "expm1", "sqrt",
-    "rsqrt", "abs", "sin", "cos", "pow", "square", "reciprocal", "sign", "floor", "ceil", "round",
-    "clamp", "clamp_min", "clamp_max", "clip", "erf", "logical_not", "bitwise_not", "isnan",
-    "isinf", "isfinite", "nan_to_num", "sigmoid_", "tanh_", "exp_", "trunc", "frac", "lerp",
-    "maximum", "minimum", "fmod", "remainder", "eq", "ne", "lt", "le", "gt", "ge",
-    "logical_and", "logical_or", "bitwise_and", "bitwise_or", "where", "masked_fill",
-    "masked_fill_", "float", "double", "half", "bfloat16", "long", "int", "bool", "to", "type",
-    "type_as", "contiguous", "detach", "clone", "requires_grad_", "cpu", "cuda",
-]
-_LINEAR_METHODS = ["neg", "__neg__", "float", "double", "half", "bfloat16", "to", "type",
-                   "type_as", "contiguous", "detach", "clone", "squeeze", "unsqueeze", "view",
-                   "reshape", "flatten", "permute", "transpose", "t", "expand", "expand_as",
-                   "unflatten", "movedim", "view_as", "reshape_as"]
-
-# Elementwise unary / comparison / casts on tensors: batch dim unchanged (x -> f(x)).
-_register((getattr(torch, n) for n in _UNARY if hasattr(torch, n)), pointwise)
-_register(_UNARY, pointwise)  # the same as Tensor methods
-_register([F.relu, F.gelu, F.silu, F.mish, F.elu, F.selu, F.leaky_relu, F.hardtanh, F.relu6,
-           F.softplus, F.softsign, F.tanhshrink, F.hardswish, F.hardsigmoid, F.logsigmoid,
-           F.sigmoid, F.tanh, F.glu, F.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout,
-           F.one_hot], pointwise)  # activations, dropout (RNG: the documented exception)
-_register([nn.ReLU, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.SELU, nn.LeakyReLU, nn.Tanh,
-           nn.Sigmoid, nn.Hardtanh, nn.ReLU6, nn.Softplus, nn.Hardswish, nn.Hardsigmoid,
-           nn.GLU, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout,
-           nn.LogSigmoid, nn.PReLU], pointwise)  # activation modules: x -> f(x)
-# Linear arithmetic: a reduction may be added to, or scaled by, batch-free values.
-_register([operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__radd__"],
-          _linear_arith("add"))  # a + b
-_register([operator.sub, operator.isub, torch.sub, "sub", "sub_", "__sub__", "__rsub__",
-           torch.rsub], _linear_arith("sub"))  # a - b
-_register([operator.mul, operator.imul, torch.mul, "mul", "mul_", "__mul__", "__rmul__"],
-          _linear_arith("mul"))  # a * b: linear if one side is batch-free
-_register([operator.truediv, operator.itruediv, torch.div, torch.true_divide, "div", "div_",
-           "__truediv__", "true_divide"], _linear_arith("div"))  # a / b: b batch-free or a count
-_register([operator.neg, torch.neg] + _LINEAR_METHODS, linear)  # -x, casts, reshapes of any fact
-_register([operator.floordiv, operator.mod, operator.pow, torch.pow, operator.eq, operator.ne,
+# --- Elementwise math: y = f(x) per element, batch dim unchanged --------------------------
+_register(spellings(
+    "abs", "absolute", "acos", "arccos", "acosh", "asin", "arcsin", "asinh", "atan", "arctan",
+    "atanh", "ceil", "cos", "cosh", "deg2rad", "digamma", "erf", "erfc", "erfinv", "exp",
+    "exp2", "expm1", "fix", "floor", "frac", "lgamma", "log", "log10", "log1p", "log2", "logit",
+    "i0", "nan_to_num", "rad2deg", "reciprocal", "round", "rsqrt", "sgn", "sigmoid", "sign",
+    "signbit", "sin", "sinc", "sinh", "sqrt", "square", "tan", "tanh", "trunc", "positive",
+    "isnan", "isinf", "isfinite", "isposinf", "isneginf", "isreal", "logical_not",
+    "bitwise_not", "clamp", "clamp_min", "clamp_max", "clip", "pow", "float_power",
+    "conj", "conj_physical", "angle"), pointwise)  # x -> f(x)
+_register(["abs_", "ceil_", "clamp_", "clamp_min_", "clamp_max_", "exp_", "floor_", "log_",
+           "pow_", "reciprocal_", "round_", "rsqrt_", "sigmoid_", "sqrt_", "tanh_", "trunc_",
+           "nan_to_num_", "clip_"], pointwise)  # in-place spellings of the same
+# --- Activations (functional, ATen and module): y = f(x) per element ----------------------
+_register(spellings(
+    "relu", "relu_", "relu6", "gelu", "silu", "mish", "elu", "elu_", "selu", "celu",
+    "leaky_relu", "leaky_relu_", "hardtanh", "hardtanh_", "softplus", "softsign",
+    "tanhshrink", "hardswish", "hardsigmoid", "logsigmoid", "log_sigmoid", "threshold",
+    "hardshrink", "softshrink", "rrelu", "prelu", "_prelu_kernel", "silu_", "hardswish_",
+    "hardsigmoid_", "threshold_", "selu_", "celu_", "rrelu_"), pointwise)  # x -> act(x)
+_register(_mods("ReLU", "ReLU6", "GELU", "SiLU", "Mish", "ELU", "SELU", "CELU", "LeakyReLU",
+                "Hardtanh", "Softplus", "Softsign", "Tanhshrink", "Hardswish", "Hardsigmoid",
+                "LogSigmoid", "Threshold", "Hardshrink", "Softshrink", "RReLU", "PReLU",
+                "Sigmoid", "Tanh", "Identity"), pointwise)  # activation modules: x -> act(x)
+# --- Dropout: per element (its random mask is the documented exception to exactness) -----
+_register(spellings("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                    "feature_alpha_dropout", "feature_dropout", "native_dropout",
+                    "dropout_", "alpha_dropout_", "feature_dropout_"), per_sample)  # x * mask
+_register(_mods("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout",
+                "FeatureAlphaDropout"), per_sample)  # dropout modules: x * mask
+# --- Binary and ternary elementwise: broadcast, batch dim from the batched side -----------
+_register(spellings(
+    "maximum", "minimum", "fmax", "fmin", "fmod", "remainder", "atan2", "arctan2", "hypot",
+    "copysign", "nextafter", "xlogy", "logaddexp", "logaddexp2", "floor_divide", "eq", "ne",
+    "lt", "le", "gt", "ge", "greater", "greater_equal", "less", "less_equal", "not_equal",
+    "isclose", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
+    "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift", "where", "masked_fill",
+    "masked_fill_", "lerp", "addcmul", "addcdiv", "heaviside", "bucketize", "polar",
+    "complex", "ldexp", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__",
+    "isin"), pointwise)  # f(a, b) per element
+_register([operator.floordiv, operator.mod, operator.pow, operator.eq, operator.ne,
            operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_,
-           operator.invert, operator.xor, "__and__", "__or__", "__invert__", "__eq__",
-           "__ne__", "__lt__", "__gt__", "__le__", "__ge__", "__pow__", "__rpow__",
-           "__floordiv__", "__mod__"], pointwise)  # non-linear elementwise: per sample
-_register([torch.where, torch.masked_fill, torch.lerp, torch.clamp], pointwise)  # masking
-# Shape ops: the batch dim moves, never merges with a neighbour's samples.
-_register(["view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"], reshape_rule)
-_register([torch.reshape, torch.flatten, torch.unflatten, nn.Flatten, nn.Unflatten],
-          reshape_rule)  # (B, T, C) -> (B*T, C) batch-major is fine
-_register(["permute", "transpose", "t", "squeeze", "unsqueeze", "expand", "expand_as",
-           "movedim", "repeat", "contiguous", "flip", "roll", "tril", "triu", "masked_select"],
-          per_sample)  # dims move; shapes locate the batch dim
-_register([torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze, torch.movedim,
-           torch.flip, torch.roll, torch.tril, torch.triu, torch.t], per_sample)  # same
+           operator.invert, operator.xor, operator.lshift, operator.rshift, operator.abs,
+           "__eq__", "__ne__", "__lt__", "__gt__", "__le__", "__ge__", "__pow__",
+           "__rpow__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__invert__",
+           "__abs__", "__iand__", "__ior__", "__ixor__", "eq_", "ne_", "lt_", "gt_", "le_",
+           "ge_", "logical_not_", "logical_and_", "logical_or_"], pointwise)
+_register(spellings("one_hot"), pointwise)  # (B, ...) ids -> (B, ..., classes)
+# --- Linear arithmetic: a reduction may be added to, or scaled by, batch-free values -----
+_register([operator.add, operator.iadd, "add", "add_", "__add__", "__radd__", "__iadd__",
+           *spellings("add", method=False)], _linear_arith("add"))  # a + b
+_register([operator.sub, operator.isub, "sub", "sub_", "__sub__", "__rsub__", "__isub__",
+           *spellings("sub", "subtract", "rsub", method=False), "subtract"],
+          _linear_arith("sub"))  # a - b
+_register([operator.mul, operator.imul, "mul", "mul_", "__mul__", "__rmul__", "__imul__",
+           "multiply", *spellings("mul", "multiply", method=False)],
+          _linear_arith("mul"))  # a * b: linear if one side is batch-free
+_register([operator.truediv, operator.itruediv, "div", "div_", "__truediv__", "__rtruediv__",
+           "__itruediv__", "true_divide", "divide", *spellings("div", "true_divide", "divide",
+                                                                method=False)],
+          _linear_arith("div"))  # a / b: b batch-free or a count
+_register([operator.neg, operator.pos, "neg", "negative", "__neg__", "__pos__",
+           *spellings("neg", "negative", method=False)], linear)  # -x
+_register(spellings("real", "imag", "view_as_real", "view_as_complex"), linear)  # complex parts
+# --- Casts and copies: same values, new dtype/device/memory; reductions pass through -----
+_register(["float", "double", "half", "bfloat16", "long", "int", "short", "char", "byte",
+           "bool", "to", "type", "type_as", "cpu", "cuda", "contiguous", "clone",
+           "requires_grad_", "pin_memory", "share_memory_", "float16", "float32",
+           *spellings("clone", "_to_copy", "to", "contiguous", "lift_fresh_copy",
+                      "_to_dtype", "resolve_conj", "resolve_neg", "type_as", "_to_copy",
+                      method=False)], detach_rule, preserves_positions=True)  # x -> x'
+_register(["detach", "detach_", *spellings("detach", "alias", "lift_fresh", "lift",
+                                           method=False)],
+          detach_rule, preserves_positions=True)  # same values, no autograd history
+_register(aten("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range",
+               "sym_constrain_range_for_size", "_assert_async"), drop_rule)  # checks only
+# --- Reshapes: the batch dim moves, never merges with a neighbour's samples --------------
+_register(["view", "reshape", "flatten", "unflatten", "view_as", "reshape_as",
+           *spellings("reshape", "flatten", "unflatten", "view", "_unsafe_view",
+                      "view_copy", "_reshape_alias", "ravel", method=False), "ravel",
+           nn.Flatten, nn.Unflatten], reshape_rule,
+          preserves_positions=True)  # (B, T, C) -> (B*T, C) batch-major is fine
+# --- Dim moves and broadcasts: values untouched; the shapes locate the batch dim ---------
+_register(["permute", "transpose", "transpose_", "t", "swapaxes", "swapdims", "movedim",
+           "moveaxis", "unsqueeze", "unsqueeze_", "expand",
+           "expand_as", "broadcast_to", "narrow", "select", "slice", "as_strided",
+           *spellings("permute", "transpose", "t", "swapaxes", "swapdims", "movedim",
+                      "moveaxis", "unsqueeze", "expand", "expand_as",
+                      "broadcast_to", "narrow", "select", "slice", "permute_copy",
+                      "transpose_copy", "unsqueeze_copy", "expand_copy",
+                      "slice_copy", "select_copy", "narrow_copy", "atleast_1d", "atleast_2d",
+                      "atleast_3d", "numpy_T", "adjoint", "matrix_H", "mT", "mH",
+                      method=False), "adjoint", "mT", "mH"], per_sample,
+          preserves_positions=True)  # dims move or get dropped; shapes check the batch
+_register(["squeeze", "squeeze_", *spellings("squeeze", "squeeze_copy", method=False)],
+          squeeze_rule, preserves_positions=True)  # drops size-1 dims, never the batch
+_register(aten("broadcast_tensors") + [torch.broadcast_tensors], per_sample,
+          preserves_positions=True)  # several broadcast views
+_register(["repeat", "tile", *spellings("repeat", "tile", method=False)], repeat_rule,
+          preserves_positions=True)  # copies along the batch dim become interleaved
+_register(["repeat_interleave", *spellings("repeat_interleave", method=False)], per_sample,
+          preserves_positions=True)  # r copies of each sample, batch-major
+# --- Dims whose element order matters: fine unless that dim is the batch ------------------
+_register(["flip", *spellings("flip", method=False)],
+          along(_flip_dims, "reverses the order", "flip a non-batch dim"))  # x[..., ::-1]
+_register([torch.fliplr, "fliplr"], along(lambda c: [1], "reverses the order"))  # dim 1
+_register([torch.flipud, "flipud"], along(lambda c: [0], "reverses the order"))  # dim 0
+_register(["roll", *spellings("roll", method=False)],
+          along(_roll_dims, "rolls elements", "roll a non-batch dim"))  # circular shift
+_register(["tril", "triu", "tril_", "triu_", *spellings("tril", "triu", method=False)],
+          along(_tril_dims, "masks by position",
+                "build (T, T) masks from torch.arange(T) or a batch-free ones((T, T))"))
+_register(["diagonal", "diag", "diag_embed", "trace", "diagflat",
+           *spellings("diagonal", "diag", "trace", "diagflat", method=False)],
+          along(_diagonal_dims, "takes a diagonal"))  # x[i, i] pairs positions
+_register(spellings("diag_embed"), along(_last(1), "builds diagonals"))  # (B, n) -> (B, n, n)
+_register(["unfold", *spellings("unfold", method=False, functional=False)],
+          along(_unfold_dims, "makes sliding windows"))  # x.unfold(dim, size, step)
+# --- Splits and joins: along a non-batch dim every piece keeps the batch ------------------
+_register(["chunk", "split", "unbind", "tensor_split", "split_with_sizes", "hsplit", "vsplit",
+           "dsplit", *spellings("chunk", "split", "unbind", "tensor_split", "split_with_sizes",
+                                "hsplit", "vsplit", "dsplit", "split_copy", "unbind_copy",
+                                method=False)], chunk_rule,
+          preserves_positions=True)  # pieces along a non-batch dim
+_register(spellings("cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
+                    "column_stack", "row_stack", method=False), cat_rule,
+          preserves_positions=True)  # join along a feature dim
+# --- Python-level access: tuple items, shapes, attributes --------------------------------
 _register([operator.getitem], getitem_rule)  # x[..., :k] keeps the batch; tuples pick
-_register(["chunk", "split", "unbind", torch.chunk, torch.split, torch.unbind],
-          chunk_rule)  # pieces along a non-batch dim
-_register([torch.cat, torch.concat, torch.stack, torch.hstack], cat_rule)  # join features
-_register(["size", "dim", "numel"], size_rule)  # ints: multiples of the batch size or free
-_register([getattr], size_rule)  # x.shape, x.dtype
-_register([torch.arange], arange_rule)  # arange(B): per-sample index within the batch
-_register([torch.zeros, torch.ones, torch.full, torch.empty, torch.zeros_like,
-           torch.ones_like, torch.full_like, torch.empty_like, torch.rand_like,
-           torch.randn_like, "new_zeros", "new_ones", "new_full", "new_empty",
-           "zero_", "fill_", torch.tensor, torch.eye, torch.triu_indices],
-          size_like_rule)  # creation: shaped by the batch at most
-# Contractions: the batch dim must not be contracted.
-_register([operator.matmul, torch.matmul, torch.bmm, torch.mm, "matmul", "bmm", "mm",
-           "__matmul__"], matmul_rule)  # (B, n, k) @ (k, m)
-_register([nn.Linear, F.linear, nn.Bilinear], along(_last(1), "contracts features",
-          "put the batch dim before the feature dim"))  # (B, ..., in) -> (B, ..., out)
-_register([nn.Embedding, F.embedding], per_sample)  # (B, T) ids -> (B, T, D)
-_register([nn.EmbeddingBag], along(_last(1), "pools a bag"))  # (B, L) -> (B, D)
-_register([nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-           nn.ConvTranspose3d, F.conv1d, F.conv2d, F.conv3d, nn.MaxPool1d, nn.MaxPool2d,
-           nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d,
-           nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, F.max_pool1d,
-           F.max_pool2d, F.avg_pool1d, F.avg_pool2d, F.adaptive_avg_pool1d,
-           F.adaptive_avg_pool2d, F.interpolate, nn.Upsample, nn.PixelShuffle],
-          along(_from(1), "convolves or pools",
-                "put the batch first: (N, C, ...)"))  # (N, C, ...) per sample n
-_register([F.pad], per_sample)  # pads trailing dims; the shapes check the batch dim
-# Norms: per sample over feature dims; BatchNorm only in eval.
+_register([getattr], getattr_rule)  # x.shape, x.dtype, result.values
+_register(["size", "dim", "numel", "ndimension", "nelement", "stride", "element_size",
+           "__len__", len, *spellings("sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
+                                      "numel", "size", "stride", method=False)],
+          size_rule)  # ints: multiples of the batch size, or batch-free
+_register([torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not,
+           torch.sym_sqrt, math.ceil, math.floor, math.sqrt, math.prod, int, float, abs],
+          size_rule)  # Python numbers computed from sizes (fx, export's SymInt math)
+_register(["item", "tolist", *aten("item", "_local_scalar_dense")], read_value_rule)  # .item()
+# --- Indexing with tensors: per-sample ids, or arange(B) on the batch dim -----------------
+_register(aten("index", "_unsafe_index"), aten_index_rule)  # x[i0, i1, ...]
+_register(["index_select", *spellings("index_select", method=False)],
+          index_select_rule)  # x.index_select(dim, idx)
+_register(["gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+           "scatter_reduce_", "take_along_dim", "index_add", "index_add_", "index_fill",
+           "index_fill_", "index_copy", "index_copy_", "index_reduce",
+           *spellings("gather", "scatter", "scatter_add", "scatter_reduce", "take_along_dim",
+                      "index_add", "index_fill", "index_reduce", "index_copy",
+                      method=False)],
+          gather_rule)  # out[i][j] = x[i][idx[i][j]] along a non-batch dim
+_register(["index_put", "index_put_", *spellings("index_put", "_index_put_impl",
+                                                 "_unsafe_index_put", method=False)],
+          index_put_rule)  # x[mask] = v: per-sample masks only
+_register([torch.searchsorted, *aten("searchsorted")],
+          along(_last(1), "searches a sorted row"))  # searchsorted(sorted (B, K), values)
+# --- Creation: shaped by the batch at most (B from x.size(0)); values batch-free ----------
+_register(["new_zeros", "new_ones", "new_empty", "zero_", "zeros_like", "ones_like",
+           "empty_like", "rand_like", "randn_like", "randint_like", "normal_", "uniform_",
+           "bernoulli_", "random_", "exponential_", "new_empty_strided",
+           *spellings("zeros", "ones", "empty", "rand", "randn", "randint", "zeros_like",
+                      "ones_like", "empty_like", "rand_like", "randn_like", "randint_like",
+                      "empty_strided", "new_zeros", "new_ones", "new_empty", "eye",
+                      "bernoulli", "normal", "randperm", "linspace", "logspace",
+                      "empty_permuted", "zero", "triu_indices", "tril_indices",
+                      method=False)], size_like_rule)  # zeros(B, D), ones_like(x), ...
+_register(spellings("full", method=False) + ["new_full", *aten("new_full")],
+          _value_arg(1, "fill_value"))  # full(size, v): v must not be a batch size
+_register([torch.full_like, *aten("full_like"), "fill_"] + aten("fill"),
+          _value_arg(1, "fill_value"))  # full_like(x, v)
+_register([torch.tensor, torch.as_tensor, torch.scalar_tensor, "new_tensor",
+           *aten("scalar_tensor", "tensor")], _value_arg(0, "data"))  # tensor(data)
+_register(spellings("arange", method=False) + aten("range"), arange_rule)  # arange(B): positions
+# --- Contractions: the batch dim must not be contracted -----------------------------------
+_register([operator.matmul, "__matmul__", "__rmatmul__", "matmul", "mm", "bmm", "mv",
+           "addmm", "baddbmm", "addbmm", "addmv",
+           *spellings("matmul", "mm", "bmm", "mv", "addmm", "baddbmm", "addbmm", "addmv",
+                      "_addmm_activation", method=False)], matmul_rule)  # (B, n, k) @ (k, m)
+_register(["dot", "vdot", "inner", "outer", "ger", "kron", "tensordot", "cross",
+           "linalg_cross", *spellings("dot", "vdot", "inner", "outer", "ger", "kron",
+                                      "tensordot", "cross", "einsum", "chain_matmul",
+                                      "linalg_cross", method=False)],
+          per_sample)  # the shapes show whether the batch survives (einsum's batch letter)
+_register([nn.Linear, nn.LazyLinear, *spellings("linear", method=False)],
+          along(_last(1), "contracts features",
+                "put the batch dim before the feature dim"))  # (B, ..., in) -> (B, ..., out)
+_register([nn.Bilinear, *spellings("bilinear", method=False)],
+          along(_last(1), "contracts features",
+                inputs=((0, "input1"), (1, "input2"))))  # x1 A x2 per sample
+# --- Embeddings: rows of a batch-free table picked by per-sample ids ----------------------
+_register([nn.Embedding, F.embedding], embedding_rule(1))  # (B, T) ids -> (B, T, D)
+_register(aten("embedding"), embedding_rule(0))  # aten.embedding(weight, ids)
+_register([nn.EmbeddingBag, F.embedding_bag, *aten("embedding_bag", "_embedding_bag",
+                                                    "_embedding_bag_forward_only")],
+          embedding_bag_rule)  # (B, L) ids -> (B, D): one bag per sample
+# --- Convolution, pooling, resampling: (N, C, ...) per sample n ---------------------------
+_CONV_MODS = _mods("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+                   "ConvTranspose3d", "LazyConv1d", "LazyConv2d", "LazyConv3d",
+                   "LazyConvTranspose1d", "LazyConvTranspose2d", "LazyConvTranspose3d",
+                   "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d",
+                   "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
+                   "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d", "LPPool1d",
+                   "LPPool2d", "LPPool3d", "FractionalMaxPool2d", "FractionalMaxPool3d",
+                   "MaxUnpool1d", "MaxUnpool2d", "MaxUnpool3d")
+_register(_CONV_MODS + spellings(
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
+    "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d",
+    "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
+    "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_max_pool1d",
+    "adaptive_max_pool2d", "adaptive_max_pool3d", "lp_pool1d", "lp_pool2d", "lp_pool3d",
+    "fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_with_indices",
+    "fractional_max_pool3d_with_indices", "adaptive_max_pool1d_with_indices",
+    "adaptive_max_pool2d_with_indices", "adaptive_max_pool3d_with_indices",
+    "max_unpool1d", "max_unpool2d",
+    "max_unpool3d", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+    "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
+    "upsample_trilinear3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+    "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+    method=False), channels_first(None, "convolves, pools or resamples"))  # (N, C, *S)
+_register(spellings("convolution", "_convolution", "conv_tbc", method=False),
+          channels_first(None, "convolves"))  # aten.convolution(input, weight, ...)
+_register([nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d, nn.PixelShuffle,
+           nn.PixelUnshuffle, nn.ChannelShuffle, nn.Fold, nn.Unfold,
+           F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear, F.fold,
+           F.unfold, F.pixel_shuffle, F.pixel_unshuffle, F.channel_shuffle,
+           torch.pixel_shuffle, torch.pixel_unshuffle, torch.channel_shuffle,
+           *aten("pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
+                 "native_channel_shuffle", "im2col", "col2im")],
+          channels_first(None, "resamples or rearranges"))  # (N, C, *S) per sample n
+_register([F.grid_sample, F.affine_grid, *aten("grid_sampler", "grid_sampler_2d",
+                                               "grid_sampler_3d", "affine_grid_generator")],
+          channels_first(None, "samples a grid", extra=((1, "grid"),)))  # grid per sample
+# --- Padding: the padded dims must not include the batch ----------------------------------
+_register([F.pad, *aten("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
+                        "reflection_pad3d", "replication_pad1d", "replication_pad2d",
+                        "replication_pad3d", "_pad_circular", "_pad_enum")],
+          along(_pad_dims(), "pads", "pad only the trailing non-batch dims"))  # F.pad(x, pad)
+_register(_mods("ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d",
+                "ConstantPad3d", "ReflectionPad1d", "ReflectionPad2d", "ReflectionPad3d",
+                "ReplicationPad1d", "ReplicationPad2d", "ReplicationPad3d", "CircularPad1d",
+                "CircularPad2d", "CircularPad3d"),
+          along(_pad_dims(), "pads", "pad only the trailing non-batch dims"))  # pad modules
+# --- Norms: statistics per sample over feature dims; BatchNorm only in eval --------------
 _register([nn.LayerNorm, nn.RMSNorm], lambda ctx: along(
     _last(len(ctx.module.normalized_shape)), "normalises")(ctx))  # over the last k dims
-_register([F.layer_norm, F.rms_norm], lambda ctx: along(
-    _last(len(ctx.arg(1, "normalized_shape"))), "normalises")(ctx))  # same, functional
-_register([nn.GroupNorm, F.group_norm], along(_from(1), "normalises",
-          "put the batch first: (N, C, ...)"))  # (N, C, ...) per sample
-_register([nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, F.batch_norm],
-          batch_norm_rule)  # eval: running stats (per sample); training: mixes
-_register([nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d], instance_norm_rule)
+_register([F.layer_norm, F.rms_norm, *aten("layer_norm", "native_layer_norm", "rms_norm",
+                                           "_fused_rms_norm")],
+          lambda ctx: along(_last(_length(ctx, ctx.arg(1, "normalized_shape"))),
+                            "normalises")(ctx))  # F.layer_norm(x, shape): the last len(shape)
+_register([nn.GroupNorm, F.group_norm, *aten("group_norm", "native_group_norm")],
+          channels_first(0, "normalises"))  # (N, C, ...) per sample n
+_register(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
+                "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"),
+          batch_norm_rule("module"))  # eval: running stats (per sample); training: mixes
+_register([F.batch_norm], batch_norm_rule("F"))  # F.batch_norm(x, mean, var, w, b, training)
+_register(aten("batch_norm", "native_batch_norm", "_batch_norm_impl_index",
+               "cudnn_batch_norm", "_batch_norm_with_update", "_batch_norm_no_update"),
+          batch_norm_rule("aten"))  # aten.batch_norm(x, w, b, mean, var, training)
+_register(aten("_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+               "_native_batch_norm_legit_no_training"), batch_norm_rule("legit"))
+_register(_mods("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LazyInstanceNorm1d",
+                "LazyInstanceNorm2d", "LazyInstanceNorm3d") + [F.instance_norm] +
+          aten("instance_norm"), instance_norm_rule)  # per (sample, channel)
+_register([nn.LocalResponseNorm, nn.CrossMapLRN2d, F.local_response_norm],
+          channels_first(0, "normalises across channels"))  # (N, C, ...) per sample n
 _register([F.normalize], along(_dim_arg(2, "dim", 1), "normalises"))  # x / ||x|| along dim
-# Along-a-dim ops: fine unless the dim is the batch dim.
-_register([torch.softmax, torch.log_softmax, F.softmax, F.log_softmax, "softmax",
-           "log_softmax", torch.cumsum, "cumsum", torch.cumprod, "cumprod", torch.sort,
-           "sort", torch.argsort, "argsort", torch.topk, "topk"],
-          along(_dim_arg(1, "dim", -1), "normalises, sorts or accumulates"))  # along dim
-_register([nn.Softmax, nn.LogSoftmax], lambda ctx: along(
-    lambda c: [c.module.dim if c.module.dim is not None else -1], "normalises")(ctx))
-_register([F.scaled_dot_product_attention], sdpa_rule)  # (B, H, L, E) per sample
+# --- Along-a-dim ops: normalise, sort, scan; fine unless the dim is the batch -------------
+_register(spellings("softmax", "log_softmax", "softmin", "_softmax", "_log_softmax",
+                    "_safe_softmax"), along(_softmax_dim(), "normalises",
+                                            "normalise along a non-batch dim"))  # softmax(x, d)
+_register([F.gumbel_softmax], along(_dim_arg(4, "dim", -1), "normalises"))  # RNG + softmax
+_register([nn.Softmax, nn.LogSoftmax, nn.Softmin], lambda ctx: along(
+    lambda c: [c.module.dim] if c.module.dim is not None else _softmax_dim()(c),
+    "normalises")(ctx))  # module(dim)
+_register([nn.Softmax2d], channels_first(2, "normalises across channels"))  # over C
+_register(spellings("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "cumsum_",
+                    "_logcumsumexp"),
+          along(_dim_arg(1, "dim"), "accumulates", "scan along time or features"))  # scans
+_register(spellings("sort", "argsort", "msort"),
+          along(_dim_arg(1, "dim", -1), "sorts", "sort along a non-batch dim"))  # sort(x, d)
+_register(spellings("topk", "kthvalue"),
+          along(_dim_arg(2, "dim", -1), "ranks", "rank along features"))  # topk(x, k, d)
+_register(spellings("glu"), along(_dim_arg(1, "dim", -1), "pairs halves"))  # glu(x, d)
+_register([nn.GLU], lambda ctx: along(lambda c: [c.module.dim], "pairs halves")(ctx))
+_register(spellings("diff"), along(_dim_arg(2, "dim", -1), "differences"))  # x[i+1] - x[i]
+_register([F.cosine_similarity, F.pairwise_distance, *aten("cosine_similarity",
+                                                           "pairwise_distance")],
+          along(lambda c: [c.arg(2, "dim", 1)] if node_name(c.node) == "cosine_similarity"
+                else [-1], "compares vectors", inputs=((0, "x1"), (1, "x2"))))  # per row
+_register([nn.CosineSimilarity], lambda ctx: along(lambda c: [c.module.dim],
+          "compares vectors", inputs=((0, "x1"), (1, "x2")))(ctx))  # module(dim)
+_register([nn.PairwiseDistance], along(_last(1), "compares vectors",
+          inputs=((0, "x1"), (1, "x2"))))  # ||x1 - x2|| per row
+_register([torch.cdist, *aten("cdist", "_cdist_forward")],
+          along(_last(1), "compares vectors", inputs=((0, "x1"), (1, "x2"))))  # (B, P, R)
+_register([F.pdist, torch.pdist, *aten("pdist", "_pdist_forward")],
+          along(lambda c: _all_dims(c, c.arg(0)), "compares every pair of rows"))  # all pairs
+# --- Attention and sequence layers: per sample along their batch dim ---------------------
+_register(spellings("scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+                    "_scaled_dot_product_flash_attention_for_cpu",
+                    "_scaled_dot_product_efficient_attention",
+                    "_scaled_dot_product_flash_attention", method=False),
+          sdpa_rule)  # (B, H, L, E) per sample
 _register([nn.MultiheadAttention], multihead_attention_rule)  # (B, L, E) or (L, B, E)
-_register([nn.RNN, nn.LSTM, nn.GRU], rnn_rule)  # sequences per sample; states dim 1
-_register([torch.einsum], per_sample)  # the shapes show whether the batch letter survives
-# Reductions: sum/mean over the batch become partial sums; max/var over it mix.
-_register([torch.sum, "sum", torch.nansum, "nansum"], reduction("sum", None))  # Σ over batch
-_register([torch.mean, "mean"], reduction("mean", partials.mean_partial))  # (Σ, count)
-for _name in ("amax", "amin", "max", "min", "logsumexp", "prod", "std", "var", "norm",
-              "argmax", "argmin", "median", "all", "any", "count_nonzero"):
-    _register([_name] + ([getattr(torch, _name)] if hasattr(torch, _name) else []),
-              reduction("sum", None, other=_name))  # rejected over the batch dim
-# Losses: reduction='none' per sample; 'sum' a sum; 'mean' a (sum, count) pair.
+_register(_mods("TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
+                "TransformerDecoder", "Transformer"), transformer_layer_rule)  # ditto
+_register([nn.RNN, nn.LSTM, nn.GRU, *aten("lstm", "gru", "rnn_tanh", "rnn_relu")],
+          rnn_rule)  # sequences per sample; states (layers, B, H)
+_register([nn.RNNCell, nn.LSTMCell, nn.GRUCell, *aten("lstm_cell", "gru_cell", "rnn_tanh_cell",
+                                                       "rnn_relu_cell")],
+          along(_last(1), "contracts features"))  # (B, in) -> (B, hidden)
+# --- Reductions: sum/mean over the batch become partial sums; max/var over it mix --------
+_register(spellings("sum", "nansum"), reduction("sum", None))  # Σ over batch: a partial sum
+_register(spellings("mean"), reduction("mean", partials.mean_partial))  # (Σ, count)
+for _name in ("amax", "amin", "max", "min", "aminmax", "logsumexp", "prod", "std", "var",
+              "std_mean", "var_mean", "argmax", "argmin", "median", "nanmedian", "mode",
+              "all", "any", "count_nonzero", "nanmean", "quantile", "nanquantile"):
+    _register(spellings(_name), reduction("sum", None, other=_name))  # mixes over the batch
+_register(spellings("norm", "linalg_vector_norm", "frobenius_norm", "nuclear_norm") + [
+    torch.linalg.vector_norm, torch.linalg.norm, "norm"],
+    reduction("sum", None, other="norm", dims=_dim_arg(2, "dim")))  # norm(x, p, dim)
+_register([torch.linalg.matrix_norm, *aten("linalg_matrix_norm")],
+          reduction("sum", None, other="norm", dims=_dim_arg(2, "dim", (-2, -1))))  # last two
+_register(spellings("histc", "bincount", "unique", "unique_consecutive", "nonzero",
+                    "argwhere", "masked_select"), along(lambda c: _all_dims(c, c.arg(0)),
+                                                        "counts or selects values"))
+# --- Losses: reduction='none' per sample; 'sum' a sum; 'mean' a (sum, count) pair --------
 for _fn, _mod, _partial, _at_zero in (
     (F.cross_entropy, nn.CrossEntropyLoss, partials.cross_entropy_partial, True),
     (F.nll_loss, nn.NLLLoss, partials.nll_loss_partial, True),
@@ -723,5 +1591,44 @@ for _fn, _mod, _partial, _at_zero in (
     (F.binary_cross_entropy_with_logits, nn.BCEWithLogitsLoss,
      partials.binary_cross_entropy_with_logits_partial, False),
     (F.kl_div, nn.KLDivLoss, partials.kl_div_partial, True),
+    (F.soft_margin_loss, nn.SoftMarginLoss, partials.soft_margin_loss_partial, False),
+    (F.poisson_nll_loss, nn.PoissonNLLLoss, partials.poisson_nll_loss_partial, False),
+    (F.gaussian_nll_loss, nn.GaussianNLLLoss, partials.gaussian_nll_loss_partial, False),
+    (F.margin_ranking_loss, nn.MarginRankingLoss, partials.margin_ranking_loss_partial, False),
+    (F.hinge_embedding_loss, nn.HingeEmbeddingLoss, partials.hinge_embedding_loss_partial,
+     False),
+    (F.cosine_embedding_loss, nn.CosineEmbeddingLoss, partials.cosine_embedding_loss_partial,
+     True),
+    (F.triplet_margin_loss, nn.TripletMarginLoss, partials.triplet_margin_loss_partial, True),
+    (F.multi_margin_loss, nn.MultiMarginLoss, partials.multi_margin_loss_partial, True),
+    (F.multilabel_margin_loss, nn.MultiLabelMarginLoss,
+     partials.multilabel_margin_loss_partial, True),
+    (F.multilabel_soft_margin_loss, nn.MultiLabelSoftMarginLoss,
+     partials.multilabel_soft_margin_loss_partial, True),
+    (F.triplet_margin_with_distance_loss, nn.TripletMarginWithDistanceLoss,
+     partials.triplet_margin_with_distance_loss_partial, True),
 ):
-    _register([_fn, _mod], loss(_fn, _partial, _at_zero))
+    _register([_fn, _mod], loss(_fn, _partial, _at_zero))  # functional and module
+for _packet, _partial, _at_zero in (  # ATen spellings (export graphs): reduction is an int
+    ("cross_entropy_loss", partials.aten_cross_entropy_loss_partial, True),
+    ("nll_loss", partials.aten_nll_loss_partial, True),
+    ("nll_loss_nd", partials.aten_nll_loss_nd_partial, True),
+    ("nll_loss2d", partials.aten_nll_loss2d_partial, True),
+    ("mse_loss", partials.aten_mse_loss_partial, False),
+    ("l1_loss", partials.aten_l1_loss_partial, False),
+    ("smooth_l1_loss", partials.aten_smooth_l1_loss_partial, False),
+    ("huber_loss", partials.aten_huber_loss_partial, False),
+    ("binary_cross_entropy", partials.aten_binary_cross_entropy_partial, False),
+    ("binary_cross_entropy_with_logits",
+     partials.aten_binary_cross_entropy_with_logits_partial, False),
+    ("kl_div", partials.aten_kl_div_partial, True),
+    ("soft_margin_loss", partials.aten_soft_margin_loss_partial, False),
+    ("poisson_nll_loss", partials.aten_poisson_nll_loss_partial, False),
+    ("margin_ranking_loss", partials.aten_margin_ranking_loss_partial, False),
+    ("hinge_embedding_loss", partials.aten_hinge_embedding_loss_partial, False),
+    ("cosine_embedding_loss", partials.aten_cosine_embedding_loss_partial, True),
+    ("triplet_margin_loss", partials.aten_triplet_margin_loss_partial, True),
+    ("multi_margin_loss", partials.aten_multi_margin_loss_partial, True),
+    ("multilabel_margin_loss", partials.aten_multilabel_margin_loss_partial, True),
+):
+    _register(aten(_packet), loss(None, _partial, _at_zero, _aten_reduction))

@@ -10,15 +10,21 @@ fact                      meaning
                           sample ``i`` of the inputs, along ``dim``. ``factor``
                           > 1 means the batch dim was merged with neighbours
                           (``(B, T) -> (B*T)``); ``major`` says it is batch-major,
-                          so microbatch outputs can be concatenated in order.
-``BatchSize(factor)``     a Python int equal to ``factor * B`` (``x.size(0)``).
+                          so microbatch outputs can be concatenated in order;
+                          ``positions`` that the values are each row's index in
+                          the batch (``torch.arange(B)``), usable only as an index.
+``BatchSize(factor)``     a Python int equal to ``factor * B`` (``x.size(0)``);
+                          ``multiple=False``: a number computed from B that is not
+                          a multiple of it (``1 / B``), usable only after reductions.
 ``Reduced(count)``        linear in sums over the batch (a sum, or a mean with
                           a known weight). Lives after the microbatch loop.
-                          ``count`` marks sums of inputs only (no parameters):
-                          denominators such as non-padding token counts.
+                          ``count`` marks sums that carry no gradient (of inputs,
+                          or of argmax-style values): denominators such as
+                          non-padding token counts, accuracy counts.
 ``Free()``                batch-free: parameters, buffers, constants and what
                           is computed from them alone.
-``Container(items)``      a tuple/list/dict input whose leaves have facts.
+``Container(items)``      a tuple/list/dict input, or the several outputs of an
+                          op (``split``, ``max(dim)``, ``LSTM``), one fact each.
 ========================  ====================================================
 
 Mixing values have no fact: the analysis raises ``MixingError`` instead.
@@ -27,13 +33,15 @@ The other ``node.meta`` keys mbcompile writes (all namespaced ``mbcompile.``):
 
 - ``SHAPES``: ``ValueInfo`` of the node's value at two batch sizes (shape pass);
 - ``REDUCTION``: how a reduction node splits into per-microbatch partials;
-- ``PARAMS``: whether the value depends on parameters (analysis).
+- ``PARAMS``: whether the value depends on parameters through something
+  differentiable (analysis): argmax, comparisons and counts do not.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any
 
 __all__ = [
     "FACT",
@@ -45,6 +53,7 @@ __all__ = [
     "Container",
     "Fact",
     "Free",
+    "InfoTuple",
     "Reduced",
     "ReductionSpec",
     "ValueInfo",
@@ -63,21 +72,25 @@ class Batched:
     dim: int
     factor: int = 1
     major: bool = True
+    positions: bool = False  # values are the rows' positions in the batch: arange(B)
 
     def __str__(self) -> str:
         merged = "" if self.factor == 1 else f", merged x{self.factor}"
         order = "" if self.major else ", interleaved"
-        return f"per-sample(dim {self.dim}{merged}{order})"
+        pos = ", positions" if self.positions else ""
+        return f"per-sample(dim {self.dim}{merged}{order}{pos})"
 
 
 @dataclass(frozen=True)
 class BatchSize:
-    """A Python int that equals ``factor`` times the batch size."""
+    """A Python int that equals ``factor`` times the batch size (or, with
+    ``multiple=False``, any number computed from it)."""
 
     factor: int = 1
+    multiple: bool = True
 
     def __str__(self) -> str:
-        return f"batch-size x{self.factor}"
+        return f"batch-size x{self.factor}" if self.multiple else "derived from batch size"
 
 
 @dataclass(frozen=True)
@@ -114,23 +127,24 @@ class Container:
         return "{" + ", ".join(f"{k!r}: {f}" for k, f in self.items) + "}"
 
 
-Fact = Union[Batched, BatchSize, Reduced, Free, Container]
+Fact = Batched | BatchSize | Reduced | Free | Container
 
 
 @dataclass(frozen=True)
 class ValueInfo:
     """A node's value seen at two batch sizes (``a`` = gbs, ``b`` = gbs + 1).
 
-    For tensors ``shape_a``/``shape_b`` are the shapes; for ints ``int_a``/
-    ``int_b`` the values. Comparing the two tells which dims scale with the batch.
+    For tensors ``shape_a``/``shape_b`` are the shapes; for Python numbers
+    ``int_a``/``int_b`` the values (ints, or floats computed from sizes).
+    Comparing the two tells which dims scale with the batch.
     """
 
     is_tensor: bool
     shape_a: tuple[int, ...] = ()
     shape_b: tuple[int, ...] = ()
     dtype: Any = None
-    int_a: int | None = None
-    int_b: int | None = None
+    int_a: int | float | None = None
+    int_b: int | float | None = None
     value_a: Any = field(default=None, compare=False, repr=False)
 
     @property
@@ -141,6 +155,13 @@ class ValueInfo:
     @property
     def ndim(self) -> int:
         return len(self.shape_a)
+
+
+class InfoTuple(tuple):
+    """The ``ValueInfo`` s of an op returning several values; ``fields`` names them
+    for namedtuple results (``torch.max(x, 1)``: ``("values", "indices")``)."""
+
+    fields: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

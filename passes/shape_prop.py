@@ -18,21 +18,57 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
-from .facts import SHAPES, ValueInfo
+from .facts import SHAPES, InfoTuple, ValueInfo
 
 __all__ = ["ShapePropagationError", "propagate_shapes", "resize_batch"]
 
 
 class ShapePropagationError(Exception):
-    """Raised with the failing node when the graph cannot run on fake tensors."""
+    """Raised with the failing node when the graph cannot run on fake tensors.
 
-    def __init__(self, node: fx.Node, exc: BaseException) -> None:
-        super().__init__(f"{type(exc).__name__}: {exc}")
+    ``reason`` says why in words a ``MixingError`` can quote (a data-dependent
+    shape, a batch size baked into a constant), ``fix`` what to do about it.
+    """
+
+    def __init__(self, node: fx.Node, exc: BaseException, batch: int | None = None,
+                 gbs: int | None = None) -> None:
+        detail = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        super().__init__(detail)
         self.node = node
         self.original = exc
+        self.batch = batch
+        if isinstance(exc, _DATA_DEPENDENT):
+            self.reason = ("its output shape (or a Python value it produces) depends on the "
+                           "values in the tensors, not only on their shapes (nonzero, "
+                           "boolean-mask indexing, .item(), .tolist()), so mbcompile cannot "
+                           f"prove the batch splits cleanly ({detail})")
+            self.fix = ("keep shapes independent of tensor values: use torch.where(mask, x, 0) "
+                        "or a multiplication by the mask instead of x[mask]")
+        elif gbs is not None and batch == gbs + 1:
+            self.reason = (f"it runs at batch {gbs} but fails at batch {gbs + 1} ({detail}): a "
+                           "batch size is baked in as a constant (such as x.view(32, -1)), so "
+                           "it cannot run on a microbatch of any other size")
+            self.fix = ("derive the batch size from the input: x.view(x.size(0), -1), "
+                        "x.flatten(1) or -1 instead of a constant")
+        else:
+            self.reason = (f"it fails on shape-only (fake) tensors at batch {batch} ({detail}), so "
+                           "mbcompile cannot follow the batch dim through it")
+            self.fix = ("check the model runs eagerly on a batch of that size, and keep shapes "
+                        "independent of tensor values")
+
+
+_DATA_DEPENDENT: tuple[type[BaseException], ...] = (
+    DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
 
 def resize_batch(value: Any, dim: Any, batch: int) -> Any:
@@ -49,11 +85,17 @@ def _info(value: Any) -> Any:
         return ValueInfo(True, tuple(value.shape), (), value.dtype)
     if isinstance(value, bool):
         return None
-    if isinstance(value, int):
+    if isinstance(value, (int, float)):  # sizes, and numbers computed from them (1 / B)
         return ValueInfo(False, int_a=value, value_a=value)
     if isinstance(value, (tuple, list)):  # torch.Size and namedtuples too
-        return tuple(_info(v) for v in value)
+        return _tuple((_info(v) for v in value), getattr(type(value), "_fields", None))
     return None
+
+
+def _tuple(items: Any, fields: tuple[str, ...] | None) -> InfoTuple:
+    out = InfoTuple(items)
+    out.fields = fields
+    return out
 
 
 def _merge(a: Any, b: Any) -> Any:
@@ -63,22 +105,67 @@ def _merge(a: Any, b: Any) -> Any:
             return ValueInfo(True, a.shape_a, b.shape_a, a.dtype)
         return ValueInfo(False, int_a=a.int_a, int_b=b.int_a, value_a=a.value_a)
     if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
-        return tuple(_merge(x, y) for x, y in zip(a, b))
+        return _tuple((_merge(x, y) for x, y in zip(a, b)), getattr(a, "fields", None))
     return None
 
 
 class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, batch: int, gbs: int) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.infos: dict[fx.Node, Any] = {}
+        self.batch, self.gbs = batch, gbs
+        self.fake_mode: FakeTensorMode | None = None
+        self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (real, fake)
 
     def run_node(self, n: fx.Node) -> Any:
         try:
             result = super().run_node(n)
         except Exception as exc:  # reported with the node by the caller
-            raise ShapePropagationError(n, exc) from exc
+            if not self._trusted(n):
+                raise ShapePropagationError(n, exc, self.batch, self.gbs) from exc
+            result = self._run_for_real(n)
         self.infos[n] = _info(result)
         return result
+
+    # Parameters and buffers enter as fake copies: an in-place update in the graph or in
+    # a layer (a BatchNorm's running statistics) must not reach the user's tensors.
+    def _fake(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            if id(value) not in self._fakes:
+                self._fakes[id(value)] = (value, self.fake_mode.from_tensor(value))
+            return self._fakes[id(value)][1]
+        return value
+
+    def fetch_attr(self, target: str) -> Any:
+        return self._fake(super().fetch_attr(target))
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        module = self.module.get_submodule(target)
+        state = {k: self._fake(v) for k, v in (*module.named_parameters(),
+                                                *module.named_buffers())}
+        return torch.func.functional_call(module, state, tuple(args), dict(kwargs))
+
+    def _trusted(self, n: fx.Node) -> bool:
+        from .batch_rules import TRUSTED_MODULES
+
+        return n.op == "call_module" and isinstance(self.module.get_submodule(n.target),
+                                                    tuple(TRUSTED_MODULES))
+
+    def _run_for_real(self, n: fx.Node) -> Any:
+        """A trusted layer fake tensors cannot run (Python branches on values): run it on
+        real zeros of the right shapes, then go back to fake tensors."""
+        mode = self.fake_mode
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        module = self.module.get_submodule(n.target)
+        with unset_fake_temporarily():
+            real = pytree.tree_map(lambda v: torch.zeros(v.shape, dtype=v.dtype)
+                                   if isinstance(v, torch.Tensor) else v, (args, kwargs))
+            state = {k: v.detach().clone() for k, v in (*module.named_parameters(),
+                                                         *module.named_buffers())}
+            with torch.no_grad():
+                out = torch.func.functional_call(module, state, tuple(real[0]), real[1])
+        return pytree.tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor)
+                               else v, out)
 
 
 def propagate_shapes(
@@ -96,8 +183,10 @@ def propagate_shapes(
             args = []
             for value, dims in zip(inputs, in_dims):
                 # one batch dim per input, shared by every tensor inside a nested input
-                args.append(pytree.tree_map(lambda v, d=dims: resize_batch(v, d, batch), value))
-            recorder = _Recorder(gm)
+                args.append(pytree.tree_map(lambda v, d=dims, b=batch: resize_batch(v, d, b),
+                                             value))
+            recorder = _Recorder(gm, batch, gbs)
+            recorder.fake_mode = mode
             recorder.run(*args)
         runs.append(recorder.infos)
     for node in gm.graph.nodes:

@@ -1,0 +1,254 @@
+"""Capture pass, export flavour: ``torch.export`` with a dynamic batch dimension.
+
+``torch.fx.symbolic_trace`` cannot trace HuggingFace ``transformers`` 5 models
+(nor any forward with data-dependent Python it cannot see through);
+``torch.export.export`` can, into a training-IR graph of a few dozen ATen ops
+(``aten.linear``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention``,
+``aten.cross_entropy_loss``, ``aten.sym_size``, ...). This pass turns the
+exported program into the same thing ``capture`` gives: a ``GraphModule`` with
+one placeholder per ``forward`` parameter, flat outputs, and an ``OutputSpec``
+that rebuilds the model's own output type (``CausalLMOutputWithPast``, a dict, ...).
+
+Before (``GPT2LMHeadModel``; ``forward(input_ids, cache, attention_mask, ..., labels, ...)``)::
+
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)   # CausalLMOutput...
+
+After (``export_capture(model, example, in_dims)``)::
+
+    def forward(self, input_ids, cache, attention_mask, ..., labels, use_cache, ...):
+        sym_size_int = torch.ops.aten.sym_size.int(attention_mask, 0)     # the batch size
+        view = torch.ops.aten.view.default(input_ids, [-1, 8])
+        embedding = torch.ops.aten.embedding.default(self.lm_head.weight, view)
+        ...
+        return (cross_entropy_loss, view_23)     # output_spec rebuilds CausalLMOutput(loss, logits)
+
+Steps:
+
+1. export with the batch dim of every batched tensor input marked
+   ``torch.export.Dim("batch")`` (one symbol shared by all), ``use_cache=False``
+   when forward has that switch and the call leaves it unset, and the example
+   batch grown to 2 samples if it has fewer (export specialises sizes 0 and 1);
+2. ``ep.module()`` unlifts parameters and buffers back into attributes: they
+   are the user's own tensors, so gradients land in the user's ``.grad``;
+3. the graph is copied into a plain one: placeholders renamed to forward's
+   parameters in order (non-tensor ones are fixed at compile time, as with
+   ``capture``'s ``concrete_args``), the input-guard call and the metadata
+   assertions export adds dropped (mbcompile checks inputs itself), every
+   ``get_attr`` resolved on the user's model first;
+4. the output spec comes from export's pytree spec, so ``ModelOutput``
+   dataclasses, dicts and tuples come back as the model returns them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx._pytree as fx_pytree
+from torch.utils import _pytree as pytree
+
+from mbcompile.errors import CaptureError
+
+from .capture import CaptureResult, flatten_output
+
+__all__ = ["EXPORT_ASSERTIONS", "export_capture"]
+
+#: ATen ops export inserts to check metadata and symbolic ranges: no values, dropped.
+EXPORT_ASSERTIONS = frozenset({
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten._assert_async.msg,
+    torch.ops.aten._assert_async.default,
+})
+
+
+class _Leaf:
+    """A marker standing for one flat input or output while specs are unflattened."""
+
+    def __init__(self, index: int, path: tuple[Any, ...] = ()) -> None:
+        self.index = index
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"_Leaf({self.index}, {self.path})"
+
+
+def _has_tensor(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
+
+
+def _grow_batch(value: Any, dim: int, size: int) -> Any:
+    """``value`` with its batch dim repeated up to ``size`` samples (export needs >= 2)."""
+
+    def grow(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.shape[dim] >= size:
+            return t
+        reps = -(-size // max(t.shape[dim], 1))
+        return torch.cat([t] * reps, dim).narrow(dim, 0, size)
+
+    return pytree.tree_map(grow, value)
+
+
+def _export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
+                   in_dims: Mapping[str, int | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The keyword call to export and its ``dynamic_shapes``."""
+    params = inspect.signature(model.forward).parameters
+    batch = torch.export.Dim("batch")
+    kwargs: dict[str, Any] = {}
+    dynamic: dict[str, Any] = {}
+    for name, value in example.items():
+        dim = in_dims.get(name)
+        if _has_tensor(value):
+            if dim is not None:
+                value = _grow_batch(value, dim, 2)
+            kwargs[name] = value
+            dynamic[name] = pytree.tree_map(
+                lambda t, d=dim: ({d: batch} if d is not None and isinstance(t, torch.Tensor)
+                                  else None), value)
+            continue
+        default = params[name].default if name in params else inspect.Parameter.empty
+        if name == "use_cache" and value is None:
+            value = False  # a key/value cache is inference state, not part of a training step
+        elif value is default or (value is None and default is inspect.Parameter.empty):
+            continue
+        kwargs[name] = value
+        dynamic[name] = None
+    return kwargs, dynamic
+
+
+def _resolve(root: torch.nn.Module, fallback: torch.nn.Module, target: str) -> Any:
+    """``root.<target>`` if it exists (the user's own tensor), else the exported one."""
+    for module in (root, fallback):
+        obj: Any = module
+        try:
+            for part in target.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        return obj
+    raise CaptureError(f"exported graph reads {target!r}, which neither the model nor the "
+                       "exported program has")
+
+
+def _input_getter(graph: fx.Graph, node: fx.Node, path: Sequence[Any]) -> fx.Node:
+    """Nodes that pick the leaf at ``path`` out of a nested input."""
+    for key in path:
+        if isinstance(key, pytree.SequenceKey):
+            node = graph.call_function(operator.getitem, (node, key.idx))
+        elif isinstance(key, pytree.MappingKey):
+            node = graph.call_function(operator.getitem, (node, key.key))
+        elif isinstance(key, pytree.GetAttrKey):
+            node = graph.call_function(getattr, (node, key.name))
+        else:
+            raise CaptureError(f"cannot map input path element {key!r} of an exported graph")
+    return node
+
+
+_SPECIALISED = re.compile(r"specialized it to be a constant \((\d+)\)")
+
+
+def _export_error(model: torch.nn.Module, exc: BaseException,
+                  fx_error: BaseException | None) -> CaptureError:
+    """A ``CaptureError`` that says why export failed in the user's terms."""
+    text = str(exc)
+    tried = f"  torch.fx.symbolic_trace failed first: {fx_error}\n" if fx_error else ""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    baked = _SPECIALISED.search(text)
+    if baked:
+        why = (f"  the batch size is baked in: the code only works for a batch of "
+               f"{baked.group(1)} (a constant in a view or reshape, such as "
+               f"x.view({baked.group(1)}, -1), or a branch on the batch size), so it cannot "
+               "run on microbatches of other sizes.\n"
+               "  Fix: derive batch sizes from the input (x.view(x.size(0), -1), x.flatten(1), "
+               "or -1).")
+    else:
+        why = (f"  torch.export: {type(exc).__name__}: {first}\n"
+               "  Export needs shapes that do not depend on tensor values and code that works "
+               "for any batch size. Fix: remove data-dependent Python (branches on tensor "
+               "values, .item(), boolean-mask indexing), derive batch sizes from x.size(0) "
+               "instead of constants, or pass an already captured torch.fx.GraphModule.")
+    return CaptureError(f"torch.export could not capture {type(model).__name__}.forward with "
+                        f"a dynamic batch dimension\n{tried}{why}")
+
+
+def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
+                   in_dims: Mapping[str, int | None], *,
+                   fx_error: BaseException | None = None) -> CaptureResult:
+    """Capture ``model`` with ``torch.export`` into a graph with flat outputs.
+
+    ``example`` maps every ``forward`` parameter (in signature order) to its
+    example value, ``in_dims`` each to its batch dim (None: unbatched).
+    Placeholders follow ``example``'s order; non-tensor values are fixed in
+    the graph and returned as ``concrete_args``. ``fx_error``, when symbolic
+    tracing failed first, is quoted if export fails too.
+    """
+    names = list(example)
+    kwargs, dynamic = _export_kwargs(model, example, in_dims)
+    try:
+        program = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as exc:  # any export failure becomes one clear error
+        raise _export_error(model, exc, fx_error) from exc
+    exported = program.module()
+    old = exported.graph
+
+    # Flat inputs of the exported graph, mapped to (forward parameter, path inside it).
+    in_spec = exported._in_spec
+    markers = {n: pytree.tree_map_with_path(lambda p, _, n=n: _Leaf(names.index(n), p),
+                                            kwargs[n]) for n in kwargs}
+    flat_inputs = fx_pytree.tree_flatten_spec(((), markers), in_spec)  # by key, in its order
+
+    graph = fx.Graph()
+    params = inspect.signature(model.forward).parameters
+    new_inputs: dict[str, fx.Node] = {}
+    defaults = [params[n].default if n in params else inspect.Parameter.empty for n in names]
+    for i, name in enumerate(names):  # a default only where every later one has one too
+        if all(d is not inspect.Parameter.empty for d in defaults[i:]):
+            new_inputs[name] = graph.placeholder(name, default_value=defaults[i])
+        else:
+            new_inputs[name] = graph.placeholder(name)
+    env: dict[fx.Node, fx.Node] = {}
+    old_inputs = [n for n in old.nodes if n.op == "placeholder"]
+    if len(old_inputs) != len(flat_inputs):
+        raise CaptureError(f"exported graph of {type(model).__name__} has {len(old_inputs)} "
+                           f"inputs where {len(flat_inputs)} were expected")
+    for node, leaf in zip(old_inputs, flat_inputs):
+        env[node] = _input_getter(graph, new_inputs[names[leaf.index]], leaf.path)
+        env[node].meta = dict(node.meta)
+    root: dict[str, Any] = {}
+    output: fx.Node | None = None
+    for node in old.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            output = node
+            continue
+        if node.op == "call_module" and node.target == "_guards_fn":
+            continue  # export's input guards: mbcompile checks the inputs itself
+        if node.op == "call_function" and node.target in EXPORT_ASSERTIONS:
+            continue
+        if node.op in ("get_attr", "call_module"):
+            root[node.target] = _resolve(model, exported, node.target)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    assert output is not None
+
+    # Outputs: flat leaves, and the spec that rebuilds the model's own output type.
+    flat_out = list(output.args[0])
+    structured = pytree.tree_unflatten([_Leaf(i) for i in range(len(flat_out))],
+                                       exported._out_spec)
+    leaves: list[Any] = []
+    spec = flatten_output(structured, leaves, lambda v: isinstance(v, _Leaf))
+    graph.output(tuple(fx.node.map_arg(flat_out[leaf.index], lambda n: env[n])
+                       if isinstance(flat_out[leaf.index], fx.Node) else flat_out[leaf.index]
+                       for leaf in leaves))
+    graph.eliminate_dead_code()  # getters the dropped guards read (placeholders stay)
+    graph.lint()
+    gm = fx.GraphModule(root, graph, type(model).__name__)
+    concrete = {n: v for n, v in example.items() if not _has_tensor(v)}
+    return CaptureResult(gm, spec, concrete, "export")
