@@ -14,6 +14,7 @@ the data do (targets equal to ``ignore_index`` do not count).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -92,8 +93,14 @@ def mean_combine(total: torch.Tensor, count: Count) -> torch.Tensor:
     return total / count
 
 
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """``fn``'s signature, built once: building it costs more than a small microbatch's loss."""
+    return inspect.signature(fn)
+
+
 def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound = _signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
 

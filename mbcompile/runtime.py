@@ -15,6 +15,7 @@ One step of ``gbs 10 over 3 systems, mbs 2`` (sizes ((2, 2), (2, 1), (2, 1))):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -48,6 +49,8 @@ def _narrow(value: Any, dim: int | None, start: int, length: int) -> Any:
     """Rows [start, start + length) of every tensor in ``value`` along ``dim`` (views)."""
     if dim is None:
         return value
+    if isinstance(value, torch.Tensor):  # the usual input: no pytree walk on every microbatch
+        return value.narrow(dim, start, length)
     return pytree.tree_map(
         lambda t: t.narrow(dim, start, length) if isinstance(t, torch.Tensor) else t, value)
 
@@ -141,7 +144,7 @@ class _Loop:
                 for i, mb in enumerate(self.microbatches):
                     out = self._in_microbatch(i, lambda mb=mb: _as_tuple(self.body(*mb)))
                     partial = out[self.fused_index]
-                    if not bool(torch.isfinite(partial.detach()).all()):
+                    if not math.isfinite(partial.item()):  # one scalar read, not three ops
                         system, local = self.where(i)
                         raise MicrobatchError(
                             f"the loss of system {system}, microbatch {local} is "
@@ -227,7 +230,7 @@ class _FusedStep(torch.autograd.Function):
         if all(g is None for g in loss_grads):
             return (None, None) + (None,) * ctx.n_params
         g = next(x for x in loss_grads if x is not None)
-        if any(x is None or not torch.equal(x, g) for x in loss_grads):
+        if any(x is None or (x is not g and not torch.equal(x, g)) for x in loss_grads):
             raise MicrobatchError("microbatch losses received different gradients; only the "
                                   "combined loss can be differentiated")
         if not bool(g.eq(1).all()):  # the usual mean: scale in place, no second buffer

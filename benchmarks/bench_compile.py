@@ -1,0 +1,142 @@
+"""Compile time against model depth and against the number of microbatches.
+
+    python benchmarks/bench_compile.py [--depths 2 4 8 12 16 24] [--repeats 3]
+
+``mbcompile.compile`` on the GPT of issue 7 (width 256, sequence 128,
+vocabulary 1000) at gbs 32 over 2 systems, MBS 4:
+
+1. against depth: 2 to 24 layers. A least-squares line through the times and
+   the time per layer; "linear" means the time per layer stays level and the
+   line's residuals are small next to the times.
+2. against the number of microbatches: depth 4, gbs 128 over 2 systems, MBS
+   from 64 (2 microbatches) to 1 (128 microbatches). The plan is arithmetic and
+   the loop runs one body, so compile time should not grow.
+
+The first compile of a process pays for imports and torch's lazy set-up; it is
+reported apart and a warm-up round runs before the timed ones (so torch's
+fake-tensor dispatch cache is warm, as for any compile after the first). The
+points of a sweep take turns, one compile each per round, and each is the
+median of ``--repeats`` rounds, in CPU seconds (one torch thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_microbatch_cost import fit  # noqa: E402
+from common import (  # noqa: E402
+    GBS,
+    SYSTEMS,
+    add_output_args,
+    alternate,
+    finish,
+    make_gpt,
+    median,
+)
+
+import mbcompile  # noqa: E402
+
+MBS = 4
+#: Verdicts: the line misses no point by more than this share of the deepest time, and
+#: the most microbatches cost at most this factor of the fewest.
+LINEAR_TOLERANCE, FLAT_TOLERANCE = 0.10, 1.20
+
+
+def _sweep(points: dict[object, tuple[int, int, int]], repeats: int
+           ) -> dict[object, tuple[float, float]]:
+    """Median (CPU s, wall s) of compiling each point's (depth, gbs, mbs), points in turn."""
+    models = {depth: make_gpt(batch=8, depth=depth) for depth, _, _ in points.values()}
+
+    def compile_fn(depth: int, gbs: int, mbs: int):
+        model, batch = models[depth]  # the example batch size does not matter
+        return lambda: mbcompile.compile(model, gbs, SYSTEMS, mbs, example_inputs=batch)
+
+    t = alternate({k: compile_fn(*v) for k, v in points.items()}, repeats, warmup=1)
+    return {k: (median(t.cpu[k]), median(t.wall[k])) for k in points}
+
+
+def run(depths: list[int], mbs_list: list[int], repeats: int, out: list[str]
+        ) -> dict[str, float]:
+    model, batch = make_gpt(batch=8, depth=2)
+    c0 = time.process_time()
+    mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch)
+    first = time.process_time() - c0
+
+    timed = _sweep({d: (d, GBS, MBS) for d in depths}, repeats)
+    by_depth = [timed[d] for d in depths]
+    a, b = fit([float(d) for d in depths], [c for c, _ in by_depth])
+    residual = max(abs(c - (a + b * d)) for d, (c, _) in zip(depths, by_depth))
+    per_layer = [(c - by_depth[0][0]) / (d - depths[0]) for d, (c, _) in
+                 zip(depths[1:], by_depth[1:])]
+    depth_rows = [f"| {d} | {c:.3f} | {w:.3f} | {a + b * d:.3f} |"
+                  for d, (c, w) in zip(depths, by_depth)]
+
+    gbs_n = 128
+    counts = [mbcompile.make_plan(gbs_n, SYSTEMS, m).num_microbatches * SYSTEMS
+              for m in mbs_list]
+    timed = _sweep({m: (4, gbs_n, m) for m in mbs_list}, repeats)
+    by_n = [(n, *timed[m]) for n, m in zip(counts, mbs_list)]
+    an, bn = fit([float(n) for n, _, _ in by_n], [c for _, c, _ in by_n])
+    growth = by_n[-1][1] / by_n[0][1]
+    n_rows = [f"| {m} | {n} | {c:.3f} | {w:.3f} |" for m, (n, c, w) in zip(mbs_list, by_n)]
+    linear = residual / by_depth[-1][0] <= LINEAR_TOLERANCE
+    flat = growth <= FLAT_TOLERANCE
+
+    out += [
+        "### Compile time",
+        "",
+        f"`mbcompile.compile` on the GPT (width 256, sequence 128, vocabulary 1000); median "
+        f"of {repeats} rounds in CPU seconds (wall beside it), the points of a sweep in turn, "
+        "after a warm-up round. The first "
+        f"compile of the process took {first:.2f} s (imports, torch's lazy set-up).",
+        "",
+        f"Against depth (gbs {GBS} over {SYSTEMS} systems, MBS {MBS}):",
+        "",
+        "| layers | CPU s | wall s | line a + b * layers |",
+        "|---:|---:|---:|---:|",
+        *depth_rows,
+        "",
+        f"Line: {a:.3f} s + **{b * 1e3:.1f} ms per layer**; largest residual {residual:.3f} s "
+        f"({residual / by_depth[-1][0]:.1%} of the deepest); time per added layer from "
+        f"{min(per_layer) * 1e3:.1f} to {max(per_layer) * 1e3:.1f} ms: "
+        f"{'linear' if linear else 'NOT linear'} in depth.",
+        "",
+        f"Against the number of microbatches (4 layers, gbs {gbs_n} over {SYSTEMS} systems):",
+        "",
+        "| MBS | microbatches | CPU s | wall s |",
+        "|---:|---:|---:|---:|",
+        *n_rows,
+        "",
+        f"Slope {bn * 1e6:.0f} µs per microbatch (a layer costs {b * 1e3:.1f} ms); "
+        f"{by_n[-1][0]} microbatches take "
+        f"{growth:.2f}x the time of {by_n[0][0]}: "
+        f"{'flat' if flat else 'GROWING'} in the number of microbatches.",
+        "",
+    ]
+    return {"ms_per_layer": b * 1e3, "depth_residual_frac": residual / by_depth[-1][0],
+            "linear_in_depth": linear, "us_per_microbatch": bn * 1e6,
+            "microbatch_growth": growth, "flat_in_microbatches": flat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 12, 16, 24])
+    parser.add_argument("--mbs", type=int, nargs="+", default=[64, 16, 4, 1])
+    parser.add_argument("--repeats", type=int, default=5)
+    add_output_args(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    out: list[str] = []
+    figures = run(args.depths, args.mbs, args.repeats, out)
+    return finish(out, figures, args.markdown, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
