@@ -135,7 +135,7 @@ class _Loop:
         sq = torch.zeros((), dtype=torch.float64)
 
         def add_square(g: torch.Tensor) -> None:  # returns None: the gradient is unchanged
-            sq.add_(g.detach().double().square().sum())
+            sq.add_(torch.linalg.vector_norm(g.detach()).double().square())
 
         hooks = [p.register_hook(add_square) for p in params] if self.noise is not None else []
         try:
