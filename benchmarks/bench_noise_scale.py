@@ -11,9 +11,9 @@ reduction per parameter per microbatch and one over the step's gradient.
 from __future__ import annotations
 
 import torch
+from common import GBS, SYSTEMS, alternate, make_gpt, median, paired_ratio
 
 import mbcompile
-from common import GBS, SYSTEMS, alternate, make_gpt, median, paired_ratio
 
 ROUNDS = 8
 
@@ -32,7 +32,8 @@ def main() -> None:
             loss, _ = cm(*batch)
             loss.backward()
 
-        times = alternate({"plain": lambda: step(plain), "measured": lambda: step(measured)},
+        times = alternate({"plain": lambda cm=plain: step(cm),
+                           "measured": lambda cm=measured: step(cm)},
                           ROUNDS, before=lambda: model.zero_grad(set_to_none=True))
         ratio = paired_ratio(times.cpu["measured"], times.cpu["plain"])
         print(f"  mbs {mbs:2d}: plain {median(times.cpu['plain']) * 1e3:7.1f} ms, measured "
