@@ -162,6 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- #
 
 
+def _demo_system(model: Any, batch: Any, gbs: int, num_csx: int) -> Any:
+    """The host with memory halfway between the needs of MBS 1 and of no split.
+
+    On the real host a tiny GPT fits whole, and auto rightly keeps it whole; the
+    demo is about microbatching, so it runs on systems that need it.
+    """
+    import dataclasses
+
+    from mbcompile.systems import get_system
+
+    peak = [compiler.compile(model, gbs, num_csx, mbs, example_inputs=batch, compile_only=True
+                             ).estimate.memory.peak for mbs in (1, "none")]
+    return dataclasses.replace(get_system("host"), name="demo", memory_bytes=sum(peak) / 2)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from mbcompile.models import make_tiny_gpt, token_batch
     from mbcompile.trainer import Trainer
@@ -177,8 +192,12 @@ def run_demo(args: argparse.Namespace) -> int:
          f"(gbs {gbs}) over {num_csx} simulated systems, mbs={args.mbs}")
     _out()
 
+    system = _demo_system(model, batch, gbs, num_csx) if args.mbs == "auto" else None
+    if system is not None:
+        _out(f"the simulated systems have {system.memory_bytes / 1e3:.0f} kB of memory each: "
+             "too little for a whole per-system batch, so mbs=auto has to split it")
     started = time.perf_counter()
-    cm = compiler.compile(model, gbs, num_csx, args.mbs, example_inputs=batch)
+    cm = compiler.compile(model, gbs, num_csx, args.mbs, example_inputs=batch, system=system)
     _out(f"1. compiled in {time.perf_counter() - started:.2f} s")
     _out(str(cm.plan))
     _out()
@@ -214,7 +233,7 @@ def run_demo(args: argparse.Namespace) -> int:
     batches = [token_batch(gbs, seed=1 + i) for i in range(4)]
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), gbs=gbs,
                       num_csx=num_csx, callbacks=[GlobalFlags(micro_batch_size=args.mbs)],
-                      console=Console(soft_wrap=True))
+                      console=Console(soft_wrap=True), system=system)
     rows = trainer.fit(batches, max_steps=args.steps)
     _out()
     _out(f"done: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} over {len(rows)} steps. "

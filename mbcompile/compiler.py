@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,13 @@ from mbcompile.errors import (
     MixingError,
     RetainedActivationsWarning,
 )
+from mbcompile.explore import (
+    Selection,
+    check_request,
+    compile_only_error,
+    plan_for,
+    single_microbatch_request,
+)
 from mbcompile.noise import NoiseScale
 from mbcompile.passes.batch_analysis import analyse_batch, mixing_error
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
@@ -40,8 +48,10 @@ from mbcompile.passes.export_capture import export_capture
 from mbcompile.passes.facts import Batched, Container, Fact, Free
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
-from mbcompile.plan import MicrobatchPlan, make_plan
+from mbcompile.plan import MicrobatchPlan
+from mbcompile.report import Validation, render, validation_of
 from mbcompile.runtime import LAST_COUNTS_ATTR, NOISE_ATTR
+from mbcompile.systems import get_system
 
 __all__ = ["CompiledModule", "compile"]
 
@@ -54,6 +64,14 @@ class _Inputs:
     in_dims: tuple[int | None, ...]  # batch dim per parameter (None: unbatched)
     concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
     capture: str = "auto"  # "auto" (fx, then torch.export if fx fails), "fx" or "export"
+
+
+@dataclass(frozen=True)
+class _Analysed:
+    """Capture, shapes and batch analysis: the graph with a batch fact on every node."""
+
+    captured: CaptureResult
+    rejected: MixingError | None  # why the batch cannot be split (one microbatch still runs)
 
 
 @dataclass(frozen=True)
@@ -205,18 +223,24 @@ class CompiledModule(nn.Module):
     """A model compiled for microbatching: call it like the model.
 
     Attributes: ``plan`` (a ``MicrobatchPlan``), ``graph_module`` (the rewritten
-    ``fx.GraphModule``: split -> loop over ``graph_module.body`` -> accumulate) and
-    ``original_graph_module`` (the captured graph, annotated with batch facts).
+    ``fx.GraphModule``: split -> loop over ``graph_module.body`` -> accumulate),
+    ``original_graph_module`` (the captured graph, annotated with batch facts),
+    ``estimate`` (modelled memory and step time of the plan on ``system``) and
+    ``exploration`` (the MBS values the choice evaluated); ``report()`` says it all.
     Parameters are the model's own (shared, not copied); ``state_dict()`` is the
     model's, so it loads into the original and back.
     """
 
     def __init__(self, model: nn.Module, plan: MicrobatchPlan, signature: inspect.Signature,
                  inputs: _Inputs, example: Mapping[str, Any], rank: int | None = None,
-                 noise_scale: NoiseScale | None = None) -> None:
+                 noise_scale: NoiseScale | None = None, selection: Selection | None = None,
+                 compile_only: bool = False, analysed: _Analysed | None = None) -> None:
         super().__init__()
         self.module = model
         object.__setattr__(self, "plan", plan)
+        object.__setattr__(self, "selection", selection)
+        object.__setattr__(self, "compile_only", compile_only)
+        object.__setattr__(self, "_analysed", analysed)  # compile()'s analysis, used once
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "noise_scale", noise_scale)
         object.__setattr__(self, "_signature", signature)
@@ -243,8 +267,9 @@ class CompiledModule(nn.Module):
         if key not in self._cache:
             for stale in [k for k in self._cache if k[1:] != key[1:]]:
                 del self._cache[stale]  # they keep replaced parameters alive
+            analysed, self._analysed = self._analysed, None
             self._cache[key] = _compile_graph(self.module, self.plan, self._inputs, self._example,
-                                              self.rank)
+                                              self.rank, analysed)
             if self.noise_scale is not None:
                 setattr(self._cache[key].graph_module.body, NOISE_ATTR, self.noise_scale)
         return self._cache[key]
@@ -259,8 +284,32 @@ class CompiledModule(nn.Module):
         """The captured graph, with ``node.meta['mbcompile.fact']`` on every node."""
         return self._compiled().original_graph_module
 
+    @property
+    def system(self) -> Any:
+        """The ``SystemSpec`` the plan was made for."""
+        return self.selection.system if self.selection is not None else None
+
+    @property
+    def estimate(self) -> Any:
+        """Modelled memory and step time of the plan (``mbcompile.cost.Estimate``)."""
+        return self.selection.estimate if self.selection is not None else None
+
+    @property
+    def exploration(self) -> Any:
+        """The MBS values evaluated and the answer (``mbcompile.explore.Exploration``)."""
+        return self.selection.exploration if self.selection is not None else None
+
+    def report(self, fmt: str = "text") -> str:
+        """Plan, why, modelled memory and time, candidates: text, or ``fmt="json"``.
+
+        The text is a ``mbcompile.report.Report`` (a ``str``) whose ``to_dict()`` is the data.
+        """
+        return render(self, fmt)
+
     # ---------------------------------------------------------------- calling
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compile_only:
+            raise compile_only_error(self.plan, self.exploration)
         compiled = self._compiled()
         try:
             bound = self._signature.bind(*args, **kwargs)
@@ -329,7 +378,8 @@ class CompiledModule(nn.Module):
     def extra_repr(self) -> str:
         p = self.plan
         return (f"gbs={p.gbs}, num_csx={p.num_csx}, mbs={p.mbs}, "
-                f"num_microbatches={p.num_microbatches}")
+                f"num_microbatches={p.num_microbatches}"
+                + (", compile_only=True" if self.compile_only else ""))
 
 
 def _strip_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -421,27 +471,38 @@ def _capture(model: nn.Module, inputs: _Inputs, example: Mapping[str, Any]) -> C
                           dict(zip(inputs.names, inputs.in_dims)), fx_error=fx_error)
 
 
-def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
-                   example: Mapping[str, Any], rank: int | None = None) -> _Compiled:
+def _analyse(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapping[str, Any]
+             ) -> _Analysed:
+    """Capture, shapes and batch analysis; a rejection is kept, not raised."""
     captured = _capture(model, inputs, example)
     gm = captured.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = [example[n] for n in inputs.names]
     try:
-        propagate_shapes(gm, values, inputs.in_dims, plan.gbs)
+        propagate_shapes(gm, values, inputs.in_dims, gbs)
     except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
-        if plan.num_nonempty_microbatches == 1:  # nothing is split: run the graph as it is
-            return _Compiled(gm, gm, captured.output_spec, False)
-        raise mixing_error(exc.node, gm, exc.reason, exc.fix) from None
+        return _Analysed(captured, mixing_error(exc.node, gm, exc.reason, exc.fix))
     facts = {p.target: _fact_for(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
     try:
-        analyse_batch(gm, facts, plan.gbs)
-    except MixingError:
+        analyse_batch(gm, facts, gbs)
+    except MixingError as exc:
+        return _Analysed(captured, exc)
+    return _Analysed(captured, None)
+
+
+def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
+                   example: Mapping[str, Any], rank: int | None = None,
+                   analysed: _Analysed | None = None) -> _Compiled:
+    analysed = analysed or _analyse(model, plan.gbs, inputs, example)
+    captured = analysed.captured
+    gm = captured.graph_module
+    if analysed.rejected is not None:
         if plan.num_nonempty_microbatches > 1:
-            raise
+            raise analysed.rejected
         # one system, one microbatch (mbs="none"): nothing is split, so nothing can mix;
         # the captured graph runs as it is
         return _Compiled(gm, gm, captured.output_spec, False)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
     slices = [(a - offset, b - offset) for system in systems for a, b in system if b > a]
@@ -470,10 +531,17 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
             in_dims: Any = 0, system: Any = None, backend: str = "simulated",
             measure_noise_scale: bool | NoiseScale = False,
-            capture: str = "auto") -> CompiledModule:
+            capture: str = "auto",
+            compile_only: bool = False, validate_only: bool = False,
+            measure: bool | int = False) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
-    ``mbs`` is ``"auto"``, ``"none"`` (no split), an int, or ``"explore"``.
+    ``mbs`` is ``"auto"`` (chosen from the memory and time model), ``"none"`` (no
+    split), an int, or ``"explore"`` / ``{"explore": {"min": a, "max": b}}`` (every
+    MBS in range; needs ``compile_only=True``; ``cm.report()`` says which to pin).
+    ``system`` is a preset name (``"host"``, ``"wafer-sim"``, ``"a100-80gb"``,
+    ``"a100-40gb"``, ``"h100-80gb"``) or a ``SystemSpec``; None means ``"host"``.
+    A plan whose modelled peak memory exceeds the system's raises ``DoesNotFitError``.
     ``example_inputs``/``example_kwargs`` are one example call (any batch size);
     ``in_dims`` gives the batch dim of the tensor inputs, vmap style: an int for
     all, a tuple per positional input, or a dict per keyword (None: unbatched).
@@ -486,6 +554,11 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     ``capture`` is ``"auto"`` (torch.fx symbolic tracing, and ``torch.export`` with a
     dynamic batch dim when tracing fails, as for HuggingFace models), ``"fx"`` or
     ``"export"``.
+    ``compile_only=True`` traces, analyses, plans and estimates, and returns a
+    module that raises ``CompileOnlyError`` when called; ``validate_only=True``
+    stops after capture and batch analysis and returns a ``Validation``.
+    ``measure=True`` (or a repetition count) also times real forward+backward on
+    the model's device for each MBS evaluated, reported beside the model.
     Raises ``MixingError`` when splitting the batch would change the result.
     """
     model = _check_module(model)
@@ -493,7 +566,29 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
         raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    plan = make_plan(gbs, num_csx, mbs)
+    spec = get_system(system)
+    check_request(gbs, num_csx, mbs, compile_only or validate_only)  # before any tracing
+    sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
+    inputs = dataclasses.replace(inputs, capture=capture)
+    start = time.perf_counter()
+    try:
+        analysed = _analyse(model, gbs, inputs, values)
+        single = single_microbatch_request(gbs, num_csx, mbs)
+        if analysed.rejected is not None and not single:
+            raise analysed.rejected
+        if validate_only:
+            return validation_of(type(model).__name__, gbs, num_csx,
+                                 analysed.captured.graph_module,
+                                 time.perf_counter() - start, analysed.rejected)
+        selection = plan_for(analysed.captured.graph_module,
+                             [values[n] for n in inputs.names], inputs.in_dims, gbs, num_csx,
+                             mbs, spec, measure=measure, name=type(model).__name__,
+                             unsplit=analysed.rejected is not None)
+    except MbcompileError:
+        raise
+    except Exception as exc:  # a pass crashed: say so with the model's name
+        raise _crashed(model, exc) from exc
+    plan = selection.plan
     rank = None
     if backend == "torch.distributed":
         from mbcompile.distributed import check_world
@@ -502,15 +597,19 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
         if measure_noise_scale:
             raise InputError("measure_noise_scale works with the simulated backend only so far; "
                              "measure on one process, then train on ranks")
-    sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
-    inputs = dataclasses.replace(inputs, capture=capture)
     plan = dataclasses.replace(plan, tokens_per_sample=_tokens_per_sample(inputs, values))
     try:
         return CompiledModule(model, plan, sig, inputs, values, rank,
-                              _noise_scale(measure_noise_scale))
+                              _noise_scale(measure_noise_scale), selection, compile_only,
+                              analysed)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name
         raise CaptureError(f"compiling {type(model).__name__} failed in mbcompile itself: "
                            f"{type(exc).__name__}: {exc}. Please report this with the model."
                            ) from exc
+
+
+def _crashed(model: nn.Module, exc: Exception) -> CaptureError:
+    return CaptureError(f"compiling {type(model).__name__} failed in mbcompile itself: "
+                        f"{type(exc).__name__}: {exc}. Please report this with the model.")

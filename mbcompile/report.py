@@ -1,0 +1,241 @@
+"""Reports: ``cm.report()`` as text for people, ``cm.report("json")`` for tools.
+
+Both come from one dict (:func:`report_dict`), so they never disagree::
+
+    >>> cm = mbcompile.compile(model, 512, 4, "auto", system="a100-80gb",
+    ...                        compile_only=True, example_inputs=batch)
+    >>> print(cm.report())                       # plan, why, memory, time, candidates
+    >>> json.loads(cm.report("json"))["plan"]["mbs"]
+
+A ``validate_only=True`` compile returns a :class:`Validation`, which has the
+same ``report()``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+from mbcompile.cost import format_bytes, format_seconds
+from mbcompile.errors import MbcompileError
+from mbcompile.passes.facts import FACT
+
+__all__ = ["Report", "Validation", "render", "report_dict", "validation_of"]
+
+_FORMATS = ("text", "json")
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in _FORMATS:
+        raise MbcompileError(f"unknown report format {fmt!r}; use 'text' or 'json'")
+
+
+class Report(str):
+    """The text report, which also hands out its data: ``to_dict()`` and ``to_json()``.
+
+    A ``str`` subclass so that ``print(cm.report())`` and ``str(...)`` are the text.
+    """
+
+    _data: dict[str, Any]
+
+    def __new__(cls, text: str, data: dict[str, Any]) -> Report:
+        self = super().__new__(cls, text)
+        self._data = data
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(self.to_json())  # a deep copy, JSON types only
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self._data, indent=indent, default=str)
+
+
+# --------------------------------------------------------------------------- #
+# Validation (validate_only=True)
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The result of ``compile(..., validate_only=True)``: the model can be microbatched.
+
+    Capture and batch analysis ran and raised nothing; no plan, no cost model, no
+    rewrite.  ``graph_module`` is the captured graph with a batch fact on every
+    node (``node.meta['mbcompile.fact']``).
+    """
+
+    model: str
+    gbs: int
+    num_csx: int
+    graph_module: fx.GraphModule = field(repr=False)
+    facts: tuple[tuple[str, int], ...]  # fact kind -> node count
+    seconds: float
+    note: str = ""  # set when the analysis rejected a split that this request never makes
+
+    @property
+    def ok(self) -> bool:
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": "validated", "model": self.model, "gbs": self.gbs,
+                "num_csx": self.num_csx, "nodes": len(self.graph_module.graph.nodes),
+                "facts": dict(self.facts), "seconds": self.seconds, "note": self.note}
+
+    def report(self, fmt: str = "text") -> str:
+        """Text (a :class:`Report`, which also has ``to_dict()``) or ``"json"``."""
+        _check_format(fmt)
+        if fmt == "json":
+            return json.dumps(self.to_dict(), indent=2)
+        facts = ", ".join(f"{n} {k}" for k, n in self.facts)
+        what = "runs unsplit" if self.note else "can be microbatched"
+        systems = "system" if self.num_csx == 1 else "systems"
+        text = (f"mbcompile validation: {self.model} {what} "
+                f"(gbs {self.gbs} over {self.num_csx} {systems})\n"
+                f"  captured {len(self.graph_module.graph.nodes)} nodes: {facts}\n"
+                f"  capture and batch analysis took {self.seconds:.2f} s; no plan was made "
+                "(validate_only=True)")
+        if self.note:
+            text += f"\n  note: {self.note}"
+        return Report(text, self.to_dict())
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def validation_of(model_name: str, gbs: int, num_csx: int, gm: fx.GraphModule,
+                  seconds: float, rejected: Exception | None = None) -> Validation:
+    """Summarise an analysed graph as a :class:`Validation`.
+
+    ``rejected``: the analysis's error for a request that never splits the batch
+    (one system, one microbatch), which therefore still runs.
+    """
+    kinds = Counter(type(n.meta.get(FACT)).__name__ for n in gm.graph.nodes
+                    if n.op not in ("output",) and FACT in n.meta)
+    note = ""
+    if rejected is not None:
+        first = str(rejected).splitlines()[0]
+        note = (f"the batch cannot be split ({first}); it runs because one system runs "
+                "one microbatch")
+    return Validation(model_name, gbs, num_csx, gm, tuple(sorted(kinds.items())), seconds,
+                      note)
+
+
+# --------------------------------------------------------------------------- #
+# Compiled modules
+# --------------------------------------------------------------------------- #
+
+
+def report_dict(cm: Any) -> dict[str, Any]:
+    """Everything the report says, as JSON-ready data.
+
+    Reads ``cm.plan``, ``cm.selection`` (a :class:`~mbcompile.explore.Selection`,
+    may be None), ``cm.compile_only`` and ``cm.module``.
+    """
+    from mbcompile import __version__
+
+    plan = cm.plan
+    selection = getattr(cm, "selection", None)
+    compile_only = bool(getattr(cm, "compile_only", False))
+    module = getattr(cm, "module", None)
+    d: dict[str, Any] = {
+        "mbcompile": __version__,
+        "status": "compile_only" if compile_only else "compiled",
+        "model": type(module).__name__ if module is not None else None,
+        "plan": plan.to_dict(),
+        "system": None, "estimate": None, "cost_model": None, "exploration": None,
+        "pin": None, "cost_error": None,
+    }
+    if selection is None:
+        return d
+    d["system"] = selection.system.to_dict()
+    d["cost_error"] = selection.cost_error
+    if selection.estimate is not None:
+        d["estimate"] = selection.estimate.to_dict()
+    cost = selection.cost
+    if cost is not None:
+        f1 = cost.figures(1)
+        d["cost_model"] = {
+            **cost.static.__dict__, "fit": cost.fit_note, "probes": cost.probes_run,
+            "per_sample": {"flops_forward": f1.flops_forward,
+                           "flops_backward": f1.flops_backward,
+                           "saved_bytes": cost.figures(2).saved_bytes - f1.saved_bytes
+                           if cost.fitted else f1.saved_bytes},
+        }
+    if selection.exploration is not None:
+        d["exploration"] = selection.exploration.to_dict()
+        if selection.exploration.mode == "explore":
+            d["pin"] = selection.exploration.best
+    return d
+
+
+def _text(d: dict[str, Any], cm: Any) -> str:
+    plan = cm.plan
+    selection = getattr(cm, "selection", None)
+    systems = "system" if plan.num_csx == 1 else "systems"
+    name = d["system"]["name"] if d["system"] else "no cost model"
+    tag = " [compile-only: reports, does not run]" if d["status"] == "compile_only" else ""
+    lines = [f"mbcompile report: {d['model']}, gbs {plan.gbs} over {plan.num_csx} {systems} "
+             f"({name}){tag}",
+             f"plan: mbs {plan.mbs} (requested {plan.requested_mbs!r}), "
+             f"{plan.num_microbatches} microbatch{'es' if plan.num_microbatches != 1 else ''} "
+             f"per system, per-system batch {plan.pbs} "
+             f"(sizes {', '.join(map(str, plan.per_system_batch_sizes[:8]))}"
+             f"{', ...' if plan.num_csx > 8 else ''})",
+             f"  why: {plan.reason}"]
+    lines += [f"  warning: {w}" for w in plan.warnings]
+    if selection is None:
+        return "\n".join(lines)
+    spec = selection.system
+    lines.append(f"system: {spec.describe()}")
+    lines.append(f"  source: {spec.source}")
+    if d["cost_error"]:
+        lines.append(f"cost model: unavailable ({d['cost_error']})")
+    e = selection.estimate
+    if e is not None:
+        m, t = e.memory, e.time
+        from mbcompile.explore import describe_memory
+
+        state = (f"fits, {format_bytes(m.headroom)} free" if m.fits
+                 else f"DOES NOT FIT by {format_bytes(-m.headroom)}")
+        lines.append(f"memory (modelled, per system): {format_bytes(m.peak)} of "
+                     f"{format_bytes(m.capacity)} ({state})")
+        lines.append(f"  {describe_memory(m)}")
+        lines.append(
+            f"time (modelled step): {format_seconds(t.step)} = microbatches "
+            f"{format_seconds(t.compute + t.overhead)} (roofline {format_seconds(t.compute)}"
+            f" + overheads {format_seconds(t.overhead)}) + gradient accumulation "
+            f"{format_seconds(t.accumulate)} + all-reduce {format_seconds(t.allreduce)} + "
+            f"optimizer {format_seconds(t.optimizer)}; {t.samples_per_second:.4g} samples/s; "
+            f"{t.bound}-bound")
+    c = d["cost_model"]
+    if c is not None:
+        ps = c["per_sample"]
+        lines.append(
+            f"cost model: {c['num_params']:,} parameters ({format_bytes(c['param_bytes'])}); "
+            f"per sample {ps['flops_forward']:.3g} FLOPs forward + "
+            f"{ps['flops_backward']:.3g} backward, {format_bytes(ps['saved_bytes'])} saved for "
+            f"backward, {format_bytes(c['output_bytes_per_sample'])} of outputs")
+        lines.append(f"  {c['fit']}; {c['probes']} fake-tensor probes")
+    x = selection.exploration
+    if x is not None and (x.mode in ("auto", "explore") or x.measured):
+        label = "candidates auto evaluated" if x.mode == "auto" else "exploration"
+        lines.append(f"{label}:")
+        lines += ["  " + row for row in x.table().splitlines()]
+        if x.measured and x.measured_best is not None:
+            lines.append(f"  measured fastest on this host: mbs={x.measured_best}")
+    if d["pin"] is not None:
+        lines.append(f"pin: compile again with mbs={d['pin']}")
+    return "\n".join(lines)
+
+
+def render(cm: Any, fmt: str = "text") -> str:
+    """The report of compiled module ``cm``: text (a :class:`Report`) or ``"json"``."""
+    _check_format(fmt)
+    d = report_dict(cm)
+    if fmt == "json":
+        return json.dumps(d, indent=2, default=str)
+    return Report(_text(d, cm), d)

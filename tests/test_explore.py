@@ -1,0 +1,333 @@
+"""Choosing the MBS: auto against explore, the memory checks, reports, measured timing.
+
+The last section drives the same machinery through ``mbcompile.compile``
+(``system=``, ``compile_only=``, ``validate_only=``, ``measure=``).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mbcompile
+from mbcompile.cost import CostModel, CostModelError, DoesNotFitError, analyse_cost
+from mbcompile.errors import PlanError
+from mbcompile.explore import (
+    AUTO_TIME_TOLERANCE,
+    CompileOnlyError,
+    CostModelWarning,
+    HostTimer,
+    Selector,
+    check_request,
+    select_plan,
+    single_microbatch_request,
+)
+from mbcompile.models import make_cnn, make_mlp, make_tiny_gpt
+from mbcompile.plan import make_plan, supported_mbs
+from mbcompile.report import Report, Validation
+from mbcompile.systems import SystemSpec, get_system
+
+MAKERS = {"mlp": make_mlp, "cnn": make_cnn, "tiny_gpt": make_tiny_gpt}
+
+
+def captured(model: nn.Module, batch: tuple[Any, ...], gbs: int) -> Any:
+    return mbcompile.compile(model, gbs, 1, "none", example_inputs=batch).original_graph_module
+
+
+@pytest.fixture(scope="module")
+def costs() -> dict[str, tuple[CostModel, nn.Module, tuple[Any, ...]]]:
+    """One cost model per model, fitted for per-system batches up to 1000."""
+    out = {}
+    for name, make in MAKERS.items():
+        model, batch = make(8)
+        gm = captured(model, batch, 8)
+        out[name] = (analyse_cost(gm, batch, (0, 0), pbs=1000), model, batch)
+    return out
+
+
+def tight(cost: CostModel, gbs: int, num_csx: int, fits_up_to: int) -> SystemSpec:
+    """The host with just enough memory for ``fits_up_to`` samples per microbatch."""
+    host = get_system("host")
+    peak = cost.estimate(gbs, num_csx, fits_up_to, host).memory.peak
+    return replace(host, name=f"tight-{fits_up_to}", memory_bytes=peak * 1.0001,
+                   source="test: memory binds")
+
+
+#: (model, gbs, num_csx, system or ("tight", mbs that just fits))
+SUITE = [
+    ("mlp", 64, 1, "host"),
+    ("mlp", 96, 4, "a100-80gb"),
+    ("mlp", 37, 3, ("tight", 5)),
+    ("cnn", 64, 2, "host"),
+    ("cnn", 200, 4, "a100-40gb"),
+    ("cnn", 120, 3, ("tight", 9)),
+    ("tiny_gpt", 64, 1, "host"),
+    ("tiny_gpt", 512, 4, "wafer-sim"),
+    ("tiny_gpt", 1000, 8, "h100-80gb"),
+    ("tiny_gpt", 96, 2, ("tight", 11)),
+    ("tiny_gpt", 999, 1, ("tight", 100)),
+]
+
+
+def spec_for(cost: CostModel, gbs: int, num_csx: int, system: Any) -> SystemSpec:
+    return tight(cost, gbs, num_csx, system[1]) if isinstance(system, tuple) else \
+        get_system(system)
+
+
+@pytest.mark.parametrize("name,gbs,num_csx,system", SUITE,
+                         ids=[f"{c[0]}-gbs{c[1]}-csx{c[2]}-{c[3]}" for c in SUITE])
+def test_auto_is_within_5_percent_of_explore_and_evaluates_few(costs, name, gbs, num_csx,
+                                                                system) -> None:
+    cost, _, _ = costs[name]
+    spec = spec_for(cost, gbs, num_csx, system)
+    auto = Selector(cost, spec, gbs, num_csx)
+    plan = make_plan(gbs, num_csx, "auto", chooser=auto.auto)
+    explore = Selector(cost, spec, gbs, num_csx)
+    best = make_plan(gbs, num_csx, "explore", explorer=explore.explore).mbs
+    explored = explore.exploration
+    assert explored is not None and len(explored.candidates) == len(plan.supported_mbs)
+    chosen = auto.evaluate(plan.mbs)
+    assert chosen.fits and explore.evaluate(best).fits
+    assert chosen.step_s <= 1.05 * explore.evaluate(best).step_s
+    assert chosen.step_s <= (1 + AUTO_TIME_TOLERANCE) * explore.evaluate(best).step_s + 1e-12
+    assert all(c.fits for c in explored.candidates if c.mbs <= best)
+    n, evaluated = len(plan.supported_mbs), len(auto.exploration.candidates)
+    assert evaluated <= 3 * n.bit_length() + 4 and (n <= 32 or evaluated < n / 2)
+    assert "auto on" in plan.reason and f"{evaluated} of {n} supported values" in plan.reason
+    largest = max(c.mbs for c in explored.candidates if c.fits)
+    assert plan.mbs <= largest
+    if isinstance(system, tuple):  # memory binds: some candidates do not fit
+        assert not explore.evaluate(plan.pbs).fits and plan.mbs < plan.pbs
+
+
+def test_auto_trades_a_little_time_for_headroom(costs) -> None:
+    cost, _, _ = costs["tiny_gpt"]
+    flat = SystemSpec("flat", memory_bytes=1e12, peak_flops=1e11, peak_flops_fp32=1e11,
+                      memory_bandwidth=1e12, microbatch_overhead_s=0, kernel_overhead_s=0,
+                      optimizer_bytes_per_param=0)  # compute-bound: step time barely moves
+    sel = Selector(cost, flat, 4096, 1)
+    plan = make_plan(4096, 1, "auto", chooser=sel.auto)
+    assert plan.mbs < plan.pbs
+    assert "the smallest within 2% of it" in plan.reason and "free" in plan.reason
+    assert sel.estimate(plan.mbs).memory.peak < sel.estimate(plan.pbs).memory.peak
+
+
+# --------------------------------------------------------------------------- #
+# Fitting in memory
+# --------------------------------------------------------------------------- #
+
+
+def test_none_that_does_not_fit_fails_with_the_numbers(costs) -> None:
+    cost, _, _ = costs["cnn"]
+    spec = tight(cost, 64, 1, 8)
+    with pytest.raises(DoesNotFitError) as info:
+        select_plan(64, 1, "none", cost, spec)
+    message = str(info.value)
+    for word in ("mbs='none'", "does not fit", "tight-8", "needs", "but the system has",
+                 "parameters", "activations", "use mbs=8"):
+        assert word in message, message
+    assert info.value.mbs == 64 and info.value.needed > info.value.available
+    assert isinstance(info.value, PlanError) and isinstance(info.value, ValueError)
+
+
+def test_an_int_that_does_not_fit_fails_and_names_the_largest_that_does(costs) -> None:
+    cost, _, _ = costs["cnn"]
+    with pytest.raises(DoesNotFitError) as info:
+        select_plan(64, 1, 16, cost, tight(cost, 64, 1, 8))
+    assert "mbs=16 does not fit" in str(info.value) and "use mbs=8" in str(info.value)
+    assert select_plan(64, 1, 8, cost, tight(cost, 64, 1, 8)).plan.mbs == 8
+
+
+@pytest.mark.parametrize("mbs", ["auto", "explore", {"explore": {"min": 2}}, 4, "none"])
+def test_every_mode_fails_with_the_numbers_when_mbs_1_does_not_fit(costs, mbs) -> None:
+    cost, _, _ = costs["tiny_gpt"]
+    small = SystemSpec("tiny-card", memory_bytes=1e5, peak_flops=1e12, peak_flops_fp32=1e12,
+                       memory_bandwidth=1e11)
+    with pytest.raises(DoesNotFitError) as info:
+        select_plan(32, 2, mbs, cost, small)
+    message = str(info.value)
+    assert "even mbs=1 does not fit" in message and "tiny-card" in message
+    assert "100.00 kB" in message and "optimizer state" in message
+    assert info.value.mbs == 1
+
+
+def test_auto_and_explore_never_pick_what_does_not_fit(costs) -> None:
+    cost, _, _ = costs["cnn"]
+    host = get_system("host")
+    low, high = (cost.estimate(100, 1, m, host).memory.peak for m in (1, 100))
+    for fraction in (0.0, 0.01, 0.1, 0.3, 0.7, 0.99):
+        spec = replace(host, memory_bytes=low + fraction * (high - low))
+        for mbs in ("auto", "explore"):
+            selection = select_plan(100, 1, mbs, cost, spec)
+            assert selection.estimate.memory.fits
+            assert selection.estimate.memory.peak <= spec.memory_bytes
+
+
+def test_an_explore_range_where_nothing_fits_says_so(costs) -> None:
+    cost, _, _ = costs["cnn"]
+    with pytest.raises(DoesNotFitError, match="no MBS in the explore range fits"):
+        select_plan(64, 1, {"explore": {"min": 16}}, cost, tight(cost, 64, 1, 8))
+
+
+# --------------------------------------------------------------------------- #
+# Requests, reports, plots, progress
+# --------------------------------------------------------------------------- #
+
+
+def test_explore_needs_compile_only_and_says_how_to_pin() -> None:
+    with pytest.raises(PlanError) as info:
+        check_request(64, 2, "explore", compile_only=False)
+    for word in ("compile_only=True", "pin", "mbs=<that value>"):
+        assert word in str(info.value)
+    check_request(64, 2, "explore", compile_only=True)
+    with pytest.raises(PlanError, match="explore range"):  # the range is checked first
+        check_request(64, 2, {"explore": {"min": 20, "max": 21}}, compile_only=False)
+    with pytest.raises(PlanError, match="at most the per-system batch size 32"):
+        check_request(64, 2, 33, compile_only=False)
+
+
+def test_single_microbatch_requests() -> None:
+    assert single_microbatch_request(10, 1, "none")
+    assert single_microbatch_request(10, 1, 10)
+    assert single_microbatch_request(10, 1, 9)  # closest supported value is 10
+    assert not single_microbatch_request(10, 2, "none")
+    assert not single_microbatch_request(10, 1, 5)
+    assert not single_microbatch_request(10, 1, "auto")
+    assert single_microbatch_request(1, 1, "auto")  # one sample: nothing to split
+
+
+def test_exploration_reports_a_table_json_and_a_plot(costs, tmp_path) -> None:
+    cost, _, _ = costs["tiny_gpt"]
+    sel = Selector(cost, get_system("a100-80gb"), 64, 2)
+    plan = make_plan(64, 2, {"explore": {"min": 2, "max": 16}}, explorer=sel.explore)
+    x = sel.exploration
+    assert [c.mbs for c in x.candidates] == [m for m in supported_mbs(32) if 2 <= m <= 16]
+    assert x.best == plan.mbs and f"pin it with mbs={plan.mbs}" in plan.reason
+    rows = x.table().splitlines()
+    assert len(rows) == 2 + len(x.candidates) + 1
+    assert rows[0].split()[:3] == ["mbs", "micro", "step"]
+    assert sum(row.endswith("*") for row in rows) == 1
+    json.dumps(x.to_dict())
+    png = x.plot(tmp_path / "explore.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_long_explorations_show_progress(costs, capsys) -> None:
+    cost, _, _ = costs["mlp"]
+    sel = Selector(cost, get_system("host"), 64, 1, progress=True)
+    make_plan(64, 1, "explore", explorer=sel.explore)
+    err = capsys.readouterr().err
+    assert "exploring 15 MBS values" in err and "15/15" in err
+
+
+def test_measured_exploration_times_the_host_beside_the_model(costs) -> None:
+    cost, model, batch = costs["mlp"]
+    gm = captured(model, batch, 8)
+    timer = HostTimer(gm, batch, (0, 0), reps=2)
+    sel = Selector(cost, get_system("host"), 16, 1, timer=timer)
+    make_plan(16, 1, {"explore": {"min": 4}}, explorer=sel.explore)
+    x = sel.exploration
+    assert x.measured and all(c.measured_loop_s and c.measured_loop_s > 0
+                              for c in x.candidates)
+    assert "loop (measured)" in x.table() and x.measured_best in (4, 8, 16)
+    assert all(p.grad is None for p in model.parameters())  # autograd.grad, not .backward
+
+
+def test_without_a_cost_model_auto_warns_and_explore_fails(costs) -> None:
+    host = get_system("host")
+    with pytest.warns(CostModelWarning, match="could not run"):
+        s = select_plan(32, 2, "auto", None, host, cost_error="boom")
+    assert s.plan.num_microbatches == 4 and "boom" in s.plan.reason
+    with pytest.raises(CostModelError, match="boom"):
+        select_plan(32, 2, "explore", None, host, cost_error="boom")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select_plan(32, 2, 4, None, host, cost_error="boom").estimate is None
+
+
+# --------------------------------------------------------------------------- #
+# Through compile()
+# --------------------------------------------------------------------------- #
+
+
+def test_compile_only_plans_estimates_and_refuses_to_run() -> None:
+    model, batch = make_tiny_gpt(8)
+    cm = mbcompile.compile(model, 64, 2, "auto", system="a100-40gb", compile_only=True,
+                           example_inputs=batch)
+    assert cm.compile_only and cm.estimate.memory.fits and cm.system.name == "a100-40gb"
+    with pytest.raises(CompileOnlyError, match="compile_only=True.*compile again"):
+        cm(*make_tiny_gpt(64)[1])
+    text = cm.report()
+    assert isinstance(text, Report) and isinstance(text, str)
+    for word in ("plan: mbs", "why: auto on a100-40gb", "memory (modelled", "time (modelled",
+                 "cost model:", "candidates auto evaluated"):
+        assert word in text, text
+    data = json.loads(cm.report("json"))
+    assert data["plan"]["mbs"] == cm.plan.mbs and data["status"] == "compile_only"
+    assert data["estimate"]["memory"]["peak"] == cm.estimate.memory.peak
+    assert text.to_dict() == data
+
+
+def test_compile_explores_and_reports_the_value_to_pin(tmp_path) -> None:
+    model, batch = make_cnn(8)
+    with pytest.raises(PlanError, match="compile_only=True"):
+        mbcompile.compile(model, 48, 2, "explore", example_inputs=batch)
+    cm = mbcompile.compile(model, 48, 2, {"explore": {"max": 12}}, compile_only=True,
+                           system=get_system("h100-80gb"), example_inputs=batch)
+    assert cm.exploration.mode == "explore" and cm.plan.mbs == cm.exploration.best
+    assert f"pin: compile again with mbs={cm.plan.mbs}" in cm.report()
+    assert json.loads(cm.report("json"))["pin"] == cm.plan.mbs
+    cm.exploration.plot(tmp_path / "x.png")
+
+
+def test_compile_runs_with_the_plan_it_reports() -> None:
+    model, batch = make_mlp(16)
+    cm = mbcompile.compile(model, 16, 2, 4, example_inputs=batch, measure=2)
+    loss, _ = cm(*batch)
+    loss.backward()
+    assert cm.estimate.mbs == 4 and cm.exploration.measured
+    assert cm.exploration.candidate(4).measured_loop_s > 0
+
+
+def test_compile_fails_with_numbers_when_none_does_not_fit() -> None:
+    model, batch = make_tiny_gpt(8)
+    small = SystemSpec("small", memory_bytes=2e6, peak_flops=1e12, peak_flops_fp32=1e12,
+                       memory_bandwidth=1e11)
+    with pytest.raises(DoesNotFitError, match="mbs='none'.*does not fit on system 'small'"):
+        mbcompile.compile(model, 64, 1, "none", system=small, example_inputs=batch)
+    cm = mbcompile.compile(model, 64, 1, "auto", system=small, example_inputs=batch)
+    assert cm.estimate.memory.peak <= 2e6 < cm.selection.cost.estimate(
+        64, 1, 64, small).memory.peak
+
+
+def test_validate_only_stops_after_analysis() -> None:
+    model, batch = make_tiny_gpt(8)
+    v = mbcompile.compile(model, 64, 2, "explore", validate_only=True, example_inputs=batch)
+    assert isinstance(v, Validation) and v.ok
+    assert dict(v.facts)["Batched"] > 10 and "can be microbatched" in v.report()
+    assert json.loads(v.report("json"))["status"] == "validated"
+
+
+def test_validate_only_still_rejects_mixing_and_accepts_an_unsplit_run() -> None:
+    class SoftmaxOverBatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(self.lin(x), dim=0).square().mean()
+
+    x = torch.randn(8, 4)
+    with pytest.raises(mbcompile.MixingError):
+        mbcompile.compile(SoftmaxOverBatch(), 8, 1, 2, validate_only=True, example_inputs=(x,))
+    v = mbcompile.compile(SoftmaxOverBatch(), 8, 1, "none", validate_only=True,
+                          example_inputs=(x,))
+    assert "runs unsplit" in v.report() and "one microbatch" in v.note
+    cm = mbcompile.compile(SoftmaxOverBatch(), 8, 1, "none", example_inputs=(x,))
+    assert cm.plan.num_microbatches == 1 and cm.estimate is not None
