@@ -236,6 +236,35 @@ def render(cm: Any, fmt: str = "text") -> str:
     """The report of compiled module ``cm``: text (a :class:`Report`) or ``"json"``."""
     _check_format(fmt)
     d = report_dict(cm)
+    extra = _batch_guidance(cm, d)
     if fmt == "json":
         return json.dumps(d, indent=2, default=str)
-    return Report(_text(d, cm), d)
+    return Report("\n".join([_text(d, cm), *extra]), d)
+
+
+def _batch_guidance(cm: Any, d: dict[str, Any]) -> list[str]:
+    """Tokens per batch and the noise-scale advice (issue 9), into ``d`` and as text lines."""
+    from mbcompile.noise import advice
+
+    lines = []
+    plan = cm.plan
+    counts = cm.token_counts() if hasattr(cm, "token_counts") and not getattr(
+        cm, "compile_only", False) else None
+    if plan.tokens_per_sample is not None:
+        tokens = plan.to_dict()["tokens"]
+        d["tokens"] = {**tokens, "counted_last_step": counts}
+        lines.append(f"tokens: {plan.tokens_per_sample} per sample, {tokens['global']} per global "
+                     f"batch, per system {', '.join(map(str, tokens['per_system']))}"
+                     + (f"; the loss counted {counts['global']:.0f} (non-padding) in the last "
+                        f"step, per system {', '.join(f'{c:.0f}' for c in counts['per_system'])}"
+                        if counts else ""))
+    noise = getattr(cm, "noise_scale", None)
+    if noise is not None:
+        low, high = noise.spread()
+        d["noise_scale"] = {"b_simple": noise.b_simple, "trace_sigma": noise.trace_sigma,
+                            "grad_norm_sq": noise.grad_norm_sq, "steps": noise.steps,
+                            "spread": [low, high],
+                            "advice": advice(noise, "tokens" if plan.tokens_per_sample
+                                             else "samples")}
+        lines.append("batch size: " + d["noise_scale"]["advice"])
+    return lines

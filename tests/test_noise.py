@@ -109,3 +109,16 @@ def test_trainer_monitor_logs_a_positive_scale_and_advice(capsys):
     assert len(values) == 3 and all(math.isfinite(v) and v > 0 for v in values)
     out = capsys.readouterr().out
     assert "critical batch size (B_simple)" in out and "tokens" in out
+
+
+def test_report_gives_tokens_and_the_critical_batch_size():
+    model, batch = make_tiny_gpt(16)
+    cm = mbcompile.compile(model, 16, 2, 2, example_inputs=batch, measure_noise_scale=True)
+    for _ in range(2):
+        loss, _ = cm(*batch)
+        loss.backward()
+    text = str(cm.report())
+    assert "critical batch size (B_simple)" in text and "tokens: 16 per sample" in text
+    data = cm.report().to_dict()
+    assert data["noise_scale"]["steps"] == 2
+    assert data["tokens"]["counted_last_step"]["global"] == (batch[1] != -100).sum().item()
