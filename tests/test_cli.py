@@ -12,6 +12,7 @@ import csv
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,8 +91,12 @@ def test_fit_on_cpu_ranks_matches_one_process(tmp_path):
     ranks = run("fit", str(EXAMPLES / "mlp.yaml"), "--max-steps", "2", "--nproc", "3",
                 "--out", "ranks", cwd=tmp_path, timeout=240)
     assert one.returncode == 0 and ranks.returncode == 0, ranks.stderr
-    trained = [line for line in ranks.stdout.splitlines() if line.startswith("trained")]
-    assert trained == [line for line in one.stdout.splitlines() if line.startswith("trained")]
+    def losses(out: str) -> list[float]:  # "trained 2 steps: loss a -> b; last validation loss c"
+        line = next(line for line in out.splitlines() if line.startswith("trained"))
+        return [float(x) for x in re.findall(r"\d+\.\d+", line)]
+
+    # float32 sums in another order: equal to rounding, not always to the 4th printed digit
+    assert losses(ranks.stdout) == pytest.approx(losses(one.stdout), rel=1e-3)
     assert (tmp_path / "ranks" / "rank2" / "metrics.csv").exists()
     wrong = run("fit", str(EXAMPLES / "mlp.yaml"), "--nproc", "2", cwd=tmp_path)
     assert wrong.returncode == 1 and "num_csx 3" in wrong.stderr
