@@ -605,9 +605,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name
-        raise CaptureError(f"compiling {type(model).__name__} failed in mbcompile itself: "
-                           f"{type(exc).__name__}: {exc}. Please report this with the model."
-                           ) from exc
+        raise _crashed(model, exc) from exc
 
 
 def _crashed(model: nn.Module, exc: Exception) -> CaptureError:

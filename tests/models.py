@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mbcompile.check import relative_error
 from mbcompile.models import CNN, MLP, TinyGPT, make_cnn, make_mlp, make_tiny_gpt, token_batch
 
 __all__ = [
@@ -562,12 +563,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """Normwise relative error ``max|got - want| / max|want|`` (shapes must match)."""
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.dtype == want.dtype, f"dtype {got.dtype} != {want.dtype}"
-    got, want = got.detach().double(), want.detach().double()
-    if want.numel() == 0:
-        return 0.0
-    scale = want.abs().max().item()
-    diff = (got - want).abs().max().item()
-    return diff / scale if scale > 0 else diff
+    return relative_error(got, want)
 
 
 def max_rel_err_outputs(got: Any, want: Any) -> dict[str, float]:
