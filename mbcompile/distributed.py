@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils import _pytree as pytree
 
+from mbcompile import runtime
 from mbcompile.errors import InputError, MicrobatchError
 from mbcompile.plan import MicrobatchPlan
 
@@ -101,18 +102,33 @@ class PlanSampler(torch.utils.data.Sampler[list[int]]):
             yield order[base + s.start:base + s.stop]
 
 
-def step_status(error: BaseException | None) -> None:
-    """All ranks learn whether any rank's microbatches failed; all raise if one did."""
-    flag = torch.tensor([0 if error is None else 1 << dist.get_rank()], dtype=torch.int64)
+def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
+                failed_locally: torch.Tensor | None = None) -> list[float] | None:
+    """All ranks learn whether any rank's microbatches failed; all raise if one did.
+
+    ``checks`` is the rank's packed step checks (``runtime._StepChecks``) and
+    ``failed_locally`` a device bool saying they already show a failure (a
+    non-finite loss): the status is all-reduced on the device and read together
+    with the checks, so the step costs one device-to-host read. Returns the
+    checks as floats when no other rank failed (the caller raises for its own).
+    """
+    device = checks.device if checks is not None else torch.device("cpu")
+    bit = 1 << dist.get_rank()
+    flag = torch.full((1,), bit if error is not None else 0, dtype=torch.int64, device=device)
+    if failed_locally is not None:
+        flag.add_(failed_locally.to(torch.int64) * bit)
     dist.all_reduce(flag)
-    failed = [r for r in range(dist.get_world_size()) if int(flag) >> r & 1]
-    if not failed:
-        return
+    packed = flag if checks is None else torch.cat([flag.double(), checks.double()])
+    values = runtime.read_host(packed)
+    status = int(values[0])
+    failed = [r for r in range(dist.get_world_size()) if status >> r & 1]
     if error is not None:
         raise error
-    raise MicrobatchError(
-        f"rank(s) {failed} failed in their microbatches; this rank ({dist.get_rank()}) stops "
-        "the step too, with parameters and gradients as they were")
+    if failed and not status & bit:
+        raise MicrobatchError(
+            f"rank(s) {failed} failed in their microbatches; this rank ({dist.get_rank()}) "
+            "stops the step too, with parameters and gradients as they were")
+    return values[1:] if checks is not None else None
 
 
 class _AllReduceSums(torch.autograd.Function):

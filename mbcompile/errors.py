@@ -7,6 +7,8 @@ Python convention says are value or type errors also subclass ``ValueError`` or
 
 from __future__ import annotations
 
+import torch
+
 __all__ = [
     "ArgumentTypeError",
     "CaptureError",
@@ -15,6 +17,7 @@ __all__ = [
     "MbcompileWarning",
     "MbsAdjustedWarning",
     "MicrobatchError",
+    "MicrobatchOutOfMemoryError",
     "MixingError",
     "PlanError",
     "RetainedActivationsWarning",
@@ -50,8 +53,21 @@ class UnsupportedOpError(MixingError):
     """An op without a batch rule: rejected, never guessed."""
 
 
-class MicrobatchError(MbcompileError):
-    """A microbatch raised or produced a non-finite loss; the step was rolled back."""
+class MicrobatchError(MbcompileError, RuntimeError):
+    """A microbatch raised or produced a non-finite loss; the step was rolled back.
+
+    A ``RuntimeError``, as the error it wraps usually is, so ``except RuntimeError``
+    handlers keep catching failures inside the loop.
+    """
+
+
+class MicrobatchOutOfMemoryError(MicrobatchError, torch.OutOfMemoryError):
+    """A microbatch ran out of memory; the step was rolled back.
+
+    Also a ``torch.OutOfMemoryError`` whose message keeps the allocator's text, so
+    OOM handlers (Accelerate's ``find_executable_batch_size``, Lightning's
+    ``BatchSizeFinder``, ``except torch.OutOfMemoryError``) still see an OOM.
+    """
 
 
 class MbcompileWarning(UserWarning):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["NoiseScale", "NoiseScaleEstimate", "estimate_noise_scale"]
 
@@ -71,30 +72,54 @@ class NoiseScale:
     """Exponential moving averages of tr(Σ) and |G|^2, smoothed separately.
 
     ``decay`` is the EMA weight of the past (0.9 ~ the last ten steps);
-    ``b_simple`` is the ratio of the bias-corrected averages.
+    ``b_simple`` is the ratio of the bias-corrected averages. An update may carry
+    its units as a device tensor (``scale``): it is read when the averages are,
+    never inside a training step.
     """
 
     decay: float = 0.9
-    steps: int = 0
+    _steps: int = 0
     _trace: float = 0.0
     _norm: float = 0.0
-    history: list[NoiseScaleEstimate] = field(default_factory=list)
+    _history: list[NoiseScaleEstimate] = field(default_factory=list)
+    _pending: list[tuple[NoiseScaleEstimate, Any]] = field(default_factory=list, repr=False)
 
-    def update(self, estimate: NoiseScaleEstimate | None) -> None:
-        if estimate is None:
-            return
-        self.steps += 1
-        self._trace = self.decay * self._trace + (1 - self.decay) * estimate.trace_sigma
-        self._norm = self.decay * self._norm + (1 - self.decay) * estimate.grad_norm_sq
-        self.history.append(estimate)
+    def update(self, estimate: NoiseScaleEstimate | None, scale: Any = 1.0) -> None:
+        """Add one step's estimate, in units multiplied by ``scale`` (a float or 0-dim tensor)."""
+        if estimate is not None:
+            self._pending.append((estimate, scale))
+
+    def _settle(self) -> None:
+        for estimate, scale in self._pending:
+            k = float(scale)
+            estimate = NoiseScaleEstimate(estimate.trace_sigma * k, estimate.grad_norm_sq * k,
+                                          estimate.b_small, estimate.b_big)
+            self._steps += 1
+            self._trace = self.decay * self._trace + (1 - self.decay) * estimate.trace_sigma
+            self._norm = self.decay * self._norm + (1 - self.decay) * estimate.grad_norm_sq
+            self._history.append(estimate)
+        self._pending.clear()
+
+    @property
+    def steps(self) -> int:
+        """Training steps that gave an estimate."""
+        return self._steps + len(self._pending)
+
+    @property
+    def history(self) -> list[NoiseScaleEstimate]:
+        """Every step's estimate, in the loss's units."""
+        self._settle()
+        return self._history
 
     @property
     def trace_sigma(self) -> float:
-        return self._trace / (1 - self.decay**self.steps) if self.steps else math.nan
+        self._settle()
+        return self._trace / (1 - self.decay**self._steps) if self._steps else math.nan
 
     @property
     def grad_norm_sq(self) -> float:
-        return self._norm / (1 - self.decay**self.steps) if self.steps else math.nan
+        self._settle()
+        return self._norm / (1 - self.decay**self._steps) if self._steps else math.nan
 
     @property
     def b_simple(self) -> float:

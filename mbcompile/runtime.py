@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from mbcompile.errors import InputError, MicrobatchError
+from mbcompile.errors import InputError, MicrobatchError, MicrobatchOutOfMemoryError
 from mbcompile.noise import NoiseScale, estimate_noise_scale
 
 T = TypeVar("T")
@@ -79,6 +79,8 @@ class _Loop:
         self.noise: NoiseScale | None = getattr(body, NOISE_ATTR, None)
         self.small_sq: list[float] = []
         self.counts: list[float] = []
+        self.big_sq = 0.0
+        self.checks: _StepChecks | None = None
         self.no_grad_outputs: list[bool] = []
         self.step_grads: list[torch.Tensor | None] | None = None
 
@@ -96,23 +98,38 @@ class _Loop:
             for i, mb in enumerate(self.microbatches)])
 
     def _in_microbatch(self, index: int, fn: Callable[[], T], what: str = "forward") -> T:
-        """Run ``fn`` for microbatch ``index``; a failure names the system and microbatch."""
+        """Run ``fn`` for microbatch ``index``; a failure names the system and microbatch.
+
+        An out-of-memory error stays one (``MicrobatchOutOfMemoryError`` is also a
+        ``torch.OutOfMemoryError`` whose message keeps the allocator's text), so
+        batch-size finders that catch OOMs keep working around a compiled module.
+        """
         try:
             return fn()
         except MicrobatchError:
             raise
         except Exception as exc:
             system, local = self.where(index)
-            raise MicrobatchError(
+            kind = MicrobatchOutOfMemoryError if isinstance(exc, torch.OutOfMemoryError) \
+                else MicrobatchError
+            raise kind(
                 f"system {system}, microbatch {local} failed in its {what}: "
                 f"{type(exc).__name__}: {exc}\n  the step was rolled back: parameters and "
                 "gradients are as they were before the call (the original error is the "
                 "__cause__ of this one)") from exc
 
-    def _agreed(self, fn: Callable[[], T]) -> T:
-        """Run the local loop; on real ranks, every rank learns if any rank failed."""
+    def _agreed(self, fn: Callable[[], T], checks: Callable[[], torch.Tensor] | None = None
+                ) -> T:
+        """Run the local loop, then read its device-side checks once (``_StepChecks``).
+
+        On real ranks the read is the status all-reduce: every rank learns whether
+        any rank failed, raised or saw a non-finite loss, in the same one read.
+        """
         if not self.distributed:
-            return fn()
+            result = fn()
+            if checks is not None:
+                self._settle(read_host(checks()))
+            return result
         from mbcompile.distributed import step_status
 
         try:
@@ -120,11 +137,14 @@ class _Loop:
         except Exception as exc:
             step_status(exc)  # raises exc here, and an error on every other rank
             raise
-        step_status(None)
+        local = checks() if checks is not None else None
+        values = step_status(None, local, self.checks.failed() if checks is not None else None)
+        if values is not None:
+            self._settle(values)
         return result
 
     def run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
-        return self._agreed(lambda: self._run_fused(params))
+        return self._agreed(lambda: self._run_fused(params), lambda: self.checks.packed())
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         # Set the user's gradients aside so autograd's own accumulation builds this
@@ -132,42 +152,97 @@ class _Loop:
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
-        sq = torch.zeros((), dtype=torch.float64)
-
-        def add_square(g: torch.Tensor) -> None:  # returns None: the gradient is unchanged
-            sq.add_(torch.linalg.vector_norm(g.detach()).double().square())
-
-        hooks = [p.register_hook(add_square) for p in params] if self.noise is not None else []
+        checks = self.checks = _StepChecks(len(self.microbatches), params[0].device,
+                                           self.noise is not None)
+        hooks = [p.register_hook(checks.add_square) for p in params] if checks.noise else []
         try:
             results = []
             with torch.enable_grad():
                 for i, mb in enumerate(self.microbatches):
+                    checks.current = i
                     out = self._in_microbatch(i, lambda mb=mb: _as_tuple(self.body(*mb)))
                     partial = out[self.fused_index]
-                    if not math.isfinite(partial.item()):  # one scalar read, not three ops
-                        system, local = self.where(i)
-                        raise MicrobatchError(
-                            f"the loss of system {system}, microbatch {local} is "
-                            f"{partial.item()} (not finite); the step was rolled back: "
-                            "parameters and gradients are as they were before the call")
+                    checks.finite(i, partial)  # read once, at the end of the step
                     self._in_microbatch(i, partial.backward, "backward")
-                    if hooks:  # |g_m|^2 of this microbatch alone, taken before accumulation
-                        self.small_sq.append(float(sq))
-                        sq.zero_()
-                        count = out[self.count_index] if self.count_index is not None \
-                            else self.sizes[i]
-                        self.counts.append(float(count))
+                    if checks.noise:
+                        checks.count(i, out[self.count_index] if self.count_index is not None
+                                     else self.sizes[i])
                     if i == 0:  # outputs autograd never reaches (counts) get no gradient
                         self.no_grad_outputs = [isinstance(o, torch.Tensor) and not o.requires_grad
                                                 for o in out]
                     results.append(tuple(_detach(o) for o in out))
             self.step_grads = [p.grad for p in params]
+            if checks.noise:
+                checks.step_square(self.step_grads)
         finally:
             for h in hooks:
                 h.remove()
             for p, g in zip(params, saved):
                 p.grad = g
         return results
+
+    def _settle(self, values: list[float]) -> None:
+        """Act on the step's one read: raise for a non-finite loss, keep the noise figures."""
+        bad = self.checks.first_nonfinite(values)
+        if bad is not None:
+            self.step_grads = None  # never handed over: the step is rolled back
+            system, local = self.where(bad)
+            raise MicrobatchError(
+                f"the loss of system {system}, microbatch {local} is "
+                f"{values[bad]} (not finite); the step was rolled back: "
+                "parameters and gradients are as they were before the call")
+        if self.checks.noise:
+            self.small_sq, self.counts, self.big_sq = self.checks.noise_figures(values)
+
+
+class _StepChecks:
+    """What a training step checks, kept on the device and read once per step.
+
+    Per microbatch: the loss partial (is it finite?) and, when measuring the noise
+    scale, ``|g_m|^2`` and the count; for the step: ``|Σ g_m|^2``. ``packed()`` is
+    one vector ``[loss partials..., |g_m|^2..., counts..., |G|^2]``, so the whole step
+    costs one device-to-host read, not one ``.item()`` per microbatch.
+    """
+
+    def __init__(self, n: int, device: torch.device, noise: bool) -> None:
+        self.n, self.noise, self.current = n, noise, 0
+        self.losses = torch.zeros(n, dtype=torch.float64, device=device)
+        self.squares = torch.zeros(n if noise else 0, dtype=torch.float64, device=device)
+        self.counts = torch.zeros(n if noise else 0, dtype=torch.float64, device=device)
+        self.big = torch.zeros(1 if noise else 0, dtype=torch.float64, device=device)
+
+    def finite(self, i: int, partial: torch.Tensor) -> None:
+        self.losses[i] = partial.detach().sum()  # a scalar: sum() only fixes the shape
+
+    def add_square(self, g: torch.Tensor) -> None:  # a tensor hook: the gradient is unchanged
+        self.squares[self.current].add_(torch.linalg.vector_norm(g.detach()).double().square())
+
+    def count(self, i: int, count: Any) -> None:
+        self.counts[i] = count.detach() if isinstance(count, torch.Tensor) else float(count)
+
+    def step_square(self, grads: Sequence[torch.Tensor | None]) -> None:
+        for g in grads:
+            if g is not None:
+                self.big.add_(torch.linalg.vector_norm(g.detach()).double().square())
+
+    def packed(self) -> torch.Tensor:
+        return torch.cat([self.losses, self.squares, self.counts, self.big])
+
+    def failed(self) -> torch.Tensor:
+        """A device bool: some microbatch's loss is not finite."""
+        return ~torch.isfinite(self.losses).all()
+
+    def first_nonfinite(self, values: Sequence[float]) -> int | None:
+        return next((i for i, v in enumerate(values[:self.n]) if not math.isfinite(v)), None)
+
+    def noise_figures(self, values: Sequence[float]) -> tuple[list[float], list[float], float]:
+        n = self.n
+        return list(values[n:2 * n]), list(values[2 * n:3 * n]), values[3 * n]
+
+
+def read_host(t: torch.Tensor) -> list[float]:
+    """The step's one device-to-host read (every check of the step, packed in ``t``)."""
+    return t.detach().cpu().tolist()
 
 
 def _as_tuple(out: Any) -> tuple[Any, ...]:
@@ -205,16 +280,17 @@ class _FusedStep(torch.autograd.Function):
         width = sum(loop.layout[0])
         tensor_pos = [sum(loop.layout[0][:i]) for i in range(len(loop.layout[0]))]
         loss_pos = tensor_pos[loop.fused_index]
-        for m in range(len(loop.layout)):
-            for j in range(width):
-                g = grads[m * width + j]
-                if j != loss_pos and g is not None and bool(g.ne(0).any()):
-                    raise MicrobatchError(
-                        "a gradient flows into a per-sample output of the compiled module, "
-                        "but its backward already ran per microbatch for the loss only; "
-                        "compute everything you backpropagate through inside the model "
-                        "(return it in the loss), or call the module under torch.no_grad() "
-                        "for outputs you only read")
+        # Gradients into per-sample outputs would be lost (their backward already ran):
+        # refuse them, checking every microbatch's at once (one read, and only when present)
+        extra = [grads[m * width + j] for m in range(len(loop.layout)) for j in range(width)
+                 if j != loss_pos and grads[m * width + j] is not None]
+        if extra and bool(torch.stack([x.ne(0).any() for x in extra]).any()):
+            raise MicrobatchError(
+                "a gradient flows into a per-sample output of the compiled module, "
+                "but its backward already ran per microbatch for the loss only; "
+                "compute everything you backpropagate through inside the model "
+                "(return it in the loss), or call the module under torch.no_grad() "
+                "for outputs you only read")
         loss_grads = [grads[m * width + loss_pos] for m in range(len(loop.layout))]
         if loop.step_grads is None:
             raise MicrobatchError(
@@ -225,31 +301,33 @@ class _FusedStep(torch.autograd.Function):
             from mbcompile.distributed import all_reduce_gradients
 
             all_reduce_gradients(step)
-        if loop.noise is not None and any(g is not None for g in loss_grads):
-            _measure_noise(loop, step, next(g for g in loss_grads if g is not None))
         if all(g is None for g in loss_grads):
             return (None, None) + (None,) * ctx.n_params
         g = next(x for x in loss_grads if x is not None)
-        if any(x is None or (x is not g and not torch.equal(x, g)) for x in loss_grads):
+        others = [x for x in loss_grads if x is not g]  # the sum's backward hands one tensor
+        if any(x is None for x in others) or (
+                others and not bool(torch.stack([x.eq(g).all() for x in others]).all())):
             raise MicrobatchError("microbatch losses received different gradients; only the "
                                   "combined loss can be differentiated")
-        if not bool(g.eq(1).all()):  # the usual mean: scale in place, no second buffer
-            step = [s.mul_(g) if s is not None else None for s in step]
-        return (None, None, *step)
+        if loop.noise is not None:
+            _measure_noise(loop, g)
+        # Scale in place, no second buffer, and unconditionally: testing ``g == 1`` would
+        # read the device every step, and x * 1.0 is exactly x.
+        return (None, None, *(s.mul_(g) if s is not None else None for s in step))
 
 
-def _measure_noise(loop: _Loop, step: Sequence[torch.Tensor | None], g: torch.Tensor) -> None:
-    """Update the noise-scale estimate from this step's microbatch and step gradients.
+def _measure_noise(loop: _Loop, g: torch.Tensor) -> None:
+    """Add this step's microbatch and step squared norms to the noise-scale averages.
 
-    The squared norms were taken of the loss's partial sums; ``g * N`` is the
-    factor from those to the per-sample loss (``L = g * S`` with ``g = 1/N`` for a
-    plain mean), so tr(Σ) and |G|^2 come out in the loss's own units.
+    The norms were taken of the loss's partial sums; ``g * N`` is the factor from
+    those to the per-sample loss (``L = g * S`` with ``g = 1/N`` for a plain mean),
+    so tr(Σ) and |G|^2 come out in the loss's own units. ``g`` stays a device tensor:
+    the noise scale reads it when somebody reads the noise scale, not in the step.
     """
     total = sum(loop.counts)
-    scale = (float(g) * total) ** 2
-    big = sum(float(s.detach().double().square().sum()) for s in step if s is not None)
-    loop.noise.update(estimate_noise_scale([q * scale for q in loop.small_sq], loop.counts,
-                                           big * scale, total))
+    scale = (g.detach().double() * total).square()
+    loop.noise.update(estimate_noise_scale(loop.small_sq, loop.counts, loop.big_sq, total),
+                      scale=scale)
 
 
 def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *,

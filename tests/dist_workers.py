@@ -59,3 +59,21 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int) -> None:
     grads_untouched = all(p.grad is None for p in model.parameters())
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{grads_untouched}\n{outcome}")
+
+
+def counted_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
+    """One training step whose host reads are counted (tests/test_host_sync.py)."""
+    from host_reads import HostReads
+
+    model, batch = make_tiny_gpt(gbs, dtype=torch.float64)
+    cm = mbcompile.compile(model, gbs, world, mbs, example_inputs=batch,
+                           backend="torch.distributed")
+    local = mbdist.shard(batch, cm.plan, rank)
+    loss, _ = cm(*local)  # the first call compiles; count a later step
+    loss.backward()
+    with HostReads() as reads:
+        loss, _ = cm(*local)
+        loss.backward()
+    torch.save({"reads": reads.total, "detail": dict(reads.ops),
+                "microbatches": cm.plan.num_microbatches},
+               os.path.join(out_dir, f"rank{rank}.pt"))
