@@ -7,12 +7,15 @@
 
 ``compile`` writes an artifacts folder (``output_dir``, or ``--out``): ``plan.txt``
 and ``plan.json``, the rewritten graph's code (``graph.py``) and the original's
-(``original_graph.py``), the graph as ``graph.dot`` and ``graph.svg`` (SVG where
-Graphviz is installed), and ``explore.png`` when exploring MBS values. A model the
-analysis rejects gets ``rejected.dot`` (and ``.svg``) with the mixing op highlighted.
+(``original_graph.py``), the graph as ``graph.dot`` and ``graph.svg`` (no Graphviz
+needed; see ``mbcompile.draw``), and ``explore.png`` when exploring MBS values. A
+model the analysis rejects gets ``rejected.dot`` and ``rejected.svg`` with the mixing
+op highlighted.
 
 Exit codes: 0 success, 1 failure (one paragraph on stderr; ``--debug`` adds the
-traceback), 2 usage error.
+traceback), 2 usage error, 130 interrupted (Ctrl-C). On stderr the error comes
+first, then the warnings the command raised (each message once), so the first
+line says what went wrong; ``--debug`` shows warnings as they happen instead.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import inspect
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -44,7 +46,7 @@ from mbcompile.plan import parse_mbs
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 #: The demo's max relative difference above which it fails (float32 rounding is ~1e-7).
 DEMO_TOLERANCE = 1e-4
@@ -145,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "Compile the configured model (the train phase's flags unless "
                           "--phase validate) and write the artifacts folder: plan.txt, "
                           "plan.json, graph.py, original_graph.py, graph.dot, graph.svg "
-                          "(with Graphviz) and explore.png (when exploring).")
+                          "and explore.png (when exploring).")
     mode = comp.add_mutually_exclusive_group()
     mode.add_argument("--compile-only", action="store_true",
                       help="trace, analyse, plan and estimate; the result never runs")
@@ -308,7 +310,7 @@ def _write(path: Path, text: str, written: list[Path]) -> None:
 def write_artifacts(cm: Any, out: Path, cfg: Config | None = None, mbs: Any = None
                     ) -> list[Path]:
     """The artifacts folder of a compiled module; returns the files written."""
-    from mbcompile.draw import render, to_dot
+    from mbcompile.draw import draw
 
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -331,13 +333,9 @@ def write_artifacts(cm: Any, out: Path, cfg: Config | None = None, mbs: Any = No
         if gm is not None:
             _write(out / name, gm.print_readable(print_output=False) + "\n", written)
     try:
-        dot = to_dot(cm)
-    except (MbcompileError, AttributeError):
-        dot = None
-    if dot is not None:
-        _write(out / "graph.dot", dot, written)
-        if shutil.which("dot"):
-            written.append(render(out / "graph.dot", out / "graph.svg"))
+        written += draw(cm, out / "graph.svg")  # graph.dot and graph.svg
+    except (MbcompileError, AttributeError):  # a validate-only result has no rewritten graph
+        pass
     if mbs is not None and parse_mbs(mbs).mode == "explore":
         plot = _explore_plot(cm, out)
         if plot is not None:
@@ -382,8 +380,6 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
         _out(str(plan))
     written = write_artifacts(cm, out, cfg, mbs)
     _out(f"artifacts in {out}/: " + ", ".join(p.name for p in written))
-    if not shutil.which("dot"):
-        _out("(install Graphviz for graph.svg; graph.dot opens in any Graphviz viewer)")
     return EXIT_OK
 
 
@@ -461,8 +457,12 @@ def _fit(cfg: Config, args: argparse.Namespace, out: Path, quiet: bool = False) 
     say(f"fit: {cfg.model}, gbs {cfg.batch_size} over {cfg.num_csx} "
         f"system{'s' if cfg.num_csx != 1 else ''}, {steps} steps, "
         f"flags: train {cfg.flags('train')}, validate {cfg.flags('validate')}")
-    rows = trainer.fit(train, val, max_steps=steps, val_steps=cfg.val_steps or None,
-                       val_every=cfg.val_every)
+    try:
+        rows = trainer.fit(train, val, max_steps=steps, val_steps=cfg.val_steps or None,
+                           val_every=cfg.val_every)
+    except (Exception, KeyboardInterrupt) as exc:
+        _add_note(exc, _kept(trainer.global_step, out))
+        raise
     train_rows = [r for r in rows if r["phase"] == "train"]
     val_rows = [r for r in rows if r["phase"] == "validate"]
     say(f"trained {len(train_rows)} steps: loss {train_rows[0]['loss']:.4f} -> "
@@ -470,6 +470,14 @@ def _fit(cfg: Config, args: argparse.Namespace, out: Path, quiet: bool = False) 
                                             if val_rows else ""))
     say(f"metrics: {out / 'metrics.csv'} and {out / 'metrics.jsonl'}")
     return EXIT_OK
+
+
+def _kept(done: int, out: Path) -> str:
+    """What a fit stopped after ``done`` training steps leaves behind."""
+    if not done:
+        return "no training step finished"
+    return (f"the metrics of the {done} finished training step{'s' if done != 1 else ''} "
+            f"are in {out / 'metrics.csv'}")
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -490,40 +498,33 @@ def run_validate(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- #
 
 
-def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int,
-                  file: Any = None, line: str | None = None) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, which Python 3.10 lacks; ``_paragraph`` prints the notes."""
+    exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # type: ignore[attr-defined]
 
 
 def _paragraph(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, MbcompileError):
-        return f"error: {text}"
-    if isinstance(exc, (OSError, ValueError, TypeError, RuntimeError, ImportError, KeyError)):
-        return f"error: {type(exc).__name__}: {text} (run with --debug for the traceback)"
-    return (f"error: unexpected {type(exc).__name__}: {text}. Run with --debug for the "
-            "traceback, and please report it if it looks like a bug in mbcompile.")
+    if isinstance(exc, KeyboardInterrupt):
+        text = "interrupted"
+    elif isinstance(exc, MbcompileError):
+        text = f"error: {text}"
+    elif isinstance(exc, (OSError, ValueError, TypeError, RuntimeError, ImportError, KeyError)):
+        text = f"error: {type(exc).__name__}: {text} (run with --debug for the traceback)"
+    else:
+        text = (f"error: unexpected {type(exc).__name__}: {text}. Run with --debug for the "
+                "traceback, and please report it if it looks like a bug in mbcompile.")
+    return text + "".join(f"\n  {note}" for note in getattr(exc, "__notes__", ()))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
-        return int(exc.code or 0)
-    debug = getattr(args, "debug", False)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    shown = warnings.showwarning
-    if not debug:
-        warnings.showwarning = _show_warning
+def _run(args: argparse.Namespace, debug: bool) -> int:
+    """The command's exit code; a failure is one paragraph on stderr."""
     try:
         return int(args.run(args))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        sys.stdout.flush()
+        print(_paragraph(exc), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `mbcompile ... | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILURE
@@ -533,5 +534,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(_paragraph(exc), file=sys.stderr, flush=True)
         return EXIT_FAILURE
-    finally:
-        warnings.showwarning = shown
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if getattr(args, "debug", False):  # warnings as Python shows them, when they happen
+        return _run(args, debug=True)
+    # Held back until the command ends, so that a failure's error is the first line
+    # on stderr; the same message (one per compile, say) is shown once.
+    with warnings.catch_warnings(record=True) as caught:
+        code = _run(args, debug=False)
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+    return code

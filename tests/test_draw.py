@@ -1,20 +1,26 @@
-"""Graph views: split/loop/accumulate visible; a rejected model's mixing op and path in red."""
+"""Graph views: split/loop/accumulate visible; a rejected model's mixing op and path in red;
+SVG with or without Graphviz."""
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import re
 import shutil
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
 import torch.nn as nn
 
 import mbcompile
-from mbcompile.draw import draw, to_dot
+from mbcompile.draw import draw, to_dot, to_svg
 from mbcompile.errors import MbcompileError, MbcompileWarning, MixingError
-from mbcompile.models import make_mlp
+from mbcompile.models import make_mlp, make_tiny_gpt
 
+drawing = importlib.import_module("mbcompile.draw")  # mbcompile.draw is the function
 HAS_DOT = shutil.which("dot") is not None
+SVG = "{http://www.w3.org/2000/svg}"
 
 
 class Normed(nn.Module):
@@ -44,8 +50,29 @@ def rejected():
     return model, info.value
 
 
+@pytest.fixture
+def no_graphviz(monkeypatch):
+    """A machine without Graphviz's ``dot``, whether or not this one has it."""
+    monkeypatch.setattr(drawing, "_graphviz", lambda: None)
+
+
 def node_line(dot: str, node_id: str) -> str:
     return next(line for line in dot.splitlines() if line.strip().startswith(f'"{node_id}" ['))
+
+
+def svg_lines(root: ET.Element) -> set[str]:
+    """Every line of text in the drawing (Graphviz: one <text> each; ours: one <tspan>)."""
+    return {"".join(el.itertext()).strip() for el in root.iter()
+            if el.tag in (SVG + "text", SVG + "tspan")}
+
+
+def svg_nodes(root: ET.Element) -> dict[str, ET.Element]:
+    """The node groups of our SVG by node id."""
+    return {g.get("id"): g for g in root.iter(SVG + "g") if g.get("class") == "node"}
+
+
+def declared(dot: str) -> set[str]:
+    return set(re.findall(r'^\s*"([^"]+)" \[', dot, re.M))
 
 
 def test_original_and_rewritten_graphs_with_the_loop_visible(compiled):
@@ -63,9 +90,8 @@ def test_original_and_rewritten_graphs_with_the_loop_visible(compiled):
     assert "(2, 8) per microbatch" in node_line(dot, "b_x")
     assert "(8, 8)" in node_line(dot, "o_x") and "per-sample(dim 0)" in node_line(dot, "o_x")
     # every edge joins declared nodes
-    declared = set(re.findall(r'^\s*"([^"]+)" \[', dot, re.M))
     for a, b in re.findall(r'^\s*"([^"]+)" -> "([^"]+)"', dot, re.M):
-        assert a in declared and b in declared
+        assert a in declared(dot) and b in declared(dot)
 
 
 def test_rejected_model_highlights_the_mixing_op_and_its_path(rejected):
@@ -81,19 +107,68 @@ def test_rejected_model_highlights_the_mixing_op_and_its_path(rejected):
     assert "BatchNorm" in node_line(dot, "note")
 
 
-def test_draw_writes_dot_and_renders_where_graphviz_is(tmp_path, compiled, rejected,
-                                                       monkeypatch):
+def test_the_svg_needs_no_graphviz(tmp_path, compiled, rejected, no_graphviz):
+    files = draw(rejected[0], tmp_path / "rejected.svg", error=rejected[1])
+    assert files == [tmp_path / "rejected.dot", tmp_path / "rejected.svg"]
+    root = ET.parse(tmp_path / "rejected.svg").getroot()  # valid XML
+    assert root.tag == SVG + "svg"
+    assert {"x", "l", "bn", "relu", "head", "mean", "output", "BatchNorm1d"} <= svg_lines(root)
+    nodes = svg_nodes(root)
+    assert nodes["o_bn"][1].get("fill") == "#f87171"  # [0] is the <title>, [1] the outline
+    assert nodes["o_l"][1].get("fill") == "#fecaca" and nodes["o_head"][1].get("fill") == "#ffffff"
+
+    draw(compiled, tmp_path / "graph.svg", title='a <"title"> & more')
+    root = ET.parse(tmp_path / "graph.svg").getroot()
+    nodes = svg_nodes(root)
+    assert set(nodes) == declared((tmp_path / "graph.dot").read_text())  # one picture, twice
+    assert nodes["r_loop"][1].get("fill") == "#fcd34d"  # the loop, gold
+    assert nodes["b_x"][1].get("fill") == "#dbeafe"  # per-sample, in the body
+    assert {"cluster_original", "cluster_rewritten", "cluster_body"} <= {
+        g.get("id") for g in root.iter(SVG + "g") if g.get("class") == "cluster"}
+    assert {'a <"title"> & more', "(2, 8) per microbatch", "each microbatch"} <= svg_lines(root)
+
+
+@pytest.mark.parametrize("make", [make_mlp, make_tiny_gpt], ids=["mlp", "tiny_gpt"])
+def test_our_layout_keeps_nodes_apart_and_inside_their_clusters(make):
+    model, batch = make(8)
+    pic = drawing._picture(mbcompile.compile(model, 8, 2, 2, example_inputs=batch), None, None)
+    block = drawing._place(pic, "")
+    boxes = list(block.nodes.values())
+    assert len(boxes) == len(pic.boxes)
+    for (x1, y1, w1, h1), (x2, y2, w2, h2) in itertools.combinations(boxes, 2):
+        assert x1 + w1 <= x2 or x2 + w2 <= x1 or y1 + h1 <= y2 or y2 + h2 <= y1
+    frames = {c.name: (x, y, w, h) for c, x, y, w, h in block.frames}
+    for b in pic.boxes:
+        x, y, w, h = block.nodes[b.id]
+        fx, fy, fw, fh = frames[b.cluster]
+        assert fx <= x and x + w <= fx + fw and fy <= y and y + h <= fy + fh
+    for a in pic.arrows:  # an edge goes down the page, except into the body cluster
+        if a.lhead is None and a.head:
+            assert block.nodes[a.src][1] < block.nodes[a.dst][1]
+
+
+def test_graphviz_lays_out_the_svg_where_it_works(tmp_path, compiled, monkeypatch):
+    if HAS_DOT:
+        files = draw(compiled, tmp_path / "dot.svg")
+        assert files == [tmp_path / "dot.dot", tmp_path / "dot.svg"]
+        root = ET.parse(tmp_path / "dot.svg").getroot()
+        assert {"loop", "microbatch_loop", "microbatches"} <= svg_lines(root)
+    # a dot that fails: a warning, and our own layout
+    monkeypatch.setattr(drawing, "_graphviz", lambda: shutil.which("false"))
+    with pytest.warns(MbcompileWarning, match="laid out without Graphviz instead"):
+        files = draw(compiled, tmp_path / "broken.svg")
+    assert files[-1] == tmp_path / "broken.svg"
+    assert svg_nodes(ET.parse(tmp_path / "broken.svg").getroot())
+
+
+def test_png_needs_graphviz(tmp_path, compiled, no_graphviz):
     files = draw(compiled, tmp_path / "g.dot")
     assert files == [tmp_path / "g.dot"] and (tmp_path / "g.dot").read_text().startswith(
         "digraph")
-    if HAS_DOT:
-        files = draw(rejected[0], tmp_path / "rejected.svg", error=rejected[1])
-        assert files == [tmp_path / "rejected.dot", tmp_path / "rejected.svg"]
-        assert "<svg" in (tmp_path / "rejected.svg").read_text()
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    with pytest.warns(MbcompileWarning, match="Graphviz's 'dot' is not installed"):
-        files = draw(compiled, tmp_path / "nodot.svg")
+    with pytest.warns(MbcompileWarning, match="draw to .svg, which needs no Graphviz"):
+        files = draw(compiled, tmp_path / "nodot.png")
     assert files == [tmp_path / "nodot.dot"]
+    assert to_svg(compiled).startswith("<?xml")
 
 
 def test_bad_targets(tmp_path, compiled):
