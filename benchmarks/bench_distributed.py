@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import mbcompile
-from mbcompile import distributed as mbdist
+from mbcompile.execution import distributed as mbdist
 from mbcompile.models import make_tiny_gpt
 
 CONFIG = dict(vocab=1000, width=256, depth=4, heads=4, seq=128)

@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_output_args, alternate, finish, machine  # noqa: E402
 
 import mbcompile  # noqa: E402
-from mbcompile.cost import DoesNotFitError, format_bytes, format_seconds  # noqa: E402
-from mbcompile.explore import Selector, measure_peak_bytes  # noqa: E402
 from mbcompile.models import CNN, MLP, TinyGPT, token_batch  # noqa: E402
-from mbcompile.plan import make_plan  # noqa: E402
-from mbcompile.systems import get_system, system_names  # noqa: E402
+from mbcompile.planning.cost import DoesNotFitError, format_bytes, format_seconds  # noqa: E402
+from mbcompile.planning.explore import Selector, measure_peak_bytes  # noqa: E402
+from mbcompile.planning.plan import make_plan  # noqa: E402
+from mbcompile.planning.systems import get_system, system_names  # noqa: E402
 
 GPT2 = dict(vocab=50257, width=768, depth=12, heads=12, seq=1024)
 GBS, NUM_CSX, SYSTEM = 512, 4, "a100-80gb"

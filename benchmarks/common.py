@@ -72,7 +72,7 @@ def even_slices(gbs: int, systems: int, mbs: int) -> list[tuple[int, int]]:
 
     Taken from the plan itself so both contenders run the very same sizes.
     """
-    from mbcompile.plan import make_plan
+    from mbcompile.planning.plan import make_plan
 
     plan = make_plan(gbs, systems, mbs)
     return [(a, b) for system in plan.microbatch_slices for a, b in system if b > a]

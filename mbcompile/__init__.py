@@ -3,71 +3,96 @@
 ``mbcompile.compile(model, gbs, num_csx, mbs="auto", example_inputs=...)`` captures
 the model as an fx graph, proves splitting the batch cannot change the result,
 rewrites it into split -> microbatch loop -> accumulate, and runs it.
+
+The package is laid out by part: ``passes/`` (the compiler passes, installed as
+``mbcompile.passes``), ``planning/`` (plan arithmetic, systems, cost model, MBS
+choice), ``execution/`` (the loop, the simulated and torch.distributed backends),
+``training/`` (flags, YAML config, Trainer, LR scaling, monitors, CLI) and
+``reports/`` (reports, drawings). Names load on first use (PEP 562), so that
+importing one pass does not import the compiler, the trainer or a backend.
 """
 
-from mbcompile.compiler import CompiledModule, compile
-from mbcompile.config import ConfigError, load_config
-from mbcompile.cost import CostModelError, DoesNotFitError
-from mbcompile.draw import draw
-from mbcompile.errors import (
-    ArgumentTypeError,
-    CaptureError,
-    InputError,
-    MbcompileError,
-    MbcompileWarning,
-    MbsAdjustedWarning,
-    MicrobatchError,
-    MicrobatchOutOfMemoryError,
-    MixingError,
-    PlanError,
-    RetainedActivationsWarning,
-    UnsupportedOpError,
-)
-from mbcompile.explore import CompileOnlyError, CostModelWarning
-from mbcompile.flags import GlobalFlags, ScopedTrainFlags, ScopedValidateFlags
-from mbcompile.monitors import NoiseScaleMonitor
-from mbcompile.noise import NoiseScale
-from mbcompile.passes.batch_rules import register_batch_rule, trust_module
-from mbcompile.plan import MicrobatchPlan, make_plan
-from mbcompile.report import Validation
-from mbcompile.systems import SystemSpec, get_system
-from mbcompile.trainer import Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ArgumentTypeError",
-    "CaptureError",
-    "CompileOnlyError",
-    "CompiledModule",
-    "CostModelError",
-    "CostModelWarning",
-    "DoesNotFitError",
-    "ConfigError",
-    "GlobalFlags",
-    "InputError",
-    "MbcompileError",
-    "MbcompileWarning",
-    "MbsAdjustedWarning",
-    "MicrobatchError",
-    "MicrobatchOutOfMemoryError",
-    "MicrobatchPlan",
-    "MixingError",
-    "NoiseScale",
-    "NoiseScaleMonitor",
-    "PlanError",
-    "RetainedActivationsWarning",
-    "SystemSpec",
-    "ScopedTrainFlags",
-    "ScopedValidateFlags",
-    "Trainer",
-    "UnsupportedOpError",
-    "Validation",
-    "compile",
-    "get_system",
-    "draw",
-    "load_config",
-    "make_plan",
-    "register_batch_rule",
-    "trust_module",
-]
+#: public name -> the module that defines it
+_NAMES = {
+    "CompiledModule": "mbcompile.compiler",
+    "compile": "mbcompile.compiler",
+    "ConfigError": "mbcompile.training.config",
+    "load_config": "mbcompile.training.config",
+    "CostModelError": "mbcompile.planning.cost",
+    "DoesNotFitError": "mbcompile.planning.cost",
+    "draw": "mbcompile.reports.draw",
+    "CompileOnlyError": "mbcompile.planning.explore",
+    "CostModelWarning": "mbcompile.planning.explore",
+    "Callback": "mbcompile.training.flags",
+    "GlobalFlags": "mbcompile.training.flags",
+    "ScopedTrainFlags": "mbcompile.training.flags",
+    "ScopedValidateFlags": "mbcompile.training.flags",
+    "NoiseScaleMonitor": "mbcompile.training.monitors",
+    "NoiseScale": "mbcompile.execution.noise",
+    "register_batch_rule": "mbcompile.passes.batch_rules",
+    "trust_module": "mbcompile.passes.batch_rules",
+    "MicrobatchPlan": "mbcompile.planning.plan",
+    "make_plan": "mbcompile.planning.plan",
+    "Validation": "mbcompile.reports.report",
+    "SystemSpec": "mbcompile.planning.systems",
+    "get_system": "mbcompile.planning.systems",
+    "Trainer": "mbcompile.training.trainer",
+    **{name: "mbcompile.passes.errors" for name in (
+        "ArgumentTypeError", "CaptureError", "InputError", "MbcompileError", "MbcompileWarning",
+        "MbsAdjustedWarning", "MicrobatchError", "MicrobatchOutOfMemoryError", "MixingError",
+        "PlanError", "RetainedActivationsWarning", "UnsupportedOpError")},
+}
+#: modules users reach as ``mbcompile.<name>`` (``mbcompile.distributed.shard``, ...)
+_MODULES = {
+    "check": "mbcompile.check",
+    "errors": "mbcompile.errors",
+    "models": "mbcompile.models",
+    "distributed": "mbcompile.execution.distributed",
+    "systems": "mbcompile.planning.systems",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+    elif name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+    else:
+        raise AttributeError(f"module 'mbcompile' has no attribute {name!r}")
+    globals()[name] = value  # load once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_NAMES, *_MODULES})
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run time
+    from mbcompile.compiler import CompiledModule, compile  # noqa: F401
+    from mbcompile.execution.noise import NoiseScale  # noqa: F401
+    from mbcompile.passes.batch_rules import register_batch_rule, trust_module  # noqa: F401
+    from mbcompile.passes.errors import *  # noqa: F401,F403
+    from mbcompile.planning.cost import CostModelError, DoesNotFitError  # noqa: F401
+    from mbcompile.planning.explore import CompileOnlyError, CostModelWarning  # noqa: F401
+    from mbcompile.planning.plan import MicrobatchPlan, make_plan  # noqa: F401
+    from mbcompile.planning.systems import SystemSpec, get_system  # noqa: F401
+    from mbcompile.reports.draw import draw  # noqa: F401
+    from mbcompile.reports.report import Validation  # noqa: F401
+    from mbcompile.training.config import ConfigError, load_config  # noqa: F401
+    from mbcompile.training.flags import (  # noqa: F401
+        Callback,
+        GlobalFlags,
+        ScopedTrainFlags,
+        ScopedValidateFlags,
+    )
+    from mbcompile.training.monitors import NoiseScaleMonitor  # noqa: F401
+    from mbcompile.training.trainer import Trainer  # noqa: F401

@@ -25,7 +25,6 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from mbcompile import runtime
 from mbcompile.errors import (
     ArgumentTypeError,
     CaptureError,
@@ -34,24 +33,25 @@ from mbcompile.errors import (
     MixingError,
     RetainedActivationsWarning,
 )
-from mbcompile.explore import (
+from mbcompile.execution import BACKENDS, StepChannels, bindings
+from mbcompile.execution.noise import NoiseScale
+from mbcompile.passes import ops
+from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
+from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
+from mbcompile.passes.export_capture import export_capture
+from mbcompile.passes.facts import input_fact
+from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
+from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
+from mbcompile.planning.explore import (
     Selection,
     check_request,
     compile_only_error,
     plan_for,
     single_microbatch_request,
 )
-from mbcompile.noise import NoiseScale
-from mbcompile.passes.batch_analysis import analyse_batch, mixing_error
-from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
-from mbcompile.passes.export_capture import export_capture
-from mbcompile.passes.facts import Batched, Container, Fact, Free
-from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
-from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
-from mbcompile.plan import MicrobatchPlan
-from mbcompile.report import Validation, render, validation_of
-from mbcompile.runtime import LAST_COUNTS_ATTR, NOISE_ATTR
-from mbcompile.systems import get_system
+from mbcompile.planning.plan import MicrobatchPlan, parse_mbs
+from mbcompile.planning.systems import get_system
+from mbcompile.reports.report import Validation, render, validation_of
 
 __all__ = ["CompiledModule", "compile"]
 
@@ -71,15 +71,21 @@ class _Analysed:
     """Capture, shapes and batch analysis: the graph with a batch fact on every node."""
 
     captured: CaptureResult
-    rejected: MixingError | None  # why the batch cannot be split (one microbatch still runs)
+    analysis: BatchAnalysis  # the facts, the trained loss, the rejection (one run still works)
+
+    @property
+    def rejected(self) -> MixingError | None:
+        return self.analysis.rejected
 
 
 @dataclass(frozen=True)
 class _Compiled:
-    graph_module: fx.GraphModule
+    graph_module: fx.GraphModule  # rewritten, its loop ops bound to the backend
     original_graph_module: fx.GraphModule
     output_spec: OutputSpec
     retains_activations: bool  # training keeps several microbatches' activations alive
+    channels: StepChannels  # what its loop reports: noise scale, last counts
+    analysis: BatchAnalysis  # what the batch analysis decided for this graph
 
 
 def _check_module(model: Any) -> nn.Module:
@@ -207,18 +213,6 @@ def _tokens_per_sample(inputs: _Inputs, values: Mapping[str, Any]) -> int | None
     return None
 
 
-def _fact_for(value: Any, dim: int | None) -> Fact:
-    if dim is None:
-        return Free()
-    if isinstance(value, torch.Tensor):
-        return Batched(dim)
-    if isinstance(value, Mapping):
-        return Container(tuple((k, _fact_for(v, dim)) for k, v in value.items()))
-    if isinstance(value, (tuple, list)):
-        return Container(tuple((i, _fact_for(v, dim)) for i, v in enumerate(value)))
-    return Free()
-
-
 class CompiledModule(nn.Module):
     """A model compiled for microbatching: call it like the model.
 
@@ -234,7 +228,8 @@ class CompiledModule(nn.Module):
     def __init__(self, model: nn.Module, plan: MicrobatchPlan, signature: inspect.Signature,
                  inputs: _Inputs, example: Mapping[str, Any], rank: int | None = None,
                  noise_scale: NoiseScale | None = None, selection: Selection | None = None,
-                 compile_only: bool = False, analysed: _Analysed | None = None) -> None:
+                 compile_only: bool = False, analysed: _Analysed | None = None,
+                 backend: str = "simulated") -> None:
         super().__init__()
         self.module = model
         object.__setattr__(self, "plan", plan)
@@ -242,6 +237,7 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "compile_only", compile_only)
         object.__setattr__(self, "_analysed", analysed)  # compile()'s analysis, used once
         object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "backend", backend)
         object.__setattr__(self, "noise_scale", noise_scale)
         object.__setattr__(self, "_signature", signature)
         object.__setattr__(self, "_inputs", inputs)
@@ -269,9 +265,8 @@ class CompiledModule(nn.Module):
                 del self._cache[stale]  # they keep replaced parameters alive
             analysed, self._analysed = self._analysed, None
             self._cache[key] = _compile_graph(self.module, self.plan, self._inputs, self._example,
-                                              self.rank, analysed)
-            if self.noise_scale is not None:
-                setattr(self._cache[key].graph_module.body, NOISE_ATTR, self.noise_scale)
+                                              self.rank, analysed, self.backend,
+                                              StepChannels(noise=self.noise_scale))
         return self._cache[key]
 
     @property
@@ -285,24 +280,29 @@ class CompiledModule(nn.Module):
         return self._compiled().original_graph_module
 
     @property
+    def analysis(self) -> BatchAnalysis:
+        """The batch analysis of the captured graph: facts, trained loss, rejection."""
+        return self._compiled().analysis
+
+    @property
     def system(self) -> Any:
         """The ``SystemSpec`` the plan was made for."""
         return self.selection.system if self.selection is not None else None
 
     @property
     def estimate(self) -> Any:
-        """Modelled memory and step time of the plan (``mbcompile.cost.Estimate``)."""
+        """Modelled memory and step time of the plan (``mbcompile.planning.cost.Estimate``)."""
         return self.selection.estimate if self.selection is not None else None
 
     @property
     def exploration(self) -> Any:
-        """The MBS values evaluated and the answer (``mbcompile.explore.Exploration``)."""
+        """The MBS values evaluated and the answer (``mbcompile.planning.explore.Exploration``)."""
         return self.selection.exploration if self.selection is not None else None
 
     def report(self, fmt: str = "text") -> str:
         """Plan, why, modelled memory and time, candidates: text, or ``fmt="json"``.
 
-        The text is a ``mbcompile.report.Report`` (a ``str``) whose ``to_dict()`` is the data.
+        The text is a ``mbcompile.reports.report.Report`` (a ``str``); ``to_dict()`` is the data.
         """
         return render(self, fmt)
 
@@ -356,8 +356,7 @@ class CompiledModule(nn.Module):
         ``{"global": n, "per_system": [...], "per_microbatch": [[...], ...]}``; None
         before the first call or when the loss is not a mean.
         """
-        body = self.graph_module.body
-        counts = getattr(body, LAST_COUNTS_ATTR, None)
+        counts = self._compiled().channels.last_counts
         if counts is None:
             return None
         values = iter([float(c) for c in counts])
@@ -481,19 +480,18 @@ def _analyse(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapping[str, 
     try:
         propagate_shapes(gm, values, inputs.in_dims, gbs)
     except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
-        return _Analysed(captured, mixing_error(exc.node, gm, exc.reason, exc.fix))
-    facts = {p.target: _fact_for(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
-    try:
-        analyse_batch(gm, facts, gbs)
-    except MixingError as exc:
-        return _Analysed(captured, exc)
-    return _Analysed(captured, None)
+        rejected = mixing_error(exc.node, gm, exc.reason, exc.fix)
+        return _Analysed(captured, BatchAnalysis(gm, rejected=rejected))
+    facts = {p.target: input_fact(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
+    return _Analysed(captured, analyse_batch(gm, facts, gbs))
 
 
 def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
                    example: Mapping[str, Any], rank: int | None = None,
-                   analysed: _Analysed | None = None) -> _Compiled:
+                   analysed: _Analysed | None = None, backend: str = "simulated",
+                   channels: StepChannels | None = None) -> _Compiled:
     analysed = analysed or _analyse(model, plan.gbs, inputs, example)
+    channels = channels or StepChannels()
     captured = analysed.captured
     gm = captured.graph_module
     if analysed.rejected is not None:
@@ -501,21 +499,18 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
             raise analysed.rejected
         # one system, one microbatch (mbs="none"): nothing is split, so nothing can mix;
         # the captured graph runs as it is
-        return _Compiled(gm, gm, captured.output_spec, False)
+        return _Compiled(gm, gm, captured.output_spec, False, channels, analysed.analysis)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
     slices = [(a - offset, b - offset) for system in systems for a, b in system if b > a]
     rewritten = microbatch_rewrite(
-        gm, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
-        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)},
-        distributed=rank is not None)
-    loop = next(n for n in rewritten.graph.nodes if n.target is runtime.microbatch_loop)
-    return _Compiled(rewritten, gm, captured.output_spec,
-                     loop.kwargs["fused_index"] is None and plan.num_nonempty_microbatches > 1)
-
-
-BACKENDS = ("simulated", "torch.distributed")
+        analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
+        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)})
+    bound = ops.bind(rewritten, bindings(backend, channels))
+    return _Compiled(bound, gm, captured.output_spec,
+                     not analysed.analysis.fused and plan.num_nonempty_microbatches > 1, channels,
+                     analysed.analysis)
 
 
 def _noise_scale(option: bool | NoiseScale) -> NoiseScale | None:
@@ -549,7 +544,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     other) or ``"torch.distributed"`` (this process is rank r = system r of an
     initialised process group of ``num_csx`` ranks, called with its own share).
     ``measure_noise_scale`` estimates the gradient noise scale every training step
-    from the microbatch gradients (``cm.noise_scale``, see ``mbcompile.noise``);
+    from the microbatch gradients (``cm.noise_scale``, see ``mbcompile.execution.noise``);
     pass a ``NoiseScale(decay=...)`` to choose the smoothing.
     ``capture`` is ``"auto"`` (torch.fx symbolic tracing, and ``torch.export`` with a
     dynamic batch dim when tracing fails, as for HuggingFace models), ``"fx"`` or
@@ -567,23 +562,23 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     spec = get_system(system)
-    check_request(gbs, num_csx, mbs, compile_only or validate_only)  # before any tracing
+    policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
+    check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
     sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
     inputs = dataclasses.replace(inputs, capture=capture)
     start = time.perf_counter()
     try:
         analysed = _analyse(model, gbs, inputs, values)
-        single = single_microbatch_request(gbs, num_csx, mbs)
+        single = single_microbatch_request(gbs, num_csx, policy)
         if analysed.rejected is not None and not single:
             raise analysed.rejected
         if validate_only:
             return validation_of(type(model).__name__, gbs, num_csx,
                                  analysed.captured.graph_module,
                                  time.perf_counter() - start, analysed.rejected)
-        selection = plan_for(analysed.captured.graph_module,
+        selection = plan_for(analysed.analysis,
                              [values[n] for n in inputs.names], inputs.in_dims, gbs, num_csx,
-                             mbs, spec, measure=measure, name=type(model).__name__,
-                             unsplit=analysed.rejected is not None)
+                             policy, spec, measure=measure, name=type(model).__name__)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name
@@ -591,7 +586,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     plan = selection.plan
     rank = None
     if backend == "torch.distributed":
-        from mbcompile.distributed import check_world
+        from mbcompile.execution.distributed import check_world
 
         rank = check_world(plan)
         if measure_noise_scale:
@@ -601,7 +596,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     try:
         return CompiledModule(model, plan, sig, inputs, values, rank,
                               _noise_scale(measure_noise_scale), selection, compile_only,
-                              analysed)
+                              analysed, backend)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name

@@ -1,7 +1,12 @@
 """mbcompile's compiler passes, one module each (installed as ``mbcompile.passes``).
 
-capture -> shape_prop -> batch_analysis (rules in batch_rules) -> microbatch_rewrite.
-The ``node.meta`` keys they write are documented in ``facts``.
+capture (``capture``, ``export_capture``) -> shapes (``shape_prop``, on the one
+fake-tensor interpreter ``fake_probe`` that the cost model runs too) -> batch analysis
+(``batch_analysis``, rules in ``batch_rules``) -> microbatch rewrite
+(``microbatch_rewrite``). The vocabulary they share lives here too: ``facts`` (the
+``node.meta`` keys they write), ``errors``, ``partials`` (per-microbatch partial sums)
+and ``ops`` (the backend-neutral split/loop/accumulate/collective ops the rewrite
+inserts). Nothing here imports the rest of mbcompile: the passes depend only downward.
 """
 
 __all__: list[str] = []

@@ -25,16 +25,14 @@ A rejection reads (``MixingError``)::
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import networkx as nx
 import torch
 import torch.fx as fx
 import torch.nn as nn
-
-from mbcompile.errors import MixingError, UnsupportedOpError
 
 from .batch_rules import (
     MBS_NONE,
@@ -45,9 +43,11 @@ from .batch_rules import (
     lookup_rule,
     node_name,
 )
+from .errors import MixingError, UnsupportedOpError
 from .facts import (
     FACT,
     PARAMS,
+    REDUCTION,
     SHAPES,
     Batched,
     BatchSize,
@@ -57,21 +57,12 @@ from .facts import (
     Reduced,
     ValueInfo,
 )
+from .sources import is_library
 
-__all__ = ["analyse_batch", "describe_op", "mixing_error", "source_line"]
+__all__ = ["BatchAnalysis", "analyse_batch", "describe_op", "mixing_error", "source_line"]
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*(?:\n\s*(?!File ")([^\n]*))?')
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # mbcompile's tree
-             os.path.dirname(os.path.abspath(__file__)))  # passes/, wherever it is installed
-_MBCOMPILE_DIR = os.path.dirname(os.path.abspath(__import__("mbcompile").__file__))
 _MAX_PATH = 12  # nodes shown of the path from the input before eliding the middle
-
-
-def _is_library(path: str) -> bool:
-    p = os.path.abspath(path)
-    return p.startswith((_TORCH_DIR + os.sep, _MBCOMPILE_DIR + os.sep,
-                         os.path.dirname(os.path.abspath(__file__)) + os.sep))
 
 
 def source_line(node: fx.Node) -> str:
@@ -82,7 +73,7 @@ def source_line(node: fx.Node) -> str:
     """
     frames = _FRAME.findall(node.stack_trace or "")
     for path, line, code in reversed(frames):
-        if not _is_library(path):
+        if not is_library(path):
             return f"{path}:{line}: {code.strip()}" if code else f"{path}:{line}"
     return "<source line not recorded>"
 
@@ -223,9 +214,69 @@ def _unused_in_place(node: fx.Node) -> bool:
     return name == "setitem" or (name.endswith("_") and not name.endswith("__"))
 
 
+@dataclass(frozen=True)
+class BatchAnalysis:
+    """What the batch analysis decided, made once and handed to cost, rewrite and compiler.
+
+    ``graph_module`` carries a fact on every node (``node.meta[FACT]``) unless the
+    analysis ``rejected`` the split (a ``MixingError``: the batch then runs as one
+    microbatch or not at all). ``reductions`` are the reductions over the batch the
+    outputs need, in graph order; ``trained_loss`` is the one scalar reduction that
+    depends on parameters, whose partial sum the loop backpropagates per microbatch
+    (None with several trained losses, or none); ``loss_outputs`` are the output
+    leaves that are trained losses.
+    """
+
+    graph_module: fx.GraphModule
+    rejected: MixingError | None = None
+    reductions: tuple[fx.Node, ...] = ()
+    trained_loss: fx.Node | None = None
+    loss_outputs: tuple[int, ...] = ()
+
+    @property
+    def fused(self) -> bool:
+        """Backward runs inside the loop, per microbatch: one microbatch's activations."""
+        return self.trained_loss is not None
+
+
 def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
-                  ) -> fx.GraphModule:
-    """Write ``node.meta[FACT]`` for every node of ``gm`` (in place) and return it."""
+                  ) -> BatchAnalysis:
+    """Write ``node.meta[FACT]`` for every node of ``gm`` (in place); say what follows.
+
+    A graph that mixes samples is not an error here: the result's ``rejected`` holds
+    the ``MixingError`` (its node, source line, path and fix), for the caller to raise
+    or to run the batch unsplit.
+    """
+    try:
+        _write_facts(gm, input_facts, gbs)
+    except MixingError as exc:
+        return BatchAnalysis(gm, rejected=exc)
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    needed = _needed(x for x in leaves if isinstance(x, fx.Node))
+    reductions = tuple(n for n in gm.graph.nodes if REDUCTION in n.meta and n in needed)
+    trained = [n for n in reductions if n.meta.get(PARAMS)]
+    info = trained[0].meta.get(SHAPES) if len(trained) == 1 else None
+    scalar = isinstance(info, ValueInfo) and info.shape_a == ()
+    losses = tuple(i for i, x in enumerate(leaves)
+                   if isinstance(x, fx.Node) and isinstance(x.meta.get(FACT), Reduced)
+                   and x.meta.get(PARAMS))
+    return BatchAnalysis(gm, None, reductions, trained[0] if scalar else None, losses)
+
+
+def _needed(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    """Every node the ``roots`` are computed from."""
+    seen: set[fx.Node] = set()
+    todo = list(roots)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int) -> None:
     facts: dict[fx.Node, Fact] = {}
     for node in gm.graph.nodes:
         node.meta[PARAMS] = _carries_gradient(node, gm)
@@ -260,7 +311,6 @@ def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
                     raise mixing_error(node, gm, rejected.reason, rejected.fixes) from None
         facts[node] = fact
         node.meta[FACT] = fact
-    return gm
 
 
 def _check_output(leaf: fx.Node, fact: Fact, gm: fx.GraphModule) -> None:

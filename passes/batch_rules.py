@@ -11,11 +11,18 @@ to reject the op. Keys are:
   nodes of ``torch.export`` graphs (any overload maps to its packet),
 - a method name string (``"view"``) for ``call_method`` nodes.
 
-Each family below registers all the spellings of its ops at once (``torch.X``,
-``Tensor.X``, ``F.X``, ``torch.ops.aten.X``), one line per op or group, with a
-comment saying what it does to the batch dim. As in JAX's ``primitive_batchers``,
-an op without a rule is rejected, never guessed; users add rules with
-``register_batch_rule(op, rule)`` and trust whole layers with ``trust_module``.
+The table (``TABLE``, a ``RuleTable``) closes this file and reads top to bottom:
+one op or op group per line, its rule, and a comment on what it does to the batch
+dim, the way JAX registers ``primitive_batchers[prim] = rule``. A group names all
+the spellings of its ops (``torch.X``, ``Tensor.X``, ``F.X``, ``torch.ops.aten.X``);
+groups too long for the line are spelled out just above the table, and rules that
+need more than a line are functions above those. Losses are declared once each, in
+``partials.LOSSES``, which gives both their partials and, here, their rule.
+
+As in JAX, an op without a rule is rejected, never guessed. Users add rules with
+``register_batch_rule(op, rule)`` and trust whole layers with ``trust_module``;
+``with scoped(): ...`` undoes whatever was registered inside it, and
+``TABLE.snapshot()`` lets a test suite check that it left the table as it found it.
 
 Worked example, ``loss = F.cross_entropy(self.head(x).view(-1, V), y.view(-1))``:
 
@@ -40,10 +47,12 @@ Two values need more care than "which dim is the batch":
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import operator
-from collections.abc import Callable, Iterable, Sequence
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -52,8 +61,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mbcompile import partials
-
+from . import partials
 from .facts import (
     PARAMS,
     REDUCTION,
@@ -72,29 +80,124 @@ __all__ = [
     "BATCH_RULES",
     "FAMILIES",
     "POSITION_PRESERVING",
+    "TABLE",
     "TRUSTED_MODULES",
     "RuleContext",
+    "RuleTable",
+    "TableState",
     "apply_rule",
     "lookup_rule",
     "node_name",
     "register_batch_rule",
     "rule_key",
+    "scoped",
     "trust_module",
 ]
 
 Rule = Callable[["RuleContext"], Fact]
 
-#: The one table: op -> rule.
-BATCH_RULES: dict[Any, Rule] = {}
-
-#: Ops that only move or copy elements: ``arange(B)`` positions stay positions through them.
-POSITION_PRESERVING: set[Any] = set()
-
-#: Module classes the capture pass keeps as leaves (``trust_module``).
-TRUSTED_MODULES: set[type[nn.Module]] = set()
-
 MBS_NONE = ("run the batch unsplit: mbcompile.compile(model, gbs, num_csx=1, mbs='none') "
             "(one system, one microbatch)")
+
+
+# ---------------------------------------------------------------------------
+# The table object: op -> rule, with scoped registration
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TableState:
+    """What a ``RuleTable`` holds at one moment; equal states mean equal tables."""
+
+    rules: Mapping[Any, Rule]
+    position_preserving: frozenset[Any]
+    trusted: frozenset[type[nn.Module]]
+
+
+class RuleTable:
+    """op -> rule; the ops whose rules keep ``arange(B)`` positions; trusted module classes.
+
+    The three are plain containers that stay the same objects for the table's life
+    (``BATCH_RULES`` is ``TABLE.rules``), so ``restore`` and ``scope`` work in place.
+
+    >>> with TABLE.scope():
+    ...     register_batch_rule(my_ops.fused_gelu, "per_sample")   # gone after the block
+    """
+
+    def __init__(self) -> None:
+        self.rules: dict[Any, Rule] = {}
+        self.position_preserving: set[Any] = set()
+        self.trusted: set[type[nn.Module]] = set()
+
+    def add(self, ops: Iterable[Any], rule: Rule, *, keeps_positions: bool = False) -> None:
+        """One table line: ``rule`` for every op of the group (``None``: a spelling this
+        torch lacks). ``keeps_positions``: the ops only move or copy elements, so
+        ``arange(B)`` positions stay positions through them."""
+        for op in ops:
+            if op is None:
+                continue
+            self.rules[rule_key(op)] = rule
+            if keeps_positions:
+                self.position_preserving.add(rule_key(op))
+
+    def lookup(self, node: fx.Node, module: nn.Module | None) -> Rule | None:
+        """The rule for ``node``: by module class (most derived first), function or method name."""
+        if node.op == "call_module":
+            for cls in type(module).__mro__:
+                if cls in self.rules:
+                    return self.rules[cls]
+            return None
+        try:
+            return self.rules.get(rule_key(node.target))
+        except TypeError:  # an unhashable target
+            return None
+
+    def snapshot(self) -> TableState:
+        """A frozen copy: compare it (``==``, ``changes_since``) or ``restore`` it later."""
+        return TableState(types.MappingProxyType(dict(self.rules)),
+                          frozenset(self.position_preserving), frozenset(self.trusted))
+
+    def restore(self, state: TableState) -> None:
+        """Put the table back to ``state``, in place."""
+        self.rules.clear()
+        self.rules.update(state.rules)
+        self.position_preserving.clear()
+        self.position_preserving.update(state.position_preserving)
+        self.trusted.clear()
+        self.trusted.update(state.trusted)
+
+    def changes_since(self, state: TableState) -> list[str]:
+        """What differs from ``state``, one line per op (empty when nothing does)."""
+        now = self.snapshot()
+        ops = [*state.rules, *(k for k in now.rules if k not in state.rules)]
+        out = [f"rule for {op!r}: {state.rules.get(op)!r} -> {now.rules.get(op)!r}"
+               for op in ops if state.rules.get(op) is not now.rules.get(op)]
+        out += [f"keeps positions: {op!r}" for op in now.position_preserving
+                ^ state.position_preserving]
+        out += [f"trusted: {cls!r}" for cls in now.trusted ^ state.trusted]
+        return out
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[RuleTable]:
+        """Registrations made inside the block are undone on the way out (also on error)."""
+        state = self.snapshot()
+        try:
+            yield self
+        finally:
+            self.restore(state)
+
+
+#: The one table (filled at the bottom of this file).
+TABLE = RuleTable()
+BATCH_RULES = TABLE.rules
+#: Ops that only move or copy elements: ``arange(B)`` positions stay positions through them.
+POSITION_PRESERVING = TABLE.position_preserving
+#: Module classes the capture pass keeps as leaves (``trust_module``).
+TRUSTED_MODULES = TABLE.trusted
+
+
+def scoped() -> contextlib.AbstractContextManager[RuleTable]:
+    """``with scoped(): register_batch_rule(...)``: the registration lasts for the block."""
+    return TABLE.scope()
 
 
 class _Rejected(Exception):
@@ -269,6 +372,7 @@ def _int_fact(ctx: RuleContext) -> Fact:
     return _number_fact(info, ctx)
 
 
+
 # ---------------------------------------------------------------------------
 # Registration
 # ---------------------------------------------------------------------------
@@ -288,7 +392,7 @@ def register_batch_rule(op: Any, rule: Rule | str) -> None:
     is found from its shape), ``"pointwise"`` (elementwise: also rejects a
     non-linear function of a batch reduction), ``"linear"`` (linear in its
     inputs, so reductions pass through), ``"free"`` (batch-free unless shaped
-    by the batch).
+    by the batch). Inside ``with scoped():`` the rule lasts for the block.
 
     >>> mbcompile.register_batch_rule(my_ops.fused_gelu, "per_sample")
     >>> mbcompile.register_batch_rule("my_method", lambda ctx: ctx.batched_out())
@@ -301,7 +405,7 @@ def register_batch_rule(op: Any, rule: Rule | str) -> None:
     if not callable(rule):
         raise TypeError(f"a batch rule is a function (RuleContext) -> Fact or a family name, "
                         f"got {rule!r}")
-    BATCH_RULES[rule_key(op)] = rule
+    TABLE.rules[rule_key(op)] = rule
 
 
 def trust_module(module_type: type[nn.Module]) -> type[nn.Module]:
@@ -315,30 +419,13 @@ def trust_module(module_type: type[nn.Module]) -> type[nn.Module]:
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"trust_module takes an nn.Module subclass, got {module_type!r}")
     register_batch_rule(module_type, per_sample)
-    TRUSTED_MODULES.add(module_type)
+    TABLE.trusted.add(module_type)
     return module_type
-
-
-def _register(ops: Iterable[Any], rule: Rule, *, preserves_positions: bool = False) -> None:
-    for op in ops:
-        if op is None:
-            continue
-        BATCH_RULES[rule_key(op)] = rule
-        if preserves_positions:
-            POSITION_PRESERVING.add(rule_key(op))
 
 
 def lookup_rule(node: fx.Node, module: nn.Module | None) -> Rule | None:
     """The rule for ``node``: by module class (most derived first), function or method name."""
-    if node.op == "call_module":
-        for cls in type(module).__mro__:
-            if cls in BATCH_RULES:
-                return BATCH_RULES[cls]
-        return None
-    try:
-        return BATCH_RULES.get(rule_key(node.target))
-    except TypeError:  # an unhashable target
-        return None
+    return TABLE.lookup(node, module)
 
 
 def apply_rule(rule: Rule, ctx: RuleContext) -> Fact:
@@ -349,10 +436,10 @@ def apply_rule(rule: Rule, ctx: RuleContext) -> Fact:
         return fact
     key = ctx.module.__class__ if ctx.module is not None else rule_key(ctx.node.target)
     others = [f for f in _batched(ctx.arg_facts()) if not f.positions]
-    if (key in POSITION_PRESERVING and not others and isinstance(fact, Batched)
-            and fact.factor == positions[0].factor):
+    keeps = key in TABLE.position_preserving
+    if keeps and not others and isinstance(fact, Batched) and fact.factor == positions[0].factor:
         return dataclasses.replace(fact, positions=True)
-    if isinstance(fact, Container) and key in POSITION_PRESERVING and not others:
+    if isinstance(fact, Container) and keeps and not others:
         return Container(tuple((k, dataclasses.replace(f, positions=True))  # pieces of arange
                                if isinstance(f, Batched) else (k, f) for k, f in fact.items))
     ctx.mix("it uses each sample's position in the batch (torch.arange(B)) as a value; "
@@ -400,6 +487,20 @@ def spellings(*names: str, functional: bool = True, method: bool = True,
 
 def _mods(*names: str) -> list[type[nn.Module]]:
     return [getattr(nn, n) for n in names if hasattr(nn, n)]
+
+
+def is_aten(target: Any) -> bool:
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def node_name(node: fx.Node) -> str:
+    """The op's short name: ``view``, ``linear`` (for ``aten.linear.default`` too)."""
+    t = node.target
+    if isinstance(t, str):
+        return t
+    if is_aten(t):
+        return str(t).split(".")[1]  # "aten.linear.default" -> "linear"
+    return getattr(t, "__name__", str(t))
 
 
 # ---------------------------------------------------------------------------
@@ -528,17 +629,90 @@ def _last(k: int) -> Callable[[RuleContext], list[int]]:
     return lambda ctx: list(range(-k, 0))
 
 
-def _softmax_dim(index: int = 1) -> Callable[[RuleContext], list[int]]:
-    """softmax's dim; ``None`` is the legacy implicit dim (0 for 0-, 1- and 3-d inputs, else 1)."""
 
-    def get(ctx: RuleContext) -> list[int]:
-        d = ctx.arg(index, "dim")
-        if d is None:
-            ndim = ctx.ndim(ctx.arg(0, "input"))
-            return [0 if ndim in (0, 1, 3) else 1]
-        return [d]
+def _softmax_dims(ctx: RuleContext) -> list[int]:
+    """softmax's dim (a module's ``.dim``); ``None`` is the legacy implicit dim (0 for 0-, 1-
+    and 3-d inputs, else 1)."""
+    d = ctx.module.dim if ctx.module is not None else ctx.arg(1, "dim")
+    if d is None:
+        ndim = ctx.ndim(ctx.arg(0, "input"))
+        return [0 if ndim in (0, 1, 3) else 1]
+    return [d]
 
-    return get
+
+def _module_dim(ctx: RuleContext) -> list[int]:
+    """The dim a module was built with (``nn.GLU(dim)``)."""
+    return [ctx.module.dim]
+
+
+def _normalized_dims(ctx: RuleContext) -> list[int]:
+    """LayerNorm/RMSNorm: the last ``len(normalized_shape)`` dims (the module's, or the
+    functional's argument)."""
+    shape = (ctx.module.normalized_shape if ctx.module is not None
+             else ctx.arg(1, "normalized_shape"))
+    return list(range(-_length(ctx, shape), 0))
+
+
+def _compared_dims(ctx: RuleContext) -> list[int]:
+    """cosine_similarity compares vectors along its dim (default 1); pairwise_distance and
+    cdist along the last dim."""
+    if isinstance(ctx.module, nn.CosineSimilarity):
+        return [ctx.module.dim]
+    if ctx.module is None and node_name(ctx.node) == "cosine_similarity":
+        return [ctx.arg(2, "dim", 1)]
+    return [-1]
+
+
+def _every_dim(ctx: RuleContext) -> list[int]:
+    return _all_dims(ctx, ctx.arg(0))
+
+
+def _pad_dims(ctx: RuleContext) -> list[int]:
+    """F.pad(x, pad) pads the last len(pad) // 2 dims; a module's int padding every spatial dim."""
+    pad = ctx.module.padding if ctx.module is not None else ctx.arg(1, "pad")
+    if isinstance(pad, int):
+        n = _spatial_of(ctx) or 1
+        return list(range(-n, 0))
+    return list(range(-(len(pad) // 2), 0))
+
+
+def _length(ctx: RuleContext, value: Any) -> int:
+    """len() of a shape argument: a list, or a node holding one (``x.shape[-1:]``)."""
+    if isinstance(value, (tuple, list)):
+        return len(value)
+    if isinstance(value, int):
+        return 1
+    info = ctx.info(value)
+    if isinstance(info, tuple):
+        return len(info)
+    return ctx.ndim(ctx.arg(0, "input"))  # unknown: assume every dim (rejects over the batch)
+
+
+def _tril_dims(ctx: RuleContext) -> list[int]:
+    return [-2, -1]
+
+
+def _diagonal_dims(ctx: RuleContext) -> list[int]:
+    if node_name(ctx.node) == "diag" or node_name(ctx.node) == "trace":
+        return _all_dims(ctx, ctx.arg(0, "input"))
+    return [ctx.arg(2, "dim1", 0), ctx.arg(3, "dim2", 1)]
+
+
+def _roll_dims(ctx: RuleContext) -> list[int]:
+    d = ctx.arg(2, "dims")
+    if d is None or (isinstance(d, (tuple, list)) and not d):
+        return _all_dims(ctx, ctx.arg(0, "input"))  # roll of the flattened tensor
+    return list(d) if isinstance(d, (tuple, list)) else [d]
+
+
+def _unfold_dims(ctx: RuleContext) -> list[int]:
+    return [ctx.arg(1, "dimension")]
+
+
+def _flip_dims(ctx: RuleContext) -> list[int]:
+    d = ctx.arg(1, "dims")
+    return list(d) if isinstance(d, (tuple, list)) else [d]
+
 
 
 def channels_first(spatial: int | None, what: str, *, input_index: int = 0,
@@ -580,16 +754,19 @@ def _spatial_of(ctx: RuleContext) -> int | None:
     return None
 
 
-def reduction(kind: str, partial: Callable[..., Any] | None, other: str = "",
+def reduction(kind: str = "sum", partial: Callable[..., Any] | None = None, *,
+              nonlinear: bool | str = False,
               dims: Callable[[RuleContext], Sequence[int]] | None = None) -> Rule:
     """Sum/mean-style reductions: over the batch dim they become a ``ReductionSpec``.
 
-    ``other`` names a non-linear reduction (max, var, ...) that is rejected over the
-    batch dim. ``torch.max(a, b)`` (two tensors) is elementwise.
+    ``nonlinear`` marks a reduction (max, var, ...) that is rejected over the batch
+    dim, named in the message by the op's own name (``True``) or by the string given.
+    ``torch.max(a, b)`` (two tensors) is elementwise.
     """
     get_dims = dims or _dim_arg(1, "dim")
 
     def rule(ctx: RuleContext) -> Fact:
+        other = (node_name(ctx.node) if nonlinear is True else nonlinear) or ""
         x = ctx.arg(0, "input")
         second = ctx.arg(1, "other")
         if other in ("max", "min") and ctx.is_tensor(second):
@@ -615,36 +792,33 @@ def reduction(kind: str, partial: Callable[..., Any] | None, other: str = "",
     return rule
 
 
-def loss(fn: Callable[..., Any] | None, partial: Callable[..., Any], batch_at_zero: bool,
-         reduction_of: Callable[[RuleContext], str] | None = None) -> Rule:
-    """Loss functions: per-sample with reduction='none', else a reduction over the batch."""
-
-    def rule(ctx: RuleContext) -> Fact:
-        if reduction_of is not None:
-            mode = reduction_of(ctx)
-        elif ctx.module is not None:
-            mode = ctx.module.reduction
-        else:
-            mode = partials.loss_reduction(fn, ctx._args, ctx._kwargs)
-        facts = ctx.arg_facts()
-        if any(isinstance(f, Reduced) for f in facts):
-            return pointwise(ctx)
-        batched = _batched(facts)
-        if not batched:
-            return _join(facts, ctx)
-        if batch_at_zero and any(f.dim != 0 for f in batched):
-            ctx.mix("its batch dim is not dim 0 (the N of (N, C, ...)), so the loss "
-                    "would treat samples as classes",
-                    "move the batch dim to dim 0 (x.movedim(d, 0)) before the loss")
-        if mode == "none":
-            return ctx.batched_out()
-        ctx.node.meta[REDUCTION] = ReductionSpec(
-            "sum" if mode == "sum" else "mean",
-            None if mode == "sum" else
-            partials.module_loss_partial if ctx.module is not None else partial)
-        return Reduced()
-
-    return rule
+def loss_rule(ctx: RuleContext) -> Fact:
+    """A loss of ``partials.LOSSES``: per-sample with reduction='none', else a reduction
+    over the batch ('sum': a partial sum; 'mean': a (sum, count) pair)."""
+    loss = partials.loss_for(ctx.module if ctx.module is not None else ctx.node.target)
+    if loss is None:
+        raise TypeError(f"{node_name(ctx.node)} is not a loss of partials.LOSSES")
+    if ctx.module is not None:
+        mode, partial = ctx.module.reduction, partials.module_loss_partial
+    elif is_aten(ctx.node.target):
+        mode, partial = _aten_reduction(ctx), loss.aten_partials[rule_key(ctx.node.target)]
+    else:
+        mode, partial = partials.loss_reduction(loss.fn, ctx._args, ctx._kwargs), loss.partial
+    facts = ctx.arg_facts()
+    if any(isinstance(f, Reduced) for f in facts):
+        return pointwise(ctx)
+    batched = _batched(facts)
+    if not batched:
+        return _join(facts, ctx)
+    if loss.kind.n_first and any(f.dim != 0 for f in batched):
+        ctx.mix("its batch dim is not dim 0 (the N of (N, C, ...)), so the loss "
+                "would treat samples as classes",
+                "move the batch dim to dim 0 (x.movedim(d, 0)) before the loss")
+    if mode == "none":
+        return ctx.batched_out()
+    ctx.node.meta[REDUCTION] = ReductionSpec("sum" if mode == "sum" else "mean",
+                                             None if mode == "sum" else partial)
+    return Reduced()
 
 
 def _aten_reduction(ctx: RuleContext) -> str:
@@ -1015,45 +1189,27 @@ def cat_rule(ctx: RuleContext) -> Fact:
     return per_sample(ctx)  # batch-free pieces along a feature dim are fine: shapes tell
 
 
-def is_aten(target: Any) -> bool:
-    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
 
-
-def node_name(node: fx.Node) -> str:
-    """The op's short name: ``view``, ``linear`` (for ``aten.linear.default`` too)."""
-    t = node.target
-    if isinstance(t, str):
-        return t
-    if is_aten(t):
-        return str(t).split(".")[1]  # "aten.linear.default" -> "linear"
-    return getattr(t, "__name__", str(t))
-
-
-def batch_norm_rule(spelling: str) -> Rule:
+def batch_norm_rule(ctx: RuleContext) -> Fact:
     """BatchNorm: eval mode uses running statistics (per-sample); training mixes."""
-    training_at, mean_at = {"module": (None, None), "F": (5, 1), "aten": (5, 3),
-                            "native": (5, 3), "legit": (5, 3)}[spelling]
-
-    def rule(ctx: RuleContext) -> Fact:
-        mod = ctx.module
-        if mod is not None:
-            uses_batch_stats = mod.training or not mod.track_running_stats
-        elif spelling == "legit" and node_name(ctx.node).endswith("no_training"):
-            uses_batch_stats = False
-        else:
-            uses_batch_stats = bool(ctx.arg(training_at, "training", False)) or (
-                ctx.arg(mean_at, "running_mean") is None)
-        x = ctx.arg(0, "input")
-        if uses_batch_stats and isinstance(ctx.fact(x), Batched):
-            ctx.mix("BatchNorm in training mode normalises each channel with the mean and "
-                    "variance of the whole batch, so every sample's output depends on every "
-                    "other sample",
-                    "replace it with GroupNorm or LayerNorm (per-sample statistics)",
-                    "put it in eval mode (model.eval(), or the BatchNorm module's .eval()) to "
-                    "use its running statistics")
-        return channels_first(0, "normalises")(ctx)
-
-    return rule
+    mod = ctx.module
+    if mod is not None:
+        uses_batch_stats = mod.training or not mod.track_running_stats
+    elif node_name(ctx.node).endswith("no_training"):  # aten._native_batch_norm_legit_no_training
+        uses_batch_stats = False
+    else:  # F.batch_norm(x, mean, var, w, b, training), aten.batch_norm(x, w, b, mean, var, ...)
+        mean_at = 3 if is_aten(ctx.node.target) else 1
+        uses_batch_stats = bool(ctx.arg(5, "training", False)) or (
+            ctx.arg(mean_at, "running_mean") is None)
+    x = ctx.arg(0, "input")
+    if uses_batch_stats and isinstance(ctx.fact(x), Batched):
+        ctx.mix("BatchNorm in training mode normalises each channel with the mean and "
+                "variance of the whole batch, so every sample's output depends on every "
+                "other sample",
+                "replace it with GroupNorm or LayerNorm (per-sample statistics)",
+                "put it in eval mode (model.eval(), or the BatchNorm module's .eval()) to "
+                "use its running statistics")
+    return channels_first(0, "normalises")(ctx)
 
 
 def instance_norm_rule(ctx: RuleContext) -> Fact:
@@ -1082,17 +1238,37 @@ def sdpa_rule(ctx: RuleContext) -> Fact:
     return per_sample(ctx)
 
 
-def multihead_attention_rule(ctx: RuleContext) -> Fact:
-    """nn.MultiheadAttention: per-sample along its batch dim (0 if batch_first else 1)."""
+def _batch_first(ctx: RuleContext) -> bool:
+    """A sequence layer's batch_first: its own, its first attention layer's (transformer
+    stacks), or ATen's argument (``aten.lstm.input(input, hx, params, has_biases, layers,
+    dropout, train, bidirectional, batch_first)``)."""
     mod = ctx.module
-    want = 0 if getattr(mod, "batch_first", False) else 1
-    for i, name in enumerate(("query", "key", "value")):
-        f = ctx.fact(ctx.arg(i, name))
-        if isinstance(f, Batched) and ctx.ndim(ctx.arg(i, name)) == 3 and f.dim != want:
-            ctx.mix(f"its batch dim is {want} (batch_first={mod.batch_first}) but the input's "
-                    f"batch dim is {f.dim}, so samples would attend to each other",
+    if mod is None:
+        return bool(ctx.arg(8, "batch_first", False))
+    if hasattr(mod, "batch_first"):
+        return bool(mod.batch_first)
+    attn = next((m for m in mod.modules() if isinstance(m, nn.MultiheadAttention)), None)
+    return bool(attn.batch_first) if attn is not None else False
+
+
+def _check_batch_first(ctx: RuleContext, inputs: Sequence[tuple[int, str]],
+                       consequence: str) -> None:
+    """A 3-d input of a sequence layer must have its batch dim where batch_first says."""
+    want = 0 if _batch_first(ctx) else 1
+    for index, name in inputs:
+        value = ctx.arg(index, name)
+        f = ctx.fact(value)
+        if isinstance(f, Batched) and ctx.ndim(value) == 3 and f.dim != want:
+            ctx.mix(f"its batch dim is {want} (batch_first={want == 0}) but the input's batch "
+                    f"dim is {f.dim}, so {consequence}",
                     "pass inputs with the batch dim where the layer expects it (or set "
                     "batch_first to match)")
+
+
+def multihead_attention_rule(ctx: RuleContext) -> Fact:
+    """nn.MultiheadAttention: per-sample along its batch dim (0 if batch_first else 1)."""
+    _check_batch_first(ctx, ((0, "query"), (1, "key"), (2, "value")),
+                       "samples would attend to each other")
     mask = ctx.arg(4, "attn_mask")
     mfact = ctx.fact(mask)
     if isinstance(mfact, Batched) and ctx.ndim(mask) == 2:
@@ -1103,19 +1279,11 @@ def multihead_attention_rule(ctx: RuleContext) -> Fact:
 
 def rnn_rule(ctx: RuleContext) -> Fact:
     """RNN/LSTM/GRU: per sample along dim 0 (batch_first) or 1; hidden states carry dim 1."""
-    mod = ctx.module
-    if mod is not None:
-        want = 0 if mod.batch_first else 1
-    else:  # aten.lstm.input(input, hx, params, has_biases, layers, dropout, train, bidir, bf)
-        want = 0 if ctx.arg(8, "batch_first", False) else 1
+    _check_batch_first(ctx, ((0, "input"),),
+                       "it would run over samples as if they were time steps")
     x, hx = ctx.arg(0, "input"), ctx.arg(1, "hx")
     states = list(hx) if isinstance(hx, (tuple, list)) else [hx]
     xfact = ctx.fact(x)
-    if isinstance(xfact, Batched) and ctx.ndim(x) == 3 and xfact.dim != want:
-        ctx.mix(f"its batch dim is {want} (batch_first={want == 0}) but the input's batch dim "
-                f"is {xfact.dim}, so it would run over samples as if they were time steps",
-                "pass inputs with the batch dim where the layer expects it (or set "
-                "batch_first to match)")
     for s in states:
         sf = ctx.fact(s) if isinstance(s, fx.Node) else Free()
         for f in ([g for _, g in sf.items] if isinstance(sf, Container) else [sf]):
@@ -1129,26 +1297,10 @@ def rnn_rule(ctx: RuleContext) -> Fact:
     return per_sample(ctx)
 
 
-def _module_batch_first(mod: nn.Module) -> bool:
-    """batch_first of a transformer module: its own, or that of its first attention layer."""
-    if hasattr(mod, "batch_first"):
-        return bool(mod.batch_first)
-    attn = next((m for m in mod.modules() if isinstance(m, nn.MultiheadAttention)), None)
-    return bool(attn.batch_first) if attn is not None else False
-
-
 def transformer_layer_rule(ctx: RuleContext) -> Fact:
     """nn.Transformer*Layer: like MultiheadAttention, per sample along its batch dim."""
-    mod = ctx.module
-    want = 0 if _module_batch_first(mod) else 1
-    for i, name in enumerate(("src", "tgt", "memory")):
-        v = ctx.arg(i, name)
-        f = ctx.fact(v)
-        if isinstance(f, Batched) and ctx.ndim(v) == 3 and f.dim != want:
-            ctx.mix(f"its batch dim is {want} (batch_first={want == 0}) but the input's batch "
-                    f"dim is {f.dim}, so samples would attend to each other",
-                    "pass inputs with the batch dim where the layer expects it (or set "
-                    "batch_first to match)")
+    _check_batch_first(ctx, ((0, "src"), (1, "tgt"), (2, "memory")),
+                       "samples would attend to each other")
     for name in ("mask", "src_mask", "tgt_mask", "memory_mask"):
         m = ctx._kwargs.get(name)
         if isinstance(ctx.fact(m), Batched) and ctx.ndim(m) == 2:
@@ -1179,57 +1331,6 @@ def embedding_bag_rule(ctx: RuleContext) -> Fact:
     return per_sample(ctx)
 
 
-def _pad_dims(index: int = 1, name: str = "pad") -> Callable[[RuleContext], list[int]]:
-    """F.pad(x, pad): pads the last len(pad) // 2 dims."""
-
-    def get(ctx: RuleContext) -> list[int]:
-        pad = ctx.module.padding if ctx.module is not None else ctx.arg(index, name)
-        if isinstance(pad, int):  # modules: an int pads every spatial dim
-            n = _spatial_of(ctx) or 1
-            return list(range(-n, 0))
-        return list(range(-(len(pad) // 2), 0))
-
-    return get
-
-
-def _length(ctx: RuleContext, value: Any) -> int:
-    """len() of a shape argument: a list, or a node holding one (``x.shape[-1:]``)."""
-    if isinstance(value, (tuple, list)):
-        return len(value)
-    if isinstance(value, int):
-        return 1
-    info = ctx.info(value)
-    if isinstance(info, tuple):
-        return len(info)
-    return ctx.ndim(ctx.arg(0, "input"))  # unknown: assume every dim (rejects over the batch)
-
-
-def _tril_dims(ctx: RuleContext) -> list[int]:
-    return [-2, -1]
-
-
-def _diagonal_dims(ctx: RuleContext) -> list[int]:
-    if node_name(ctx.node) == "diag" or node_name(ctx.node) == "trace":
-        return _all_dims(ctx, ctx.arg(0, "input"))
-    return [ctx.arg(2, "dim1", 0), ctx.arg(3, "dim2", 1)]
-
-
-def _roll_dims(ctx: RuleContext) -> list[int]:
-    d = ctx.arg(2, "dims")
-    if d is None or (isinstance(d, (tuple, list)) and not d):
-        return _all_dims(ctx, ctx.arg(0, "input"))  # roll of the flattened tensor
-    return list(d) if isinstance(d, (tuple, list)) else [d]
-
-
-def _unfold_dims(ctx: RuleContext) -> list[int]:
-    return [ctx.arg(1, "dimension")]
-
-
-def _flip_dims(ctx: RuleContext) -> list[int]:
-    d = ctx.arg(1, "dims")
-    return list(d) if isinstance(d, (tuple, list)) else [d]
-
-
 @_handles_positions
 def drop_rule(ctx: RuleContext) -> Fact:
     """Ops that produce no value the model uses (asserts, prints): batch-free."""
@@ -1247,15 +1348,12 @@ def detach_rule(ctx: RuleContext) -> Fact:
     return out
 
 
+
 # ---------------------------------------------------------------------------
-# The table, one family per block, one line per op or group
+# Op groups: the spellings of table lines too long to list on the line itself
 # ---------------------------------------------------------------------------
 
-FAMILIES: dict[str, Rule] = {"per_sample": per_sample, "pointwise": pointwise, "free": free,
-                             "linear": linear}
-
-# --- Elementwise math: y = f(x) per element, batch dim unchanged --------------------------
-_register(spellings(
+UNARY_MATH = spellings(
     "abs", "absolute", "acos", "arccos", "acosh", "asin", "arcsin", "asinh", "atan", "arctan",
     "atanh", "ceil", "cos", "cosh", "deg2rad", "digamma", "erf", "erfc", "erfinv", "exp",
     "exp2", "expm1", "fix", "floor", "frac", "lgamma", "log", "log10", "log1p", "log2", "logit",
@@ -1263,200 +1361,139 @@ _register(spellings(
     "signbit", "sin", "sinc", "sinh", "sqrt", "square", "tan", "tanh", "trunc", "positive",
     "isnan", "isinf", "isfinite", "isposinf", "isneginf", "isreal", "logical_not",
     "bitwise_not", "clamp", "clamp_min", "clamp_max", "clip", "pow", "float_power",
-    "conj", "conj_physical", "angle"), pointwise)  # x -> f(x)
-_register(["abs_", "ceil_", "clamp_", "clamp_min_", "clamp_max_", "exp_", "floor_", "log_",
-           "pow_", "reciprocal_", "round_", "rsqrt_", "sigmoid_", "sqrt_", "tanh_", "trunc_",
-           "nan_to_num_", "clip_"], pointwise)  # in-place spellings of the same
-# --- Activations (functional, ATen and module): y = f(x) per element ----------------------
-_register(spellings(
+    "conj", "conj_physical", "angle") + [
+    "abs_", "ceil_", "clamp_", "clamp_min_", "clamp_max_", "exp_", "floor_", "log_", "pow_",
+    "reciprocal_", "round_", "rsqrt_", "sigmoid_", "sqrt_", "tanh_", "trunc_", "nan_to_num_",
+    "clip_"]
+ACTIVATIONS = spellings(
     "relu", "relu_", "relu6", "gelu", "silu", "mish", "elu", "elu_", "selu", "celu",
     "leaky_relu", "leaky_relu_", "hardtanh", "hardtanh_", "softplus", "softsign",
     "tanhshrink", "hardswish", "hardsigmoid", "logsigmoid", "log_sigmoid", "threshold",
     "hardshrink", "softshrink", "rrelu", "prelu", "_prelu_kernel", "silu_", "hardswish_",
-    "hardsigmoid_", "threshold_", "selu_", "celu_", "rrelu_"), pointwise)  # x -> act(x)
-_register(_mods("ReLU", "ReLU6", "GELU", "SiLU", "Mish", "ELU", "SELU", "CELU", "LeakyReLU",
-                "Hardtanh", "Softplus", "Softsign", "Tanhshrink", "Hardswish", "Hardsigmoid",
-                "LogSigmoid", "Threshold", "Hardshrink", "Softshrink", "RReLU", "PReLU",
-                "Sigmoid", "Tanh", "Identity"), pointwise)  # activation modules: x -> act(x)
-# --- Dropout: per element (its random mask is the documented exception to exactness) -----
-_register(spellings("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-                    "feature_alpha_dropout", "feature_dropout", "native_dropout",
-                    "dropout_", "alpha_dropout_", "feature_dropout_"), per_sample)  # x * mask
-_register(_mods("Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout",
-                "FeatureAlphaDropout"), per_sample)  # dropout modules: x * mask
-# --- Binary and ternary elementwise: broadcast, batch dim from the batched side -----------
-_register(spellings(
+    "hardsigmoid_", "threshold_", "selu_", "celu_", "rrelu_") + _mods(
+    "ReLU", "ReLU6", "GELU", "SiLU", "Mish", "ELU", "SELU", "CELU", "LeakyReLU", "Hardtanh",
+    "Softplus", "Softsign", "Tanhshrink", "Hardswish", "Hardsigmoid", "LogSigmoid", "Threshold",
+    "Hardshrink", "Softshrink", "RReLU", "PReLU", "Sigmoid", "Tanh", "Identity")
+DROPOUTS = spellings(
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "feature_dropout", "native_dropout", "dropout_", "alpha_dropout_",
+    "feature_dropout_") + _mods(
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout")
+BINARY = spellings(
     "maximum", "minimum", "fmax", "fmin", "fmod", "remainder", "atan2", "arctan2", "hypot",
     "copysign", "nextafter", "xlogy", "logaddexp", "logaddexp2", "floor_divide", "eq", "ne",
     "lt", "le", "gt", "ge", "greater", "greater_equal", "less", "less_equal", "not_equal",
     "isclose", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
     "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift", "where", "masked_fill",
     "masked_fill_", "lerp", "addcmul", "addcdiv", "heaviside", "bucketize", "polar",
-    "complex", "ldexp", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__",
-    "isin"), pointwise)  # f(a, b) per element
-_register([operator.floordiv, operator.mod, operator.pow, operator.eq, operator.ne,
-           operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_,
-           operator.invert, operator.xor, operator.lshift, operator.rshift, operator.abs,
-           "__eq__", "__ne__", "__lt__", "__gt__", "__le__", "__ge__", "__pow__",
-           "__rpow__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__invert__",
-           "__abs__", "__iand__", "__ior__", "__ixor__", "eq_", "ne_", "lt_", "gt_", "le_",
-           "ge_", "logical_not_", "logical_and_", "logical_or_"], pointwise)
-_register(spellings("one_hot"), pointwise)  # (B, ...) ids -> (B, ..., classes)
-# --- Linear arithmetic: a reduction may be added to, or scaled by, batch-free values -----
-_register([operator.add, operator.iadd, "add", "add_", "__add__", "__radd__", "__iadd__",
-           *spellings("add", method=False)], _linear_arith("add"))  # a + b
-_register([operator.sub, operator.isub, "sub", "sub_", "__sub__", "__rsub__", "__isub__",
-           *spellings("sub", "subtract", "rsub", method=False), "subtract"],
-          _linear_arith("sub"))  # a - b
-_register([operator.mul, operator.imul, "mul", "mul_", "__mul__", "__rmul__", "__imul__",
-           "multiply", *spellings("mul", "multiply", method=False)],
-          _linear_arith("mul"))  # a * b: linear if one side is batch-free
-_register([operator.truediv, operator.itruediv, "div", "div_", "__truediv__", "__rtruediv__",
-           "__itruediv__", "true_divide", "divide", *spellings("div", "true_divide", "divide",
-                                                                method=False)],
-          _linear_arith("div"))  # a / b: b batch-free or a count
-_register([operator.neg, operator.pos, "neg", "negative", "__neg__", "__pos__",
-           *spellings("neg", "negative", method=False)], linear)  # -x
-_register(spellings("real", "imag", "view_as_real", "view_as_complex"), linear)  # complex parts
-# --- Casts and copies: same values, new dtype/device/memory; reductions pass through -----
-_register(["float", "double", "half", "bfloat16", "long", "int", "short", "char", "byte",
-           "bool", "to", "type", "type_as", "cpu", "cuda", "contiguous", "clone",
-           "requires_grad_", "pin_memory", "share_memory_", "float16", "float32",
-           *spellings("clone", "_to_copy", "to", "contiguous", "lift_fresh_copy",
-                      "_to_dtype", "resolve_conj", "resolve_neg", "type_as", "_to_copy",
-                      method=False)], detach_rule, preserves_positions=True)  # x -> x'
-_register(["detach", "detach_", *spellings("detach", "alias", "lift_fresh", "lift",
-                                           method=False)],
-          detach_rule, preserves_positions=True)  # same values, no autograd history
-_register(aten("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range",
-               "sym_constrain_range_for_size", "_assert_async"), drop_rule)  # checks only
-# --- Reshapes: the batch dim moves, never merges with a neighbour's samples --------------
-_register(["view", "reshape", "flatten", "unflatten", "view_as", "reshape_as",
-           *spellings("reshape", "flatten", "unflatten", "view", "_unsafe_view",
-                      "view_copy", "_reshape_alias", "ravel", method=False), "ravel",
-           nn.Flatten, nn.Unflatten], reshape_rule,
-          preserves_positions=True)  # (B, T, C) -> (B*T, C) batch-major is fine
-# --- Dim moves and broadcasts: values untouched; the shapes locate the batch dim ---------
-_register(["permute", "transpose", "transpose_", "t", "swapaxes", "swapdims", "movedim",
-           "moveaxis", "unsqueeze", "unsqueeze_", "expand",
-           "expand_as", "broadcast_to", "narrow", "select", "slice", "as_strided",
-           *spellings("permute", "transpose", "t", "swapaxes", "swapdims", "movedim",
-                      "moveaxis", "unsqueeze", "expand", "expand_as",
-                      "broadcast_to", "narrow", "select", "slice", "permute_copy",
-                      "transpose_copy", "unsqueeze_copy", "expand_copy",
-                      "slice_copy", "select_copy", "narrow_copy", "atleast_1d", "atleast_2d",
-                      "atleast_3d", "numpy_T", "adjoint", "matrix_H", "mT", "mH",
-                      method=False), "adjoint", "mT", "mH"], per_sample,
-          preserves_positions=True)  # dims move or get dropped; shapes check the batch
-_register(["squeeze", "squeeze_", *spellings("squeeze", "squeeze_copy", method=False)],
-          squeeze_rule, preserves_positions=True)  # drops size-1 dims, never the batch
-_register(aten("broadcast_tensors") + [torch.broadcast_tensors], per_sample,
-          preserves_positions=True)  # several broadcast views
-_register(["repeat", "tile", *spellings("repeat", "tile", method=False)], repeat_rule,
-          preserves_positions=True)  # copies along the batch dim become interleaved
-_register(["repeat_interleave", *spellings("repeat_interleave", method=False)], per_sample,
-          preserves_positions=True)  # r copies of each sample, batch-major
-# --- Dims whose element order matters: fine unless that dim is the batch ------------------
-_register(["flip", *spellings("flip", method=False)],
-          along(_flip_dims, "reverses the order", "flip a non-batch dim"))  # x[..., ::-1]
-_register([torch.fliplr, "fliplr"], along(lambda c: [1], "reverses the order"))  # dim 1
-_register([torch.flipud, "flipud"], along(lambda c: [0], "reverses the order"))  # dim 0
-_register(["roll", *spellings("roll", method=False)],
-          along(_roll_dims, "rolls elements", "roll a non-batch dim"))  # circular shift
-_register(["tril", "triu", "tril_", "triu_", *spellings("tril", "triu", method=False)],
-          along(_tril_dims, "masks by position",
-                "build (T, T) masks from torch.arange(T) or a batch-free ones((T, T))"))
-_register(["diagonal", "diag", "diag_embed", "trace", "diagflat",
-           *spellings("diagonal", "diag", "trace", "diagflat", method=False)],
-          along(_diagonal_dims, "takes a diagonal"))  # x[i, i] pairs positions
-_register(spellings("diag_embed"), along(_last(1), "builds diagonals"))  # (B, n) -> (B, n, n)
-_register(["unfold", *spellings("unfold", method=False, functional=False)],
-          along(_unfold_dims, "makes sliding windows"))  # x.unfold(dim, size, step)
-# --- Splits and joins: along a non-batch dim every piece keeps the batch ------------------
-_register(["chunk", "split", "unbind", "tensor_split", "split_with_sizes", "hsplit", "vsplit",
-           "dsplit", *spellings("chunk", "split", "unbind", "tensor_split", "split_with_sizes",
-                                "hsplit", "vsplit", "dsplit", "split_copy", "unbind_copy",
-                                method=False)], chunk_rule,
-          preserves_positions=True)  # pieces along a non-batch dim
-_register(spellings("cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
-                    "column_stack", "row_stack", method=False), cat_rule,
-          preserves_positions=True)  # join along a feature dim
-# --- Python-level access: tuple items, shapes, attributes --------------------------------
-_register([operator.getitem], getitem_rule)  # x[..., :k] keeps the batch; tuples pick
-_register([getattr], getattr_rule)  # x.shape, x.dtype, result.values
-_register(["size", "dim", "numel", "ndimension", "nelement", "stride", "element_size",
-           "__len__", len, *spellings("sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
-                                      "numel", "size", "stride", method=False)],
-          size_rule)  # ints: multiples of the batch size, or batch-free
-_register([torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not,
-           torch.sym_sqrt, math.ceil, math.floor, math.sqrt, math.prod, int, float, abs],
-          size_rule)  # Python numbers computed from sizes (fx, export's SymInt math)
-_register(["item", "tolist", *aten("item", "_local_scalar_dense")], read_value_rule)  # .item()
-# --- Indexing with tensors: per-sample ids, or arange(B) on the batch dim -----------------
-_register(aten("index", "_unsafe_index"), aten_index_rule)  # x[i0, i1, ...]
-_register(["index_select", *spellings("index_select", method=False)],
-          index_select_rule)  # x.index_select(dim, idx)
-_register(["gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
-           "scatter_reduce_", "take_along_dim", "index_add", "index_add_", "index_fill",
-           "index_fill_", "index_copy", "index_copy_", "index_reduce",
-           *spellings("gather", "scatter", "scatter_add", "scatter_reduce", "take_along_dim",
-                      "index_add", "index_fill", "index_reduce", "index_copy",
-                      method=False)],
-          gather_rule)  # out[i][j] = x[i][idx[i][j]] along a non-batch dim
-_register(["index_put", "index_put_", *spellings("index_put", "_index_put_impl",
-                                                 "_unsafe_index_put", method=False)],
-          index_put_rule)  # x[mask] = v: per-sample masks only
-_register([torch.searchsorted, *aten("searchsorted")],
-          along(_last(1), "searches a sorted row"))  # searchsorted(sorted (B, K), values)
-# --- Creation: shaped by the batch at most (B from x.size(0)); values batch-free ----------
-_register(["new_zeros", "new_ones", "new_empty", "zero_", "zeros_like", "ones_like",
-           "empty_like", "rand_like", "randn_like", "randint_like", "normal_", "uniform_",
-           "bernoulli_", "random_", "exponential_", "new_empty_strided",
-           *spellings("zeros", "ones", "empty", "rand", "randn", "randint", "zeros_like",
-                      "ones_like", "empty_like", "rand_like", "randn_like", "randint_like",
-                      "empty_strided", "new_zeros", "new_ones", "new_empty", "eye",
-                      "bernoulli", "normal", "randperm", "linspace", "logspace",
-                      "empty_permuted", "zero", "triu_indices", "tril_indices",
-                      method=False)], size_like_rule)  # zeros(B, D), ones_like(x), ...
-_register(spellings("full", method=False) + ["new_full", *aten("new_full")],
-          _value_arg(1, "fill_value"))  # full(size, v): v must not be a batch size
-_register([torch.full_like, *aten("full_like"), "fill_"] + aten("fill"),
-          _value_arg(1, "fill_value"))  # full_like(x, v)
-_register([torch.tensor, torch.as_tensor, torch.scalar_tensor, "new_tensor",
-           *aten("scalar_tensor", "tensor")], _value_arg(0, "data"))  # tensor(data)
-_register(spellings("arange", method=False) + aten("range"), arange_rule)  # arange(B): positions
-# --- Contractions: the batch dim must not be contracted -----------------------------------
-_register([operator.matmul, "__matmul__", "__rmatmul__", "matmul", "mm", "bmm", "mv",
-           "addmm", "baddbmm", "addbmm", "addmv",
-           *spellings("matmul", "mm", "bmm", "mv", "addmm", "baddbmm", "addbmm", "addmv",
-                      "_addmm_activation", method=False)], matmul_rule)  # (B, n, k) @ (k, m)
-_register(["dot", "vdot", "inner", "outer", "ger", "kron", "tensordot", "cross",
-           "linalg_cross", *spellings("dot", "vdot", "inner", "outer", "ger", "kron",
-                                      "tensordot", "cross", "einsum", "chain_matmul",
-                                      "linalg_cross", method=False)],
-          per_sample)  # the shapes show whether the batch survives (einsum's batch letter)
-_register([nn.Linear, nn.LazyLinear, *spellings("linear", method=False)],
-          along(_last(1), "contracts features",
-                "put the batch dim before the feature dim"))  # (B, ..., in) -> (B, ..., out)
-_register([nn.Bilinear, *spellings("bilinear", method=False)],
-          along(_last(1), "contracts features",
-                inputs=((0, "input1"), (1, "input2"))))  # x1 A x2 per sample
-# --- Embeddings: rows of a batch-free table picked by per-sample ids ----------------------
-_register([nn.Embedding, F.embedding], embedding_rule(1))  # (B, T) ids -> (B, T, D)
-_register(aten("embedding"), embedding_rule(0))  # aten.embedding(weight, ids)
-_register([nn.EmbeddingBag, F.embedding_bag, *aten("embedding_bag", "_embedding_bag",
-                                                    "_embedding_bag_forward_only")],
-          embedding_bag_rule)  # (B, L) ids -> (B, D): one bag per sample
-# --- Convolution, pooling, resampling: (N, C, ...) per sample n ---------------------------
-_CONV_MODS = _mods("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
-                   "ConvTranspose3d", "LazyConv1d", "LazyConv2d", "LazyConv3d",
-                   "LazyConvTranspose1d", "LazyConvTranspose2d", "LazyConvTranspose3d",
-                   "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d",
-                   "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
-                   "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d", "LPPool1d",
-                   "LPPool2d", "LPPool3d", "FractionalMaxPool2d", "FractionalMaxPool3d",
-                   "MaxUnpool1d", "MaxUnpool2d", "MaxUnpool3d")
-_register(_CONV_MODS + spellings(
+    "complex", "ldexp", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "isin")
+OPERATORS = [
+    operator.floordiv, operator.mod, operator.pow, operator.eq, operator.ne, operator.lt,
+    operator.le, operator.gt, operator.ge, operator.and_, operator.or_, operator.invert,
+    operator.xor, operator.lshift, operator.rshift, operator.abs, "__eq__", "__ne__", "__lt__",
+    "__gt__", "__le__", "__ge__", "__pow__", "__rpow__", "__floordiv__", "__rfloordiv__",
+    "__mod__", "__rmod__", "__invert__", "__abs__", "__iand__", "__ior__", "__ixor__", "eq_",
+    "ne_", "lt_", "gt_", "le_", "ge_", "logical_not_", "logical_and_", "logical_or_"]
+ADDS = [operator.add, operator.iadd, "add", "add_", "__add__", "__radd__", "__iadd__",
+        *spellings("add", method=False)]
+SUBS = [operator.sub, operator.isub, "sub", "sub_", "__sub__", "__rsub__", "__isub__",
+        *spellings("sub", "subtract", "rsub", method=False), "subtract"]
+MULS = [operator.mul, operator.imul, "mul", "mul_", "__mul__", "__rmul__", "__imul__",
+        "multiply", *spellings("mul", "multiply", method=False)]
+DIVS = [operator.truediv, operator.itruediv, "div", "div_", "__truediv__", "__rtruediv__",
+        "__itruediv__", "true_divide", "divide",
+        *spellings("div", "true_divide", "divide", method=False)]
+NEGS = [operator.neg, operator.pos, "neg", "negative", "__neg__", "__pos__",
+        *spellings("neg", "negative", method=False)]
+CASTS = [
+    "float", "double", "half", "bfloat16", "long", "int", "short", "char", "byte", "bool", "to",
+    "type", "type_as", "cpu", "cuda", "contiguous", "clone", "requires_grad_", "pin_memory",
+    "share_memory_", "float16", "float32",
+    *spellings("clone", "_to_copy", "to", "contiguous", "lift_fresh_copy", "_to_dtype",
+               "resolve_conj", "resolve_neg", "type_as", method=False)]
+DETACHES = ["detach", "detach_", *spellings("detach", "alias", "lift_fresh", "lift",
+                                            method=False)]
+EXPORT_CHECKS = aten("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range",
+                     "sym_constrain_range_for_size", "_assert_async")
+RESHAPES = [
+    "view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel", nn.Flatten,
+    nn.Unflatten, *spellings("reshape", "flatten", "unflatten", "view", "_unsafe_view",
+                             "view_copy", "_reshape_alias", "ravel", method=False)]
+DIM_MOVES = [
+    "permute", "transpose", "transpose_", "t", "swapaxes", "swapdims", "movedim", "moveaxis",
+    "unsqueeze", "unsqueeze_", "expand", "expand_as", "broadcast_to", "narrow", "select",
+    "slice", "as_strided", "adjoint", "mT", "mH", torch.broadcast_tensors,
+    *aten("broadcast_tensors"),
+    *spellings("permute", "transpose", "t", "swapaxes", "swapdims", "movedim", "moveaxis",
+               "unsqueeze", "expand", "expand_as", "broadcast_to", "narrow", "select", "slice",
+               "permute_copy", "transpose_copy", "unsqueeze_copy", "expand_copy", "slice_copy",
+               "select_copy", "narrow_copy", "atleast_1d", "atleast_2d", "atleast_3d",
+               "numpy_T", "adjoint", "matrix_H", "mT", "mH", method=False)]
+SQUEEZES = ["squeeze", "squeeze_", *spellings("squeeze", "squeeze_copy", method=False)]
+REPEATS = ["repeat", "tile", *spellings("repeat", "tile", method=False)]
+REPEAT_INTERLEAVES = ["repeat_interleave", *spellings("repeat_interleave", method=False)]
+FLIPS = ["flip", *spellings("flip", method=False)]
+ROLLS = ["roll", *spellings("roll", method=False)]
+TRIANGLES = ["tril", "triu", "tril_", "triu_", *spellings("tril", "triu", method=False)]
+DIAGONALS = ["diagonal", "diag", "trace", "diagflat",
+             *spellings("diagonal", "diag", "trace", "diagflat", method=False)]
+UNFOLDS = ["unfold", *spellings("unfold", method=False, functional=False)]
+SPLITS = [
+    "chunk", "split", "unbind", "tensor_split", "split_with_sizes", "hsplit", "vsplit", "dsplit",
+    *spellings("chunk", "split", "unbind", "tensor_split", "split_with_sizes", "hsplit",
+               "vsplit", "dsplit", "split_copy", "unbind_copy", method=False)]
+JOINS = spellings("cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
+                  "column_stack", "row_stack", method=False)
+SIZES = ["size", "dim", "numel", "ndimension", "nelement", "stride", "element_size", "__len__",
+         len, *spellings("sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "numel",
+                         "size", "stride", method=False)]
+NUMBERS = [torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not,
+           torch.sym_sqrt, math.ceil, math.floor, math.sqrt, math.prod, int, float, abs]
+VALUE_READS = ["item", "tolist", *aten("item", "_local_scalar_dense")]
+INDEX_SELECTS = ["index_select", *spellings("index_select", method=False)]
+GATHERS = [
+    "gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce",
+    "scatter_reduce_", "take_along_dim", "index_add", "index_add_", "index_fill", "index_fill_",
+    "index_copy", "index_copy_", "index_reduce",
+    *spellings("gather", "scatter", "scatter_add", "scatter_reduce", "take_along_dim",
+               "index_add", "index_fill", "index_reduce", "index_copy", method=False)]
+SEARCHES = [torch.searchsorted, *aten("searchsorted")]
+INDEX_PUTS = ["index_put", "index_put_",
+              *spellings("index_put", "_index_put_impl", "_unsafe_index_put", method=False)]
+CREATIONS = [
+    "new_zeros", "new_ones", "new_empty", "zero_", "zeros_like", "ones_like", "empty_like",
+    "rand_like", "randn_like", "randint_like", "normal_", "uniform_", "bernoulli_", "random_",
+    "exponential_", "new_empty_strided",
+    *spellings("zeros", "ones", "empty", "rand", "randn", "randint", "zeros_like", "ones_like",
+               "empty_like", "rand_like", "randn_like", "randint_like", "empty_strided",
+               "new_zeros", "new_ones", "new_empty", "eye", "bernoulli", "normal", "randperm",
+               "linspace", "logspace", "empty_permuted", "zero", "triu_indices",
+               "tril_indices", method=False)]
+FULLS = [*spellings("full", method=False), "new_full", *aten("new_full"), torch.full_like,
+         *aten("full_like"), "fill_", *aten("fill")]
+TENSORS = [torch.tensor, torch.as_tensor, torch.scalar_tensor, "new_tensor",
+           *aten("scalar_tensor", "tensor")]
+MATMULS = [
+    operator.matmul, "__matmul__", "__rmatmul__", "matmul", "mm", "bmm", "mv", "addmm",
+    "baddbmm", "addbmm", "addmv", *spellings("matmul", "mm", "bmm", "mv", "addmm", "baddbmm",
+                                             "addbmm", "addmv", "_addmm_activation",
+                                             method=False)]
+PRODUCTS = [
+    "dot", "vdot", "inner", "outer", "ger", "kron", "tensordot", "cross", "linalg_cross",
+    *spellings("dot", "vdot", "inner", "outer", "ger", "kron", "tensordot", "cross", "einsum",
+               "chain_matmul", "linalg_cross", method=False)]
+LINEARS = [nn.Linear, nn.LazyLinear, *spellings("linear", method=False)]
+BILINEARS = [nn.Bilinear, *spellings("bilinear", method=False)]
+EMBEDDING_BAGS = [nn.EmbeddingBag, F.embedding_bag,
+                  *aten("embedding_bag", "_embedding_bag", "_embedding_bag_forward_only")]
+CONVS_AND_POOLS = _mods(
+    "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "LazyConv1d", "LazyConv2d", "LazyConv3d", "LazyConvTranspose1d", "LazyConvTranspose2d",
+    "LazyConvTranspose3d", "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d",
+    "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
+    "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d", "LPPool1d", "LPPool2d",
+    "LPPool3d", "FractionalMaxPool2d", "FractionalMaxPool3d", "MaxUnpool1d", "MaxUnpool2d",
+    "MaxUnpool3d") + spellings(
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
     "max_pool2d_with_indices", "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d",
@@ -1465,170 +1502,196 @@ _register(_CONV_MODS + spellings(
     "adaptive_max_pool2d", "adaptive_max_pool3d", "lp_pool1d", "lp_pool2d", "lp_pool3d",
     "fractional_max_pool2d", "fractional_max_pool3d", "fractional_max_pool2d_with_indices",
     "fractional_max_pool3d_with_indices", "adaptive_max_pool1d_with_indices",
-    "adaptive_max_pool2d_with_indices", "adaptive_max_pool3d_with_indices",
-    "max_unpool1d", "max_unpool2d",
-    "max_unpool3d", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
-    "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
+    "adaptive_max_pool2d_with_indices", "adaptive_max_pool3d_with_indices", "max_unpool1d",
+    "max_unpool2d", "max_unpool3d", "upsample_nearest1d", "upsample_nearest2d",
+    "upsample_nearest3d", "upsample_linear1d", "upsample_bilinear2d", "upsample_bicubic2d",
     "upsample_trilinear3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
     "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
-    method=False), channels_first(None, "convolves, pools or resamples"))  # (N, C, *S)
-_register(spellings("convolution", "_convolution", "conv_tbc", method=False),
-          channels_first(None, "convolves"))  # aten.convolution(input, weight, ...)
-_register([nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d, nn.PixelShuffle,
-           nn.PixelUnshuffle, nn.ChannelShuffle, nn.Fold, nn.Unfold,
-           F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear, F.fold,
-           F.unfold, F.pixel_shuffle, F.pixel_unshuffle, F.channel_shuffle,
-           torch.pixel_shuffle, torch.pixel_unshuffle, torch.channel_shuffle,
-           *aten("pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
-                 "native_channel_shuffle", "im2col", "col2im")],
-          channels_first(None, "resamples or rearranges"))  # (N, C, *S) per sample n
-_register([F.grid_sample, F.affine_grid, *aten("grid_sampler", "grid_sampler_2d",
-                                               "grid_sampler_3d", "affine_grid_generator")],
-          channels_first(None, "samples a grid", extra=((1, "grid"),)))  # grid per sample
-# --- Padding: the padded dims must not include the batch ----------------------------------
-_register([F.pad, *aten("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
-                        "reflection_pad3d", "replication_pad1d", "replication_pad2d",
-                        "replication_pad3d", "_pad_circular", "_pad_enum")],
-          along(_pad_dims(), "pads", "pad only the trailing non-batch dims"))  # F.pad(x, pad)
-_register(_mods("ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d",
-                "ConstantPad3d", "ReflectionPad1d", "ReflectionPad2d", "ReflectionPad3d",
-                "ReplicationPad1d", "ReplicationPad2d", "ReplicationPad3d", "CircularPad1d",
-                "CircularPad2d", "CircularPad3d"),
-          along(_pad_dims(), "pads", "pad only the trailing non-batch dims"))  # pad modules
+    method=False)
+CONVOLUTIONS = spellings("convolution", "_convolution", "conv_tbc", method=False)
+RESAMPLES = [
+    nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d, nn.PixelShuffle,
+    nn.PixelUnshuffle, nn.ChannelShuffle, nn.Fold, nn.Unfold, F.interpolate, F.upsample,
+    F.upsample_nearest, F.upsample_bilinear, F.fold, F.unfold, F.pixel_shuffle,
+    F.pixel_unshuffle, F.channel_shuffle, torch.pixel_shuffle, torch.pixel_unshuffle,
+    torch.channel_shuffle, *aten("pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
+                                 "native_channel_shuffle", "im2col", "col2im")]
+GRID_SAMPLES = [F.grid_sample, F.affine_grid,
+                *aten("grid_sampler", "grid_sampler_2d", "grid_sampler_3d",
+                      "affine_grid_generator")]
+PADS = [F.pad, *aten("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
+                     "reflection_pad3d", "replication_pad1d", "replication_pad2d",
+                     "replication_pad3d", "_pad_circular", "_pad_enum")] + _mods(
+    "ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d", "ConstantPad3d",
+    "ReflectionPad1d", "ReflectionPad2d", "ReflectionPad3d", "ReplicationPad1d",
+    "ReplicationPad2d", "ReplicationPad3d", "CircularPad1d", "CircularPad2d", "CircularPad3d")
+LAYER_NORMS = [nn.LayerNorm, nn.RMSNorm, F.layer_norm, F.rms_norm,
+               *aten("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm")]
+GROUP_NORMS = [nn.GroupNorm, F.group_norm, *aten("group_norm", "native_group_norm")]
+BATCH_NORMS = _mods(
+    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d",
+    "LazyBatchNorm2d", "LazyBatchNorm3d") + [F.batch_norm] + aten(
+    "batch_norm", "native_batch_norm", "_batch_norm_impl_index", "cudnn_batch_norm",
+    "_batch_norm_with_update", "_batch_norm_no_update", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training")
+INSTANCE_NORMS = _mods(
+    "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LazyInstanceNorm1d",
+    "LazyInstanceNorm2d", "LazyInstanceNorm3d") + [F.instance_norm, *aten("instance_norm")]
+LOCAL_NORMS = [nn.LocalResponseNorm, nn.CrossMapLRN2d, F.local_response_norm]
+SOFTMAXES = spellings("softmax", "log_softmax", "softmin", "_softmax", "_log_softmax",
+                      "_safe_softmax")
+SCANS = spellings("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "cumsum_",
+                  "_logcumsumexp")
+SORTS = spellings("sort", "argsort", "msort")
+RANKS = spellings("topk", "kthvalue")
+VECTOR_PAIRS = [F.cosine_similarity, F.pairwise_distance, nn.CosineSimilarity,
+                nn.PairwiseDistance, torch.cdist,
+                *aten("cosine_similarity", "pairwise_distance", "cdist", "_cdist_forward")]
+PDISTS = [F.pdist, torch.pdist, *aten("pdist", "_pdist_forward")]
+ATTENTIONS = spellings("scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+                       "_scaled_dot_product_flash_attention_for_cpu",
+                       "_scaled_dot_product_efficient_attention",
+                       "_scaled_dot_product_flash_attention", method=False)
+TRANSFORMERS = _mods("TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
+                     "TransformerDecoder", "Transformer")
+RNNS = [nn.RNN, nn.LSTM, nn.GRU, *aten("lstm", "gru", "rnn_tanh", "rnn_relu")]
+RNN_CELLS = [nn.RNNCell, nn.LSTMCell, nn.GRUCell,
+             *aten("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")]
+NONLINEAR_REDUCTIONS = spellings(
+    "amax", "amin", "max", "min", "aminmax", "logsumexp", "prod", "std", "var", "std_mean",
+    "var_mean", "argmax", "argmin", "median", "nanmedian", "mode", "all", "any",
+    "count_nonzero", "nanmean", "quantile", "nanquantile")
+VECTOR_NORMS = [*spellings("norm", "linalg_vector_norm", "frobenius_norm", "nuclear_norm"),
+                torch.linalg.vector_norm, torch.linalg.norm, "norm"]
+MATRIX_NORMS = [torch.linalg.matrix_norm, *aten("linalg_matrix_norm")]
+DATA_SHAPED = spellings("histc", "bincount", "unique", "unique_consecutive", "nonzero",
+                        "argwhere", "masked_select")
+LOSS_SPELLINGS = [op for loss in partials.LOSSES for op in loss.spellings]
+
+# Rules whose arguments are too long for their table line.
+_PAIR = ((0, "x1"), (1, "x2"))
+flip_rule = along(_flip_dims, "reverses the order", "flip a non-batch dim")
+roll_rule = along(_roll_dims, "rolls elements", "roll a non-batch dim")
+triangle_rule = along(_tril_dims, "masks by position",
+                      "build (T, T) masks from torch.arange(T) or a batch-free ones((T, T))")
+linear_layer_rule = along(_last(1), "contracts features",
+                          "put the batch dim before the feature dim")
+bilinear_rule = along(_last(1), "contracts features", inputs=((0, "input1"), (1, "input2")))
+softmax_rule = along(_softmax_dims, "normalises", "normalise along a non-batch dim")
+scan_rule = along(_dim_arg(1, "dim"), "accumulates", "scan along time or features")
+sort_rule = along(_dim_arg(1, "dim", -1), "sorts", "sort along a non-batch dim")
+rank_rule = along(_dim_arg(2, "dim", -1), "ranks", "rank along features")
+pad_rule = along(_pad_dims, "pads", "pad only the trailing non-batch dims")
+matrix_norm_rule = reduction(nonlinear="norm", dims=_dim_arg(2, "dim", (-2, -1)))
+
+
+# ---------------------------------------------------------------------------
+# The table: one op or op group, its rule, what it does to the batch dim
+# ---------------------------------------------------------------------------
+
+FAMILIES: dict[str, Rule] = {"per_sample": per_sample, "pointwise": pointwise, "free": free,
+                             "linear": linear}
+
+# --- Elementwise: f per element, broadcast; the batch dim comes from the batched side ----
+TABLE.add(UNARY_MATH, pointwise)  # f(x), f_(x): batch dim unchanged
+TABLE.add(ACTIVATIONS, pointwise)  # act(x): functional, ATen and module
+TABLE.add(DROPOUTS, per_sample)  # x * mask (its random mask is the one inexact op)
+TABLE.add(BINARY, pointwise)  # f(a, b), f(a, b, c): batch dim from the batched side
+TABLE.add(OPERATORS, pointwise)  # a == b, a ** b, ~a, a // b: as above
+TABLE.add(spellings("one_hot"), pointwise)  # (B, ...) ids -> (B, ..., classes)
+# --- Linear arithmetic: a reduction may be added to, or scaled by, batch-free values -----
+TABLE.add(ADDS, _linear_arith("add"))  # a + b: linear in both
+TABLE.add(SUBS, _linear_arith("sub"))  # a - b: linear in both
+TABLE.add(MULS, _linear_arith("mul"))  # a * b: linear if one side is batch-free
+TABLE.add(DIVS, _linear_arith("div"))  # a / b: b batch-free, or a count (sum / count)
+TABLE.add(NEGS, linear)  # -x, +x: reductions pass through
+TABLE.add(spellings("real", "imag", "view_as_real", "view_as_complex"), linear)  # complex parts
+# --- Casts and copies: same values, new dtype/device/memory; reductions pass through -----
+TABLE.add(CASTS, detach_rule, keeps_positions=True)  # x.float(), x.to(dev), x.clone()
+TABLE.add(DETACHES, detach_rule, keeps_positions=True)  # same values, no autograd history
+TABLE.add(EXPORT_CHECKS, drop_rule)  # export's asserts: no value, batch-free
+# --- Reshapes and dim moves: values untouched; the shapes locate the batch dim -----------
+TABLE.add(RESHAPES, reshape_rule, keeps_positions=True)  # (B, T, C) -> (B*T, C) batch-major
+TABLE.add(DIM_MOVES, per_sample, keeps_positions=True)  # permute, expand, select: dims move
+TABLE.add(SQUEEZES, squeeze_rule, keeps_positions=True)  # drops size-1 dims, never the batch
+TABLE.add(REPEATS, repeat_rule, keeps_positions=True)  # copies along the batch interleave
+TABLE.add(REPEAT_INTERLEAVES, per_sample, keeps_positions=True)  # r copies of each sample, in order
+# --- Order along a dim matters: fine unless that dim is the batch ------------------------
+TABLE.add(FLIPS, flip_rule)  # x[..., ::-1] along a non-batch dim
+TABLE.add([torch.fliplr, "fliplr"], along(lambda c: [1], "reverses the order"))  # flips dim 1
+TABLE.add([torch.flipud, "flipud"], along(lambda c: [0], "reverses the order"))  # flips dim 0
+TABLE.add(ROLLS, roll_rule)  # circular shift along a non-batch dim
+TABLE.add(TRIANGLES, triangle_rule)  # tril/triu mask (T, T) positions, never the batch
+TABLE.add(DIAGONALS, along(_diagonal_dims, "takes a diagonal"))  # x[i, i] pairs positions
+TABLE.add(spellings("diag_embed"), along(_last(1), "builds diagonals"))  # (B, n) -> (B, n, n)
+TABLE.add(UNFOLDS, along(_unfold_dims, "makes sliding windows"))  # x.unfold(dim, size, step)
+# --- Splits and joins: along a non-batch dim every piece keeps the batch -----------------
+TABLE.add(SPLITS, chunk_rule, keeps_positions=True)  # pieces along a non-batch dim
+TABLE.add(JOINS, cat_rule, keeps_positions=True)  # join along a feature dim
+# --- Python-level access: tuple items, shapes, attributes, values ------------------------
+TABLE.add([operator.getitem], getitem_rule)  # x[..., :k] keeps the batch; tuples pick
+TABLE.add([getattr], getattr_rule)  # x.shape, x.dtype, result.values
+TABLE.add(SIZES, size_rule)  # x.size(0): ints that are multiples of the batch size, or free
+TABLE.add(NUMBERS, size_rule)  # Python numbers computed from sizes (fx, export's SymInt math)
+TABLE.add(VALUE_READS, read_value_rule)  # x.item(), x.tolist(): data into Python, rejected
+# --- Indexing with tensors: per-sample ids, or arange(B) on the batch dim ----------------
+TABLE.add(aten("index", "_unsafe_index"), aten_index_rule)  # x[i0, i1, ...]
+TABLE.add(INDEX_SELECTS, index_select_rule)  # x.index_select(dim, idx)
+TABLE.add(GATHERS, gather_rule)  # out[i][j] = x[i][idx[i][j]] along a non-batch dim
+TABLE.add(INDEX_PUTS, index_put_rule)  # x[mask] = v: per-sample masks only
+TABLE.add(SEARCHES, along(_last(1), "searches a sorted row"))  # per row of sorted (B, K)
+# --- Creation: shaped by the batch at most (B from x.size(0)); values batch-free ---------
+TABLE.add(CREATIONS, size_like_rule)  # zeros(B, D), ones_like(x), ...
+TABLE.add(FULLS, _value_arg(1, "fill_value"))  # full(size, v), x.fill_(v): v not a batch size
+TABLE.add(TENSORS, _value_arg(0, "data"))  # tensor(data): data not a batch size
+TABLE.add(spellings("arange", method=False) + aten("range"), arange_rule)  # arange(B): positions
+# --- Contractions: the batch dim must not be contracted ----------------------------------
+TABLE.add(MATMULS, matmul_rule)  # (B, n, k) @ (k, m)
+TABLE.add(PRODUCTS, per_sample)  # the shapes show whether the batch survives (einsum's letter)
+TABLE.add(LINEARS, linear_layer_rule)  # (B, ..., in) -> (B, ..., out)
+TABLE.add(BILINEARS, bilinear_rule)  # x1 A x2 per sample
+# --- Embeddings: rows of a batch-free table picked by per-sample ids ---------------------
+TABLE.add([nn.Embedding, F.embedding], embedding_rule(1))  # (B, T) ids -> (B, T, D)
+TABLE.add(aten("embedding"), embedding_rule(0))  # aten.embedding(weight, ids)
+TABLE.add(EMBEDDING_BAGS, embedding_bag_rule)  # (B, L) ids -> (B, D): one bag per sample
+# --- Convolution, pooling, resampling, padding: (N, C, ...) per sample n -----------------
+TABLE.add(CONVS_AND_POOLS, channels_first(None, "convolves, pools or resamples"))  # (N, C, *S)
+TABLE.add(CONVOLUTIONS, channels_first(None, "convolves"))  # aten.convolution(x, w, ...)
+TABLE.add(RESAMPLES, channels_first(None, "resamples or rearranges"))  # (N, C, *S) per n
+TABLE.add(GRID_SAMPLES, channels_first(None, "samples a grid", extra=((1, "grid"),)))  # per n
+TABLE.add(PADS, pad_rule)  # F.pad(x, pad), pad modules: the trailing dims
 # --- Norms: statistics per sample over feature dims; BatchNorm only in eval --------------
-_register([nn.LayerNorm, nn.RMSNorm], lambda ctx: along(
-    _last(len(ctx.module.normalized_shape)), "normalises")(ctx))  # over the last k dims
-_register([F.layer_norm, F.rms_norm, *aten("layer_norm", "native_layer_norm", "rms_norm",
-                                           "_fused_rms_norm")],
-          lambda ctx: along(_last(_length(ctx, ctx.arg(1, "normalized_shape"))),
-                            "normalises")(ctx))  # F.layer_norm(x, shape): the last len(shape)
-_register([nn.GroupNorm, F.group_norm, *aten("group_norm", "native_group_norm")],
-          channels_first(0, "normalises"))  # (N, C, ...) per sample n
-_register(_mods("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
-                "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"),
-          batch_norm_rule("module"))  # eval: running stats (per sample); training: mixes
-_register([F.batch_norm], batch_norm_rule("F"))  # F.batch_norm(x, mean, var, w, b, training)
-_register(aten("batch_norm", "native_batch_norm", "_batch_norm_impl_index",
-               "cudnn_batch_norm", "_batch_norm_with_update", "_batch_norm_no_update"),
-          batch_norm_rule("aten"))  # aten.batch_norm(x, w, b, mean, var, training)
-_register(aten("_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-               "_native_batch_norm_legit_no_training"), batch_norm_rule("legit"))
-_register(_mods("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LazyInstanceNorm1d",
-                "LazyInstanceNorm2d", "LazyInstanceNorm3d") + [F.instance_norm] +
-          aten("instance_norm"), instance_norm_rule)  # per (sample, channel)
-_register([nn.LocalResponseNorm, nn.CrossMapLRN2d, F.local_response_norm],
-          channels_first(0, "normalises across channels"))  # (N, C, ...) per sample n
-_register([F.normalize], along(_dim_arg(2, "dim", 1), "normalises"))  # x / ||x|| along dim
-# --- Along-a-dim ops: normalise, sort, scan; fine unless the dim is the batch -------------
-_register(spellings("softmax", "log_softmax", "softmin", "_softmax", "_log_softmax",
-                    "_safe_softmax"), along(_softmax_dim(), "normalises",
-                                            "normalise along a non-batch dim"))  # softmax(x, d)
-_register([F.gumbel_softmax], along(_dim_arg(4, "dim", -1), "normalises"))  # RNG + softmax
-_register([nn.Softmax, nn.LogSoftmax, nn.Softmin], lambda ctx: along(
-    lambda c: [c.module.dim] if c.module.dim is not None else _softmax_dim()(c),
-    "normalises")(ctx))  # module(dim)
-_register([nn.Softmax2d], channels_first(2, "normalises across channels"))  # over C
-_register(spellings("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "cumsum_",
-                    "_logcumsumexp"),
-          along(_dim_arg(1, "dim"), "accumulates", "scan along time or features"))  # scans
-_register(spellings("sort", "argsort", "msort"),
-          along(_dim_arg(1, "dim", -1), "sorts", "sort along a non-batch dim"))  # sort(x, d)
-_register(spellings("topk", "kthvalue"),
-          along(_dim_arg(2, "dim", -1), "ranks", "rank along features"))  # topk(x, k, d)
-_register(spellings("glu"), along(_dim_arg(1, "dim", -1), "pairs halves"))  # glu(x, d)
-_register([nn.GLU], lambda ctx: along(lambda c: [c.module.dim], "pairs halves")(ctx))
-_register(spellings("diff"), along(_dim_arg(2, "dim", -1), "differences"))  # x[i+1] - x[i]
-_register([F.cosine_similarity, F.pairwise_distance, *aten("cosine_similarity",
-                                                           "pairwise_distance")],
-          along(lambda c: [c.arg(2, "dim", 1)] if node_name(c.node) == "cosine_similarity"
-                else [-1], "compares vectors", inputs=((0, "x1"), (1, "x2"))))  # per row
-_register([nn.CosineSimilarity], lambda ctx: along(lambda c: [c.module.dim],
-          "compares vectors", inputs=((0, "x1"), (1, "x2")))(ctx))  # module(dim)
-_register([nn.PairwiseDistance], along(_last(1), "compares vectors",
-          inputs=((0, "x1"), (1, "x2"))))  # ||x1 - x2|| per row
-_register([torch.cdist, *aten("cdist", "_cdist_forward")],
-          along(_last(1), "compares vectors", inputs=((0, "x1"), (1, "x2"))))  # (B, P, R)
-_register([F.pdist, torch.pdist, *aten("pdist", "_pdist_forward")],
-          along(lambda c: _all_dims(c, c.arg(0)), "compares every pair of rows"))  # all pairs
+TABLE.add(LAYER_NORMS, along(_normalized_dims, "normalises"))  # over the last k dims
+TABLE.add(GROUP_NORMS, channels_first(0, "normalises"))  # (N, C, ...) per sample n
+TABLE.add(BATCH_NORMS, batch_norm_rule)  # eval: running stats (per sample); training: mixes
+TABLE.add(INSTANCE_NORMS, instance_norm_rule)  # per (sample, channel)
+TABLE.add(LOCAL_NORMS, channels_first(0, "normalises across channels"))  # (N, C, ...) per n
+TABLE.add([F.normalize], along(_dim_arg(2, "dim", 1), "normalises"))  # x / ||x|| along dim
+# --- Along-a-dim ops: normalise, sort, scan, compare; fine unless the dim is the batch ---
+TABLE.add(SOFTMAXES, softmax_rule)  # softmax(x, d) along a non-batch dim
+TABLE.add([nn.Softmax, nn.LogSoftmax, nn.Softmin], along(_softmax_dims, "normalises"))  # .dim
+TABLE.add([nn.Softmax2d], channels_first(2, "normalises across channels"))  # over C
+TABLE.add([F.gumbel_softmax], along(_dim_arg(4, "dim", -1), "normalises"))  # RNG + softmax
+TABLE.add(SCANS, scan_rule)  # cumsum(x, d) along a non-batch dim
+TABLE.add(SORTS, sort_rule)  # sort(x, d) along a non-batch dim
+TABLE.add(RANKS, rank_rule)  # topk(x, k, d) along a non-batch dim
+TABLE.add(spellings("glu"), along(_dim_arg(1, "dim", -1), "pairs halves"))  # glu(x, d)
+TABLE.add([nn.GLU], along(_module_dim, "pairs halves"))  # nn.GLU(d)
+TABLE.add(spellings("diff"), along(_dim_arg(2, "dim", -1), "differences"))  # x[i+1] - x[i]
+TABLE.add(VECTOR_PAIRS, along(_compared_dims, "compares vectors", inputs=_PAIR))  # per row
+TABLE.add(PDISTS, along(_every_dim, "compares every pair of rows"))  # row pairs: batched mixes
 # --- Attention and sequence layers: per sample along their batch dim ---------------------
-_register(spellings("scaled_dot_product_attention", "_scaled_dot_product_attention_math",
-                    "_scaled_dot_product_flash_attention_for_cpu",
-                    "_scaled_dot_product_efficient_attention",
-                    "_scaled_dot_product_flash_attention", method=False),
-          sdpa_rule)  # (B, H, L, E) per sample
-_register([nn.MultiheadAttention], multihead_attention_rule)  # (B, L, E) or (L, B, E)
-_register(_mods("TransformerEncoderLayer", "TransformerDecoderLayer", "TransformerEncoder",
-                "TransformerDecoder", "Transformer"), transformer_layer_rule)  # ditto
-_register([nn.RNN, nn.LSTM, nn.GRU, *aten("lstm", "gru", "rnn_tanh", "rnn_relu")],
-          rnn_rule)  # sequences per sample; states (layers, B, H)
-_register([nn.RNNCell, nn.LSTMCell, nn.GRUCell, *aten("lstm_cell", "gru_cell", "rnn_tanh_cell",
-                                                       "rnn_relu_cell")],
-          along(_last(1), "contracts features"))  # (B, in) -> (B, hidden)
+TABLE.add(ATTENTIONS, sdpa_rule)  # (B, H, L, E) per sample
+TABLE.add([nn.MultiheadAttention], multihead_attention_rule)  # (B, L, E) or (L, B, E)
+TABLE.add(TRANSFORMERS, transformer_layer_rule)  # ditto, batch_first of the layer
+TABLE.add(RNNS, rnn_rule)  # sequences per sample; states (layers, B, H)
+TABLE.add(RNN_CELLS, along(_last(1), "contracts features"))  # (B, in) -> (B, hidden)
 # --- Reductions: sum/mean over the batch become partial sums; max/var over it mix --------
-_register(spellings("sum", "nansum"), reduction("sum", None))  # Σ over batch: a partial sum
-_register(spellings("mean"), reduction("mean", partials.mean_partial))  # (Σ, count)
-for _name in ("amax", "amin", "max", "min", "aminmax", "logsumexp", "prod", "std", "var",
-              "std_mean", "var_mean", "argmax", "argmin", "median", "nanmedian", "mode",
-              "all", "any", "count_nonzero", "nanmean", "quantile", "nanquantile"):
-    _register(spellings(_name), reduction("sum", None, other=_name))  # mixes over the batch
-_register(spellings("norm", "linalg_vector_norm", "frobenius_norm", "nuclear_norm") + [
-    torch.linalg.vector_norm, torch.linalg.norm, "norm"],
-    reduction("sum", None, other="norm", dims=_dim_arg(2, "dim")))  # norm(x, p, dim)
-_register([torch.linalg.matrix_norm, *aten("linalg_matrix_norm")],
-          reduction("sum", None, other="norm", dims=_dim_arg(2, "dim", (-2, -1))))  # last two
-_register(spellings("histc", "bincount", "unique", "unique_consecutive", "nonzero",
-                    "argwhere", "masked_select"), along(lambda c: _all_dims(c, c.arg(0)),
-                                                        "counts or selects values"))
-# --- Losses: reduction='none' per sample; 'sum' a sum; 'mean' a (sum, count) pair --------
-for _fn, _mod, _partial, _at_zero in (
-    (F.cross_entropy, nn.CrossEntropyLoss, partials.cross_entropy_partial, True),
-    (F.nll_loss, nn.NLLLoss, partials.nll_loss_partial, True),
-    (F.mse_loss, nn.MSELoss, partials.mse_loss_partial, False),
-    (F.l1_loss, nn.L1Loss, partials.l1_loss_partial, False),
-    (F.smooth_l1_loss, nn.SmoothL1Loss, partials.smooth_l1_loss_partial, False),
-    (F.huber_loss, nn.HuberLoss, partials.huber_loss_partial, False),
-    (F.binary_cross_entropy, nn.BCELoss, partials.binary_cross_entropy_partial, False),
-    (F.binary_cross_entropy_with_logits, nn.BCEWithLogitsLoss,
-     partials.binary_cross_entropy_with_logits_partial, False),
-    (F.kl_div, nn.KLDivLoss, partials.kl_div_partial, True),
-    (F.soft_margin_loss, nn.SoftMarginLoss, partials.soft_margin_loss_partial, False),
-    (F.poisson_nll_loss, nn.PoissonNLLLoss, partials.poisson_nll_loss_partial, False),
-    (F.gaussian_nll_loss, nn.GaussianNLLLoss, partials.gaussian_nll_loss_partial, False),
-    (F.margin_ranking_loss, nn.MarginRankingLoss, partials.margin_ranking_loss_partial, False),
-    (F.hinge_embedding_loss, nn.HingeEmbeddingLoss, partials.hinge_embedding_loss_partial,
-     False),
-    (F.cosine_embedding_loss, nn.CosineEmbeddingLoss, partials.cosine_embedding_loss_partial,
-     True),
-    (F.triplet_margin_loss, nn.TripletMarginLoss, partials.triplet_margin_loss_partial, True),
-    (F.multi_margin_loss, nn.MultiMarginLoss, partials.multi_margin_loss_partial, True),
-    (F.multilabel_margin_loss, nn.MultiLabelMarginLoss,
-     partials.multilabel_margin_loss_partial, True),
-    (F.multilabel_soft_margin_loss, nn.MultiLabelSoftMarginLoss,
-     partials.multilabel_soft_margin_loss_partial, True),
-    (F.triplet_margin_with_distance_loss, nn.TripletMarginWithDistanceLoss,
-     partials.triplet_margin_with_distance_loss_partial, True),
-):
-    _register([_fn, _mod], loss(_fn, _partial, _at_zero))  # functional and module
-for _packet, _partial, _at_zero in (  # ATen spellings (export graphs): reduction is an int
-    ("cross_entropy_loss", partials.aten_cross_entropy_loss_partial, True),
-    ("nll_loss", partials.aten_nll_loss_partial, True),
-    ("nll_loss_nd", partials.aten_nll_loss_nd_partial, True),
-    ("nll_loss2d", partials.aten_nll_loss2d_partial, True),
-    ("mse_loss", partials.aten_mse_loss_partial, False),
-    ("l1_loss", partials.aten_l1_loss_partial, False),
-    ("smooth_l1_loss", partials.aten_smooth_l1_loss_partial, False),
-    ("huber_loss", partials.aten_huber_loss_partial, False),
-    ("binary_cross_entropy", partials.aten_binary_cross_entropy_partial, False),
-    ("binary_cross_entropy_with_logits",
-     partials.aten_binary_cross_entropy_with_logits_partial, False),
-    ("kl_div", partials.aten_kl_div_partial, True),
-    ("soft_margin_loss", partials.aten_soft_margin_loss_partial, False),
-    ("poisson_nll_loss", partials.aten_poisson_nll_loss_partial, False),
-    ("margin_ranking_loss", partials.aten_margin_ranking_loss_partial, False),
-    ("hinge_embedding_loss", partials.aten_hinge_embedding_loss_partial, False),
-    ("cosine_embedding_loss", partials.aten_cosine_embedding_loss_partial, True),
-    ("triplet_margin_loss", partials.aten_triplet_margin_loss_partial, True),
-    ("multi_margin_loss", partials.aten_multi_margin_loss_partial, True),
-    ("multilabel_margin_loss", partials.aten_multilabel_margin_loss_partial, True),
-):
-    _register(aten(_packet), loss(None, _partial, _at_zero, _aten_reduction))
+TABLE.add(spellings("sum", "nansum"), reduction("sum"))  # Σ over the batch: a partial sum
+TABLE.add(spellings("mean"), reduction("mean", partials.mean_partial))  # (Σ, count)
+TABLE.add(NONLINEAR_REDUCTIONS, reduction(nonlinear=True))  # max, var, ... over the batch: mix
+TABLE.add(VECTOR_NORMS, reduction(nonlinear="norm", dims=_dim_arg(2, "dim")))  # norm(x, p, d)
+TABLE.add(MATRIX_NORMS, matrix_norm_rule)  # over the last two dims by default
+TABLE.add(DATA_SHAPED, along(_every_dim, "counts or selects values"))  # sized by values: mixes
+# --- Losses (partials.LOSSES): reduction 'none' per sample, 'sum' Σ, 'mean' (Σ, count) ---
+TABLE.add(LOSS_SPELLINGS, loss_rule)  # batch at dim 0 of (N, C, ...) kinds, anywhere if elementwise

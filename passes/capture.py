@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from mbcompile import errors as errors_module
-from mbcompile.errors import CaptureError
+from .errors import CaptureError
+from .sources import is_library
 
 __all__ = ["CaptureResult", "OutputSpec", "capture", "user_frame"]
 
@@ -139,10 +139,6 @@ class _FlatOutputTracer(fx.Tracer):
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-# mbcompile's own code: this folder (passes/) and the package's (mbcompile/); frames there
-# are never the user's line
-_OWN_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
-             os.path.dirname(os.path.abspath(errors_module.__file__)) + os.sep)
 _FRAME = re.compile(r'  File "([^"]+)", line \d+, in [^\n]*\n(?:    [^\n]*\n?)?')
 
 
@@ -150,7 +146,7 @@ def user_frame(tb: traceback.StackSummary | list[traceback.FrameSummary]) -> str
     """The innermost frame outside torch and mbcompile's passes, as ``file:line: code``."""
     for frame in reversed(list(tb)):
         f = os.path.abspath(frame.filename)
-        if f.startswith((_TORCH_DIR, *_OWN_DIRS)) or f.startswith("<frozen"):
+        if is_library(f):
             continue
         return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return "<unknown source line>"

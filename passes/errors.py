@@ -7,7 +7,7 @@ Python convention says are value or type errors also subclass ``ValueError`` or
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 __all__ = [
     "ArgumentTypeError",
@@ -17,7 +17,7 @@ __all__ = [
     "MbcompileWarning",
     "MbsAdjustedWarning",
     "MicrobatchError",
-    "MicrobatchOutOfMemoryError",
+    "MicrobatchOutOfMemoryError",  # noqa: F822  (module __getattr__: defined with torch)
     "MixingError",
     "PlanError",
     "RetainedActivationsWarning",
@@ -61,15 +61,6 @@ class MicrobatchError(MbcompileError, RuntimeError):
     """
 
 
-class MicrobatchOutOfMemoryError(MicrobatchError, torch.OutOfMemoryError):
-    """A microbatch ran out of memory; the step was rolled back.
-
-    Also a ``torch.OutOfMemoryError`` whose message keeps the allocator's text, so
-    OOM handlers (Accelerate's ``find_executable_batch_size``, Lightning's
-    ``BatchSizeFinder``, ``except torch.OutOfMemoryError``) still see an OOM.
-    """
-
-
 class MbcompileWarning(UserWarning):
     """Base class of mbcompile's warnings."""
 
@@ -80,3 +71,25 @@ class MbsAdjustedWarning(MbcompileWarning):
 
 class RetainedActivationsWarning(MbcompileWarning):
     """Training without a loss inside the model keeps every microbatch's activations alive."""
+
+
+def _out_of_memory_error() -> type:
+    import torch  # here, not at the top: plan arithmetic imports these errors without torch
+
+    class MicrobatchOutOfMemoryError(MicrobatchError, torch.OutOfMemoryError):
+        """A microbatch ran out of memory; the step was rolled back.
+
+        Also a ``torch.OutOfMemoryError`` whose message keeps the allocator's text, so
+        OOM handlers (Accelerate's ``find_executable_batch_size``, Lightning's
+        ``BatchSizeFinder``, ``except torch.OutOfMemoryError``) still see an OOM.
+        """
+
+    MicrobatchOutOfMemoryError.__module__ = __name__
+    return MicrobatchOutOfMemoryError
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MicrobatchOutOfMemoryError":  # defined on first use (PEP 562), then kept
+        globals()[name] = _out_of_memory_error()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -52,9 +52,8 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from mbcompile.errors import CaptureError
-
 from .capture import CaptureResult, flatten_output
+from .errors import CaptureError
 
 __all__ = ["EXPORT_ASSERTIONS", "export_capture"]
 
@@ -178,6 +177,17 @@ def _export_error(model: torch.nn.Module, exc: BaseException,
                         f"a dynamic batch dimension\n{tried}{why}")
 
 
+def _changes_state(node: fx.Node) -> bool:
+    """Kept even when unused: fx's own impure nodes, in-place ops, higher-order ops."""
+    if node.is_impure():
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
 def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                    in_dims: Mapping[str, int | None], *,
                    fx_error: BaseException | None = None) -> CaptureResult:
@@ -247,7 +257,10 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     graph.output(tuple(fx.node.map_arg(flat_out[leaf.index], lambda n: env[n])
                        if isinstance(flat_out[leaf.index], fx.Node) else flat_out[leaf.index]
                        for leaf in leaves))
-    graph.eliminate_dead_code()  # getters the dropped guards read (placeholders stay)
+    # Getters the dropped guards read go (placeholders stay); what changes state does not:
+    # export puts a torch.no_grad() region that updates buffers into a higher-order op whose
+    # result nobody reads, and dropping it would silently skip the update.
+    graph.eliminate_dead_code(is_impure_node=_changes_state)
     graph.lint()
     gm = fx.GraphModule(root, graph, type(model).__name__)
     concrete = {n: v for n, v in example.items() if not _has_tensor(v)}

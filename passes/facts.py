@@ -39,11 +39,14 @@ The other ``node.meta`` keys mbcompile writes (all namespaced ``mbcompile.``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 __all__ = [
+    "input_fact",
     "FACT",
     "PARAMS",
     "REDUCTION",
@@ -176,3 +179,17 @@ class ReductionSpec:
 
     kind: str  # "sum" | "mean"
     partial: Callable[..., Any] | None = None  # None: the op itself is the partial sum
+
+
+def input_fact(value: Any, dim: int | None) -> Fact:
+    """The fact of a graph input whose tensors are batched along ``dim`` (None: unbatched);
+    nested inputs (dicts, tuples, lists) get a ``Container`` of their leaves' facts."""
+    if dim is None:
+        return Free()
+    if isinstance(value, torch.Tensor):
+        return Batched(dim)
+    if isinstance(value, Mapping):
+        return Container(tuple((k, input_fact(v, dim)) for k, v in value.items()))
+    if isinstance(value, (tuple, list)):
+        return Container(tuple((i, input_fact(v, dim)) for i, v in enumerate(value)))
+    return Free()

@@ -38,10 +38,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from mbcompile import partials, runtime
-from mbcompile.distributed import all_reduce_sums
-
-from .facts import FACT, PARAMS, REDUCTION, SHAPES, Batched, BatchSize, ReductionSpec, ValueInfo
+from . import ops, partials
+from .batch_analysis import BatchAnalysis
+from .facts import FACT, REDUCTION, SHAPES, Batched, BatchSize, ReductionSpec, ValueInfo
 
 __all__ = ["microbatch_rewrite"]
 
@@ -60,22 +59,23 @@ def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
-                       systems: Sequence[int], in_dims: Mapping[str, Any],
-                       distributed: bool = False) -> fx.GraphModule:
+def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, int]],
+                       systems: Sequence[int], in_dims: Mapping[str, Any]) -> fx.GraphModule:
     """Return the microbatched ``GraphModule`` (with the body as submodule ``body``).
 
     ``slices`` are the non-empty microbatches' (start, stop) in the batch the
-    module is called with, ``systems`` how many of them each system runs; ``gm``
-    must be analysed. With ``distributed`` the call holds one rank's share and the
-    partial sums are all-reduced over ranks after the loop.
+    module is called with (one process's share), ``systems`` how many of them each
+    system of this process runs. The partial sums go through ``all_reduce_sums``
+    (the sum over processes; a backend binds it) before anything reads them.
     """
+    if analysis.rejected is not None:
+        raise analysis.rejected
+    gm = analysis.graph_module
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     out_node = nodes[-1]
     leaves = list(out_node.args[0])
-    needed = _ancestors([x for x in leaves if isinstance(x, fx.Node)], set())
-    reductions = [n for n in nodes if REDUCTION in n.meta and n in needed]
+    reductions = list(analysis.reductions)
     batched_leaves = list(dict.fromkeys(
         x for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta[FACT], Batched)))
 
@@ -87,7 +87,7 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
     in_body = _ancestors(batched_leaves + [a for r in reductions for a in r.all_input_nodes],
                          set(placeholders))
     body_outputs: list[fx.Node] = []
-    specs: list[runtime.BodyOutput] = []
+    specs: list[ops.BodyOutput] = []
     slots: dict[fx.Node, list[int]] = {}  # reduction -> its body output indices
     for n in nodes:
         if n in in_body and n.op != "placeholder":
@@ -97,38 +97,43 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
     for leaf in batched_leaves:
         slots[leaf] = [len(body_outputs)]
         body_outputs.append(env[leaf])
-        specs.append(runtime.BodyOutput("cat", leaf.meta[FACT].dim))
+        specs.append(ops.BodyOutput("cat", leaf.meta[FACT].dim))
     body_graph.output(tuple(body_outputs))
     body = fx.GraphModule(gm, body_graph, "MicrobatchBody")
 
     # 2. The top graph: split -> loop -> accumulate -> tail.
     top = fx.Graph()
     top_env: dict[fx.Node, fx.Node] = {p: top.node_copy(p) for p in placeholders}
-    mbs = _call(top, runtime.split, tuple(top_env[p] for p in placeholders),
+    mbs = _call(top, ops.split, tuple(top_env[p] for p in placeholders),
                 {"slices": tuple(slices),
                  "in_dims": tuple(in_dims.get(p.target) for p in placeholders)}, "microbatches")
     body_ref = top.get_attr("body")
-    fused = _fused_index(reductions, slots)
-    count_index = next((ids[1] for ids in slots.values() if fused == ids[0] and len(ids) == 2),
-                       None)
-    loop = _call(top, runtime.microbatch_loop, (body_ref, mbs),
+    loss = analysis.trained_loss
+    fused = slots[loss][0] if loss is not None else None
+    count_index = slots[loss][1] if loss is not None and len(slots[loss]) == 2 else None
+    loop = _call(top, ops.microbatch_loop, (body_ref, mbs),
                  {"fused_index": fused, "count_index": count_index, "systems": tuple(systems),
-                  "distributed": distributed, "sizes": tuple(b - a for a, b in slices)}, "loop")
+                  "sizes": tuple(b - a for a, b in slices)}, "loop")
     names = {i: leaf.name for leaf in batched_leaves for i in slots[leaf]}
+    source = {i: leaf for leaf in batched_leaves for i in slots[leaf]}  # whose line it is
     for n in reductions:
         names.update(zip(slots[n], (f"{n.name}_sum", f"{n.name}_count")))
+        source.update((i, n) for i in slots[n])
     acc: list[fx.Node] = []
     for i, spec in enumerate(specs):
         if spec.kind == "cat":
-            acc.append(_call(top, runtime.accumulate_cat, (loop, i), {"dim": spec.dim}, names[i]))
+            acc.append(_call(top, ops.accumulate_cat, (loop, i), {"dim": spec.dim}, names[i],
+                             source[i]))
         else:
-            acc.append(_call(top, runtime.accumulate_sum, (loop, i), {"systems": tuple(systems)},
-                             names[i]))
+            acc.append(_call(top, ops.accumulate_sum, (loop, i), {"systems": tuple(systems)},
+                             names[i], source[i]))
     sums = [i for i, s in enumerate(specs) if s.kind == "sum"]
-    if distributed and sums:  # one collective for every partial sum of the step
-        totals = _call(top, all_reduce_sums, tuple(acc[i] for i in sums), {}, "global_sums")
+    if sums:  # one collective for every partial sum of the step
+        totals = _call(top, ops.all_reduce_sums, tuple(acc[i] for i in sums), {}, "global_sums",
+                       source[sums[0]])
         for k, i in enumerate(sums):
-            acc[i] = _call(top, operator.getitem, (totals, k), {}, f"global_{names[i]}")
+            acc[i] = _call(top, operator.getitem, (totals, k), {}, f"global_{names[i]}",
+                           source[i])
     for n in reductions:
         spec: ReductionSpec = n.meta[REDUCTION]
         ids = slots[n]
@@ -150,11 +155,11 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
             continue
         if isinstance(n.meta.get(FACT), BatchSize):  # a batch size after the loop: the global one
             info: ValueInfo = n.meta[SHAPES]
-            top_env[n] = top.call_function(operator.pos, (info.int_a,))
-            top_env[n].meta = dict(n.meta)
+            top_env[n] = _call(top, operator.pos, (info.int_a,), {}, n.name, n)
             continue
         top_env[n] = top.node_copy(n, lambda a: top_env[a])
     top.output(tuple(top_env[x] if isinstance(x, fx.Node) else x for x in leaves))
+    top.eliminate_dead_code()  # sizes whose users became constants (1 / x.size(0) -> 1 / 7)
     root = {"body": body}
     for n in top.nodes:
         if n.op in ("get_attr", "call_module") and n.target != "body":
@@ -165,9 +170,13 @@ def microbatch_rewrite(gm: fx.GraphModule, *, slices: Sequence[tuple[int, int]],
 
 
 def _call(graph: fx.Graph, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-          name: str) -> fx.Node:
-    """A call_function node named ``name`` (made unique in the graph's namespace)."""
-    return graph.create_node("call_function", fn, args, kwargs, name=name)
+          name: str, stands_for: fx.Node | None = None) -> fx.Node:
+    """A call_function node named ``name`` (made unique in the graph's namespace); with
+    ``stands_for``, it takes a copy of that node's meta, so its source line survives."""
+    node = graph.create_node("call_function", fn, args, kwargs, name=name)
+    if stands_for is not None:
+        node.meta = dict(stands_for.meta)
+    return node
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> Any:
@@ -178,14 +187,14 @@ def _fetch(gm: fx.GraphModule, target: str) -> Any:
 
 
 def _emit_partial(n: fx.Node, graph: fx.Graph, env: dict[fx.Node, fx.Node],
-                  outputs: list[fx.Node], specs: list[runtime.BodyOutput],
+                  outputs: list[fx.Node], specs: list[ops.BodyOutput],
                   gm: fx.GraphModule) -> list[int]:
     """Emit the per-microbatch partial(s) of reduction ``n`` into the body."""
     spec: ReductionSpec = n.meta[REDUCTION]
     if spec.partial is None:  # a sum: the op on a microbatch is the partial sum
         env[n] = graph.node_copy(n, lambda a: env[a])
         outputs.append(env[n])
-        specs.append(runtime.BodyOutput("sum"))
+        specs.append(ops.BodyOutput("sum"))
         return [len(outputs) - 1]
     args = fx.node.map_arg(n.args, lambda a: env[a])
     kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
@@ -195,23 +204,7 @@ def _emit_partial(n: fx.Node, graph: fx.Graph, env: dict[fx.Node, fx.Node],
     pair.meta = dict(n.meta)
     total = graph.call_function(operator.getitem, (pair, 0))
     count = graph.call_function(operator.getitem, (pair, 1))
-    total.meta = count.meta = dict(n.meta)
+    total.meta, count.meta = dict(n.meta), dict(n.meta)
     outputs.extend([total, count])
-    specs.extend([runtime.BodyOutput("sum"), runtime.BodyOutput("sum")])
+    specs.extend([ops.BodyOutput("sum"), ops.BodyOutput("sum")])
     return [len(outputs) - 2, len(outputs) - 1]
-
-
-def _fused_index(reductions: list[fx.Node], slots: dict[fx.Node, list[int]]) -> int | None:
-    """The body output to run backward on per microbatch: the one scalar trained loss.
-
-    With several reductions that depend on parameters (two losses added), the
-    gradient weight of each is only known after the loop, so the loop keeps
-    autograd's graph instead (more memory, same numbers).
-    """
-    trained = [n for n in reductions if n.meta.get(PARAMS)]
-    if len(trained) != 1:
-        return None
-    info = trained[0].meta.get(SHAPES)
-    if not isinstance(info, ValueInfo) or info.shape_a != ():
-        return None
-    return slots[trained[0]][0]

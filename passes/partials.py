@@ -1,4 +1,4 @@
-"""Per-microbatch partials of reductions over the batch.
+"""Per-microbatch partials of reductions over the batch, and the losses they come from.
 
 The rewritten body calls these in place of a mean over the batch: each returns
 ``(sum, count)`` for its microbatch, the loop adds them up, and the mean is
@@ -10,14 +10,23 @@ when microbatches hold different numbers of non-padding tokens:
 
 A microbatch's count is a Python int when the shapes fix it, a 0-dim tensor when
 the data do (targets equal to ``ignore_index`` do not count).
+
+Every loss is declared once, in ``LOSSES``: its functional, its module, its ATen
+spellings and its ``LossKind`` (what its 'mean' divides by). That one line yields
+the loss's partials here (``Loss.partial`` for ``F.<loss>``, ``module_loss_partial``
+for the module, ``Loss.aten_partials`` for export graphs) and its batch rule in
+``batch_rules`` (``loss_rule``). ``F.mse_loss(x, y)`` with ``reduction='mean'``
+becomes ``mse_loss_partial(x, y) == (F.mse_loss(x, y, reduction='sum'), x.numel())``.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,52 +35,22 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 
 __all__ = [
-    "aten_binary_cross_entropy_partial",
-    "aten_binary_cross_entropy_with_logits_partial",
-    "aten_cosine_embedding_loss_partial",
-    "aten_cross_entropy_loss_partial",
-    "aten_hinge_embedding_loss_partial",
-    "aten_huber_loss_partial",
-    "aten_kl_div_partial",
-    "aten_l1_loss_partial",
-    "aten_margin_ranking_loss_partial",
-    "aten_mse_loss_partial",
-    "aten_multi_margin_loss_partial",
-    "aten_multilabel_margin_loss_partial",
-    "aten_nll_loss2d_partial",
-    "aten_nll_loss_nd_partial",
-    "aten_nll_loss_partial",
-    "aten_poisson_nll_loss_partial",
-    "aten_smooth_l1_loss_partial",
-    "aten_soft_margin_loss_partial",
-    "aten_triplet_margin_loss_partial",
-    "binary_cross_entropy_partial",
-    "binary_cross_entropy_with_logits_partial",
-    "cosine_embedding_loss_partial",
-    "cross_entropy_partial",
-    "gaussian_nll_loss_partial",
-    "hinge_embedding_loss_partial",
-    "huber_loss_partial",
-    "kl_div_partial",
-    "l1_loss_partial",
+    "LOSSES",
+    "PARTIALS",
+    "Count",
+    "Loss",
+    "LossKind",
+    "loss_for",
     "loss_reduction",
-    "margin_ranking_loss_partial",
     "mean_combine",
     "mean_partial",
     "module_loss_partial",
-    "mse_loss_partial",
-    "multi_margin_loss_partial",
-    "multilabel_margin_loss_partial",
-    "multilabel_soft_margin_loss_partial",
-    "nll_loss_partial",
-    "poisson_nll_loss_partial",
-    "smooth_l1_loss_partial",
-    "soft_margin_loss_partial",
-    "triplet_margin_loss_partial",
-    "triplet_margin_with_distance_loss_partial",
 ]
 
 Count = int | torch.Tensor
+
+_LEGACY = ("size_average", "reduce")  # old spellings of reduction=, folded into it
+_SUM, _NONE = 2, 0  # ATen's reduction enum: 0 none, 1 mean, 2 sum
 
 
 def mean_partial(input: torch.Tensor, dim: Any = None, keepdim: bool = False, *,
@@ -93,10 +72,124 @@ def mean_combine(total: torch.Tensor, count: Count) -> torch.Tensor:
     return total / count
 
 
+# ---------------------------------------------------------------------------
+# Losses: what a 'mean' divides by
+# ---------------------------------------------------------------------------
+
+class LossKind(enum.Enum):
+    """What one sample is to a loss: it fixes the count its 'mean' divides by, and
+    whether the batch must be dim 0 (the N of ``(N, C, ...)`` inputs)."""
+
+    CLASSES = "Σ over targets / Σ weight[target] of targets ≠ ignore_index; (N, C, ...) scores"
+    ELEMENTS = "reduction='sum' / elements of input and target broadcast; any batch dim"
+    VALUES = "Σ of the reduction='none' values / their number; any batch dim"
+    ROWS = "Σ of the reduction='none' values (one per row) / their number; (N, ...) inputs"
+    BATCHMEAN = "reduction='sum' / elements, or / N for reduction='batchmean'; (N, ...) inputs"
+
+    @property
+    def n_first(self) -> bool:
+        """The loss reads (N, ...) inputs row by row, so the batch must be dim 0."""
+        return self in (LossKind.CLASSES, LossKind.ROWS, LossKind.BATCHMEAN)
+
+    @property
+    def from_values(self) -> bool:
+        """The partial sums the loss's reduction='none' values (else it asks for 'sum')."""
+        return self in (LossKind.VALUES, LossKind.ROWS)
+
+
+CLASSES = LossKind.CLASSES
+ELEMENTS = LossKind.ELEMENTS
+VALUES = LossKind.VALUES
+ROWS = LossKind.ROWS
+BATCHMEAN = LossKind.BATCHMEAN
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One loss, declared once: every spelling, and how its 'mean' splits into (sum, count).
+
+    ``reduction`` is read the way PyTorch reads it: the functional's ``reduction=``
+    (or the legacy ``size_average``/``reduce``), the module's ``.reduction``, ATen's
+    int (0 none, 1 mean, 2 sum). The module calls ``fn`` with its own settings of
+    the same name (``nn.CrossEntropyLoss().ignore_index``): ``settings``.
+    """
+
+    fn: Callable[..., torch.Tensor]  # F.cross_entropy
+    module: type[nn.Module]  # nn.CrossEntropyLoss
+    kind: LossKind
+    aten_names: tuple[str, ...] | None = None  # None: fn's own name, where ATen has one
+
+    @functools.cached_property
+    def aten(self) -> tuple[Any, ...]:
+        """The ATen overload packets of export graphs (``torch.ops.aten.cross_entropy_loss``)."""
+        names = self.aten_names if self.aten_names is not None else (self.fn.__name__,)
+        return tuple(p for p in map(_aten_packet, names) if p is not None)
+
+    @property
+    def spellings(self) -> tuple[Any, ...]:
+        """Every op a graph may call it by: functional, module class, ATen packets."""
+        return (self.fn, self.module, *self.aten)
+
+    @functools.cached_property
+    def settings(self) -> tuple[str, ...]:
+        """The module's attributes its ``forward`` passes on to ``fn`` (weight, margin, ...)."""
+        init = inspect.signature(self.module.__init__).parameters
+        call = _signature(self.fn).parameters
+        return tuple(p for p in init if p in call and p not in (*_LEGACY, "reduction"))
+
+    @functools.cached_property
+    def partial(self) -> Callable[..., tuple[torch.Tensor, Count]]:
+        """``fn(..., reduction='mean')`` as ``(sum, count)``, ``fn``'s own signature."""
+        return _partial(self.fn, self.kind)
+
+    @functools.cached_property
+    def aten_partials(self) -> dict[Any, Callable[..., tuple[torch.Tensor, Count]]]:
+        """``aten.<name>(..., reduction=1)`` as ``(sum, count)``, per ATen packet."""
+        return {packet: _aten_partial(packet, self.kind) for packet in self.aten}
+
+
+# The losses. Columns: functional, module, what its 'mean' divides by (LossKind above),
+# ATen spellings where they are not the functional's own name.
+LOSSES: tuple[Loss, ...] = (
+    Loss(F.cross_entropy, nn.CrossEntropyLoss, CLASSES, ("cross_entropy_loss",)),
+    Loss(F.nll_loss, nn.NLLLoss, CLASSES, ("nll_loss", "nll_loss_nd", "nll_loss2d")),
+    Loss(F.mse_loss, nn.MSELoss, ELEMENTS),
+    Loss(F.l1_loss, nn.L1Loss, ELEMENTS),
+    Loss(F.smooth_l1_loss, nn.SmoothL1Loss, ELEMENTS),
+    Loss(F.huber_loss, nn.HuberLoss, ELEMENTS),
+    Loss(F.binary_cross_entropy, nn.BCELoss, ELEMENTS),
+    Loss(F.binary_cross_entropy_with_logits, nn.BCEWithLogitsLoss, ELEMENTS),
+    Loss(F.kl_div, nn.KLDivLoss, BATCHMEAN),
+    Loss(F.soft_margin_loss, nn.SoftMarginLoss, VALUES),
+    Loss(F.poisson_nll_loss, nn.PoissonNLLLoss, VALUES),
+    Loss(F.gaussian_nll_loss, nn.GaussianNLLLoss, VALUES),
+    Loss(F.margin_ranking_loss, nn.MarginRankingLoss, VALUES),
+    Loss(F.hinge_embedding_loss, nn.HingeEmbeddingLoss, VALUES),
+    Loss(F.cosine_embedding_loss, nn.CosineEmbeddingLoss, ROWS),
+    Loss(F.triplet_margin_loss, nn.TripletMarginLoss, ROWS),
+    Loss(F.multi_margin_loss, nn.MultiMarginLoss, ROWS),
+    Loss(F.multilabel_margin_loss, nn.MultiLabelMarginLoss, ROWS),
+    Loss(F.multilabel_soft_margin_loss, nn.MultiLabelSoftMarginLoss, ROWS),
+    Loss(F.triplet_margin_with_distance_loss, nn.TripletMarginWithDistanceLoss, ROWS),
+)
+
+
+# ---------------------------------------------------------------------------
+# How a declaration becomes its partials
+# ---------------------------------------------------------------------------
+
 @functools.cache
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     """``fn``'s signature, built once: building it costs more than a small microbatch's loss."""
     return inspect.signature(fn)
+
+
+def _aten_packet(name: str) -> Any:
+    """``torch.ops.aten.<name>``, or None where this torch has no such op."""
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -105,22 +198,15 @@ def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     return dict(bound.arguments)
 
 
-def loss_reduction(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """The effective ``reduction`` of a functional loss call, legacy arguments included."""
-    a = _bound(fn, args, kwargs)
+def _reduction_of(a: dict[str, Any]) -> str:
     if a.get("size_average") is not None or a.get("reduce") is not None:
         return _reduction.legacy_get_string(a.get("size_average"), a.get("reduce"))
     return a.get("reduction", "mean")
 
 
-def _summed(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-            ) -> tuple[torch.Tensor, dict[str, Any]]:
-    a = _bound(fn, args, kwargs)
-    for legacy in ("size_average", "reduce"):  # already folded into the reduction
-        if legacy in a:
-            a[legacy] = None
-    a["reduction"] = "sum"
-    return fn(**a), a
+def loss_reduction(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The effective ``reduction`` of a functional loss call, legacy arguments included."""
+    return _reduction_of(_bound(fn, args, kwargs))
 
 
 def _class_count(a: dict[str, Any]) -> Count:
@@ -138,60 +224,35 @@ def _elementwise_count(a: dict[str, Any]) -> int:
     return math.prod(torch.broadcast_shapes(a["input"].shape, a["target"].shape))
 
 
-def _partial(fn: Callable[..., Any], count: Callable[[dict[str, Any]], Count]
-             ) -> Callable[..., tuple[torch.Tensor, Count]]:
-    def partial(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Count]:
-        total, a = _summed(fn, args, kwargs)
-        return total, count(a)
-
-    partial.__name__ = f"{fn.__name__}_partial"
-    partial.__qualname__ = partial.__name__
+def _named(partial: Callable[..., Any], name: str, doc: str) -> Callable[..., Any]:
+    """Name a partial as this module's attribute, so fx prints (and pickles) it by name."""
+    partial.__name__ = partial.__qualname__ = name
     partial.__module__ = __name__
-    partial.__doc__ = f"``F.{fn.__name__}(..., reduction='mean')`` as ``(sum, count)``."
+    partial.__doc__ = doc
     return partial
 
 
-cross_entropy_partial = _partial(F.cross_entropy, _class_count)
-nll_loss_partial = _partial(F.nll_loss, _class_count)
-mse_loss_partial = _partial(F.mse_loss, _elementwise_count)
-l1_loss_partial = _partial(F.l1_loss, _elementwise_count)
-smooth_l1_loss_partial = _partial(F.smooth_l1_loss, _elementwise_count)
-huber_loss_partial = _partial(F.huber_loss, _elementwise_count)
-binary_cross_entropy_partial = _partial(F.binary_cross_entropy, _elementwise_count)
-binary_cross_entropy_with_logits_partial = _partial(
-    F.binary_cross_entropy_with_logits, _elementwise_count)
-
-
-def _none_partial(fn: Callable[..., Any]) -> Callable[..., tuple[torch.Tensor, Count]]:
-    """A loss whose 'mean' is the mean of its reduction='none' values: (sum, numel)."""
-
+def _partial(fn: Callable[..., Any], kind: LossKind) -> Callable[..., tuple[torch.Tensor, Count]]:
     def partial(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Count]:
         a = _bound(fn, args, kwargs)
-        for legacy in ("size_average", "reduce"):
+        mode = _reduction_of(a)
+        for legacy in _LEGACY:  # already folded into mode
             if legacy in a:
                 a[legacy] = None
-        a["reduction"] = "none"
-        values = fn(**a)
-        return values.sum(), values.numel()
+        if kind.from_values:
+            a["reduction"] = "none"
+            values = fn(**a)
+            return values.sum(), values.numel()
+        a["reduction"] = "sum"
+        total = fn(**a)
+        if kind is CLASSES:
+            return total, _class_count(a)
+        if kind is BATCHMEAN and mode == "batchmean":
+            return total, a["input"].shape[0]
+        return total, _elementwise_count(a)
 
-    partial.__name__ = f"{fn.__name__}_partial"
-    partial.__qualname__ = partial.__name__
-    partial.__module__ = __name__
-    partial.__doc__ = f"``F.{fn.__name__}(..., reduction='mean')`` as ``(sum, count)``."
-    return partial
-
-
-soft_margin_loss_partial = _none_partial(F.soft_margin_loss)
-poisson_nll_loss_partial = _none_partial(F.poisson_nll_loss)
-gaussian_nll_loss_partial = _none_partial(F.gaussian_nll_loss)
-margin_ranking_loss_partial = _none_partial(F.margin_ranking_loss)
-hinge_embedding_loss_partial = _none_partial(F.hinge_embedding_loss)
-cosine_embedding_loss_partial = _none_partial(F.cosine_embedding_loss)
-triplet_margin_loss_partial = _none_partial(F.triplet_margin_loss)
-multi_margin_loss_partial = _none_partial(F.multi_margin_loss)
-multilabel_margin_loss_partial = _none_partial(F.multilabel_margin_loss)
-multilabel_soft_margin_loss_partial = _none_partial(F.multilabel_soft_margin_loss)
-triplet_margin_with_distance_loss_partial = _none_partial(F.triplet_margin_with_distance_loss)
+    return _named(partial, f"{fn.__name__}_partial",
+                  f"``F.{fn.__name__}(..., reduction='mean')`` as ``(sum, count)``.")
 
 
 def _schema_call(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -216,20 +277,12 @@ def _schema_call(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return op(*positional, **keyword), bound
 
 
-_SUM, _NONE = 2, 0  # ATen's reduction enum: 0 none, 1 mean, 2 sum
-
-
-def _aten_partial(name: str, classes: bool) -> Callable[..., tuple[torch.Tensor, Count]]:
-    """``aten.<name>(..., reduction=1)`` as ``(sum, count)``: the export graphs' spelling.
-
-    Class losses (cross-entropy, NLL) count non-ignored targets, weighted as
-    PyTorch weighs their mean; the others count the elements of their
-    reduction='none' values.
-    """
-    packet = getattr(torch.ops.aten, name)
+def _aten_partial(packet: Any, kind: LossKind) -> Callable[..., tuple[torch.Tensor, Count]]:
+    """Class losses count non-ignored targets, weighted as PyTorch weighs their mean;
+    the others count the elements of their reduction='none' values."""
 
     def partial(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Count]:
-        if classes:
+        if kind is CLASSES:
             total, a = _schema_call(packet, args, kwargs, reduction=_SUM)
             return total, _class_count({"input": a["self"], "target": a["target"],
                                         "weight": a.get("weight"),
@@ -237,66 +290,36 @@ def _aten_partial(name: str, classes: bool) -> Callable[..., tuple[torch.Tensor,
         values, _ = _schema_call(packet, args, kwargs, reduction=_NONE)
         return values.sum(), values.numel()
 
-    partial.__name__ = f"aten_{name}_partial"
-    partial.__qualname__ = partial.__name__
-    partial.__module__ = __name__
-    partial.__doc__ = f"``aten.{name}(..., reduction=mean)`` as ``(sum, count)``."
-    return partial
+    name = packet.__name__  # torch.ops.aten.nll_loss -> "nll_loss"
+    return _named(partial, f"aten_{name}_partial",
+                  f"``aten.{name}(..., reduction=mean)`` as ``(sum, count)``.")
 
 
-aten_cross_entropy_loss_partial = _aten_partial("cross_entropy_loss", True)
-aten_nll_loss_partial = _aten_partial("nll_loss", True)
-aten_nll_loss_nd_partial = _aten_partial("nll_loss_nd", True)
-aten_nll_loss2d_partial = _aten_partial("nll_loss2d", True)
-aten_mse_loss_partial = _aten_partial("mse_loss", False)
-aten_l1_loss_partial = _aten_partial("l1_loss", False)
-aten_smooth_l1_loss_partial = _aten_partial("smooth_l1_loss", False)
-aten_huber_loss_partial = _aten_partial("huber_loss", False)
-aten_binary_cross_entropy_partial = _aten_partial("binary_cross_entropy", False)
-aten_binary_cross_entropy_with_logits_partial = _aten_partial(
-    "binary_cross_entropy_with_logits", False)
-aten_kl_div_partial = _aten_partial("kl_div", False)
-aten_soft_margin_loss_partial = _aten_partial("soft_margin_loss", False)
-aten_poisson_nll_loss_partial = _aten_partial("poisson_nll_loss", False)
-aten_margin_ranking_loss_partial = _aten_partial("margin_ranking_loss", False)
-aten_hinge_embedding_loss_partial = _aten_partial("hinge_embedding_loss", False)
-aten_cosine_embedding_loss_partial = _aten_partial("cosine_embedding_loss", False)
-aten_triplet_margin_loss_partial = _aten_partial("triplet_margin_loss", False)
-aten_multi_margin_loss_partial = _aten_partial("multi_margin_loss", False)
-aten_multilabel_margin_loss_partial = _aten_partial("multilabel_margin_loss", False)
+# ---------------------------------------------------------------------------
+# Lookups: by spelling, by module, by name
+# ---------------------------------------------------------------------------
+
+_BY_SPELLING: dict[Any, Loss] = {s: loss for loss in LOSSES for s in loss.spellings}
+
+#: Every loss partial by its name (``mse_loss_partial``, ``aten_nll_loss_partial``):
+#: module attributes of this module too, so graphs that call them print and pickle.
+PARTIALS: dict[str, Callable[..., tuple[torch.Tensor, Count]]] = {
+    p.__name__: p for loss in LOSSES for p in (loss.partial, *loss.aten_partials.values())}
 
 
-def kl_div_partial(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Count]:
-    """``F.kl_div`` with 'mean' (count = elements) or 'batchmean' (count = samples)."""
-    batchmean = loss_reduction(F.kl_div, args, kwargs) == "batchmean"
-    total, a = _summed(F.kl_div, args, kwargs)
-    return total, (a["input"].shape[0] if batchmean else _elementwise_count(a))
-
-
-# Loss modules and the functional call (and extra keyword arguments) they make.
-_MODULE_LOSSES: dict[type[nn.Module], tuple[Callable[..., Any], tuple[str, ...]]] = {
-    nn.CrossEntropyLoss: (cross_entropy_partial, ("weight", "ignore_index", "label_smoothing")),
-    nn.NLLLoss: (nll_loss_partial, ("weight", "ignore_index")),
-    nn.MSELoss: (mse_loss_partial, ()),
-    nn.L1Loss: (l1_loss_partial, ()),
-    nn.SmoothL1Loss: (smooth_l1_loss_partial, ("beta",)),
-    nn.HuberLoss: (huber_loss_partial, ("delta",)),
-    nn.BCELoss: (binary_cross_entropy_partial, ("weight",)),
-    nn.BCEWithLogitsLoss: (binary_cross_entropy_with_logits_partial, ("weight", "pos_weight")),
-    nn.KLDivLoss: (kl_div_partial, ("log_target",)),
-    nn.SoftMarginLoss: (soft_margin_loss_partial, ()),
-    nn.PoissonNLLLoss: (poisson_nll_loss_partial, ("log_input", "full", "eps")),
-    nn.GaussianNLLLoss: (gaussian_nll_loss_partial, ("full", "eps")),
-    nn.MarginRankingLoss: (margin_ranking_loss_partial, ("margin",)),
-    nn.HingeEmbeddingLoss: (hinge_embedding_loss_partial, ("margin",)),
-    nn.CosineEmbeddingLoss: (cosine_embedding_loss_partial, ("margin",)),
-    nn.TripletMarginLoss: (triplet_margin_loss_partial, ("margin", "p", "eps", "swap")),
-    nn.MultiMarginLoss: (multi_margin_loss_partial, ("p", "margin", "weight")),
-    nn.MultiLabelMarginLoss: (multilabel_margin_loss_partial, ()),
-    nn.MultiLabelSoftMarginLoss: (multilabel_soft_margin_loss_partial, ("weight",)),
-    nn.TripletMarginWithDistanceLoss: (triplet_margin_with_distance_loss_partial,
-                                       ("distance_function", "margin", "swap")),
-}
+def loss_for(op: Any) -> Loss | None:
+    """The declaration of a loss functional, ATen op, module or module class (subclasses too)."""
+    if isinstance(op, torch._ops.OpOverload):
+        op = op.overloadpacket
+    if isinstance(op, nn.Module):
+        op = type(op)
+    for key in op.__mro__ if isinstance(op, type) else (op,):
+        try:
+            if key in _BY_SPELLING:
+                return _BY_SPELLING[key]
+        except TypeError:  # an unhashable target
+            return None
+    return None
 
 
 def module_loss_partial(module: nn.Module, *inputs: Any) -> tuple[torch.Tensor, Count]:
@@ -305,11 +328,25 @@ def module_loss_partial(module: nn.Module, *inputs: Any) -> tuple[torch.Tensor, 
     ``inputs`` are what the module is called with: ``(input, target)``, or three
     tensors for ranking/triplet/Gaussian losses.
     """
-    for cls in type(module).__mro__:
-        if cls in _MODULE_LOSSES:
-            fn, attrs = _MODULE_LOSSES[cls]
-            kwargs = {a: getattr(module, a) for a in attrs}
-            if module.reduction == "batchmean":
-                kwargs["reduction"] = "batchmean"
-            return fn(*inputs, **kwargs)
-    raise TypeError(f"no partial for loss module {type(module).__name__}")
+    loss = loss_for(module)
+    if loss is None:
+        raise TypeError(f"no partial for loss module {type(module).__name__}")
+    kwargs = {a: getattr(module, a) for a in loss.settings}
+    if module.reduction == "batchmean":
+        kwargs["reduction"] = "batchmean"
+    return loss.partial(*inputs, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """``partials.mse_loss_partial``: the partials by name (PEP 562)."""
+    try:
+        return PARTIALS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *PARTIALS])
+
+
+__all__ += sorted(PARTIALS)

@@ -4,8 +4,9 @@ Writes ``node.meta[SHAPES]``: a ``ValueInfo`` (or a tuple/list of them, for ops
 that return several values) holding each value's shape at batch ``gbs`` and at
 batch ``gbs + 1``. A dim whose size differs between the two runs scales with the
 batch; that is what lets the analysis follow the batch dim through ``view``,
-indexing and every other shape op without guessing. Fake tensors carry no data,
-so this costs no real compute whatever the model size.
+indexing and every other shape op without guessing. Both runs are the fake probe
+(``fake_probe``, shared with the cost model): fake tensors carry no data, so this
+costs no real compute whatever the model size.
 
 Example: ``h = x.view(x.size(0), -1)`` with x of shape (B, 4, 8) at gbs 6 gives
 ``ValueInfo(shape_a=(6, 32), shape_b=(7, 32))``: dim 0 is the batch dim.
@@ -21,16 +22,15 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
     unset_fake_temporarily,
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from .facts import SHAPES, InfoTuple, ValueInfo
+from .fake_probe import FakeProbe
 
-__all__ = ["ShapePropagationError", "propagate_shapes", "resize_batch"]
+__all__ = ["ShapePropagationError", "propagate_shapes"]
 
 
 class ShapePropagationError(Exception):
@@ -71,15 +71,6 @@ _DATA_DEPENDENT: tuple[type[BaseException], ...] = (
     DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
 
-def resize_batch(value: Any, dim: Any, batch: int) -> Any:
-    """A fresh tensor like ``value`` whose ``dim`` has size ``batch`` (inside a fake mode)."""
-    if dim is None or not isinstance(value, torch.Tensor):
-        return value
-    shape = list(value.shape)
-    shape[dim] = batch
-    return torch.zeros(shape, dtype=value.dtype, device=value.device)
-
-
 def _info(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return ValueInfo(True, tuple(value.shape), (), value.dtype)
@@ -88,7 +79,9 @@ def _info(value: Any) -> Any:
     if isinstance(value, (int, float)):  # sizes, and numbers computed from them (1 / B)
         return ValueInfo(False, int_a=value, value_a=value)
     if isinstance(value, (tuple, list)):  # torch.Size and namedtuples too
-        return _tuple((_info(v) for v in value), getattr(type(value), "_fields", None))
+        kind = type(value)  # namedtuples name their fields; torch.return_types (structseq) too
+        fields = getattr(kind, "_fields", None) or getattr(kind, "__match_args__", None)
+        return _tuple((_info(v) for v in value), fields)
     return None
 
 
@@ -109,13 +102,13 @@ def _merge(a: Any, b: Any) -> Any:
     return None
 
 
-class _Recorder(fx.Interpreter):
+class _Recorder(FakeProbe):
+    """The fake probe at one batch size, keeping each node's ``ValueInfo``."""
+
     def __init__(self, gm: fx.GraphModule, batch: int, gbs: int) -> None:
-        super().__init__(gm, garbage_collect_values=True)
+        super().__init__(gm, allow_non_fake_inputs=True)
         self.infos: dict[fx.Node, Any] = {}
         self.batch, self.gbs = batch, gbs
-        self.fake_mode: FakeTensorMode | None = None
-        self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (real, fake)
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -127,24 +120,6 @@ class _Recorder(fx.Interpreter):
         self.infos[n] = _info(result)
         return result
 
-    # Parameters and buffers enter as fake copies: an in-place update in the graph or in
-    # a layer (a BatchNorm's running statistics) must not reach the user's tensors.
-    def _fake(self, value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-            if id(value) not in self._fakes:
-                self._fakes[id(value)] = (value, self.fake_mode.from_tensor(value))
-            return self._fakes[id(value)][1]
-        return value
-
-    def fetch_attr(self, target: str) -> Any:
-        return self._fake(super().fetch_attr(target))
-
-    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        module = self.module.get_submodule(target)
-        state = {k: self._fake(v) for k, v in (*module.named_parameters(),
-                                                *module.named_buffers())}
-        return torch.func.functional_call(module, state, tuple(args), dict(kwargs))
-
     def _trusted(self, n: fx.Node) -> bool:
         from .batch_rules import TRUSTED_MODULES
 
@@ -154,7 +129,7 @@ class _Recorder(fx.Interpreter):
     def _run_for_real(self, n: fx.Node) -> Any:
         """A trusted layer fake tensors cannot run (Python branches on values): run it on
         real zeros of the right shapes, then go back to fake tensors."""
-        mode = self.fake_mode
+        mode = self.mode
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         module = self.module.get_submodule(n.target)
         with unset_fake_temporarily():
@@ -178,16 +153,8 @@ def propagate_shapes(
     """
     runs = []
     for batch in (gbs, gbs + 1):
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            args = []
-            for value, dims in zip(inputs, in_dims):
-                # one batch dim per input, shared by every tensor inside a nested input
-                args.append(pytree.tree_map(lambda v, d=dims, b=batch: resize_batch(v, d, b),
-                                             value))
-            recorder = _Recorder(gm, batch, gbs)
-            recorder.fake_mode = mode
-            recorder.run(*args)
+        recorder = _Recorder(gm, batch, gbs)
+        recorder.run(*recorder.inputs(inputs, in_dims, batch))
         runs.append(recorder.infos)
     for node in gm.graph.nodes:
         node.meta[SHAPES] = _merge(runs[0].get(node), runs[1].get(node))

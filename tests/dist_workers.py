@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import mbcompile
-from mbcompile import distributed as mbdist
+from mbcompile.execution import distributed as mbdist
 from mbcompile.models import make_tiny_gpt
 
 

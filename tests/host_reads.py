@@ -3,7 +3,7 @@
 A read of a device value on the host (``.item()``, ``float(t)``, ``bool(t)``,
 ``torch.equal``) reaches the dispatcher as ``_local_scalar_dense``,
 ``is_nonzero`` or ``equal``; a packed vector read at once goes through
-``mbcompile.runtime.read_host`` (``tolist()`` reads memory without dispatching),
+``mbcompile.execution.runtime.read_host`` (``tolist()`` reads memory without dispatching),
 so that is counted too. On a GPU each of these stalls the launch queue.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mbcompile import runtime
+from mbcompile.execution import runtime
 
 SYNC_OPS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.equal")
 
@@ -38,7 +38,7 @@ class HostReads(TorchDispatchMode):
         self._real = runtime.read_host
 
         def counted(t: torch.Tensor) -> list[float]:
-            self.ops["mbcompile.runtime.read_host"] += 1
+            self.ops["mbcompile.execution.runtime.read_host"] += 1
             return self._real(t)
 
         runtime.read_host = counted

@@ -12,7 +12,10 @@ without a single scalar loss inside (several losses, or no loss at all), which
 ``compile`` runs with every microbatch's activations kept, with a warning.
 
 The comparison helpers at the end (``rel_err``, ``max_rel_err_outputs``,
-``grad_errors``) are the tests' one definition of "equal to eager".
+``grad_errors``, ``assert_close_errors``) are the tests' one definition of "equal
+to eager". Assert on a dict of errors with ``assert_close_errors``, never with
+``max(errors.values()) <= tol``: Python's ``max`` keeps or drops a NaN depending on
+where it sits.
 
 Test files import this as ``models`` (pytest puts ``tests/`` on ``sys.path``).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -50,6 +54,7 @@ __all__ = [
     "TimeMajorNet",
     "TinyGPT",
     "UnbatchedInputNet",
+    "assert_close_errors",
     "grad_errors",
     "grads_of",
     "make_cnn",
@@ -559,11 +564,12 @@ def tensor_leaves(value: Any, path: str = "out") -> list[tuple[str, torch.Tensor
     return []
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Normwise relative error ``max|got - want| / max|want|`` (shapes must match)."""
+def rel_err(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float:
+    """Normwise relative error ``max|got - want| / max(max|want|, floor)`` (shapes and dtypes
+    must match); any NaN or inf that ``want`` lacks is ``inf``, see ``relative_error``."""
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.dtype == want.dtype, f"dtype {got.dtype} != {want.dtype}"
-    return relative_error(got, want)
+    return relative_error(got, want, floor)
 
 
 def max_rel_err_outputs(got: Any, want: Any) -> dict[str, float]:
@@ -580,17 +586,39 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
             for n, p in model.named_parameters()}
 
 
-def grad_errors(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None]
-                ) -> dict[str, float]:
-    """Relative error per parameter gradient; a gradient missing on one side only fails."""
-    assert got.keys() == want.keys()
+def grad_errors(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None],
+                floor: float = 0.0) -> dict[str, float]:
+    """Relative error per parameter gradient; a gradient missing on one side only is ``inf``.
+
+    ``floor`` is a fraction of the largest eager gradient below which no gradient's own
+    scale falls: a bias that softmax or a normalisation cancels has a gradient that is
+    zero up to rounding, where an elementwise relative error means nothing.
+    """
+    assert got.keys() == want.keys(), f"parameters differ: {got.keys() ^ want.keys()}"
+    largest = max((_finite_abs_max(w) for w in want.values() if w is not None), default=0.0)
     out = {}
-    for name in want:
-        g, w = got[name], want[name]
-        assert (g is None) == (w is None), f"{name}: grad {g is None=} but eager {w is None=}"
-        if w is not None:
-            out[name] = rel_err(g, w)
+    for name, w in want.items():
+        g = got[name]
+        if g is not None or w is not None:
+            out[name] = math.inf if g is None or w is None else rel_err(g, w, floor * largest)
     return out
+
+
+def _finite_abs_max(t: torch.Tensor) -> float:
+    t = t.detach().double()
+    t = t[t.isfinite()]
+    return t.abs().max().item() if t.numel() else 0.0
+
+
+def assert_close_errors(errors: dict[str, float], tol: float) -> None:
+    """Every error is at most ``tol``; the message names each one that is not.
+
+    NaN fails (``nan <= tol`` is false), wherever it sits in the dict; so does an empty
+    dict, which would mean nothing was compared.
+    """
+    assert errors, "nothing was compared"
+    bad = {name: err for name, err in errors.items() if not err <= tol}
+    assert not bad, f"relative errors above {tol}: {bad}"
 
 
 @contextlib.contextmanager

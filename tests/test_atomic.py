@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mbcompile
+from mbcompile.execution.noise import NoiseScale
 from mbcompile.models import make_mlp, make_tiny_gpt
-from mbcompile.noise import NoiseScale
 
 DTYPE = torch.float64
 

@@ -30,6 +30,7 @@ from mbcompile import (
     PlanError,
 )
 from mbcompile.models import make_mlp
+from mbcompile.passes import batch_rules
 
 DTYPE = torch.float64
 GBS = 8
@@ -530,11 +531,12 @@ class CheckedNet(nn.Module):
 
 def test_trusted_module_is_a_leaf_and_raising_in_it_is_reported():
     """trust_module promises a leaf that is never traced into: its forward runs per call."""
-    mbcompile.trust_module(Checked)
-    torch.manual_seed(0)
-    model = CheckedNet().to(DTYPE)
-    x, y = make_mlp(10, dtype=DTYPE)[1]
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y))
+    with batch_rules.scoped():  # the trust ends with the test
+        mbcompile.trust_module(Checked)
+        torch.manual_seed(0)
+        model = CheckedNet().to(DTYPE)
+        x, y = make_mlp(10, dtype=DTYPE)[1]
+        cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y))
     targets = [n.target for n in cm.original_graph_module.graph.nodes if n.op == "call_module"]
     assert "checked" in targets, f"Checked was traced into: {targets}"
     model.checked.calls, model.checked.fail_on = 0, 5  # system 2, microbatch 1

@@ -5,7 +5,7 @@ with --debug.
 Subprocesses run the installed ``mbcompile`` console script (one runs ``python -m
 mbcompile``). They cost ~2 s each (importing torch), so they are kept to what needs a
 real process: the demo, compile and a 2-step fit per example, failing runs, Ctrl-C.
-The rest calls ``mbcompile.cli.main`` in process, which is what the console script runs.
+The rest calls ``mbcompile.training.cli.main`` in process, which is what the console script runs.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from mbcompile import compiler
-from mbcompile.cli import main, mbs_argument
+from mbcompile.training.cli import main, mbs_argument
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
@@ -250,8 +250,8 @@ def test_artifacts_take_the_report_and_the_exploration_plot(tmp_path):
     """The contract with the cost model: ``cm.report()`` gives text (``str``) and data
     (``to_dict``); its ``exploration.plot(path)`` draws the explore plot."""
     import mbcompile
-    from mbcompile.cli import write_artifacts
     from mbcompile.models import make_mlp
+    from mbcompile.training.cli import write_artifacts
 
     class Exploration:
         def plot(self, path):

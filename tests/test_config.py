@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mbcompile import compiler
-from mbcompile.config import (
+from mbcompile.training.config import (
     ConfigError,
     build_callbacks,
     build_data,
@@ -19,7 +19,7 @@ from mbcompile.config import (
     build_optimizer,
     load_config,
 )
-from mbcompile.flags import GlobalFlags, ScopedTrainFlags
+from mbcompile.training.flags import GlobalFlags, ScopedTrainFlags
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))

@@ -17,22 +17,22 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import mbcompile
-from mbcompile.cost import (
+from mbcompile.models import CNN, MLP, TinyGPT, make_cnn, make_mlp, make_tiny_gpt, token_batch
+from mbcompile.planning.cost import (
     _EXTRA_FLOPS,
     CostModel,
     CostModelError,
     analyse_cost,
     format_bytes,
 )
-from mbcompile.explore import measure_peak_bytes
-from mbcompile.models import CNN, MLP, TinyGPT, make_cnn, make_mlp, make_tiny_gpt, token_batch
-from mbcompile.systems import get_system, system_names
+from mbcompile.planning.explore import measure_peak_bytes
+from mbcompile.planning.systems import get_system, system_names
 
 
 def captured(model: nn.Module, batch: tuple[Any, ...], gbs: int) -> Any:
-    """The analysed captured graph, as compile() builds it."""
+    """The batch analysis of the captured graph, as compile() builds it."""
     cm = mbcompile.compile(model, gbs, 1, "none", example_inputs=batch)
-    return cm.original_graph_module
+    return cm.analysis
 
 
 def cost_of(model: nn.Module, batch: tuple[Any, ...], pbs: int) -> CostModel:
@@ -217,7 +217,7 @@ def test_predicted_peak_memory_matches_the_allocator(name: str, mbs: int) -> Non
     model, batch = _memory_case(name)
     gbs = batch[0].shape[0]
     cm = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch)
-    cost = analyse_cost(cm.original_graph_module, batch, (0, 0), pbs=gbs)
+    cost = analyse_cost(cm.analysis, batch, (0, 0), pbs=gbs)
     predicted = cost.estimate(gbs, 1, mbs, get_system("host")).memory
     opt = torch.optim.Adam(model.parameters(), foreach=False)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import mbcompile
@@ -104,6 +105,7 @@ def test_bitwise_identical_across_compilations():
     assert _step(one, model, batch) == _step(two, model, batch)
 
 
+@pytest.mark.slow  # 19-27 s on 2 cores: two fresh interpreters import torch
 def test_bitwise_identical_across_fresh_processes(tmp_path):
     # same interpreter and environment; a neutral working directory, so the children
     # import mbcompile exactly as this process does

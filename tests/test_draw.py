@@ -14,11 +14,11 @@ import torch
 import torch.nn as nn
 
 import mbcompile
-from mbcompile.draw import draw, to_dot, to_svg
 from mbcompile.errors import MbcompileError, MbcompileWarning, MixingError
 from mbcompile.models import make_mlp, make_tiny_gpt
+from mbcompile.reports.draw import draw, to_dot, to_svg
 
-drawing = importlib.import_module("mbcompile.draw")  # mbcompile.draw is the function
+drawing = importlib.import_module("mbcompile.reports.draw")  # the module, not mbcompile.draw
 HAS_DOT = shutil.which("dot") is not None
 SVG = "{http://www.w3.org/2000/svg}"
 

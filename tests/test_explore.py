@@ -16,9 +16,10 @@ import torch
 import torch.nn as nn
 
 import mbcompile
-from mbcompile.cost import CostModel, CostModelError, DoesNotFitError, analyse_cost
 from mbcompile.errors import PlanError
-from mbcompile.explore import (
+from mbcompile.models import make_cnn, make_mlp, make_tiny_gpt
+from mbcompile.planning.cost import CostModel, CostModelError, DoesNotFitError, analyse_cost
+from mbcompile.planning.explore import (
     AUTO_TIME_TOLERANCE,
     CompileOnlyError,
     CostModelWarning,
@@ -28,16 +29,15 @@ from mbcompile.explore import (
     select_plan,
     single_microbatch_request,
 )
-from mbcompile.models import make_cnn, make_mlp, make_tiny_gpt
-from mbcompile.plan import make_plan, supported_mbs
-from mbcompile.report import Report, Validation
-from mbcompile.systems import SystemSpec, get_system
+from mbcompile.planning.plan import make_plan, supported_mbs
+from mbcompile.planning.systems import SystemSpec, get_system
+from mbcompile.reports.report import Report, Validation
 
 MAKERS = {"mlp": make_mlp, "cnn": make_cnn, "tiny_gpt": make_tiny_gpt}
 
 
 def captured(model: nn.Module, batch: tuple[Any, ...], gbs: int) -> Any:
-    return mbcompile.compile(model, gbs, 1, "none", example_inputs=batch).original_graph_module
+    return mbcompile.compile(model, gbs, 1, "none", example_inputs=batch).analysis
 
 
 @pytest.fixture(scope="module")
@@ -228,15 +228,43 @@ def test_long_explorations_show_progress(costs, capsys) -> None:
 
 def test_measured_exploration_times_the_host_beside_the_model(costs) -> None:
     cost, model, batch = costs["mlp"]
-    gm = captured(model, batch, 8)
+    gm = captured(model, batch, 8).graph_module
     timer = HostTimer(gm, batch, (0, 0), reps=2)
     sel = Selector(cost, get_system("host"), 16, 1, timer=timer)
-    make_plan(16, 1, {"explore": {"min": 4}}, explorer=sel.explore)
+    plan = make_plan(16, 1, {"explore": {"min": 4}}, explorer=sel.explore)
     x = sel.exploration
-    assert x.measured and all(c.measured_loop_s and c.measured_loop_s > 0
+    # Structure only: which MBS the clock favours depends on the machine and its load
+    # (the fake clocks below pin that down).
+    assert [c.mbs for c in x.candidates] == [m for m in supported_mbs(16) if m >= 4]
+    assert x.measured and all(c.measured_loop_s is not None and c.measured_loop_s > 0
                               for c in x.candidates)
-    assert "loop (measured)" in x.table() and x.measured_best in (4, 8, 16)
+    assert x.measured_best in [c.mbs for c in x.candidates if c.fits]
+    assert x.to_dict()["measured_best"] == x.measured_best
+    assert x.best == plan.mbs  # the plan follows the model, not the clock
+    rows = x.table().splitlines()
+    assert "loop (measured)" in rows[0] and len(rows) == 2 + len(x.candidates) + 1
+    assert [row.split()[0] for row in rows[2:-1]] == [str(c.mbs) for c in x.candidates]
     assert all(p.grad is None for p in model.parameters())  # autograd.grad, not .backward
+
+
+@pytest.mark.parametrize("clock,fastest", [
+    (lambda m: 1.0, 16),    # a fixed cost per microbatch: fewest microbatches win
+    (lambda m: m * m, 4),   # cost grows faster than the samples: smallest wins
+])
+def test_measured_best_is_what_the_clock_says_and_the_plan_what_the_model_says(
+        costs, clock, fastest) -> None:
+    cost, _, _ = costs["mlp"]
+    modelled = Selector(cost, get_system("host"), 16, 1)
+    model_best = make_plan(16, 1, {"explore": {"min": 4}}, explorer=modelled.explore).mbs
+    sel = Selector(cost, get_system("host"), 16, 1, timer=clock)
+    plan = make_plan(16, 1, {"explore": {"min": 4}}, explorer=sel.explore)
+    x = sel.exploration
+    # candidates 4, 6, 8, 16: the loop is 16 samples as 4x4, 6+5+5, 2x8 or 1x16
+    want = {4: 4 * clock(4), 6: clock(6) + 2 * clock(5), 8: 2 * clock(8), 16: clock(16)}
+    assert {c.mbs: c.measured_loop_s for c in x.candidates} == want
+    assert x.measured_best == fastest
+    assert plan.mbs == x.best == model_best
+    assert (f"mbs={fastest} was fastest" in plan.reason) == (fastest != model_best)
 
 
 def test_without_a_cost_model_auto_warns_and_explore_fails(costs) -> None:

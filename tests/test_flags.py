@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mbcompile.errors import MbcompileError
-from mbcompile.flags import (
+from mbcompile.training.flags import (
     FlagError,
     Flags,
     GlobalFlags,

@@ -14,6 +14,11 @@ microbatch rewrite all run. The allowed outcomes are:
 Anything else is reported with its seed and graph; ``build_case(seed)`` rebuilds
 it, so a finding reproduces with
 ``cd tests && python -c "import test_fuzz as f; print(f.check_case(f.build_case(SEED)))"``.
+
+A fuzz that rejects everything passes vacuously, so the test also requires a share of
+the graphs to compile and be checked against eager: about half of seeds 0-399 are
+accepted (49-55% over every prefix of at least 40 seeds) and about a third are
+actually split (over microbatches or systems); the floors below sit well under that.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -42,6 +48,15 @@ TIME_BUDGET_S = float(os.environ.get("MBCOMPILE_FUZZ_SECONDS", "10"))
 MIN_CASES = 40  # even on a slow machine
 MAX_CASES = 400 if TIME_BUDGET_S <= 10 else 10**9
 REL = 1e-9
+# Floors that make the fuzz test something: seeds 0-39 (always run) give 22 accepted
+# graphs, 15 of them split; longer runs stay at 49-55% accepted.
+MIN_ACCEPTED_SHARE = 0.25
+MIN_CHECKED = 15  # accepted, run, and compared with eager
+MIN_SPLIT = 10  # of those, run as more than one microbatch or on more than one system
+
+# Random graphs feed ops odd shapes (mse_loss broadcasting, std over one element): their
+# UserWarnings are expected and would bury the summary.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 class Root(nn.Module):
@@ -286,8 +301,18 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item() / scale
 
 
-def check_case(case: Case) -> str | None:
-    """None when the outcome is allowed; otherwise what went wrong."""
+@dataclass(frozen=True)
+class Outcome:
+    """What one case did: rejected, or compiled and compared with eager; ``problem`` is
+    None when that is allowed, otherwise what went wrong."""
+
+    accepted: bool
+    split: bool = False  # more than one microbatch or system, so the rewrite did something
+    problem: str | None = None
+
+
+def check_case(case: Case) -> Outcome:
+    """Compile ``case``; when that works, compare the compiled module with the graph."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -295,10 +320,18 @@ def check_case(case: Case) -> str | None:
                                    example_inputs=(case.x,), in_dims=case.in_dim)
     except MbcompileError as err:
         if "failed in mbcompile itself" in str(err):
-            return f"crash in a pass: {err}"
-        return None  # a clear rejection
+            return Outcome(False, problem=f"crash in a pass: {err}")
+        return Outcome(False)  # a clear rejection
     except Exception as err:
-        return f"crash: {type(err).__name__}: {err}\n{traceback.format_exc(limit=-3)}"
+        return Outcome(False, problem=f"crash: {type(err).__name__}: {err}\n"
+                       f"{traceback.format_exc(limit=-3)}")
+    split = cm.plan.num_microbatches * case.num_csx > 1
+    problem = _compare(case, cm)
+    return Outcome(True, split, problem)
+
+
+def _compare(case: Case, cm: Any) -> str | None:
+    """None when ``cm`` matches the graph's own outputs (and gradients); else the difference."""
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -340,15 +373,25 @@ def check_case(case: Case) -> str | None:
 
 def test_fuzz_capture_shapes_analysis_and_rewrite():
     findings: list[str] = []
+    accepted = split = 0
     start = time.monotonic()
     seed = 0
     while seed < MAX_CASES and (seed < MIN_CASES or time.monotonic() - start < TIME_BUDGET_S):
         case = build_case(seed)
-        problem = check_case(case)
-        if problem is not None:
+        outcome = check_case(case)
+        accepted += outcome.accepted
+        split += outcome.split
+        if outcome.problem is not None:
             findings.append(f"seed {seed} (gbs {case.gbs}, num_csx {case.num_csx}, "
-                            f"mbs {case.mbs!r}, in_dims {case.in_dim}): {problem}\n"
+                            f"mbs {case.mbs!r}, in_dims {case.in_dim}): {outcome.problem}\n"
                             f"{case.gm.code.strip()}")
         seed += 1
     assert not findings, (f"{len(findings)} of {seed} random graphs went wrong; the first "
                           "ones:\n\n" + "\n\n".join(findings[:6]))
+    # the floors: a fuzz that rejects (or never splits) every graph checks nothing
+    assert accepted >= MIN_ACCEPTED_SHARE * seed, (
+        f"only {accepted} of {seed} random graphs compiled (floor {MIN_ACCEPTED_SHARE:.0%}): "
+        "the rest were rejected, so the fuzz checked little")
+    assert accepted >= MIN_CHECKED, f"only {accepted} graphs were compared with eager"
+    assert split >= MIN_SPLIT, (f"only {split} of {accepted} accepted graphs ran as more than "
+                                "one microbatch or system")

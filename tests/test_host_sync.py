@@ -40,7 +40,7 @@ def test_one_host_read_per_training_step(name, noise):
     for microbatches in (4, 16):
         reads = _reads_per_step(name, microbatches, noise)
         assert reads.total == 1, (microbatches, dict(reads.ops))
-        assert reads.ops["mbcompile.runtime.read_host"] == 1
+        assert reads.ops["mbcompile.execution.runtime.read_host"] == 1
 
 
 def test_noise_scale_is_read_when_asked_for_not_in_the_step():

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import mbcompile
-from mbcompile.config import load_config
-from mbcompile.lr_scaling import LRScaling, default_rule, scale_factor
 from mbcompile.models import make_mlp
+from mbcompile.training.config import load_config
+from mbcompile.training.lr_scaling import LRScaling, default_rule, scale_factor
 
 
 def _opt(kind: str, lr: float = 0.1) -> torch.optim.Optimizer:
@@ -74,7 +74,7 @@ def test_yaml_gbs_change_scales_the_rate(tmp_path, capsys):
             lr_scaling: {{reference_batch_size: 16}}
             fit: {{max_steps: 1, val_steps: 0}}
         """))
-        from mbcompile.config import build_trainer
+        from mbcompile.training.config import build_trainer
 
         trainer = build_trainer(load_config(path), progress=False, log_dir=str(tmp_path / "o"))
         return trainer.optimizer.param_groups[0]["lr"]

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 import mbcompile
 from mbcompile.check import compare_to_eager
+from mbcompile.execution.noise import NoiseScale, estimate_noise_scale
 from mbcompile.models import make_tiny_gpt
-from mbcompile.noise import NoiseScale, estimate_noise_scale
 
 D, SIGMA, GBS = 8, 0.5, 256
 
@@ -97,7 +97,7 @@ def test_measuring_keeps_the_step_exact_and_logs_a_positive_scale_on_tiny_gpt():
 
 
 def test_trainer_monitor_logs_a_positive_scale_and_advice(capsys):
-    from mbcompile.monitors import NoiseScaleMonitor
+    from mbcompile.training.monitors import NoiseScaleMonitor
 
     model, batch = make_tiny_gpt(16)
     monitor = NoiseScaleMonitor(unit="tokens")

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 import mbcompile
 from mbcompile import MbcompileError, MixingError
-from mbcompile.plan import make_plan, parse_mbs
+from mbcompile.planning.plan import make_plan, parse_mbs
 
 DTYPE = torch.float64
 REL = 1e-10

@@ -8,6 +8,7 @@ the diff before committing it.
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import re
 import warnings
@@ -20,7 +21,7 @@ import torch.fx as fx
 from models import MODELS, max_rel_err_outputs, one_intra_op_thread, tensor_leaves
 
 import mbcompile
-from mbcompile import partials, runtime
+from mbcompile.passes import ops, partials
 from mbcompile.passes.facts import FACT, Batched, BatchSize, Container, Free, Reduced
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
@@ -77,24 +78,28 @@ def test_normalise_hides_addresses() -> None:
 
 
 def _calls(gm: fx.GraphModule, target: object) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and ops.op_of(n.target) is target]
 
 
 def test_rewritten_structure(mlp_10_3_2) -> None:
-    """split -> loop(body) -> accumulate_sum x2 + accumulate_cat -> mean_combine."""
+    """split -> loop(body) -> accumulate_sum x2 + accumulate_cat -> all_reduce_sums ->
+    mean_combine."""
     cm, _, _ = mlp_10_3_2
     gm = cm.graph_module
-    (split,) = _calls(gm, runtime.split)
-    (loop,) = _calls(gm, runtime.microbatch_loop)
-    sums = _calls(gm, runtime.accumulate_sum)
-    cats = _calls(gm, runtime.accumulate_cat)
+    (split,) = _calls(gm, ops.split)
+    (loop,) = _calls(gm, ops.microbatch_loop)
+    sums = _calls(gm, ops.accumulate_sum)
+    cats = _calls(gm, ops.accumulate_cat)
+    (reduced,) = _calls(gm, ops.all_reduce_sums)
     (combine,) = _calls(gm, partials.mean_combine)
+    assert loop.target is not ops.microbatch_loop  # bound to the simulated backend's loop
     assert isinstance(gm.body, fx.GraphModule)
     assert loop.args[0].op == "get_attr" and loop.args[0].target == "body"
     assert loop.args[1] is split
     assert len(sums) == 2 and len(cats) == 1
     assert all(n.args[0] is loop for n in sums + cats)
-    assert set(combine.args) == set(sums)
+    assert set(reduced.args) == set(sums)
+    assert all(a.target is operator.getitem and a.args[0] is reduced for a in combine.args)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     assert out.args[0] == (combine, cats[0])
     # The split covers exactly the plan's non-empty microbatches, in batch order.
@@ -104,9 +109,9 @@ def test_rewritten_structure(mlp_10_3_2) -> None:
     assert tuple(split.kwargs["slices"]) == want
     assert want == ((0, 2), (2, 4), (4, 6), (6, 7), (7, 9), (9, 10))
     # No ops of the model run outside the loop: the top graph only splits and combines.
-    allowed = {runtime.split, runtime.microbatch_loop, runtime.accumulate_sum,
-               runtime.accumulate_cat, partials.mean_combine}
-    assert {n.target for n in gm.graph.nodes if n.op == "call_function"} <= allowed
+    allowed = {ops.split, ops.microbatch_loop, ops.accumulate_sum, ops.accumulate_cat,
+               ops.all_reduce_sums, operator.getitem, partials.mean_combine}
+    assert {ops.op_of(n.target) for n in gm.graph.nodes if n.op == "call_function"} <= allowed
     assert not [n for n in gm.graph.nodes if n.op == "call_module"]
 
 

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from mbcompile import systems
 from mbcompile.errors import ArgumentTypeError, MbcompileError, PlanError
-from mbcompile.systems import PRESETS, SystemSpec, get_system, host_spec, system_names
+from mbcompile.planning import systems
+from mbcompile.planning.systems import PRESETS, SystemSpec, get_system, host_spec, system_names
 
 
 def test_the_presets_the_issue_names_exist() -> None:

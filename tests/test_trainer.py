@@ -14,9 +14,9 @@ from rich.console import Console
 
 from mbcompile import compiler
 from mbcompile.errors import ArgumentTypeError
-from mbcompile.flags import Callback, GlobalFlags, ScopedTrainFlags, ScopedValidateFlags
 from mbcompile.models import make_mlp
-from mbcompile.trainer import Trainer, TrainerError, batch_args, loss_of
+from mbcompile.training.flags import Callback, GlobalFlags, ScopedTrainFlags, ScopedValidateFlags
+from mbcompile.training.trainer import Trainer, TrainerError, batch_args, loss_of
 
 GBS, NUM_CSX = 12, 2  # pbs 6: supported MBS 1, 2, 3, 6
 

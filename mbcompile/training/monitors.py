@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbcompile.flags import Callback
-from mbcompile.noise import NoiseScale, advice
+from mbcompile.execution.noise import NoiseScale, advice
+from mbcompile.training.flags import Callback
 
 __all__ = ["NoiseScaleMonitor"]
 
 
 class NoiseScaleMonitor(Callback):
-    """Measure the gradient noise scale every training step (``mbcompile.noise``).
+    """Measure the gradient noise scale every training step (``mbcompile.execution.noise``).
 
     Switches ``measure_noise_scale`` on for the trainer's compiles, adds the
     smoothed ``b_simple`` to every training row, and prints batch-size advice

@@ -8,7 +8,7 @@
 ``compile`` writes an artifacts folder (``output_dir``, or ``--out``): ``plan.txt``
 and ``plan.json``, the rewritten graph's code (``graph.py``) and the original's
 (``original_graph.py``), the graph as ``graph.dot`` and ``graph.svg`` (no Graphviz
-needed; see ``mbcompile.draw``), and ``explore.png`` when exploring MBS values. A
+needed; see ``mbcompile.reports.draw``), and ``explore.png`` when exploring MBS values. A
 model the analysis rejects gets ``rejected.dot`` and ``rejected.svg`` with the mixing
 op highlighted.
 
@@ -39,10 +39,10 @@ from rich.console import Console
 
 from mbcompile import compiler
 from mbcompile.check import relative_error
-from mbcompile.config import Config, build_data, build_model, build_trainer, load_config
 from mbcompile.errors import MbcompileError, MixingError
-from mbcompile.flags import GlobalFlags
-from mbcompile.plan import parse_mbs
+from mbcompile.planning.plan import parse_mbs
+from mbcompile.training.config import Config, build_data, build_model, build_trainer, load_config
+from mbcompile.training.flags import GlobalFlags
 
 __all__ = ["main"]
 
@@ -172,7 +172,7 @@ def _demo_system(model: Any, batch: Any, gbs: int, num_csx: int) -> Any:
     """
     import dataclasses
 
-    from mbcompile.systems import get_system
+    from mbcompile.planning.systems import get_system
 
     peak = [compiler.compile(model, gbs, num_csx, mbs, example_inputs=batch, compile_only=True
                              ).estimate.memory.peak for mbs in (1, "none")]
@@ -181,7 +181,7 @@ def _demo_system(model: Any, batch: Any, gbs: int, num_csx: int) -> Any:
 
 def run_demo(args: argparse.Namespace) -> int:
     from mbcompile.models import make_tiny_gpt, token_batch
-    from mbcompile.trainer import Trainer
+    from mbcompile.training.trainer import Trainer
 
     gbs, num_csx = args.gbs, args.num_csx
     if gbs < num_csx:
@@ -289,7 +289,7 @@ def _explore_plot(cm: Any, out: Path) -> Path | None:
     """``explore.png``: ``plot(path)`` (or ``save_plot``) of the module's exploration.
 
     The exploration is ``cm.exploration`` or ``cm.report().exploration``
-    (``mbcompile.explore.Exploration``).
+    (``mbcompile.planning.explore.Exploration``).
     """
     report_fn = getattr(cm, "report", None)
     report = report_fn() if callable(report_fn) else None
@@ -310,7 +310,7 @@ def _write(path: Path, text: str, written: list[Path]) -> None:
 def write_artifacts(cm: Any, out: Path, cfg: Config | None = None, mbs: Any = None
                     ) -> list[Path]:
     """The artifacts folder of a compiled module; returns the files written."""
-    from mbcompile.draw import draw
+    from mbcompile.reports.draw import draw
 
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -351,8 +351,8 @@ def _first_batch(cfg: Config, phase: str) -> Any:
 
 def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "train",
                    compile_only: bool = False, validate_only: bool = False) -> int:
-    from mbcompile.draw import draw
-    from mbcompile.trainer import batch_args
+    from mbcompile.reports.draw import draw
+    from mbcompile.training.trainer import batch_args
 
     options = _compile_options(cfg, compile_only, validate_only)
     model = build_model(cfg)
@@ -408,7 +408,7 @@ def run_fit(args: argparse.Namespace) -> int:
         if args.nproc != cfg.num_csx:
             raise CommandError(f"--nproc {args.nproc} launches one rank per system, but "
                                f"{cfg.file} has num_csx {cfg.num_csx}: make them equal")
-        from mbcompile.distributed import launch
+        from mbcompile.execution.distributed import launch
 
         _out(f"launching {args.nproc} CPU ranks (gloo on 127.0.0.1), one per system")
         launch(_fit_rank, args.nproc, args)

@@ -10,7 +10,7 @@
 
 What one ``fit`` does:
 
-1. opens the train phase: a flag scope (see ``mbcompile.flags``) in which the
+1. opens the train phase: a flag scope (see ``mbcompile.training.flags``) in which the
    ``ScopedTrainFlags`` apply; the first batch is the example that the phase's
    module is compiled from (``mbcompile.compile`` with the scope's MBS), and later
    batches reuse it;
@@ -54,8 +54,8 @@ from rich.progress import (
 from mbcompile import compiler
 from mbcompile.compiler import CompiledModule
 from mbcompile.errors import ArgumentTypeError, MbcompileError
-from mbcompile.flags import Callback, Flags
-from mbcompile.lr_scaling import LRScaling
+from mbcompile.training.flags import Callback, Flags
+from mbcompile.training.lr_scaling import LRScaling
 
 __all__ = ["Trainer", "TrainerError", "batch_args", "loss_of"]
 
@@ -170,12 +170,12 @@ class Trainer:
     """Train and validate ``model`` microbatched over ``num_csx`` simulated systems.
 
     ``callbacks`` take ``GlobalFlags``, ``ScopedTrainFlags``, ``ScopedValidateFlags``
-    (the MBS per phase) and any ``mbcompile.flags.Callback``. ``system`` and
+    (the MBS per phase) and any ``mbcompile.training.flags.Callback``. ``system`` and
     ``backend`` go to ``mbcompile.compile``, as do ``compile_options``. ``metrics``
     maps a name to ``fn(output, batch) -> number``, logged beside the loss.
     ``reference_batch_size`` (with ``lr_scaling`` "linear", "sqrt" or "none", default
     by optimizer, and ``warmup_steps``) scales the learning rate to ``gbs``; see
-    ``mbcompile.lr_scaling``.
+    ``mbcompile.training.lr_scaling``.
     ``log_dir`` receives ``metrics.csv`` and ``metrics.jsonl`` (one row per step);
     the terminal shows a progress bar and a line every ``log_every`` steps.
     """
@@ -357,7 +357,7 @@ class Trainer:
         if self.backend == "torch.distributed":
             import torch.distributed as dist
 
-            from mbcompile.distributed import shard
+            from mbcompile.execution.distributed import shard
 
             if not isinstance(self.in_dims, int):
                 raise TrainerError("the torch.distributed backend in the Trainer shards "

@@ -2,7 +2,9 @@
 
 Nothing here runs real compute.  A *probe* runs the captured graph's forward and
 backward once on fake tensors (``FakeTensorMode``: shapes and dtypes, no data) at
-microbatch size ``m`` and records, per ATen op:
+microbatch size ``m``; the forward is ``passes/fake_probe.py``'s ``FakeProbe``, the
+interpreter the shape pass runs too, under the dispatch modes here.  It records,
+per ATen op:
 
 - FLOPs, from torch's ``FlopCounterMode`` (plus formulas for the CPU flash
   attention kernels it lacks);
@@ -72,9 +74,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (
@@ -84,8 +84,9 @@ from torch.utils.flop_counter import (
 )
 
 from mbcompile.errors import MbcompileError, PlanError
-from mbcompile.passes.facts import FACT, PARAMS, REDUCTION, SHAPES, Reduced, ValueInfo
-from mbcompile.systems import SystemSpec
+from mbcompile.passes.batch_analysis import BatchAnalysis
+from mbcompile.passes.fake_probe import FakeProbe
+from mbcompile.planning.systems import SystemSpec
 
 __all__ = [
     "CostModel",
@@ -274,19 +275,6 @@ class _Recorder(TorchDispatchMode):
         return np.cumsum(delta)[:n]
 
 
-def _resize(value: Any, dim: int | None, m: int, mode: FakeTensorMode) -> Any:
-    def one(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        if dim is None:
-            return mode.from_tensor(t)
-        shape = list(t.shape)
-        shape[dim] = m
-        with mode:
-            return torch.zeros(shape, dtype=t.dtype, device=t.device)
-    return pytree.tree_map(one, value)
-
-
 def _loss_of(outputs: Sequence[Any], loss_leaves: tuple[int, ...] | None) -> torch.Tensor | None:
     """What backward starts from: the model's loss, or the sum of its trainable outputs."""
     flat = list(outputs)
@@ -308,7 +296,8 @@ def _loss_of(outputs: Sequence[Any], loss_leaves: tuple[int, ...] | None) -> tor
 
 
 class _Prober:
-    """Runs probes of one graph; shares one FakeTensorMode (and its caches)."""
+    """Probes one graph: the fake probe (one FakeTensorMode, its caches and its fake
+    parameters shared by every size) under this module's instrumentation."""
 
     def __init__(self, gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | None],
                  loss_leaves: tuple[int, ...] | None) -> None:
@@ -316,14 +305,15 @@ class _Prober:
         self.values = list(values)
         self.in_dims = list(in_dims)
         self.loss_leaves = loss_leaves
-        self.mode = FakeTensorMode(allow_non_fake_inputs=False)
-        self.params = {n: self.mode.from_tensor(p) for n, p in gm.named_parameters()}
-        self.buffers = {n: self.mode.from_tensor(b) for n, b in gm.named_buffers()}
+        self.fake_probe = FakeProbe(gm)
+        self.fake_probe.extra_traceback = False  # CostModelError words the failure itself
+        self.params = {n: self.fake_probe.fake(p) for n, p in gm.named_parameters()}
+        self.buffers = {n: self.fake_probe.fake(b) for n, b in gm.named_buffers()}
         self.param_storages = {id(p.untyped_storage()) for p in self.params.values()}
         self.param_storages |= {id(b.untyped_storage()) for b in self.buffers.values()}
 
     def __call__(self, m: int) -> _Probe:
-        args = [_resize(v, d, m, self.mode) for v, d in zip(self.values, self.in_dims)]
+        args = self.fake_probe.inputs(self.values, self.in_dims, m)
         counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
         recorder = _Recorder(counter, set(self.param_storages))
         saved: set[int] = set()
@@ -337,10 +327,9 @@ class _Prober:
         for p in self.params.values():
             p.grad = None
         try:
-            with self.mode, counter, recorder, torch.enable_grad(), \
+            with self.fake_probe.mode, counter, recorder, torch.enable_grad(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                outs = torch.func.functional_call(self.gm, {**self.params, **self.buffers},
-                                                  tuple(args))
+                outs = self.fake_probe.run(*args)
                 flat = pytree.tree_leaves(outs)
                 outputs = float(sum(_nbytes(o) for o in flat
                                     if isinstance(o, torch.Tensor) and o.dim() > 0))
@@ -809,26 +798,6 @@ class CostModel:
 # --------------------------------------------------------------------------- #
 
 
-def _loss_leaves(gm: nn.Module) -> tuple[tuple[int, ...] | None, bool]:
-    """Output leaves that are trained losses (from the batch facts), and whether fused.
-
-    Mirrors the microbatch rewrite: backward runs per microbatch when exactly one
-    reduction depends on parameters and it is a scalar.  A module without batch
-    facts (not an analysed graph) is assumed to return one scalar loss.
-    """
-    if not isinstance(gm, fx.GraphModule) or not any(FACT in n.meta for n in gm.graph.nodes):
-        return None, True
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    leaves = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    losses = tuple(i for i, x in enumerate(leaves)
-                   if isinstance(x, fx.Node) and isinstance(x.meta.get(FACT), Reduced)
-                   and x.meta.get(PARAMS))
-    trained = [n for n in gm.graph.nodes if REDUCTION in n.meta and n.meta.get(PARAMS)]
-    info = trained[0].meta.get(SHAPES) if len(trained) == 1 else None
-    fused = isinstance(info, ValueInfo) and info.shape_a == ()
-    return losses or None, fused
-
-
 def _input_bytes(values: Sequence[Any], in_dims: Sequence[int | None]) -> tuple[float, float]:
     per_sample = fixed = 0.0
     for value, d in zip(values, in_dims):
@@ -842,10 +811,12 @@ def _input_bytes(values: Sequence[Any], in_dims: Sequence[int | None]) -> tuple[
     return per_sample, fixed
 
 
-def analyse_cost(gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | None], *,
-                 pbs: int | None = None, name: str | None = None,
-                 fit: bool = True) -> CostModel:
-    """Build the cost model of ``gm``: best the analysed captured graph, or any module.
+def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
+                 in_dims: Sequence[int | None], *, pbs: int | None = None,
+                 name: str | None = None, fit: bool = True) -> CostModel:
+    """Build the cost model of ``gm``: best the batch analysis of the captured graph
+    (it says which outputs are trained losses and whether backward runs per
+    microbatch), or any module (assumed to return one scalar loss first).
 
     ``values`` are example inputs in ``forward``'s order (any batch size; only
     their shapes and dtypes are used) and ``in_dims`` their batch dims.  Runs the
@@ -860,6 +831,12 @@ def analyse_cost(gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | N
     >>> cost.figures(4).flops == 4 * cost.figures(1).flops
     True
     """
+    if isinstance(gm, BatchAnalysis) and gm.rejected is None:
+        loss_leaves, fused = gm.loss_outputs or None, gm.fused
+        gm = gm.graph_module
+    else:  # a module, or a graph run unsplit: one microbatch, whatever its losses
+        gm = gm.graph_module if isinstance(gm, BatchAnalysis) else gm
+        loss_leaves, fused = None, True
     seen: set[int] = set()
     param_bytes = trainable = largest = 0.0
     n_params = n_train = n_tensors = 0
@@ -874,7 +851,6 @@ def analyse_cost(gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | N
             trainable += _nbytes(p)
             n_train += p.numel()
             largest = max(largest, float(_nbytes(p)))
-    loss_leaves, fused = _loss_leaves(gm)
     per_sample, fixed = _input_bytes(values, in_dims)
     static = StaticFigures(
         param_bytes=param_bytes, trainable_bytes=trainable, num_params=n_params,

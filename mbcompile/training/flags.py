@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mbcompile.errors import MbcompileError
-from mbcompile.plan import parse_mbs
+from mbcompile.planning.plan import parse_mbs
 
 __all__ = [
     "FLAGS",

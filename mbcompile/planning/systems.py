@@ -356,7 +356,7 @@ def host_spec() -> SystemSpec:
                 "a core's share of the last-level cache from sysfs); bandwidths "
                 f"({HOST_BANDWIDTH_PER_CORE / 1e9:.0f} GB/s DRAM, "
                 f"{HOST_CACHE_BANDWIDTH_PER_CORE / 1e9:.0f} GB/s cache per core) and overheads "
-                "calibrated on a 2-core EPYC VM (see mbcompile/systems.py)"),
+                "calibrated on a 2-core EPYC VM (see mbcompile/planning/systems.py)"),
     )
 
 
@@ -419,4 +419,4 @@ def measure_host(reps: int = 3) -> SystemSpec:
                    peak_flops=flops * base.peak_flops / base.peak_flops_fp32,
                    memory_bandwidth=bandwidth, interconnect_bandwidth=bandwidth / 2,
                    kernel_overhead_s=2 * per_op,  # forward plus its autograd share
-                   source="measured on this machine by mbcompile.systems.measure_host()")
+                   source="measured on this machine by mbcompile.planning.systems.measure_host()")

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from mbcompile.cost import format_bytes, format_seconds
 from mbcompile.errors import MbcompileError
 from mbcompile.passes.facts import FACT
+from mbcompile.planning.cost import format_bytes, format_seconds
 
 __all__ = ["Report", "Validation", "render", "report_dict", "validation_of"]
 
@@ -132,7 +132,7 @@ def validation_of(model_name: str, gbs: int, num_csx: int, gm: fx.GraphModule,
 def report_dict(cm: Any) -> dict[str, Any]:
     """Everything the report says, as JSON-ready data.
 
-    Reads ``cm.plan``, ``cm.selection`` (a :class:`~mbcompile.explore.Selection`,
+    Reads ``cm.plan``, ``cm.selection`` (a :class:`~mbcompile.planning.explore.Selection`,
     may be None), ``cm.compile_only`` and ``cm.module``.
     """
     from mbcompile import __version__
@@ -197,7 +197,7 @@ def _text(d: dict[str, Any], cm: Any) -> str:
     e = selection.estimate
     if e is not None:
         m, t = e.memory, e.time
-        from mbcompile.explore import describe_memory
+        from mbcompile.planning.explore import describe_memory
 
         state = (f"fits, {format_bytes(m.headroom)} free" if m.fits
                  else f"DOES NOT FIT by {format_bytes(-m.headroom)}")
@@ -244,7 +244,7 @@ def render(cm: Any, fmt: str = "text") -> str:
 
 def _batch_guidance(cm: Any, d: dict[str, Any]) -> list[str]:
     """Tokens per batch and the noise-scale advice (issue 9), into ``d`` and as text lines."""
-    from mbcompile.noise import advice
+    from mbcompile.execution.noise import advice
 
     lines = []
     plan = cm.plan

@@ -29,10 +29,10 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
 
-from .errors import ArgumentTypeError, MbsAdjustedWarning, PlanError
+from mbcompile.passes.errors import ArgumentTypeError, MbsAdjustedWarning, PlanError
 
 __all__ = [
     "DEFAULT_AUTO_MICROBATCHES",
@@ -186,6 +186,8 @@ class MbsPolicy:
     value: int | None = None
     explore_min: int | None = None
     explore_max: int | None = None
+    #: what the user wrote, for messages (``mbs='explore'``); not part of the policy
+    request: Any = field(default=None, compare=False, repr=False)
 
 
 def parse_mbs(mbs: object) -> MbsPolicy:
@@ -196,7 +198,15 @@ def parse_mbs(mbs: object) -> MbsPolicy:
     MbsPolicy(mode='int', value=8, explore_min=None, explore_max=None)
     >>> parse_mbs("none").mode
     'none'
+
+    ``compile()`` parses once and hands the policy on; a policy parses to itself.
     """
+    if isinstance(mbs, MbsPolicy):
+        return mbs
+    return replace(_parse(mbs), request=mbs)
+
+
+def _parse(mbs: object) -> MbsPolicy:
     if _is_int(mbs):
         value = int(mbs)  # type: ignore[call-overload]
         if value < 1:
@@ -492,7 +502,7 @@ def make_plan(
         gbs=gbs,
         num_csx=num_csx,
         per_system_batch_sizes=system_sizes,
-        requested_mbs=_requested_form(mbs),
+        requested_mbs=_requested_form(policy.request),
         mbs=effective,
         num_microbatches=num_microbatches,
         microbatch_sizes=microbatch_sizes,

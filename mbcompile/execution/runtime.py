@@ -1,16 +1,15 @@
-"""The runtime ops the rewritten graph calls: split, the microbatch loop, accumulate.
+"""The training loop a backend binds in place of ``passes.ops.microbatch_loop``.
 
-One step of ``gbs 10 over 3 systems, mbs 2`` (sizes ((2, 2), (2, 1), (2, 1))):
+Under ``torch.no_grad``, or when nothing is trained, the loop just collects every
+microbatch's outputs. When training with a loss inside the model it runs each
+microbatch's forward *and* backward at once, so only one microbatch's activations
+are alive, through ``_FusedStep`` below: the step's gradient is built in fresh
+``.grad`` slots, checked once at the end of the step (one device read), and handed
+to the user's ``loss.backward()``.
 
-1. ``split`` cuts each batched input into views ``[0:2] [2:4] | [4:6] [6:7] |
-   [7:9] [9:10]`` (no copies; empty microbatches never appear);
-2. ``microbatch_loop`` runs the body on each view. Under ``torch.no_grad`` or
-   when nothing is trained it just collects outputs. When training with a loss
-   inside the model it runs each microbatch's forward *and* backward at once, so
-   only one microbatch's activations are alive, through ``_FusedStep`` below;
-3. ``accumulate_cat`` joins per-sample outputs in the original order and
-   ``accumulate_sum`` adds partial sums per system, then across systems, as an
-   all-reduce would.
+What the loop reports besides outputs (the noise scale to update, the last
+call's loss counts) travels in an explicit ``StepChannels`` object that the
+backend binds into the loop, never as attributes of a module.
 """
 
 from __future__ import annotations
@@ -24,42 +23,26 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from mbcompile.errors import InputError, MicrobatchError, MicrobatchOutOfMemoryError
-from mbcompile.noise import NoiseScale, estimate_noise_scale
+from mbcompile.execution.noise import NoiseScale, estimate_noise_scale
+from mbcompile.passes.errors import InputError, MicrobatchError, MicrobatchOutOfMemoryError
+from mbcompile.passes.ops import as_tuple
 
 T = TypeVar("T")
 
-#: Attribute of the body GraphModule holding a ``NoiseScale`` to update, if any.
-NOISE_ATTR = "mbcompile_noise_scale"
-#: Attribute of the body holding the last call's per-microbatch loss counts (references).
-LAST_COUNTS_ATTR = "mbcompile_last_counts"
-
-__all__ = ["BodyOutput", "accumulate_cat", "accumulate_sum", "microbatch_loop", "split"]
+__all__ = ["StepChannels", "make_loop", "read_host"]
 
 
-@dataclass(frozen=True)
-class BodyOutput:
-    """How one output of the body is combined over microbatches."""
+@dataclass
+class StepChannels:
+    """What one compiled graph's loop reports besides its outputs.
 
-    kind: str  # "cat": per-sample, joined along ``dim``; "sum": a partial sum
-    dim: int = 0
+    ``noise``: a ``NoiseScale`` the training step updates (None: not measured);
+    ``last_counts``: the last call's per-microbatch counts of the trained loss's mean
+    (references to device values, never read by the loop itself).
+    """
 
-
-def _narrow(value: Any, dim: int | None, start: int, length: int) -> Any:
-    """Rows [start, start + length) of every tensor in ``value`` along ``dim`` (views)."""
-    if dim is None:
-        return value
-    if isinstance(value, torch.Tensor):  # the usual input: no pytree walk on every microbatch
-        return value.narrow(dim, start, length)
-    return pytree.tree_map(
-        lambda t: t.narrow(dim, start, length) if isinstance(t, torch.Tensor) else t, value)
-
-
-def split(*inputs: Any, slices: Sequence[tuple[int, int]], in_dims: Sequence[Any]
-          ) -> list[tuple[Any, ...]]:
-    """Views of ``inputs`` for every non-empty microbatch, in global batch order."""
-    return [tuple(_narrow(x, d, start, stop - start) for x, d in zip(inputs, in_dims))
-            for start, stop in slices]
+    noise: NoiseScale | None = None
+    last_counts: tuple[Any, ...] | None = None
 
 
 class _Loop:
@@ -67,7 +50,8 @@ class _Loop:
 
     def __init__(self, body: fx.GraphModule, microbatches: list[tuple[Any, ...]],
                  fused_index: int | None, systems: Sequence[int], distributed: bool,
-                 count_index: int | None = None, sizes: Sequence[int] = ()) -> None:
+                 count_index: int | None = None, sizes: Sequence[int] = (),
+                 noise: NoiseScale | None = None) -> None:
         self.body = body
         self.microbatches = microbatches
         self.fused_index = fused_index
@@ -75,8 +59,7 @@ class _Loop:
         self.distributed = distributed
         self.count_index = count_index
         self.sizes = sizes
-        # the gradient-noise-scale measurement, when CompiledModule switched it on
-        self.noise: NoiseScale | None = getattr(body, NOISE_ATTR, None)
+        self.noise = noise  # the gradient-noise-scale measurement, when switched on
         self.small_sq: list[float] = []
         self.counts: list[float] = []
         self.big_sq = 0.0
@@ -94,7 +77,7 @@ class _Loop:
 
     def run(self) -> list[tuple[Any, ...]]:
         return self._agreed(lambda: [
-            self._in_microbatch(i, lambda mb=mb: _as_tuple(self.body(*mb)))
+            self._in_microbatch(i, lambda mb=mb: as_tuple(self.body(*mb)))
             for i, mb in enumerate(self.microbatches)])
 
     def _in_microbatch(self, index: int, fn: Callable[[], T], what: str = "forward") -> T:
@@ -130,7 +113,7 @@ class _Loop:
             if checks is not None:
                 self._settle(read_host(checks()))
             return result
-        from mbcompile.distributed import step_status
+        from mbcompile.execution.distributed import step_status
 
         try:
             result = fn()
@@ -160,7 +143,7 @@ class _Loop:
             with torch.enable_grad():
                 for i, mb in enumerate(self.microbatches):
                     checks.current = i
-                    out = self._in_microbatch(i, lambda mb=mb: _as_tuple(self.body(*mb)))
+                    out = self._in_microbatch(i, lambda mb=mb: as_tuple(self.body(*mb)))
                     partial = out[self.fused_index]
                     checks.finite(i, partial)  # read once, at the end of the step
                     self._in_microbatch(i, partial.backward, "backward")
@@ -245,10 +228,6 @@ def read_host(t: torch.Tensor) -> list[float]:
     return t.detach().cpu().tolist()
 
 
-def _as_tuple(out: Any) -> tuple[Any, ...]:
-    return out if isinstance(out, tuple) else (out,)
-
-
 def _detach(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
 
@@ -298,7 +277,7 @@ class _FusedStep(torch.autograd.Function):
                 "are handed over once (retain_graph is not supported across its loop)")
         step, loop.step_grads = loop.step_grads, None
         if loop.distributed:  # one bucketed all-reduce per step, never per microbatch
-            from mbcompile.distributed import all_reduce_gradients
+            from mbcompile.execution.distributed import all_reduce_gradients
 
             all_reduce_gradients(step)
         if all(g is None for g in loss_grads):
@@ -330,31 +309,33 @@ def _measure_noise(loop: _Loop, g: torch.Tensor) -> None:
                       scale=scale)
 
 
-def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *,
-                    fused_index: int | None, systems: Sequence[int], distributed: bool = False,
-                    count_index: int | None = None, sizes: Sequence[int] = ()
-                    ) -> list[tuple[Any, ...]]:
-    """Run ``body`` on every microbatch; returns each microbatch's outputs.
+def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[..., Any]:
+    """The loop a backend binds for ``passes.ops.microbatch_loop``, reporting to ``channels``.
 
-    ``fused_index`` names the body output that is the loss's partial sum, when
-    the model has exactly one scalar loss to train on; then, with grad enabled,
-    each microbatch's backward runs right after its forward.
+    With ``distributed`` the call holds one rank's share: the step's status and
+    checks are all-reduced once, and gradients are all-reduced in ``backward``.
     """
-    results = _loop(body, microbatches, fused_index, systems, distributed, count_index, sizes)
-    if count_index is not None:  # kept for reports (token counts); no copy, no sync
-        setattr(body, LAST_COUNTS_ATTR, tuple(r[count_index] for r in results))
-    return results
+    def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *,
+                        fused_index: int | None, systems: Sequence[int],
+                        count_index: int | None = None, sizes: Sequence[int] = ()
+                        ) -> list[tuple[Any, ...]]:
+        loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes,
+                     channels.noise)
+        results = _run(loop)
+        if count_index is not None:  # kept for reports (token counts); no copy, no sync
+            channels.last_counts = tuple(r[count_index] for r in results)
+        return results
+
+    microbatch_loop.__module__ = __name__
+    return microbatch_loop
 
 
-def _loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], fused_index: int | None,
-          systems: Sequence[int], distributed: bool, count_index: int | None,
-          sizes: Sequence[int]) -> list[tuple[Any, ...]]:
-    params = [p for p in body.parameters() if p.requires_grad]
-    loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes)
+def _run(loop: _Loop) -> list[tuple[Any, ...]]:
+    params = [p for p in loop.body.parameters() if p.requires_grad]
     if not params or not torch.is_grad_enabled():
         return loop.run()
-    if fused_index is None or any(_requires_grad(mb) for mb in microbatches[:1]):
-        if distributed:
+    if loop.fused_index is None or any(_requires_grad(mb) for mb in loop.microbatches[:1]):
+        if loop.distributed:
             raise InputError(
                 "training on torch.distributed needs the loss computed inside the model (one "
                 "scalar loss) and inputs that do not require grad: gradients are reduced once "
@@ -368,26 +349,3 @@ def _loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], fused_index
 
 def _requires_grad(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
-
-
-def accumulate_cat(results: list[tuple[Any, ...]], index: int, dim: int) -> torch.Tensor:
-    """Per-sample output ``index`` of every microbatch, joined in the original order."""
-    pieces = [r[index] for r in results]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-
-
-def accumulate_sum(results: list[tuple[Any, ...]], index: int, systems: Sequence[int]) -> Any:
-    """Partial sums added within each system, then across systems (the all-reduce)."""
-    totals, start = [], 0
-    for count in systems:
-        part = [r[index] for r in results[start:start + count]]
-        start += count
-        if part:
-            total = part[0]
-            for p in part[1:]:
-                total = total + p
-            totals.append(total)
-    total = totals[0]
-    for t in totals[1:]:
-        total = total + t
-    return total

@@ -51,7 +51,8 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from mbcompile import models
 from mbcompile.errors import MbcompileError
-from mbcompile.flags import (
+from mbcompile.planning.plan import make_plan
+from mbcompile.training.flags import (
     FLAGS,
     Callback,
     FlagError,
@@ -61,7 +62,6 @@ from mbcompile.flags import (
     resolve_key,
     suggest,
 )
-from mbcompile.plan import make_plan
 
 __all__ = [
     "BACKENDS",
@@ -865,7 +865,7 @@ def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
                   progress: bool = True, console: Any = None, model: nn.Module | None = None,
                   compile_options: Mapping[str, Any] | None = None) -> Any:
     """A ``Trainer`` for ``cfg`` (model, optimizer, callbacks, logging to ``output_dir``)."""
-    from mbcompile.trainer import Trainer
+    from mbcompile.training.trainer import Trainer
 
     model = build_model(cfg) if model is None else model
     return Trainer(model, build_optimizer(cfg, model), gbs=cfg.batch_size, num_csx=cfg.num_csx,

@@ -1,10 +1,10 @@
 """Choosing the MBS: ``"auto"``, ``"explore"``, the memory checks, and measured timing.
 
-Everything here works on a :class:`~mbcompile.cost.CostModel` and a
-:class:`~mbcompile.systems.SystemSpec`.  ``compile()`` calls :func:`check_request`
+Everything here works on a :class:`~mbcompile.planning.cost.CostModel` and a
+:class:`~mbcompile.planning.systems.SystemSpec`.  ``compile()`` calls :func:`check_request`
 before tracing and :func:`plan_for` after the batch analysis; that builds the
 cost model and calls :func:`select_plan`, which hands
-:func:`~mbcompile.plan.make_plan` a chooser (``"auto"``) or an explorer
+:func:`~mbcompile.planning.plan.make_plan` a chooser (``"auto"``) or an explorer
 (``"explore"``) and then checks that the plan fits.
 
 ``"auto"`` evaluates a few candidates only, O(log n) of the n supported values
@@ -49,7 +49,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from mbcompile.cost import (
+from mbcompile.errors import ArgumentTypeError, MbcompileError, MbcompileWarning, PlanError
+from mbcompile.passes.batch_analysis import BatchAnalysis
+from mbcompile.planning.cost import (
     CostModel,
     CostModelError,
     DoesNotFitError,
@@ -59,8 +61,8 @@ from mbcompile.cost import (
     format_bytes,
     format_seconds,
 )
-from mbcompile.errors import ArgumentTypeError, MbcompileError, MbcompileWarning, PlanError
-from mbcompile.plan import (
+from mbcompile.planning.plan import (
+    MbsPolicy,
     MicrobatchPlan,
     closest_supported,
     make_plan,
@@ -68,7 +70,7 @@ from mbcompile.plan import (
     per_system_batch_sizes,
     supported_mbs,
 )
-from mbcompile.systems import SystemSpec
+from mbcompile.planning.systems import SystemSpec
 
 __all__ = [
     "AUTO_TIME_TOLERANCE",
@@ -289,7 +291,7 @@ class HostTimer:
         self._cache: dict[int, float] = {}
 
     def _once(self, args: Sequence[Any]) -> float:
-        from mbcompile.cost import _loss_of
+        from mbcompile.planning.cost import _loss_of
 
         _sync(self.device)
         start = time.perf_counter()
@@ -369,7 +371,7 @@ def _progress(total: int, show: bool | None) -> Any:
 class Selector:
     """Evaluates candidate MBS values of one (model, gbs, num_csx, system).
 
-    ``auto`` and ``explore`` have :data:`mbcompile.plan.AutoChooser`'s signature,
+    ``auto`` and ``explore`` have :data:`mbcompile.planning.plan.AutoChooser`'s signature,
     so they plug into ``make_plan(chooser=..., explorer=...)``.
     """
 
@@ -593,13 +595,13 @@ def describe_memory(m: MemoryEstimate) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def check_request(gbs: int, num_csx: int, mbs: object, compile_only: bool) -> None:
+def check_request(gbs: int, num_csx: int, mbs: MbsPolicy | object, compile_only: bool) -> None:
     """Fail fast, before any tracing, on what the arguments alone rule out.
 
     Bad ``gbs``/``num_csx``/``mbs`` values, an int ``mbs`` above the per-system
     batch size, and ``"explore"`` without ``compile_only=True``.
     """
-    policy = parse_mbs(mbs)
+    policy = parse_mbs(mbs)  # a policy already parsed by compile() is returned as it is
     pbs = per_system_batch_sizes(gbs, num_csx)[0]
     if policy.mode == "int" and (policy.value or 0) > pbs:
         make_plan(gbs, num_csx, mbs)  # raises the plan's own "must be at most" error
@@ -609,13 +611,13 @@ def check_request(gbs: int, num_csx: int, mbs: object, compile_only: bool) -> No
             make_plan(gbs, num_csx, mbs, explorer=lambda _, c: (c[0], ""))  # range errors
     if policy.mode == "explore" and not compile_only:
         raise PlanError(
-            f"mbs={mbs!r} explores MBS values and reports the best one to pin; it does not "
-            "build a module to train with. Run it once with compile_only=True, read "
+            f"mbs={policy.request!r} explores MBS values and reports the best one to pin; it does "
+            "not build a module to train with. Run it once with compile_only=True, read "
             "cm.report() (or cm.plan.mbs), then compile again with mbs=<that value>: "
-            f"compile(model, gbs, num_csx, mbs={mbs!r}, compile_only=True, ...)")
+            f"compile(model, gbs, num_csx, mbs={policy.request!r}, compile_only=True, ...)")
 
 
-def single_microbatch_request(gbs: int, num_csx: int, mbs: object) -> bool:
+def single_microbatch_request(gbs: int, num_csx: int, mbs: MbsPolicy | object) -> bool:
     """True when the request can only mean one system running one microbatch.
 
     Such a plan splits nothing, so a graph the batch analysis rejects still runs
@@ -623,7 +625,7 @@ def single_microbatch_request(gbs: int, num_csx: int, mbs: object) -> bool:
     """
     if num_csx != 1:
         return False
-    policy = parse_mbs(mbs)
+    policy = parse_mbs(mbs)  # a policy already parsed by compile() is returned as it is
     pbs = per_system_batch_sizes(gbs, num_csx)[0]
     if policy.mode == "none" or pbs == 1:
         return True
@@ -632,7 +634,7 @@ def single_microbatch_request(gbs: int, num_csx: int, mbs: object) -> bool:
     return False
 
 
-def select_plan(gbs: int, num_csx: int, mbs: object, cost: CostModel | None,
+def select_plan(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostModel | None,
                 spec: SystemSpec, *, timer: Callable[[int], float] | None = None,
                 progress: bool | None = None, cost_error: str | None = None,
                 unsplit: bool = False) -> Selection:
@@ -646,11 +648,11 @@ def select_plan(gbs: int, num_csx: int, mbs: object, cost: CostModel | None,
     runs the whole per-system batch as one microbatch (see
     :func:`single_microbatch_request`), so only that size is checked.
     """
-    policy = parse_mbs(mbs)
+    policy = parse_mbs(mbs)  # a policy already parsed by compile() is returned as it is
     pbs = per_system_batch_sizes(gbs, num_csx)[0]
     if cost is None:
         if policy.mode == "explore":
-            raise CostModelError(f"mbs={mbs!r} needs the cost model, which failed: "
+            raise CostModelError(f"mbs={policy.request!r} needs the cost model, which failed: "
                                  f"{cost_error}")
         if policy.mode == "auto":
             warnings.warn(f"the cost model could not run ({cost_error}); mbs='auto' uses the "
@@ -676,20 +678,22 @@ def _with_reason(plan: MicrobatchPlan, reason: str) -> MicrobatchPlan:
     return replace(plan, reason=reason)
 
 
-def plan_for(gm: torch.nn.Module, values: Sequence[Any], in_dims: Sequence[int | None],
-             gbs: int, num_csx: int, mbs: object, system: SystemSpec, *,
+def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[int | None],
+             gbs: int, num_csx: int, mbs: MbsPolicy | object, system: SystemSpec, *,
              measure: bool | int = False, progress: bool | None = None,
-             name: str | None = None, unsplit: bool = False) -> Selection:
+             name: str | None = None) -> Selection:
     """``compile()``'s planning step: cost model of the analysed graph, then :func:`select_plan`.
 
-    ``gm`` is the captured graph after batch analysis (its facts say which output
-    is the loss), ``values`` the example inputs in placeholder order.  A cost
+    ``analysis`` is the batch analysis of the captured graph (it says which outputs
+    are trained losses), ``values`` the example inputs in placeholder order.  A cost
     model that cannot run is reported through ``Selection.cost_error`` (see
     :func:`select_plan`).  ``measure``: True (3 repetitions) or a repetition
     count, to time real forward+backward on the model's device per candidate.
-    ``unsplit``: the batch analysis rejected a split and the request runs one
-    microbatch per system (one system): only that size is probed and checked.
+    When the analysis rejected a split (and the request runs one microbatch on one
+    system), only that size is probed and checked.
     """
+    unsplit = analysis.rejected is not None
+    gm = analysis.graph_module
     if isinstance(measure, bool) or not isinstance(measure, int):
         if not isinstance(measure, bool):
             raise ArgumentTypeError(f"measure must be a bool or a repetition count, got "
@@ -701,7 +705,7 @@ def plan_for(gm: torch.nn.Module, values: Sequence[Any], in_dims: Sequence[int |
         reps = measure
     pbs = per_system_batch_sizes(gbs, num_csx)[0]
     try:
-        cost: CostModel | None = analyse_cost(gm, values, in_dims, pbs=pbs, name=name,
+        cost: CostModel | None = analyse_cost(analysis, values, in_dims, pbs=pbs, name=name,
                                               fit=not unsplit)
         error = None
     except CostModelError as exc:

@@ -1,4 +1,4 @@
-"""Graph views: ``mbcompile.draw(cm, "graph.svg")`` writes an SVG (and the Graphviz DOT).
+"""Graph views: ``mbcompile.reports.draw(cm, "graph.svg")`` writes an SVG (and the Graphviz DOT).
 
 What is drawn, side by side in one picture:
 
@@ -15,7 +15,7 @@ plus a note with the reason::
     try:
         cm = mbcompile.compile(model, gbs, num_csx, example_inputs=batch)
     except mbcompile.MixingError as exc:
-        mbcompile.draw(model, "rejected.svg", error=exc)
+        mbcompile.reports.draw(model, "rejected.svg", error=exc)
 
 The picture is built once (``_Picture``: boxes, arrows, clusters) and written two ways:
 as DOT text (``to_dot``), and as SVG. The SVG needs no system program: its layout is
@@ -41,9 +41,9 @@ import networkx as nx
 import torch.fx as fx
 import torch.nn as nn
 
-from mbcompile import partials, runtime
 from mbcompile.compiler import CompiledModule
 from mbcompile.errors import MbcompileError, MbcompileWarning, MixingError
+from mbcompile.passes import ops, partials
 from mbcompile.passes.facts import FACT, SHAPES, Batched, BatchSize, Container, Free, Reduced
 
 __all__ = ["draw", "render", "to_dot", "to_svg"]
@@ -56,10 +56,11 @@ _FACT_COLOURS = (  # (fact type, fill): what the analysis found for the node
     (Free, "#f3f4f6"),  # batch-free: parameters, constants
 )
 _RUNTIME_STYLE = {  # the nodes the rewrite adds, by function: shape, fill, bold
-    runtime.split: ("invtrapezium", "#93c5fd", True),
-    runtime.microbatch_loop: ("box3d", "#fcd34d", True),
-    runtime.accumulate_cat: ("trapezium", "#86efac", True),
-    runtime.accumulate_sum: ("trapezium", "#86efac", True),
+    ops.split: ("invtrapezium", "#93c5fd", True),
+    ops.microbatch_loop: ("box3d", "#fcd34d", True),
+    ops.accumulate_cat: ("trapezium", "#86efac", True),
+    ops.accumulate_sum: ("trapezium", "#86efac", True),
+    ops.all_reduce_sums: ("trapezium", "#86efac", True),
     partials.mean_combine: ("trapezium", "#bbf7d0", False),
 }
 _RED = "#b91c1c"
@@ -158,24 +159,24 @@ def _label(node: fx.Node, gm: fx.GraphModule, plan: Any = None,
     fact = node.meta.get(FACT)
     if fact is not None and not isinstance(fact, Free):
         lines.append(_short(str(fact)))
-    if node.target is runtime.split:
+    if ops.op_of(node.target) is ops.split:
         lines.append(f"{len(node.kwargs.get('slices', ()))} non-empty microbatches")
-    elif node.target is runtime.microbatch_loop:
+    elif ops.op_of(node.target) is ops.microbatch_loop:
         if plan is not None:
             lines.append(f"{plan.num_microbatches} per system x {plan.num_csx} systems, "
                          f"mbs {plan.mbs}")
         if node.kwargs.get("fused_index") is not None:
             lines.append("backward per microbatch")
-    elif node.target is runtime.accumulate_sum:
+    elif ops.op_of(node.target) is ops.accumulate_sum:
         lines.append("sum per system, then all-reduce")
-    elif node.target is runtime.accumulate_cat:
+    elif ops.op_of(node.target) is ops.accumulate_cat:
         lines.append(f"concatenate along dim {node.kwargs.get('dim', 0)}")
     return "\n".join(lines)
 
 
 def _style(node: fx.Node) -> dict[str, Any]:
-    if node.op == "call_function" and node.target in _RUNTIME_STYLE:
-        shape, fill, bold = _RUNTIME_STYLE[node.target]
+    if node.op == "call_function" and ops.op_of(node.target) in _RUNTIME_STYLE:
+        shape, fill, bold = _RUNTIME_STYLE[ops.op_of(node.target)]
         return {"shape": shape, "fill": fill, "bold": bold}
     fact = node.meta.get(FACT)
     fill = next((c for t, c in _FACT_COLOURS if isinstance(fact, t)), "#ffffff")
@@ -219,7 +220,7 @@ def _add_rewritten(pic: _Picture, plan: Any, gm: fx.GraphModule, cluster: str) -
                                      "dashed,rounded", parent=cluster))
         batch = None if plan is None else (plan.gbs, plan.max_microbatch_size)
         _add_graph(pic, body, "b_", "body", batch=batch)
-        loop = next((n for n in gm.graph.nodes if n.target is runtime.microbatch_loop), None)
+        loop = next((n for n in gm.graph.nodes if ops.op_of(n.target) is ops.microbatch_loop), None)
         nodes = list(body.graph.nodes)
         if loop is not None and nodes:
             pic.arrows.append(_Arrow("r_" + loop.name, "b_" + nodes[0].name, style="dashed",
@@ -259,7 +260,7 @@ def _picture(obj: Any, error: MixingError | None, title: str | None) -> _Picture
             pic.arrows.append(_Arrow("note", "o_" + mixing, style="dotted", head=False))
     elif isinstance(obj, (fx.GraphModule, nn.Module)):
         gm = _graph_of(obj)
-        if any(n.target is runtime.microbatch_loop for n in gm.graph.nodes):
+        if any(ops.op_of(n.target) is ops.microbatch_loop for n in gm.graph.nodes):
             _add_rewritten(pic, None, gm, "")
         else:
             _add_graph(pic, gm, "o_", "")

@@ -12,7 +12,7 @@ Per step there are three kinds of collective, never one per microbatch:
 3. the gradient all-reduce, bucketed like DDP's, when ``backward`` runs.
 
 Everything here is a no-op for the simulated backend, which sums systems in
-process (``runtime.accumulate_sum``).
+process (``passes.ops.accumulate_sum``).
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils import _pytree as pytree
 
-from mbcompile import runtime
-from mbcompile.errors import InputError, MicrobatchError
-from mbcompile.plan import MicrobatchPlan
+from mbcompile.execution import runtime
+from mbcompile.passes import ops
+from mbcompile.passes.errors import InputError, MicrobatchError
+from mbcompile.planning.plan import MicrobatchPlan
 
 __all__ = [
     "BUCKET_BYTES",
+    "bindings",
     "PlanSampler",
     "all_reduce_gradients",
     "all_reduce_sums",
@@ -185,6 +187,13 @@ def gradient_buckets(tensors: Sequence[torch.Tensor], cap: int) -> Iterator[list
         size += nbytes
     if bucket:
         yield bucket
+
+
+def bindings(channels: runtime.StepChannels) -> dict[Callable[..., Any], Callable[..., Any]]:
+    """The rank's loop (status and checks all-reduced once, gradients in backward) and the
+    all-reduce of the packed partial sums."""
+    return {ops.microbatch_loop: runtime.make_loop(channels, distributed=True),
+            ops.all_reduce_sums: all_reduce_sums}
 
 
 def free_port() -> int:

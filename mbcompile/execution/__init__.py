@@ -1,0 +1,30 @@
+"""Execution: the backends that bind the rewritten graph's loop and collective ops.
+
+``runtime`` is the training loop (backward per microbatch, one device read per
+step), ``simulated`` runs every system in this process, ``distributed`` one rank
+per system on torch.distributed; ``noise`` is the noise-scale estimate the loop
+measures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mbcompile.execution.runtime import StepChannels
+
+__all__ = ["BACKENDS", "StepChannels", "bindings"]
+
+BACKENDS = ("simulated", "torch.distributed")
+
+
+def bindings(backend: str, channels: StepChannels
+             ) -> dict[Callable[..., Any], Callable[..., Any]]:
+    """The loop-op bindings of ``backend`` (one of ``BACKENDS``)."""
+    if backend == "torch.distributed":
+        from mbcompile.execution import distributed
+
+        return distributed.bindings(channels)
+    from mbcompile.execution import simulated
+
+    return simulated.bindings(channels)

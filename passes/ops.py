@@ -1,0 +1,141 @@
+"""The ops the microbatch rewrite inserts: split, loop, accumulate, and one collective.
+
+Backend-neutral: each has a reference meaning written here, so a rewritten graph
+runs as it is (one process, every microbatch's activations kept until
+backward). A backend binds the loop and the collective to its own
+implementations (``bind``): mbcompile's simulated backend runs each microbatch's
+backward inside the loop, its torch.distributed backend also all-reduces across
+ranks. One step of ``gbs 10 over 3 systems, mbs 2`` (sizes ((2, 2), (2, 1), (2, 1))):
+
+1. ``split`` cuts each batched input into views ``[0:2] [2:4] | [4:6] [6:7] |
+   [7:9] [9:10]`` (no copies; empty microbatches never appear);
+2. ``microbatch_loop`` runs the body on each view and returns every microbatch's
+   outputs;
+3. ``accumulate_cat`` joins per-sample outputs in the original order and
+   ``accumulate_sum`` adds partial sums per system, then across the systems this
+   process runs;
+4. ``all_reduce_sums`` adds the partial sums of every process (identity in one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "BodyOutput",
+    "LOOP_OPS",
+    "accumulate_cat",
+    "accumulate_sum",
+    "all_reduce_sums",
+    "bind",
+    "microbatch_loop",
+    "op_of",
+    "split",
+]
+
+
+@dataclass(frozen=True)
+class BodyOutput:
+    """How one output of the body is combined over microbatches."""
+
+    kind: str  # "cat": per-sample, joined along ``dim``; "sum": a partial sum
+    dim: int = 0
+
+
+def _narrow(value: Any, dim: int | None, start: int, length: int) -> Any:
+    """Rows [start, start + length) of every tensor in ``value`` along ``dim`` (views)."""
+    if dim is None:
+        return value
+    if isinstance(value, torch.Tensor):  # the usual input: no pytree walk on every microbatch
+        return value.narrow(dim, start, length)
+    return pytree.tree_map(
+        lambda t: t.narrow(dim, start, length) if isinstance(t, torch.Tensor) else t, value)
+
+
+def split(*inputs: Any, slices: Sequence[tuple[int, int]], in_dims: Sequence[Any]
+          ) -> list[tuple[Any, ...]]:
+    """Views of ``inputs`` for every non-empty microbatch, in global batch order."""
+    return [tuple(_narrow(x, d, start, stop - start) for x, d in zip(inputs, in_dims))
+            for start, stop in slices]
+
+
+def as_tuple(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def microbatch_loop(body: Callable[..., Any], microbatches: list[tuple[Any, ...]], *,
+                    fused_index: int | None, systems: Sequence[int],
+                    count_index: int | None = None, sizes: Sequence[int] = ()
+                    ) -> list[tuple[Any, ...]]:
+    """Every microbatch's body outputs (reference meaning: a plain loop).
+
+    ``fused_index`` names the body output that is the trained loss's partial sum
+    (a backend may run its backward per microbatch), ``count_index`` its count,
+    ``systems`` how many microbatches each system runs and ``sizes`` their samples.
+    """
+    return [as_tuple(body(*mb)) for mb in microbatches]
+
+
+def accumulate_cat(results: list[tuple[Any, ...]], index: int, dim: int) -> torch.Tensor:
+    """Per-sample output ``index`` of every microbatch, joined in the original order."""
+    pieces = [r[index] for r in results]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def accumulate_sum(results: list[tuple[Any, ...]], index: int, systems: Sequence[int]) -> Any:
+    """Partial sums added within each system, then across this process's systems."""
+    totals, start = [], 0
+    for count in systems:
+        part = [r[index] for r in results[start:start + count]]
+        start += count
+        if part:
+            total = part[0]
+            for p in part[1:]:
+                total = total + p
+            totals.append(total)
+    total = totals[0]
+    for t in totals[1:]:
+        total = total + t
+    return total
+
+
+def all_reduce_sums(*values: Any) -> tuple[Any, ...]:
+    """Partial sums added over every process of the step (reference: one process)."""
+    return values
+
+
+#: The ops a backend may bind: the loop and the collective.
+LOOP_OPS = (microbatch_loop, all_reduce_sums)
+
+
+def bind(gm: fx.GraphModule, bindings: dict[Callable[..., Any], Callable[..., Any]]
+         ) -> fx.GraphModule:
+    """A copy of rewritten ``gm`` whose ``LOOP_OPS`` call the backend's ``bindings``.
+
+    The body and every other attribute are shared, not copied; only the top graph is
+    new, so a bound and an unbound module can live side by side.
+    """
+    unknown = set(bindings) - set(LOOP_OPS)
+    if unknown:
+        raise ValueError(f"only {[f.__name__ for f in LOOP_OPS]} can be bound, not {unknown}")
+    for op, impl in bindings.items():
+        impl.mbcompile_op = op  # type: ignore[attr-defined]  # what op_of() answers
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+        if n.op == "call_function" and n.target in bindings:
+            env[n].target = bindings[n.target]
+    graph.lint()
+    return fx.GraphModule(gm, graph, type(gm).__name__)
+
+
+def op_of(target: Any) -> Any:
+    """The backend-neutral op a (possibly bound) node target stands for."""
+    return getattr(target, "mbcompile_op", target)
