@@ -46,7 +46,8 @@ _NAMES = {
     "Trainer": "mbcompile.training.trainer",
     **{name: "mbcompile.passes.errors" for name in (
         "ArgumentTypeError", "CaptureError", "InputError", "MbcompileError", "MbcompileWarning",
-        "MbsAdjustedWarning", "MicrobatchError", "MicrobatchOutOfMemoryError", "MixingError",
+        "MbsAdjustedWarning", "MicrobatchError",
+        "PerMicrobatchStatisticsWarning", "MicrobatchOutOfMemoryError", "MixingError",
         "PlanError", "RetainedActivationsWarning", "UnsupportedOpError")},
 }
 #: modules users reach as ``mbcompile.<name>`` (``mbcompile.distributed.shard``, ...)

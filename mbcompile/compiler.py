@@ -12,11 +12,12 @@ samples only in training), and reuses the result on every call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,17 +32,20 @@ from mbcompile.errors import (
     InputError,
     MbcompileError,
     MixingError,
+    PerMicrobatchStatisticsWarning,
     RetainedActivationsWarning,
+    UnsupportedOpError,
 )
 from mbcompile.execution import BACKENDS, StepChannels, bindings
 from mbcompile.execution.noise import NoiseScale
-from mbcompile.passes import ops
+from mbcompile.passes import batch_rules, ops
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
 from mbcompile.passes.export_capture import export_capture
 from mbcompile.passes.facts import input_fact
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
+from mbcompile.passes.state_updates import StateUpdates, has_mutations, lift_state_updates
 from mbcompile.planning.explore import (
     Selection,
     check_request,
@@ -64,6 +68,7 @@ class _Inputs:
     in_dims: tuple[int | None, ...]  # batch dim per parameter (None: unbatched)
     concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
     capture: str = "auto"  # "auto" (fx, then torch.export if fx fails), "fx" or "export"
+    batch_norm: str = "full_batch"  # or "per_microbatch": BatchNorm statistics per microbatch
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class _Analysed:
 
     captured: CaptureResult
     analysis: BatchAnalysis  # the facts, the trained loss, the rejection (one run still works)
+    state: StateUpdates  # buffers and inputs the call writes: extra outputs, written back
 
     @property
     def rejected(self) -> MixingError | None:
@@ -86,6 +92,7 @@ class _Compiled:
     retains_activations: bool  # training keeps several microbatches' activations alive
     channels: StepChannels  # what its loop reports: noise scale, last counts
     analysis: BatchAnalysis  # what the batch analysis decided for this graph
+    state: StateUpdates  # which graph outputs are state to write back, and where
 
 
 def _check_module(model: Any) -> nn.Module:
@@ -347,7 +354,20 @@ class CompiledModule(nn.Module):
                 "Return the loss from forward to get one microbatch's memory.",
                 RetainedActivationsWarning, stacklevel=2)
         flat = compiled.graph_module(*values)
+        state = compiled.state
+        if state.targets:  # the step succeeded: write the state back once, as eager does
+            self._write_state(state, flat[state.n_outputs:], bound.arguments)
+            flat = flat[:state.n_outputs]
         return compiled.output_spec.rebuild(flat)
+
+    def _write_state(self, state: StateUpdates, new: Sequence[Any],
+                     arguments: Mapping[str, Any]) -> None:
+        with torch.no_grad():
+            for target, value in zip(state.targets, new):
+                if target.kind == "buffer":
+                    self.module.get_buffer(target.name).copy_(value)
+                else:
+                    arguments[target.name].copy_(value)
 
     def token_counts(self) -> dict[str, Any] | None:
         """What the loss's mean counted in the last call: non-padding tokens for a token
@@ -470,20 +490,82 @@ def _capture(model: nn.Module, inputs: _Inputs, example: Mapping[str, Any]) -> C
                           dict(zip(inputs.names, inputs.in_dims)), fx_error=fx_error)
 
 
+BATCH_NORM_MODES = ("full_batch", "per_microbatch")
+
+PER_MICROBATCH_NOTE = (
+    "batch_norm='per_microbatch': BatchNorm in training normalises with each microbatch's "
+    "statistics and updates its running statistics once per microbatch, as a hand-written "
+    "loop does; this is not the full-batch result")
+
+
+@contextlib.contextmanager
+def _batch_norm_rules(mode: str) -> Iterator[None]:
+    """With ``"per_microbatch"``, BatchNorm counts as per-sample for as long as the block runs:
+    each microbatch is normalised by its own statistics (the user asked for exactly that)."""
+    if mode != "per_microbatch":
+        yield
+        return
+    with batch_rules.scoped():
+        for op in batch_rules.BATCH_NORMS:
+            if isinstance(op, type) or op is torch.ops.aten.batch_norm:  # single-output forms
+                batch_rules.register_batch_rule(op, "per_sample")
+        yield
+
+
 def _analyse(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapping[str, Any]
              ) -> _Analysed:
-    """Capture, shapes and batch analysis; a rejection is kept, not raised."""
+    with _batch_norm_rules(inputs.batch_norm):
+        return _analyse_in_scope(model, gbs, inputs, example)
+
+
+def _analyse_in_scope(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapping[str, Any]
+                      ) -> _Analysed:
+    """Capture, state updates, shapes and batch analysis; a rejection is kept, not raised.
+
+    With ``capture="auto"``, a torch.fx graph that writes in place, or that the analysis
+    refuses for an op it has no rule for (an ``fx.wrap``-ped function, an opaque layer),
+    is captured again with torch.export, which functionalizes in-place writes and looks
+    inside such calls; the export graph is kept when the analysis accepts it.
+    """
     captured = _capture(model, inputs, example)
-    gm = captured.graph_module
+    if (inputs.capture == "auto" and captured.method != "export"
+            and not isinstance(model, fx.GraphModule) and has_mutations(captured.graph_module)):
+        captured = _export_instead(model, inputs, example) or captured
+    analysed = _analyse_captured(captured, gbs, inputs, example)
+    if (inputs.capture == "auto" and captured.method != "export"
+            and not isinstance(model, fx.GraphModule)
+            and isinstance(analysed.rejected, UnsupportedOpError)):
+        exported = _export_instead(model, inputs, example)
+        if exported is not None:
+            second = _analyse_captured(exported, gbs, inputs, example)
+            if second.rejected is None:
+                return second
+    return analysed
+
+
+def _export_instead(model: nn.Module, inputs: _Inputs, example: Mapping[str, Any]
+                    ) -> CaptureResult | None:
+    """The torch.export capture, or None when export cannot capture the model either."""
+    try:
+        return export_capture(model, {n: example[n] for n in inputs.names},
+                              dict(zip(inputs.names, inputs.in_dims)))
+    except CaptureError:
+        return None
+
+
+def _analyse_captured(captured: CaptureResult, gbs: int, inputs: _Inputs,
+                      example: Mapping[str, Any]) -> _Analysed:
+    state = lift_state_updates(captured.graph_module)
+    gm = state.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = [example[n] for n in inputs.names]
     try:
         propagate_shapes(gm, values, inputs.in_dims, gbs)
     except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
         rejected = mixing_error(exc.node, gm, exc.reason, exc.fix)
-        return _Analysed(captured, BatchAnalysis(gm, rejected=rejected))
+        return _Analysed(captured, BatchAnalysis(gm, rejected=rejected), state)
     facts = {p.target: input_fact(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
-    return _Analysed(captured, analyse_batch(gm, facts, gbs))
+    return _Analysed(captured, analyse_batch(gm, facts, gbs), state)
 
 
 def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
@@ -499,7 +581,8 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
             raise analysed.rejected
         # one system, one microbatch (mbs="none"): nothing is split, so nothing can mix;
         # the captured graph runs as it is
-        return _Compiled(gm, gm, captured.output_spec, False, channels, analysed.analysis)
+        return _Compiled(gm, gm, captured.output_spec, False, channels, analysed.analysis,
+                         analysed.state)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
@@ -510,7 +593,7 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
     bound = ops.bind(rewritten, bindings(backend, channels))
     return _Compiled(bound, gm, captured.output_spec,
                      not analysed.analysis.fused and plan.num_nonempty_microbatches > 1, channels,
-                     analysed.analysis)
+                     analysed.analysis, analysed.state)
 
 
 def _noise_scale(option: bool | NoiseScale) -> NoiseScale | None:
@@ -526,7 +609,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
             in_dims: Any = 0, system: Any = None, backend: str = "simulated",
             measure_noise_scale: bool | NoiseScale = False,
-            capture: str = "auto",
+            capture: str = "auto", batch_norm: str = "full_batch",
             compile_only: bool = False, validate_only: bool = False,
             measure: bool | int = False) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
@@ -549,6 +632,10 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     ``capture`` is ``"auto"`` (torch.fx symbolic tracing, and ``torch.export`` with a
     dynamic batch dim when tracing fails, as for HuggingFace models), ``"fx"`` or
     ``"export"``.
+    ``batch_norm="per_microbatch"`` lets BatchNorm in training use each microbatch's
+    statistics, as a hand-written loop does (a ``PerMicrobatchStatisticsWarning``, and a
+    note in ``plan.warnings``: not the full-batch result); the default ``"full_batch"``
+    rejects it, since a split would change the result.
     ``compile_only=True`` traces, analyses, plans and estimates, and returns a
     module that raises ``CompileOnlyError`` when called; ``validate_only=True``
     stops after capture and batch analysis and returns a ``Validation``.
@@ -561,11 +648,13 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
         raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if batch_norm not in BATCH_NORM_MODES:
+        raise InputError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
     spec = get_system(system)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
     check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
     sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
-    inputs = dataclasses.replace(inputs, capture=capture)
+    inputs = dataclasses.replace(inputs, capture=capture, batch_norm=batch_norm)
     start = time.perf_counter()
     try:
         analysed = _analyse(model, gbs, inputs, values)
@@ -593,6 +682,10 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             raise InputError("measure_noise_scale works with the simulated backend only so far; "
                              "measure on one process, then train on ranks")
     plan = dataclasses.replace(plan, tokens_per_sample=_tokens_per_sample(inputs, values))
+    split = plan.num_nonempty_microbatches > 1
+    if batch_norm == "per_microbatch" and split and _has_batch_norm(model):
+        warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning, stacklevel=2)
+        plan = dataclasses.replace(plan, warnings=(*plan.warnings, PER_MICROBATCH_NOTE))
     try:
         return CompiledModule(model, plan, sig, inputs, values, rank,
                               _noise_scale(measure_noise_scale), selection, compile_only,
@@ -601,6 +694,12 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name
         raise _crashed(model, exc) from exc
+
+
+def _has_batch_norm(model: nn.Module) -> bool:
+    """Whether a BatchNorm module of ``model`` is in training mode (uses batch statistics)."""
+    kinds = tuple(op for op in batch_rules.BATCH_NORMS if isinstance(op, type))
+    return any(isinstance(m, kinds) and m.training for m in model.modules())
 
 
 def _crashed(model: nn.Module, exc: Exception) -> CaptureError:

@@ -19,6 +19,7 @@ __all__ = [
     "MicrobatchError",
     "MicrobatchOutOfMemoryError",  # noqa: F822  (module __getattr__: defined with torch)
     "MixingError",
+    "PerMicrobatchStatisticsWarning",
     "PlanError",
     "RetainedActivationsWarning",
     "UnsupportedOpError",
@@ -63,6 +64,11 @@ class MicrobatchError(MbcompileError, RuntimeError):
 
 class MbcompileWarning(UserWarning):
     """Base class of mbcompile's warnings."""
+
+
+class PerMicrobatchStatisticsWarning(MbcompileWarning):
+    """``batch_norm="per_microbatch"``: BatchNorm normalises with each microbatch's statistics,
+    so the step is what a hand-written loop computes, not the full-batch result."""
 
 
 class MbsAdjustedWarning(MbcompileWarning):

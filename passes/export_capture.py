@@ -54,6 +54,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import CaptureResult, flatten_output
 from .errors import CaptureError
+from .state_updates import has_mutations, mutates
 
 __all__ = ["EXPORT_ASSERTIONS", "export_capture"]
 
@@ -179,13 +180,7 @@ def _export_error(model: torch.nn.Module, exc: BaseException,
 
 def _changes_state(node: fx.Node) -> bool:
     """Kept even when unused: fx's own impure nodes, in-place ops, higher-order ops."""
-    if node.is_impure():
-        return True
-    target = node.target
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return True
-    schema = getattr(target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
+    return node.is_impure() or mutates(node)
 
 
 def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
@@ -205,6 +200,10 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         program = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # any export failure becomes one clear error
         raise _export_error(model, exc, fx_error) from exc
+    if has_mutations(program.graph_module):
+        # In-place writes and torch.no_grad() regions: functionalize, so that ops become
+        # values and state writes one final copy_ each (the state-updates pass lifts those)
+        program = program.run_decompositions({})
     exported = program.module()
     old = exported.graph
 

@@ -77,3 +77,17 @@ def counted_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> Non
     torch.save({"reads": reads.total, "detail": dict(reads.ops),
                 "microbatches": cm.plan.num_microbatches},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def state_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
+    """One step of a model that updates a buffer from the batch mean (tests/test_state.py)."""
+    from test_state import NoGradCentre, _batch
+
+    torch.manual_seed(0)
+    model = NoGradCentre().to(torch.float64)
+    batch = _batch(gbs)
+    cm = mbcompile.compile(model, gbs, world, mbs, example_inputs=batch,
+                           backend="torch.distributed")
+    cm(*mbdist.shard(batch, cm.plan, rank)).backward()
+    torch.save({k: v.clone() for k, v in model.state_dict().items()},
+               os.path.join(out_dir, f"rank{rank}.pt"))

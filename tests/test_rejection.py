@@ -345,8 +345,8 @@ UNSUPPORTED = [
 def test_op_without_rule_is_rejected_then_registered(cls: type[nn.Module], op: Any,
                                                      op_name: str, restore_rules: None) -> None:
     assert rule_key(op) not in BATCH_RULES
-    with pytest.raises(UnsupportedOpError) as info:
-        compile_it(build(cls))
+    with pytest.raises(UnsupportedOpError) as info:  # fx only: "auto" would look inside
+        compile_it(build(cls), capture="fx")
     err = info.value
     assert isinstance(err, MixingError) and isinstance(err, MbcompileError)
     message = str(err)
@@ -375,7 +375,25 @@ def test_registration_is_cleaned_up(restore_rules: None) -> None:
     """The fixture above really restores the table (the other tests rely on it)."""
     assert rule_key(scale_rows) not in BATCH_RULES
     with pytest.raises(UnsupportedOpError):
-        compile_it(build(MadeUpOp))
+        compile_it(build(MadeUpOp), capture="fx")
+
+
+def test_auto_capture_looks_inside_a_wrapped_function_before_rejecting() -> None:
+    """``fx.wrap``-ped ``scale_rows`` has no rule; torch.export traces into it, and the ops
+    inside have rules, so ``capture="auto"`` compiles it exactly instead of rejecting."""
+    assert rule_key(scale_rows) not in BATCH_RULES
+    model = build(MadeUpOp)
+    x = example()
+    cm = compile_it(model)
+    assert cm.analysis.rejected is None
+    loss = cm(x)
+    loss.backward()
+    got = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    want = model(x)
+    want.backward()
+    assert rel_err(loss, want) <= 1e-10
+    assert_close_errors(grad_errors(got, grads_of(model)), 1e-10)
 
 
 def test_unknown_rule_family_is_refused(restore_rules: None) -> None:

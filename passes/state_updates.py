@@ -1,0 +1,130 @@
+"""State-updates pass: writes into buffers and inputs become extra graph outputs.
+
+A functionalized capture ends with the state the call changes written back in
+place: ``copy_(self.center, new_center)`` for a buffer, ``copy_(x, new_x)`` for an
+input mutated in place. Run per microbatch, such a write would happen once per
+microbatch with that microbatch's values (DINO's centre: an EMA of each
+microbatch's mean instead of the batch's). This pass removes the writes and
+returns the new values as extra outputs instead, detached (state carries no
+gradient), so every later pass treats them like any output: a batch-free value is
+computed once, a linear function of batch reductions once from the global sums,
+a per-sample value concatenated in order. The caller writes them back after the
+step, once, as eager does.
+
+Before::
+
+    add_1 = aten.add(mul, mul_1)              # 0.9 * center + 0.1 * h.mean(0)
+    copy_ = aten.copy_(center, add_1)
+    return (loss,)
+
+After (``StateUpdates.targets == (StateTarget("buffer", "center"),)``)::
+
+    add_1 = aten.add(mul, mul_1)
+    detach = aten.detach(add_1)
+    return (loss, detach)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+__all__ = ["StateTarget", "StateUpdates", "has_mutations", "lift_state_updates", "mutates"]
+
+_COPIES = (torch.ops.aten.copy_.default, torch.Tensor.copy_, "copy_")
+
+
+@dataclass(frozen=True)
+class StateTarget:
+    """Where an extra output is written back: a buffer (by qualified name) or an input."""
+
+    kind: str  # "buffer" or "input"
+    name: str  # the buffer's qualified name, or the input's placeholder name
+
+
+@dataclass(frozen=True)
+class StateUpdates:
+    """The graph with its state writes lifted to outputs ``n_outputs``, ``n_outputs+1``, ..."""
+
+    graph_module: fx.GraphModule
+    n_outputs: int  # the model's own outputs; the rest are state, in ``targets`` order
+    targets: tuple[StateTarget, ...] = ()
+
+
+def _target(node: fx.Node, gm: fx.GraphModule) -> StateTarget | None:
+    """The state a written-to node stands for (a buffer or an input), if any."""
+    if node.op == "placeholder":
+        return StateTarget("input", str(node.target))
+    if node.op == "get_attr":
+        owner, _, name = str(node.target).rpartition(".")
+        module = gm.get_submodule(owner) if owner else gm
+        if name in dict(module.named_buffers(recurse=False)):
+            return StateTarget("buffer", str(node.target))
+    return None
+
+
+def _is_copy(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method") and node.target in _COPIES
+
+
+def lift_state_updates(gm: fx.GraphModule) -> StateUpdates:
+    """Lift every final, unread ``copy_`` into a buffer or an input to an extra output.
+
+    Only the form functionalization leaves behind is lifted: one ``copy_`` per
+    state, its result unread. Other in-place writes stay in the graph, where the
+    batch analysis judges them.
+    """
+    graph = gm.graph
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    leaves = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    n_outputs = len(leaves)
+    targets: list[StateTarget] = []
+    for node in list(graph.nodes):
+        if not _is_copy(node) or node.users:
+            continue
+        dst, src = node.args[0], node.args[1]
+        target = _target(dst, gm) if isinstance(dst, fx.Node) else None
+        if target is None or not isinstance(src, fx.Node):
+            continue
+        with graph.inserting_before(node):
+            value = graph.call_function(torch.ops.aten.detach.default, (src,))
+        value.meta = dict(node.meta)  # the write's source line
+        if "val" in src.meta:
+            value.meta["val"] = src.meta["val"]
+        graph.erase_node(node)
+        leaves.append(value)
+        targets.append(target)
+    if targets:
+        out.args = (tuple(leaves),)
+        graph.lint()
+        gm.recompile()
+    return StateUpdates(gm, n_outputs, tuple(targets))
+
+
+_IN_PLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
+                       "iand", "ior", "ixor", "ilshift", "irshift", "imatmul"}
+
+
+def mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes into a tensor in place (``x.add_(y)``, ``x += y``, ``aten.div_``,
+    a higher-order op such as export's ``torch.no_grad()`` region)."""
+    target = node.target
+    if node.op == "call_method":
+        return isinstance(target, str) and target.endswith("_") and not target.startswith("_")
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if getattr(target, "__module__", None) == "_operator" and \
+            getattr(target, "__name__", "") in _IN_PLACE_OPERATORS:
+        return True
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def has_mutations(gm: fx.GraphModule) -> bool:
+    """Whether any node of ``gm`` (or of a graph it calls) writes in place."""
+    return any(mutates(n) for m in gm.modules() if isinstance(m, fx.GraphModule)
+               for n in m.graph.nodes)
