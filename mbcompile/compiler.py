@@ -46,6 +46,7 @@ from mbcompile.passes.facts import input_fact
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
 from mbcompile.passes.state_updates import StateUpdates, has_mutations, lift_state_updates
+from mbcompile.passes.unwrap import unwrap
 from mbcompile.planning.explore import (
     Selection,
     check_request,
@@ -236,9 +237,12 @@ class CompiledModule(nn.Module):
                  inputs: _Inputs, example: Mapping[str, Any], rank: int | None = None,
                  noise_scale: NoiseScale | None = None, selection: Selection | None = None,
                  compile_only: bool = False, analysed: _Analysed | None = None,
-                 backend: str = "simulated") -> None:
+                 backend: str = "simulated", inner: nn.Module | None = None) -> None:
         super().__init__()
-        self.module = model
+        self.module = model  # the user's model, wrapper and all: its state_dict() keys
+        # what the graphs were captured from (model, or the module a wrapper forwards to);
+        # not a registered submodule, so nothing is listed twice
+        object.__setattr__(self, "_inner", model if inner is None else inner)
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "selection", selection)
         object.__setattr__(self, "compile_only", compile_only)
@@ -271,7 +275,7 @@ class CompiledModule(nn.Module):
             for stale in [k for k in self._cache if k[1:] != key[1:]]:
                 del self._cache[stale]  # they keep replaced parameters alive
             analysed, self._analysed = self._analysed, None
-            self._cache[key] = _compile_graph(self.module, self.plan, self._inputs, self._example,
+            self._cache[key] = _compile_graph(self._inner, self.plan, self._inputs, self._example,
                                               self.rank, analysed, self.backend,
                                               StepChannels(noise=self.noise_scale))
         return self._cache[key]
@@ -365,7 +369,7 @@ class CompiledModule(nn.Module):
         with torch.no_grad():
             for target, value in zip(state.targets, new):
                 if target.kind == "buffer":
-                    self.module.get_buffer(target.name).copy_(value)
+                    self._inner.get_buffer(target.name).copy_(value)
                 else:
                     arguments[target.name].copy_(value)
 
@@ -644,20 +648,28 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     Raises ``MixingError`` when splitting the batch would change the result.
     """
     model = _check_module(model)
+    unwrapped = unwrap(model)  # DDP, torch.compile, peft: bind and capture what they call
+    inner = unwrapped.module
     if capture not in CAPTURES:
         raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if unwrapped.world_size > 1 and backend != "torch.distributed":
+        raise InputError(
+            f"{type(model).__name__} all-reduces gradients over {unwrapped.world_size} "
+            "processes, and mbcompile compiles the module it wraps, without that all-reduce; "
+            "compile with backend='torch.distributed' (mbcompile all-reduces the gradients "
+            "itself), or compile the wrapped module on one process")
     if batch_norm not in BATCH_NORM_MODES:
         raise InputError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
     spec = get_system(system)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
     check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
-    sig, values, inputs = _bind(model, example_inputs, example_kwargs, in_dims)
+    sig, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims)
     inputs = dataclasses.replace(inputs, capture=capture, batch_norm=batch_norm)
     start = time.perf_counter()
     try:
-        analysed = _analyse(model, gbs, inputs, values)
+        analysed = _analyse(inner, gbs, inputs, values)
         single = single_microbatch_request(gbs, num_csx, policy)
         if analysed.rejected is not None and not single:
             raise analysed.rejected
@@ -681,7 +693,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
         if measure_noise_scale:
             raise InputError("measure_noise_scale works with the simulated backend only so far; "
                              "measure on one process, then train on ranks")
-    plan = dataclasses.replace(plan, tokens_per_sample=_tokens_per_sample(inputs, values))
+    plan = dataclasses.replace(plan, tokens_per_sample=_tokens_per_sample(inputs, values),
+                               warnings=plan.warnings + unwrapped.notes)
     split = plan.num_nonempty_microbatches > 1
     if batch_norm == "per_microbatch" and split and _has_batch_norm(model):
         warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning, stacklevel=2)
@@ -689,7 +702,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     try:
         return CompiledModule(model, plan, sig, inputs, values, rank,
                               _noise_scale(measure_noise_scale), selection, compile_only,
-                              analysed, backend)
+                              analysed, backend, inner)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name
