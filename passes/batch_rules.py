@@ -43,6 +43,14 @@ Two values need more care than "which dim is the batch":
   its batch. It may index the batch dim of a batched tensor (the identity
   ``x[torch.arange(B), labels]``) and go through reshapes and casts, nothing
   else, since positions restart at 0 in every microbatch (``apply_rule``).
+
+Facts are about the full-batch program. An op whose meaning depends on the batch
+size is kept when the full batch keeps samples apart, and if a microbatch would
+act differently the rule rewrites the node (``ctx.specialise``) into the call it
+makes at the full batch: ``(B, 1, C).squeeze()`` drops dim 1 alone there (B > 1),
+so it becomes ``squeeze((1,))``, which a 1-sample microbatch runs the same way.
+``x.new_ones(T, T)`` of a batched ``x`` is batch-free (``x`` gives only its dtype),
+``x.new_ones(B, T)`` per-sample, and a pad of ``(0, 0)`` leaves the batch dim alone.
 """
 
 from __future__ import annotations
@@ -269,6 +277,25 @@ class RuleContext:
     def mix(self, reason: str, *fixes: str) -> NoReturn:
         """Reject the op: ``reason`` says why it mixes samples, ``fixes`` what to do."""
         raise _Rejected(reason, fixes)
+
+    def specialise(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
+                   target: Any = None) -> None:
+        """Rewrite the node into the call it makes at the full batch, spelled so that it
+        makes the same call on a microbatch of any size (``squeeze()`` on (B, 1, C) ->
+        ``squeeze((1,))``, which keeps the batch dim of a 1-sample microbatch).
+
+        The node's values at the full batch, hence its ``SHAPES``, stay as they were; so
+        the rewrite's body, the cost model's probes and the captured graph itself (which
+        runs as it is when nothing is split) all make the specialised call.
+        """
+        node = self.node
+        if target is not None:
+            node.target = target
+        node.args, node.kwargs = tuple(args), dict(kwargs or {})
+        self._args, self._kwargs = tuple(node.args), dict(node.kwargs)
+        owner = node.graph.owning_module
+        if owner is not None:
+            owner.recompile()  # its forward is generated from the graph
 
     def batched_out(self, major: bool | None = None) -> Fact:
         """The node's value as per-sample, locating the batch dim from its shapes.
@@ -668,12 +695,26 @@ def _every_dim(ctx: RuleContext) -> list[int]:
 
 
 def _pad_dims(ctx: RuleContext) -> list[int]:
-    """F.pad(x, pad) pads the last len(pad) // 2 dims; a module's int padding every spatial dim."""
-    pad = ctx.module.padding if ctx.module is not None else ctx.arg(1, "pad")
+    """F.pad(x, pad) pads the last len(pad) // 2 dims, except those padded by (0, 0) (LongT5
+    spells a pad of one dim as zeros for every dim, the batch dim too); a module's int
+    padding pads every spatial dim."""
+    pad = ctx.module.padding if ctx.module is not None else ctx.arg(1, "pad", ctx.arg(1, "padding"))
     if isinstance(pad, int):
         n = _spatial_of(ctx) or 1
         return list(range(-n, 0))
-    return list(range(-(len(pad) // 2), 0))
+    if not isinstance(pad, (tuple, list)):  # a node holding the list: assume every dim
+        return _all_dims(ctx, ctx.arg(0, "input"))
+    return [-1 - k for k in range(len(pad) // 2)
+            if not (_is_zero(ctx, pad[2 * k]) and _is_zero(ctx, pad[2 * k + 1]))]
+
+
+def _is_zero(ctx: RuleContext, value: Any) -> bool:
+    """A constant 0, or a batch-free number that is 0 (export's SymInt arithmetic)."""
+    if isinstance(value, fx.Node):
+        info = ctx.info(value)
+        return isinstance(ctx.fact(value), Free) and isinstance(info, ValueInfo) and (
+            not info.is_tensor and info.int_a == 0 and info.int_b == 0)
+    return isinstance(value, int) and value == 0
 
 
 def _length(ctx: RuleContext, value: Any) -> int:
@@ -857,18 +898,30 @@ def reshape_rule(ctx: RuleContext) -> Fact:
 
 
 def squeeze_rule(ctx: RuleContext) -> Fact:
-    """squeeze(d): fine on other dims; on the batch dim (or all dims) a 1-sample
-    microbatch would lose its batch dim, though batches of gbs and gbs+1 keep it."""
+    """squeeze() / squeeze(d): at the full batch the batch dim has B > 1 rows, so it is
+    never squeezed, but a microbatch of one sample would lose it. The node is specialised
+    to the dims it drops at the full batch: (B, 1, C).squeeze() -> squeeze((1,)),
+    (B, C).squeeze(0) -> squeeze(()), the identity."""
     x = ctx.arg(0, "input")
+    fact, info = ctx.fact(x), ctx.info(x)
+    if not isinstance(fact, Batched) or not isinstance(info, ValueInfo):
+        return per_sample(ctx)
     dims = ctx.arg(1, "dim")
-    if isinstance(ctx.fact(x), Batched):
-        if dims is None:
-            ctx.mix("squeeze() without a dim also drops the batch dim of a microbatch that "
-                    "holds one sample",
-                    "name the dims to squeeze: x.squeeze(-1)")
-        _check_batch_not_in(ctx, x, dims if isinstance(dims, (tuple, list)) else [dims],
-                            "squeezes (drops the batch dim of a 1-sample microbatch)",
-                            "squeeze only size-1 non-batch dims")
+    named = list(range(info.ndim)) if dims is None else (
+        list(dims) if isinstance(dims, (tuple, list)) else [dims])
+    if not all(isinstance(d, int) for d in named):
+        ctx.mix("it squeezes dims computed at run time, which may include the batch dim "
+                "of a 1-sample microbatch", "squeeze constant dims: x.squeeze(-1)")
+    if info.shape_a[fact.dim] == 1:
+        ctx.mix(f"at the full batch of {ctx.gbs} it drops the batch dim itself",
+                "squeeze only size-1 non-batch dims: x.squeeze(-1)")
+    named = [d % info.ndim for d in named]
+    if dims is None or fact.dim in named:  # what a microbatch of one would squeeze differs
+        dropped = tuple(d for d in named if info.shape_a[d] == 1)
+        target = ctx.node.target
+        if is_aten(target):  # aten.squeeze.default / .dim -> aten.squeeze.dims
+            target = rule_key(target).dims
+        ctx.specialise((x, list(dropped) if is_aten(target) else dropped), target=target)
     return per_sample(ctx)
 
 
@@ -1100,8 +1153,12 @@ def getattr_rule(ctx: RuleContext) -> Fact:
     return size_rule(ctx)
 
 
-def _value_arg(index: int | None, name: str | None = None) -> Rule:
-    """Creation ops: shaped by the batch at most; the fill value must not be a batch size."""
+def _value_arg(index: int | None, name: str | None = None, *, like_self: bool = True) -> Rule:
+    """Creation ops: shaped by the batch at most; the fill value must not be a batch size.
+
+    ``like_self=False``: ``x.new_zeros(size)`` and kin take only dtype and device from
+    ``x``, so a batched ``x`` does not make them batched; their size arguments do.
+    """
 
     @_handles_positions
     def rule(ctx: RuleContext) -> Fact:
@@ -1113,10 +1170,8 @@ def _value_arg(index: int | None, name: str | None = None) -> Rule:
                 ctx.mix("it fills a tensor with the batch size or sample positions, which "
                         "are the microbatch's inside the loop",
                         "use the batch size only for shapes")
-        facts = ctx.arg_facts()
-        if any(isinstance(f, Reduced) for f in facts):
-            return linear(ctx)
-        out = _join(facts, ctx)
+        facts = ctx.arg_facts() if like_self else _facts_after_self(ctx)
+        out = _join(facts, ctx)  # reductions pass through (linear)
         if isinstance(out, Batched) and out.positions:
             out = dataclasses.replace(out, positions=False)
         return out
@@ -1124,7 +1179,18 @@ def _value_arg(index: int | None, name: str | None = None) -> Rule:
     return rule
 
 
+def _facts_after_self(ctx: RuleContext) -> list[Fact]:
+    """Facts of every argument but ``self`` (a method's tensor, ATen's ``self``)."""
+    out: list[Fact] = []
+    rest = (ctx._args[1:], {k: v for k, v in ctx._kwargs.items() if k not in ("self", "input")})
+    fx.node.map_arg(rest, lambda n: out.append(ctx.facts[n]))
+    return out
+
+
 size_like_rule = _value_arg(None)
+new_like_rule = _value_arg(None, like_self=False)
+new_full_rule = _value_arg(2, "fill_value", like_self=False)
+new_tensor_rule = _value_arg(1, "data", like_self=False)
 
 
 def matmul_rule(ctx: RuleContext) -> Fact:
@@ -1461,18 +1527,17 @@ SEARCHES = [torch.searchsorted, *aten("searchsorted")]
 INDEX_PUTS = ["index_put", "index_put_",
               *spellings("index_put", "_index_put_impl", "_unsafe_index_put", method=False)]
 CREATIONS = [
-    "new_zeros", "new_ones", "new_empty", "zero_", "zeros_like", "ones_like", "empty_like",
-    "rand_like", "randn_like", "randint_like", "normal_", "uniform_", "bernoulli_", "random_",
-    "exponential_", "new_empty_strided",
+    "zero_", "zeros_like", "ones_like", "empty_like", "rand_like", "randn_like",
+    "randint_like", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
     *spellings("zeros", "ones", "empty", "rand", "randn", "randint", "zeros_like", "ones_like",
-               "empty_like", "rand_like", "randn_like", "randint_like", "empty_strided",
-               "new_zeros", "new_ones", "new_empty", "eye", "bernoulli", "normal", "randperm",
-               "linspace", "logspace", "empty_permuted", "zero", "triu_indices",
-               "tril_indices", method=False)]
-FULLS = [*spellings("full", method=False), "new_full", *aten("new_full"), torch.full_like,
-         *aten("full_like"), "fill_", *aten("fill")]
-TENSORS = [torch.tensor, torch.as_tensor, torch.scalar_tensor, "new_tensor",
-           *aten("scalar_tensor", "tensor")]
+               "empty_like", "rand_like", "randn_like", "randint_like", "empty_strided", "eye",
+               "bernoulli", "normal", "randperm", "linspace", "logspace", "empty_permuted",
+               "zero", "triu_indices", "tril_indices", method=False)]
+NEW_CREATIONS = spellings("new_zeros", "new_ones", "new_empty", "new_empty_strided",
+                          torch_ns=False, functional=False)
+FULLS = [*spellings("full", method=False), torch.full_like, *aten("full_like"), "fill_",
+         *aten("fill")]
+TENSORS = [torch.tensor, torch.as_tensor, torch.scalar_tensor, *aten("scalar_tensor", "tensor")]
 MATMULS = [
     operator.matmul, "__matmul__", "__rmatmul__", "matmul", "mm", "bmm", "mv", "addmm",
     "baddbmm", "addbmm", "addmv", *spellings("matmul", "mm", "bmm", "mv", "addmm", "baddbmm",
@@ -1519,9 +1584,10 @@ RESAMPLES = [
 GRID_SAMPLES = [F.grid_sample, F.affine_grid,
                 *aten("grid_sampler", "grid_sampler_2d", "grid_sampler_3d",
                       "affine_grid_generator")]
-PADS = [F.pad, *aten("pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
-                     "reflection_pad3d", "replication_pad1d", "replication_pad2d",
-                     "replication_pad3d", "_pad_circular", "_pad_enum")] + _mods(
+PADS = [F.pad, torch.constant_pad_nd, *aten(
+    "pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
+    "replication_pad1d", "replication_pad2d", "replication_pad3d", "_pad_circular",
+    "_pad_enum")] + _mods(
     "ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d", "ConstantPad3d",
     "ReflectionPad1d", "ReflectionPad2d", "ReflectionPad3d", "ReplicationPad1d",
     "ReplicationPad2d", "ReplicationPad3d", "CircularPad1d", "CircularPad2d", "CircularPad3d")
@@ -1613,7 +1679,7 @@ TABLE.add(EXPORT_CHECKS, drop_rule)  # export's asserts: no value, batch-free
 # --- Reshapes and dim moves: values untouched; the shapes locate the batch dim -----------
 TABLE.add(RESHAPES, reshape_rule, keeps_positions=True)  # (B, T, C) -> (B*T, C) batch-major
 TABLE.add(DIM_MOVES, per_sample, keeps_positions=True)  # permute, expand, select: dims move
-TABLE.add(SQUEEZES, squeeze_rule, keeps_positions=True)  # drops size-1 dims, never the batch
+TABLE.add(SQUEEZES, squeeze_rule, keeps_positions=True)  # the size-1 dims of the full batch
 TABLE.add(REPEATS, repeat_rule, keeps_positions=True)  # copies along the batch interleave
 TABLE.add(REPEAT_INTERLEAVES, per_sample, keeps_positions=True)  # r copies of each sample, in order
 # --- Order along a dim matters: fine unless that dim is the batch ------------------------
@@ -1642,8 +1708,11 @@ TABLE.add(INDEX_PUTS, index_put_rule)  # x[mask] = v: per-sample masks only
 TABLE.add(SEARCHES, along(_last(1), "searches a sorted row"))  # per row of sorted (B, K)
 # --- Creation: shaped by the batch at most (B from x.size(0)); values batch-free ---------
 TABLE.add(CREATIONS, size_like_rule)  # zeros(B, D), ones_like(x), ...
+TABLE.add(NEW_CREATIONS, new_like_rule)  # x.new_ones(B, D): shaped by the sizes; x gives dtype
 TABLE.add(FULLS, _value_arg(1, "fill_value"))  # full(size, v), x.fill_(v): v not a batch size
+TABLE.add(spellings("new_full", torch_ns=False), new_full_rule)  # x.new_full(size, v): as above
 TABLE.add(TENSORS, _value_arg(0, "data"))  # tensor(data): data not a batch size
+TABLE.add(["new_tensor"], new_tensor_rule)  # x.new_tensor(data): data alone, x gives dtype
 TABLE.add(spellings("arange", method=False) + aten("range"), arange_rule)  # arange(B): positions
 # --- Contractions: the batch dim must not be contracted ----------------------------------
 TABLE.add(MATMULS, matmul_rule)  # (B, n, k) @ (k, m)
@@ -1659,7 +1728,7 @@ TABLE.add(CONVS_AND_POOLS, channels_first(None, "convolves, pools or resamples")
 TABLE.add(CONVOLUTIONS, channels_first(None, "convolves"))  # aten.convolution(x, w, ...)
 TABLE.add(RESAMPLES, channels_first(None, "resamples or rearranges"))  # (N, C, *S) per n
 TABLE.add(GRID_SAMPLES, channels_first(None, "samples a grid", extra=((1, "grid"),)))  # per n
-TABLE.add(PADS, pad_rule)  # F.pad(x, pad), pad modules: the trailing dims
+TABLE.add(PADS, pad_rule)  # F.pad(x, pad): dims padded by (0, 0) may include the batch
 # --- Norms: statistics per sample over feature dims; BatchNorm only in eval --------------
 TABLE.add(LAYER_NORMS, along(_normalized_dims, "normalises"))  # over the last k dims
 TABLE.add(GROUP_NORMS, channels_first(0, "normalises"))  # (N, C, ...) per sample n

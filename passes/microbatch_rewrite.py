@@ -159,13 +159,16 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
             continue
         top_env[n] = top.node_copy(n, lambda a: top_env[a])
     top.output(tuple(top_env[x] if isinstance(x, fx.Node) else x for x in leaves))
-    top.eliminate_dead_code()  # sizes whose users became constants (1 / x.size(0) -> 1 / 7)
     root = {"body": body}
     for n in top.nodes:
         if n.op in ("get_attr", "call_module") and n.target != "body":
             root[n.target] = _fetch(gm, n.target)
     rewritten = fx.GraphModule(root, top, "Microbatched" + type(gm).__name__)
-    top.lint()
+    # sizes whose users became constants (1 / x.size(0) -> 1 / 7); owned graphs only, since
+    # fx asks the owning module whether a call_module is impure
+    if rewritten.graph.eliminate_dead_code():
+        rewritten.recompile()
+    rewritten.graph.lint()
     return rewritten
 
 

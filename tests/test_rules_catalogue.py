@@ -451,8 +451,8 @@ def _r_fft(s, x, mask, y, tok, img):
     return torch.fft.fft(s.lin(x)).abs()  # offending
 
 
-def _r_squeeze_all(s, x, mask, y, tok, img):
-    return s.lin(x)[:, :1].squeeze()  # offending
+def _squeeze_all(s, x, mask, y, tok, img):
+    return s.lin(x)[:, :1].squeeze()  # the batch dim is kept: B > 1 at the full batch
 
 
 def _r_contract_batch(s, x, mask, y, tok, img):
@@ -514,6 +514,7 @@ def _conv2d(cin: int = CH, cout: int = 4) -> Callable[[], nn.Module]:
 
 ACCEPT: dict[str, Entry] = {
     "mlp-mse": Entry(_mlp_mse, export=True),
+    "squeeze-all-keeps-batch": Entry(_squeeze_all, export=True),
     "cnn-groupnorm-pool": Entry(_cnn_groupnorm, {
         "conv": _conv2d(), "gn": lambda: nn.GroupNorm(2, 4), "pool": lambda: nn.MaxPool2d(2),
         "fc": lambda: nn.Linear(4, CLASSES)}, export=True),
@@ -601,7 +602,6 @@ REJECT: dict[str, Entry] = {
     "mha-wrong-batch-dim": Entry(_r_mha_wrong_batch_dim, {
         "mha": lambda: nn.MultiheadAttention(HID, 2)}, op="MultiheadAttention"),
     "fft-without-rule": Entry(_r_fft, op="fft", unsupported=True),
-    "squeeze-all": Entry(_r_squeeze_all, op="squeeze"),
     "contract-batch": Entry(_r_contract_batch, op="matmul"),
     "cat-batch": Entry(_r_cat_batch, op="cat"),
     "product-of-reductions": Entry(_r_product_of_reductions, op="mul"),
@@ -618,7 +618,7 @@ REJECT: dict[str, Entry] = {
 }
 # The ATen spellings reject the same patterns (the op as export spells it).
 REJECT_EXPORT: dict[str, str] = {
-    "batchnorm-training": "aten.batch_norm",
+    "batchnorm-training": "batch_norm",
     "softmax-over-batch": "aten.softmax",
     "minus-batch-mean": "aten.sub",
     "gram-matrix": "aten.matmul",
