@@ -44,6 +44,9 @@ _NAMES = {
     "SystemSpec": "mbcompile.planning.systems",
     "get_system": "mbcompile.planning.systems",
     "Trainer": "mbcompile.training.trainer",
+    "CheckpointError": "mbcompile.training.checkpoint",
+    "TrainingInterrupted": "mbcompile.training.checkpoint",
+    "read_checkpoint": "mbcompile.training.checkpoint",
     **{name: "mbcompile.passes.errors" for name in (
         "ArgumentTypeError", "CaptureError", "InputError", "MbcompileError", "MbcompileWarning",
         "MbsAdjustedWarning", "MicrobatchError",

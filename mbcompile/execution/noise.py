@@ -100,6 +100,22 @@ class NoiseScale:
             self._history.append(estimate)
         self._pending.clear()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The averages and every step's estimate as plain Python values (for checkpoints)."""
+        self._settle()
+        return {"decay": self.decay, "steps": self._steps, "trace": self._trace,
+                "norm": self._norm,
+                "history": [[e.trace_sigma, e.grad_norm_sq, e.b_small, e.b_big]
+                            for e in self._history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from what ``state_dict`` returned (pending updates are dropped)."""
+        self.decay = float(state["decay"])
+        self._steps = int(state["steps"])
+        self._trace, self._norm = float(state["trace"]), float(state["norm"])
+        self._history = [NoiseScaleEstimate(*map(float, e)) for e in state["history"]]
+        self._pending.clear()
+
     @property
     def steps(self) -> int:
         """Training steps that gave an estimate."""

@@ -2,6 +2,7 @@
 
     mbcompile demo                                   # a tiny GPT, no files needed
     mbcompile fit CONFIG.yaml [--max-steps N]        # train (and validate) as configured
+    mbcompile fit CONFIG.yaml --resume               # continue from the newest good checkpoint
     mbcompile validate CONFIG.yaml [--steps N]       # run the validation phase only
     mbcompile compile CONFIG.yaml [--compile-only | --validate-only] [--mbs VALUE]
 
@@ -12,20 +13,29 @@ needed; see ``mbcompile.reports.draw``), and ``explore.png`` when exploring MBS 
 model the analysis rejects gets ``rejected.dot`` and ``rejected.svg`` with the mixing
 op highlighted.
 
+``fit`` writes checkpoints to ``<output_dir>/checkpoints/`` (every
+``fit.checkpoint_every`` steps, at the end, and on SIGINT/SIGTERM); see
+``mbcompile.training.checkpoint``.
+
 Exit codes: 0 success, 1 failure (one paragraph on stderr; ``--debug`` adds the
-traceback), 2 usage error, 130 interrupted (Ctrl-C). On stderr the error comes
-first, then the warnings the command raised (each message once), so the first
-line says what went wrong; ``--debug`` shows warnings as they happen instead.
+traceback), 2 usage error, 130 interrupted (Ctrl-C, SIGINT), 143 terminated
+(SIGTERM); a ``fit`` stopped by either finishes its step and writes a checkpoint
+first. On stderr the error comes first, then the warnings the command raised
+(each message once), so the first line says what went wrong; ``--debug`` shows
+warnings as they happen instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import json
 import math
 import os
+import shlex
+import signal
 import sys
 import time
 import traceback
@@ -41,6 +51,7 @@ from mbcompile import compiler
 from mbcompile.check import relative_error
 from mbcompile.errors import MbcompileError, MixingError
 from mbcompile.planning.plan import parse_mbs
+from mbcompile.training.checkpoint import TrainingInterrupted, latest_checkpoint
 from mbcompile.training.config import Config, build_data, build_model, build_trainer, load_config
 from mbcompile.training.flags import GlobalFlags
 
@@ -134,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "config's num_csx must be N")
     fit.add_argument("--max-steps", type=_positive, default=None,
                      help="override fit.max_steps")
+    fit.add_argument("--resume", action="store_true",
+                     help="continue from the newest good checkpoint in the output folder's "
+                          "checkpoints/ (from step 0 if there is none); the later steps "
+                          "equal an uninterrupted run's")
     fit.set_defaults(run=run_fit)
 
     val = config_command("validate", "run the validation phase only",
@@ -408,15 +423,40 @@ def run_fit(args: argparse.Namespace) -> int:
         if args.nproc != cfg.num_csx:
             raise CommandError(f"--nproc {args.nproc} launches one rank per system, but "
                                f"{cfg.file} has num_csx {cfg.num_csx}: make them equal")
-        from mbcompile.execution.distributed import launch
-
-        _out(f"launching {args.nproc} CPU ranks (gloo on 127.0.0.1), one per system")
-        launch(_fit_rank, args.nproc, args)
-        return EXIT_OK
+        return _launch_ranks(args, out)
     if cfg.backend == "torch.distributed":
         _init_from_environment()
-    rank = _rank()
-    return _fit(cfg, args, out if not rank else out / f"rank{rank}", quiet=bool(rank))
+    return _fit(cfg, args, out, _rank())
+
+
+def _launch_ranks(args: argparse.Namespace, out: Path) -> int:
+    """``fit --nproc N``: N ranks in child processes; this process forwards SIGINT and
+    SIGTERM to them (they stop after an agreed step with a checkpoint) and waits."""
+    import multiprocessing
+
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    from mbcompile.execution.distributed import launch
+
+    def forward(signum: int, frame: Any) -> None:
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError, TypeError):  # gone already
+                os.kill(child.pid, signum)
+
+    _out(f"launching {args.nproc} CPU ranks (gloo on 127.0.0.1), one per system")
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        launch(_fit_rank, args.nproc, args)
+    except (ProcessExitedException, ProcessRaisedException) as exc:
+        code = getattr(exc, "exit_code", None)
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            return int(code)  # the ranks stopped cleanly; rank 0 said where and how to resume
+        _add_note(exc, _checkpoint_note(out, args))
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return EXIT_OK  # every rank finished, whatever signal came after the last step
 
 
 def _rank() -> int:
@@ -439,18 +479,37 @@ def _init_from_environment() -> None:
 
 
 def _fit_rank(rank: int, world: int, args: argparse.Namespace) -> None:
-    """One rank of ``fit --nproc``: the config's run on the torch.distributed backend."""
+    """One rank of ``fit --nproc``: the config's run on the torch.distributed backend.
+
+    A stop by SIGINT/SIGTERM ends the rank with exit code 130/143 once rank 0 has
+    said where the checkpoint is (the launcher passes the code on).
+    """
     import dataclasses
 
+    import torch.distributed as dist
+
     cfg = dataclasses.replace(load_config(args.config), backend="torch.distributed")
-    out = Path(args.out or cfg.output_dir)
-    _fit(cfg, args, out if rank == 0 else out / f"rank{rank}", quiet=rank != 0)
+    try:
+        _fit(cfg, args, Path(args.out or cfg.output_dir), rank)
+    except KeyboardInterrupt as exc:  # a non-zero exit: the launcher stops the other ranks
+        if rank == 0:
+            sys.stdout.flush()
+            print(_paragraph(exc), file=sys.stderr, flush=True)
+        if isinstance(exc, TrainingInterrupted) and exc.checkpoint is not None:
+            dist.barrier()  # every rank waits for rank 0's message before the launcher reaps
+        code = exc.exit_code if isinstance(exc, TrainingInterrupted) else EXIT_INTERRUPTED
+        raise SystemExit(code) from None
 
 
-def _fit(cfg: Config, args: argparse.Namespace, out: Path, quiet: bool = False) -> int:
+def _fit(cfg: Config, args: argparse.Namespace, out: Path, rank: int = 0) -> int:
+    """Train as ``cfg`` says: rank 0 logs to ``out``, rank r to ``out/rank<r>``; the
+    checkpoints of every rank go to ``out/checkpoints``."""
+    quiet = bool(rank)
     say = (lambda *_: None) if quiet else _out
-    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(out), progress=not quiet,
-                            console=Console(soft_wrap=True, quiet=quiet))
+    log_dir = out if not rank else out / f"rank{rank}"
+    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(log_dir), progress=not quiet,
+                            console=Console(soft_wrap=True, quiet=quiet),
+                            checkpoint_dir=out / "checkpoints")
     train = build_data(cfg, "train")
     val = build_data(cfg, "validate") if cfg.val_steps else None
     steps = args.max_steps or cfg.max_steps
@@ -459,17 +518,40 @@ def _fit(cfg: Config, args: argparse.Namespace, out: Path, quiet: bool = False) 
         f"flags: train {cfg.flags('train')}, validate {cfg.flags('validate')}")
     try:
         rows = trainer.fit(train, val, max_steps=steps, val_steps=cfg.val_steps or None,
-                           val_every=cfg.val_every)
+                           val_every=cfg.val_every, resume=bool(getattr(args, "resume", False)))
     except (Exception, KeyboardInterrupt) as exc:
-        _add_note(exc, _kept(trainer.global_step, out))
+        note = _kept(trainer.global_step, log_dir)
+        if isinstance(exc, TrainingInterrupted) and exc.checkpoint is not None:
+            note += (f"; checkpoint of step {exc.step}: {exc.checkpoint}; resume with: "
+                     f"{_resume_command(args)}")
+        elif trainer.last_checkpoint is not None:
+            note += f"; {_checkpoint_note(out, args)}"
+        _add_note(exc, note)
         raise
     train_rows = [r for r in rows if r["phase"] == "train"]
     val_rows = [r for r in rows if r["phase"] == "validate"]
-    say(f"trained {len(train_rows)} steps: loss {train_rows[0]['loss']:.4f} -> "
-        f"{train_rows[-1]['loss']:.4f}" + (f"; last validation loss {val_rows[-1]['loss']:.4f}"
-                                            if val_rows else ""))
-    say(f"metrics: {out / 'metrics.csv'} and {out / 'metrics.jsonl'}")
+    if train_rows:
+        say(f"trained {len(train_rows)} steps: loss {train_rows[0]['loss']:.4f} -> "
+            f"{train_rows[-1]['loss']:.4f}" + (f"; last validation loss "
+                                                f"{val_rows[-1]['loss']:.4f}" if val_rows
+                                                else ""))
+    say(f"metrics: {log_dir / 'metrics.csv'} and {log_dir / 'metrics.jsonl'}")
+    if trainer.last_checkpoint is not None:
+        say(f"checkpoint: {trainer.last_checkpoint}")
     return EXIT_OK
+
+
+def _resume_command(args: argparse.Namespace) -> str:
+    """The command line that resumes this one."""
+    argv = [a for a in getattr(args, "argv", None) or sys.argv[1:] if a != "--resume"]
+    return shlex.join(["mbcompile", *argv, "--resume"])
+
+
+def _checkpoint_note(out: Path, args: argparse.Namespace) -> str:
+    last = latest_checkpoint(out / "checkpoints")
+    if last is None:
+        return "no checkpoint was written"
+    return f"the last checkpoint is {last}; resume with: {_resume_command(args)}"
 
 
 def _kept(done: int, out: Path) -> str:
@@ -505,7 +587,9 @@ def _add_note(exc: BaseException, note: str) -> None:
 
 def _paragraph(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, TrainingInterrupted) and exc.signum != signal.SIGINT:
+        text = f"interrupted by {signal.Signals(exc.signum).name}"
+    elif isinstance(exc, KeyboardInterrupt):
         text = "interrupted"
     elif isinstance(exc, MbcompileError):
         text = f"error: {text}"
@@ -521,10 +605,10 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
     """The command's exit code; a failure is one paragraph on stderr."""
     try:
         return int(args.run(args))
-    except KeyboardInterrupt as exc:
+    except KeyboardInterrupt as exc:  # also TrainingInterrupted: SIGINT or SIGTERM in a fit
         sys.stdout.flush()
         print(_paragraph(exc), file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        return exc.exit_code if isinstance(exc, TrainingInterrupted) else EXIT_INTERRUPTED
     except BrokenPipeError:  # `mbcompile ... | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILURE
@@ -546,6 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for "resume with: ..."
     if getattr(args, "debug", False):  # warnings as Python shows them, when they happen
         return _run(args, debug=True)
     # Held back until the command ends, so that a failure's error is the first line

@@ -13,7 +13,7 @@ error names the file and the line::
     callbacks:
       - GlobalFlags: {csx.performance.micro_batch_size: auto}
       - ScopedTrainFlags: {micro_batch_size: 2}
-    fit: {max_steps: 10, val_steps: 2}
+    fit: {max_steps: 10, val_steps: 2, checkpoint_every: 5}
 
 How a file becomes a run:
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 import sys
@@ -105,7 +106,7 @@ TOP_KEYS: dict[str, str] = {
     "backend": "'simulated' (default) or 'torch.distributed'",
     "optimizer": "{name: a torch.optim class or package.module:Class, <its kwargs>}",
     "callbacks": "a list of {GlobalFlags | ScopedTrainFlags | ScopedValidateFlags: {flags}}",
-    "fit": "{max_steps, val_steps, val_every, log_every}",
+    "fit": "{max_steps, val_steps, val_every, log_every, checkpoint_every, keep_checkpoints}",
     "in_dims": "the batch dim of the inputs (default 0)",
     "seed": "the seed for the model's initial weights and synthetic data (default 0)",
     "output_dir": "where artifacts and metrics go (default mbcompile-artifacts/<file name>)",
@@ -115,7 +116,8 @@ TOP_KEYS: dict[str, str] = {
 }
 LR_SCALING_KEYS = ("reference_batch_size", "rule", "warmup_steps")
 REQUIRED_TOP = ("model", "batch_size")
-FIT_KEYS = {"max_steps": 10, "val_steps": 2, "val_every": None, "log_every": 1}
+FIT_KEYS = {"max_steps": 10, "val_steps": 2, "val_every": None, "log_every": 1,
+            "checkpoint_every": None, "keep_checkpoints": 2}
 DATA_KEYS = ("source", "kwargs", "seed", "num_batches")
 MODEL_KEYS = ("name", "kwargs")
 
@@ -264,6 +266,8 @@ class Config:
     validate_only: bool
     marks: _Marks = field(repr=False, compare=False)
     lr_scaling: Mapping[str, Any] | None = None  # Trainer keyword arguments, or None
+    checkpoint_every: int | None = None  # steps between checkpoints (None: at the end only)
+    keep_checkpoints: int = 2  # the newest checkpoints kept
 
     @property
     def builtin(self) -> bool:
@@ -286,6 +290,10 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "marks"}
+
+    def to_plain(self) -> dict[str, Any]:
+        """``to_dict`` as JSON types (what a checkpoint stores)."""
+        return json.loads(json.dumps(self.to_dict(), default=str))
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
@@ -344,7 +352,8 @@ def parse_config(data: Any, marks: _Marks) -> Config:
         callbacks=callbacks, max_steps=fit["max_steps"], val_steps=fit["val_steps"],
         val_every=fit["val_every"], log_every=fit["log_every"], in_dims=in_dims, seed=seed,
         output_dir=output_dir, compile_only=compile_only, validate_only=validate_only,
-        lr_scaling=lr_scaling, marks=marks)
+        lr_scaling=lr_scaling, checkpoint_every=fit["checkpoint_every"],
+        keep_checkpoints=fit["keep_checkpoints"], marks=marks)
 
 
 def _suggest(word: Any, choices: Iterable[str]) -> str:
@@ -709,6 +718,8 @@ class _Validator:
         self.integer(path + ("val_steps",), out["val_steps"], 0)
         self.optional_integer(path + ("val_every",), out["val_every"], 1)
         self.integer(path + ("log_every",), out["log_every"], 1)
+        self.optional_integer(path + ("checkpoint_every",), out["checkpoint_every"], 1)
+        self.integer(path + ("keep_checkpoints",), out["keep_checkpoints"], 1)
         return out
 
     def lr_scaling(self, value: Any) -> dict[str, Any] | None:
@@ -863,14 +874,24 @@ def build_callbacks(cfg: Config, mbs: Any = None) -> list[Callback]:
 
 def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
                   progress: bool = True, console: Any = None, model: nn.Module | None = None,
-                  compile_options: Mapping[str, Any] | None = None) -> Any:
-    """A ``Trainer`` for ``cfg`` (model, optimizer, callbacks, logging to ``output_dir``)."""
+                  compile_options: Mapping[str, Any] | None = None,
+                  checkpoint_dir: str | os.PathLike[str] | None = None) -> Any:
+    """A ``Trainer`` for ``cfg`` (model, optimizer, callbacks, logging to ``output_dir``).
+
+    Checkpoints go to ``checkpoint_dir`` (default ``<log_dir>/checkpoints``) every
+    ``fit.checkpoint_every`` steps and at the end; each holds ``cfg``.
+    """
     from mbcompile.training.trainer import Trainer
 
     model = build_model(cfg) if model is None else model
+    log_dir = log_dir or cfg.output_dir
     return Trainer(model, build_optimizer(cfg, model), gbs=cfg.batch_size, num_csx=cfg.num_csx,
                    callbacks=build_callbacks(cfg, mbs), system=cfg.system,
                    backend=None if cfg.backend == "simulated" else cfg.backend,
-                   in_dims=cfg.in_dims, log_dir=log_dir or cfg.output_dir,
+                   in_dims=cfg.in_dims, log_dir=log_dir,
                    log_every=cfg.log_every, progress=progress, console=console,
-                   compile_options=compile_options, **(cfg.lr_scaling or {}))
+                   compile_options=compile_options,
+                   checkpoint_dir=checkpoint_dir or os.path.join(log_dir, "checkpoints"),
+                   checkpoint_every=cfg.checkpoint_every,
+                   keep_checkpoints=cfg.keep_checkpoints, config=cfg.to_plain(),
+                   **(cfg.lr_scaling or {}))

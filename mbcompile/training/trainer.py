@@ -20,7 +20,12 @@ What one ``fit`` does:
 3. validates (every ``val_every`` steps, and at the end) in its own phase, under
    ``model.eval()`` and ``torch.no_grad()``, compiled once with the validation MBS;
 4. closes each phase in a ``finally``: flags, the model's train/eval modes and the
-   progress display are back as they were, also when a step raises.
+   progress display are back as they were, also when a step raises;
+5. with a checkpoint folder (``checkpoint_dir=``, or ``log_dir`` with
+   ``checkpoint_every=``), writes a checkpoint every ``checkpoint_every`` steps and
+   at the end; SIGINT and SIGTERM let the current step finish, write one and raise
+   ``TrainingInterrupted``; ``fit(..., resume=True)`` continues from the newest good
+   one exactly (see ``mbcompile.training.checkpoint``).
 
 A batch is a tuple or list (positional inputs of ``model``), a dict (keyword inputs)
 or a tensor. The model computes its own loss (so that backward can run per
@@ -31,9 +36,12 @@ in a dict, or as ``.loss``.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import inspect
 import json
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -54,10 +62,24 @@ from rich.progress import (
 from mbcompile import compiler
 from mbcompile.compiler import CompiledModule
 from mbcompile.errors import ArgumentTypeError, MbcompileError
+from mbcompile.execution.noise import NoiseScale
+from mbcompile.training.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    StopSignals,
+    TrainingInterrupted,
+    control_group,
+    describe_signal,
+    preserved_rng,
+    rng_state,
+    set_rng_state,
+)
 from mbcompile.training.flags import Callback, Flags
 from mbcompile.training.lr_scaling import LRScaling
 
-__all__ = ["Trainer", "TrainerError", "batch_args", "loss_of"]
+__all__ = ["CheckpointError", "Trainer", "TrainerError", "TrainingInterrupted", "batch_args",
+           "loss_of"]
 
 #: Columns of every logged row, in file order; user metrics follow.
 COLUMNS = ("phase", "step", "global_step", "loss", "mbs", "num_microbatches", "samples",
@@ -101,27 +123,105 @@ def loss_of(output: Any) -> torch.Tensor:
         "first in a tuple, under 'loss' in a dict, or as .loss")
 
 
+#: Config keys that may change between a run and its resume without a warning.
+_VOLATILE_CONFIG = frozenset({"file", "output_dir", "max_steps", "val_steps", "val_every",
+                              "log_every", "checkpoint_every", "keep_checkpoints"})
+
+
+def _version() -> str:
+    import mbcompile
+
+    return str(getattr(mbcompile, "__version__", "unknown"))
+
+
 def _mbs_key(mbs: Any) -> str:
     return json.dumps(mbs, sort_keys=True, default=repr)
 
 
 def _batches(data: Iterable[Any], limit: int | None, what: str) -> Iterator[Any]:
     """Batches of ``data``; a re-iterable (a list, a DataLoader) is cycled up to ``limit``."""
-    count = 0
-    while True:
-        it = iter(data)
-        one_pass = it is data  # an iterator cannot be restarted
-        got = False
-        for batch in it:
-            got = True
-            yield batch
-            count += 1
-            if limit is not None and count >= limit:
-                return
-        if not got and count == 0:
-            raise TrainerError(f"the {what} data yielded no batches")
-        if limit is None or one_pass or not got:
-            return
+    return iter(_Cursor(data, limit, what, track_rng=False))
+
+
+class _Cursor:
+    """The training batches: ``data`` cycled up to ``limit``, and where in it we are.
+
+    The position is the pass (each ``iter(data)`` starts one) and the batches read in
+    it. ``seek`` puts a fresh cursor where a checkpoint's was: earlier passes are
+    read through and dropped, and the current one is started from the RNG states it
+    began with (a DataLoader draws its shuffle there), then read up to the position.
+    """
+
+    def __init__(self, data: Iterable[Any], limit: int | None, what: str,
+                 track_rng: bool = True) -> None:
+        self.data, self.limit, self.what, self.track_rng = data, limit, what, track_rng
+        self.batches = 0  # handed out in this fit
+        self.passes = 0  # passes started
+        self.in_pass = 0  # batches read in the current pass
+        self.pass_rng: dict[str, Any] | None = None  # RNG states when the pass began
+        self._it: Iterator[Any] | None = None
+        self._one_pass = False  # an iterator cannot be restarted
+
+    def position(self) -> dict[str, int]:
+        return {"batches": self.batches, "passes": self.passes, "in_pass": self.in_pass}
+
+    def _start_pass(self) -> None:
+        if self.track_rng:
+            self.pass_rng = rng_state()
+        it = iter(self.data)
+        self._one_pass = it is self.data
+        self._it, self.passes, self.in_pass = it, self.passes + 1, 0
+
+    def __iter__(self) -> _Cursor:
+        return self
+
+    def __next__(self) -> Any:
+        if self.limit is not None and self.batches >= self.limit:
+            raise StopIteration
+        while True:
+            if self._it is None:
+                if self.passes and (self.limit is None or self._one_pass):
+                    raise StopIteration
+                self._start_pass()
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._it = None
+                if self.in_pass == 0:  # an empty pass: nothing (more) to read
+                    if self.batches == 0:
+                        raise TrainerError(f"the {self.what} data yielded no batches") from None
+                    raise
+                continue
+            self.in_pass += 1
+            self.batches += 1
+            return batch
+
+    def seek(self, position: Mapping[str, int], pass_rng: Mapping[str, Any] | None) -> None:
+        passes, in_pass = position["passes"], position["in_pass"]
+        short = CheckpointError(
+            f"the {self.what} data has fewer batches than when the checkpoint was written "
+            f"(pass {passes}, batch {in_pass}); an exact resume needs the same data")
+        for _ in range(passes - 1):
+            self._start_pass()
+            if self._one_pass:
+                raise CheckpointError(
+                    f"the checkpoint is in pass {passes} over the {self.what} data, but the "
+                    "data is an iterator, which has one pass; pass a list or a DataLoader")
+            for _ in self._it:
+                self.in_pass += 1
+                self.batches += 1
+        if pass_rng is not None:
+            set_rng_state(pass_rng)
+        self._start_pass()
+        for _ in range(in_pass):
+            try:
+                next(self._it)
+            except StopIteration:
+                raise short from None
+            self.in_pass += 1
+            self.batches += 1
+        if self.batches != position["batches"]:
+            raise short
 
 
 def _length(data: Any, limit: int | None) -> int | None:
@@ -151,6 +251,38 @@ class _MetricsLog:
         self.csv_path = folder / "metrics.csv"
         self.json_path = folder / "metrics.jsonl"
         self._started = False
+        self.rows = 0  # rows in the files
+
+    def resume(self, rows: int) -> list[dict[str, Any]]:
+        """Keep the first ``rows`` rows of both files (a checkpoint's count) and append after
+        them: what a killed run logged after its checkpoint is redone, never duplicated.
+        Returns the rows kept."""
+        lines = self.json_path.read_text().splitlines() if self.json_path.exists() else []
+        records = []
+        if self.csv_path.exists():
+            with open(self.csv_path, newline="") as f:
+                records = list(csv.reader(f))
+        kept = lines[:rows]
+        if len(kept) < rows or len(records) < rows + 1:
+            print(f"resume: {self.json_path} and {self.csv_path} hold fewer than the "
+                  f"{rows} rows of the checkpoint; the rows after them are appended",
+                  file=sys.stderr, flush=True)
+        header = records[0] if records else list(self.columns)
+        self._replace(self.json_path, "".join(line + "\n" for line in kept))
+        with open(self.csv_path.with_name(self.csv_path.name + ".tmp"), "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            writer.writerows(records[1:rows + 1])
+        os.replace(self.csv_path.with_name(self.csv_path.name + ".tmp"), self.csv_path)
+        self._started, self.rows = True, len(kept)
+        return [json.loads(line) for line in kept]
+
+    @staticmethod
+    def _replace(path: Path, text: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
     def write(self, row: Mapping[str, Any]) -> None:
         mode = "a" if self._started else "w"
@@ -164,6 +296,7 @@ class _MetricsLog:
         with open(self.json_path, mode) as f:
             f.write(json.dumps(dict(row), default=str) + "\n")
         self._started = True
+        self.rows += 1
 
 
 class Trainer:
@@ -178,6 +311,12 @@ class Trainer:
     ``mbcompile.training.lr_scaling``.
     ``log_dir`` receives ``metrics.csv`` and ``metrics.jsonl`` (one row per step);
     the terminal shows a progress bar and a line every ``log_every`` steps.
+
+    Checkpoints (``mbcompile.training.checkpoint``) go to ``checkpoint_dir`` (default
+    ``log_dir/checkpoints`` when ``checkpoint_every`` is given): one every
+    ``checkpoint_every`` steps, one at the end of ``fit``, and one when SIGINT or
+    SIGTERM stops it; the newest ``keep_checkpoints`` are kept. ``config`` (plain
+    JSON-able values, the YAML's for the CLI) is stored in each.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, gbs: int,
@@ -188,7 +327,9 @@ class Trainer:
                  progress: bool = True, console: Console | None = None,
                  compile_options: Mapping[str, Any] | None = None,
                  reference_batch_size: int | None = None, lr_scaling: str | None = None,
-                 warmup_steps: int = 0) -> None:
+                 warmup_steps: int = 0, checkpoint_dir: str | Path | None = None,
+                 checkpoint_every: int | None = None, keep_checkpoints: int = 2,
+                 config: Mapping[str, Any] | None = None) -> None:
         if not isinstance(model, nn.Module) or isinstance(model, CompiledModule):
             raise ArgumentTypeError(
                 f"model must be the user's torch.nn.Module (the trainer compiles it), got "
@@ -200,6 +341,8 @@ class Trainer:
         _check_steps("gbs", gbs, allow_none=False)
         _check_steps("num_csx", num_csx, allow_none=False)
         _check_steps("log_every", log_every, allow_none=False)
+        _check_steps("checkpoint_every", checkpoint_every)
+        _check_steps("keep_checkpoints", keep_checkpoints, allow_none=False)
         for cb in callbacks:
             if not isinstance(cb, Callback):
                 raise ArgumentTypeError(
@@ -223,6 +366,19 @@ class Trainer:
         self.log = _MetricsLog(Path(log_dir), COLUMNS + tuple(self.metrics)) \
             if log_dir is not None else None
         self._live: Progress | None = None
+        if checkpoint_dir is None and checkpoint_every is not None:
+            if log_dir is None:
+                raise TrainerError("checkpoint_every needs a folder for the checkpoints: give "
+                                   "checkpoint_dir= (or log_dir=, whose checkpoints/ it uses)")
+            checkpoint_dir = Path(log_dir) / "checkpoints"
+        #: Where checkpoints go (None: no checkpoints).
+        self.checkpoints = CheckpointStore(checkpoint_dir, keep_checkpoints) \
+            if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.config = dict(config) if config is not None else None
+        #: The newest checkpoint this trainer wrote or resumed from.
+        self.last_checkpoint: Path | None = None
+        self._group: Any = None  # ranks: the CPU group for stop requests and checkpoints
         #: Learning-rate scaling from ``reference_batch_size`` to ``gbs`` (None: rates as given).
         self.lr_scaling: LRScaling | None = None
         if reference_batch_size is not None:
@@ -233,6 +389,9 @@ class Trainer:
             raise TrainerError("lr_scaling and warmup_steps need reference_batch_size: the batch "
                                "size the learning rate was tuned at")
         self._check_options()
+        if self.compile_options.get("measure_noise_scale") is True:
+            # an object of ours, so that checkpoints hold its averages
+            self.compile_options["measure_noise_scale"] = NoiseScale()
         for cb in self.callbacks:
             cb.setup(self)
 
@@ -263,9 +422,11 @@ class Trainer:
             if self.backend not in (None, "simulated"):
                 options["backend"] = self.backend
             started = time.perf_counter()
-            cm = compiler.compile(self.model, self.gbs, self.num_csx, mbs,
-                                  example_inputs=args or None, example_kwargs=kwargs or None,
-                                  in_dims=self.in_dims, **options)
+            with preserved_rng():  # a resumed run compiles at another step
+                cm = compiler.compile(self.model, self.gbs, self.num_csx, mbs,
+                                      example_inputs=args or None,
+                                      example_kwargs=kwargs or None, in_dims=self.in_dims,
+                                      **options)
             self.compiled[key] = cm
             if self.progress:
                 p = cm.plan
@@ -296,7 +457,8 @@ class Trainer:
                         m.training = training
 
     @contextmanager
-    def _task(self, description: str, total: int | None) -> Iterator[Any]:
+    def _task(self, description: str, total: int | None, completed: int = 0
+              ) -> Iterator[Any]:
         if not self.progress:
             yield None
             return
@@ -307,7 +469,7 @@ class Trainer:
                                   TimeElapsedColumn(), console=self.console)
             self._live.start()
         live = self._live
-        task = live.add_task(description, total=total, loss="-")
+        task = live.add_task(description, total=total, completed=completed, loss="-")
         try:
             yield task
         finally:
@@ -386,37 +548,176 @@ class Trainer:
         self._call("on_train_step_end", row)
         return row
 
+    # ------------------------------------------------------------ checkpoints
+    def _ranks(self) -> tuple[int, int]:
+        if self.backend == "torch.distributed":
+            import torch.distributed as dist
+
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def _noise(self) -> NoiseScale | None:
+        noise = self.compile_options.get("measure_noise_scale")
+        return noise if isinstance(noise, NoiseScale) else None
+
+    def _save(self, step: int, cursor: _Cursor, fit_start: int, reason: str) -> Path:
+        """A checkpoint after training step ``step`` of this fit (every rank calls it)."""
+        assert self.checkpoints is not None
+        rank, world = self._ranks()
+        noise = self._noise()
+        trainer = {
+            "step": step, "global_step": self.global_step, "reason": reason,
+            "data": cursor.position(),
+            "metrics_rows": self.log.rows if self.log is not None else len(self.history),
+            "fit_first_row": fit_start,
+            "run": {"gbs": self.gbs, "num_csx": self.num_csx, "world_size": world,
+                    "model": type(self.model).__name__,
+                    "optimizer": type(self.optimizer).__name__},
+            "lr_scaling": dataclasses.asdict(self.lr_scaling) if self.lr_scaling else None,
+            "noise_scale": noise.state_dict() if noise is not None else None,
+            "config": self.config,
+            "versions": {"torch": torch.__version__, "mbcompile": _version()},
+        }
+        with preserved_rng():
+            path = self.checkpoints.save(
+                self.global_step,
+                {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                trainer, {"rng": rng_state(), "pass_rng": cursor.pass_rng})
+        self.last_checkpoint = path
+        if self.progress:
+            self._print(f"checkpoint after step {step} ({reason}): {path}")
+        return path
+
+    def _restore(self, cursor: _Cursor) -> Checkpoint | None:
+        """Load the newest good checkpoint into the model, optimizer and trainer, and put
+        ``cursor`` where it was; RNG states last, so nothing here draws from them."""
+        assert self.checkpoints is not None
+        ck = self.checkpoints.load_newest()
+        if ck is None:
+            self._print(f"resume: no checkpoint in {self.checkpoints.folder}; starting from "
+                        "step 0")
+            return None
+        t, (_, world) = ck.trainer, self._ranks()
+        run = t["run"]
+        differ = [f"{k} {run.get(k)} (now {now})" for k, now in (
+            ("gbs", self.gbs), ("num_csx", self.num_csx), ("world_size", world))
+            if run.get(k) != now]
+        if differ:
+            raise CheckpointError(
+                f"checkpoint {ck.path} was written with {', '.join(differ)}; an exact resume "
+                "needs the same global batch, systems and ranks: run it as it was written, or "
+                "start a new run in another folder")
+        self._warn_config(ck)
+        self.model.load_state_dict(ck.state["model"])
+        self.optimizer.load_state_dict(ck.state["optimizer"])
+        self.global_step = int(t["global_step"])
+        if t.get("lr_scaling") is not None and self.lr_scaling is not None:
+            state = dict(t["lr_scaling"])
+            self.lr_scaling = LRScaling(**{**state, "base_lrs": tuple(state["base_lrs"])})
+        noise = self._noise()
+        if noise is not None and t.get("noise_scale") is not None:
+            noise.load_state_dict(t["noise_scale"])
+        if self.log is not None:
+            self.history = self.log.resume(int(t["metrics_rows"]))
+        cursor.seek(t["data"], ck.rank.get("pass_rng"))
+        set_rng_state(ck.rank["rng"])
+        self.last_checkpoint = ck.path
+        self._print(f"resumed from {ck.path}: step {t['step']}, global step "
+                    f"{self.global_step}")
+        return ck
+
+    def _warn_config(self, ck: Checkpoint) -> None:
+        then = ck.trainer.get("config")
+        if not isinstance(then, dict) or self.config is None:
+            return
+        keys = sorted(k for k in set(then) | set(self.config)
+                      if k not in _VOLATILE_CONFIG and then.get(k) != self.config.get(k))
+        if keys:
+            print(f"resume: the config differs from the one checkpoint {ck.path} was written "
+                  f"with in: {', '.join(keys)}; the run continues with the new values",
+                  file=sys.stderr, flush=True)
+
+    def _interrupted(self, signum: int, step: int, saved: Path | None) -> TrainingInterrupted:
+        if self.progress:
+            self._print(f"stopped by {describe_signal(signum)} after step {step}"
+                        + (f": checkpoint {saved}" if saved is not None else ""))
+        return TrainingInterrupted(signum, step, saved)
+
+    def _control_group(self) -> Any:
+        if self.backend == "torch.distributed" and self._group is None:
+            self._group = control_group()
+        if self.checkpoints is not None:
+            self.checkpoints.group = self._group
+        return self._group
+
     # ------------------------------------------------------------- public API
     def fit(self, train_data: Iterable[Any], val_data: Iterable[Any] | None = None, *,
             max_steps: int | None = None, val_steps: int | None = None,
-            val_every: int | None = None) -> list[dict[str, Any]]:
+            val_every: int | None = None, resume: bool = False) -> list[dict[str, Any]]:
         """Train for ``max_steps`` steps (default: one pass over ``train_data``).
 
         With ``val_data``, validates every ``val_every`` steps (if given) and at the
         end, ``val_steps`` batches each time (default: all). Returns this fit's rows.
+        ``resume=True`` continues from the newest good checkpoint (from step 0 if there
+        is none): the same data must be passed, and every later step equals the
+        uninterrupted run's.
         """
         for name, value in (("max_steps", max_steps), ("val_steps", val_steps),
                             ("val_every", val_every)):
             _check_steps(name, value)
+        if resume and self.checkpoints is None:
+            raise TrainerError("resume=True needs the checkpoints' folder: give the Trainer "
+                               "checkpoint_dir= (or log_dir= and checkpoint_every=)")
+        group = self._control_group()
         start = len(self.history)
+        cursor = _Cursor(train_data, max_steps, "training")
+        step, saved, saved_step = 0, None, None
+        if not resume and self.checkpoints is not None and self.last_checkpoint is None:
+            self.checkpoints.start_over()  # an earlier run's checkpoints would outrank ours
+        if resume:
+            ck = self._restore(cursor)
+            if ck is not None:
+                step = saved_step = int(ck.trainer["step"])
+                saved = ck.path
+                first = int(ck.trainer.get("fit_first_row", 0))
+                start = first if len(self.history) == ck.trainer["metrics_rows"] else \
+                    len(self.history)
         total = _length(train_data, max_steps)
         self._call("on_fit_start")
         try:
-            with self._task("train", total) as task, self._phase("train"):
-                self.model.train()
-                step = 0
-                for step, batch in enumerate(_batches(train_data, max_steps, "training"), 1):
-                    self._train_step(step, batch, task, total)
-                    if val_data is not None and val_every and step % val_every == 0 \
-                            and step != total:
-                        self.validate(val_data, max_steps=val_steps)
-                        self.model.train()
-                if max_steps is not None and step < max_steps and self.progress:
-                    self._print(f"train: the data ran out after {step} of {max_steps} steps "
-                                "(an iterator is read once; pass a list or a DataLoader to "
-                                "cycle over it)")
-            if val_data is not None:
-                self.validate(val_data, max_steps=val_steps)
+            with StopSignals(group) as signals:
+                with self._task("train", total, step) as task, self._phase("train"):
+                    self.model.train()
+                    for batch in cursor:
+                        step += 1
+                        self._train_step(step, batch, task, total)
+                        if val_data is not None and val_every and step % val_every == 0 \
+                                and step != total:
+                            self.validate(val_data, max_steps=val_steps)
+                            self.model.train()
+                        stop = signals.agreed()
+                        due = self.checkpoint_every and step % self.checkpoint_every == 0
+                        if self.checkpoints is not None and (stop or due):
+                            why = describe_signal(stop) if stop else \
+                                f"every {self.checkpoint_every} steps"
+                            saved, saved_step = self._save(step, cursor, start, why), step
+                        if stop:
+                            raise self._interrupted(stop, step, saved)
+                    if max_steps is not None and step < max_steps and self.progress:
+                        self._print(f"train: the data ran out after {step} of {max_steps} "
+                                    "steps (an iterator is read once; pass a list or a "
+                                    "DataLoader to cycle over it)")
+                    stop = signals.agreed(final=True)
+                    if self.checkpoints is not None and saved_step != step:
+                        why = describe_signal(stop) if stop else "end of training"
+                        saved, saved_step = self._save(step, cursor, start, why), step
+                    if stop:
+                        raise self._interrupted(stop, step, saved)
+                if val_data is not None:
+                    self.validate(val_data, max_steps=val_steps)
+                stop = signals.agreed(final=True)
+                if stop:  # the run is complete: its last checkpoint is the one to point at
+                    raise self._interrupted(stop, step, saved)
         finally:
             self._call("on_fit_end")
         return self.history[start:]
