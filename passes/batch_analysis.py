@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from . import token_dispatch
 from .batch_rules import (
     MBS_NONE,
     RuleContext,
@@ -97,8 +98,9 @@ _PUBLIC_NAMES: dict[int, str] = {}
 
 def _qualname(obj: object) -> str:
     """The public dotted name of a function, class or ATen op (``torch.fft.fft``)."""
-    if is_aten(obj):
-        return f"torch.ops.aten.{str(obj).split('.')[1]}"
+    if is_aten(obj):  # any op namespace: torch.ops.aten.sort, torch.ops.transformers.<op>
+        namespace, name = str(obj).split(".")[:2]
+        return f"torch.ops.{namespace}.{name}"
     if not _PUBLIC_NAMES:  # built once: torch.fft.fft's own __name__ is "fft_fft"
         for public, namespace in reversed(_PUBLIC):
             for attr, value in vars(namespace).items():
@@ -203,7 +205,7 @@ _NO_VALUES = frozenset({"detach", "detach_", "zeros_like", "ones_like", "empty_l
 def _is_batch_related(fact: Fact) -> bool:
     if isinstance(fact, Container):
         return any(_is_batch_related(f) for _, f in fact.items)
-    return isinstance(fact, (Batched, BatchSize, Reduced))
+    return isinstance(fact, (Batched, BatchSize, Reduced)) or token_dispatch.is_dispatch_fact(fact)
 
 
 def _unused_in_place(node: fx.Node) -> bool:
@@ -302,18 +304,29 @@ def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int) 
                         "use the out-of-place form and its result: x = x.masked_fill(m, v), "
                         "x = torch.where(mask, v, x)")
                 rule = lookup_rule(node, module)
-                if rule is None:
-                    raise _unsupported(node, gm, module)
                 ctx = RuleContext(node, facts, gbs, module, tuple(node.args), dict(node.kwargs))
-                try:
-                    fact = apply_rule(rule, ctx)
+                try:  # a token dispatch (MoE routing) first: its sort is not a rule's business
+                    dispatched = token_dispatch.dispatch_fact(ctx, rule, source_line)
+                    if dispatched is not None:
+                        fact = dispatched
+                    elif rule is None:
+                        raise _unsupported(node, gm, module)
+                    else:
+                        fact = apply_rule(rule, ctx)
                 except _Rejected as rejected:
                     raise mixing_error(node, gm, rejected.reason, rejected.fixes) from None
+                except token_dispatch.NoRule:
+                    raise _unsupported(node, gm, module) from None
         facts[node] = fact
         node.meta[FACT] = fact
 
 
 def _check_output(leaf: fx.Node, fact: Fact, gm: fx.GraphModule) -> None:
+    dispatched = token_dispatch.output_reason(fact)
+    if dispatched is not None:
+        raise mixing_error(leaf, gm, dispatched, "undo the permutation before returning the "
+                           "rows (index them with the inverse permutation, or index_add them "
+                           "back into token order)")
     if isinstance(fact, Batched) and not fact.major:
         raise mixing_error(leaf, gm, "it is returned with samples interleaved with another "
                            "dim, so microbatch outputs cannot be concatenated in order",

@@ -1,0 +1,140 @@
+"""The model zoo: every architecture of ``tests/zoo.py``, one uneven training step each.
+
+Each case compiles the model for ``GBS = 7`` over ``NUM_CSX = 2`` systems with
+``MBS = 2`` (microbatches 2, 2 | 2, 1), runs one compiled step and one eager
+full-batch step on the same model, and compares the loss, every output tensor and
+every parameter gradient within the entry's tolerance class (``zoo.F64``,
+``zoo.F32_LOSS``, ``zoo.F32_INSIDE``, ``zoo.F32_MODEL``; each states its reason,
+and the test checks the part of the reason it can see: the eager loss's dtype).
+Or compiling is refused with a ``MixingError`` whose message names the entry's
+reason (BatchNorm in training).
+
+An entry with ``known_failure`` must match but is refused today: it is marked
+``xfail(strict=True, raises=MbcompileError)``. When a fix lands the case passes,
+strict turns that pass into a failure, and whoever sees it moves the entry to a
+plain match (``python benchmarks/zoo_table.py`` prints today's outcomes). A wrong
+number is never an expected failure: only an ``MbcompileError`` is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from models import assert_close_errors, one_intra_op_thread
+from zoo import (
+    F32_INSIDE,
+    F32_LOSS,
+    F32_MODEL,
+    F64,
+    GBS,
+    NUM_CSX,
+    ZOO,
+    ZooModel,
+    build_case,
+    compare,
+    compile_case,
+)
+
+from mbcompile import MbcompileError, MixingError
+
+# What issue 12 names, family by family: the zoo must hold at least these.
+REQUIRED = {
+    "causal LM": {"gpt2", "gpt_neo", "gpt_neox", "gptj", "opt", "bloom", "llama", "mistral",
+                  "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "stablelm", "starcoder2",
+                  "codegen", "olmo", "olmo2", "cohere", "granite", "falcon", "mamba"},
+    "masked LM": {"bert", "roberta", "distilbert", "albert", "electra", "mpnet", "convbert",
+                  "deberta"},
+    "sequence classification": {"bert_regression"},
+    "seq2seq": {"t5", "bart", "pegasus", "mt5", "umt5", "blenderbot_small", "marian", "mbart",
+                "longt5"},
+    "vision classification": {"vit", "deit", "convnext", "dinov2", "swin", "resnet"},
+    "MoE causal LM": {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"},
+    "PEFT LoRA": {"llama_lora"},
+}
+
+
+def _param(entry: ZooModel) -> Any:
+    marks = []
+    if entry.known_failure is not None:
+        marks.append(pytest.mark.xfail(strict=True, raises=MbcompileError,
+                                       reason=f"known failure: {entry.known_failure}"))
+    return pytest.param(entry, id=entry.name, marks=marks)
+
+
+MATCH = [_param(e) for e in ZOO if e.expected == "match"]
+REJECT = [_param(e) for e in ZOO if e.expected.startswith("reject:")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny models: see models.one_intra_op_thread."""
+    with one_intra_op_thread():
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet_transformers() -> None:
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+
+
+@pytest.mark.parametrize("entry", MATCH)
+def test_zoo_model_matches_eager_full_batch(entry: ZooModel) -> None:
+    pytest.importorskip(entry.requires)
+    case = build_case(entry)
+    cm = compile_case(case)
+    assert cm.plan.per_system_batch_sizes == (4, 3)
+    errors = compare(case, cm)
+    tolerance = entry.tolerance
+    assert tolerance is not None
+    assert errors["loss_dtype"] == tolerance.loss_dtype, (
+        f"{entry.name} is in the {tolerance.name!r} class ({tolerance.why}), "
+        f"but eager's loss is {errors['loss_dtype']}")
+    assert errors["loss"] <= tolerance.tol, f"loss: {errors['loss']:.2e} ({tolerance.why})"
+    assert_close_errors(errors["outputs"], tolerance.tol)
+    assert_close_errors(errors["grads"], tolerance.tol)
+
+
+@pytest.mark.parametrize("entry", REJECT)
+def test_zoo_model_is_rejected_for_its_reason(entry: ZooModel) -> None:
+    pytest.importorskip(entry.requires)
+    case = build_case(entry)
+    before = {k: v.clone() for k, v in case.model.state_dict().items()}
+    with pytest.raises(MixingError) as info:
+        compile_case(case)
+    reason = entry.expected.removeprefix("reject:")
+    assert reason.lower() in str(info.value).lower(), str(info.value)
+    # Compiling did not touch the state (BatchNorm's running statistics).
+    after = case.model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_lora_model_trains_only_its_adapters() -> None:
+    """The PEFT entry is a real LoRA setup, whatever compile says about it today."""
+    pytest.importorskip("peft")
+    case = build_case(next(e for e in ZOO if e.family == "PEFT LoRA"))
+    trainable = {n for n, p in case.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    case.model(**case.kwargs).loss.backward()
+    assert {n for n, p in case.model.named_parameters() if p.grad is not None} == trainable
+
+
+def test_zoo_covers_the_issue() -> None:
+    names = [e.name for e in ZOO]
+    assert len(names) == len(set(names)) >= 40
+    for family, required in REQUIRED.items():
+        have = {e.name for e in ZOO if e.family == family}
+        assert required <= have, f"{family}: missing {required - have}"
+    # Every tolerance class is used, and every float32 class names its reason.
+    used = Counter(e.tolerance.name for e in ZOO if e.tolerance is not None)
+    assert set(used) == {t.name for t in (F64, F32_LOSS, F32_INSIDE, F32_MODEL)}
+    assert all(e.why for e in ZOO if e.tolerance in (F32_INSIDE,))
+    # A known failure is the first line of an error, recorded for a model that must match.
+    for e in ZOO:
+        if e.known_failure is not None:
+            assert e.expected == "match" and "\n" not in e.known_failure and e.known_failure
+    assert (GBS, NUM_CSX) == (7, 2)
