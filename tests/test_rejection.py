@@ -158,6 +158,18 @@ def compile_it(model: nn.Module, **kwargs: Any) -> mbcompile.CompiledModule:
     return mbcompile.compile(model, example_inputs=(example(),), **args)
 
 
+def assert_step_matches_eager(cm: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
+    """One compiled training step equals the eager full-batch step: loss and every gradient."""
+    loss = cm(x)
+    loss.backward()
+    got = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    want = model(x)
+    want.backward()
+    assert rel_err(loss, want) <= 1e-10
+    assert_close_errors(grad_errors(got, grads_of(model)), 1e-10)
+
+
 # (model, what the message must call the op, the fx target of the offending node)
 MIXING = [
     pytest.param(SoftmaxOverBatch, "softmax", torch.softmax, id="softmax-dim0"),
@@ -250,14 +262,7 @@ def test_batch_norm_eval_is_accepted_and_exact() -> None:
     x = example()
     cm = compile_it(model)
     model.zero_grad(set_to_none=True)
-    loss = cm(x)
-    loss.backward()
-    got = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    want = model(x)
-    want.backward()
-    assert rel_err(loss, want) <= 1e-10
-    assert_close_errors(grad_errors(got, grads_of(model)), 1e-10)
+    assert_step_matches_eager(cm, model, x)
 
 
 def test_batch_norm_without_running_stats_is_rejected_in_eval() -> None:
@@ -309,14 +314,7 @@ def test_same_ops_over_a_feature_dim_are_accepted(op: Any) -> None:
     model = FeatureDimOp(op).double()
     x = example()
     cm = compile_it(model)
-    loss = cm(x)
-    loss.backward()
-    got = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    want = model(x)
-    want.backward()
-    assert rel_err(loss, want) <= 1e-10
-    assert_close_errors(grad_errors(got, grads_of(model)), 1e-10)
+    assert_step_matches_eager(cm, model, x)
 
 
 # --------------------------------------------------------------------------- #
@@ -361,14 +359,7 @@ def test_op_without_rule_is_rejected_then_registered(cls: type[nn.Module], op: A
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cm = compile_it(model)
-        loss = cm(x)
-    loss.backward()
-    got = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    want = model(x)
-    want.backward()
-    assert rel_err(loss, want) <= 1e-10
-    assert_close_errors(grad_errors(got, grads_of(model)), 1e-10)
+        assert_step_matches_eager(cm, model, x)
 
 
 def test_registration_is_cleaned_up(restore_rules: None) -> None:
@@ -386,14 +377,7 @@ def test_auto_capture_looks_inside_a_wrapped_function_before_rejecting() -> None
     x = example()
     cm = compile_it(model)
     assert cm.analysis.rejected is None
-    loss = cm(x)
-    loss.backward()
-    got = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    want = model(x)
-    want.backward()
-    assert rel_err(loss, want) <= 1e-10
-    assert_close_errors(grad_errors(got, grads_of(model)), 1e-10)
+    assert_step_matches_eager(cm, model, x)
 
 
 def test_unknown_rule_family_is_refused(restore_rules: None) -> None:
