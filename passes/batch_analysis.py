@@ -26,7 +26,7 @@ A rejection reads (``MixingError``)::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -257,23 +257,34 @@ def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
     leaves = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     needed = _needed(x for x in leaves if isinstance(x, fx.Node))
     reductions = tuple(n for n in gm.graph.nodes if REDUCTION in n.meta and n in needed)
-    trained = [n for n in reductions if n.meta.get(PARAMS)]
+    # what a gradient can reach from the outputs: not through detach (state updates)
+    differentiable = _needed((x for x in leaves if isinstance(x, fx.Node)),
+                             through=lambda n: not _is_detach(n))
+    trained = [n for n in reductions if n.meta.get(PARAMS) and n in differentiable]
     info = trained[0].meta.get(SHAPES) if len(trained) == 1 else None
     scalar = isinstance(info, ValueInfo) and info.shape_a == ()
     losses = tuple(i for i, x in enumerate(leaves)
                    if isinstance(x, fx.Node) and isinstance(x.meta.get(FACT), Reduced)
-                   and x.meta.get(PARAMS))
+                   and x.meta.get(PARAMS) and not _is_detach(x))
     return BatchAnalysis(gm, None, reductions, trained[0] if scalar else None, losses)
 
 
-def _needed(roots: Iterable[fx.Node]) -> set[fx.Node]:
-    """Every node the ``roots`` are computed from."""
+def _is_detach(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method") and node.target in (
+        torch.ops.aten.detach.default, torch.detach, torch.Tensor.detach, "detach")
+
+
+def _needed(roots: Iterable[fx.Node],
+            through: Callable[[fx.Node], bool] = lambda n: True) -> set[fx.Node]:
+    """Every node the ``roots`` are computed from (not looking past nodes ``through`` refuses)."""
     seen: set[fx.Node] = set()
     todo = list(roots)
     while todo:
         n = todo.pop()
         if n not in seen:
             seen.add(n)
+            if not through(n):
+                continue
             todo.extend(n.all_input_nodes)
     return seen
 

@@ -140,6 +140,7 @@ def test_state_ends_as_after_one_eager_step(cls, plan):
     want = _eager_state(model, batch)
     cm = mbcompile.compile(model, *plan, example_inputs=batch)
     assert cm.plan.num_nonempty_microbatches > 1
+    assert cm.analysis.fused  # the state's batch mean is no second trained loss
     loss = cm(*batch)
     loss.backward()
     _assert_state(model, want)
@@ -212,3 +213,18 @@ def test_in_place_ops_are_functionalized_not_rejected(plan):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert mbcompile.check.relative_error(p.grad, q.grad) <= 1e-12, name
 
+
+
+@pytest.mark.slow  # spawns two ranks
+def test_state_on_ranks_ends_as_after_one_eager_step(tmp_path):
+    import dist_workers
+    from test_distributed import _run
+
+    _run(dist_workers.state_step, 2, str(tmp_path), 7, 2)
+    torch.manual_seed(0)
+    model = NoGradCentre().to(DTYPE)
+    want = _eager_state(model, _batch(7))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for k, v in got.items():
+            assert torch.allclose(v, want[k], rtol=1e-12, atol=0), (rank, k)
