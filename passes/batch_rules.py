@@ -1484,7 +1484,8 @@ EXPORT_CHECKS = aten("_assert_tensor_metadata", "_assert_scalar", "sym_constrain
 RESHAPES = [
     "view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel", nn.Flatten,
     nn.Unflatten, *spellings("reshape", "flatten", "unflatten", "view", "_unsafe_view",
-                             "view_copy", "_reshape_alias", "ravel", method=False)]
+                             "view_copy", "_reshape_alias", "ravel", "view_as", "reshape_as",
+                             method=False)]
 DIM_MOVES = [
     "permute", "transpose", "transpose_", "t", "swapaxes", "swapdims", "movedim", "moveaxis",
     "unsqueeze", "unsqueeze_", "expand", "expand_as", "broadcast_to", "narrow", "select",

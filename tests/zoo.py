@@ -339,9 +339,7 @@ ZOO: tuple[ZooModel, ...] = (
     masked("deberta", "DebertaForMaskedLM", "DebertaConfig", tolerance=F32_INSIDE,
            why="DebertaLayerNorm normalises in float32 (hidden_states.float())"),
     masked("deberta_v2", "DebertaV2ForMaskedLM", "DebertaV2Config"),
-    masked("roformer", "RoFormerForMaskedLM", "RoFormerConfig", known_failure=(
-        "UnsupportedOpError: torch.ops.aten.reshape_as at node 'reshape_as_2' "
-        "cannot be microbatched")),
+    masked("roformer", "RoFormerForMaskedLM", "RoFormerConfig"),
     masked("funnel", "FunnelForMaskedLM", "FunnelConfig", base=FUNNEL, block_sizes=[1, 1],
            d_head=8, d_inner=2 * WIDTH, known_failure=(
                "UnsupportedOpError: torch.ops.aten.slice_scatter at node 'slice_scatter' "
