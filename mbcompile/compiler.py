@@ -532,13 +532,15 @@ def _analyse_in_scope(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapp
     inside such calls; the export graph is kept when the analysis accepts it.
     """
     captured = _capture(model, inputs, example)
-    if (inputs.capture == "auto" and captured.method != "export"
-            and not isinstance(model, fx.GraphModule) and has_mutations(captured.graph_module)):
-        captured = _export_instead(model, inputs, example) or captured
+    may_export = (inputs.capture == "auto" and captured.method != "export"
+                  and not isinstance(model, fx.GraphModule))
+    if may_export and has_mutations(captured.graph_module):
+        exported = _export_instead(model, inputs, example)
+        if exported is not None:
+            return _analyse_captured(exported, gbs, inputs, example)
+        may_export = False  # export cannot capture this model: do not try it twice
     analysed = _analyse_captured(captured, gbs, inputs, example)
-    if (inputs.capture == "auto" and captured.method != "export"
-            and not isinstance(model, fx.GraphModule)
-            and isinstance(analysed.rejected, UnsupportedOpError)):
+    if may_export and isinstance(analysed.rejected, UnsupportedOpError):
         exported = _export_instead(model, inputs, example)
         if exported is not None:
             second = _analyse_captured(exported, gbs, inputs, example)

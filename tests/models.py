@@ -586,6 +586,20 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
             for n, p in model.named_parameters()}
 
 
+def keyword_steps(model: nn.Module, call: Callable[..., Any], batch: dict[str, Any]
+                  ) -> tuple[Any, dict[str, Any], Any, dict[str, Any]]:
+    """One training step of ``call(**batch)`` (compiled) and of ``model(**batch)`` (eager),
+    each from zeroed gradients, backward on ``.loss``: (out, its grads, ref, ref's grads)."""
+    model.zero_grad(set_to_none=True)
+    out = call(**batch)
+    out.loss.backward()
+    got = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    ref = model(**batch)
+    ref.loss.backward()
+    return out, got, ref, grads_of(model)
+
+
 def grad_errors(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None],
                 floor: float = 0.0) -> dict[str, float]:
     """Relative error per parameter gradient; a gradient missing on one side only is ``inf``.

@@ -29,7 +29,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_close_errors, grad_errors, grads_of, one_intra_op_thread, rel_err
+from models import (
+    assert_close_errors,
+    grad_errors,
+    grads_of,
+    keyword_steps,
+    one_intra_op_thread,
+    rel_err,
+)
 
 import mbcompile
 from mbcompile import MixingError
@@ -132,18 +139,6 @@ def padded_batch(batch: int = GBS, seed: int = 1) -> dict[str, torch.Tensor]:
 GRAD_FLOOR = 1e-4
 
 
-def run_both(model: nn.Module, cm: mbcompile.CompiledModule, batch: dict[str, torch.Tensor]
-             ) -> tuple[Any, dict[str, Any], Any, dict[str, Any]]:
-    model.zero_grad(set_to_none=True)
-    out = cm(**batch)
-    out.loss.backward()
-    got = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    ref = model(**batch)
-    ref.loss.backward()
-    return out, got, ref, grads_of(model)
-
-
 # --------------------------------------------------------------------------- #
 # Exactness in float64
 # --------------------------------------------------------------------------- #
@@ -161,7 +156,7 @@ def test_hf_model_matches_eager_full_batch(transformers: Any, name: str, mbs: in
     batch = padded_batch()
     cm = mbcompile.compile(model, GBS, NUM_CSX, mbs, example_kwargs=batch)
     assert cm.plan.per_system_batch_sizes == (2, 2, 1, 1)
-    out, got, ref, want = run_both(model, cm, batch)
+    out, got, ref, want = keyword_steps(model, cm, batch)
 
     assert type(out).__name__ == OUTPUT_TYPES[name] and type(out) is type(ref)
     assert rel_err(out.loss, ref.loss) <= TOL
@@ -212,7 +207,7 @@ def test_hf_stock_code_matches_eager_to_float32_precision(transformers: Any) -> 
     model = build(transformers, "llama", stock=True)
     batch = padded_batch()
     cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=batch)
-    out, got, ref, want = run_both(model, cm, batch)
+    out, got, ref, want = keyword_steps(model, cm, batch)
     assert out.loss.dtype == torch.float32  # the upcast is there
     assert rel_err(out.loss, ref.loss) <= FLOAT32_TOL
     assert rel_err(out.logits, ref.logits) <= TOL  # forward values are bitwise per sample

@@ -36,7 +36,14 @@ import torch
 import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_close_errors, grad_errors, grads_of, one_intra_op_thread, rel_err
+from models import (
+    assert_close_errors,
+    grad_errors,
+    grads_of,
+    keyword_steps,
+    one_intra_op_thread,
+    rel_err,
+)
 
 import mbcompile
 from mbcompile import MixingError
@@ -528,15 +535,9 @@ def test_hf_moe_matches_eager_full_batch(transformers: Any, name: str) -> None:
     assert len(sorts) == 2  # one dispatch per layer, each proven per-sample
     assert all(isinstance(n.meta[FACT].get(1), TokenIndex) for n in sorts)
 
-    model.zero_grad(set_to_none=True)
-    out = cm(**batch)
-    out.loss.backward()
-    got = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    ref = model(**batch)
-    ref.loss.backward()
+    out, got, ref, want = keyword_steps(model, cm, batch)
     assert rel_err(out.loss, ref.loss) <= FLOAT32_TOL
     assert rel_err(out.logits, ref.logits) <= FLOAT32_TOL
-    errors = grad_errors(got, grads_of(model), GRAD_FLOOR)
+    errors = grad_errors(got, want, GRAD_FLOOR)
     assert len(errors) == len(list(model.parameters()))  # the experts' weights among them
     assert_close_errors(errors, FLOAT32_TOL)

@@ -31,7 +31,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_close_errors, grad_errors, grads_of, mlp, one_intra_op_thread, rel_err
+from models import (
+    assert_close_errors,
+    grad_errors,
+    grads_of,
+    keyword_steps,
+    mlp,
+    one_intra_op_thread,
+    rel_err,
+)
 
 import mbcompile
 from mbcompile.passes.unwrap import Unwrapped, unwrap
@@ -130,15 +138,7 @@ def check_lora_step(model: nn.Module, call: Any) -> None:
 
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
-    data = batch()
-    model.zero_grad(set_to_none=True)
-    out = call(**data)
-    out.loss.backward()
-    got = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    ref = model(**data)
-    ref.loss.backward()
-    want = grads_of(model)
+    out, got, ref, want = keyword_steps(model, call, batch())
     assert rel_err(out.loss, ref.loss) <= TOL and rel_err(out.logits, ref.logits) <= TOL
     assert {n for n, g in got.items() if g is not None} == trainable
     assert {n for n, g in want.items() if g is not None} == trainable
