@@ -13,52 +13,118 @@ from mbcompile.execution import distributed as mbdist
 from mbcompile.models import make_tiny_gpt
 
 
-def train_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
-               bucket_bytes: int) -> None:
-    """One compiled training step on this rank's share; saves loss, grads, call counts."""
-    model, batch = make_tiny_gpt(gbs, dtype=torch.float64)  # same seed: same init everywhere
-    mbdist.BUCKET_BYTES = bucket_bytes
+class Collectives:
+    """Records every ``dist.all_reduce`` call in order, beside the test's own markers.
+
+    ``with Collectives() as log:``; then ``log.events``: ``("reduce", numel, dtype,
+    async_op)`` per call and whatever ``log.mark(...)`` added (gradient arrivals,
+    microbatch forwards, the user's ``backward``), in the order they happened.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def mark(self, *event: object) -> None:
+        self.events.append(event)
+
+    def __enter__(self) -> Collectives:
+        self._real = dist.all_reduce
+
+        def logged(t, *args, **kwargs):
+            self.mark("reduce", t.numel(), str(t.dtype), bool(kwargs.get("async_op", False)))
+            return self._real(t, *args, **kwargs)
+
+        dist.all_reduce = logged
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self._real
+
+    def reduces(self) -> list[tuple]:
+        return [e for e in self.events if e[0] == "reduce"]
+
+
+def _step(gbs: int, world: int, mbs: int, rank: int, log: Collectives | None = None):
+    """A fresh tiny GPT (same seed: same init on every rank), compiled for ranks, and one
+    step on this rank's share; markers for each microbatch forward and gradient go to log."""
+    model, batch = make_tiny_gpt(gbs, dtype=torch.float64)
     cm = mbcompile.compile(model, gbs, world, mbs, example_inputs=batch,
                            backend="torch.distributed")
-    local = mbdist.shard(batch, cm.plan, rank)
-    loss, logits = cm(*local)
-    calls = []
-    real = dist.all_reduce
-    dist.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1]
-    try:
-        loss.backward()
-    finally:
-        dist.all_reduce = real
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    buckets = len(list(mbdist.gradient_buckets([g for g in grads.values() if g is not None],
-                                               bucket_bytes)))
-    torch.save({"loss": loss.detach(), "logits": logits.detach(), "grads": grads,
-                "calls": len(calls), "buckets": buckets, "plan": cm.plan.to_dict()},
+    if log is not None:
+        model.head.register_forward_pre_hook(lambda *_: log.mark("forward"))
+        for name, p in model.named_parameters():
+            p.register_hook(lambda g, name=name: log.mark("grad", name))
+    loss, logits = cm(*mbdist.shard(batch, cm.plan, rank))
+    if log is not None:
+        log.mark("backward")
+    loss.backward()
+    return model, cm, loss, logits
+
+
+def train_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
+               bucket_bytes: int) -> None:
+    """One compiled training step on this rank's share, then the same step reduced the old
+    way (``OVERLAP = False``); saves loss, both gradients, the collectives in order."""
+    mbdist.BUCKET_BYTES = bucket_bytes
+    with Collectives() as log:
+        model, cm, loss, logits = _step(gbs, world, mbs, rank, log)
+    mbdist.OVERLAP = False
+    reference, *_ = _step(gbs, world, mbs, rank)
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.save({"loss": loss.detach(), "logits": logits.detach(),
+                "grads": {n: p.grad for n, p in model.named_parameters()},
+                "reference": {n: p.grad for n, p in reference.named_parameters()},
+                "events": log.events, "buckets": len(mbdist.OverlappedReduce(params).buckets),
+                "plan": cm.plan.to_dict()},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def failing_step(rank: int, world: int, out_dir: str, gbs: int) -> None:
-    """Rank 1 raises inside its second microbatch; every rank records what it saw."""
+def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> None:
+    """Rank 1 fails in one place of its step; every rank records what it saw.
+
+    ``where``: ``"forward"`` raises in its second microbatch's forward (before any
+    bucket is launched), ``"last_backward"`` in the middle of its last microbatch's
+    backward (after some are), ``"nan"`` makes its last microbatch's loss NaN.
+    """
     model, batch = make_tiny_gpt(gbs, dtype=torch.float64)
+    mbdist.BUCKET_BYTES = 16 * 1024  # several buckets, so some start before the failure
     cm = mbcompile.compile(model, gbs, world, 1, example_inputs=batch,
                            backend="torch.distributed")
-    calls = {"n": 0}
+    last = cm.plan.per_system_batch_sizes[rank]  # microbatches of 1
+    forwards = {"n": 0}
+    log = Collectives()
 
-    def explode(module, args):
-        calls["n"] += 1
-        if rank == 1 and calls["n"] == 2:
+    def count(module, args):
+        forwards["n"] += 1
+        log.mark("forward")
+        if where == "forward" and rank == 1 and forwards["n"] == 2:
+            log.mark("fail")
             raise RuntimeError("injected failure on rank 1")
 
-    model.head.register_forward_pre_hook(explode)
+    def poison(module, args, out):
+        return out + float("nan") if where == "nan" and rank == 1 \
+            and forwards["n"] == last else out
+
+    def explode(grad):
+        if where == "last_backward" and rank == 1 and forwards["n"] == last:
+            log.mark("fail")
+            raise RuntimeError("injected failure on rank 1")
+
+    model.head.register_forward_pre_hook(count)
+    model.head.register_forward_hook(poison)
+    model.blocks[0].qkv.weight.register_hook(explode)  # late in the backward
+    for p in model.parameters():  # the user's gradients, which a failed step leaves alone
+        p.grad = torch.full_like(p, 7.0)
     try:
-        loss, _ = cm(*mbdist.shard(batch, cm.plan, rank))
-        loss.backward()
+        with log:
+            loss, _ = cm(*mbdist.shard(batch, cm.plan, rank))
+            loss.backward()
         outcome = "no error"
     except Exception as exc:  # what each rank saw is the test's result
         outcome = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=1)}"
-    grads_untouched = all(p.grad is None for p in model.parameters())
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(f"{grads_untouched}\n{outcome}")
+    untouched = all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
+    torch.save({"untouched": untouched, "outcome": outcome, "events": log.events},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def counted_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:

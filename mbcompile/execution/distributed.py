@@ -3,13 +3,16 @@
 With ``compile(..., backend="torch.distributed")`` inside a process group of
 ``num_csx`` ranks, rank ``r`` is system ``r`` and is called with its own share of
 the global batch (``plan.per_system_batch_sizes[r]`` samples; ``shard`` cuts it).
-Per step there are three kinds of collective, never one per microbatch:
+Per step there are three kinds of collective, never one per microbatch, issued
+by every rank in this order:
 
-1. a status all-reduce after the local loop, so that a rank whose microbatch
+1. the gradient all-reduce, bucketed like DDP's: each bucket is launched
+   asynchronously as the last microbatch's backward makes its gradients final
+   (``OverlappedReduce``), and ``loss.backward()`` waits for all of them once;
+2. a status all-reduce after the local loop, so that a rank whose microbatch
    raised ends the step with an error on *every* rank instead of a hang;
-2. one all-reduce of the packed partial sums (loss sums, token counts, ...) per
-   dtype, so denominators and the loss are global on every rank;
-3. the gradient all-reduce, bucketed like DDP's, when ``backward`` runs.
+3. one all-reduce of the packed partial sums (loss sums, token counts, ...) per
+   dtype, so denominators and the loss are global on every rank.
 
 Everything here is a no-op for the simulated backend, which sums systems in
 process (``passes.ops.accumulate_sum``).
@@ -35,10 +38,14 @@ from mbcompile.planning.plan import MicrobatchPlan
 
 __all__ = [
     "BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
+    "OVERLAP",
+    "OverlappedReduce",
     "bindings",
     "PlanSampler",
     "all_reduce_gradients",
     "all_reduce_sums",
+    "bucket_indices",
     "check_world",
     "gradient_buckets",
     "launch",
@@ -49,6 +56,13 @@ __all__ = [
 
 #: Gradient bucket size, DDP's default: big enough to amortise each call's latency.
 BUCKET_BYTES = 25 * 1024 * 1024
+#: The first bucket launched (the last parameters' gradients), DDP's default: small, so
+#: that the wire is busy early in the last backward.
+FIRST_BUCKET_BYTES = 1024 * 1024
+#: False: all-reduce the step's gradient in ``loss.backward()``, after every microbatch's
+#: backward, bucket by bucket (``all_reduce_gradients``; the path before the overlap,
+#: kept as the reference the tests compare the overlapped gradients with bit for bit).
+OVERLAP = True
 
 
 def check_world(plan: MicrobatchPlan) -> int:
@@ -176,22 +190,114 @@ def all_reduce_gradients(grads: Sequence[torch.Tensor | None],
 
 def gradient_buckets(tensors: Sequence[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
     """Consecutive tensors of one dtype grouped up to ``cap`` bytes (one all-reduce each)."""
-    bucket: list[torch.Tensor] = []
+    for bucket in bucket_indices(tensors, cap):
+        yield [tensors[i] for i in bucket]
+
+
+def bucket_indices(tensors: Sequence[torch.Tensor], cap: int, first_cap: int | None = None
+                   ) -> list[list[int]]:
+    """Positions of consecutive tensors of one dtype, grouped up to ``cap`` bytes
+    (``first_cap`` for the first group)."""
+    buckets: list[list[int]] = []
     size = 0
-    for t in tensors:
+    for i, t in enumerate(tensors):
         nbytes = t.numel() * t.element_size()
-        if bucket and (size + nbytes > cap or t.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
+        limit = first_cap if first_cap is not None and len(buckets) == 1 else cap
+        if not buckets or size + nbytes > limit or t.dtype != tensors[buckets[-1][0]].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
         size += nbytes
-    if bucket:
-        yield bucket
+    return buckets
+
+
+class OverlappedReduce:
+    """One step's gradient all-reduce, started while the last microbatch's backward runs.
+
+    The layout is DDP's Reducer's at its first iteration: parameters in reverse
+    order (roughly the order backward makes their gradients final), cut into
+    buckets, the first one small. ``arm()`` before the last microbatch's backward
+    puts a post-accumulate-grad hook on every parameter; when the last gradient
+    of bucket k is final and buckets 0..k-1 are launched, bucket k is flattened
+    and ``all_reduce(async_op=True)`` starts on it. ``wait()`` (in
+    ``loss.backward()``) waits once for all of them and writes the sums back.
+
+    Every rank issues the same collectives in the same order, whatever happens:
+    launches follow the bucket index, never the order hooks fire, and a rank
+    whose step failed before its buckets were all launched calls ``flush(failed=True)``
+    before the status all-reduce, joining the remaining all-reduces with zeros.
+    So the status all-reduce always comes after the K bucket all-reduces on every
+    rank; it tells everyone the step failed, and every rank drops the sums
+    (``discard()``): the user's ``.grad`` was set aside and is never touched.
+    Starting the buckets only once every rank is known good would need a second
+    status round (and a second host read) after the last forward, and would still
+    have to cover a failure inside the last backward in this same way.
+
+    The sums are exactly those of ``all_reduce_gradients``: each element is the sum
+    of the ranks' same element. Gloo's ring sums three or more ranks in an order that
+    depends on the element's place in its bucket, so beyond two ranks the layout
+    (not the overlap) can change the last bit; ``OVERLAP = False`` reduces this
+    step's gradients the old way for comparison.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], cap: int | None = None,
+                 first_cap: int | None = None) -> None:
+        cap = cap or BUCKET_BYTES
+        order = list(reversed(range(len(params))))
+        self.params = params
+        self.buckets = [[order[i] for i in b] for b in bucket_indices(
+            [params[i] for i in order], cap, min(cap, first_cap or FIRST_BUCKET_BYTES))]
+        self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
+        self.pending = [len(b) for b in self.buckets]
+        self.launched: list[tuple[Any, torch.Tensor, list[torch.Tensor | None]]] = []
+        self.hooks: list[Any] = []
+
+    def arm(self) -> None:
+        """Launch buckets as the coming backward (the step's last) makes gradients final."""
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))
+                      for i, p in enumerate(self.params)]
+
+    def _ready(self, index: int) -> None:
+        self.pending[self.bucket_of[index]] -= 1
+        while len(self.launched) < len(self.buckets) and not self.pending[len(self.launched)]:
+            self._launch(len(self.launched))
+
+    def _launch(self, k: int, zeros: bool = False) -> None:
+        grads = [None if zeros else self.params[i].grad for i in self.buckets[k]]
+        flat = _flatten_dense_tensors([
+            g if g is not None else p.new_zeros(p.shape)
+            for g, p in zip(grads, (self.params[i] for i in self.buckets[k]))])
+        self.launched.append((dist.all_reduce(flat, async_op=True), flat, grads))
+
+    def flush(self, failed: bool = False) -> None:
+        """Launch what the backward left (gradients that never arrived: zeros), in order;
+        ``failed``: this rank's step failed, it only joins the other ranks' all-reduces."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        while len(self.launched) < len(self.buckets):
+            self._launch(len(self.launched), zeros=failed)
+
+    def wait(self) -> None:
+        """Wait for every bucket once; the step's gradients become the sums over ranks."""
+        for k, (work, flat, grads) in enumerate(self.launched):  # launched in bucket order
+            work.wait()
+            members = [self.params[i] for i in self.buckets[k]]
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, members)):
+                if g is not None:  # a gradient that never arrived stays None, as before
+                    g.copy_(reduced)
+        self.launched = []
+
+    def discard(self) -> None:
+        """The step failed on some rank: let the all-reduces finish and drop their sums."""
+        for work, _, _ in self.launched:
+            work.wait()
+        self.launched = []
 
 
 def bindings(channels: runtime.StepChannels) -> dict[Callable[..., Any], Callable[..., Any]]:
-    """The rank's loop (status and checks all-reduced once, gradients in backward) and the
-    all-reduce of the packed partial sums."""
+    """The rank's loop (gradients all-reduced from the last microbatch's backward on, status
+    and checks once) and the all-reduce of the packed partial sums."""
     return {ops.microbatch_loop: runtime.make_loop(channels, distributed=True),
             ops.all_reduce_sums: all_reduce_sums}
 

@@ -66,6 +66,9 @@ class _Loop:
         self.checks: _StepChecks | None = None
         self.no_grad_outputs: list[bool] = []
         self.step_grads: list[torch.Tensor | None] | None = None
+        # On ranks: the gradient all-reduce the last microbatch's backward starts
+        # (``distributed.OverlappedReduce``); None: reduced in ``backward`` instead.
+        self.reducer: Any = None
 
     def where(self, index: int) -> tuple[int, int]:
         """(system, microbatch within it) of the ``index``-th non-empty microbatch."""
@@ -115,18 +118,33 @@ class _Loop:
             return result
         from mbcompile.execution.distributed import step_status
 
+        reducer = self.reducer
         try:
             result = fn()
         except Exception as exc:
+            if reducer is not None:  # join the bucket all-reduces the other ranks launch
+                reducer.flush(failed=True)
+                reducer.discard()
             step_status(exc)  # raises exc here, and an error on every other rank
             raise
-        local = checks() if checks is not None else None
-        values = step_status(None, local, self.checks.failed() if checks is not None else None)
-        if values is not None:
-            self._settle(values)
+        try:
+            local = checks() if checks is not None else None
+            values = step_status(None, local,
+                                 self.checks.failed() if checks is not None else None)
+            if values is not None:
+                self._settle(values)
+        except Exception:
+            if reducer is not None:  # some rank failed: every rank drops the sums
+                reducer.discard()
+            raise
         return result
 
     def run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+        if self.distributed:
+            from mbcompile.execution import distributed
+
+            if distributed.OVERLAP:  # made first: a rank failing anywhere can still join
+                self.reducer = distributed.OverlappedReduce(params)
         return self._agreed(lambda: self._run_fused(params), lambda: self.checks.packed())
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
@@ -146,6 +164,8 @@ class _Loop:
                     out = self._in_microbatch(i, lambda mb=mb: as_tuple(self.body(*mb)))
                     partial = out[self.fused_index]
                     checks.finite(i, partial)  # read once, at the end of the step
+                    if self.reducer is not None and i == len(self.microbatches) - 1:
+                        self.reducer.arm()  # gradients final in this backward start reducing
                     self._in_microbatch(i, partial.backward, "backward")
                     if checks.noise:
                         checks.count(i, out[self.count_index] if self.count_index is not None
@@ -154,8 +174,10 @@ class _Loop:
                         self.no_grad_outputs = [isinstance(o, torch.Tensor) and not o.requires_grad
                                                 for o in out]
                     results.append(tuple(_detach(o) for o in out))
+            if self.reducer is not None:
+                self.reducer.flush()  # parameters the last backward never reached
             self.step_grads = [p.grad for p in params]
-            if checks.noise:
+            if checks.noise:  # of the local gradients: the sums are written back in backward
                 checks.step_square(self.step_grads)
         finally:
             for h in hooks:
@@ -276,7 +298,10 @@ class _FusedStep(torch.autograd.Function):
                 "backward through a compiled module's step ran twice; each call's gradients "
                 "are handed over once (retain_graph is not supported across its loop)")
         step, loop.step_grads = loop.step_grads, None
-        if loop.distributed:  # one bucketed all-reduce per step, never per microbatch
+        if loop.reducer is not None:  # launched during the last microbatch's backward
+            loop.reducer.wait()
+            loop.reducer = None
+        elif loop.distributed:  # one bucketed all-reduce per step, never per microbatch
             from mbcompile.execution.distributed import all_reduce_gradients
 
             all_reduce_gradients(step)
@@ -313,7 +338,8 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
     """The loop a backend binds for ``passes.ops.microbatch_loop``, reporting to ``channels``.
 
     With ``distributed`` the call holds one rank's share: the step's status and
-    checks are all-reduced once, and gradients are all-reduced in ``backward``.
+    checks are all-reduced once, and the gradient buckets are all-reduced as the last
+    microbatch's backward finishes them, waited for in ``backward``.
     """
     def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *,
                         fused_index: int | None, systems: Sequence[int],
