@@ -70,6 +70,7 @@ class _Inputs:
     concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
     capture: str = "auto"  # "auto" (fx, then torch.export if fx fails), "fx" or "export"
     batch_norm: str = "full_batch"  # or "per_microbatch": BatchNorm statistics per microbatch
+    coupling: str = "reject"  # or "reject": ops that mix samples raise MixingError
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,12 @@ class _Analysed:
 
     @property
     def rejected(self) -> MixingError | None:
+        return self.analysis.rejected
+
+    def refused(self, coupling: str) -> MixingError | None:
+        """The error that stops a split: the rejection, unless a two-phase step runs it."""
+        if self.analysis.two_phase and coupling == "two_phase":
+            return None
         return self.analysis.rejected
 
 
@@ -495,6 +502,7 @@ def _capture(model: nn.Module, inputs: _Inputs, example: Mapping[str, Any]) -> C
 
 
 BATCH_NORM_MODES = ("full_batch", "per_microbatch")
+COUPLING_MODES = ("two_phase", "reject")
 
 PER_MICROBATCH_NOTE = (
     "batch_norm='per_microbatch': BatchNorm in training normalises with each microbatch's "
@@ -544,7 +552,7 @@ def _analyse_in_scope(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapp
         exported = _export_instead(model, inputs, example)
         if exported is not None:
             second = _analyse_captured(exported, gbs, inputs, example)
-            if second.rejected is None:
+            if second.refused(inputs.coupling) is None:
                 return second
     return analysed
 
@@ -582,7 +590,8 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
     channels = channels or StepChannels()
     captured = analysed.captured
     gm = captured.graph_module
-    if analysed.rejected is not None:
+    if analysed.rejected is not None and (plan.num_nonempty_microbatches == 1
+                                          or analysed.refused(inputs.coupling) is not None):
         if plan.num_nonempty_microbatches > 1:
             raise analysed.rejected
         # one system, one microbatch (mbs="none"): nothing is split, so nothing can mix;
@@ -616,7 +625,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             in_dims: Any = 0, system: Any = None, backend: str = "simulated",
             measure_noise_scale: bool | NoiseScale = False,
             capture: str = "auto", batch_norm: str = "full_batch",
-            compile_only: bool = False, validate_only: bool = False,
+            coupling: str = "reject", compile_only: bool = False, validate_only: bool = False,
             measure: bool | int = False) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
@@ -642,6 +651,11 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     statistics, as a hand-written loop does (a ``PerMicrobatchStatisticsWarning``, and a
     note in ``plan.warnings``: not the full-batch result); the default ``"full_batch"``
     rejects it, since a split would change the result.
+    ``coupling="two_phase"`` (the default) runs a graph whose ops mix samples (a
+    contrastive loss, ``x @ x.T``, ``loss.sqrt()``, BatchNorm in training) exactly, as a
+    two-phase step: the per-sample part per microbatch, the coupled part once on the
+    whole batch (see ``passes/coupling.py``), when its memory fits the system;
+    ``coupling="reject"`` raises ``MixingError`` for such graphs instead.
     ``compile_only=True`` traces, analyses, plans and estimates, and returns a
     module that raises ``CompileOnlyError`` when called; ``validate_only=True``
     stops after capture and batch analysis and returns a ``Validation``.
@@ -664,24 +678,29 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             "itself), or compile the wrapped module on one process")
     if batch_norm not in BATCH_NORM_MODES:
         raise InputError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
+    if coupling not in COUPLING_MODES:
+        raise InputError(f"coupling must be one of {COUPLING_MODES}, got {coupling!r}")
     spec = get_system(system)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
     check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
     sig, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims)
-    inputs = dataclasses.replace(inputs, capture=capture, batch_norm=batch_norm)
+    inputs = dataclasses.replace(inputs, capture=capture, batch_norm=batch_norm,
+                                 coupling=coupling)
     start = time.perf_counter()
     try:
         analysed = _analyse(inner, gbs, inputs, values)
         single = single_microbatch_request(gbs, num_csx, policy)
-        if analysed.rejected is not None and not single:
-            raise analysed.rejected
+        refused = analysed.refused(coupling)
+        if refused is not None and not single:
+            raise refused
         if validate_only:
             return validation_of(type(model).__name__, gbs, num_csx,
                                  analysed.captured.graph_module,
                                  time.perf_counter() - start, analysed.rejected)
         selection = plan_for(analysed.analysis,
                              [values[n] for n in inputs.names], inputs.in_dims, gbs, num_csx,
-                             policy, spec, measure=measure, name=type(model).__name__)
+                             policy, spec, measure=measure, name=type(model).__name__,
+                             two_phase=refused is None and analysed.rejected is not None)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name

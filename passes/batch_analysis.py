@@ -53,6 +53,7 @@ from .facts import (
     Batched,
     BatchSize,
     Container,
+    Coupled,
     Fact,
     Free,
     Reduced,
@@ -221,12 +222,15 @@ class BatchAnalysis:
     """What the batch analysis decided, made once and handed to cost, rewrite and compiler.
 
     ``graph_module`` carries a fact on every node (``node.meta[FACT]``) unless the
-    analysis ``rejected`` the split (a ``MixingError``: the batch then runs as one
-    microbatch or not at all). ``reductions`` are the reductions over the batch the
-    outputs need, in graph order; ``trained_loss`` is the one scalar reduction that
-    depends on parameters, whose partial sum the loop backpropagates per microbatch
-    (None with several trained losses, or none); ``loss_outputs`` are the output
-    leaves that are trained losses.
+    analysis ``rejected`` the split outright. ``rejected`` is the ``MixingError`` of
+    the first op that mixes samples: a plain split would change the result. With
+    ``two_phase`` that op and what it feeds are ``Coupled`` and the graph can still
+    run exactly as a two-phase step (``passes/coupling.py``); without it the batch
+    runs as one microbatch or not at all. ``reductions`` are the reductions over the
+    batch the outputs need, in graph order; ``trained_loss`` is the one scalar
+    reduction that depends on parameters, whose partial sum the loop backpropagates
+    per microbatch (None with several trained losses, or none, or in a two-phase
+    graph); ``loss_outputs`` are the output leaves that are trained losses.
     """
 
     graph_module: fx.GraphModule
@@ -234,10 +238,15 @@ class BatchAnalysis:
     reductions: tuple[fx.Node, ...] = ()
     trained_loss: fx.Node | None = None
     loss_outputs: tuple[int, ...] = ()
+    two_phase: bool = False
+    coupled_loss: int | None = None  # two-phase: the output leaf that is the one scalar loss
 
     @property
     def fused(self) -> bool:
-        """Backward runs inside the loop, per microbatch: one microbatch's activations."""
+        """Backward runs inside the call, per microbatch: one microbatch's activations
+        (in a two-phase step: one scalar loss, which the coupled part computes)."""
+        if self.two_phase:
+            return self.coupled_loss is not None
         return self.trained_loss is not None
 
 
@@ -246,27 +255,36 @@ def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
     """Write ``node.meta[FACT]`` for every node of ``gm`` (in place); say what follows.
 
     A graph that mixes samples is not an error here: the result's ``rejected`` holds
-    the ``MixingError`` (its node, source line, path and fix), for the caller to raise
-    or to run the batch unsplit.
+    the ``MixingError`` (its node, source line, path and fix), for the caller to raise,
+    to run as a two-phase step (``two_phase``), or to run the batch unsplit.
     """
     try:
-        _write_facts(gm, input_facts, gbs)
+        coupling = _write_facts(gm, input_facts, gbs)
     except MixingError as exc:
         return BatchAnalysis(gm, rejected=exc)
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaves = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     needed = _needed(x for x in leaves if isinstance(x, fx.Node))
     reductions = tuple(n for n in gm.graph.nodes if REDUCTION in n.meta and n in needed)
+    losses = tuple(i for i, x in enumerate(leaves)
+                   if isinstance(x, fx.Node) and isinstance(x.meta.get(FACT), (Reduced, Coupled))
+                   and x.meta.get(PARAMS) and not _is_detach(x))
+    if coupling is not None:
+        one = losses[0] if len(losses) == 1 and _is_scalar(leaves[losses[0]]) else None
+        return BatchAnalysis(gm, coupling, reductions, None, losses, two_phase=True,
+                             coupled_loss=one)
     # what a gradient can reach from the outputs: not through detach (state updates)
     differentiable = _needed((x for x in leaves if isinstance(x, fx.Node)),
                              through=lambda n: not _is_detach(n))
     trained = [n for n in reductions if n.meta.get(PARAMS) and n in differentiable]
-    info = trained[0].meta.get(SHAPES) if len(trained) == 1 else None
-    scalar = isinstance(info, ValueInfo) and info.shape_a == ()
-    losses = tuple(i for i, x in enumerate(leaves)
-                   if isinstance(x, fx.Node) and isinstance(x.meta.get(FACT), Reduced)
-                   and x.meta.get(PARAMS) and not _is_detach(x))
+    scalar = len(trained) == 1 and _is_scalar(trained[0])
+    losses = tuple(i for i in losses if isinstance(leaves[i].meta.get(FACT), Reduced))
     return BatchAnalysis(gm, None, reductions, trained[0] if scalar else None, losses)
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    info = node.meta.get(SHAPES)
+    return isinstance(info, ValueInfo) and info.is_tensor and info.shape_a == ()
 
 
 def _is_detach(node: fx.Node) -> bool:
@@ -289,10 +307,17 @@ def _needed(roots: Iterable[fx.Node],
     return seen
 
 
-def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int) -> None:
+def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
+                 ) -> MixingError | None:
+    """Write every node's fact. A node whose rule finds samples mixed becomes ``Coupled``,
+    as does everything it feeds (no rule is asked: it runs on the whole batch); the first
+    such node's ``MixingError`` is returned. Other refusals (an op without a rule, an output
+    that cannot be joined) raise, since a two-phase step cannot run them either."""
     facts: dict[fx.Node, Fact] = {}
+    first: MixingError | None = None
     for node in gm.graph.nodes:
         node.meta[PARAMS] = _carries_gradient(node, gm)
+        node.meta.pop(REDUCTION, None)  # a graph analysed again: only this run's reductions
         if node.op == "placeholder":
             fact: Fact = input_facts.get(node.target, Free())
         elif node.op == "get_attr":
@@ -305,7 +330,9 @@ def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int) 
             inputs = [facts[n] for n in node.all_input_nodes]
             module: nn.Module | None = gm.get_submodule(node.target) \
                 if node.op == "call_module" else None
-            if not any(_is_batch_related(f) for f in inputs):
+            if any(_is_coupled(f) for f in inputs):
+                fact = Coupled()  # downstream of a mixing op: it sees the whole batch
+            elif not any(_is_batch_related(f) for f in inputs):
                 fact = Free()  # nothing batched flows in: it cannot mix samples
             else:
                 if _unused_in_place(node):
@@ -325,11 +352,20 @@ def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int) 
                     else:
                         fact = apply_rule(rule, ctx)
                 except _Rejected as rejected:
-                    raise mixing_error(node, gm, rejected.reason, rejected.fixes) from None
+                    node.meta.pop(REDUCTION, None)
+                    first = first or mixing_error(node, gm, rejected.reason, rejected.fixes)
+                    fact = Coupled(rejected.reason)
                 except token_dispatch.NoRule:
                     raise _unsupported(node, gm, module) from None
         facts[node] = fact
         node.meta[FACT] = fact
+    return first
+
+
+def _is_coupled(fact: Fact) -> bool:
+    if isinstance(fact, Container):
+        return any(_is_coupled(f) for _, f in fact.items)
+    return isinstance(fact, Coupled)
 
 
 def _check_output(leaf: fx.Node, fact: Fact, gm: fx.GraphModule) -> None:

@@ -25,9 +25,14 @@ fact                      meaning
                           is computed from them alone.
 ``Container(items)``      a tuple/list/dict input, or the several outputs of an
                           op (``split``, ``max(dim)``, ``LSTM``), one fact each.
+``Coupled(reason)``       needs the whole batch: an op that mixes samples (softmax
+                          over the batch, ``x @ x.T``, ``loss.sqrt()``) and all it
+                          feeds. It runs once, on the whole batch, in the coupled
+                          part of a two-phase step (``passes/coupling.py``).
 ========================  ====================================================
 
-Mixing values have no fact: the analysis raises ``MixingError`` instead.
+The first mixing op makes the analysis's ``rejected`` error (what a strict
+``coupling="reject"`` compile raises); it and everything downstream are ``Coupled``.
 
 The other ``node.meta`` keys mbcompile writes (all namespaced ``mbcompile.``):
 
@@ -54,6 +59,7 @@ __all__ = [
     "Batched",
     "BatchSize",
     "Container",
+    "Coupled",
     "Fact",
     "Free",
     "InfoTuple",
@@ -107,6 +113,16 @@ class Reduced:
 
 
 @dataclass(frozen=True)
+class Coupled:
+    """Needs the whole batch: a mixing op (``reason`` says why), or fed by one."""
+
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return "coupled (whole batch)"
+
+
+@dataclass(frozen=True)
 class Free:
     """Independent of the batch."""
 
@@ -130,7 +146,7 @@ class Container:
         return "{" + ", ".join(f"{k!r}: {f}" for k, f in self.items) + "}"
 
 
-Fact = Batched | BatchSize | Reduced | Free | Container
+Fact = Batched | BatchSize | Reduced | Free | Container | Coupled
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ import torch.fx as fx
 
 from . import ops, partials
 from .batch_analysis import BatchAnalysis
-from .facts import FACT, REDUCTION, SHAPES, Batched, BatchSize, ReductionSpec, ValueInfo
+from .coupling import Partition, partition
+from .facts import FACT, REDUCTION, ReductionSpec
 
 __all__ = ["microbatch_rewrite"]
 
@@ -67,101 +68,88 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     module is called with (one process's share), ``systems`` how many of them each
     system of this process runs. The partial sums go through ``all_reduce_sums``
     (the sum over processes; a backend binds it) before anything reads them.
+
+    A graph whose analysis found ops that mix samples (``analysis.two_phase``) gets a
+    second submodule, ``coupled``: the tail, run once on the whole batch by
+    ``two_phase_step`` (see ``coupling.py``) instead of after the loop.
     """
-    if analysis.rejected is not None:
+    if analysis.rejected is not None and not analysis.two_phase:
         raise analysis.rejected
     gm = analysis.graph_module
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     out_node = nodes[-1]
     leaves = list(out_node.args[0])
-    reductions = list(analysis.reductions)
-    batched_leaves = list(dict.fromkeys(
-        x for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta[FACT], Batched)))
+    part = partition(gm.graph)
+    in_body = _body_nodes(part, placeholders)
+    # fx's asserts on fixed arguments run once, after the loop
+    checks = [n for n in nodes if n.op not in ("placeholder", "output") and n.is_impure()
+              and n not in in_body]
+    if checks:
+        part = partition(gm.graph, checks)
+        in_body = _body_nodes(part, placeholders)
+    # output leaves first, in their order, then what only the tail reads (graph order)
+    frontier = list(dict.fromkeys([x for x in leaves if x in part.frontier] + part.frontier))
+    reductions = part.reductions
 
-    # 1. The body: everything the per-sample outputs and the partial sums need.
+    # 1. The body: everything the per-sample values and the partial sums need.
     body_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for p in placeholders:
         env[p] = body_graph.node_copy(p)
-    in_body = _ancestors(batched_leaves + [a for r in reductions for a in r.all_input_nodes],
-                         set(placeholders))
     body_outputs: list[fx.Node] = []
     specs: list[ops.BodyOutput] = []
-    slots: dict[fx.Node, list[int]] = {}  # reduction -> its body output indices
+    slots: dict[fx.Node, list[int]] = {}  # reduction or frontier value -> body output indices
     for n in nodes:
         if n in in_body and n.op != "placeholder":
             env[n] = body_graph.node_copy(n, lambda a: env[a])
         elif n in reductions:
             slots[n] = _emit_partial(n, body_graph, env, body_outputs, specs, gm)
-    for leaf in batched_leaves:
-        slots[leaf] = [len(body_outputs)]
-        body_outputs.append(env[leaf])
-        specs.append(ops.BodyOutput("cat", leaf.meta[FACT].dim))
+    for value in frontier:
+        slots[value] = [len(body_outputs)]
+        body_outputs.append(env[value])
+        specs.append(ops.BodyOutput("cat", value.meta[FACT].dim))
     body_graph.output(tuple(body_outputs))
     body = fx.GraphModule(gm, body_graph, "MicrobatchBody")
+    names = {i: v.name for v in frontier for i in slots[v]}
+    source = {i: v for v in frontier for i in slots[v]}  # whose line it is
+    for n in reductions:
+        names.update(zip(slots[n], (f"{n.name}_sum", f"{n.name}_count")))
+        source.update((i, n) for i in slots[n])
 
-    # 2. The top graph: split -> loop -> accumulate -> tail.
+    # 2. The top graph: split -> loop -> accumulate -> tail, or split -> two-phase step.
     top = fx.Graph()
     top_env: dict[fx.Node, fx.Node] = {p: top.node_copy(p) for p in placeholders}
     mbs = _call(top, ops.split, tuple(top_env[p] for p in placeholders),
                 {"slices": tuple(slices),
                  "in_dims": tuple(in_dims.get(p.target) for p in placeholders)}, "microbatches")
     body_ref = top.get_attr("body")
-    loss = analysis.trained_loss
-    fused = slots[loss][0] if loss is not None else None
-    count_index = slots[loss][1] if loss is not None and len(slots[loss]) == 2 else None
-    loop = _call(top, ops.microbatch_loop, (body_ref, mbs),
-                 {"fused_index": fused, "count_index": count_index, "systems": tuple(systems),
-                  "sizes": tuple(b - a for a, b in slices)}, "loop")
-    names = {i: leaf.name for leaf in batched_leaves for i in slots[leaf]}
-    source = {i: leaf for leaf in batched_leaves for i in slots[leaf]}  # whose line it is
-    for n in reductions:
-        names.update(zip(slots[n], (f"{n.name}_sum", f"{n.name}_count")))
-        source.update((i, n) for i in slots[n])
-    acc: list[fx.Node] = []
-    for i, spec in enumerate(specs):
-        if spec.kind == "cat":
-            acc.append(_call(top, ops.accumulate_cat, (loop, i), {"dim": spec.dim}, names[i],
-                             source[i]))
-        else:
-            acc.append(_call(top, ops.accumulate_sum, (loop, i), {"systems": tuple(systems)},
-                             names[i], source[i]))
-    sums = [i for i, s in enumerate(specs) if s.kind == "sum"]
-    if sums:  # one collective for every partial sum of the step
-        totals = _call(top, ops.all_reduce_sums, tuple(acc[i] for i in sums), {}, "global_sums",
-                       source[sums[0]])
-        for k, i in enumerate(sums):
-            acc[i] = _call(top, operator.getitem, (totals, k), {}, f"global_{names[i]}",
-                           source[i])
-    for n in reductions:
-        spec: ReductionSpec = n.meta[REDUCTION]
-        ids = slots[n]
-        if spec.kind == "mean":
-            top_env[n] = _call(top, partials.mean_combine, (acc[ids[0]], acc[ids[1]]), {},
-                               n.name)
-        else:
-            top_env[n] = acc[ids[0]]
-        top_env[n].meta = dict(n.meta)
-    for leaf in batched_leaves:
-        top_env[leaf] = acc[slots[leaf][0]]
-        top_env[leaf].meta = dict(leaf.meta)
-    stop = set(top_env)
-    checks = [n for n in nodes if n.op not in ("placeholder", "output") and n.is_impure()
-              and n not in in_body]  # fx's asserts on fixed arguments run once, after the loop
-    tail = _ancestors([x for x in leaves if isinstance(x, fx.Node)] + checks, stop)
-    for n in nodes:
-        if n in top_env or n not in tail or n.op == "output":
-            continue
-        if isinstance(n.meta.get(FACT), BatchSize):  # a batch size after the loop: the global one
-            info: ValueInfo = n.meta[SHAPES]
-            top_env[n] = _call(top, operator.pos, (info.int_a,), {}, n.name, n)
-            continue
-        top_env[n] = top.node_copy(n, lambda a: top_env[a])
-    top.output(tuple(top_env[x] if isinstance(x, fx.Node) else x for x in leaves))
-    root = {"body": body}
+    root: dict[str, Any] = {"body": body}
+    sizes = tuple(b - a for a, b in slices)
+    if analysis.two_phase:
+        coupled = _coupled_module(gm, part, frontier, slots, specs, names, source, leaves)
+        root["coupled"] = coupled
+        free = coupled.free_inputs
+        step = _call(top, ops.two_phase_step,
+                     (body_ref, top.get_attr("coupled"), mbs, *(top_env[p] for p in free)),
+                     {"outputs": tuple((o.kind, o.dim) for o in specs),
+                      "loss_index": analysis.coupled_loss, "systems": tuple(systems),
+                      "sizes": sizes}, "two_phase")
+        results = [_call(top, operator.getitem, (step, i), {}, x.name, x)
+                   if isinstance(x, fx.Node) else x for i, x in enumerate(leaves)]
+        top.output(tuple(results))
+    else:
+        loss = analysis.trained_loss
+        fused = slots[loss][0] if loss is not None else None
+        count_index = slots[loss][1] if loss is not None and len(slots[loss]) == 2 else None
+        loop = _call(top, ops.microbatch_loop, (body_ref, mbs),
+                     {"fused_index": fused, "count_index": count_index,
+                      "systems": tuple(systems), "sizes": sizes}, "loop")
+        acc = _accumulated(top, loop, specs, names, source, systems)
+        _emit_tail(top, top_env, part, frontier, slots, acc)
+        top.output(tuple(top_env[x] if isinstance(x, fx.Node) else x for x in leaves))
     for n in top.nodes:
-        if n.op in ("get_attr", "call_module") and n.target != "body":
+        if n.op in ("get_attr", "call_module") and n.target not in root:
             root[n.target] = _fetch(gm, n.target)
     rewritten = fx.GraphModule(root, top, "Microbatched" + type(gm).__name__)
     # sizes whose users became constants (1 / x.size(0) -> 1 / 7); owned graphs only, since
@@ -170,6 +158,81 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
         rewritten.recompile()
     rewritten.graph.lint()
     return rewritten
+
+
+def _body_nodes(part: Partition, placeholders: list[fx.Node]) -> set[fx.Node]:
+    return _ancestors(part.frontier + [a for r in part.reductions for a in r.all_input_nodes],
+                      set(placeholders))
+
+
+def _accumulated(graph: fx.Graph, loop: fx.Node, specs: Sequence[ops.BodyOutput],
+                 names: Mapping[int, str], source: Mapping[int, fx.Node],
+                 systems: Sequence[int]) -> list[fx.Node]:
+    """Each body output joined over microbatches; partial sums through one collective."""
+    acc: list[fx.Node] = []
+    for i, spec in enumerate(specs):
+        if spec.kind == "cat":
+            acc.append(_call(graph, ops.accumulate_cat, (loop, i), {"dim": spec.dim}, names[i],
+                             source[i]))
+        else:
+            acc.append(_call(graph, ops.accumulate_sum, (loop, i), {"systems": tuple(systems)},
+                             names[i], source[i]))
+    sums = [i for i, s in enumerate(specs) if s.kind == "sum"]
+    if sums:  # one collective for every partial sum of the step
+        totals = _call(graph, ops.all_reduce_sums, tuple(acc[i] for i in sums), {},
+                       "global_sums", source[sums[0]])
+        for k, i in enumerate(sums):
+            acc[i] = _call(graph, operator.getitem, (totals, k), {}, f"global_{names[i]}",
+                           source[i])
+    return acc
+
+
+def _emit_tail(graph: fx.Graph, env: dict[fx.Node, fx.Node], part: Partition,
+               frontier: Sequence[fx.Node], slots: Mapping[fx.Node, list[int]],
+               joined: Sequence[fx.Node]) -> None:
+    """The tail's nodes into ``graph``: reductions combined from their global partials,
+    frontier values from their joined pieces, numbers as their full-batch constants."""
+    for n in part.reductions:
+        spec: ReductionSpec = n.meta[REDUCTION]
+        ids = slots[n]
+        if spec.kind == "mean":
+            env[n] = _call(graph, partials.mean_combine, (joined[ids[0]], joined[ids[1]]), {},
+                           n.name)
+        else:
+            env[n] = joined[ids[0]]
+        env[n].meta = dict(n.meta)
+    for value in frontier:
+        env[value] = joined[slots[value][0]]
+        env[value].meta = dict(value.meta)
+    for n, number in part.constants.items():  # a batch size after the loop: the global one
+        env[n] = _call(graph, operator.pos, (number,), {}, n.name, n)
+    for n in part.tail:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+
+
+def _coupled_module(gm: fx.GraphModule, part: Partition, frontier: Sequence[fx.Node],
+                    slots: Mapping[fx.Node, list[int]], specs: Sequence[ops.BodyOutput],
+                    names: Mapping[int, str], source: Mapping[int, fx.Node],
+                    leaves: Sequence[Any]) -> fx.GraphModule:
+    """The coupled part C as a module: the joined body outputs (per-sample values and
+    global partial sums, in body output order), then the unbatched inputs it reads."""
+    graph = fx.Graph()
+    joined = []
+    for i in range(len(specs)):
+        ph = graph.placeholder(names[i])
+        ph.meta = dict(source[i].meta)
+        joined.append(ph)
+    read = {a for t in part.tail for a in t.all_input_nodes}
+    free_inputs = [n for n in gm.graph.nodes
+                   if n.op == "placeholder" and n in read and n not in frontier]
+    env: dict[fx.Node, fx.Node] = {}
+    for p in free_inputs:
+        env[p] = graph.node_copy(p)
+    _emit_tail(graph, env, part, frontier, slots, joined)
+    graph.output(tuple(env[x] if isinstance(x, fx.Node) else x for x in leaves))
+    coupled = fx.GraphModule(gm, graph, "CoupledPart")
+    coupled.free_inputs = tuple(free_inputs)  # type: ignore[assignment]  # top passes them in
+    return coupled
 
 
 def _call(graph: fx.Graph, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -37,6 +37,7 @@ __all__ = [
     "microbatch_loop",
     "op_of",
     "split",
+    "two_phase_step",
 ]
 
 
@@ -110,8 +111,31 @@ def all_reduce_sums(*values: Any) -> tuple[Any, ...]:
     return values
 
 
-#: The ops a backend may bind: the loop and the collective.
-LOOP_OPS = (microbatch_loop, all_reduce_sums)
+def two_phase_step(body: Callable[..., Any], coupled: Callable[..., Any],
+                   microbatches: list[tuple[Any, ...]], *free: Any,
+                   outputs: Sequence[tuple[str, int]], loss_index: int | None,
+                   systems: Sequence[int], sizes: Sequence[int] = ()) -> tuple[Any, ...]:
+    """The body per microbatch, its outputs joined, then the coupled part once.
+
+    Reference meaning (one process, every microbatch's activations kept until
+    backward): ``outputs`` says how each body output is joined, as ``(kind, dim)`` (a
+    ``BodyOutput``'s fields, plain so that the graph's code can spell them): ``cat``
+    pieces in batch order along ``dim``, ``sum`` partial sums, then added over
+    processes. ``free`` are the
+    unbatched inputs the coupled part reads, ``loss_index`` its output that is the one
+    scalar loss (a backend runs the three phases of a two-phase step around it).
+    """
+    results = [as_tuple(body(*mb)) for mb in microbatches]
+    joined = [accumulate_cat(results, i, dim) if kind == "cat"
+              else accumulate_sum(results, i, systems) for i, (kind, dim) in enumerate(outputs)]
+    sums = [i for i, (kind, _) in enumerate(outputs) if kind == "sum"]
+    for i, total in zip(sums, all_reduce_sums(*(joined[i] for i in sums))):
+        joined[i] = total
+    return as_tuple(coupled(*joined, *free))
+
+
+#: The ops a backend may bind: the loop, the collective and the two-phase step.
+LOOP_OPS = (microbatch_loop, all_reduce_sums, two_phase_step)
 
 
 def bind(gm: fx.GraphModule, bindings: dict[Callable[..., Any], Callable[..., Any]]

@@ -17,6 +17,7 @@ before committing it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -46,6 +47,8 @@ from mbcompile.passes.facts import (
     PARAMS,
     REDUCTION,
     SHAPES,
+    Batched,
+    Coupled,
     Fact,
     ValueInfo,
     input_fact,
@@ -409,10 +412,17 @@ def test_mixing_is_rejected_not_raised() -> None:
     assert err.path == "x -> l -> softmax"
     assert "dim 0" in err.reason and "batch dim" in err.reason
     assert "test_passes.py" in err.source_line
-    assert analysis.trained_loss is None and analysis.reductions == () and not analysis.fused
-    # the rewrite refuses it, with the analysis's own error
+    # the softmax and all it feeds are the coupled part: a two-phase step runs it exactly
+    assert analysis.two_phase and analysis.trained_loss is None and analysis.reductions == ()
+    facts = {n.name: n.meta[FACT] for n in analysis.graph_module.graph.nodes}
+    assert isinstance(facts["softmax"], Coupled) and "dim 0" in facts["softmax"].reason
+    assert isinstance(facts["l"], Batched)
+    gm = rewritten(analysis)
+    assert {"body", "coupled"} <= {name for name, _ in gm.named_children()}
+    # a rejection the two-phase step cannot run is still refused by the rewrite
+    strict = dataclasses.replace(analysis, two_phase=False)
     with pytest.raises(MixingError) as raised:
-        rewritten(analysis)
+        rewritten(strict)
     assert raised.value is err
 
 

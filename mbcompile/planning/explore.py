@@ -681,7 +681,7 @@ def _with_reason(plan: MicrobatchPlan, reason: str) -> MicrobatchPlan:
 def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[int | None],
              gbs: int, num_csx: int, mbs: MbsPolicy | object, system: SystemSpec, *,
              measure: bool | int = False, progress: bool | None = None,
-             name: str | None = None) -> Selection:
+             name: str | None = None, two_phase: bool = False) -> Selection:
     """``compile()``'s planning step: cost model of the analysed graph, then :func:`select_plan`.
 
     ``analysis`` is the batch analysis of the captured graph (it says which outputs
@@ -690,9 +690,9 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
     :func:`select_plan`).  ``measure``: True (3 repetitions) or a repetition
     count, to time real forward+backward on the model's device per candidate.
     When the analysis rejected a split (and the request runs one microbatch on one
-    system), only that size is probed and checked.
+    system), only that size is probed and checked, unless it runs as a ``two_phase`` step.
     """
-    unsplit = analysis.rejected is not None
+    unsplit = analysis.rejected is not None and not two_phase
     gm = analysis.graph_module
     if isinstance(measure, bool) or not isinstance(measure, int):
         if not isinstance(measure, bool):

@@ -1,0 +1,297 @@
+"""The two-phase step a backend binds in place of ``passes.ops.two_phase_step``.
+
+A graph whose loss couples samples (a contrastive loss, ``loss.sqrt()``, BatchNorm in
+training) is rewritten into the per-sample part P (``body``) and the coupled part C
+(``coupled``), which reads the frontier F (``passes/coupling.py``). One training step,
+all inside the compiled module's call, as ``runtime._FusedStep`` does for a plain loss:
+
+1. P runs on every microbatch without grad; F's pieces are kept with the RNG state
+   each microbatch started from;
+2. F is joined over microbatches (and gathered over ranks), C runs once with grad on
+   it: the loss, C's parameter gradients and dL/dF;
+3. P runs again on every microbatch, with grad, from the same RNG state (dropout
+   draws the same masks), and backpropagates its slice of dL/dF.
+
+By the chain rule split at F the gradients are the full batch's; only one
+microbatch of P's activations is alive at a time, plus F and C at the whole batch.
+The step's gradient is built in set-aside ``.grad`` slots, checked with one device
+read, and handed to the user's ``loss.backward()`` scaled by its incoming gradient;
+a failure in any phase leaves parameters and gradients as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint as checkpoint
+
+from mbcompile.execution.runtime import StepChannels, _Loop, read_host
+from mbcompile.passes import ops
+from mbcompile.passes.errors import InputError, MicrobatchError
+from mbcompile.passes.ops import as_tuple
+
+__all__ = ["Gather", "make_two_phase"]
+
+#: Joins one rank's frontier with every other rank's: ``(pieces, dim) -> (whole, offset)``,
+#: ``offset`` being where this rank's rows start along ``dim``; None in one process.
+Gather = Callable[[torch.Tensor, int], tuple[torch.Tensor, int]]
+
+_PHASES = ("forward without grad (phase 1 of 3)", "forward again with grad (phase 3 of 3)",
+           "backward of its slice of dL/dF (phase 3 of 3)")
+
+
+class _RngStates:
+    """The CPU generator's state and those of the devices the inputs live on."""
+
+    def __init__(self, tensors: Sequence[Any]) -> None:
+        self.cpu = torch.get_rng_state()
+        self.devices, self.states = checkpoint.get_device_states(*tensors)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.devices:
+            checkpoint.set_device_states(self.devices, self.states)
+
+
+class _Step:
+    """One call's two-phase step: the three phases, and what backward hands over."""
+
+    def __init__(self, body: fx.GraphModule, coupled: fx.GraphModule,
+                 microbatches: list[tuple[Any, ...]], free: tuple[Any, ...],
+                 outputs: Sequence[tuple[str, int]], loss_index: int | None,
+                 systems: Sequence[int], sizes: Sequence[int], gather: Gather | None,
+                 sums: Callable[..., tuple[Any, ...]], keep_coupled_grads: bool) -> None:
+        self.body, self.coupled = body, coupled
+        self.microbatches, self.free = microbatches, free
+        self.outputs, self.loss_index = outputs, loss_index
+        self.systems = systems
+        self.gather, self.sums = gather, sums
+        self.keep_coupled_grads = keep_coupled_grads  # C's gradients counted on one rank
+        self.loop = _Loop(body, microbatches, None, systems, gather is not None, sizes=sizes)
+        self.step_grads: list[torch.Tensor | None] | None = None
+        self.layout: list[bool] = []
+        self.constants: list[Any] = []
+
+    # ------------------------------------------------------------ helpers
+    def _join(self, results: list[tuple[Any, ...]]) -> tuple[list[Any], list[int]]:
+        """F over microbatches (and ranks): each value, and where this rank's rows start."""
+        joined: list[Any] = []
+        offsets: list[int] = []
+        for i, (kind, dim) in enumerate(self.outputs):
+            if kind == "cat":
+                whole = ops.accumulate_cat(results, i, dim)
+                offset = 0
+                if self.gather is not None:
+                    whole, offset = self.gather(whole, dim)
+                joined.append(whole)
+                offsets.append(offset)
+            else:
+                joined.append(ops.accumulate_sum(results, i, self.systems))
+                offsets.append(0)
+        sums = [i for i, (kind, _) in enumerate(self.outputs) if kind == "sum"]
+        for i, total in zip(sums, self.sums(*(joined[i] for i in sums))):
+            joined[i] = total
+        return joined, offsets
+
+    def _coupled(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        try:
+            return as_tuple(self.coupled(*inputs, *self.free))
+        except MicrobatchError:
+            raise
+        except Exception as exc:
+            raise MicrobatchError(
+                f"the coupled part of the two-phase step (run once on the whole batch) "
+                f"failed: {type(exc).__name__}: {exc}\n  the step was rolled back: parameters "
+                "and gradients are as they were before the call (the original error is the "
+                "__cause__ of this one)") from exc
+
+    # -------------------------------------------------------------- phases
+    def run(self) -> tuple[Any, ...]:
+        """The reference meaning, with grad as the caller has it (nothing fused)."""
+        results = [self.loop._in_microbatch(i, lambda mb=mb: as_tuple(self.body(*mb)))
+                   for i, mb in enumerate(self.microbatches)]
+        joined, _ = self._join(results)
+        return self._coupled(joined)
+
+    def run_fused(self, params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            outs, loss = self._three_phases(params)
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g
+        self._check(loss)
+        return outs
+
+    def _three_phases(self, params: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], Any]:
+        # 1. P per microbatch, no grad: F's pieces, and the RNG state each started from
+        states: list[_RngStates] = []
+        results: list[tuple[Any, ...]] = []
+        with torch.no_grad():
+            for i, mb in enumerate(self.microbatches):
+                states.append(_RngStates(mb))
+                results.append(self.loop._in_microbatch(
+                    i, lambda mb=mb: as_tuple(self.body(*mb)), _PHASES[0]))
+        pieces = [[r[i].shape[dim] if kind == "cat" else 0 for r in results]
+                  for i, (kind, dim) in enumerate(self.outputs)]
+        joined, offsets = self._join(results)
+        del results
+        # 2. C once, with grad, on the joined F: the loss, C's gradients and dL/dF
+        leaves = [j.detach().requires_grad_() if _differentiable(j) else j for j in joined]
+        with torch.enable_grad():
+            outs = self._coupled(leaves)
+            loss = outs[self.loss_index]
+            try:
+                loss.backward()
+            except Exception as exc:
+                raise MicrobatchError(
+                    f"the backward of the two-phase step's coupled part failed: "
+                    f"{type(exc).__name__}: {exc}\n  the step was rolled back") from exc
+        if not self.keep_coupled_grads:
+            for p in params:
+                p.grad = None  # C's own gradients are added once, by one rank
+        grads = [leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+                 for leaf in leaves]
+        del leaves, joined
+        after = _RngStates(self.microbatches[0])
+        # 3. P again per microbatch, with grad, from the same RNG state; backpropagate its
+        # slice of dL/dF (a partial sum's gradient is the total's, the same for every piece)
+        starts = [[offsets[i] + sum(p[:m]) for m in range(len(p))] for i, p in enumerate(pieces)]
+        for m, mb in enumerate(self.microbatches):
+            states[m].restore()
+            with torch.enable_grad():
+                again = self.loop._in_microbatch(
+                    m, lambda mb=mb: as_tuple(self.body(*mb)), _PHASES[1])
+                pairs = [(again[i], grads[i] if kind == "sum"
+                          else grads[i].narrow(dim, starts[i][m], pieces[i][m]))
+                         for i, (kind, dim) in enumerate(self.outputs)
+                         if grads[i] is not None and isinstance(again[i], torch.Tensor)
+                         and again[i].requires_grad]
+                if pairs:
+                    self.loop._in_microbatch(
+                        m, lambda pairs=pairs: torch.autograd.backward(*zip(*pairs)), _PHASES[2])
+            del again, pairs
+        after.restore()  # the RNG as after one forward of each part
+        self.step_grads = [p.grad for p in params]
+        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs), loss
+
+    def _check(self, loss: torch.Tensor) -> None:
+        """The step's one device read: the loss is finite (on ranks: every rank's is)."""
+        finite = torch.isfinite(loss.detach()).all()
+        if self.gather is None:
+            ok = read_host(finite.reshape(1).double())[0] == 1.0
+        else:
+            from mbcompile.execution.distributed import step_status
+
+            step_status(None, finite.reshape(1).double(), ~finite)
+            ok = True
+        if not ok:
+            self.step_grads = None
+            raise MicrobatchError(
+                f"the loss of the two-phase step is {float(loss.detach())} (not finite); the "
+                "step was rolled back: parameters and gradients are as they were before the call")
+
+
+def _differentiable(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+class _TwoPhaseStep(torch.autograd.Function):
+    """Forward runs the three phases; backward hands over the step's gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, step: _Step, n_params: int, *params: Any) -> Any:
+        if step.gather is None:
+            outs = step.run_fused(params)
+        else:
+            outs = _agreed(step, params)
+        ctx.step, ctx.n_params = step, n_params
+        ctx.set_materialize_grads(False)
+        step.layout = [isinstance(o, torch.Tensor) for o in outs]
+        step.constants = list(outs)
+        flat = [o for o in outs if isinstance(o, torch.Tensor)]
+        loss = outs[step.loss_index]
+        ctx.mark_non_differentiable(*(o for o in flat if o is not loss))
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        step: _Step = ctx.step
+        flat = [o for o in step.constants if isinstance(o, torch.Tensor)]
+        loss_pos = next(i for i, o in enumerate(flat) if o is step.constants[step.loss_index])
+        if any(g is not None for i, g in enumerate(grads) if i != loss_pos):
+            raise MicrobatchError(
+                "a gradient flows into an output of the compiled module other than its loss, "
+                "but the two-phase step ran its backward for the loss only; compute "
+                "everything you backpropagate through inside the model, or call the module "
+                "under torch.no_grad() for outputs you only read")
+        if step.step_grads is None:
+            raise MicrobatchError(
+                "backward through a compiled module's step ran twice; each call's gradients "
+                "are handed over once (retain_graph is not supported across its loop)")
+        grads_, step.step_grads = step.step_grads, None
+        if step.gather is not None:
+            from mbcompile.execution.distributed import all_reduce_gradients
+
+            all_reduce_gradients(grads_)
+        g = grads[loss_pos]
+        if g is None:
+            return (None, None) + (None,) * ctx.n_params
+        return (None, None, *(s.mul_(g) if s is not None else None for s in grads_))
+
+
+def _agreed(step: _Step, params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    """On ranks: a rank that fails stops every rank (one status all-reduce per step)."""
+    from mbcompile.execution.distributed import step_status
+
+    try:
+        return step.run_fused(params)
+    except MicrobatchError as exc:
+        if "not finite" in str(exc):
+            raise  # the status all-reduce already told every rank
+        step_status(exc)
+        raise
+    except Exception as exc:
+        step_status(exc)
+        raise
+
+
+def make_two_phase(channels: StepChannels, gather: Gather | None = None,
+                   sums: Callable[..., tuple[Any, ...]] = ops.all_reduce_sums,
+                   keep_coupled_grads: bool = True) -> Callable[..., Any]:
+    """The step a backend binds for ``passes.ops.two_phase_step``.
+
+    One process: ``gather`` None. On ranks: ``gather`` joins F over ranks, ``sums``
+    all-reduces the partial sums, and ``keep_coupled_grads`` is True on one rank
+    only, so the all-reduce of the gradients counts C's own gradients once.
+    """
+    def two_phase_step(body: fx.GraphModule, coupled: fx.GraphModule,
+                       microbatches: list[tuple[Any, ...]], *free: Any,
+                       outputs: Sequence[tuple[str, int]], loss_index: int | None,
+                       systems: Sequence[int], sizes: Sequence[int] = ()) -> tuple[Any, ...]:
+        if channels.noise is not None:
+            raise InputError("measure_noise_scale does not support a two-phase step (a loss "
+                             "that couples samples) yet; compile without it")
+        step = _Step(body, coupled, microbatches, free, outputs, loss_index, systems, sizes,
+                     gather, sums, keep_coupled_grads)
+        params = list(dict.fromkeys(
+            p for m in (body, coupled) for p in m.parameters() if p.requires_grad))
+        if not params or not torch.is_grad_enabled() or loss_index is None:
+            return step.run()
+        if any(isinstance(t, torch.Tensor) and t.requires_grad
+               for mb in microbatches[:1] for t in mb) or any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in free):
+            if gather is not None:
+                raise InputError("training on torch.distributed needs inputs that do not "
+                                 "require grad")
+            return step.run()
+        flat = iter(_TwoPhaseStep.apply(step, len(params), *params))
+        return tuple(next(flat) if is_t else c for is_t, c in zip(step.layout, step.constants))
+
+    two_phase_step.__module__ = __name__
+    return two_phase_step
