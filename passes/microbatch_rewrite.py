@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
@@ -43,7 +44,7 @@ from .batch_analysis import BatchAnalysis
 from .coupling import Partition, partition
 from .facts import FACT, REDUCTION, ReductionSpec
 
-__all__ = ["microbatch_rewrite"]
+__all__ = ["microbatch_rewrite", "two_phase_parts"]
 
 
 def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
@@ -73,6 +74,71 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     second submodule, ``coupled``: the tail, run once on the whole batch by
     ``two_phase_step`` (see ``coupling.py``) instead of after the loop.
     """
+    parts = _cut(analysis)
+    gm, placeholders, leaves = parts.gm, parts.placeholders, parts.leaves
+    part, frontier, slots, specs = parts.part, parts.frontier, parts.slots, parts.specs
+    names, source, body = parts.names, parts.source, parts.body
+
+    # 2. The top graph: split -> loop -> accumulate -> tail, or split -> two-phase step.
+    top = fx.Graph()
+    top_env: dict[fx.Node, fx.Node] = {p: top.node_copy(p) for p in placeholders}
+    mbs = _call(top, ops.split, tuple(top_env[p] for p in placeholders),
+                {"slices": tuple(slices),
+                 "in_dims": tuple(in_dims.get(p.target) for p in placeholders)}, "microbatches")
+    body_ref = top.get_attr("body")
+    root: dict[str, Any] = {"body": body}
+    sizes = tuple(b - a for a, b in slices)
+    if analysis.two_phase:
+        coupled = _coupled_module(gm, part, frontier, slots, specs, names, source, leaves)
+        root["coupled"] = coupled
+        free = coupled.free_inputs
+        step = _call(top, ops.two_phase_step,
+                     (body_ref, top.get_attr("coupled"), mbs, *(top_env[p] for p in free)),
+                     {"outputs": tuple((o.kind, o.dim) for o in specs),
+                      "loss_index": analysis.coupled_loss, "systems": tuple(systems),
+                      "sizes": sizes}, "two_phase")
+        results = [_call(top, operator.getitem, (step, i), {}, x.name, x)
+                   if isinstance(x, fx.Node) else x for i, x in enumerate(leaves)]
+        top.output(tuple(results))
+    else:
+        loss = analysis.trained_loss
+        fused = slots[loss][0] if loss is not None else None
+        count_index = slots[loss][1] if loss is not None and len(slots[loss]) == 2 else None
+        loop = _call(top, ops.microbatch_loop, (body_ref, mbs),
+                     {"fused_index": fused, "count_index": count_index,
+                      "systems": tuple(systems), "sizes": sizes}, "loop")
+        acc = _accumulated(top, loop, specs, names, source, systems)
+        _emit_tail(top, top_env, part, frontier, slots, acc)
+        top.output(tuple(top_env[x] if isinstance(x, fx.Node) else x for x in leaves))
+    for n in top.nodes:
+        if n.op in ("get_attr", "call_module") and n.target not in root:
+            root[n.target] = _fetch(gm, n.target)
+    rewritten = fx.GraphModule(root, top, "Microbatched" + type(gm).__name__)
+    # sizes whose users became constants (1 / x.size(0) -> 1 / 7); owned graphs only, since
+    # fx asks the owning module whether a call_module is impure
+    if rewritten.graph.eliminate_dead_code():
+        rewritten.recompile()
+    rewritten.graph.lint()
+    return rewritten
+
+
+@dataclass
+class _Parts:
+    """The analysed graph cut at the loop: the body and how its outputs are joined."""
+
+    gm: fx.GraphModule
+    placeholders: list[fx.Node]
+    leaves: list[Any]
+    part: Partition
+    frontier: list[fx.Node]
+    body: fx.GraphModule
+    specs: list[ops.BodyOutput]
+    slots: dict[fx.Node, list[int]]  # reduction or frontier value -> body output indices
+    names: dict[int, str]  # body output index -> name of the value after the loop
+    source: dict[int, fx.Node]  # body output index -> the node whose source line it is
+
+
+def _cut(analysis: BatchAnalysis) -> _Parts:
     if analysis.rejected is not None and not analysis.two_phase:
         raise analysis.rejected
     gm = analysis.graph_module
@@ -117,47 +183,17 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
         names.update(zip(slots[n], (f"{n.name}_sum", f"{n.name}_count")))
         source.update((i, n) for i in slots[n])
 
-    # 2. The top graph: split -> loop -> accumulate -> tail, or split -> two-phase step.
-    top = fx.Graph()
-    top_env: dict[fx.Node, fx.Node] = {p: top.node_copy(p) for p in placeholders}
-    mbs = _call(top, ops.split, tuple(top_env[p] for p in placeholders),
-                {"slices": tuple(slices),
-                 "in_dims": tuple(in_dims.get(p.target) for p in placeholders)}, "microbatches")
-    body_ref = top.get_attr("body")
-    root: dict[str, Any] = {"body": body}
-    sizes = tuple(b - a for a, b in slices)
-    if analysis.two_phase:
-        coupled = _coupled_module(gm, part, frontier, slots, specs, names, source, leaves)
-        root["coupled"] = coupled
-        free = coupled.free_inputs
-        step = _call(top, ops.two_phase_step,
-                     (body_ref, top.get_attr("coupled"), mbs, *(top_env[p] for p in free)),
-                     {"outputs": tuple((o.kind, o.dim) for o in specs),
-                      "loss_index": analysis.coupled_loss, "systems": tuple(systems),
-                      "sizes": sizes}, "two_phase")
-        results = [_call(top, operator.getitem, (step, i), {}, x.name, x)
-                   if isinstance(x, fx.Node) else x for i, x in enumerate(leaves)]
-        top.output(tuple(results))
-    else:
-        loss = analysis.trained_loss
-        fused = slots[loss][0] if loss is not None else None
-        count_index = slots[loss][1] if loss is not None and len(slots[loss]) == 2 else None
-        loop = _call(top, ops.microbatch_loop, (body_ref, mbs),
-                     {"fused_index": fused, "count_index": count_index,
-                      "systems": tuple(systems), "sizes": sizes}, "loop")
-        acc = _accumulated(top, loop, specs, names, source, systems)
-        _emit_tail(top, top_env, part, frontier, slots, acc)
-        top.output(tuple(top_env[x] if isinstance(x, fx.Node) else x for x in leaves))
-    for n in top.nodes:
-        if n.op in ("get_attr", "call_module") and n.target not in root:
-            root[n.target] = _fetch(gm, n.target)
-    rewritten = fx.GraphModule(root, top, "Microbatched" + type(gm).__name__)
-    # sizes whose users became constants (1 / x.size(0) -> 1 / 7); owned graphs only, since
-    # fx asks the owning module whether a call_module is impure
-    if rewritten.graph.eliminate_dead_code():
-        rewritten.recompile()
-    rewritten.graph.lint()
-    return rewritten
+    return _Parts(gm, placeholders, leaves, part, frontier, body, specs, slots, names, source)
+
+
+def two_phase_parts(analysis: BatchAnalysis) -> tuple[fx.GraphModule, fx.GraphModule, Partition]:
+    """P (the body: the graph's inputs -> per-sample frontier values and partial sums) and
+    C (``coupled``: those, joined over the whole batch, -> the graph's outputs), as the
+    rewrite builds them, for the cost model to probe apart."""
+    parts = _cut(analysis)
+    coupled = _coupled_module(parts.gm, parts.part, parts.frontier, parts.slots, parts.specs,
+                              parts.names, parts.source, parts.leaves)
+    return parts.body, coupled, parts.part
 
 
 def _body_nodes(part: Partition, placeholders: list[fx.Node]) -> set[fx.Node]:

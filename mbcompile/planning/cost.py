@@ -312,8 +312,12 @@ class _Prober:
         self.param_storages = {id(p.untyped_storage()) for p in self.params.values()}
         self.param_storages |= {id(b.untyped_storage()) for b in self.buffers.values()}
 
+    def inputs(self, m: int) -> list[Any]:
+        """Fake inputs at microbatch size ``m``."""
+        return self.fake_probe.inputs(self.values, self.in_dims, m)
+
     def __call__(self, m: int) -> _Probe:
-        args = self.fake_probe.inputs(self.values, self.in_dims, m)
+        args = self.inputs(m)
         counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
         recorder = _Recorder(counter, set(self.param_storages))
         saved: set[int] = set()
@@ -413,7 +417,8 @@ class MemoryEstimate:
     """Peak memory of one system (the largest), broken down; bytes.
 
     ``params + buffers + grads + optimizer + inputs + outputs + activations +
-    update == peak``: the last four are what is alive at the peak moment, which
+    update + frontier + coupled == peak``: the last six are what is alive at the
+    peak moment (the last two in a two-phase step only), which
     ``phase`` names ("microbatch loop", "joining outputs" or "optimizer update").
     ``saved`` and ``transient`` split the microbatch's activation peak whatever
     the phase.
@@ -432,6 +437,8 @@ class MemoryEstimate:
     peak: float
     capacity: float
     phase: str
+    frontier: float = 0.0  # two-phase: the frontier F and dL/dF for the whole batch
+    coupled: float = 0.0  # two-phase: the coupled part's activations at the whole batch
 
     @property
     def static(self) -> float:
@@ -464,6 +471,8 @@ class TimeEstimate:
     step: float
     samples_per_second: float
     bound: str  # what dominates: "compute", "memory", "overhead", "weight streaming"
+    extra_forward: float = 0.0  # two-phase: the per-sample part's forward without grad
+    coupled: float = 0.0  # two-phase: the coupled part, once, on the whole batch
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -666,7 +675,10 @@ class CostModel:
     # --------------------------------------------------------------- time
     def microbatch_seconds(self, m: int, spec: SystemSpec) -> tuple[float, float, float, str]:
         """``(total, roofline, overhead, bound)`` of one microbatch of ``m`` samples."""
-        p, _ = self._at(m)
+        return self.probe_seconds(self._at(m)[0], spec)
+
+    def probe_seconds(self, p: _Probe, spec: SystemSpec) -> tuple[float, float, float, str]:
+        """``(total, roofline, overhead, bound)`` of what probe ``p`` ran."""
         peak = np.where(p.fp32, spec.peak_flops_fp32, spec.peak_flops)
         moved = p.act_bytes if spec.weight_streaming else p.act_bytes + p.weight_bytes
         compute = p.flops / peak
@@ -811,6 +823,33 @@ def _input_bytes(values: Sequence[Any], in_dims: Sequence[int | None]) -> tuple[
     return per_sample, fixed
 
 
+def static_figures(gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | None],
+                   fused: bool) -> StaticFigures:
+    """What does not depend on the microbatch size: parameters, buffers, input bytes."""
+    seen: set[int] = set()
+    param_bytes = trainable = largest = 0.0
+    n_params = n_train = n_tensors = 0
+    for p in gm.parameters():  # parameters() already skips tied duplicates
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n_tensors += 1
+        param_bytes += _nbytes(p)
+        n_params += p.numel()
+        if p.requires_grad:
+            trainable += _nbytes(p)
+            n_train += p.numel()
+            largest = max(largest, float(_nbytes(p)))
+    per_sample, fixed = _input_bytes(values, in_dims)
+    static = StaticFigures(
+        param_bytes=param_bytes, trainable_bytes=trainable, num_params=n_params,
+        num_trainable=n_train, num_param_tensors=n_tensors, largest_param_bytes=largest,
+        buffer_bytes=float(sum(_nbytes(b) for b in gm.buffers())),
+        input_bytes_per_sample=per_sample, input_bytes_fixed=fixed,
+        output_bytes_per_sample=0.0, fused=fused, training=n_train > 0)
+    return static
+
+
 def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
                  in_dims: Sequence[int | None], *, pbs: int | None = None,
                  name: str | None = None, fit: bool = True) -> CostModel:
@@ -837,27 +876,7 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     else:  # a module, or a graph run unsplit: one microbatch, whatever its losses
         gm = gm.graph_module if isinstance(gm, BatchAnalysis) else gm
         loss_leaves, fused = None, True
-    seen: set[int] = set()
-    param_bytes = trainable = largest = 0.0
-    n_params = n_train = n_tensors = 0
-    for p in gm.parameters():  # parameters() already skips tied duplicates
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        n_tensors += 1
-        param_bytes += _nbytes(p)
-        n_params += p.numel()
-        if p.requires_grad:
-            trainable += _nbytes(p)
-            n_train += p.numel()
-            largest = max(largest, float(_nbytes(p)))
-    per_sample, fixed = _input_bytes(values, in_dims)
-    static = StaticFigures(
-        param_bytes=param_bytes, trainable_bytes=trainable, num_params=n_params,
-        num_trainable=n_train, num_param_tensors=n_tensors, largest_param_bytes=largest,
-        buffer_bytes=float(sum(_nbytes(b) for b in gm.buffers())),
-        input_bytes_per_sample=per_sample, input_bytes_fixed=fixed,
-        output_bytes_per_sample=0.0, fused=fused, training=n_train > 0)
+    static = static_figures(gm, values, in_dims, fused)
     model = CostModel(_Prober(gm, values, in_dims, loss_leaves), static,
                       name or getattr(gm, "_mbcompile_name", None) or type(gm).__name__)
     if fit:

@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import ArgumentTypeError, MbcompileError, MbcompileWarning, PlanError
 from mbcompile.passes.batch_analysis import BatchAnalysis
+from mbcompile.passes.errors import MixingError
 from mbcompile.planning.cost import (
     CostModel,
     CostModelError,
@@ -71,6 +72,12 @@ from mbcompile.planning.plan import (
     supported_mbs,
 )
 from mbcompile.planning.systems import SystemSpec
+from mbcompile.planning.two_phase_cost import (
+    COUPLED_SHARE_WARNING,
+    TwoPhaseCostModel,
+    analyse_two_phase_cost,
+    two_phase_reason,
+)
 
 __all__ = [
     "AUTO_TIME_TOLERANCE",
@@ -705,14 +712,68 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
         reps = measure
     pbs = per_system_batch_sizes(gbs, num_csx)[0]
     try:
-        cost: CostModel | None = analyse_cost(analysis, values, in_dims, pbs=pbs, name=name,
-                                              fit=not unsplit)
+        if two_phase:
+            cost: CostModel | None = analyse_two_phase_cost(analysis, values, in_dims, pbs=pbs,
+                                                            name=name)
+        else:
+            cost = analyse_cost(analysis, values, in_dims, pbs=pbs, name=name, fit=not unsplit)
         error = None
     except CostModelError as exc:
         cost, error = None, str(exc)
     timer = HostTimer(gm, values, in_dims, reps) if reps else None
-    return select_plan(gbs, num_csx, mbs, cost, system, timer=timer, progress=progress,
-                       cost_error=error, unsplit=unsplit)
+    try:
+        selection = select_plan(gbs, num_csx, mbs, cost, system, timer=timer, progress=progress,
+                                cost_error=error, unsplit=unsplit)
+    except DoesNotFitError as exc:
+        if two_phase and isinstance(cost, TwoPhaseCostModel):
+            raise _two_phase_too_big(analysis, cost, exc, values, in_dims, pbs, system) from exc
+        raise
+    if two_phase and isinstance(cost, TwoPhaseCostModel) and selection.estimate is not None:
+        selection = _two_phase_selection(selection, cost)
+    return selection
+
+
+def _two_phase_selection(selection: Selection, cost: TwoPhaseCostModel) -> Selection:
+    """The plan says it is two-phase, and warns when the coupled part holds most memory."""
+    plan = selection.plan
+    share = cost.coupled_share(plan.mbs)
+    notes = plan.warnings
+    if share > COUPLED_SHARE_WARNING:
+        note = (f"two-phase step: the coupled part holds {share:.0%} of the activation memory "
+                "at the whole batch, so microbatching saves little memory here")
+        warnings.warn(note, TwoPhaseWarning, stacklevel=4)
+        notes = (*notes, note)
+    reason = f"{plan.reason}; {two_phase_reason(cost, selection.estimate)}"
+    return replace(selection, plan=replace(plan, reason=reason, warnings=notes))
+
+
+def _two_phase_too_big(analysis: BatchAnalysis, cost: TwoPhaseCostModel, exc: DoesNotFitError,
+                       values: Sequence[Any], in_dims: Sequence[int | None], pbs: int,
+                       system: SystemSpec) -> MixingError:
+    """The rejection, with why a two-phase step does not fit either (the numbers)."""
+    rejected = analysis.rejected
+    try:  # what one microbatch of a plain (wrong) split would need, for comparison
+        plain = analyse_cost(analysis.graph_module, values, in_dims, pbs=exc.mbs, fit=False)
+        k = -(-pbs // exc.mbs)
+        plain_peak = plain.memory(pbs, exc.mbs, k, system).peak
+        plain_text = f"; one microbatch of a plain split would need {format_bytes(plain_peak)}"
+    except CostModelError:
+        plain_text = ""
+    mem = cost.memory(pbs, exc.mbs, -(-pbs // exc.mbs), system)
+    message = (f"{rejected}\n  a two-phase step would run it exactly, but does not fit "
+               f"{system.name}: it needs {format_bytes(exc.needed)} at mbs {exc.mbs} (frontier "
+               f"and its gradient {format_bytes(mem.frontier)}, the coupled part at the whole "
+               f"batch {format_bytes(mem.coupled)}) of {format_bytes(exc.available)}"
+               f"{plain_text}")
+    err = type(rejected)(message) if rejected is not None else MixingError(message)
+    if rejected is not None:
+        err.__dict__.update(rejected.__dict__)
+    err.two_phase_peak, err.capacity = exc.needed, exc.available  # type: ignore[attr-defined]
+    return err
+
+
+class TwoPhaseWarning(MbcompileWarning):
+    """A two-phase step whose coupled part holds most of the memory: little is saved."""
 
 
 def compile_only_error(plan: MicrobatchPlan, exploration: Exploration | None) -> CompileOnlyError:
