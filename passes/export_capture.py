@@ -26,8 +26,9 @@ Steps:
 
 1. export with the batch dim of every batched tensor input marked
    ``torch.export.Dim("batch")`` (one symbol shared by all), ``use_cache=False``
-   when forward has that switch and the call leaves it unset, and the example
-   batch grown to 2 samples if it has fewer (export specialises sizes 0 and 1);
+   when the call leaves it unset (as an argument when forward has that switch, else
+   on the model's configs for the duration of the export), and the example batch
+   grown to 2 samples if it has fewer (export specialises sizes 0 and 1);
 2. ``ep.module()`` unlifts parameters and buffers back into attributes: they
    are the user's own tensors, so gradients land in the user's ``.grad``;
 3. the graph is copied into a plain one: placeholders renamed to forward's
@@ -41,10 +42,11 @@ Steps:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -123,6 +125,39 @@ def _export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
     return kwargs, dynamic
 
 
+@contextlib.contextmanager
+def _cache_off(model: torch.nn.Module, example: Mapping[str, Any]) -> Iterator[None]:
+    """``config.use_cache = False`` on every config of ``model`` while export traces it, then
+    each put back exactly as it was (the user's model is left untouched).
+
+    A forward without its own ``use_cache`` parameter (GraniteMoE, a PEFT ``PeftModel``)
+    passes it on through ``**kwargs``, where the example call cannot set it; the inner
+    model then reads its config (transformers' ``merge_with_config_defaults``) and builds a
+    ``DynamicCache`` that export cannot flatten. The cache is inference state, not part
+    of a training step: ``_export_kwargs`` switches it off the same way when forward
+    names ``use_cache``. A call that sets ``use_cache`` itself decides.
+    """
+    if example.get("use_cache") is not None:
+        yield
+        return
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            configs[id(config)] = config
+    own = {key: "use_cache" in getattr(c, "__dict__", {}) for key, c in configs.items()}
+    try:
+        for config in configs.values():
+            config.use_cache = False
+        yield
+    finally:
+        for key, config in configs.items():
+            if own[key]:
+                config.use_cache = True
+            else:  # it came from the class: drop the instance's copy again
+                del config.use_cache
+
+
 def _resolve(root: torch.nn.Module, fallback: torch.nn.Module, target: str) -> Any:
     """``root.<target>`` if it exists (the user's own tensor), else the exported one."""
     for module in (root, fallback):
@@ -183,6 +218,52 @@ def _changes_state(node: fx.Node) -> bool:
     return node.is_impure() or mutates(node)
 
 
+def _view_as_reshape(node: fx.Node) -> None:
+    """Export's ``aten.view`` becomes ``aten.reshape``: the view is only valid for the strides
+    export traced with.
+
+    Export spells ``x.reshape(...)`` (and a ``.contiguous()`` it finds a no-op) as a plain
+    ``view`` when the tensor it traced happened to be contiguous, and that depends on the
+    kernel its fake mode picked. T5's attention output, ``sdpa(...).transpose(1, 2)
+    .reshape(B, T, -1)``, was traced with the strides of CPU flash attention, so the graph
+    views a transposed tensor that the math kernel (what runs with a float mask that needs
+    grad) leaves non-contiguous: the captured graph fails on fake and real tensors alike.
+    ``reshape`` is the same op wherever ``view`` works (no copy) and copies where eager's
+    own ``reshape`` does; after functionalization (or with no in-place op to begin with)
+    nothing writes through the alias, so the values are equal.
+    """
+    if node.target is torch.ops.aten.view.default:
+        node.target = torch.ops.aten.reshape.default
+
+
+def _differentiable_copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]
+                         ) -> fx.Node:
+    """``aten.copy(self, src)`` spelled as ops autograd can differentiate.
+
+    Functionalization writes ``x[:, 1:] = y`` and ``x.copy_(y)`` as ``copy(x, y)``: src's
+    values broadcast into a fresh tensor of self's shape, dtype and device. ATen's
+    ``copy`` has no derivative, so a step through one whose src needs grad fails in its
+    backward. ``clone(expand_as(_to_copy(src), self))`` computes the same values (the
+    conversion only where dtype or device differ), and its gradient is src's.
+    """
+    dst, src = (env[a] if isinstance(a, fx.Node) else a for a in node.args[:2])
+    want = node.meta.get("val")
+    have = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+    lines = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+    value = src
+    if not (isinstance(want, torch.Tensor) and isinstance(have, torch.Tensor)
+            and (want.dtype, want.device) == (have.dtype, have.device)):
+        value = graph.call_function(torch.ops.aten._to_copy.default, (value,),
+                                    {"dtype": getattr(want, "dtype", None),
+                                     "device": getattr(want, "device", None)})
+        value.meta = dict(lines)
+    value = graph.call_function(torch.ops.aten.expand_as.default, (value, dst))
+    value.meta = dict(lines)
+    out = graph.call_function(torch.ops.aten.clone.default, (value,))
+    out.meta = dict(node.meta)  # the source line survives the rewrite
+    return out
+
+
 def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                    in_dims: Mapping[str, int | None], *,
                    fx_error: BaseException | None = None) -> CaptureResult:
@@ -197,7 +278,9 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     names = list(example)
     kwargs, dynamic = _export_kwargs(model, example, in_dims)
     try:
-        program = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
+        with _cache_off(model, example):
+            program = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic,
+                                          strict=False)
     except Exception as exc:  # any export failure becomes one clear error
         raise _export_error(model, exc, fx_error) from exc
     if has_mutations(program.graph_module):
@@ -244,7 +327,11 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
             continue
         if node.op in ("get_attr", "call_module"):
             root[node.target] = _resolve(model, exported, node.target)
+        if node.target is torch.ops.aten.copy.default and not node.kwargs.get("non_blocking"):
+            env[node] = _differentiable_copy(graph, node, env)
+            continue
         env[node] = graph.node_copy(node, lambda n: env[n])
+        _view_as_reshape(env[node])
     assert output is not None
 
     # Outputs: flat leaves, and the spec that rebuilds the model's own output type.
