@@ -395,6 +395,33 @@ def test_a_crash_resumes_with_lr_warmup_noise_scale_and_metrics_exact(tmp_path):
         assert all(torch.equal(p[k], q[k]) for k in p)
 
 
+def test_b_simple_is_logged_with_its_row_and_restored_on_resume(tmp_path):
+    """The noise-scale monitor's b_simple is in each training row as it is written to
+    metrics.jsonl and metrics.csv, so the rows a resumed run reads back from the log (the
+    steps before its checkpoint) carry it too, equal to an uninterrupted run's."""
+
+    def make(name, *extra):
+        return fresh(log_dir=tmp_path / name, checkpoint_every=3,
+                     callbacks=[GlobalFlags(micro_batch_size=2), NoiseScaleMonitor(), *extra])
+
+    reference, data = make("ref")
+    reference.fit(data, max_steps=5)
+    crashed, data = make("run", CrashAt(4))
+    with pytest.raises(RuntimeError, match="crash"):
+        crashed.fit(data, max_steps=5)
+    resumed, data = make("run")
+    resumed.fit(data, max_steps=5, resume=True)
+    want = [r["b_simple"] for r in reference.history]
+    assert all(isinstance(v, float) for v in want)  # measured from the first step on
+    assert [r.get("b_simple") for r in resumed.history] == want  # rows 1-3 came from the log
+    for folder in (tmp_path / "ref", tmp_path / "run"):
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line).get("b_simple") for line in lines] == want
+        with open(folder / "metrics.csv", newline="") as f:
+            logged = [r.get("b_simple") for r in csv.DictReader(f)]
+        assert logged == ["" if v is None else str(v) for v in want]
+
+
 def test_sigterm_in_process_stops_after_the_step(tmp_path):
     class Term(Callback):
         def on_train_step_end(self, trainer, row):

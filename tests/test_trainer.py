@@ -144,6 +144,25 @@ def test_rows_go_to_csv_jsonl_and_the_terminal(tmp_path):
     assert "validate: mean loss" in text
 
 
+def test_noise_scale_monitor_logs_b_simple_in_training_rows_only(tmp_path):
+    """b_simple is in each training row as the row is written (not added after it), and
+    validation rows, in the middle of fit and at its end, carry none."""
+    from mbcompile.training.monitors import NoiseScaleMonitor
+
+    trainer = make_trainer(GlobalFlags(micro_batch_size=3), NoiseScaleMonitor(),
+                           log_dir=tmp_path / "run")
+    trainer.fit(batches(3), batches(1), max_steps=3, val_every=2, val_steps=1)
+    lines = [json.loads(line)
+             for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["phase"], isinstance(r["b_simple"], float)) for r in lines] == [
+        ("train", True), ("train", True), ("validate", False), ("train", True),
+        ("validate", False)]
+    assert [r["b_simple"] for r in lines] == [r["b_simple"] for r in trainer.history]
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        assert [r["b_simple"] for r in csv.DictReader(f)] == [
+            "" if r["b_simple"] is None else str(r["b_simple"]) for r in lines]
+
+
 def test_loss_and_batch_forms():
     loss = torch.tensor(1.5, requires_grad=True)
     for output in (loss, (loss, torch.ones(3)), {"loss": loss, "x": 1}):
