@@ -605,7 +605,7 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
     rewritten = microbatch_rewrite(
         analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
         in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)})
-    bound = ops.bind(rewritten, bindings(backend, channels))
+    bound = ops.bind(rewritten, bindings(backend, channels, plan.per_system_batch_sizes))
     return _Compiled(bound, gm, captured.output_spec,
                      not analysed.analysis.fused and plan.num_nonempty_microbatches > 1, channels,
                      analysed.analysis, analysed.state)

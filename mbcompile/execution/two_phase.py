@@ -33,7 +33,7 @@ from mbcompile.passes import ops
 from mbcompile.passes.errors import InputError, MicrobatchError
 from mbcompile.passes.ops import as_tuple
 
-__all__ = ["Gather", "make_two_phase"]
+__all__ = ["Gather", "make_two_phase", "rank_gather"]
 
 #: Joins one rank's frontier with every other rank's: ``(pieces, dim) -> (whole, offset)``,
 #: ``offset`` being where this rank's rows start along ``dim``; None in one process.
@@ -132,11 +132,20 @@ class _Step:
         # 1. P per microbatch, no grad: F's pieces, and the RNG state each started from
         states: list[_RngStates] = []
         results: list[tuple[Any, ...]] = []
-        with torch.no_grad():
-            for i, mb in enumerate(self.microbatches):
-                states.append(_RngStates(mb))
-                results.append(self.loop._in_microbatch(
-                    i, lambda mb=mb: as_tuple(self.body(*mb)), _PHASES[0]))
+        try:
+            with torch.no_grad():
+                for i, mb in enumerate(self.microbatches):
+                    states.append(_RngStates(mb))
+                    results.append(self.loop._in_microbatch(
+                        i, lambda mb=mb: as_tuple(self.body(*mb)), _PHASES[0]))
+        except Exception as exc:
+            if self.gather is None:
+                raise
+            _agreed_status(exc)  # every rank learns it before F is gathered; raises here
+        if self.gather is not None:
+            # F is gathered next: a rank that failed must not leave the others waiting in
+            # the gather, so ranks agree on phase 1 first (a second status read per step)
+            _agreed_status(None)
         pieces = [[r[i].shape[dim] if kind == "cat" else 0 for r in results]
                   for i, (kind, dim) in enumerate(self.outputs)]
         joined, offsets = self._join(results)
@@ -152,9 +161,10 @@ class _Step:
                 raise MicrobatchError(
                     f"the backward of the two-phase step's coupled part failed: "
                     f"{type(exc).__name__}: {exc}\n  the step was rolled back") from exc
-        if not self.keep_coupled_grads:
-            for p in params:
-                p.grad = None  # C's own gradients are added once, by one rank
+        if not self.keep_coupled_grads:  # C's own gradients are added once, by one rank;
+            for p in params:  # zeros, not None: every rank all-reduces the same buckets
+                if p.grad is not None:
+                    p.grad.zero_()
         grads = [leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
                  for leaf in leaves]
         del leaves, joined
@@ -186,10 +196,8 @@ class _Step:
         if self.gather is None:
             ok = read_host(finite.reshape(1).double())[0] == 1.0
         else:
-            from mbcompile.execution.distributed import step_status
-
-            step_status(None, finite.reshape(1).double(), ~finite)
-            ok = True
+            values = _agreed_status(None, finite.reshape(1).double(), ~finite)
+            ok = values is not None and values[0] == 1.0
         if not ok:
             self.step_grads = None
             raise MicrobatchError(
@@ -245,20 +253,49 @@ class _TwoPhaseStep(torch.autograd.Function):
         return (None, None, *(s.mul_(g) if s is not None else None for s in grads_))
 
 
-def _agreed(step: _Step, params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-    """On ranks: a rank that fails stops every rank (one status all-reduce per step)."""
+def _agreed_status(error: BaseException | None, checks: torch.Tensor | None = None,
+                   failed: torch.Tensor | None = None) -> list[float] | None:
+    """The ranks' status all-reduce; what it raises is marked, so it is not sent twice."""
     from mbcompile.execution.distributed import step_status
 
     try:
+        return step_status(error, checks, failed)
+    except BaseException as exc:
+        exc._mbcompile_status_sent = True  # type: ignore[attr-defined]
+        raise
+
+
+def _agreed(step: _Step, params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    """On ranks: a rank that fails stops every rank; the status is all-reduced once at the
+    end of the step (and once after phase 1, before F is gathered)."""
+    try:
         return step.run_fused(params)
-    except MicrobatchError as exc:
-        if "not finite" in str(exc):
-            raise  # the status all-reduce already told every rank
-        step_status(exc)
-        raise
     except Exception as exc:
-        step_status(exc)
+        if not getattr(exc, "_mbcompile_status_sent", False):
+            _agreed_status(exc)
         raise
+
+
+def rank_gather(shares: Sequence[int], rank: int) -> Gather:
+    """Join a frontier value over ranks in batch order (rank ``r`` holds ``shares[r]``
+    samples): padded to the largest share, all-gathered, trimmed and concatenated."""
+    import torch.distributed as dist
+
+    def gather(local: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+        per_sample = local.shape[dim] // shares[rank]  # rows per sample (tokens, views)
+        rows = [s * per_sample for s in shares]
+        padded = local
+        if local.shape[dim] < max(rows):
+            shape = list(local.shape)
+            shape[dim] = max(rows) - local.shape[dim]
+            padded = torch.cat([local, local.new_zeros(shape)], dim)
+        padded = padded.contiguous()
+        pieces = [torch.empty_like(padded) for _ in shares]
+        dist.all_gather(pieces, padded)
+        whole = torch.cat([p.narrow(dim, 0, r) for p, r in zip(pieces, rows)], dim)
+        return whole, sum(rows[:rank])
+
+    return gather
 
 
 def make_two_phase(channels: StepChannels, gather: Gather | None = None,

@@ -1,0 +1,46 @@
+"""A two-phase step on gloo ranks: only the frontier is gathered, C runs on every rank, its
+own gradients count once, and the result is the single-process full batch's (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import two_phase_workers as workers
+
+from mbcompile.check import relative_error
+from mbcompile.execution import distributed as mbdist
+
+
+@pytest.mark.parametrize("name,world,gbs,mbs", [
+    ("clip", 2, 7, 2),      # 4 + 3 samples: uneven shares, a short last microbatch
+    ("clip", 3, 7, 1),      # 3 + 2 + 2 samples, microbatches of one
+    ("centered", 2, 7, 3),  # per-sample rows and a partial sum in the frontier
+    ("centered", 3, 8, 2),
+])
+def test_ranks_equal_the_full_batch(tmp_path, name, world, gbs, mbs):
+    mbdist.launch(workers.step, world, str(tmp_path), name, gbs, mbs, timeout_s=60.0)
+    model, batch = workers.make(name, gbs)
+    loss = model(*batch)
+    loss.backward()
+    for rank in range(world):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert "two-phase" in got["reason"]
+        assert relative_error(got["loss"], loss) <= 1e-10
+        # over all gradients at once: centering makes a bias's gradient zero up to rounding
+        names = [n for n, _ in model.named_parameters()]
+        mine = torch.cat([got["grads"][n].flatten() for n in names])
+        eager = torch.cat([p.grad.flatten() for p in model.parameters()])
+        assert relative_error(mine, eager) <= 1e-10, rank
+        assert relative_error(got["grads"]["f.weight" if name == "centered" else "scale"],
+                              dict(model.named_parameters())["f.weight" if name == "centered"
+                                                             else "scale"].grad) <= 1e-10
+
+
+@pytest.mark.parametrize("phase", [1, 3])
+def test_a_failing_rank_stops_every_rank(tmp_path, phase):
+    mbdist.launch(workers.failing_step, 2, str(tmp_path), "clip", 7, phase, timeout_s=60.0)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["error"], rank
+        assert got["kept"], rank
+    assert "injected failure" in torch.load(tmp_path / "rank1.pt")["error"]

@@ -1,0 +1,90 @@
+"""Models and rank workers for tests/test_two_phase_distributed.py (spawned ranks import
+them by name): losses that couple samples, one two-phase step on each rank's share."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mbcompile
+from mbcompile.execution import distributed as mbdist
+
+
+class Clip(nn.Module):
+    """Symmetric InfoNCE over the batch with a learned logit scale (a parameter of C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 4), nn.Linear(5, 4)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        u, v = F.normalize(self.a(x), dim=-1), F.normalize(self.b(y), dim=-1)
+        logits = u @ v.T * self.scale.exp()
+        labels = torch.arange(x.size(0))
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+class Centered(nn.Module):
+    """A representation centred over the batch (F holds per-sample rows and a partial sum),
+    and the root of a mean squared error (a non-linear function of a batch reduction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(6, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.f(x)
+        h = h - h.mean(0)
+        return F.mse_loss(self.g(torch.tanh(h)).squeeze(-1), y[:, 0]).sqrt()
+
+
+MODELS = {"clip": Clip, "centered": Centered}
+
+
+def make(name: str, gbs: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The model (same seed: same weights on every rank) and a float64 batch of ``gbs``."""
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    batch = (torch.randn(gbs, 6, dtype=torch.float64), torch.randn(gbs, 5, dtype=torch.float64))
+    return model, batch
+
+
+def step(rank: int, world: int, out_dir: str, name: str, gbs: int, mbs: int) -> None:
+    """One two-phase step on this rank's share; saves the loss and the gradients."""
+    model, batch = make(name, gbs)
+    cm = mbcompile.compile(model, gbs, world, mbs, example_inputs=batch,
+                           backend="torch.distributed", coupling="two_phase")
+    loss = cm(*mbdist.shard(batch, cm.plan, rank))
+    loss.backward()
+    torch.save({"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()},
+                "reason": cm.plan.reason}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def failing_step(rank: int, world: int, out_dir: str, name: str, gbs: int, phase: int) -> None:
+    """Rank 1 fails in ``phase`` (1: P without grad, 3: P with grad); every rank must raise
+    and keep its parameters and gradients."""
+    model, batch = make(name, gbs)
+    cm = mbcompile.compile(model, gbs, world, 2, example_inputs=batch,
+                           backend="torch.distributed", coupling="two_phase")
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
+
+    def fail(module: nn.Module, args: object) -> None:
+        if rank == 1 and torch.is_grad_enabled() == (phase == 3):
+            raise RuntimeError(f"injected failure in phase {phase}")
+
+    model.a.register_forward_pre_hook(fail) if name == "clip" else \
+        model.f.register_forward_pre_hook(fail)
+    error = ""
+    try:
+        cm(*mbdist.shard(batch, cm.plan, rank)).backward()
+    except mbcompile.MicrobatchError as exc:
+        error = str(exc)
+    kept = all(torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1])
+               for n, p in model.named_parameters())
+    torch.save({"error": error, "kept": kept}, os.path.join(out_dir, f"rank{rank}.pt"))
