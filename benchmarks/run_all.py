@@ -32,6 +32,7 @@ BENCHMARKS = [
     ("bench_memory.py", [], ["--mbs", "4"]),
     ("bench_microbatch_cost.py", ["--rounds", "40"], ["--rounds", "8"]),
     ("bench_compile.py", [], ["--depths", "2", "8", "24", "--repeats", "1"]),
+    ("bench_two_phase.py", ["--rounds", "10"], ["--rounds", "2", "--plans", "64:16"]),
 ]
 
 
