@@ -74,6 +74,7 @@ class _Step:
         self.step_grads: list[torch.Tensor | None] | None = None
         self.layout: list[bool] = []
         self.constants: list[Any] = []
+        self.loss_pos = 0  # the loss among the step's tensor outputs
 
     # ------------------------------------------------------------ helpers
     def _join(self, results: list[tuple[Any, ...]]) -> tuple[list[Any], list[int]]:
@@ -221,17 +222,17 @@ class _TwoPhaseStep(torch.autograd.Function):
         ctx.step, ctx.n_params = step, n_params
         ctx.set_materialize_grads(False)
         step.layout = [isinstance(o, torch.Tensor) for o in outs]
-        step.constants = list(outs)
+        step.constants = list(outs)  # for the caller, who drops them (no reference cycle)
         flat = [o for o in outs if isinstance(o, torch.Tensor)]
         loss = outs[step.loss_index]
+        step.loss_pos = next(i for i, o in enumerate(flat) if o is loss)
         ctx.mark_non_differentiable(*(o for o in flat if o is not loss))
         return tuple(flat)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         step: _Step = ctx.step
-        flat = [o for o in step.constants if isinstance(o, torch.Tensor)]
-        loss_pos = next(i for i, o in enumerate(flat) if o is step.constants[step.loss_index])
+        loss_pos = step.loss_pos
         if any(g is not None for i, g in enumerate(grads) if i != loss_pos):
             raise MicrobatchError(
                 "a gradient flows into an output of the compiled module other than its loss, "
@@ -328,7 +329,9 @@ def make_two_phase(channels: StepChannels, gather: Gather | None = None,
                                  "require grad")
             return step.run()
         flat = iter(_TwoPhaseStep.apply(step, len(params), *params))
-        return tuple(next(flat) if is_t else c for is_t, c in zip(step.layout, step.constants))
+        outs = tuple(next(flat) if is_t else c for is_t, c in zip(step.layout, step.constants))
+        step.constants = []  # the step is kept by autograd until backward: not the outputs
+        return outs
 
     two_phase_step.__module__ = __name__
     return two_phase_step

@@ -752,13 +752,16 @@ def _two_phase_too_big(analysis: BatchAnalysis, cost: TwoPhaseCostModel, exc: Do
                        system: SystemSpec) -> MixingError:
     """The rejection, with why a two-phase step does not fit either (the numbers)."""
     rejected = analysis.rejected
-    try:  # what one microbatch of a plain (wrong) split would need, for comparison
-        plain = analyse_cost(analysis.graph_module, values, in_dims, pbs=exc.mbs, fit=False)
-        k = -(-pbs // exc.mbs)
-        plain_peak = plain.memory(pbs, exc.mbs, k, system).peak
-        plain_text = f"; one microbatch of a plain split would need {format_bytes(plain_peak)}"
-    except CostModelError:
-        plain_text = ""
+    plain_text = ""
+    for m in dict.fromkeys(x for x in (exc.mbs, 2) if x <= pbs):  # BatchNorm needs 2 samples
+        try:  # what one microbatch of a plain (wrong) split would need, for comparison
+            plain = analyse_cost(analysis.graph_module, values, in_dims, pbs=m, fit=False)
+        except CostModelError:
+            continue
+        plain_peak = plain.memory(pbs, m, -(-pbs // m), system).peak
+        plain_text = (f"; one microbatch of {m} in a plain split would need "
+                      f"{format_bytes(plain_peak)}")
+        break
     mem = cost.memory(pbs, exc.mbs, -(-pbs // exc.mbs), system)
     message = (f"{rejected}\n  a two-phase step would run it exactly, but does not fit "
                f"{system.name}: it needs {format_bytes(exc.needed)} at mbs {exc.mbs} (frontier "
