@@ -46,7 +46,8 @@ def compiled():
 def rejected():
     model = Normed()
     with pytest.raises(MixingError) as info:
-        mbcompile.compile(model, 8, 2, 2, example_inputs=(torch.randn(8, 4),))
+        mbcompile.compile(model, 8, 2, 2, example_inputs=(torch.randn(8, 4),),
+                          coupling="reject")
     return model, info.value
 
 
@@ -176,3 +177,22 @@ def test_bad_targets(tmp_path, compiled):
         draw(compiled, tmp_path / "graph.txt")
     with pytest.raises(MbcompileError, match="draw\\(\\) takes"):
         to_dot(42)
+
+
+def test_a_two_phase_step_shows_p_c_and_the_frontier(no_graphviz):
+    """The body P, the coupled part C in its own cluster, and one bold frontier arrow per
+    value P hands to C (here: the BatchNorm's input, and the joined labels are not read)."""
+    torch.manual_seed(0)
+    cm = mbcompile.compile(Normed(), 8, 2, 2, example_inputs=(torch.randn(8, 4),),
+                           coupling="two_phase")
+    picture = drawing._picture(cm, None, None)
+    clusters = {c.name: c.label for c in picture.clusters}
+    assert "body (P)" in clusters["body"] and "coupled part (C)" in clusters["coupled"]
+    frontier = [a for a in picture.arrows if a.label == "frontier"]
+    body_outputs = next(n for n in reversed(cm.graph_module.body.graph.nodes)
+                        if n.op == "output").all_input_nodes
+    assert len(frontier) == len(body_outputs) == 1
+    assert frontier[0].src == "b_l" and frontier[0].dst.startswith("c_")
+    boxes = {b.id: b for b in picture.boxes}
+    assert boxes["c_bn"].cluster == "coupled" and boxes["b_l"].cluster == "body"
+    assert "two_phase" in {b.id[2:] for b in picture.boxes if b.cluster != "coupled"}

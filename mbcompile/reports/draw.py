@@ -6,7 +6,10 @@ What is drawn, side by side in one picture:
   reductions amber, batch-free grey) and labelled with its op and shape;
 - the **rewritten** graph: ``split`` (blue trapezium) -> ``microbatch_loop`` (gold)
   over the ``body`` (a dashed cluster: what runs once per microbatch) ->
-  ``accumulate_cat`` / ``accumulate_sum`` (green) -> the tail after the loop.
+  ``accumulate_cat`` / ``accumulate_sum`` (green) -> the tail after the loop; or, for a
+  loss that couples samples, ``two_phase_step`` (pink) over the body P and the
+  ``coupled`` part C (pink nodes, run once on the whole batch), with the frontier F
+  drawn as bold pink arrows from P's outputs into C.
 
 For a model the analysis rejected, ``draw(model, path, error=exc)`` draws its captured
 graph with the mixing op in red and the path from the batched input to it in bold red,
@@ -44,7 +47,16 @@ import torch.nn as nn
 from mbcompile.compiler import CompiledModule
 from mbcompile.errors import MbcompileError, MbcompileWarning, MixingError
 from mbcompile.passes import ops, partials
-from mbcompile.passes.facts import FACT, SHAPES, Batched, BatchSize, Container, Free, Reduced
+from mbcompile.passes.facts import (
+    FACT,
+    SHAPES,
+    Batched,
+    BatchSize,
+    Container,
+    Coupled,
+    Free,
+    Reduced,
+)
 
 __all__ = ["draw", "render", "to_dot", "to_svg"]
 
@@ -53,11 +65,13 @@ _FACT_COLOURS = (  # (fact type, fill): what the analysis found for the node
     (Reduced, "#fde68a"),  # a (partial) sum or mean over the batch
     (BatchSize, "#ede9fe"),  # an int equal to the batch size
     (Container, "#ffffff"),
+    (Coupled, "#fbcfe8"),  # needs the whole batch: the coupled part of a two-phase step
     (Free, "#f3f4f6"),  # batch-free: parameters, constants
 )
 _RUNTIME_STYLE = {  # the nodes the rewrite adds, by function: shape, fill, bold
     ops.split: ("invtrapezium", "#93c5fd", True),
     ops.microbatch_loop: ("box3d", "#fcd34d", True),
+    ops.two_phase_step: ("box3d", "#f9a8d4", True),
     ops.accumulate_cat: ("trapezium", "#86efac", True),
     ops.accumulate_sum: ("trapezium", "#86efac", True),
     ops.all_reduce_sums: ("trapezium", "#86efac", True),
@@ -212,19 +226,32 @@ def _add_graph(pic: _Picture, gm: fx.GraphModule, prefix: str, cluster: str, *,
 
 
 def _add_rewritten(pic: _Picture, plan: Any, gm: fx.GraphModule, cluster: str) -> None:
-    body_ref = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "body"]
-    _add_graph(pic, gm, "r_", cluster, plan=plan, skip=body_ref)
+    refs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in ("body", "coupled")]
+    _add_graph(pic, gm, "r_", cluster, plan=plan, skip=refs)
     body = getattr(gm, "body", None)
+    loop = next((n for n in gm.graph.nodes if ops.op_of(n.target) in (ops.microbatch_loop,
+                                                                       ops.two_phase_step)), None)
     if isinstance(body, fx.GraphModule):
-        pic.clusters.append(_Cluster("body", "body: runs once per microbatch",
+        pic.clusters.append(_Cluster("body", "body (P): runs once per microbatch",
                                      "dashed,rounded", parent=cluster))
         batch = None if plan is None else (plan.gbs, plan.max_microbatch_size)
         _add_graph(pic, body, "b_", "body", batch=batch)
-        loop = next((n for n in gm.graph.nodes if ops.op_of(n.target) is ops.microbatch_loop), None)
         nodes = list(body.graph.nodes)
         if loop is not None and nodes:
             pic.arrows.append(_Arrow("r_" + loop.name, "b_" + nodes[0].name, style="dashed",
                                      label="each microbatch", lhead="body"))
+    coupled = getattr(gm, "coupled", None)
+    if isinstance(coupled, fx.GraphModule) and isinstance(body, fx.GraphModule):
+        # a two-phase step: C runs once on the whole batch; the frontier F is what flows
+        # from the body's outputs into C's inputs, joined over microbatches
+        pic.clusters.append(_Cluster("coupled", "coupled part (C): runs once, whole batch",
+                                     "dashed,rounded", parent=cluster))
+        _add_graph(pic, coupled, "c_", "coupled")
+        body_out = next(n for n in reversed(body.graph.nodes) if n.op == "output")
+        inputs = [n for n in coupled.graph.nodes if n.op == "placeholder"]
+        for value, joined in zip(body_out.all_input_nodes, inputs):
+            pic.arrows.append(_Arrow("b_" + value.name, "c_" + joined.name, style="bold",
+                                     color="#be185d", label="frontier"))
 
 
 def _picture(obj: Any, error: MixingError | None, title: str | None) -> _Picture:
