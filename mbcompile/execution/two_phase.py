@@ -226,14 +226,16 @@ class _TwoPhaseStep(torch.autograd.Function):
         flat = [o for o in outs if isinstance(o, torch.Tensor)]
         loss = outs[step.loss_index]
         step.loss_pos = next(i for i, o in enumerate(flat) if o is loss)
-        ctx.mark_non_differentiable(*(o for o in flat if o is not loss))
+        # only what cannot carry a gradient is marked: a gradient sent into any other output
+        # reaches backward, which refuses it (marking it would drop it silently)
+        ctx.mark_non_differentiable(*(o for o in flat if not _differentiable(o)))
         return tuple(flat)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         step: _Step = ctx.step
         loss_pos = step.loss_pos
-        if any(g is not None for i, g in enumerate(grads) if i != loss_pos):
+        if any(g is not None for i, g in enumerate(grads) if i != loss_pos):  # no device read
             raise MicrobatchError(
                 "a gradient flows into an output of the compiled module other than its loss, "
                 "but the two-phase step ran its backward for the loss only; compute "
