@@ -232,3 +232,91 @@ def test_capture_error_leaves_module_unchanged() -> None:
     after = _snapshot(model)
     for key in ("modules", "hooks", "dicts"):
         assert after[key] == before[key], key
+
+
+# --------------------------------------------------------------------------- #
+# torch.export capture: what it changes in the user's terms, and what it leaves alone
+# --------------------------------------------------------------------------- #
+
+class _Cache:
+    """Inference state export cannot flatten (as transformers' DynamicCache)."""
+
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
+class _InstanceConfig:
+    def __init__(self) -> None:
+        self.use_cache = True
+
+
+class _ClassConfig:
+    use_cache = True  # a class default, as configs that never set it
+
+
+_SEEN_USE_CACHE: list[bool] = []  # module-level: export restores what forward sets on self
+
+
+class CacheThroughKwargs(nn.Module):
+    """Reads use_cache from its config unless **kwargs set it (GraniteMoE, PEFT's PeftModel):
+    the example call cannot switch it off, since compile maps named parameters only."""
+
+    def __init__(self, config: object) -> None:
+        super().__init__()
+        self.config = config
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, **kwargs: object) -> tuple[object, ...]:
+        use_cache = kwargs.get("use_cache", self.config.use_cache)
+        _SEEN_USE_CACHE.append(bool(use_cache))
+        h = self.lin(x)
+        out = ((h + 0.5).pow(3).mean(), h)
+        return (*out, _Cache(h)) if use_cache else out
+
+
+@pytest.mark.parametrize("config", [_InstanceConfig, _ClassConfig])
+def test_export_switches_the_cache_off_and_restores_the_config(config: type) -> None:
+    torch.manual_seed(0)
+    model = CacheThroughKwargs(config()).double()
+    own_before = dict(vars(model.config))
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="not a known type"):  # with the cache left on
+        torch.export.export(model, (x,))
+    _SEEN_USE_CACHE.clear()
+    cm = mbcompile.compile(model, 6, 2, 2, example_inputs=(x,))
+    assert _SEEN_USE_CACHE and not any(_SEEN_USE_CACHE)  # traced with the cache off
+    assert vars(model.config) == own_before and model.config.use_cache is True
+    got = cm(x)
+    want = model(x)
+    assert len(want) == 3 and len(got) == 2  # eager still builds its cache; the step does not
+    assert max(max_rel_err_outputs(got, want[:2]).values()) <= TOL
+
+
+class TransposedReshape(nn.Module):
+    """(B, T, C) -> linear -> (B, C, T) contiguous -> (B, C*T), with an in-place op: export
+    functionalizes the graph and writes the reshape as a view, valid only for the strides
+    it traced with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x).transpose(1, 2).contiguous().reshape(x.size(0), -1)
+        h = h.clone().add_(0.5)  # an in-place op: export's graph is functionalized
+        return h.pow(3).mean(), h
+
+
+def test_export_views_become_reshapes() -> None:
+    """A graph that runs whatever strides the kernels give at run time (T5's view of a
+    transposed attention output failed on both fake and real tensors)."""
+    torch.manual_seed(0)
+    model = TransposedReshape().double()
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+    exported = torch.export.export(model, (x,)).run_decompositions({}).graph_module
+    assert torch.ops.aten.view.default in [n.target for n in exported.graph.nodes]
+    cm = mbcompile.compile(model, 6, 2, 2, example_inputs=(x,), capture="export")
+    targets = [n.target for n in cm.original_graph_module.graph.nodes]
+    assert torch.ops.aten.view.default not in targets
+    assert torch.ops.aten.reshape.default in targets
+    assert max(max_rel_err_outputs(cm(x), model(x)).values()) <= TOL
