@@ -16,8 +16,7 @@ from mbcompile.models import make_tiny_gpt
 TIMEOUT_S = 90
 
 # 12-32 s per test on 2 cores (measured three times on a shared machine): every test
-# spawns its ranks, and each rank imports torch.
-pytestmark = pytest.mark.slow
+# that spawns ranks (each rank imports torch) is marked slow.
 
 
 def _run(fn, world: int, *args) -> None:
@@ -32,6 +31,7 @@ def _run(fn, world: int, *args) -> None:
             pytest.fail(f"distributed test did not finish within {TIMEOUT_S} s")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,gbs,mbs,bucket_bytes", [
     (2, 7, 2, 1 << 30),      # 4 + 3 samples, one bucket
     (2, 7, 2, 16 * 1024),    # several small buckets
@@ -59,28 +59,26 @@ def test_ranks_equal_full_batch_step(tmp_path, world, gbs, mbs, bucket_bytes):
         assert len(gradient) == got["buckets"] >= 1  # gradients reduced once per step
         if bucket_bytes < 1 << 20:
             assert got["buckets"] > 1
+            buckets_start_during_the_last_backward(got["events"])
         start += size
 
 
-def test_buckets_start_during_the_last_backward(tmp_path):
+def buckets_start_during_the_last_backward(events: list[tuple]) -> None:
     """The step's bucket all-reduces are launched, asynchronously, while the last
     microbatch's backward still runs; the status and the partial sums follow, and
     ``loss.backward()`` only waits: it issues no collective."""
-    _run(dist_workers.train_step, 2, str(tmp_path), 7, 2, 16 * 1024)
-    for rank in range(2):
-        events = torch.load(tmp_path / f"rank{rank}.pt")["events"]
-        last_forward = max(i for i, e in enumerate(events) if e == ("forward",))
-        last_grad = max(i for i, e in enumerate(events) if e[0] == "grad")
-        launches = [i for i, e in enumerate(events) if e[0] == "reduce" and e[3]]
-        waits_only = events[events.index(("backward",)):]
-        assert len(launches) > 1
-        assert last_forward < launches[0] < last_grad  # during the last backward
-        assert all(e[0] != "reduce" or not e[3] for e in events[:last_forward])
-        sync = [i for i, e in enumerate(events) if e[0] == "reduce" and not e[3]]
-        assert launches[-1] < sync[0]  # every bucket before the status all-reduce
-        assert [e for e in waits_only if e[0] == "reduce"] == []
+    last_forward = max(i for i, e in enumerate(events) if e == ("forward",))
+    last_grad = max(i for i, e in enumerate(events) if e[0] == "grad")
+    launches = [i for i, e in enumerate(events) if e[0] == "reduce" and e[3]]
+    assert len(launches) > 1
+    assert last_forward < launches[0] < last_grad  # during the last backward
+    sync = [i for i, e in enumerate(events) if e[0] == "reduce" and not e[3]]
+    assert launches[-1] < sync[0]  # every bucket before the status all-reduce
+    in_backward = events[events.index(("backward",)):]
+    assert [e for e in in_backward if e[0] == "reduce"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["forward", "last_backward", "nan"])
 def test_failing_rank_stops_every_rank(tmp_path, where):
     """Wherever rank 1's step fails, both ranks raise, neither hangs, both issued the same
@@ -103,3 +101,26 @@ def test_failing_rank_stops_every_rank(tmp_path, where):
     launched_before_failure = [e for e in events[:events.index(("fail",))]
                                if e[0] == "reduce"] if where != "nan" else []
     assert bool(launched_before_failure) == (where == "last_backward")
+
+
+def test_bucket_layout_follows_the_backward_and_keeps_buckets_small():
+    """Reverse parameter order (the embedding, final last, in the last bucket), a first
+    bucket of at most 1 MiB, at least MIN_BUCKETS for a small model, DDP's 25 MiB cap for
+    a large one, one dtype per bucket."""
+    model, _ = make_tiny_gpt(1, vocab=1000, width=256, depth=4, heads=4, seq=128)
+    params = list(model.parameters())
+    buckets = mbdist.OverlappedReduce(params).buckets
+    nbytes = [sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets]
+    assert [i for b in buckets for i in b] == list(reversed(range(len(params))))
+    assert nbytes[0] <= mbdist.FIRST_BUCKET_BYTES
+    assert len(buckets) >= mbdist.MIN_BUCKETS - 1  # the ceiling can leave one short
+    assert max(nbytes) <= -(-sum(nbytes) // mbdist.MIN_BUCKETS)
+    assert buckets[-1][-1] == 0  # the token embedding
+
+    big = [torch.empty(1 << 21, device="meta") for _ in range(100)]  # 100 x 8 MiB
+    layout = mbdist.OverlappedReduce(big).buckets
+    assert all(len(b) == 3 for b in layout[1:-1])  # 24 MiB of 8 MiB tensors per bucket
+    assert len(layout[0]) == 1  # alone: larger than the first bucket's 1 MiB
+
+    mixed = [torch.empty(4, dtype=t, device="meta") for t in (torch.float32, torch.float64)]
+    assert mbdist.OverlappedReduce(mixed).buckets == [[1], [0]]

@@ -39,6 +39,7 @@ from mbcompile.planning.plan import MicrobatchPlan
 __all__ = [
     "BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
+    "MIN_BUCKETS",
     "OVERLAP",
     "OverlappedReduce",
     "bindings",
@@ -59,6 +60,10 @@ BUCKET_BYTES = 25 * 1024 * 1024
 #: The first bucket launched (the last parameters' gradients), DDP's default: small, so
 #: that the wire is busy early in the last backward.
 FIRST_BUCKET_BYTES = 1024 * 1024
+#: Overlapped buckets are smaller than ``BUCKET_BYTES`` where the gradient is small (but
+#: at least ``FIRST_BUCKET_BYTES``): at least this many, so that only the last one (the
+#: embedding's, final when the backward ends) is sent after it, not most of the model.
+MIN_BUCKETS = 8
 #: False: all-reduce the step's gradient in ``loss.backward()``, after every microbatch's
 #: backward, bucket by bucket (``all_reduce_gradients``; the path before the overlap,
 #: kept as the reference the tests compare the overlapped gradients with bit for bit).
@@ -216,10 +221,11 @@ class OverlappedReduce:
 
     The layout is DDP's Reducer's at its first iteration: parameters in reverse
     order (roughly the order backward makes their gradients final), cut into
-    buckets, the first one small. ``arm()`` before the last microbatch's backward
-    puts a post-accumulate-grad hook on every parameter; when the last gradient
-    of bucket k is final and buckets 0..k-1 are launched, bucket k is flattened
-    and ``all_reduce(async_op=True)`` starts on it. ``wait()`` (in
+    buckets, the first one small; unlike DDP's, a small model's gradient is cut into
+    ``MIN_BUCKETS`` (a 14 MiB one into 8, not one of 1 MiB and one of 13). ``arm()``
+    before the last microbatch's backward puts a post-accumulate-grad hook on every
+    parameter; when the last gradient of bucket k is final and buckets 0..k-1 are
+    launched, bucket k is flattened and ``all_reduce(async_op=True)`` starts on it. ``wait()`` (in
     ``loss.backward()``) waits once for all of them and writes the sums back.
 
     Every rank issues the same collectives in the same order, whatever happens:
@@ -242,7 +248,8 @@ class OverlappedReduce:
 
     def __init__(self, params: Sequence[torch.Tensor], cap: int | None = None,
                  first_cap: int | None = None) -> None:
-        cap = cap or BUCKET_BYTES
+        total = sum(p.numel() * p.element_size() for p in params)
+        cap = cap or min(BUCKET_BYTES, max(FIRST_BUCKET_BYTES, -(-total // MIN_BUCKETS)))
         order = list(reversed(range(len(params))))
         self.params = params
         self.buckets = [[order[i] for i in b] for b in bucket_indices(
