@@ -114,7 +114,7 @@ def test_zoo_model_is_rejected_for_its_reason(entry: ZooModel) -> None:
 
 
 def test_lora_model_trains_only_its_adapters() -> None:
-    """The PEFT entry is a real LoRA setup, whatever compile says about it today."""
+    """The PEFT entry is a real LoRA setup: only the adapters train."""
     pytest.importorskip("peft")
     case = build_case(next(e for e in ZOO if e.family == "PEFT LoRA"))
     trainable = {n for n, p in case.model.named_parameters() if p.requires_grad}
