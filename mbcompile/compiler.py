@@ -71,6 +71,7 @@ class _Inputs:
     capture: str = "auto"  # "auto" (fx, then torch.export if fx fails), "fx" or "export"
     batch_norm: str = "full_batch"  # or "per_microbatch": BatchNorm statistics per microbatch
     coupling: str = "reject"  # or "reject": ops that mix samples raise MixingError
+    outputs: Any = "all"  # "all", "loss", or output names: what a training step returns
 
 
 @dataclass(frozen=True)
@@ -602,13 +603,68 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
     slices = [(a - offset, b - offset) for system in systems for a, b in system if b > a]
+    keep = kept_outputs(inputs.outputs, captured.output_spec, analysed.analysis,
+                        analysed.state) if model.training else None
     rewritten = microbatch_rewrite(
         analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
-        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)})
+        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)}, keep=keep)
     bound = ops.bind(rewritten, bindings(backend, channels, plan.per_system_batch_sizes))
     return _Compiled(bound, gm, captured.output_spec,
                      not analysed.analysis.fused and plan.num_nonempty_microbatches > 1, channels,
                      analysed.analysis, analysed.state)
+
+
+OUTPUT_MODES = ("all", "loss")
+
+
+def _check_outputs(option: Any) -> Any:
+    if isinstance(option, str):
+        if option not in OUTPUT_MODES:
+            raise InputError(f"outputs must be one of {OUTPUT_MODES} or a list of output names, "
+                             f"got {option!r}")
+        return option
+    if isinstance(option, (list, tuple)) and all(isinstance(o, (str, int)) for o in option):
+        return tuple(option)
+    raise ArgumentTypeError(f"outputs must be 'all', 'loss' or a list of output names "
+                            f"(str keys or int positions), got {option!r}")
+
+
+def kept_outputs(option: Any, spec: OutputSpec, analysis: BatchAnalysis,
+                 state: StateUpdates) -> frozenset[int] | None:
+    """The flat output leaves a training step returns for ``outputs=option`` (None: all).
+
+    The trained losses are always kept (training needs them), and so is the state the
+    call writes back.
+    """
+    if option == "all":
+        return None
+    keep = set(analysis.loss_outputs) | set(range(state.n_outputs, state.n_outputs
+                                                 + len(state.targets)))
+    if option == "loss":
+        if not analysis.loss_outputs:
+            raise InputError("outputs='loss' needs a loss computed inside the model (a scalar "
+                             "that depends on the parameters); this model returns none. Use "
+                             "outputs='all', or return the loss from forward")
+        return frozenset(keep)
+    names = _output_names(spec)
+    for name in option:
+        if name not in names:
+            raise InputError(f"outputs names {name!r}, which the model does not return; its "
+                             f"outputs are {sorted(names, key=str)}")
+        keep |= names[name]
+    return frozenset(keep)
+
+
+def _output_names(spec: OutputSpec) -> dict[Any, set[int]]:
+    """Top-level output names (dict keys, dataclass fields, tuple positions) -> their leaves."""
+    def leaves(s: OutputSpec) -> set[int]:
+        return {s.index} if s.kind == "leaf" else set().union(*(leaves(c) for c in s.children))
+
+    if spec.kind in ("dict", "dataclass"):
+        return {k: leaves(c) for k, c in zip(spec.keys, spec.children)}
+    if spec.kind in ("tuple", "list"):
+        return {i: leaves(c) for i, c in enumerate(spec.children)}
+    return {0: leaves(spec)}
 
 
 def _noise_scale(option: bool | NoiseScale) -> NoiseScale | None:
@@ -625,7 +681,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             in_dims: Any = 0, system: Any = None, backend: str = "simulated",
             measure_noise_scale: bool | NoiseScale = False,
             capture: str = "auto", batch_norm: str = "full_batch",
-            coupling: str = "reject", compile_only: bool = False, validate_only: bool = False,
+            coupling: str = "reject", outputs: Any = "all", compile_only: bool = False,
+            validate_only: bool = False,
             measure: bool | int = False) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
@@ -656,6 +713,12 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     two-phase step: the per-sample part per microbatch, the coupled part once on the
     whole batch (see ``passes/coupling.py``), when its memory fits the system;
     ``coupling="reject"`` raises ``MixingError`` for such graphs instead.
+    ``outputs`` says what a training step (the model in training mode) returns:
+    ``"all"`` (default: what the model returns), ``"loss"`` (the trained loss; the
+    other outputs come back as None and are never kept per microbatch, so the memory
+    model counts only the loss and ``auto`` can choose a larger MBS), or a list of
+    output names (keys of a dict or dataclass output such as HuggingFace's ``logits``,
+    or tuple positions) kept beside the loss. In eval mode every output is returned.
     ``compile_only=True`` traces, analyses, plans and estimates, and returns a
     module that raises ``CompileOnlyError`` when called; ``validate_only=True``
     stops after capture and batch analysis and returns a ``Validation``.
@@ -685,7 +748,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
     sig, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims)
     inputs = dataclasses.replace(inputs, capture=capture, batch_norm=batch_norm,
-                                 coupling=coupling)
+                                 coupling=coupling, outputs=_check_outputs(outputs))
     start = time.perf_counter()
     try:
         analysed = _analyse(inner, gbs, inputs, values)
@@ -697,10 +760,13 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             return validation_of(type(model).__name__, gbs, num_csx,
                                  analysed.captured.graph_module,
                                  time.perf_counter() - start, analysed.rejected)
+        keep = kept_outputs(inputs.outputs, analysed.captured.output_spec, analysed.analysis,
+                            analysed.state) if inner.training else None
         selection = plan_for(analysed.analysis,
                              [values[n] for n in inputs.names], inputs.in_dims, gbs, num_csx,
                              policy, spec, measure=measure, name=type(model).__name__,
-                             two_phase=refused is None and analysed.rejected is not None)
+                             two_phase=refused is None and analysed.rejected is not None,
+                             kept=keep)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name

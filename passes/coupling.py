@@ -61,19 +61,22 @@ class Partition:
         return total
 
 
-def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = ()) -> Partition:
-    """Walk back from the outputs (and ``extra_roots``) to the values the loop provides.
+def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
+              roots: Iterable[fx.Node] | None = None) -> Partition:
+    """Walk back from the outputs (``roots``: those kept; default all) and ``extra_roots``
+    to the values the loop provides.
 
     A per-sample value whose pieces cannot be joined in batch order (samples
     interleaved with another dim, or each row's position in the batch, which restarts
     in every microbatch) is not a frontier value: the tail recomputes it from values
     further up, at the full batch.
     """
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    if roots is None:
+        roots = next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes
     part = Partition()
     seen: set[fx.Node] = set()
     in_tail: set[fx.Node] = set()
-    todo = [*out.all_input_nodes, *extra_roots]
+    todo = [*roots, *extra_roots]
     while todo:
         n = todo.pop()
         if n in seen:

@@ -33,7 +33,7 @@ the node they stand for, so source lines survive.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,8 @@ def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
 
 
 def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, int]],
-                       systems: Sequence[int], in_dims: Mapping[str, Any]) -> fx.GraphModule:
+                       systems: Sequence[int], in_dims: Mapping[str, Any],
+                       keep: Collection[int] | None = None) -> fx.GraphModule:
     """Return the microbatched ``GraphModule`` (with the body as submodule ``body``).
 
     ``slices`` are the non-empty microbatches' (start, stop) in the batch the
@@ -73,8 +74,12 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     A graph whose analysis found ops that mix samples (``analysis.two_phase``) gets a
     second submodule, ``coupled``: the tail, run once on the whole batch by
     ``two_phase_step`` (see ``coupling.py``) instead of after the loop.
+
+    ``keep``: the output leaves to return (None: all); the others come back as None and
+    are neither computed after the loop nor kept per microbatch (a training step's
+    logits that nobody reads).
     """
-    parts = _cut(analysis)
+    parts = _cut(analysis, keep)
     gm, placeholders, leaves = parts.gm, parts.placeholders, parts.leaves
     part, frontier, slots, specs = parts.part, parts.frontier, parts.slots, parts.specs
     names, source, body = parts.names, parts.source, parts.body
@@ -138,21 +143,23 @@ class _Parts:
     source: dict[int, fx.Node]  # body output index -> the node whose source line it is
 
 
-def _cut(analysis: BatchAnalysis) -> _Parts:
+def _cut(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> _Parts:
     if analysis.rejected is not None and not analysis.two_phase:
         raise analysis.rejected
     gm = analysis.graph_module
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     out_node = nodes[-1]
-    leaves = list(out_node.args[0])
-    part = partition(gm.graph)
+    # outputs not kept are never computed after the loop, nor kept per microbatch
+    leaves = [x if keep is None or i in keep else None for i, x in enumerate(out_node.args[0])]
+    roots = [x for x in leaves if isinstance(x, fx.Node)]
+    part = partition(gm.graph, roots=roots)
     in_body = _body_nodes(part, placeholders)
     # fx's asserts on fixed arguments run once, after the loop
     checks = [n for n in nodes if n.op not in ("placeholder", "output") and n.is_impure()
               and n not in in_body]
     if checks:
-        part = partition(gm.graph, checks)
+        part = partition(gm.graph, checks, roots)
         in_body = _body_nodes(part, placeholders)
     # output leaves first, in their order, then what only the tail reads (graph order)
     frontier = list(dict.fromkeys([x for x in leaves if x in part.frontier] + part.frontier))

@@ -300,8 +300,10 @@ class _Prober:
     parameters shared by every size) under this module's instrumentation."""
 
     def __init__(self, gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | None],
-                 loss_leaves: tuple[int, ...] | None) -> None:
+                 loss_leaves: tuple[int, ...] | None,
+                 kept: frozenset[int] | None = None) -> None:
         self.gm = gm
+        self.kept = kept  # the outputs a training step keeps (None: all)
         self.values = list(values)
         self.in_dims = list(in_dims)
         self.loss_leaves = loss_leaves
@@ -335,8 +337,9 @@ class _Prober:
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outs = self.fake_probe.run(*args)
                 flat = pytree.tree_leaves(outs)
-                outputs = float(sum(_nbytes(o) for o in flat
-                                    if isinstance(o, torch.Tensor) and o.dim() > 0))
+                outputs = float(sum(_nbytes(o) for i, o in enumerate(flat)
+                                    if isinstance(o, torch.Tensor) and o.dim() > 0
+                                    and (self.kept is None or i in self.kept)))
                 loss = _loss_of(flat, self.loss_leaves)
                 recorder.backward = True
                 if loss is not None:
@@ -852,7 +855,8 @@ def static_figures(gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int |
 
 def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
                  in_dims: Sequence[int | None], *, pbs: int | None = None,
-                 name: str | None = None, fit: bool = True) -> CostModel:
+                 name: str | None = None, fit: bool = True,
+                 kept_outputs: frozenset[int] | None = None) -> CostModel:
     """Build the cost model of ``gm``: best the batch analysis of the captured graph
     (it says which outputs are trained losses and whether backward runs per
     microbatch), or any module (assumed to return one scalar loss first).
@@ -863,7 +867,9 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     see :meth:`CostModel.build_fit`): three probes in the common case.  With
     ``fit=False`` it probes ``m = pbs`` only: for a plan that runs the whole
     per-system batch as one microbatch (a graph the batch analysis rejected,
-    run unsplit), where smaller sizes may not even run.
+    run unsplit), where smaller sizes may not even run. ``kept_outputs``: the output
+    leaves a training step returns (``compile(outputs=...)``); the others are not counted
+    as kept across microbatches.
 
     >>> model, batch = make_mlp(8)
     >>> cost = analyse_cost(model, batch, (0, 0), pbs=8)
@@ -877,7 +883,7 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
         gm = gm.graph_module if isinstance(gm, BatchAnalysis) else gm
         loss_leaves, fused = None, True
     static = static_figures(gm, values, in_dims, fused)
-    model = CostModel(_Prober(gm, values, in_dims, loss_leaves), static,
+    model = CostModel(_Prober(gm, values, in_dims, loss_leaves, kept_outputs), static,
                       name or getattr(gm, "_mbcompile_name", None) or type(gm).__name__)
     if fit:
         model.build_fit(4 if pbs is None else pbs)

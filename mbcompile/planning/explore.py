@@ -688,7 +688,8 @@ def _with_reason(plan: MicrobatchPlan, reason: str) -> MicrobatchPlan:
 def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[int | None],
              gbs: int, num_csx: int, mbs: MbsPolicy | object, system: SystemSpec, *,
              measure: bool | int = False, progress: bool | None = None,
-             name: str | None = None, two_phase: bool = False) -> Selection:
+             name: str | None = None, two_phase: bool = False,
+             kept: frozenset[int] | None = None) -> Selection:
     """``compile()``'s planning step: cost model of the analysed graph, then :func:`select_plan`.
 
     ``analysis`` is the batch analysis of the captured graph (it says which outputs
@@ -698,6 +699,7 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
     count, to time real forward+backward on the model's device per candidate.
     When the analysis rejected a split (and the request runs one microbatch on one
     system), only that size is probed and checked, unless it runs as a ``two_phase`` step.
+    ``kept``: the output leaves a training step returns (``compile(outputs=...)``).
     """
     unsplit = analysis.rejected is not None and not two_phase
     gm = analysis.graph_module
@@ -716,7 +718,8 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
             cost: CostModel | None = analyse_two_phase_cost(analysis, values, in_dims, pbs=pbs,
                                                             name=name)
         else:
-            cost = analyse_cost(analysis, values, in_dims, pbs=pbs, name=name, fit=not unsplit)
+            cost = analyse_cost(analysis, values, in_dims, pbs=pbs, name=name, fit=not unsplit,
+                                kept_outputs=kept)
         error = None
     except CostModelError as exc:
         cost, error = None, str(exc)

@@ -417,6 +417,9 @@ class Trainer:
         if key not in self.compiled:
             args, kwargs = batch_args(batch)
             options = dict(self.compile_options)
+            # a training step returns only the loss unless a metric reads the outputs: the
+            # logits are then never kept per microbatch (and auto sees the larger MBS)
+            options.setdefault("outputs", "all" if self.metrics or phase != "train" else "loss")
             if self.system is not None:
                 options["system"] = self.system
             if self.backend not in (None, "simulated"):
