@@ -70,7 +70,7 @@ class _Inputs:
     concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
     capture: str = "auto"  # "auto" (fx, then torch.export if fx fails), "fx" or "export"
     batch_norm: str = "full_batch"  # or "per_microbatch": BatchNorm statistics per microbatch
-    coupling: str = "reject"  # or "reject": ops that mix samples raise MixingError
+    coupling: str = "two_phase"  # or "reject": ops that mix samples raise MixingError
     outputs: Any = "all"  # "all", "loss", or output names: what a training step returns
 
 
@@ -681,7 +681,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             in_dims: Any = 0, system: Any = None, backend: str = "simulated",
             measure_noise_scale: bool | NoiseScale = False,
             capture: str = "auto", batch_norm: str = "full_batch",
-            coupling: str = "reject", outputs: Any = "all", compile_only: bool = False,
+            coupling: str = "two_phase", outputs: Any = "all", compile_only: bool = False,
             validate_only: bool = False,
             measure: bool | int = False) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
@@ -759,7 +759,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
         if validate_only:
             return validation_of(type(model).__name__, gbs, num_csx,
                                  analysed.captured.graph_module,
-                                 time.perf_counter() - start, analysed.rejected)
+                                 time.perf_counter() - start, analysed.rejected,
+                                 two_phase=refused is None)
         keep = kept_outputs(inputs.outputs, analysed.captured.output_spec, analysed.analysis,
                             analysed.state) if inner.training else None
         selection = plan_for(analysed.analysis,

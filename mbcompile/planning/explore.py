@@ -594,6 +594,9 @@ def describe_memory(m: MemoryEstimate) -> str:
               f"{format_bytes(m.saved)} + largest transient {format_bytes(m.transient)})"]
     if m.update:
         parts.append(f"optimizer update temporaries {format_bytes(m.update)}")
+    if m.frontier or m.coupled:  # a two-phase step's whole-batch terms
+        parts += [f"frontier and its gradient {format_bytes(m.frontier)}",
+                  f"coupled part at the whole batch {format_bytes(m.coupled)}"]
     return f"peak {format_bytes(m.peak)} ({m.phase}) = " + " + ".join(parts)
 
 

@@ -75,6 +75,7 @@ class Validation:
     facts: tuple[tuple[str, int], ...]  # fact kind -> node count
     seconds: float
     note: str = ""  # set when the analysis rejected a split that this request never makes
+    two_phase: bool = False  # the loss couples samples: a two-phase step runs it exactly
 
     @property
     def ok(self) -> bool:
@@ -83,7 +84,8 @@ class Validation:
     def to_dict(self) -> dict[str, Any]:
         return {"status": "validated", "model": self.model, "gbs": self.gbs,
                 "num_csx": self.num_csx, "nodes": len(self.graph_module.graph.nodes),
-                "facts": dict(self.facts), "seconds": self.seconds, "note": self.note}
+                "facts": dict(self.facts), "seconds": self.seconds, "note": self.note,
+                "two_phase": self.two_phase}
 
     def report(self, fmt: str = "text") -> str:
         """Text (a :class:`Report`, which also has ``to_dict()``) or ``"json"``."""
@@ -91,7 +93,8 @@ class Validation:
         if fmt == "json":
             return json.dumps(self.to_dict(), indent=2)
         facts = ", ".join(f"{n} {k}" for k, n in self.facts)
-        what = "runs unsplit" if self.note else "can be microbatched"
+        what = ("can be microbatched as a two-phase step" if self.two_phase
+                else "runs unsplit" if self.note else "can be microbatched")
         systems = "system" if self.num_csx == 1 else "systems"
         text = (f"mbcompile validation: {self.model} {what} "
                 f"(gbs {self.gbs} over {self.num_csx} {systems})\n"
@@ -107,21 +110,27 @@ class Validation:
 
 
 def validation_of(model_name: str, gbs: int, num_csx: int, gm: fx.GraphModule,
-                  seconds: float, rejected: Exception | None = None) -> Validation:
+                  seconds: float, rejected: Exception | None = None,
+                  two_phase: bool = False) -> Validation:
     """Summarise an analysed graph as a :class:`Validation`.
 
     ``rejected``: the analysis's error for a request that never splits the batch
-    (one system, one microbatch), which therefore still runs.
+    (one system, one microbatch), which therefore still runs; or, with ``two_phase``,
+    for a graph that runs exactly as a two-phase step.
     """
     kinds = Counter(type(n.meta.get(FACT)).__name__ for n in gm.graph.nodes
                     if n.op not in ("output",) and FACT in n.meta)
     note = ""
-    if rejected is not None:
+    if rejected is not None and two_phase:
+        first = str(rejected).splitlines()[0]
+        note = (f"the loss couples samples ({first}); it runs exactly as a two-phase step: "
+                "the per-sample part per microbatch, the coupled part once on the whole batch")
+    elif rejected is not None:
         first = str(rejected).splitlines()[0]
         note = (f"the batch cannot be split ({first}); it runs because one system runs "
                 "one microbatch")
     return Validation(model_name, gbs, num_csx, gm, tuple(sorted(kinds.items())), seconds,
-                      note)
+                      note, two_phase=rejected is not None and two_phase)
 
 
 # --------------------------------------------------------------------------- #
@@ -209,8 +218,10 @@ def _text(d: dict[str, Any], cm: Any) -> str:
             f"{format_seconds(t.compute + t.overhead)} (roofline {format_seconds(t.compute)}"
             f" + overheads {format_seconds(t.overhead)}) + gradient accumulation "
             f"{format_seconds(t.accumulate)} + all-reduce {format_seconds(t.allreduce)} + "
-            f"optimizer {format_seconds(t.optimizer)}; {t.samples_per_second:.4g} samples/s; "
-            f"{t.bound}-bound")
+            f"optimizer {format_seconds(t.optimizer)}"
+            + (f" + two-phase extra forward {format_seconds(t.extra_forward)} + coupled part "
+               f"{format_seconds(t.coupled)}" if t.extra_forward or t.coupled else "")
+            + f"; {t.samples_per_second:.4g} samples/s; {t.bound}-bound")
     c = d["cost_model"]
     if c is not None:
         ps = c["per_sample"]
