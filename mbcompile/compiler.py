@@ -72,6 +72,7 @@ class _Inputs:
     batch_norm: str = "full_batch"  # or "per_microbatch": BatchNorm statistics per microbatch
     coupling: str = "two_phase"  # or "reject": ops that mix samples raise MixingError
     outputs: Any = "all"  # "all", "loss", or output names: what a training step returns
+    torch_compile: Any = None  # torch.compile kwargs for the body and coupled part (None: off)
 
 
 @dataclass(frozen=True)
@@ -609,12 +610,47 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
         analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
         in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)}, keep=keep)
     bound = ops.bind(rewritten, bindings(backend, channels, plan.per_system_batch_sizes))
+    if inputs.torch_compile is not None:
+        _torch_compile_parts(bound, inputs.torch_compile)
     return _Compiled(bound, gm, captured.output_spec,
                      not analysed.analysis.fused and plan.num_nonempty_microbatches > 1, channels,
                      analysed.analysis, analysed.state)
 
 
 OUTPUT_MODES = ("all", "loss")
+
+
+def _check_torch_compile(option: Any) -> dict[str, Any] | None:
+    """``torch_compile=`` as torch.compile keyword arguments (None: off)."""
+    if option is False or option is None:
+        return None
+    if option is True:
+        return {}
+    if isinstance(option, Mapping) and all(isinstance(k, str) for k in option):
+        unknown = set(option) - set(inspect.signature(torch.compile).parameters)
+        if unknown:
+            raise InputError(f"torch_compile has {sorted(unknown)}, which torch.compile does "
+                             f"not take; its arguments are "
+                             f"{list(inspect.signature(torch.compile).parameters)[1:]}")
+        return dict(option)
+    raise ArgumentTypeError(f"torch_compile must be a bool or a dict of torch.compile keyword "
+                            f"arguments, got {option!r}")
+
+
+def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None:
+    """Compile the parts that run per microbatch (the body) and once (the coupled part).
+
+    The plan holds at most two microbatch sizes per system, each known now, so every
+    part is compiled for static shapes (``dynamic=False``): one graph per size (and per
+    grad mode, for a two-phase body), compiled on the first step and never again. A hand
+    loop over ``torch.compile(model)`` with a short last microbatch recompiles, or goes
+    dynamic, instead.
+    """
+    kwargs = {"dynamic": False, **options}
+    for name in ("body", "coupled"):
+        part = getattr(gm, name, None)
+        if isinstance(part, fx.GraphModule):
+            setattr(gm, name, torch.compile(part, **kwargs))
 
 
 def _check_outputs(option: Any) -> Any:
@@ -681,7 +717,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             in_dims: Any = 0, system: Any = None, backend: str = "simulated",
             measure_noise_scale: bool | NoiseScale = False,
             capture: str = "auto", batch_norm: str = "full_batch",
-            coupling: str = "two_phase", outputs: Any = "all", compile_only: bool = False,
+            coupling: str = "two_phase", outputs: Any = "all",
+            torch_compile: bool | Mapping[str, Any] = False, compile_only: bool = False,
             validate_only: bool = False,
             measure: bool | int = False) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
@@ -748,7 +785,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
     sig, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims)
     inputs = dataclasses.replace(inputs, capture=capture, batch_norm=batch_norm,
-                                 coupling=coupling, outputs=_check_outputs(outputs))
+                                 coupling=coupling, outputs=_check_outputs(outputs),
+                                 torch_compile=_check_torch_compile(torch_compile))
     start = time.perf_counter()
     try:
         analysed = _analyse(inner, gbs, inputs, values)

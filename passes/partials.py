@@ -193,7 +193,10 @@ def _aten_packet(name: str) -> Any:
 
 
 def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    bound = _signature(fn).bind(*args, **kwargs)
+    # under torch.compile the signature is traced once into the graph: no cache needed
+    # (dynamo warns about a functools cache it cannot honour)
+    sig = inspect.signature(fn) if torch.compiler.is_compiling() else _signature(fn)
+    bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
 
