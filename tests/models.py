@@ -12,10 +12,10 @@ without a single scalar loss inside (several losses, or no loss at all), which
 ``compile`` runs with every microbatch's activations kept, with a warning.
 
 The comparison helpers at the end (``rel_err``, ``max_rel_err_outputs``,
-``grad_errors``, ``assert_close_errors``) are the tests' one definition of "equal
-to eager". Assert on a dict of errors with ``assert_close_errors``, never with
-``max(errors.values()) <= tol``: Python's ``max`` keeps or drops a NaN depending on
-where it sits.
+``grad_errors``, ``buffer_errors``, ``step_errors``, ``assert_close_errors``) are
+the tests' one definition of "equal to eager". Assert on a dict of errors with
+``assert_close_errors``, never with ``max(errors.values()) <= tol``: Python's ``max``
+keeps or drops a NaN depending on where it sits.
 
 Test files import this as ``models`` (pytest puts ``tests/`` on ``sys.path``).
 """
@@ -23,6 +23,7 @@ Test files import this as ``models`` (pytest puts ``tests/`` on ``sys.path``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
@@ -55,6 +56,7 @@ __all__ = [
     "TinyGPT",
     "UnbatchedInputNet",
     "assert_close_errors",
+    "buffer_errors",
     "grad_errors",
     "grads_of",
     "make_cnn",
@@ -63,6 +65,7 @@ __all__ = [
     "max_rel_err_outputs",
     "one_intra_op_thread",
     "rel_err",
+    "step_errors",
     "tensor_leaves",
     "token_batch",
 ]
@@ -616,6 +619,48 @@ def grad_errors(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tenso
         if g is not None or w is not None:
             out[name] = math.inf if g is None or w is None else rel_err(g, w, floor * largest)
     return out
+
+
+def buffer_errors(got: nn.Module, want: nn.Module) -> dict[str, float]:
+    """Relative error per floating buffer (running statistics); any other buffer (a counter)
+    must be equal: error 0, else ``inf``."""
+    names = [n for n, _ in want.named_buffers()]
+    assert [n for n, _ in got.named_buffers()] == names, "buffers differ"
+    return {f"buffer {n}": (rel_err(b, w) if w.is_floating_point()
+                            else 0.0 if torch.equal(b, w) else math.inf)
+            for (n, b), (_, w) in zip(got.named_buffers(), want.named_buffers())}
+
+
+def step_errors(model: nn.Module, call: Callable[..., Any], inputs: tuple[Any, ...] = (),
+                kwargs: dict[str, Any] | None = None, floor: float = 0.0, seed: int = 0
+                ) -> dict[str, float]:
+    """One training step of ``call`` (a compiled module sharing ``model``'s parameters) against
+    one eager full-batch step of a deep copy of ``model`` taken first: each from no gradients
+    and from ``torch.manual_seed(seed)``, backward on the first tensor output (the loss).
+
+    The errors of every output leaf (an integer leaf must be equal: 0, else ``inf``), every
+    gradient (``grad_errors`` with ``floor``) and every buffer (``buffer_errors``: the step's
+    running statistics); assert on them with ``assert_close_errors``.
+    """
+    ref, kwargs = copy.deepcopy(model), kwargs or {}
+    results = []
+    for module, run in ((model, call), (ref, ref)):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        out = run(*inputs, **kwargs)
+        leaves = tensor_leaves(out)
+        assert leaves, "the step returned no tensor"
+        leaves[0][1].backward()
+        results.append((leaves, grads_of(module)))
+    (got, got_grads), (want, want_grads) = results
+    assert [p for p, _ in got] == [p for p, _ in want], "output structure differs"
+    errors = {p: (rel_err(g, w) if w.is_floating_point()
+                  else 0.0 if torch.equal(g, w) else math.inf)
+              for (p, g), (_, w) in zip(got, want)}
+    grads = grad_errors(got_grads, want_grads, floor)
+    assert grads, "no gradient reached a parameter"
+    return {**errors, **{f"grad {n}": e for n, e in grads.items()},
+            **buffer_errors(model, ref)}
 
 
 def _finite_abs_max(t: torch.Tensor) -> float:

@@ -1,9 +1,10 @@
 # ruff: noqa: E501  (the expected messages are held line for line)
 """Errors that teach: every kind of rejection, held to its full text.
 
-Each model below is rejected for one reason. The test compares the whole
-message with the expected text, after replacing this file's path and line
-numbers with ``<file>:<line>`` (so moving code around does not break it, but
+Each model below is rejected for one reason (with ``coupling="reject"``: the
+default runs a model whose ops mix samples as a two-phase step). The test
+compares the whole message with the expected text, after replacing this file's
+path and line numbers with ``<file>:<line>`` (so moving code around does not break it, but
 changing what a message says does). A message names the op, the node, the
 user's source line, the path of nodes from the batched input (found with
 networkx), why the op mixes samples, and what to do.
@@ -310,7 +311,8 @@ def compile_kind(name: str) -> MixingError:
     x = torch.randn(GBS, FEAT, generator=g, dtype=torch.float64)
     y = torch.randint(0, FEAT, (GBS,), generator=g)
     with pytest.raises(cls) as info:  # fx: the messages name the user's own lines and ops
-        mbcompile.compile(model, GBS, 2, 2, example_inputs=(x, y), capture="fx")
+        mbcompile.compile(model, GBS, 2, 2, example_inputs=(x, y), capture="fx",
+                          coupling="reject")  # the default runs what mixes as two-phase
     return info.value
 
 
@@ -350,7 +352,8 @@ def test_long_paths_are_elided_in_the_middle() -> None:
     model = Net(deep).double()
     x = torch.randn(GBS, FEAT, dtype=torch.float64)
     with pytest.raises(MixingError) as info:
-        mbcompile.compile(model, GBS, 2, 2, example_inputs=(x, x[:, 0].long()))
+        mbcompile.compile(model, GBS, 2, 2, example_inputs=(x, x[:, 0].long()),
+                          coupling="reject")
     path = info.value.path.split(" -> ")
     assert path[:2] == ["x", "lin"] and path[-1] == "sub" and len(path) == 12
     assert re.fullmatch(r"\.\.\. \(\d+ more\)", path[4]), path
@@ -373,7 +376,8 @@ def test_export_graph_errors_name_aten_ops_and_the_layer_line() -> None:
 
     x = torch.randn(GBS, FEAT, dtype=torch.float64)
     with pytest.raises(MixingError) as info:
-        mbcompile.compile(Model().double(), GBS, 2, 2, example_inputs=(x,), capture="export")
+        mbcompile.compile(Model().double(), GBS, 2, 2, example_inputs=(x,), capture="export",
+                          coupling="reject")
     err = info.value
     assert err.op == "torch.ops.aten.softmax"
     assert normalise(err.source_line) == "<file>:<line>: return torch.softmax(h, dim=0)  # mixes"
