@@ -1,5 +1,9 @@
 """Rejection: ops that mix samples, and ops without a rule, are compile errors.
 
+Ops that mix samples are rejected with ``coupling="reject"``; by default the same
+models run as two-phase steps, exactly (checked here too, on uneven plans, against
+one eager full-batch step). An op without a rule is rejected either way.
+
 Every model here is defined in this file, so each error must point at this file's
 own source line. The expected op, node and line are found independently of
 mbcompile: the node by ``torch.fx.symbolic_trace``, the line by ``inspect``.
@@ -25,6 +29,7 @@ from models import (
     grads_of,
     one_intra_op_thread,
     rel_err,
+    step_errors,
 )
 
 import mbcompile
@@ -34,6 +39,10 @@ from mbcompile.passes.batch_rules import BATCH_RULES, rule_key
 
 GBS = 12
 FEATURES = 6
+TOL = 1e-10
+# BatchNorm and centring cancel the Linear's bias: its gradient is zero up to rounding, so
+# each gradient is measured against at least this fraction of the largest one.
+GRAD_FLOOR = 1e-4
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -219,7 +228,7 @@ def check_message(err: MixingError, cls: type[nn.Module], op: str, target: Any) 
 @pytest.mark.parametrize("cls, op, target", MIXING)
 def test_mixing_op_is_rejected(cls: type[nn.Module], op: str, target: Any) -> None:
     with pytest.raises(MixingError) as info:
-        compile_it(build(cls))
+        compile_it(build(cls), coupling="reject")
     assert isinstance(info.value, MbcompileError)
     assert not isinstance(info.value, UnsupportedOpError)  # it has a rule, and the rule says no
     check_message(info.value, cls, op, target)
@@ -230,12 +239,37 @@ def test_mixing_op_is_rejected_whatever_the_plan(cls: type[nn.Module], op: str,
                                                  target: Any) -> None:
     """The analysis does not depend on the MBS: mbs=1 over 4 systems rejects too."""
     with pytest.raises(MixingError):
-        compile_it(build(cls), num_csx=4, mbs=1)
+        compile_it(build(cls), num_csx=4, mbs=1, coupling="reject")
+
+
+#: (num_csx, mbs): systems of 3, 3, 2, 2, 2 samples in microbatches 2+1, 2+1, 2, 2, 2;
+#: systems of 3 samples in microbatches of one.
+TWO_PHASE_PLANS = [(5, 2), (4, 1)]
+
+
+def assert_two_phase_matches_eager(model: nn.Module, num_csx: int = 5, mbs: int = 2) -> None:
+    """The default compile runs ``model`` as a two-phase step on the plan, and one step of it
+    equals one eager full-batch step of a copy: loss, every gradient, running statistics."""
+    x = example()
+    cm = compile_it(model, num_csx=num_csx, mbs=mbs)
+    assert cm.analysis.rejected is not None and "two-phase step" in cm.plan.reason
+    assert len(cm.plan.microbatch_sizes) == num_csx
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TwoPhaseWarning: C holds most of the memory
+        errors = step_errors(model, cm, (x,), floor=GRAD_FLOOR)
+    assert_close_errors(errors, TOL)
+
+
+@pytest.mark.parametrize(("num_csx", "mbs"), TWO_PHASE_PLANS)
+@pytest.mark.parametrize("cls, op, target", MIXING)
+def test_mixing_op_runs_as_an_exact_two_phase_step(cls: type[nn.Module], op: str, target: Any,
+                                                   num_csx: int, mbs: int) -> None:
+    assert_two_phase_matches_eager(build(cls), num_csx, mbs)
 
 
 def test_reason_says_why_batch_norm_mixes() -> None:
     with pytest.raises(MixingError) as info:
-        compile_it(build(BatchNormTrain))
+        compile_it(build(BatchNormTrain), coupling="reject")
     message = str(info.value)
     assert "eval" in message  # the fix: running statistics
     assert "GroupNorm" in message or "LayerNorm" in message
@@ -245,7 +279,7 @@ def test_reason_says_why_batch_norm_mixes() -> None:
 def test_suggested_mbs_none_fix_works(cls: type[nn.Module]) -> None:
     """An error that suggests mbs='none' must compile with it on one system (no split at all)."""
     with pytest.raises(MixingError) as info:
-        compile_it(build(cls))
+        compile_it(build(cls), coupling="reject")
     if "mbs='none'" not in str(info.value):
         pytest.fail(f"no mbs='none' fix offered; the test needs updating:\n{info.value}")
     model = build(cls)
@@ -267,12 +301,14 @@ def test_batch_norm_eval_is_accepted_and_exact() -> None:
 
 
 def test_batch_norm_without_running_stats_is_rejected_in_eval() -> None:
-    """track_running_stats=False uses batch statistics even in eval mode."""
+    """track_running_stats=False uses batch statistics even in eval mode (by default: a
+    two-phase step)."""
     model = build(BatchNormTrain)
     model.bn = nn.BatchNorm1d(8, track_running_stats=False).double()
     model.eval()
     with pytest.raises(MixingError, match="BatchNorm"):
-        compile_it(model)
+        compile_it(model, coupling="reject")
+    assert_two_phase_matches_eager(model)
 
 
 def test_batch_size_baked_into_a_constant_is_rejected() -> None:
@@ -417,7 +453,7 @@ def test_rejection_leaves_the_model_usable() -> None:
     model, batch = MODELS["mlp"](GBS)
     bad = build(SoftmaxOverBatch)
     with pytest.raises(MixingError):
-        compile_it(bad)
+        compile_it(bad, coupling="reject")
     cm = mbcompile.compile(model, GBS, 2, 2, example_inputs=batch)
     with torch.no_grad():
         assert rel_err(cm(*batch)[0], model(*batch)[0]) <= 1e-10
