@@ -17,7 +17,8 @@ ATen spellings have rules of their own). ``squeeze()`` is specialised in the
 captured graph to the dims it drops at the full batch (the batch dim has B > 1 rows
 there, so it is never one of them), and the microbatch body makes that call. What
 truly mixes samples (padding the batch dim, a fill with the batch size, a range that
-is not 0..B-1) is still rejected. At the end, the real HuggingFace models of the
+is not 0..B-1) is still rejected with ``coupling="reject"``, and by default runs as a
+two-phase step that equals eager on the same plans. At the end, the real HuggingFace models of the
 issue: BERT regression (``num_labels=1``), MBart, Funnel and LongT5.
 """
 
@@ -32,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_close_errors, one_intra_op_thread, tensor_leaves
+from models import assert_close_errors, one_intra_op_thread, step_errors, tensor_leaves
 
 import mbcompile
 from mbcompile import MixingError
@@ -42,6 +43,7 @@ from mbcompile.passes.batch_rules import node_name
 from mbcompile.passes.facts import FACT, Batched, Free, input_fact
 
 TOL = 1e-10
+GRAD_FLOOR = 1e-4
 B_EXAMPLE, T, C, VOCAB, PAD = 7, 5, 6, 11, 0
 PLANS = {"gbs7-csx2-mbs2": (7, 2, 2), "gbs5-csx2-mbs1": (5, 2, 1)}
 CAPTURES = ("fx", "export")
@@ -397,8 +399,27 @@ def test_mixing_stays_rejected(name: str, capture: str) -> None:
     fn, op = REJECT[name]
     model, inputs = build(fn), batch(7)
     with pytest.raises(MixingError) as err:
-        mbcompile.compile(model, 7, 2, 2, example_inputs=inputs, capture=capture)
+        mbcompile.compile(model, 7, 2, 2, example_inputs=inputs, capture=capture,
+                          coupling="reject")
     assert op in err.value.op
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("name", REJECT)
+def test_mixing_runs_as_an_exact_two_phase_step(name: str, plan: str, capture: str) -> None:
+    """By default the same patterns run as two-phase steps: the batch-size-dependent op runs
+    once, in the coupled part, on the full batch, as eager runs it."""
+    if capture == "export" and name in FX_ONLY:
+        pytest.skip("torch.export refuses it before mbcompile sees it")
+    gbs, num_csx, mbs = PLANS[plan]
+    model, inputs = build(REJECT[name][0]), batch(gbs)
+    cm = mbcompile.compile(model, gbs, num_csx, mbs, example_inputs=inputs, capture=capture)
+    assert cm.analysis.rejected is not None and "two-phase step" in cm.plan.reason
+    assert cm.plan.num_nonempty_microbatches > 2
+    # softmax over the batch cancels the biases before it: their gradients are zero up to
+    # rounding, measured against GRAD_FLOOR of the largest gradient
+    assert_close_errors(step_errors(model, cm, inputs, floor=GRAD_FLOOR), TOL)
 
 
 def test_squeeze_at_a_full_batch_of_one_runs_unsplit() -> None:
