@@ -4,7 +4,9 @@ An MoE layer sorts the flattened tokens of the whole batch by expert id, runs ea
 expert on its rows and puts the rows back in token order. ``passes/token_dispatch``
 proves such a region per-sample (each token's output depends on its own hidden
 state and the shared weights); a region that really mixes tokens of different
-samples in a similar-looking way is still rejected, at the user's line.
+samples in a similar-looking way is still rejected, at the user's line, with
+``coupling="reject"``; by default it runs as a two-phase step equal to eager, as do
+the HuggingFace MoE models with their router aux loss (which couples the batch).
 
 The models here are written the way users write MoE layers in plain PyTorch (top-k
 routing, ``sort``/``argsort``, gather, per-row experts, several ways back) and
@@ -28,6 +30,7 @@ samples leaking in would give errors of order 1.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +46,7 @@ from models import (
     keyword_steps,
     one_intra_op_thread,
     rel_err,
+    step_errors,
 )
 
 import mbcompile
@@ -437,13 +441,45 @@ def test_mixing_look_alikes_are_rejected(cls: type[nn.Module], op: str, why: str
     grouped = cls in (DescendingGroups, CountsFromOne)
     model = build(cls, experts="grouped" if grouped else "gathered")
     with pytest.raises(MixingError) as info:
-        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(torch.float64))
+        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(torch.float64),
+                          coupling="reject")
     err = info.value
     line, code = offending_line(cls)
     assert f"test_moe.py:{line}" in err.source_line, (err.source_line, str(err))
     assert code in str(err)
     assert op in err.op, (err.op, str(err))
     assert why in err.reason, err.reason
+
+
+def assert_two_phase_matches_eager(model: nn.Module, inputs: tuple[Any, ...] = (),
+                                   kwargs: dict[str, Any] | None = None, tol: float = TOL
+                                   ) -> None:
+    """The default compile runs ``model`` as a two-phase step (the plan splits each system
+    unevenly) and one step equals one eager full-batch step of a copy: every output, every
+    gradient."""
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=inputs,
+                           example_kwargs=kwargs)
+    assert cm.analysis.rejected is not None and cm.analysis.two_phase
+    assert cm.plan.microbatch_sizes == ((2, 2), (2, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TwoPhaseWarning: C holds most of the memory
+        errors = step_errors(model, cm, inputs, kwargs, floor=GRAD_FLOOR)
+    assert_close_errors(errors, tol)
+
+
+@pytest.mark.parametrize(("cls", "op", "why"), [p for p in REJECTED if p.id != "returns-sorted"])
+def test_mixing_look_alikes_run_as_exact_two_phase_steps(cls: type[nn.Module], op: str,
+                                                         why: str) -> None:
+    grouped = cls in (DescendingGroups, CountsFromOne)
+    assert_two_phase_matches_eager(build(cls, experts="grouped" if grouped else "gathered"),
+                                   batch(torch.float64))
+
+
+def test_sorted_rows_returned_are_rejected_by_default() -> None:
+    """The rows come back in expert order: no two-phase step can return them per sample."""
+    with pytest.raises(MixingError, match="returns values in the order"):
+        mbcompile.compile(build(ReturnsSortedRows), GBS, NUM_CSX, MBS,
+                          example_inputs=batch(torch.float64))
 
 
 def test_in_place_write_read_again_is_rejected_by_the_pass() -> None:
@@ -472,9 +508,10 @@ def test_a_sort_over_batch_samples_still_mixes() -> None:
             return torch.sort(h[:, 0]).values[:2].pow(2).mean()
 
     torch.manual_seed(0)
+    model, x = SortSamples().double(), torch.randn(GBS, FEAT, dtype=torch.float64)
     with pytest.raises(MixingError, match="no longer has a batch dim"):
-        mbcompile.compile(SortSamples().double(), GBS, NUM_CSX, MBS,
-                          example_inputs=(torch.randn(GBS, FEAT, dtype=torch.float64),))
+        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=(x,), coupling="reject")
+    assert_two_phase_matches_eager(model, (x,))
 
 
 # --------------------------------------------------------------------------- #
@@ -491,13 +528,15 @@ def transformers() -> Any:
     return tf
 
 
-def hf_moe(tf: Any, name: str) -> nn.Module:
-    """2 layers, width 32, 4 experts, top-2, no router aux loss (it couples the batch)."""
+def hf_moe(tf: Any, name: str, aux_loss: bool = False) -> nn.Module:
+    """2 layers, width 32, 4 experts, top-2; the router aux loss (it couples the batch) with
+    coefficient 1, so that its gradient shows next to the cross-entropy's, if ``aux_loss``."""
     common = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=16, use_cache=False, bos_token_id=0,
                   eos_token_id=0, pad_token_id=0, attn_implementation="sdpa",
-                  output_router_logits=False, num_experts_per_tok=2)
+                  output_router_logits=aux_loss, router_aux_loss_coef=1.0,
+                  num_experts_per_tok=2)
     if name == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4))
     if name == "qwen2_moe":
@@ -541,3 +580,14 @@ def test_hf_moe_matches_eager_full_batch(transformers: Any, name: str) -> None:
     errors = grad_errors(got, want, GRAD_FLOOR)
     assert len(errors) == len(list(model.parameters()))  # the experts' weights among them
     assert_close_errors(errors, FLOAT32_TOL)
+
+
+# Mixtral's aux loss: test_two_phase.py (RNG, no retained activations).
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"])
+def test_hf_moe_with_router_aux_loss_runs_as_an_exact_two_phase_step(transformers: Any,
+                                                                     name: str) -> None:
+    """The load-balancing loss averages the router's probabilities over the whole batch:
+    compared in float32 (loss, aux_loss, logits, router logits, every gradient)."""
+    torch.manual_seed(0)
+    assert_two_phase_matches_eager(hf_moe(transformers, name, aux_loss=True),
+                                   kwargs=padded_batch(), tol=FLOAT32_TOL)
