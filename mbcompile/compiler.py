@@ -609,6 +609,13 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
     rewritten = microbatch_rewrite(
         analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
         in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)}, keep=keep)
+    if analysed.analysis.two_phase and backend == "torch.distributed":
+        from mbcompile.execution.two_phase import TEMPLATE, frontier_template
+
+        # a rank whose phase 1 fails still joins the frontier's gather, with zeros this shape
+        setattr(rewritten.body, TEMPLATE, frontier_template(
+            rewritten.body, [example[n] for n in inputs.names], inputs.in_dims,
+            [b - a for a, b in slices]))
     bound = ops.bind(rewritten, bindings(backend, channels, plan.per_system_batch_sizes))
     if inputs.torch_compile is not None:
         _torch_compile_parts(bound, inputs.torch_compile)

@@ -64,9 +64,14 @@ def step(rank: int, world: int, out_dir: str, name: str, gbs: int, mbs: int) -> 
                 "reason": cm.plan.reason}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def _raise(rank: int, phase: int) -> None:
+    if rank == 1:
+        raise RuntimeError(f"injected failure in phase {phase}")
+
+
 def failing_step(rank: int, world: int, out_dir: str, name: str, gbs: int, phase: int) -> None:
-    """Rank 1 fails in ``phase`` (1: P without grad, 3: P with grad); every rank must raise
-    and keep its parameters and gradients."""
+    """Rank 1 fails in ``phase`` (1: P without grad, 2: C, 3: P with grad); every rank must
+    raise and keep its parameters and gradients."""
     model, batch = make(name, gbs)
     cm = mbcompile.compile(model, gbs, world, 2, example_inputs=batch,
                            backend="torch.distributed", coupling="two_phase")
@@ -78,8 +83,10 @@ def failing_step(rank: int, world: int, out_dir: str, name: str, gbs: int, phase
         if rank == 1 and torch.is_grad_enabled() == (phase == 3):
             raise RuntimeError(f"injected failure in phase {phase}")
 
-    model.a.register_forward_pre_hook(fail) if name == "clip" else \
-        model.f.register_forward_pre_hook(fail)
+    if phase == 2:  # C: the centred model's head runs once, on the whole batch
+        model.g.register_forward_pre_hook(lambda m, a: _raise(rank, phase))
+    else:
+        (model.a if name == "clip" else model.f).register_forward_pre_hook(fail)
     error = ""
     try:
         cm(*mbdist.shard(batch, cm.plan, rank)).backward()
@@ -88,3 +95,26 @@ def failing_step(rank: int, world: int, out_dir: str, name: str, gbs: int, phase
     kept = all(torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1])
                for n, p in model.named_parameters())
     torch.save({"error": error, "kept": kept}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def counted_step(rank: int, world: int, out_dir: str, name: str, gbs: int, mbs: int) -> None:
+    """Two steps; counts the device-to-host reads (the status check) of each."""
+    from mbcompile.execution import runtime
+
+    model, batch = make(name, gbs)
+    cm = mbcompile.compile(model, gbs, world, mbs, example_inputs=batch,
+                           backend="torch.distributed", coupling="two_phase")
+    real, reads = runtime.read_host, []
+
+    def counted(t):
+        reads.append(t.numel())
+        return real(t)
+
+    runtime.read_host = counted
+    counts = []
+    for _ in range(2):
+        start = len(reads)
+        cm(*mbdist.shard(batch, cm.plan, rank)).backward()
+        counts.append(len(reads) - start)
+    runtime.read_host = real
+    torch.save({"reads": counts}, os.path.join(out_dir, f"rank{rank}.pt"))

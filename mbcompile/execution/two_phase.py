@@ -31,9 +31,10 @@ import torch.utils.checkpoint as checkpoint
 from mbcompile.execution.runtime import StepChannels, _Loop, read_host
 from mbcompile.passes import ops
 from mbcompile.passes.errors import InputError, MicrobatchError
+from mbcompile.passes.fake_probe import FakeProbe
 from mbcompile.passes.ops import as_tuple
 
-__all__ = ["Gather", "make_two_phase", "rank_gather"]
+__all__ = ["Gather", "frontier_template", "make_two_phase", "rank_gather"]
 
 #: Joins one rank's frontier with every other rank's: ``(pieces, dim) -> (whole, offset)``,
 #: ``offset`` being where this rank's rows start along ``dim``; None in one process.
@@ -133,6 +134,7 @@ class _Step:
         # 1. P per microbatch, no grad: F's pieces, and the RNG state each started from
         states: list[_RngStates] = []
         results: list[tuple[Any, ...]] = []
+        failure: Exception | None = None
         try:
             with torch.no_grad():
                 for i, mb in enumerate(self.microbatches):
@@ -142,15 +144,17 @@ class _Step:
         except Exception as exc:
             if self.gather is None:
                 raise
-            _agreed_status(exc)  # every rank learns it before F is gathered; raises here
-        if self.gather is not None:
-            # F is gathered next: a rank that failed must not leave the others waiting in
-            # the gather, so ranks agree on phase 1 first (a second status read per step)
-            _agreed_status(None)
+            # F is gathered next, and every rank must issue the same collectives: this rank
+            # joins them with zeros shaped like its F, then reports the failure in the
+            # step's one status all-reduce, at the end (the others run on, then stop)
+            failure = exc
+            results = _stand_ins(self.body)
         pieces = [[r[i].shape[dim] if kind == "cat" else 0 for r in results]
                   for i, (kind, dim) in enumerate(self.outputs)]
         joined, offsets = self._join(results)
         del results
+        if failure is not None:
+            raise failure
         # 2. C once, with grad, on the joined F: the loss, C's gradients and dL/dF
         leaves = [j.detach().requires_grad_() if _differentiable(j) else j for j in joined]
         with torch.enable_grad():
@@ -204,6 +208,36 @@ class _Step:
             raise MicrobatchError(
                 f"the loss of the two-phase step is {float(loss.detach())} (not finite); the "
                 "step was rolled back: parameters and gradients are as they were before the call")
+
+
+#: Where ``frontier_template`` leaves its answer on the body (read on ranks only).
+TEMPLATE = "mbcompile_frontier_template"
+
+
+def frontier_template(body: fx.GraphModule, values: Sequence[Any],
+                      in_dims: Sequence[int | None], sizes: Sequence[int]) -> list[tuple[Any, ...]]:
+    """Each microbatch's body outputs as ``(shape, dtype, device)`` (numbers as they are),
+    from a run on fake tensors at compile time, before any hook of the user's can fail."""
+    probe = FakeProbe(body)
+    template = []
+    for m in sizes:
+        with torch.no_grad():
+            outs = as_tuple(probe.run(*probe.inputs(values, in_dims, m)))
+        template.append(tuple((tuple(o.shape), o.dtype, o.device) if isinstance(o, torch.Tensor)
+                              else o for o in outs))
+    return template
+
+
+def _stand_ins(body: Any) -> list[tuple[Any, ...]]:
+    """Zeros shaped like each microbatch's body outputs, for a rank whose phase 1 failed to
+    join the frontier's collectives with (``frontier_template``)."""
+    template = getattr(body, TEMPLATE, None)
+    if template is None:
+        raise InputError("this two-phase module has no frontier template; compile it with "
+                         "backend='torch.distributed'")
+    return [tuple(torch.zeros(o[0], dtype=o[1], device=o[2]) if isinstance(o, tuple)
+                  else type(o)(0) if isinstance(o, (int, float)) else o for o in outs)
+            for outs in template]
 
 
 def _differentiable(value: Any) -> bool:
@@ -269,8 +303,8 @@ def _agreed_status(error: BaseException | None, checks: torch.Tensor | None = No
 
 
 def _agreed(step: _Step, params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-    """On ranks: a rank that fails stops every rank; the status is all-reduced once at the
-    end of the step (and once after phase 1, before F is gathered)."""
+    """On ranks: a rank that fails stops every rank; the status is all-reduced once, at the
+    end of the step (a rank that failed in phase 1 still joins the gather first)."""
     try:
         return step.run_fused(params)
     except Exception as exc:
