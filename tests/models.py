@@ -604,12 +604,13 @@ def keyword_steps(model: nn.Module, call: Callable[..., Any], batch: dict[str, A
 
 
 def grad_errors(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None],
-                floor: float = 0.0) -> dict[str, float]:
+                floor: float = 0.0, scale: float = 0.0) -> dict[str, float]:
     """Relative error per parameter gradient; a gradient missing on one side only is ``inf``.
 
     ``floor`` is a fraction of the largest eager gradient below which no gradient's own
     scale falls: a bias that softmax or a normalisation cancels has a gradient that is
-    zero up to rounding, where an elementwise relative error means nothing.
+    zero up to rounding, where an elementwise relative error means nothing. ``scale`` is
+    an absolute floor on every gradient's scale (for a step whose gradients all vanish).
     """
     assert got.keys() == want.keys(), f"parameters differ: {got.keys() ^ want.keys()}"
     largest = max((_finite_abs_max(w) for w in want.values() if w is not None), default=0.0)
@@ -617,30 +618,35 @@ def grad_errors(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tenso
     for name, w in want.items():
         g = got[name]
         if g is not None or w is not None:
-            out[name] = math.inf if g is None or w is None else rel_err(g, w, floor * largest)
+            out[name] = (math.inf if g is None or w is None
+                         else rel_err(g, w, max(floor * largest, scale)))
     return out
 
 
-def buffer_errors(got: nn.Module, want: nn.Module) -> dict[str, float]:
-    """Relative error per floating buffer (running statistics); any other buffer (a counter)
-    must be equal: error 0, else ``inf``."""
+def buffer_errors(got: nn.Module, want: nn.Module, scale: float = 0.0) -> dict[str, float]:
+    """Relative error per floating buffer (running statistics), each buffer's scale at least
+    ``scale``; any other buffer (a counter) must be equal: error 0, else ``inf``."""
     names = [n for n, _ in want.named_buffers()]
     assert [n for n, _ in got.named_buffers()] == names, "buffers differ"
-    return {f"buffer {n}": (rel_err(b, w) if w.is_floating_point()
+    return {f"buffer {n}": (rel_err(b, w, scale) if w.is_floating_point()
                             else 0.0 if torch.equal(b, w) else math.inf)
             for (n, b), (_, w) in zip(got.named_buffers(), want.named_buffers())}
 
 
 def step_errors(model: nn.Module, call: Callable[..., Any], inputs: tuple[Any, ...] = (),
-                kwargs: dict[str, Any] | None = None, floor: float = 0.0, seed: int = 0
+                kwargs: dict[str, Any] | None = None, floor: float = 0.0, seed: int = 0,
+                loss: Callable[[Any], torch.Tensor] | None = None, scale: float = 0.0
                 ) -> dict[str, float]:
     """One training step of ``call`` (a compiled module sharing ``model``'s parameters) against
     one eager full-batch step of a deep copy of ``model`` taken first: each from no gradients
-    and from ``torch.manual_seed(seed)``, backward on the first tensor output (the loss).
+    and from ``torch.manual_seed(seed)``, backward on ``loss(out)``, by default the first
+    tensor output (the loss computed inside the model).
 
     The errors of every output leaf (an integer leaf must be equal: 0, else ``inf``), every
     gradient (``grad_errors`` with ``floor``) and every buffer (``buffer_errors``: the step's
-    running statistics); assert on them with ``assert_close_errors``.
+    running statistics), each value's scale floored at ``scale`` (0: none; for values that
+    cancel to rounding noise, such as the sum of a BatchNorm's outputs); assert on them with
+    ``assert_close_errors``.
     """
     ref, kwargs = copy.deepcopy(model), kwargs or {}
     results = []
@@ -650,17 +656,17 @@ def step_errors(model: nn.Module, call: Callable[..., Any], inputs: tuple[Any, .
         out = run(*inputs, **kwargs)
         leaves = tensor_leaves(out)
         assert leaves, "the step returned no tensor"
-        leaves[0][1].backward()
+        (leaves[0][1] if loss is None else loss(out)).backward()
         results.append((leaves, grads_of(module)))
     (got, got_grads), (want, want_grads) = results
     assert [p for p, _ in got] == [p for p, _ in want], "output structure differs"
-    errors = {p: (rel_err(g, w) if w.is_floating_point()
+    errors = {p: (rel_err(g, w, scale) if w.is_floating_point()
                   else 0.0 if torch.equal(g, w) else math.inf)
               for (p, g), (_, w) in zip(got, want)}
-    grads = grad_errors(got_grads, want_grads, floor)
+    grads = grad_errors(got_grads, want_grads, floor, scale)
     assert grads, "no gradient reached a parameter"
     return {**errors, **{f"grad {n}": e for n, e in grads.items()},
-            **buffer_errors(model, ref)}
+            **buffer_errors(model, ref, scale)}
 
 
 def _finite_abs_max(t: torch.Tensor) -> float:

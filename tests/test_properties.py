@@ -13,7 +13,9 @@ about what ``compile`` builds and runs:
    float64 to 1e-10 relative, outputs and gradients;
 3. the same compositions with one mixing op inserted (softmax over dim 0, BatchNorm
    in training, ``x - x.mean(0)``, max over dim 0, ``z @ z.T``) are rejected with
-   ``MixingError``; ops that reorder or select samples are rejected too.
+   ``MixingError`` under ``coupling="reject"``; ops that reorder or select samples are
+   rejected too. By default (``coupling="two_phase"``) the same models run as two-phase
+   steps and equal eager in float64 to 1e-10 (outputs, gradients, running statistics).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import assert_close_errors, step_errors
 
 import mbcompile
 from mbcompile import MbcompileError, MixingError
@@ -37,6 +40,10 @@ from mbcompile.planning.plan import make_plan, parse_mbs
 
 DTYPE = torch.float64
 REL = 1e-10
+# BatchNorm and centring cancel the bias before them: its gradient is zero up to rounding,
+# measured against this fraction of the largest gradient (models.grad_errors); values
+# that cancel altogether (the sum of a BatchNorm's outputs) against _rel_err's 1e-3.
+GRAD_FLOOR, SCALE_FLOOR = 1e-4, 1e-3
 
 # 25 examples keep CI fast; MBCOMPILE_PROPERTY_EXAMPLES=500 runs a longer, random search.
 _EXAMPLES = int(os.environ.get("MBCOMPILE_PROPERTY_EXAMPLES", "25"))
@@ -46,15 +53,16 @@ BOUNDED = settings(max_examples=_EXAMPLES, deadline=None, derandomize=_EXAMPLES 
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want|, the scale floored at 1e-3: values that cancel to
-    almost nothing (a gradient of 1e-10 through two LayerNorms) carry absolute rounding
-    of about 1e-17 whatever the plan, which is no sign of a wrong split."""
+    """max |got - want| / max |want|, the scale floored at 1e-3 (``SCALE_FLOOR``): values
+    that cancel to almost nothing (a gradient of 1e-10 through two LayerNorms) carry
+    absolute rounding of about 1e-17 whatever the plan, which is no sign of a wrong
+    split."""
     got, want = got.detach(), want.detach()
     if got.shape != want.shape:
         return float("inf")
     if want.numel() == 0:
         return 0.0
-    scale = max(want.abs().max().item(), 1e-3)
+    scale = max(want.abs().max().item(), SCALE_FLOOR)
     return (got - want).abs().max().item() / scale
 
 
@@ -317,23 +325,53 @@ def test_random_per_sample_models_equal_eager(composition, plan, seed):
             assert _rel_err(p.grad, q.grad) <= REL, name
 
 
+def _splitting(plan):
+    """The plan, or one that splits the batch (gbs 1 cannot: use gbs 2)."""
+    gbs, num_csx, mbs = plan
+    if make_plan(gbs, num_csx, mbs).num_nonempty_microbatches == 1:
+        return max(gbs, 2), 1, 1
+    return gbs, num_csx, mbs
+
+
 @BOUNDED
 @given(composition=compositions(mixing=True), plan=plans())
 def test_random_models_with_a_mixing_op_are_rejected(composition, plan):
     kind, blocks, loss = composition
-    gbs, num_csx, mbs = plan
-    if make_plan(gbs, num_csx, mbs).num_nonempty_microbatches == 1:
-        num_csx, mbs = 1, 1  # keep plans that split the batch (gbs 1 cannot: use gbs 2)
-        gbs = max(gbs, 2)
+    gbs, num_csx, mbs = _splitting(plan)
     torch.manual_seed(0)
     model = Composed(kind, blocks, loss).to(DTYPE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
         with pytest.raises(MixingError) as info:
-            mbcompile.compile(model, gbs, num_csx, mbs, example_inputs=_inputs(kind, loss, 4, 0))
+            mbcompile.compile(model, gbs, num_csx, mbs, example_inputs=_inputs(kind, loss, 4, 0),
+                              coupling="reject")
     message = str(info.value)
     assert "why:" in message and "fix:" in message
     assert "test_properties.py" in message  # the user's line
+
+
+def _squares(out):
+    """The loss of a model that returns per-sample outputs, taken outside it."""
+    return (out ** 2).sum()
+
+
+@BOUNDED
+@given(composition=compositions(mixing=True), plan=plans(), seed=st.integers(0, 3))
+def test_random_models_with_a_mixing_op_run_as_exact_two_phase_steps(composition, plan, seed):
+    """By default the mixing compositions compile (a two-phase step) and equal eager."""
+    kind, blocks, loss = composition
+    gbs, num_csx, mbs = _splitting(plan)
+    torch.manual_seed(seed)
+    model = Composed(kind, blocks, loss).to(DTYPE)
+    x, target = _inputs(kind, loss, gbs, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+        cm = mbcompile.compile(model, gbs, num_csx, mbs,
+                               example_inputs=_inputs(kind, loss, 4, seed + 1))
+        assert cm.analysis.rejected is not None and "two-phase step" in cm.plan.reason
+        errors = step_errors(model, cm, (x, target), floor=GRAD_FLOOR, scale=SCALE_FLOOR,
+                             loss=_squares if loss == "none" else None)
+    assert_close_errors(errors, REL)
 
 
 class Reorder(nn.Module):
@@ -350,7 +388,9 @@ class Reorder(nn.Module):
 
 
 # Each of these couples samples (sample i's output depends on another sample), so
-# splitting the batch changes the answer: they must be rejected, never run.
+# splitting the batch changes the answer: with coupling="reject" they must be rejected,
+# never run; by default they run as two-phase steps, equal to eager (but repeat_batch,
+# whose output interleaves the samples' rows, which is rejected either way).
 REORDERING = {
     "flip_batch": lambda h: torch.flip(h, [0]),
     "flip_batch_method": lambda h: h.flip(0),
@@ -371,7 +411,7 @@ def test_ops_that_reorder_samples_are_rejected(name):
     model = Reorder(REORDERING[name]).to(DTYPE)
     x = torch.randn(8, 5, dtype=DTYPE)
     try:
-        cm = mbcompile.compile(model, 8, 2, 2, example_inputs=(x,))
+        cm = mbcompile.compile(model, 8, 2, 2, example_inputs=(x,), coupling="reject")
     except MixingError:
         return
     with torch.no_grad():
@@ -379,6 +419,28 @@ def test_ops_that_reorder_samples_are_rejected(name):
     exact = got.shape == want.shape and _rel_err(got, want) <= REL
     pytest.fail(f"{name} was accepted; compiled output {'equals' if exact else 'DIFFERS FROM'} "
                 "eager on this plan, but the op couples samples and must be rejected")
+
+
+@pytest.mark.parametrize("name", sorted(set(REORDERING) - {"repeat_batch"}))
+def test_ops_that_reorder_samples_run_as_exact_two_phase_steps(name):
+    """gbs 8 over 3 systems, mbs 2: microbatches 2+1, 2+1, 1+1."""
+    torch.manual_seed(0)
+    model = Reorder(REORDERING[name]).to(DTYPE)
+    x = torch.randn(8, 5, dtype=DTYPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)  # no loss inside: retained
+        cm = mbcompile.compile(model, 8, 3, 2, example_inputs=(x,))
+        assert "two-phase step" in cm.plan.reason
+        errors = step_errors(model, cm, (x,), floor=GRAD_FLOOR, scale=SCALE_FLOOR, loss=_squares)
+    assert_close_errors(errors, REL)
+
+
+def test_repeat_over_the_batch_is_rejected_by_default():
+    torch.manual_seed(0)
+    x = torch.randn(8, 5, dtype=DTYPE)
+    with pytest.raises(MixingError):
+        mbcompile.compile(Reorder(REORDERING["repeat_batch"]).to(DTYPE), 8, 3, 2,
+                          example_inputs=(x,))
 
 
 class Squeezed(nn.Module):
