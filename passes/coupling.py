@@ -21,7 +21,7 @@ slice of dL/dF (DESIGN.md "Two-phase steps"; GradCache, Gao et al. 2021, by hand
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -69,11 +69,14 @@ def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
     A per-sample value whose pieces cannot be joined in batch order (samples
     interleaved with another dim, or each row's position in the batch, which restarts
     in every microbatch) is not a frontier value: the tail recomputes it from values
-    further up, at the full batch.
+    further up, at the full batch. So is one made from the batch size alone, not from
+    the samples (``torch.randperm(B)``, ``torch.zeros(B, d)``): its pieces would be
+    made per microbatch (a permutation of each microbatch, not of the batch).
     """
     if roots is None:
         roots = next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes
     part = Partition()
+    samples = _reads_samples()
     seen: set[fx.Node] = set()
     in_tail: set[fx.Node] = set()
     todo = [*roots, *extra_roots]
@@ -85,8 +88,8 @@ def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
         fact = n.meta.get(FACT)
         if REDUCTION in n.meta:
             part.reductions.append(n)
-        elif isinstance(fact, Batched) and (n.op == "placeholder"
-                                            or (fact.major and not fact.positions)):
+        elif isinstance(fact, Batched) and (n.op == "placeholder" or (
+                fact.major and not fact.positions and samples(n))):
             part.frontier.append(n)
         elif n.op == "placeholder":
             continue  # an unbatched input: the tail reads it as it is
@@ -100,6 +103,32 @@ def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
     part.frontier.sort(key=order.__getitem__)
     part.reductions.sort(key=order.__getitem__)
     return part
+
+
+def _reads_samples() -> Callable[[fx.Node], bool]:
+    """Whether a node's value is computed from a batched input's data (memoised)."""
+    memo: dict[fx.Node, bool] = {}
+
+    def reads(n: fx.Node) -> bool:
+        todo = [n]
+        while todo:  # iterative post-order: graphs are deep
+            m = todo[-1]
+            if m in memo:
+                todo.pop()
+                continue
+            if m.op == "placeholder" or isinstance(m.meta.get(FACT), BatchSize):
+                memo[m] = isinstance(m.meta.get(FACT), Batched)  # a size carries no data
+                todo.pop()
+                continue
+            missing = [i for i in m.all_input_nodes if i not in memo]
+            if missing:
+                todo.extend(missing)
+                continue
+            memo[m] = any(memo[i] for i in m.all_input_nodes)
+            todo.pop()
+        return memo[n]
+
+    return reads
 
 
 def _shape_number(n: fx.Node) -> bool:

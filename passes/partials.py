@@ -193,12 +193,27 @@ def _aten_packet(name: str) -> Any:
 
 
 def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    # under torch.compile the signature is traced once into the graph: no cache needed
-    # (dynamo warns about a functools cache it cannot honour)
-    sig = inspect.signature(fn) if torch.compiler.is_compiling() else _signature(fn)
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+    """``fn``'s arguments by name, defaults included (``Signature.bind`` without inspect at
+    run time: the names come from :func:`_layout`, a constant to torch.compile)."""
+    names, defaults = _layout(fn, len(args), tuple(kwargs))
+    bound = dict(defaults)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+@torch._dynamo.assume_constant_result  # traced as its value: dynamo cannot trace inspect
+def _layout(fn: Callable[..., Any], n_args: int, keys: tuple[str, ...]
+            ) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]:
+    """The names of ``fn``'s first ``n_args`` parameters, and the defaults of the others
+    not in ``keys``; a call that does not fit the signature raises as ``bind`` would."""
+    sig = _signature(fn)
+    sig.bind(*range(n_args), **dict.fromkeys(keys))  # the same TypeError for a bad call
+    params = list(sig.parameters.values())
+    names = tuple(p.name for p in params[:n_args])
+    defaults = tuple((p.name, p.default) for p in params[n_args:]
+                     if p.name not in keys and p.default is not inspect.Parameter.empty)
+    return names, defaults
 
 
 def _reduction_of(a: dict[str, Any]) -> str:
