@@ -14,26 +14,43 @@ After (``capture(net, ...)``)::
 Outputs are flattened (tuples, lists, dicts, dataclasses, ``ModelOutput``-like
 objects) so that later passes see one fact per output leaf; ``OutputSpec`` puts
 the structure back after the call. An ``fx.GraphModule`` is taken as it is.
+
+A model sharded with FSDP2 (``fully_shard``) is captured as its own computation:
+FSDP's forward hooks are set aside while tracing, every module is traced into
+(``nn.Linear`` becomes ``F.linear`` on its weight), each sharded parameter is
+replaced in the graph by a stand-in of its full shape that holds one element
+(``FSDP_PARAM`` names the real one), and each call of a sharded submodule is
+bracketed by ``fsdp_unit_enter`` / ``fsdp_unit_exit``, identities here, where
+the torch.distributed backend runs FSDP's all-gather and reshard at run time::
+
+    enter = fsdp_unit_enter('blocks.0', x)     # pre-forward: all-gather blocks.0
+    linear = torch._C._nn.linear(enter[0], blocks_0_ff_weight, blocks_0_ff_bias)
+    exit_ = fsdp_unit_exit('blocks.0', linear) # post-forward: reshard, hook backward
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import operator
 import os
 import re
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
+from .facts import Container, Fact
 from .sources import is_library
 
-__all__ = ["CaptureResult", "OutputSpec", "capture", "user_frame"]
+__all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",
+           "fsdp_unit_enter", "fsdp_unit_exit", "user_frame"]
 
 
 @dataclass(frozen=True)
@@ -105,19 +122,47 @@ class CaptureResult:
 
 
 class _FlatOutputTracer(fx.Tracer):
-    """A tracer that records source lines and flattens the traced function's output."""
+    """A tracer that records source lines and flattens the traced function's output.
 
-    def __init__(self) -> None:
+    ``units``: the sharded submodules of an FSDP2 model (then every module is traced
+    into, and each unit's call is bracketed by the enter/exit markers).
+    """
+
+    def __init__(self, units: Mapping[int, torch.nn.Module] | None = None) -> None:
         super().__init__()
         self.record_stack_traces = True
         self.output_spec: OutputSpec | None = None
+        self.units = units
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         # modules the user trusts as per-sample (mbcompile.trust_module) stay single nodes
         from .batch_rules import TRUSTED_MODULES
 
-        return isinstance(m, tuple(TRUSTED_MODULES)) or super().is_leaf_module(
-            m, module_qualified_name)
+        if isinstance(m, tuple(TRUSTED_MODULES)):
+            return True
+        # a sharded model holds DTensor shards: its layers become functions of stand-ins
+        return self.units is None and super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: torch.nn.Module, forward: Callable[..., Any],
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.units is None or id(m) not in self.units:
+            return super().call_module(m, forward, args, kwargs)
+        name = self.path_of_module(m)
+
+        def bracketed(*a: Any, **k: Any) -> Any:
+            a, k = self._marked(fsdp_unit_enter, name, (a, k))
+            return self._marked(fsdp_unit_exit, name, forward(*a, **k))
+
+        return super().call_module(m, bracketed, args, kwargs)
+
+    def _marked(self, marker: Callable[..., Any], name: str, value: Any) -> Any:
+        """``value`` with its proxies passed through one ``marker(name, *proxies)`` node."""
+        leaves, spec = pytree.tree_flatten(value)
+        at = [i for i, v in enumerate(leaves) if isinstance(v, fx.Proxy)]
+        out = self.create_proxy("call_function", marker, (name, *(leaves[i] for i in at)), {})
+        for j, i in enumerate(at):
+            leaves[i] = out[j]
+        return pytree.tree_unflatten(leaves, spec)
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
         # Non-tensor arguments are substituted here rather than handed to fx as
@@ -160,6 +205,105 @@ def _user_stack(stack_trace: str) -> str:
     return "".join(kept).rstrip("\n") if kept else stack_trace
 
 
+# --------------------------------------------------------------------------- FSDP2
+
+#: Attribute of a stand-in parameter: ``(root model, qualified name)`` of the sharded one.
+FSDP_PARAM = "_mbcompile_fsdp_param"
+
+
+def fsdp_unit_enter(unit: str, *values: Any) -> tuple[Any, ...]:
+    """Marker: the sharded submodule ``unit`` is called with ``values`` (its tensor
+    arguments). The identity here; the torch.distributed backend runs FSDP's
+    pre-forward (all-gather) in its place."""
+    return values
+
+
+def fsdp_unit_exit(unit: str, *values: Any) -> tuple[Any, ...]:
+    """Marker: the sharded submodule ``unit`` returns ``values``. The identity here;
+    the backend runs FSDP's post-forward (reshard, backward hooks) in its place."""
+    return values
+
+
+def _unit_marker_rule(ctx: Any) -> Fact:
+    """A unit marker hands its values on unchanged: one fact per value."""
+    return Container(tuple((i, ctx.fact(v)) for i, v in enumerate(ctx.node.args[1:])))
+
+
+_unit_marker_rule.handles_positions = True  # type: ignore[attr-defined]  # the identity
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified name, module)`` of every module sharded with FSDP2's ``fully_shard``
+    (the root first, named ""); empty for a model that is not sharded."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return []
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if units and units[0][1] is not model:
+        raise CaptureError(
+            f"{type(model).__name__} has submodules sharded with fully_shard "
+            f"({units[0][0]!r}, ...) but is not sharded itself; FSDP2 needs the root sharded "
+            "too (its forward drives the all-gathers). Fix: call fully_shard(model) after "
+            "sharding the blocks")
+    for n, m in units:
+        if len(m._get_fsdp_state()._modules) > 1:
+            raise CaptureError(
+                f"{n or type(model).__name__!r} is sharded together with other modules "
+                "(fully_shard([a, b, ...])), which mbcompile does not run yet. Fix: shard "
+                "each module on its own")
+    return units
+
+
+@contextlib.contextmanager
+def _fsdp_view(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
+               ) -> Iterator[None]:
+    """Trace a sharded model's own computation: FSDP's forward hooks (all-gather, reshard)
+    are set aside for the block and every unit holds its shards (no communication)."""
+    if not units:
+        yield
+        return
+    from .batch_rules import TABLE
+
+    # TODO(lead): one line in batch_rules' table instead (requested in issue 18's report)
+    TABLE.add([fsdp_unit_enter, fsdp_unit_exit], _unit_marker_rule)  # values pass through
+    saved = []
+    for _, m in units:
+        m.reshard()  # an unsharded unit (the root after an eval forward) frees its gather
+        state = m._get_fsdp_state()
+        ids = (state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id)
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            saved.append((hooks, dict(hooks)))
+            for i in ids:
+                hooks.pop(i, None)
+    try:
+        yield
+    finally:
+        for hooks, before in saved:
+            hooks.clear()
+            hooks.update(before)
+
+
+def _with_stand_ins(model: torch.nn.Module, graph: fx.Graph) -> dict[str, Any]:
+    """The graph's attributes, each sharded parameter replaced by a stand-in: a parameter
+    of the full shape that holds one element (an expanded zero), naming the real one."""
+    from torch.distributed.tensor import DTensor
+
+    attrs: dict[str, Any] = {}
+    for node in graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        value = operator.attrgetter(node.target)(model)
+        if isinstance(value, DTensor):
+            zero = torch.zeros((), dtype=value.dtype, device=value.device)
+            stand_in = torch.nn.Parameter(zero.expand(value.shape),
+                                          requires_grad=value.requires_grad)
+            setattr(stand_in, FSDP_PARAM, (model, node.target))
+            value = stand_in
+        attrs[node.target] = value
+    return attrs
+
+
 def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = None
             ) -> CaptureResult:
     """Trace ``model`` with ``torch.fx`` into a graph whose outputs are flat leaves.
@@ -187,29 +331,33 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
             f"mbcompile.compile expects a torch.nn.Module, got {type(model).__name__}. "
             "Wrap a function in an nn.Module whose forward calls it.")
     name = type(model).__name__
-    root_hooks = [k for k in ("_forward_pre_hooks", "_forward_hooks") if getattr(model, k, None)]
-    if root_hooks:
-        raise CaptureError(
-            f"{name} has forward hooks on the model itself ({', '.join(root_hooks)}); torch.fx "
-            "traces forward directly, so they would never run in the compiled module. Fix: "
-            "move their work into forward, register them on a submodule, or compile a wrapper "
-            "Module whose forward calls the model (hooks of submodules are traced)")
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    versions = {n: t._version for n, t in state.items()}
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    tracer = _FlatOutputTracer()
-    try:
-        graph = tracer.trace(model, concrete_args=concrete_args or None)
-    except Exception as exc:  # any tracing failure becomes one clear error
-        where = user_frame(traceback.extract_tb(exc.__traceback__))
-        raise CaptureError(
-            f"torch.fx could not trace {type(model).__name__}.forward at {where}\n"
-            f"  {type(exc).__name__}: {exc}\n"
-            "  fx tracing runs forward with symbolic values, so Python control flow on "
-            "tensor values or data-dependent shapes cannot be captured. Fix: move the "
-            "data-dependent part into a leaf module or function, make the branch depend on "
-            "a non-tensor argument (it is then fixed at compile time), or pass an already "
-            "captured torch.fx.GraphModule.") from exc
+    units = fsdp_modules(model)
+    with _fsdp_view(model, units):
+        root_hooks = [k for k in ("_forward_pre_hooks", "_forward_hooks")
+                      if getattr(model, k, None)]
+        if root_hooks:
+            raise CaptureError(
+                f"{name} has forward hooks on the model itself ({', '.join(root_hooks)}); "
+                "torch.fx traces forward directly, so they would never run in the compiled "
+                "module. Fix: move their work into forward, register them on a submodule, or "
+                "compile a wrapper Module whose forward calls the model (hooks of submodules "
+                "are traced)")
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        versions = {n: t._version for n, t in state.items()}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        tracer = _FlatOutputTracer({id(m): m for n, m in units if n} if units else None)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete_args or None)
+        except Exception as exc:  # any tracing failure becomes one clear error
+            where = user_frame(traceback.extract_tb(exc.__traceback__))
+            raise CaptureError(
+                f"torch.fx could not trace {type(model).__name__}.forward at {where}\n"
+                f"  {type(exc).__name__}: {exc}\n"
+                "  fx tracing runs forward with symbolic values, so Python control flow on "
+                "tensor values or data-dependent shapes cannot be captured. Fix: move the "
+                "data-dependent part into a leaf module or function, make the branch depend "
+                "on a non-tensor argument (it is then fixed at compile time), or pass an "
+                "already captured torch.fx.GraphModule.") from exc
     changed = [n for n, t in state.items() if t._version != versions[n]]
     if changed:  # forward updated state with real tensors while tracing: undo, and refuse
         with torch.no_grad():
@@ -226,7 +374,7 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
     for node in graph.nodes:
         if node.stack_trace:
             node.stack_trace = _user_stack(node.stack_trace)
-    gm = fx.GraphModule(tracer.root, graph, name)
+    gm = fx.GraphModule(_with_stand_ins(model, graph) if units else tracer.root, graph, name)
     return CaptureResult(gm, tracer.output_spec, concrete_args)
 
 

@@ -14,6 +14,7 @@ backend binds into the loop, never as attributes of a module.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,8 +52,11 @@ class _Loop:
     def __init__(self, body: fx.GraphModule, microbatches: list[tuple[Any, ...]],
                  fused_index: int | None, systems: Sequence[int], distributed: bool,
                  count_index: int | None = None, sizes: Sequence[int] = (),
-                 noise: NoiseScale | None = None) -> None:
-        self.body = body
+                 noise: NoiseScale | None = None, sharded: Any = None) -> None:
+        # A model sharded with FSDP2: ``fsdp.ShardedStep`` runs each microbatch between
+        # FSDP's hooks and keeps every rank's forwards in step (None: not sharded).
+        self.sharded = sharded
+        self.body = body if sharded is None else sharded.body
         self.microbatches = microbatches
         self.fused_index = fused_index
         self.systems = systems
@@ -69,6 +73,7 @@ class _Loop:
         # On ranks: the gradient all-reduce the last microbatch's backward starts
         # (``distributed.OverlappedReduce``); None: reduced in ``backward`` instead.
         self.reducer: Any = None
+        self.reduced: list[bool] | None = None  # per parameter: mbcompile all-reduces its grad
 
     def where(self, index: int) -> tuple[int, int]:
         """(system, microbatch within it) of the ``index``-th non-empty microbatch."""
@@ -79,9 +84,29 @@ class _Loop:
         return len(self.systems) - 1, index
 
     def run(self) -> list[tuple[Any, ...]]:
-        return self._agreed(lambda: [
-            self._in_microbatch(i, lambda mb=mb: as_tuple(self.body(*mb)))
-            for i, mb in enumerate(self.microbatches)])
+        def loop() -> list[tuple[Any, ...]]:
+            with self._step():
+                outs = [(real, self._in_microbatch(i, lambda i=i: self._call(i)))
+                        for _, i, real in self._schedule()]
+            return [out for real, out in outs if real]
+
+        return self._agreed(loop)
+
+    def _schedule(self) -> list[tuple[int, int, bool]]:
+        """``(round, microbatch, real)`` per forward. A sharded model's ranks run the same
+        number of forwards (FSDP all-gathers in each): a rank with fewer microbatches
+        runs its last one again in the missing rounds (not real: its result is dropped
+        and its gradient weighted 0)."""
+        n = len(self.microbatches)
+        rounds = self.sharded.rounds(n) if self.sharded is not None else n
+        return [(k, min(k, n - 1), k < n) for k in range(rounds)]
+
+    def _call(self, index: int) -> tuple[Any, ...]:
+        mb = self.microbatches[index]
+        return as_tuple(self.body(*mb) if self.sharded is None else self.sharded.call(mb))
+
+    def _step(self) -> Any:
+        return self.sharded.step() if self.sharded is not None else contextlib.nullcontext()
 
     def _in_microbatch(self, index: int, fn: Callable[[], T], what: str = "forward") -> T:
         """Run ``fn`` for microbatch ``index``; a failure names the system and microbatch.
@@ -143,8 +168,12 @@ class _Loop:
         if self.distributed:
             from mbcompile.execution import distributed
 
-            if distributed.OVERLAP:  # made first: a rank failing anywhere can still join
-                self.reducer = distributed.OverlappedReduce(params)
+            # FSDP reduce-scatters its shards' gradients itself; mbcompile reduces the rest
+            self.reduced = [not (self.sharded is not None and self.sharded.owns(p))
+                            for p in params]
+            replicated = [p for p, r in zip(params, self.reduced) if r]
+            if distributed.OVERLAP and replicated:  # made first: a failing rank can still join
+                self.reducer = distributed.OverlappedReduce(replicated)
         return self._agreed(lambda: self._run_fused(params), lambda: self.checks.packed())
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
@@ -158,14 +187,27 @@ class _Loop:
         hooks = [p.register_hook(checks.add_square) for p in params] if checks.noise else []
         try:
             results = []
-            with torch.enable_grad():
-                for i, mb in enumerate(self.microbatches):
+            schedule = self._schedule()
+            with torch.enable_grad(), self._step():
+                for k, i, real in schedule:
                     checks.current = i
-                    out = self._in_microbatch(i, lambda mb=mb: as_tuple(self.body(*mb)))
+                    last = k == len(schedule) - 1
+                    if self.sharded is not None:
+                        self.sharded.sync(last)  # one reduce-scatter round, in the last backward
+                    try:
+                        out = self._in_microbatch(i, lambda i=i: self._call(i))
+                    except Exception:
+                        if self.sharded is not None:  # join the ranks' remaining collectives
+                            self.sharded.drain([j == len(schedule) - 1
+                                                for j in range(k + 1, len(schedule))])
+                        raise
                     partial = out[self.fused_index]
-                    checks.finite(i, partial)  # read once, at the end of the step
-                    if self.reducer is not None and i == len(self.microbatches) - 1:
+                    if self.reducer is not None and last:
                         self.reducer.arm()  # gradients final in this backward start reducing
+                    if not real:  # a round kept for FSDP's collectives: it adds exact zeros
+                        self._in_microbatch(i, (partial * 0).backward, "backward")
+                        continue
+                    checks.finite(i, partial)  # read once, at the end of the step
                     self._in_microbatch(i, partial.backward, "backward")
                     if checks.noise:
                         checks.count(i, out[self.count_index] if self.count_index is not None
@@ -304,7 +346,8 @@ class _FusedStep(torch.autograd.Function):
         elif loop.distributed:  # one bucketed all-reduce per step, never per microbatch
             from mbcompile.execution.distributed import all_reduce_gradients
 
-            all_reduce_gradients(step)
+            all_reduce_gradients([s for s, r in zip(step, loop.reduced or [True] * len(step))
+                                  if r])
         if all(g is None for g in loss_grads):
             return (None, None) + (None,) * ctx.n_params
         g = next(x for x in loss_grads if x is not None)
@@ -346,11 +389,26 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
                         count_index: int | None = None, sizes: Sequence[int] = ()
                         ) -> list[tuple[Any, ...]]:
         loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes,
-                     channels.noise)
+                     channels.noise, sharded_step(body))
         results = _run(loop)
         if count_index is not None:  # kept for reports (token counts); no copy, no sync
             channels.last_counts = tuple(r[count_index] for r in results)
         return results
+
+    steps: dict[int, tuple[fx.GraphModule, Any]] = {}  # per body: its ShardedStep or None
+
+    def sharded_step(body: fx.GraphModule) -> Any:
+        if id(body) not in steps:
+            from mbcompile.execution import fsdp
+
+            root = fsdp.sharded_root(body)
+            if root is not None and not distributed:
+                raise InputError(
+                    f"{type(root).__name__} is sharded with fully_shard, so its parameters "
+                    "live on several ranks: compile it with backend='torch.distributed' inside "
+                    "the process group that sharded it")
+            steps[id(body)] = (body, fsdp.ShardedStep(body, root) if root is not None else None)
+        return steps[id(body)][1]
 
     microbatch_loop.__module__ = __name__
     return microbatch_loop

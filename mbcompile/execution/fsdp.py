@@ -1,0 +1,230 @@
+"""Sharded models on torch.distributed: the microbatch loop around FSDP2's own hooks.
+
+A model sharded with ``fully_shard`` (per block and at the root) is captured as
+its own computation (``passes/capture.py``): sharded parameters are stand-ins
+of the full shape, and each sharded block's call is bracketed by the markers
+``fsdp_unit_enter`` / ``fsdp_unit_exit``. Here the loop's body gets FSDP back:
+
+1. ``bind_units(body)``: every stand-in becomes a lookup of the module's current
+   parameter (the unsharded one while its unit is gathered), and every marker
+   runs FSDP's pre-forward (all-gather; backward hooks on the inputs) or
+   post-forward (reshard; pre-backward hooks on the outputs) of its unit;
+2. ``ShardedStep.call``: each microbatch runs as the root's forward, between the
+   root's own FSDP hooks (lazy init, root all-gather, the final backward callback);
+3. ``ShardedStep.sync(last)``: gradients are reduce-scattered only in the step's
+   last backward (``set_requires_gradient_sync``), summed over ranks, not averaged
+   (divide factor 1: mbcompile's gradient is the sum of partial sums over the
+   global count), so a step makes one reduce-scatter round whatever the MBS;
+4. ``ShardedStep.rounds``: FSDP all-gathers in every forward, so every rank runs
+   as many forwards as the rank with the most microbatches; a rank whose share
+   left a microbatch empty runs its last one again with weight 0 (its gradient
+   adds exact zeros) instead of skipping it.
+
+The gradients FSDP reduce-scatters land in the sharded parameters' ``.grad``,
+which the runtime set aside for the step, so they are never all-reduced again by
+mbcompile; only the loss's partial sums are (``all_reduce_sums``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from mbcompile.passes.capture import FSDP_PARAM, fsdp_unit_enter, fsdp_unit_exit
+
+__all__ = ["ShardedStep", "bind_units", "sharded_root", "is_sharded"]
+
+_ROOT = "fsdp_root"  # the attribute of the bound body that holds the user's sharded model
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A parameter FSDP owns (a DTensor shard): FSDP reduces its gradient, not mbcompile."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def sharded_root(body: fx.GraphModule) -> nn.Module | None:
+    """The sharded model whose stand-ins ``body`` holds, or None for an unsharded body."""
+    for t in (*body.parameters(), *body.buffers()):
+        found = getattr(t, FSDP_PARAM, None)
+        if found is not None:
+            return found[0]
+    return None
+
+
+def current_param(root: nn.Module, name: str) -> torch.Tensor:
+    """The parameter registered as ``name`` now: the gathered one inside its unit."""
+    owner, _, attr = name.rpartition(".")
+    return getattr(root.get_submodule(owner) if owner else root, attr)
+
+
+def _unit(root: nn.Module, unit: str) -> tuple[nn.Module, Any]:
+    module = root.get_submodule(unit)
+    return module, module._get_fsdp_state()
+
+
+def bind_units(body: fx.GraphModule, root: nn.Module, step: ShardedStep
+               ) -> fx.GraphModule:
+    """``body`` with FSDP at work: stand-ins read ``root``'s current parameters, markers
+    call ``step.enter`` / ``step.exit`` (the units' hooks). The result holds ``root``
+    itself, so its parameters (the shards) are the ones the training step
+    differentiates."""
+    bound_markers = {fsdp_unit_enter: step.enter, fsdp_unit_exit: step.exit}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    root_node = None
+    for node in body.graph.nodes:
+        if root_node is None and node.op != "placeholder":
+            root_node = graph.get_attr(_ROOT)
+        if node.op == "get_attr":
+            stand_in = getattr(operator.attrgetter(node.target)(body), FSDP_PARAM, None)
+            if stand_in is not None:
+                env[node] = graph.call_function(current_param, (root_node, stand_in[1]))
+                env[node].meta = dict(node.meta)
+                continue
+        if node.op == "call_function" and node.target in bound_markers:
+            env[node] = graph.call_function(bound_markers[node.target],
+                                            fx.node.map_arg(node.args, lambda n: env[n]))
+            if node.target is fsdp_unit_enter:
+                step.order.append(node.args[0])
+            env[node].meta = dict(node.meta)
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    attrs: dict[str, Any] = {_ROOT: root}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and node.target != _ROOT:
+            attrs[node.target] = operator.attrgetter(node.target)(body)
+    bound = fx.GraphModule(attrs, graph, type(body).__name__)
+    bound.train(body.training)
+    return bound
+
+
+class ShardedStep:
+    """What one training step of a sharded model does around the runtime's loop."""
+
+    def __init__(self, body: fx.GraphModule, root: nn.Module) -> None:
+        self.root = root
+        self.count: int | None = None  # forwards per step on every rank (the most on any)
+        self.order: list[str] = []  # the units in forward order (the body's markers)
+        # how far the current round got, for ``drain``: units entered and not yet left
+        # (with what they were given), units done, the last values a unit returned
+        self.open: list[tuple[str, tuple[Any, ...]]] = []
+        self.done: set[str] = set()
+        self.last: tuple[Any, ...] = ()
+        self.body = bind_units(body, root, self)
+
+    def enter(self, unit: str, *values: Any) -> tuple[Any, ...]:
+        """FSDP's pre-forward of ``unit`` (all-gather; post-backward hook on the inputs)."""
+        module, state = _unit(self.root, unit)
+        args, _ = state._pre_forward(module, values, {})
+        self.open.append((unit, tuple(args)))
+        return tuple(args)
+
+    def exit(self, unit: str, *values: Any) -> tuple[Any, ...]:
+        """FSDP's post-forward of ``unit`` (reshard; pre-backward hooks on the outputs)."""
+        module, state = _unit(self.root, unit)
+        out = tuple(state._post_forward(module, (), values))
+        self.open.pop()
+        self.done.add(unit)
+        self.last = out
+        return out
+
+    def rounds(self, local: int) -> int:
+        """Forwards this rank runs per step: the most microbatches any rank has (one
+        max all-reduce, on the first call only: the plan does not change)."""
+        if self.count is None:
+            t = torch.tensor([local], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.count = int(t)
+        return self.count
+
+    def call(self, args: Sequence[Any]) -> Any:
+        """One microbatch through the body, as the root's forward: its FSDP hooks around."""
+        self.open, self.done, self.last = [], set(), ()
+        state = self.root._get_fsdp_state()
+        args, _ = state._pre_forward(self.root, tuple(args), {})
+        out = self.body(*args)
+        return state._post_forward(self.root, args, out)
+
+    def drain(self, rounds: Sequence[bool]) -> None:
+        """This rank's forward failed: issue the collectives the other ranks still issue.
+
+        The failed round's forward is finished on a zero: the units left open are left,
+        the units not reached are entered and left, each touching its gathered parameters
+        (so each reduce-scatter has every rank's full input); then its backward, and one
+        such round for each of ``rounds`` still to come (True: the step's last). Every
+        gradient it adds is zero, and the step is rolled back anyway.
+        """
+        self._finish_round()
+        for last in rounds:
+            self.sync(last)
+            self.open, self.done, self.last = [], set(), ()
+            state = self.root._get_fsdp_state()
+            state._pre_forward(self.root, (), {})
+            self._finish_round()
+
+    def _finish_round(self) -> None:
+        x = self._zero()
+        for value in (*(v for _, args in self.open for v in args), *self.last):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                x = x + value.sum() * 0  # reach the units already run, for their backward
+        for unit, _ in reversed(self.open):  # innermost first
+            (x,) = self.exit(unit, x + self._touch(unit))
+        for unit in self.order:
+            if unit not in self.done:
+                (x,) = self.enter(unit, x)
+                (x,) = self.exit(unit, x + self._touch(unit))
+        state = self.root._get_fsdp_state()
+        (x,) = state._post_forward(self.root, (), (x + self._touch(""),))
+        x.backward()
+
+    def _zero(self) -> torch.Tensor:
+        p = next(self.root.parameters())
+        return torch.zeros((), dtype=p.dtype, device=p.device, requires_grad=True)
+
+    def _touch(self, unit: str) -> torch.Tensor:
+        """Zero times every gathered parameter of ``unit``: each gets a (zero) gradient."""
+        _, state = _unit(self.root, unit)
+        total = self._zero()
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                total = total + fsdp_param.unsharded_param.sum() * 0
+        return total
+
+    @staticmethod
+    def owns(param: torch.Tensor) -> bool:
+        """FSDP reduces this parameter's gradient (a shard), so mbcompile must not."""
+        return is_sharded(param)
+
+    def sync(self, last: bool) -> None:
+        """Reduce-scatter gradients in the coming backward only if it is the step's last."""
+        self.root.set_requires_gradient_sync(last)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Sum gradients over ranks for the step (FSDP averages by default); restore the
+        user's FSDP settings afterwards, and leave every unit resharded."""
+        groups = [g for m in self.root.modules() if hasattr(m, "_get_fsdp_state")
+                  for g in m._get_fsdp_state()._fsdp_param_groups]
+        saved = [(g.reduce_grads, g.all_reduce_grads, g.gradient_divide_factor,
+                  g.force_sum_reduction_for_comms) for g in groups]
+        for g in groups:
+            g.gradient_divide_factor, g.force_sum_reduction_for_comms = 1.0, True
+        try:
+            yield
+        except BaseException:
+            self.root.reset_iter_state()  # a failed step: FSDP drops what it tracked
+            raise
+        finally:
+            for g, (reduce, all_reduce, factor, force) in zip(groups, saved):
+                g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
+                g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force
+            self.root.reshard()  # the root keeps its gather after a no-grad forward

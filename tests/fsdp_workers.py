@@ -1,0 +1,183 @@
+"""Worker functions for tests/test_fsdp.py (spawned ranks import them by name), and the
+sharded model both the ranks and the single-process reference build."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mbcompile
+from mbcompile.execution import distributed as mbdist
+
+WIDTH, CLASSES, DEPTH, SEQ = 8, 7, 3, 4
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.ff = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.gelu(self.ff(self.norm(x)))
+
+
+class TokenNet(nn.Module):
+    """Per-token classifier: input projection (root), 3 blocks (one FSDP unit each), head
+    (root), token cross-entropy with padded targets (-100)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(DEPTH))
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+def make_net() -> TokenNet:
+    torch.manual_seed(0)
+    return TokenNet().double()
+
+
+def make_batch(gbs: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features and targets; every third sample's last two tokens are padding."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(gbs, SEQ, WIDTH, generator=g, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (gbs, SEQ), generator=g)
+    y[::3, -2:] = -100
+    return x, y
+
+
+def shard(net: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2 the usual way: each block, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in net.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(net)
+    return net
+
+
+class Comms:
+    """Counts c10d collectives by kind while active (FSDP2 calls them through ``dist``)."""
+
+    KINDS = {"reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+             "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+             "all_reduce": ("all_reduce",)}
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(self.KINDS, 0)
+        self._saved: list[tuple[str, object]] = []
+
+    def __enter__(self) -> Comms:
+        for kind, names in self.KINDS.items():
+            for name in names:
+                real = getattr(dist, name, None)
+                if real is None:
+                    continue
+                self._saved.append((name, real))
+
+                def counted(*args, _real=real, _kind=kind, **kwargs):
+                    self.counts[_kind] += 1
+                    return _real(*args, **kwargs)
+
+                setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self._saved:
+            setattr(dist, name, real)
+
+
+def train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
+                reshard_after_forward: bool = True, steps: int = 2) -> None:
+    """``steps`` compiled steps (SGD between them) of the sharded model on this rank's
+    share; saves each step's loss, full gradients (``full_tensor()``) and collectives."""
+    net = shard(make_net(), reshard_after_forward)
+    batch = make_batch(gbs)
+    cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=batch,
+                           backend="torch.distributed")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    record = []
+    for step in range(steps):
+        batch = make_batch(gbs, seed=1 + step)
+        with Comms() as comms:
+            loss = cm(*mbdist.shard(batch, cm.plan, rank))
+            loss.backward()
+        record.append({"loss": loss.detach(), "counts": comms.counts,
+                       "grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()}})
+        opt.step()
+        opt.zero_grad()
+    torch.save({"steps": record, "plan": cm.plan.to_dict()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> None:
+    """Rank 1 fails: ``"nan"`` a NaN feature in its last sample (its last microbatch's loss
+    is NaN), ``"target"`` a target out of range there (cross_entropy raises after every
+    block ran). Each rank records its outcome and whether its gradients stayed as given."""
+    net = shard(make_net())
+    x, y = make_batch(gbs)
+    cm = mbcompile.compile(net, gbs, world, 1, example_inputs=(x, y),
+                           backend="torch.distributed")
+    x, y = (t.clone() for t in mbdist.shard((x, y), cm.plan, rank))
+    if rank == 1 and where == "nan":
+        x[-1, 0, 0] = float("nan")
+    if rank == 1 and where == "target":
+        y[-1, 0] = CLASSES + 5
+    for p in net.parameters():  # the user's gradients, which a failed step leaves alone
+        p.grad = torch.full_like(p, 7.0)
+    before = {n: p.detach().full_tensor().clone() for n, p in net.named_parameters()}
+    try:
+        loss = cm(x, y)
+        loss.backward()
+        outcome = "no error"
+    except Exception as exc:  # what each rank saw is the test's result
+        outcome = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=1)}"
+    untouched = all(torch.equal(p.grad.to_local(), torch.full_like(p.to_local(), 7.0))
+                    for p in net.parameters())
+    same = all(torch.equal(p.detach().full_tensor(), before[n])
+               for n, p in net.named_parameters())
+    # the job goes on: the next step is exact again (on good data)
+    for p in net.parameters():
+        p.grad = None
+    batch = make_batch(gbs, seed=5)
+    loss = cm(*mbdist.shard(batch, cm.plan, rank))
+    loss.backward()
+    torch.save({"untouched": untouched, "same": same, "outcome": outcome,
+                "next_loss": loss.detach(),
+                "next_grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def capture_view(rank: int, world: int, out_dir: str) -> None:
+    """What capture makes of a sharded model, and the simulated backend's refusal."""
+    from mbcompile.passes.capture import FSDP_PARAM, capture
+
+    net = shard(make_net())
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in net.modules()]
+    gm = capture(net).graph_module
+    markers = [(n.target.__name__, n.args[0]) for n in gm.graph.nodes
+               if n.op == "call_function" and n.target.__name__.startswith("fsdp_unit_")]
+    stand_ins = {n: (tuple(p.shape), p.untyped_storage().nbytes(), getattr(p, FSDP_PARAM)[1])
+                 for n, p in gm.named_parameters()}
+    batch = make_batch(4)
+    try:
+        mbcompile.compile(net, 4, 1, 2, example_inputs=batch)(*batch)
+        refusal = "none"
+    except Exception as exc:
+        refusal = f"{type(exc).__name__}: {exc}"
+    torch.save({"markers": markers, "stand_ins": stand_ins, "refusal": refusal,
+                "hooks_kept": hooks == [(len(m._forward_pre_hooks), len(m._forward_hooks))
+                                        for m in net.modules()]},
+               os.path.join(out_dir, f"rank{rank}.pt"))

@@ -1,0 +1,98 @@
+"""Models sharded with FSDP2 (``fully_shard``) on real gloo ranks: exact, one
+reduce-scatter round per step, every rank issuing the same collectives."""
+
+from __future__ import annotations
+
+import fsdp_workers
+import pytest
+import torch
+from test_distributed import _run  # spawn gloo ranks, bounded in time
+
+from mbcompile.check import relative_error
+
+UNITS = fsdp_workers.DEPTH + 1  # one FSDP unit per block, and the root
+
+
+def _reference(gbs: int, steps: int) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """The single-process full-batch steps (SGD between them) the ranks must reproduce."""
+    net = fsdp_workers.make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    out = []
+    for step in range(steps):
+        loss = net(*fsdp_workers.make_batch(gbs, seed=1 + step))
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,gbs,mbs", [
+    (2, 7, 2),   # 4 + 3 samples: microbatches 2, 2 and 2, 1
+    (3, 10, 2),  # 4 + 3 + 3 samples
+    (3, 7, 1),   # 3 + 2 + 2: ranks 1 and 2 have an empty third microbatch
+])
+def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs):
+    _run(fsdp_workers.train_steps, world, str(tmp_path), gbs, mbs)
+    reference = _reference(gbs, 2)
+    for rank in range(world):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        if (world, gbs, mbs) == (3, 7, 1):
+            assert got["plan"]["microbatch_sizes"][rank][-1] == (1 if rank == 0 else 0)
+        for step, (loss, grads) in zip(got["steps"], reference):
+            assert relative_error(step["loss"], loss) <= 1e-10
+            for name, g in grads.items():
+                assert relative_error(step["grads"][name], g) <= 1e-10, (rank, name)
+            assert step["counts"]["reduce_scatter"] == UNITS  # one round: each unit once
+
+
+@pytest.mark.slow
+def test_one_reduce_scatter_round_whatever_the_mbs(tmp_path):
+    """4 microbatches or 1: the same reduce-scatters per step (one per FSDP unit); the
+    all-gathers grow with the forwards (FSDP re-gathers each unit per microbatch)."""
+    counts = {}
+    for mbs in (1, 4):
+        out = tmp_path / str(mbs)
+        out.mkdir()
+        _run(fsdp_workers.train_steps, 2, str(out), 8, mbs, True, 1)
+        counts[mbs] = [torch.load(out / f"rank{r}.pt")["steps"][0]["counts"] for r in range(2)]
+    assert counts[1][0] == counts[1][1] and counts[4][0] == counts[4][1]  # same on each rank
+    assert counts[1][0]["reduce_scatter"] == counts[4][0]["reduce_scatter"] == UNITS
+    assert counts[1][0]["all_gather"] > counts[4][0]["all_gather"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["nan", "target"])
+def test_failing_rank_stops_every_rank(tmp_path, where):
+    """Rank 1's last microbatch fails (a NaN loss, or an error raised after every block's
+    all-gather); both ranks raise, neither hangs, nothing changes, and the next step is
+    exact."""
+    _run(fsdp_workers.failing_step, 2, str(tmp_path), 6, where)
+    seen = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
+    assert ("is nan" if where == "nan" else "out of bounds") in seen[1]["outcome"]
+    assert "rank(s) [1] failed" in seen[0]["outcome"]
+    net = fsdp_workers.make_net()
+    loss = net(*fsdp_workers.make_batch(6, seed=5))
+    loss.backward()
+    for got in seen.values():
+        assert got["untouched"] and got["same"]
+        assert relative_error(got["next_loss"], loss) <= 1e-10
+        for name, p in net.named_parameters():
+            assert relative_error(got["next_grads"][name], p.grad) <= 1e-10
+
+
+@pytest.mark.slow
+def test_capture_sees_through_fsdp(tmp_path):
+    """Every block's call is bracketed by markers in forward order, sharded parameters
+    become full-shape stand-ins of one element, FSDP's hooks are back after capture, and
+    the simulated backend refuses the sharded model with the way out."""
+    _run(fsdp_workers.capture_view, 1, str(tmp_path))
+    got = torch.load(tmp_path / "rank0.pt")
+    assert got["markers"] == [(kind, f"blocks.{i}") for i in range(fsdp_workers.DEPTH)
+                              for kind in ("fsdp_unit_enter", "fsdp_unit_exit")]
+    w = fsdp_workers.WIDTH
+    assert got["stand_ins"]["blocks.0.ff.weight"] == ((w, w), 8, "blocks.0.ff.weight")
+    assert got["stand_ins"]["head.bias"] == ((fsdp_workers.CLASSES,), 8, "head.bias")
+    assert got["hooks_kept"]
+    assert "backend='torch.distributed'" in got["refusal"]
