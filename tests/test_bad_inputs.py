@@ -396,7 +396,8 @@ class BatchNormTrain(nn.Module):
 
 def test_mixing_model_is_rejected_with_node_line_and_fix(mlp):
     _, batch = mlp
-    err = _raises(MixingError, lambda: _compile(BatchNormTrain().to(DTYPE), batch),
+    err = _raises(MixingError, lambda: _compile(BatchNormTrain().to(DTYPE), batch,
+                                                coupling="reject"),
                   "BatchNorm1d", "'bn'", "why:", "fix:")
     assert "test_bad_inputs.py" in str(err)
     # eval mode uses running statistics: per sample, so it compiles
@@ -409,7 +410,7 @@ def test_the_fix_a_mixing_error_suggests_works(mlp):
     _, batch = mlp
     model = BatchNormTrain().to(DTYPE)
     with pytest.raises(MixingError) as info:
-        _compile(model, batch)
+        _compile(model, batch, coupling="reject")
     message = str(info.value)
     assert message.count("mbs='none'") <= 1, f"the same fix is offered twice: {message}"
     if "mbs='none'" not in message:

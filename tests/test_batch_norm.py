@@ -1,7 +1,9 @@
-"""BatchNorm in training: rejected by default, per-microbatch statistics on request.
+"""BatchNorm in training: a two-phase step by default, per-microbatch statistics on request.
 
-The default keeps the product's promise (a split never changes the result), so a
-BatchNorm in training mode is a ``MixingError``. ``batch_norm="per_microbatch"``
+The default keeps the product's promise (a split never changes the result): a
+BatchNorm in training mode runs as a two-phase step, normalised by the whole batch's
+statistics, exactly as eager; ``coupling="reject"`` makes it a ``MixingError``.
+``batch_norm="per_microbatch"``
 is the explicit opt-in to what a hand-written loop computes: each microbatch
 normalised by its own statistics, running statistics updated once per microbatch,
 in order. It warns, and says so in ``plan.warnings``.
@@ -16,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import assert_close_errors, step_errors
 
 import mbcompile
 
@@ -54,10 +57,24 @@ def _hand_loop(model: nn.Module, batch: tuple[torch.Tensor, ...],
     return ref
 
 
-def test_the_default_rejects_batch_norm_in_training():
+def test_strict_coupling_rejects_batch_norm_in_training():
     model, batch = _case(7)
     with pytest.raises(mbcompile.MixingError, match="BatchNorm2d"):
-        mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+        mbcompile.compile(model, 7, 2, 2, example_inputs=batch, coupling="reject")
+
+
+def test_the_default_runs_batch_norm_in_training_as_a_two_phase_step():
+    """Microbatches 2, 2 | 2, 1: the loss, every gradient and the running statistics (one
+    update, from the whole batch: num_batches_tracked 1) equal one eager full-batch step."""
+    model, batch = _case(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)  # C's share of memory
+        warnings.simplefilter("error", mbcompile.PerMicrobatchStatisticsWarning)
+        cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+        assert "two-phase step" in cm.plan.reason
+        errors = step_errors(model, cm, batch, floor=1e-4)  # conv.bias: zero up to rounding
+    assert_close_errors(errors, 1e-10)
+    assert int(model.bn.num_batches_tracked) == 1
 
 
 @pytest.mark.parametrize("plan_args", [(7, 2, 2), (9, 3, 2), (6, 1, 4)])
@@ -90,7 +107,7 @@ def test_per_microbatch_leaves_the_rule_table_and_eval_mode_alone():
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-14), name
     with pytest.raises(mbcompile.MixingError):  # ...and only for modules compiled with it
-        mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+        mbcompile.compile(model, 7, 2, 2, example_inputs=batch, coupling="reject")
 
 
 def test_bad_batch_norm_value_is_an_input_error():

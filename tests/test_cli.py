@@ -198,6 +198,8 @@ def test_failures_exit_1(tmp_path, capsys):
         assert "--compile-only needs" in capsys.readouterr().err
 
 
+# Normed (BatchNorm in training) runs as a two-phase step; Baked bakes the batch size into
+# a shape, which no split can run: the CLI's rejection.
 REJECTED = '''
 import torch
 import torch.nn as nn
@@ -213,30 +215,53 @@ class Normed(nn.Module):
         return self.bn(self.l(x)).pow(2).mean()
 
 
+class Baked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l(x).view(8, 2, 2).pow(2).mean()
+
+
 def data(batch_size):
     return [(torch.randn(batch_size, 4),)]
 '''
 
 
-def test_a_rejected_model_is_drawn_and_explained(tmp_path, capsys, monkeypatch):
+def _cli_model_config(tmp_path, monkeypatch, name):
     (tmp_path / "cli_rejected_model.py").write_text(REJECTED)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "cli_rejected_model", raising=False)
-    (tmp_path / "bn.yaml").write_text(textwrap.dedent("""
-        model: cli_rejected_model:Normed
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(f"""
+        model: cli_rejected_model:{name}
         data: cli_rejected_model:data
         batch_size: 8
         num_csx: 2
     """))
-    assert main(["compile", str(tmp_path / "bn.yaml"), "--out", str(tmp_path / "art")]) == 1
+    return str(path)
+
+
+def test_a_rejected_model_is_drawn_and_explained(tmp_path, capsys, monkeypatch):
+    config = _cli_model_config(tmp_path, monkeypatch, "Baked")
+    assert main(["compile", config, "--out", str(tmp_path / "art")]) == 1
     err = capsys.readouterr().err
     first = err.splitlines()[0]
-    assert first.startswith("error: ") and "BatchNorm1d" in first and "node 'bn'" in first
-    assert "x -> l -> bn" in err  # the path from the batched input
+    assert first.startswith("error: ") and "Tensor.view" in first and "node 'view'" in first
+    assert "x -> l -> view" in err  # the path from the batched input
     assert "the graph with the mixing op highlighted" in err
     dot = (tmp_path / "art" / "rejected.dot").read_text()
-    assert '"o_bn" [' in dot and "#f87171" in dot
-    assert {"x", "l", "bn"} <= svg_lines(tmp_path / "art" / "rejected.svg")
+    assert '"o_view" [' in dot and "#f87171" in dot
+    assert {"x", "l", "view"} <= svg_lines(tmp_path / "art" / "rejected.svg")
+
+
+def test_batch_norm_in_training_compiles_as_a_two_phase_step(tmp_path, capsys, monkeypatch):
+    config = _cli_model_config(tmp_path, monkeypatch, "Normed")
+    assert main(["compile", config, "--mbs", "2", "--out", str(tmp_path / "art")]) == 0
+    out = capsys.readouterr().out
+    assert "two-phase step (a loss that couples samples)" in out
+    assert not (tmp_path / "art" / "rejected.dot").exists()
 
 
 def test_validate_command(tmp_path, capsys):

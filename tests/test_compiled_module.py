@@ -19,6 +19,7 @@ from models import (
     max_rel_err_outputs,
     one_intra_op_thread,
     rel_err,
+    step_errors,
     tensor_leaves,
 )
 
@@ -200,10 +201,10 @@ def test_call_with_wrong_arguments() -> None:
 
 
 def test_train_after_eval_compile_rechecks_batch_norm() -> None:
-    """BatchNorm is fine in eval; switching the compiled module to train must not run it."""
+    """BatchNorm is fine in eval; switching a strict compiled module to train must not run it."""
     model, batch = MODELS["batch_norm"](10)
     model.eval()
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, coupling="reject")
     with torch.no_grad():
         cm(*batch)
     cm.train()
@@ -212,6 +213,21 @@ def test_train_after_eval_compile_rechecks_batch_norm() -> None:
     with pytest.raises(MixingError, match="BatchNorm"):
         cm(*batch)
     assert torch.equal(model.bn.running_mean, running)
+
+
+def test_train_after_eval_compile_runs_batch_norm_as_a_two_phase_step() -> None:
+    """By default the module recompiled for training runs BatchNorm as a two-phase step:
+    equal to one eager full-batch step (loss, logits, gradients, running statistics)."""
+    model, batch = MODELS["batch_norm"](10)
+    model.eval()
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    with torch.no_grad():
+        cm(*batch)
+    cm.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)  # C's share of memory
+        errors = step_errors(model, cm, batch, floor=1e-4)  # inp.bias: zero up to rounding
+    assert_close_errors(errors, TOL)
 
 
 # --------------------------------------------------------------------------- #

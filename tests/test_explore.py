@@ -343,6 +343,7 @@ def test_validate_only_stops_after_analysis() -> None:
 
 
 def test_validate_only_still_rejects_mixing_and_accepts_an_unsplit_run() -> None:
+    """With coupling='reject'; the default validates the same model as a two-phase step."""
     class SoftmaxOverBatch(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -353,9 +354,13 @@ def test_validate_only_still_rejects_mixing_and_accepts_an_unsplit_run() -> None
 
     x = torch.randn(8, 4)
     with pytest.raises(mbcompile.MixingError):
-        mbcompile.compile(SoftmaxOverBatch(), 8, 1, 2, validate_only=True, example_inputs=(x,))
+        mbcompile.compile(SoftmaxOverBatch(), 8, 1, 2, validate_only=True, example_inputs=(x,),
+                          coupling="reject")
     v = mbcompile.compile(SoftmaxOverBatch(), 8, 1, "none", validate_only=True,
-                          example_inputs=(x,))
+                          example_inputs=(x,), coupling="reject")
     assert "runs unsplit" in v.report() and "one microbatch" in v.note
+    # By default the mixing model validates as a two-phase step, whatever the MBS.
+    v = mbcompile.compile(SoftmaxOverBatch(), 8, 1, 2, validate_only=True, example_inputs=(x,))
+    assert v.ok and v.two_phase and "as a two-phase step" in v.report()
     cm = mbcompile.compile(SoftmaxOverBatch(), 8, 1, "none", example_inputs=(x,))
     assert cm.plan.num_microbatches == 1 and cm.estimate is not None

@@ -22,6 +22,7 @@ tolerance:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,7 @@ from models import (
     keyword_steps,
     one_intra_op_thread,
     rel_err,
+    step_errors,
 )
 
 import mbcompile
@@ -276,7 +278,8 @@ def test_resnet_batchnorm_rejected_in_training(capture: str) -> None:
     model, batch = resnet_and_batch()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(MixingError) as info:
-        mbcompile.compile(model, GBS, NUM_CSX, 1, example_inputs=batch, capture=capture)
+        mbcompile.compile(model, GBS, NUM_CSX, 1, example_inputs=batch, capture=capture,
+                          coupling="reject")
     message = str(info.value)
     if capture == "fx":
         assert info.value.op == "torch.nn.BatchNorm2d (module 'stem.1')"
@@ -285,6 +288,20 @@ def test_resnet_batchnorm_rejected_in_training(capture: str) -> None:
     assert "GroupNorm" in message and "eval" in message
     # Capturing did not touch the running statistics.
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_resnet_batchnorm_in_training_runs_as_an_exact_two_phase_step(capture: str) -> None:
+    """By default: BatchNorm normalises by the whole batch's statistics in the coupled part;
+    systems of 2, 2, 1, 1 samples in microbatches of one. Loss, logits, every gradient and
+    every running statistic equal one eager full-batch step."""
+    model, batch = resnet_and_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)  # C's share of memory
+        cm = mbcompile.compile(model, GBS, NUM_CSX, 1, example_inputs=batch, capture=capture)
+        assert "two-phase step" in cm.plan.reason
+        errors = step_errors(model, cm, batch, floor=GRAD_FLOOR)
+    assert_close_errors(errors, TOL)
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
