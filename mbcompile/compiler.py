@@ -73,6 +73,7 @@ class _Inputs:
     coupling: str = "two_phase"  # or "reject": ops that mix samples raise MixingError
     outputs: Any = "all"  # "all", "loss", or output names: what a training step returns
     torch_compile: Any = None  # torch.compile kwargs for the body and coupled part (None: off)
+    recompute: Any = "auto"  # activation checkpointing per block: "auto", True or False
 
 
 @dataclass(frozen=True)
@@ -608,7 +609,8 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
                         analysed.state) if model.training else None
     rewritten = microbatch_rewrite(
         analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
-        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)}, keep=keep)
+        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)}, keep=keep,
+        recompute=plan.recompute and model.training)
     if analysed.analysis.two_phase and backend == "torch.distributed":
         from mbcompile.execution.two_phase import TEMPLATE, frontier_template
 
@@ -625,6 +627,12 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
 
 
 OUTPUT_MODES = ("all", "loss")
+
+
+def _check_recompute(option: Any) -> bool | str:
+    if option == "auto" or isinstance(option, bool):
+        return option
+    raise InputError(f"recompute must be 'auto', True or False, got {option!r}")
 
 
 def _check_torch_compile(option: Any) -> dict[str, Any] | None:
@@ -725,7 +733,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             measure_noise_scale: bool | NoiseScale = False,
             capture: str = "auto", batch_norm: str = "full_batch",
             coupling: str = "two_phase", outputs: Any = "all",
-            torch_compile: bool | Mapping[str, Any] = False, compile_only: bool = False,
+            torch_compile: bool | Mapping[str, Any] = False, recompute: bool | str = "auto",
+            compile_only: bool = False,
             validate_only: bool = False,
             measure: bool | int = False) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
@@ -793,7 +802,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     sig, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims)
     inputs = dataclasses.replace(inputs, capture=capture, batch_norm=batch_norm,
                                  coupling=coupling, outputs=_check_outputs(outputs),
-                                 torch_compile=_check_torch_compile(torch_compile))
+                                 torch_compile=_check_torch_compile(torch_compile),
+                                 recompute=_check_recompute(recompute))
     start = time.perf_counter()
     try:
         analysed = _analyse(inner, gbs, inputs, values)
@@ -812,7 +822,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                              [values[n] for n in inputs.names], inputs.in_dims, gbs, num_csx,
                              policy, spec, measure=measure, name=type(model).__name__,
                              two_phase=refused is None and analysed.rejected is not None,
-                             kept=keep)
+                             kept=keep, recompute=inputs.recompute if inner.training else False)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name

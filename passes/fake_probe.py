@@ -110,7 +110,12 @@ class FakeProbe(fx.Interpreter):
                 self.env, self.args_iter = {}, iter(())
 
     def fetch_attr(self, target: str) -> Any:
-        return self.fake(super().fetch_attr(target))
+        value = super().fetch_attr(target)
+        if isinstance(value, nn.Module):  # a submodule passed as a value (to checkpoint):
+            state = self.state(value)     # called with fake parameters, as call_module is
+            return lambda *args, **kwargs: torch.func.functional_call(value, state, args,
+                                                                      kwargs)
+        return self.fake(value)
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         module = self.module.get_submodule(target)

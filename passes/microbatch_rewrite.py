@@ -43,6 +43,7 @@ from . import ops, partials
 from .batch_analysis import BatchAnalysis
 from .coupling import Partition, partition
 from .facts import FACT, REDUCTION, ReductionSpec
+from .recompute import checkpoint_blocks
 
 __all__ = ["microbatch_rewrite", "two_phase_parts"]
 
@@ -63,7 +64,8 @@ def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
 
 def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, int]],
                        systems: Sequence[int], in_dims: Mapping[str, Any],
-                       keep: Collection[int] | None = None) -> fx.GraphModule:
+                       keep: Collection[int] | None = None,
+                       recompute: bool = False) -> fx.GraphModule:
     """Return the microbatched ``GraphModule`` (with the body as submodule ``body``).
 
     ``slices`` are the non-empty microbatches' (start, stop) in the batch the
@@ -77,12 +79,15 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
 
     ``keep``: the output leaves to return (None: all); the others come back as None and
     are neither computed after the loop nor kept per microbatch (a training step's
-    logits that nobody reads).
+    logits that nobody reads). ``recompute``: the body's repeated blocks run under
+    activation checkpointing (``recompute.py``).
     """
     parts = _cut(analysis, keep)
     gm, placeholders, leaves = parts.gm, parts.placeholders, parts.leaves
     part, frontier, slots, specs = parts.part, parts.frontier, parts.slots, parts.specs
     names, source, body = parts.names, parts.source, parts.body
+    if recompute:
+        body = checkpoint_blocks(body) or body
 
     # 2. The top graph: split -> loop -> accumulate -> tail, or split -> two-phase step.
     top = fx.Graph()

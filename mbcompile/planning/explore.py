@@ -52,6 +52,7 @@ from torch.utils import _pytree as pytree
 from mbcompile.errors import ArgumentTypeError, MbcompileError, MbcompileWarning, PlanError
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.errors import MixingError
+from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.planning.cost import (
     CostModel,
     CostModelError,
@@ -692,7 +693,7 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
              gbs: int, num_csx: int, mbs: MbsPolicy | object, system: SystemSpec, *,
              measure: bool | int = False, progress: bool | None = None,
              name: str | None = None, two_phase: bool = False,
-             kept: frozenset[int] | None = None) -> Selection:
+             kept: frozenset[int] | None = None, recompute: bool | str = False) -> Selection:
     """``compile()``'s planning step: cost model of the analysed graph, then :func:`select_plan`.
 
     ``analysis`` is the batch analysis of the captured graph (it says which outputs
@@ -703,6 +704,8 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
     When the analysis rejected a split (and the request runs one microbatch on one
     system), only that size is probed and checked, unless it runs as a ``two_phase`` step.
     ``kept``: the output leaves a training step returns (``compile(outputs=...)``).
+    ``recompute``: activation checkpointing per block: True, False, or ``"auto"`` (only
+    when no MBS fits without it; the plan then says so).
     """
     unsplit = analysis.rejected is not None and not two_phase
     gm = analysis.graph_module
@@ -727,16 +730,46 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
     except CostModelError as exc:
         cost, error = None, str(exc)
     timer = HostTimer(gm, values, in_dims, reps) if reps else None
+    checkpointed = None if two_phase or unsplit or recompute is False \
+        else checkpoint_blocks(analysis.graph_module)
+    if recompute is True and checkpointed is not None:
+        return _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx, mbs,
+                               system, pbs, name, kept, progress, None)
     try:
         selection = select_plan(gbs, num_csx, mbs, cost, system, timer=timer, progress=progress,
                                 cost_error=error, unsplit=unsplit)
     except DoesNotFitError as exc:
         if two_phase and isinstance(cost, TwoPhaseCostModel):
             raise _two_phase_too_big(analysis, cost, exc, values, in_dims, pbs, system) from exc
+        if checkpointed is not None:  # "auto": the other way to trade compute for memory
+            try:
+                return _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx,
+                                       mbs, system, pbs, name, kept, progress, exc)
+            except DoesNotFitError:
+                pass
         raise
     if two_phase and isinstance(cost, TwoPhaseCostModel) and selection.estimate is not None:
         selection = _two_phase_selection(selection, cost)
     return selection
+
+
+def _with_recompute(analysis: BatchAnalysis, checkpointed: Any, values: Sequence[Any],
+                    in_dims: Sequence[int | None], gbs: int, num_csx: int, mbs: Any,
+                    system: SystemSpec, pbs: int, name: str | None,
+                    kept: frozenset[int] | None, progress: bool | None,
+                    without: DoesNotFitError | None) -> Selection:
+    """The plan with activation checkpointing per block, its cost probed as it runs."""
+    cost = analyse_cost(replace(analysis, graph_module=checkpointed), values, in_dims, pbs=pbs,
+                        name=name, kept_outputs=kept)
+    selection = select_plan(gbs, num_csx, mbs, cost, system, progress=progress)
+    why = ("activation checkpointing per block (recompute=True)" if without is None else
+           f"activation checkpointing per block: without it even mbs {without.mbs} needs "
+           f"{format_bytes(without.needed)} of {format_bytes(without.available)}")
+    peak = selection.estimate.memory.peak if selection.estimate is not None else 0.0
+    plan = replace(selection.plan, recompute=True,
+                   reason=f"{selection.plan.reason}; {why}; with it the modelled peak is "
+                          f"{format_bytes(peak)}")
+    return replace(selection, plan=plan)
 
 
 def _two_phase_selection(selection: Selection, cost: TwoPhaseCostModel) -> Selection:

@@ -298,6 +298,8 @@ class MicrobatchPlan:
     reason: str  # why this mbs
     #: Tokens per sample when the inputs have a sequence dim (set by compile), else None.
     tokens_per_sample: int | None = None
+    #: Activation checkpointing per block (``passes/recompute.py``), chosen by the plan.
+    recompute: bool = False
 
     @property
     def pbs(self) -> int:
@@ -365,6 +367,8 @@ class MicrobatchPlan:
             lines.append(f"  tokens ({t} per sample): global {self.gbs * t}, per system "
                          f"{', '.join(str(n * t) for n in self.per_system_batch_sizes)}, "
                          f"per microbatch at most {self.max_microbatch_size * t}")
+        if self.recompute:
+            lines.append("  recompute: activation checkpointing per block")
         lines.append(f"  reason: {self.reason}")
         if self.warnings:
             lines.append("  warnings:")
