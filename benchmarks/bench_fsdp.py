@@ -1,0 +1,177 @@
+"""A model sharded with FSDP2 on 2 gloo ranks: mbcompile against a hand-written FSDP2 loop.
+
+    python benchmarks/bench_fsdp.py                 # 20 rounds
+    python benchmarks/bench_fsdp.py --rounds 40
+
+Both train the same small GPT, sharded the usual way (``fully_shard`` on each block,
+then on the root), on the same global batch with the same MBS. The hand-written loop
+is the FSDP2 idiom for gradient accumulation: ``set_requires_gradient_sync(False)``
+before every microbatch but the last, each microbatch's mean weighted by its share of
+the global token count (one all-reduce of the count per step, which an exact loop
+needs as the compiled step does; times the world size, since FSDP averages). The two
+alternate round by round (the order rotates), each step starts from a barrier, and
+the ratio is the median of the per-round ratios of rank 0's wall time. Collectives
+are counted per step from the c10d calls FSDP2 makes (reduce-scatter, all-gather)
+and from all-reduce; the gradients (``full_tensor()``) of one more step of each are
+compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import mbcompile
+from mbcompile.execution import distributed as mbdist
+from mbcompile.models import IGNORE_INDEX, make_tiny_gpt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import alternate  # noqa: E402
+
+CONFIG = dict(vocab=1000, width=256, depth=4, heads=4, seq=128)
+GBS, MBS, WARMUP = 16, 4, 2
+ROUNDS = 20
+KINDS = {"reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+         "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+         "all_reduce": ("all_reduce",)}
+
+
+class _Counted:
+    """Counts the c10d calls by kind while active (FSDP2 calls them through ``dist``)."""
+
+    def __enter__(self) -> dict[str, int]:
+        self.counts = dict.fromkeys(KINDS, 0)
+        self.saved = []
+        for kind, names in KINDS.items():
+            for name in names:
+                real = getattr(dist, name, None)
+                if real is not None:
+                    self.saved.append((name, real))
+
+                    def counted(*a, _real=real, _kind=kind, **k):
+                        self.counts[_kind] += 1
+                        return _real(*a, **k)
+
+                    setattr(dist, name, counted)
+        return self.counts
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self.saved:
+            setattr(dist, name, real)
+
+
+def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _hand_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+               sizes: tuple[int, ...], world: int) -> torch.Tensor:
+    """An FSDP2 user's exact step: gradient sync on the last microbatch only."""
+    ids, labels = batch
+    bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    slices = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+    counts = [(labels[a:b] != IGNORE_INDEX).sum() for a, b in slices]
+    total = torch.stack(counts).sum()
+    dist.all_reduce(total)  # the global count, as the compiled step's packed sums
+    loss = torch.zeros(())
+    for k, ((a, b), count) in enumerate(zip(slices, counts)):
+        model.set_requires_gradient_sync(k == len(slices) - 1)
+        mean, _ = model(ids[a:b], labels[a:b])
+        part = mean * (count * world / total)
+        part.backward()
+        loss += part.detach() / world
+    return loss
+
+
+def _rank(rank: int, world: int, out: str, rounds: int) -> None:
+    torch.set_num_threads(1)
+    model, batch = make_tiny_gpt(GBS, **CONFIG)
+    twin = _shard(copy.deepcopy(model))
+    model = _shard(model)
+    cm = mbcompile.compile(model, GBS, world, MBS, example_inputs=batch,
+                           backend="torch.distributed", outputs="loss")
+    local = mbdist.shard(batch, cm.plan, rank)
+    sizes = cm.plan.microbatch_sizes[rank]
+
+    def compiled() -> object:
+        loss, _ = cm(*local)
+        loss.backward()
+        return loss
+
+    def hand() -> object:
+        loss = _hand_step(twin, local, sizes, world)
+        return loss
+
+    contenders = {"mbcompile": (model, compiled),
+                  "FSDP2 + set_requires_gradient_sync": (twin, hand)}
+    names = list(contenders)
+
+    def before() -> None:  # untimed: both start from no gradients and from a barrier
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        dist.barrier()
+
+    timed = alternate({n: step for n, (_, step) in contenders.items()}, rounds, WARMUP, before)
+    times, cpu = timed.wall, timed.cpu
+    grads, counts = {}, {}
+    for name in names:  # one more step of each from zero gradients: collectives, gradients
+        module, step = contenders[name]
+        module.zero_grad(set_to_none=True)
+        with _Counted() as counts[name]:
+            step()
+        grads[name] = [p.grad.full_tensor() for p in module.parameters()]
+    ref = grads[names[1]]
+    diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+               for a, b in zip(grads["mbcompile"], ref))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"times": times, "cpu": cpu, "grad_diff": diff, "counts": counts,
+                       "microbatches": len([s for s in sizes if s])}, f)
+
+
+def versus_hand(rounds: int) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rank0.json")
+        mbdist.launch(_rank, 2, out, rounds, timeout_s=600.0)
+        got = json.load(open(out))
+    times, cpu = got["times"], got["cpu"]
+    hand = "FSDP2 + set_requires_gradient_sync"
+    print(f"2 gloo ranks, small GPT {CONFIG} sharded per block and at the root (5 FSDP "
+          f"units), gbs {GBS}, mbs {MBS} ({got['microbatches']} microbatches per rank); "
+          f"{rounds} rounds, contenders in turn, one torch thread per rank; rank 0's wall "
+          "time per step, medians; '/ hand' is the median of the per-round ratios")
+    print(f"{'contender':36s} {'median ms':>9s} {'/ hand':>6s} {'quartiles':>13s} "
+          f"{'CPU ms':>7s} {'CPU / hand':>10s} {'RS':>3s} {'AG':>3s} {'AR':>3s}")
+    for name, ts in times.items():
+        ratios = sorted(t / h for t, h in zip(ts, times[hand]))
+        q1, q3 = ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]
+        cpu_ratio = statistics.median(c / h for c, h in zip(cpu[name], cpu[hand]))
+        c = got["counts"][name]
+        print(f"{name:36s} {statistics.median(ts) * 1e3:9.1f} {statistics.median(ratios):6.3f} "
+              f"{q1:6.3f}-{q3:.3f} {statistics.median(cpu[name]) * 1e3:7.1f} {cpu_ratio:10.3f} "
+              f"{c['reduce_scatter']:3d} {c['all_gather']:3d} {c['all_reduce']:3d}")
+    print(f"collectives per step per rank: RS reduce-scatter, AG all-gather, AR all-reduce. "
+          f"Gradients (full_tensor()): mbcompile against the hand loop, largest difference "
+          f"relative to the tensor's largest element {got['grad_diff']:.1e} (float32)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of the side-by-side")
+    versus_hand(parser.parse_args().rounds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
