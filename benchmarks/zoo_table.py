@@ -7,10 +7,11 @@
 Each model runs the case ``tests/test_zoo.py`` runs (one training step, GBS 7 over
 2 systems, MBS 2, against the eager full batch), in this one process, one model
 after the other. The table groups the models of a family by what they gave today:
-a match and its tolerance class, the expected rejection, or today's refusal (its
-first error line). Below it: the number of models of each outcome, the slowest
-compile and the total time. Any outcome that differs from the registry's entry
-is listed after the table and makes the exit status 1: update ``tests/zoo.py``.
+a match and its tolerance class (and whether it ran as a two-phase step), the
+expected rejection, or today's refusal (its first error line). Below it: the
+number of models of each outcome, the slowest compile and the total time. Any
+outcome that differs from the registry's entry is listed after the table and makes
+the exit status 1: update ``tests/zoo.py``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def result_text(o: Outcome) -> str:
     if o.result == "match":
         tol = o.entry.tolerance
         assert tol is not None
+        how = " as a two-phase step" if o.two_phase else ""
         if tol.name == "float64":
-            return "matches eager (float64, ≤ 1e-10)"
-        return f"matches eager to float32 rounding ({tol.name})"
+            return f"matches eager{how} (float64, ≤ 1e-10)"
+        return f"matches eager{how} to float32 rounding ({tol.name})"
     if o.result == "rejected" and o.as_expected:
         return f"rejected as expected: {o.entry.expected.removeprefix('reject:')}"
     if o.result == "mismatch":
@@ -66,7 +68,8 @@ def table(outcomes: list[Outcome]) -> str:
 
 def summary(outcomes: list[Outcome], total_s: float, cpu_s: float) -> str:
     counts = Counter(
-        "match" if o.result == "match"
+        "two-phase match" if o.result == "match" and o.two_phase
+        else "match" if o.result == "match"
         else "expected rejection" if o.result == "rejected" and o.as_expected
         else "known failure" if o.entry.known_failure is not None and not o.as_expected
         else "unexpected" for o in outcomes)
@@ -75,7 +78,8 @@ def summary(outcomes: list[Outcome], total_s: float, cpu_s: float) -> str:
                        + ": " + _op(o.detail) for o in outcomes
                        if o.result != "match" and not o.as_expected)
     lines = [
-        f"{len(outcomes)} models: {counts['match']} match eager, "
+        f"{len(outcomes)} models: {counts['match'] + counts['two-phase match']} match eager "
+        f"({counts['two-phase match']} of them as two-phase steps), "
         f"{counts['expected rejection']} rejected as expected, "
         f"{counts['known failure']} refused today (known failures)"
         + (f", **{counts['unexpected']} unexpected**" if counts["unexpected"] else "") + ".",
@@ -104,7 +108,8 @@ def surprises(outcomes: list[Outcome]) -> list[str]:
         if e.known_failure is not None and o.result == "match":
             out.append(f"{e.name}: now matches eager: drop its known_failure")
         elif e.known_failure is None and not o.as_expected:
-            out.append(f"{e.name}: expected {e.expected}, got {o.result}: {o.detail}")
+            got = f"{o.result} (two-phase step)" if o.two_phase else o.result
+            out.append(f"{e.name}: expected {e.expected}, got {got}: {o.detail}")
     return out
 
 

@@ -6,8 +6,11 @@ full-batch step on the same model, and compares the loss, every output tensor an
 every parameter gradient within the entry's tolerance class (``zoo.F64``,
 ``zoo.F32_LOSS``, ``zoo.F32_INSIDE``, ``zoo.F32_MODEL``; each states its reason,
 and the test checks the part of the reason it can see: the eager loss's dtype).
-Or compiling is refused with a ``MixingError`` whose message names the entry's
-reason (BatchNorm in training).
+An entry expected ``"two-phase"`` (BatchNorm in training: its ops mix samples) must
+match the same way and compile to a two-phase step; a ``"match"`` entry must not (a
+plain split: one microbatch of activations, no extra forward). An entry
+``"reject:<reason>"`` is refused with a ``MixingError`` whose message names the
+reason (none today: what no two-phase step can run).
 
 An entry with ``known_failure`` must match but is refused today: it is marked
 ``xfail(strict=True, raises=MbcompileError)``. When a fix lands the case passes,
@@ -31,12 +34,14 @@ from zoo import (
     F32_MODEL,
     F64,
     GBS,
+    MATCHES,
     NUM_CSX,
     ZOO,
     ZooModel,
     build_case,
     compare,
     compile_case,
+    is_two_phase,
 )
 
 from mbcompile import MbcompileError, MixingError
@@ -65,7 +70,7 @@ def _param(entry: ZooModel) -> Any:
     return pytest.param(entry, id=entry.name, marks=marks)
 
 
-MATCH = [_param(e) for e in ZOO if e.expected == "match"]
+MATCH = [_param(e) for e in ZOO if e.expected in MATCHES]
 REJECT = [_param(e) for e in ZOO if e.expected.startswith("reject:")]
 
 
@@ -88,6 +93,7 @@ def test_zoo_model_matches_eager_full_batch(entry: ZooModel) -> None:
     case = build_case(entry)
     cm = compile_case(case)
     assert cm.plan.per_system_batch_sizes == (4, 3)
+    assert is_two_phase(cm) == (entry.expected == "two-phase"), cm.plan.reason
     errors = compare(case, cm)
     tolerance = entry.tolerance
     assert tolerance is not None

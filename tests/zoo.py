@@ -8,12 +8,15 @@ and what compiling it must give:
     ZooModel("llama", "causal LM", build=..., batch=tokens,
              expected="match", tolerance=F32_LOSS)             # matches eager
     ZooModel("resnet", "vision classification", ...,
-             expected="reject:BatchNorm in training")          # MixingError naming it
+             expected="two-phase", tolerance=F64)    # matches eager, a two-phase step
 
 One case is one training step on an uneven plan, ``GBS = 7`` samples over
 ``NUM_CSX = 2`` systems with ``MBS = 2`` (systems get 4 and 3 samples, run as
 microbatches 2+2 and 2+1), against one eager step on the whole batch: the loss,
-every output tensor and every parameter's gradient. Text batches are right-padded
+every output tensor and every parameter's gradient. A model whose ops mix samples
+(BatchNorm in training) runs as a two-phase step (``compile``'s default coupling)
+and must match all the same; ``"reject:<reason>"`` would expect a ``MixingError``
+for what no two-phase step can run. Text batches are right-padded
 with lengths 8, 5, 3, 8, 1, 6, 2 and -100 labels on the padding, so
 microbatches hold different numbers of real tokens.
 
@@ -46,6 +49,7 @@ __all__ = [
     "FAMILIES",
     "GBS",
     "GRAD_FLOOR",
+    "MATCHES",
     "MBS",
     "NUM_CSX",
     "ZOO",
@@ -57,6 +61,7 @@ __all__ = [
     "compare",
     "compile_case",
     "first_line",
+    "is_two_phase",
     "run_case",
 ]
 
@@ -72,6 +77,10 @@ GRAD_FLOOR = 1e-4
 # --------------------------------------------------------------------------- #
 # Tolerance classes: each says why it is what it is
 # --------------------------------------------------------------------------- #
+
+
+#: The expectations that compare against eager: a plain split, or a two-phase step.
+MATCHES = ("match", "two-phase")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +238,10 @@ def lora_llama() -> nn.Module:
 class ZooModel:
     """One architecture, its batch, and what compiling it must give.
 
-    ``expected`` is ``"match"`` (within ``tolerance``) or ``"reject:<substring>"``
-    (a ``MixingError`` whose message contains the substring, case-insensitive).
+    ``expected`` is ``"match"`` (within ``tolerance``, microbatched plainly),
+    ``"two-phase"`` (within ``tolerance``, run as a two-phase step: its ops mix samples)
+    or ``"reject:<substring>"`` (a ``MixingError`` whose message contains the
+    substring, case-insensitive).
     ``why`` says why the tolerance or the rejection is what it is, where the class's
     own reason does not say it all. ``known_failure`` is the first line of today's
     error for a model that must match but is refused now; ``None`` when it works.
@@ -247,8 +258,8 @@ class ZooModel:
     requires: str = "transformers"  # the module the builder imports
 
     def __post_init__(self) -> None:
-        assert self.expected == "match" or self.expected.startswith("reject:"), self.expected
-        assert (self.tolerance is not None) == (self.expected == "match"), self.name
+        assert self.expected in MATCHES or self.expected.startswith("reject:"), self.expected
+        assert (self.tolerance is not None) == (self.expected in MATCHES), self.name
         assert self.known_failure is None or self.expected == "match", self.name
 
 
@@ -285,7 +296,7 @@ def vision(name: str, model: str, config: str, *, base: dict[str, Any] = VISION,
            expected: str = "match", why: str = "", known_failure: str | None = None,
            **cfg: Any) -> ZooModel:
     return ZooModel(name, VISION_CLS, hf(model, config, **{**base, **cfg}), images,
-                    expected=expected, tolerance=F64 if expected == "match" else None,
+                    expected=expected, tolerance=F64 if expected in MATCHES else None,
                     why=why, known_failure=known_failure)
 
 
@@ -296,9 +307,10 @@ def moe(name: str, model: str, config: str, *, why: str = "",
                     tokens, tolerance=F32_MODEL, why=why, known_failure=known_failure)
 
 
-BATCH_NORM = ("reject:BatchNorm in training",
+BATCH_NORM = ("two-phase",
               "BatchNorm in training normalises with the statistics of the whole batch: "
-              "a split changes every sample's output (issue 12, item 6)")
+              "a plain split would change every sample's output (issue 12, item 6), so it "
+              "runs as a two-phase step, the statistics taken once on the whole batch")
 RMS_NORM_F32 = "LlamaRMSNorm normalises in float32 whatever the model's dtype"
 T5_NORM_F32 = "T5LayerNorm computes the variance in float32 (hidden_states.to(torch.float32))"
 FUNNEL = dict(vocab_size=VOCAB, d_model=WIDTH, n_head=HEADS, num_decoder_layers=1,
@@ -455,6 +467,11 @@ def compare(case: Case, cm: Any) -> dict[str, Any]:
             "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
 
 
+def is_two_phase(cm: Any) -> bool:
+    """The compiled step is a two-phase step (the plan's reason says so)."""
+    return "two-phase step" in cm.plan.reason
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
@@ -462,7 +479,8 @@ def first_line(exc: BaseException) -> str:
 
 @dataclasses.dataclass
 class Outcome:
-    """What running one entry gave: ``result`` is match, mismatch, rejected or error."""
+    """What running one entry gave: ``result`` is match, mismatch, rejected or error;
+    ``two_phase``: the compiled step was a two-phase step."""
 
     entry: ZooModel
     result: str
@@ -472,12 +490,13 @@ class Outcome:
     compile_cpu_s: float = 0.0
     total_s: float = 0.0
     worst: float = 0.0
+    two_phase: bool = False
 
     @property
     def as_expected(self) -> bool:
         e = self.entry
-        if e.expected == "match":
-            return self.result == "match"
+        if e.expected in MATCHES:
+            return self.result == "match" and self.two_phase == (e.expected == "two-phase")
         return self.result == "rejected" and e.expected[len("reject:"):].lower() in (
             self.message.lower())
 
@@ -497,6 +516,7 @@ def run_case(entry: ZooModel) -> Outcome:
         t0, c0 = time.perf_counter(), time.process_time()
         cm = compile_case(case)
         compile_s, compile_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        two_phase = is_two_phase(cm)
         errors = compare(case, cm)
     except MixingError as exc:
         return Outcome(entry, "rejected", first_line(exc), str(exc),
@@ -508,4 +528,4 @@ def run_case(entry: ZooModel) -> Outcome:
     tol = entry.tolerance.tol if entry.tolerance else F64.tol
     return Outcome(entry, "match" if worst <= tol else "mismatch", f"max rel err {worst:.1e}",
                    compile_s=compile_s, compile_cpu_s=compile_cpu_s,
-                   total_s=time.perf_counter() - start, worst=worst)
+                   total_s=time.perf_counter() - start, worst=worst, two_phase=two_phase)
