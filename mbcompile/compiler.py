@@ -40,7 +40,7 @@ from mbcompile.execution import BACKENDS, StepChannels, bindings
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.passes import batch_rules, ops
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
-from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
+from mbcompile.passes.capture import CaptureResult, OutputSpec, capture, fsdp_modules
 from mbcompile.passes.export_capture import export_capture
 from mbcompile.passes.facts import input_fact
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
@@ -784,6 +784,14 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     inner = unwrapped.module
     if capture not in CAPTURES:
         raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
+    if fsdp_modules(inner) and backend != "torch.distributed":
+        raise InputError(
+            f"{type(model).__name__} is sharded with fully_shard, so its parameters live on "
+            "several ranks: compile it with backend='torch.distributed' inside the process "
+            "group that sharded it")
+    if fsdp_modules(inner) and capture == "export":
+        raise InputError("a model sharded with fully_shard is captured with torch.fx "
+                         "(capture='auto' or 'fx'); torch.export cannot trace FSDP's DTensors")
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if unwrapped.world_size > 1 and backend != "torch.distributed":

@@ -69,7 +69,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import partials
+from . import ops, partials
 from .facts import (
     PARAMS,
     REDUCTION,
@@ -1552,6 +1552,12 @@ def drop_rule(ctx: RuleContext) -> Fact:
 
 
 @_handles_positions
+def unit_marker(ctx: RuleContext) -> Fact:
+    """An FSDP unit marker hands its values on unchanged: one fact per value."""
+    return Container(tuple((i, ctx.fact(v)) for i, v in enumerate(ctx.node.args[1:])))
+
+
+@_handles_positions
 def detach_rule(ctx: RuleContext) -> Fact:
     """detach/alias and the like: the same values (positions stay positions)."""
     x = ctx.arg(0, "input")
@@ -1824,6 +1830,7 @@ TABLE.add(spellings("real", "imag", "view_as_real", "view_as_complex"), linear) 
 # --- Casts and copies: same values, new dtype/device/memory; reductions pass through -----
 TABLE.add(CASTS, detach_rule, keeps_positions=True)  # x.float(), x.to(dev), x.clone()
 TABLE.add(DETACHES, detach_rule, keeps_positions=True)  # same values, no autograd history
+TABLE.add([ops.fsdp_unit_enter, ops.fsdp_unit_exit], unit_marker)  # FSDP units: identities
 TABLE.add(EXPORT_CHECKS, drop_rule)  # export's asserts: no value, batch-free
 # --- Reshapes and dim moves: values untouched; the shapes locate the batch dim -----------
 TABLE.add(RESHAPES, reshape_rule, keeps_positions=True)  # (B, T, C) -> (B*T, C) batch-major

@@ -46,7 +46,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
-from .facts import Container, Fact
+from .ops import fsdp_unit_enter, fsdp_unit_exit
 from .sources import is_library
 
 __all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",
@@ -197,11 +197,15 @@ def user_frame(tb: traceback.StackSummary | list[traceback.FrameSummary]) -> str
     return "<unknown source line>"
 
 
+def _tracer_frame(path: str) -> bool:
+    """torch's own frames, and this module's tracer (its call_module override)."""
+    return path.startswith(_TORCH_DIR) or path == os.path.abspath(__file__)
+
+
 def _user_stack(stack_trace: str) -> str:
     """The recorded stack without torch's own frames (fx's printouts then show the user's line)."""
     frames = [m.group(0) for m in _FRAME.finditer("  " + stack_trace.lstrip())]
-    kept = [f for f in frames if not os.path.abspath(_FRAME.match(f).group(1)).startswith(
-        _TORCH_DIR)]
+    kept = [f for f in frames if not _tracer_frame(os.path.abspath(_FRAME.match(f).group(1)))]
     return "".join(kept).rstrip("\n") if kept else stack_trace
 
 
@@ -209,27 +213,6 @@ def _user_stack(stack_trace: str) -> str:
 
 #: Attribute of a stand-in parameter: ``(root model, qualified name)`` of the sharded one.
 FSDP_PARAM = "_mbcompile_fsdp_param"
-
-
-def fsdp_unit_enter(unit: str, *values: Any) -> tuple[Any, ...]:
-    """Marker: the sharded submodule ``unit`` is called with ``values`` (its tensor
-    arguments). The identity here; the torch.distributed backend runs FSDP's
-    pre-forward (all-gather) in its place."""
-    return values
-
-
-def fsdp_unit_exit(unit: str, *values: Any) -> tuple[Any, ...]:
-    """Marker: the sharded submodule ``unit`` returns ``values``. The identity here;
-    the backend runs FSDP's post-forward (reshard, backward hooks) in its place."""
-    return values
-
-
-def _unit_marker_rule(ctx: Any) -> Fact:
-    """A unit marker hands its values on unchanged: one fact per value."""
-    return Container(tuple((i, ctx.fact(v)) for i, v in enumerate(ctx.node.args[1:])))
-
-
-_unit_marker_rule.handles_positions = True  # type: ignore[attr-defined]  # the identity
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -263,10 +246,6 @@ def _fsdp_view(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
     if not units:
         yield
         return
-    from .batch_rules import TABLE
-
-    # TODO(lead): one line in batch_rules' table instead (requested in issue 18's report)
-    TABLE.add([fsdp_unit_enter, fsdp_unit_exit], _unit_marker_rule)  # values pass through
     saved = []
     for _, m in units:
         m.reshard()  # an unsharded unit (the root after an eval forward) frees its gather

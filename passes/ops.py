@@ -34,6 +34,8 @@ __all__ = [
     "accumulate_sum",
     "all_reduce_sums",
     "bind",
+    "fsdp_unit_enter",
+    "fsdp_unit_exit",
     "microbatch_loop",
     "op_of",
     "split",
@@ -132,6 +134,19 @@ def two_phase_step(body: Callable[..., Any], coupled: Callable[..., Any],
     for i, total in zip(sums, all_reduce_sums(*(joined[i] for i in sums))):
         joined[i] = total
     return as_tuple(coupled(*joined, *free))
+
+
+def fsdp_unit_enter(unit: str, *values: Any) -> tuple[Any, ...]:
+    """Marker: the sharded submodule ``unit`` is called with ``values`` (its tensor
+    arguments). The identity here; the torch.distributed backend runs FSDP's
+    pre-forward (all-gather) in its place (``mbcompile/execution/fsdp.py``)."""
+    return values
+
+
+def fsdp_unit_exit(unit: str, *values: Any) -> tuple[Any, ...]:
+    """Marker: the sharded submodule ``unit`` returns ``values``. The identity here;
+    the backend runs FSDP's post-forward (reshard, backward hooks) in its place."""
+    return values
 
 
 #: The ops a backend may bind: the loop, the collective and the two-phase step.

@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from mbcompile.passes.capture import FSDP_PARAM, fsdp_unit_enter, fsdp_unit_exit
+from mbcompile.passes.capture import FSDP_PARAM
+from mbcompile.passes.ops import fsdp_unit_enter, fsdp_unit_exit
 
 __all__ = ["ShardedStep", "bind_units", "sharded_root", "is_sharded"]
 
