@@ -52,3 +52,28 @@ def test_one_status_read_per_step(tmp_path):
     mbdist.launch(workers.counted_step, 2, str(tmp_path), "clip", 7, 2, timeout_s=60.0)
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt")["reads"] == [1, 1]
+
+
+@pytest.mark.parametrize("world,gbs,mbs", [(2, 7, 2), (3, 8, 1)])
+def test_every_family_on_ranks(tmp_path, world, gbs, mbs):
+    """Every family of tests/coupled_models.py (CLIP, SigLIP, SimCLR, batch-hard triplet,
+    centring, RMSE, RMSE + CE, BatchNorm, loss + logits): loss, gradients and buffers on
+    each rank equal the single-process full batch's."""
+    from coupled_models import COUPLED
+
+    mbdist.launch(workers.families_step, world, str(tmp_path), gbs, mbs, timeout_s=120.0)
+    got = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    for family, make in COUPLED.items():
+        model, batch = make(gbs)
+        out = model(*batch)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        eager = torch.cat([p.grad.flatten() for p in model.parameters()])
+        for rank in range(world):
+            mine = got[rank][family]
+            assert mine["two_phase"], family
+            assert relative_error(mine["loss"], loss) <= 1e-10, (family, rank)
+            grads = torch.cat([mine["grads"][n].flatten() for n, _ in model.named_parameters()])
+            assert relative_error(grads, eager) <= 1e-10, (family, rank)
+            for n, b in model.named_buffers():
+                assert relative_error(mine["buffers"][n], b) <= 1e-10, (family, rank, n)

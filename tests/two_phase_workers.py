@@ -118,3 +118,22 @@ def counted_step(rank: int, world: int, out_dir: str, name: str, gbs: int, mbs: 
         counts.append(len(reads) - start)
     runtime.read_host = real
     torch.save({"reads": counts}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def families_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
+    """One two-phase step of every family of tests/coupled_models.py on this rank's share:
+    the loss, the gradients and the buffers (BatchNorm's running statistics) of each."""
+    from coupled_models import COUPLED
+
+    results = {}
+    for family, make in COUPLED.items():
+        model, batch = make(gbs)
+        cm = mbcompile.compile(model, gbs, world, mbs, example_inputs=batch,
+                               backend="torch.distributed", coupling="two_phase")
+        out = cm(*mbdist.shard(batch, cm.plan, rank))
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        results[family] = {"loss": loss.detach(), "two_phase": "two-phase" in cm.plan.reason,
+                           "grads": {n: p.grad for n, p in model.named_parameters()},
+                           "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
