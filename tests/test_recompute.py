@@ -106,3 +106,33 @@ def test_bad_recompute_is_refused():
     model, batch = make_mlp(GBS)
     with pytest.raises(mbcompile.InputError, match="recompute must be"):
         mbcompile.compile(model, GBS, 2, 4, example_inputs=batch, recompute="yes")
+
+
+def _tight_between_full_batches(model, batch):
+    """A system where the whole per-system batch fits only with checkpointing."""
+    full = {rc: mbcompile.compile(model, 16, 1, 16, example_inputs=batch, compile_only=True,
+                                  recompute=rc).estimate.memory.peak for rc in (False, True)}
+    assert full[True] < full[False]
+    return replace(get_system("host"), name="tight", memory_bytes=(full[False] + full[True]) / 2)
+
+
+def test_auto_and_explore_choose_mbs_and_recompute_jointly(tmp_path):
+    model, batch = make_tiny_gpt(16, dtype=torch.float64, depth=4, seq=32)
+    tight = _tight_between_full_batches(model, batch)
+    explored = mbcompile.compile(model, 16, 1, "explore", example_inputs=batch, system=tight,
+                                 compile_only=True)
+    x = explored.exploration
+    assert x.joint and {c.recompute for c in x.candidates} == {False, True}
+    assert not x.candidate(16).fits and x.candidate(16, recompute=True).fits
+    best = min((c for c in x.candidates if c.fits), key=lambda c: c.step_s)
+    assert (x.best, x.best_recompute) == (best.mbs, best.recompute)
+    assert explored.plan.recompute == best.recompute
+    assert f"recompute={best.recompute}" in explored.plan.reason
+    table = x.table()
+    assert "recompute" in table.splitlines()[0] and table.count(" *") == 1
+    assert x.plot(tmp_path / "joint.png").stat().st_size > 0
+    auto = mbcompile.compile(model, 16, 1, "auto", example_inputs=batch, system=tight)
+    assert (auto.plan.mbs, auto.plan.recompute) == (best.mbs, best.recompute)
+    # where everything fits without it, auto never recomputes
+    assert not mbcompile.compile(model, 16, 1, "auto", example_inputs=batch,
+                                 compile_only=True).plan.recompute

@@ -133,12 +133,14 @@ class Candidate:
     samples_per_s: float
     loop_s: float  # the modelled microbatch loop: step minus all-reduce and optimizer
     measured_loop_s: float | None = None  # the same loop, timed on this host
+    recompute: bool = False  # with activation checkpointing per block
 
     def to_dict(self) -> dict[str, Any]:
         return {"mbs": self.mbs, "num_microbatches": self.num_microbatches,
                 "step_s": self.step_s, "peak_bytes": self.peak_bytes, "fits": self.fits,
                 "bound": self.bound, "samples_per_s": self.samples_per_s,
-                "loop_s": self.loop_s, "measured_loop_s": self.measured_loop_s}
+                "loop_s": self.loop_s, "measured_loop_s": self.measured_loop_s,
+                "recompute": self.recompute}
 
 
 @dataclass(frozen=True)
@@ -157,12 +159,18 @@ class Exploration:
     capacity: float
     fit_note: str = ""
     measured: bool = False
+    best_recompute: bool = False  # the best runs with activation checkpointing
 
-    def candidate(self, mbs: int) -> Candidate:
+    def candidate(self, mbs: int, recompute: bool = False) -> Candidate:
         for c in self.candidates:
-            if c.mbs == mbs:
+            if c.mbs == mbs and c.recompute == recompute:
                 return c
         raise KeyError(mbs)
+
+    @property
+    def joint(self) -> bool:
+        """Whether candidates with activation checkpointing were evaluated too."""
+        return any(c.recompute for c in self.candidates)
 
     @property
     def measured_best(self) -> int | None:
@@ -171,14 +179,16 @@ class Exploration:
 
     def table(self) -> str:
         """A fixed-width table: one row per evaluated MBS."""
-        head = f"{'mbs':>6} {'micro':>6} {'step (model)':>14} {'samples/s':>11} " \
-               f"{'peak memory':>12} {'fits':>5} {'bound':>16}"
+        head = f"{'mbs':>6} " + (f"{'recompute':>9} " if self.joint else "") + \
+            f"{'micro':>6} {'step (model)':>14} {'samples/s':>11} " \
+            f"{'peak memory':>12} {'fits':>5} {'bound':>16}"
         if self.measured:
             head += f" {'loop (model)':>13} {'loop (measured)':>16} {'meas/model':>10}"
         lines = [head, "-" * len(head)]
         for c in self.candidates:
-            mark = " *" if c.mbs == self.best else ""
-            row = (f"{c.mbs:>6} {c.num_microbatches:>6} {format_seconds(c.step_s):>14} "
+            mark = " *" if (c.mbs, c.recompute) == (self.best, self.best_recompute) else ""
+            recompute = (f"{'yes' if c.recompute else 'no':>9} " if self.joint else "")
+            row = (f"{c.mbs:>6} {recompute}{c.num_microbatches:>6} {format_seconds(c.step_s):>14} "
                    f"{c.samples_per_s:>11.4g} {format_bytes(c.peak_bytes):>12} "
                    f"{'yes' if c.fits else 'NO':>5} {c.bound:>16}")
             if self.measured:
@@ -189,8 +199,10 @@ class Exploration:
                     row += (f" {format_seconds(c.measured_loop_s):>16} "
                             f"{c.measured_loop_s / c.loop_s:>10.2f}")
             lines.append(row + mark)
-        lines.append(f"(* = {'chosen' if self.mode == 'auto' else 'best'}; "
-                     f"{len(self.candidates)} of {self.supported} supported values evaluated "
+        evaluated = (f"{len(self.candidates)} (MBS, recompute) pairs over {self.supported} "
+                     "supported values evaluated" if self.joint else
+                     f"{len(self.candidates)} of {self.supported} supported values evaluated")
+        lines.append(f"(* = {'chosen' if self.mode == 'auto' else 'best'}; {evaluated} "
                      f"in {self.seconds:.2f} s; memory capacity {format_bytes(self.capacity)})")
         return "\n".join(lines)
 
@@ -202,10 +214,15 @@ class Exploration:
         import matplotlib.pyplot as plt
 
         path = Path(path)
-        xs = [c.mbs for c in self.candidates]
+        plain = [c for c in self.candidates if not c.recompute]
+        ticked = [c for c in self.candidates if c.recompute]
+        xs = [c.mbs for c in plain]
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-        ax.plot(xs, [c.step_s for c in self.candidates], "o-", color="tab:blue",
+        ax.plot(xs, [c.step_s for c in plain], "o-", color="tab:blue",
                 label="step time (model)")
+        if ticked:
+            ax.plot([c.mbs for c in ticked], [c.step_s for c in ticked], "o--",
+                    color="tab:purple", label="step time, recompute (model)")
         if self.measured:
             pts = [(c.mbs, c.measured_loop_s, c.loop_s) for c in self.candidates
                    if c.measured_loop_s is not None]
@@ -218,8 +235,11 @@ class Exploration:
         ax.set_ylabel("step time (s)", color="tab:blue")
         ax.set_xscale("log", base=2)
         ax2 = ax.twinx()
-        ax2.plot(xs, [c.peak_bytes / 1e9 for c in self.candidates], "^-", color="tab:red",
+        ax2.plot(xs, [c.peak_bytes / 1e9 for c in plain], "^-", color="tab:red",
                  label="peak memory (model)")
+        if ticked:
+            ax2.plot([c.mbs for c in ticked], [c.peak_bytes / 1e9 for c in ticked], "^--",
+                     color="tab:orange", label="peak memory, recompute (model)")
         ax2.axhline(self.capacity / 1e9, color="tab:red", ls=":", label="memory capacity")
         ax2.set_ylabel("peak memory (GB)", color="tab:red")
         if self.best is not None:
@@ -241,6 +261,7 @@ class Exploration:
                 "best": self.best, "measured_best": self.measured_best,
                 "seconds": self.seconds, "capacity": self.capacity,
                 "fit_note": self.fit_note, "measured": self.measured,
+                "best_recompute": self.best_recompute,
                 "candidates": [c.to_dict() for c in self.candidates]}
 
 
@@ -750,19 +771,61 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
         raise
     if two_phase and isinstance(cost, TwoPhaseCostModel) and selection.estimate is not None:
         selection = _two_phase_selection(selection, cost)
+    if checkpointed is not None and _may_gain(selection, parse_mbs(mbs).mode):
+        try:  # the second knob: a larger MBS that only fits with activation checkpointing
+            other = _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx, mbs,
+                                    system, pbs, name, kept, progress, None, asked=False)
+        except DoesNotFitError:
+            return selection
+        selection = _joint(selection, other, parse_mbs(mbs).mode)
     return selection
+
+
+def _may_gain(selection: Selection, mode: str) -> bool:
+    """Whether activation checkpointing could give a faster plan: ``explore`` shows both;
+    ``auto`` only when memory, not the batch, stopped the MBS from growing (at the same
+    MBS, recomputing only costs time)."""
+    x = selection.exploration
+    if x is None or mode not in ("auto", "explore"):
+        return False
+    return mode == "explore" or not x.candidate(max(c.mbs for c in x.candidates)).fits
+
+
+def _joint(plain: Selection, ticked: Selection, mode: str) -> Selection:
+    """One selection over (MBS, recompute): the faster plan, and every candidate seen."""
+    px, tx = plain.exploration, ticked.exploration
+    assert px is not None and tx is not None and plain.estimate is not None \
+        and ticked.estimate is not None
+    candidates = tuple(sorted([*px.candidates,
+                               *(replace(c, recompute=True) for c in tx.candidates)],
+                              key=lambda c: (c.mbs, c.recompute)))
+    faster = ticked.estimate.time.step < plain.estimate.time.step
+    chosen = ticked if faster else plain
+    other = plain if faster else ticked
+    note = (f"; {'with' if faster else 'without'} activation checkpointing per block it is "
+            f"faster: modelled step {format_seconds(chosen.estimate.time.step)} at mbs "
+            f"{chosen.plan.mbs}, against {format_seconds(other.estimate.time.step)} at mbs "
+            f"{other.plan.mbs} {'without' if faster else 'with'} it")
+    exploration = replace(px, mode=mode, candidates=candidates, best=chosen.plan.mbs,
+                          best_recompute=faster, seconds=px.seconds + tx.seconds)
+    if mode == "explore":
+        note += f"; pin it with mbs={chosen.plan.mbs}, recompute={faster}"
+    plan = replace(chosen.plan, reason=chosen.plan.reason + note)
+    return replace(chosen, plan=plan, exploration=exploration)
 
 
 def _with_recompute(analysis: BatchAnalysis, checkpointed: Any, values: Sequence[Any],
                     in_dims: Sequence[int | None], gbs: int, num_csx: int, mbs: Any,
                     system: SystemSpec, pbs: int, name: str | None,
                     kept: frozenset[int] | None, progress: bool | None,
-                    without: DoesNotFitError | None) -> Selection:
-    """The plan with activation checkpointing per block, its cost probed as it runs."""
+                    without: DoesNotFitError | None, asked: bool = True) -> Selection:
+    """The plan with activation checkpointing per block, its cost probed as it runs
+    (``asked``: recompute=True; else chosen beside the plan without it)."""
     cost = analyse_cost(replace(analysis, graph_module=checkpointed), values, in_dims, pbs=pbs,
                         name=name, kept_outputs=kept)
     selection = select_plan(gbs, num_csx, mbs, cost, system, progress=progress)
-    why = ("activation checkpointing per block (recompute=True)" if without is None else
+    why = (f"activation checkpointing per block{' (recompute=True)' if asked else ''}"
+           if without is None else
            f"activation checkpointing per block: without it even mbs {without.mbs} needs "
            f"{format_bytes(without.needed)} of {format_bytes(without.available)}")
     peak = selection.estimate.memory.peak if selection.estimate is not None else 0.0
