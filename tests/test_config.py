@@ -231,3 +231,12 @@ def test_import_path_kwargs_are_checked_against_the_signature(tmp_path, user_mod
                 features: 4
             batch_size: 6
         """))
+
+
+def test_the_sharded_example_reads_as_written():
+    """``examples/fsdp/`` (a folder of its own: it runs on ranks only, not in the plain
+    example runs): ``shard: fsdp`` makes the backend torch.distributed."""
+    cfg = load_config(EXAMPLES / "fsdp" / "tiny_gpt.yaml")
+    assert (cfg.model, cfg.shard, cfg.backend, cfg.num_csx) == ("tiny_gpt", "fsdp",
+                                                                "torch.distributed", 2)
+    assert cfg.output_dir.endswith("tiny_gpt_fsdp")

@@ -87,6 +87,8 @@ STRUCTURE = "structure.pt"  # ranks: the state_dicts, tensors replaced by their 
 DCP = "dcp"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TENSOR_REF = "__dcp_tensor__"  # {"__dcp_tensor__": key}: a tensor stored in dcp/ under key
+#: ``targets(checkpoint folder, trainer.json)``: the state a sharded run loads into.
+Targets = Callable[[Path, Mapping[str, Any]], Any]
 #: A second SIGINT/SIGTERM within this many seconds of the first is the same request
 #: delivered twice (the terminal sends Ctrl-C to every rank and the launcher forwards it).
 REPEAT_WINDOW_S = 2.0
@@ -344,16 +346,28 @@ def _refs(value: Any) -> Iterator[str]:
             yield from _refs(v)
 
 
-def _dcp_load(folder: Path, structure: Any, group: Any) -> Any:
+def _dcp_load(folder: Path, structure: Any, group: Any,
+              targets: Callable[[], Any] | None = None) -> Any:
+    """The state ``structure`` describes, its tensors read from ``folder``. Each tensor is
+    read whole, or, where ``targets()`` (the current state, like the saved one) has a
+    tensor of that key and shape (a sharded run's DTensors), into it: this rank's shard."""
     import torch.distributed.checkpoint as dcp
 
     metadata = read_dcp_metadata(folder)
+    given: dict[str, torch.Tensor] = {}
+    if targets is not None:
+        _split(targets(), "", given)
     tensors: dict[str, torch.Tensor] = {}
     for key in _refs(structure):
         md = metadata.state_dict_metadata.get(key)
         if md is None or not hasattr(md, "size"):
             raise _Damaged(f"{DCP}/ has no tensor {key!r}")
-        tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        target = given.get(key)
+        if target is not None and target.shape == md.size \
+                and target.dtype == md.properties.dtype:
+            tensors[key] = target
+        else:
+            tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
     with warnings.catch_warnings():
         if group is None:  # reading ranks' checkpoint in one process is what was asked
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -410,7 +424,8 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _read(path: Path, rank: int = 0, group: Any = None) -> Checkpoint:
+def _read(path: Path, rank: int = 0, group: Any = None,
+          targets: Targets | None = None) -> Checkpoint:
     trainer = json.loads((path / TRAINER).read_text())
     if trainer.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {trainer.get('format')!r}; this mbcompile "
@@ -419,7 +434,8 @@ def _read(path: Path, rank: int = 0, group: Any = None) -> Checkpoint:
     if (path / STATE).is_file():
         state = _load_torch(path / STATE)
     else:
-        state = _dcp_load(path / DCP, _load_torch(path / STRUCTURE), group)
+        into = None if targets is None else lambda: targets(path, trainer)
+        state = _dcp_load(path / DCP, _load_torch(path / STRUCTURE), group, into)
     return Checkpoint(path, int(trainer["global_step"]), state, trainer, rank_state)
 
 
@@ -564,9 +580,12 @@ class CheckpointStore:
         print(f"checkpoint {path} is damaged: {reason}{moved}; trying the previous one",
               file=err, flush=True)
 
-    def load_newest(self, err: IO[str] | None = None) -> Checkpoint | None:
+    def load_newest(self, err: IO[str] | None = None,
+                    targets: Targets | None = None) -> Checkpoint | None:
         """The newest good checkpoint (None if there is none); damaged ones are reported on
-        ``err`` (stderr) by path and set aside. On ranks rank 0 chooses, all ranks load."""
+        ``err`` (stderr) by path and set aside. On ranks rank 0 chooses, all ranks load;
+        ``targets(path, trainer_json)`` (sharded runs) gives the state whose DTensors
+        receive this rank's shards (it may refuse the checkpoint first)."""
         err = err if err is not None else sys.stderr
         rank, world = self._rank()
         if world == 1:
@@ -596,7 +615,7 @@ class CheckpointStore:
         dist.broadcast(chosen, src=dist.get_global_rank(self.group, 0), group=self.group)
         if int(chosen) < 0:
             return None
-        return _read(self.folder / _step_dir(int(chosen)), rank, self.group)
+        return _read(self.folder / _step_dir(int(chosen)), rank, self.group, targets)
 
 
 # --------------------------------------------------------------------------- #

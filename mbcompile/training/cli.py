@@ -369,6 +369,11 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
     from mbcompile.reports.draw import draw
     from mbcompile.training.trainer import batch_args
 
+    if cfg.shard != "none":
+        raise CommandError(f"{cfg.file} shards the model (shard: {cfg.shard}), which happens on "
+                           f"its ranks only: train it with mbcompile fit {cfg.file} --nproc "
+                           f"{cfg.num_csx}, or compile it here with shard: none (the plan and "
+                           "graph are the unsharded model's, without FSDP's unit markers)")
     options = _compile_options(cfg, compile_only, validate_only)
     model = build_model(cfg)
     model.train(phase == "train")
@@ -425,7 +430,7 @@ def run_fit(args: argparse.Namespace) -> int:
                                f"{cfg.file} has num_csx {cfg.num_csx}: make them equal")
         return _launch_ranks(args, out)
     if cfg.backend == "torch.distributed":
-        _init_from_environment()
+        _init_from_environment(cfg)
     return _fit(cfg, args, out, _rank())
 
 
@@ -465,7 +470,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _init_from_environment() -> None:
+def _init_from_environment(cfg: Config) -> None:
     """Join the process group torchrun describes in the environment, if not joined yet."""
     import os
 
@@ -473,8 +478,10 @@ def _init_from_environment() -> None:
 
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            raise CommandError("backend torch.distributed needs ranks: run with --nproc N, or "
-                               "launch with torchrun --nproc-per-node N -m mbcompile fit ...")
+            what = f"shard: {cfg.shard}" if cfg.shard != "none" else "backend torch.distributed"
+            raise CommandError(f"{what} needs ranks: run with --nproc {cfg.num_csx}, or launch "
+                               f"with torchrun --nproc-per-node {cfg.num_csx} -m mbcompile "
+                               "fit ...")
         dist.init_process_group("gloo")
 
 
@@ -513,8 +520,9 @@ def _fit(cfg: Config, args: argparse.Namespace, out: Path, rank: int = 0) -> int
     train = build_data(cfg, "train")
     val = build_data(cfg, "validate") if cfg.val_steps else None
     steps = args.max_steps or cfg.max_steps
+    sharded = f"sharded with FSDP2 (shard: {cfg.shard}), " if cfg.shard != "none" else ""
     say(f"fit: {cfg.model}, gbs {cfg.batch_size} over {cfg.num_csx} "
-        f"system{'s' if cfg.num_csx != 1 else ''}, {steps} steps, "
+        f"system{'s' if cfg.num_csx != 1 else ''}, {steps} steps, {sharded}"
         f"flags: train {cfg.flags('train')}, validate {cfg.flags('validate')}")
     try:
         rows = trainer.fit(train, val, max_steps=steps, val_steps=cfg.val_steps or None,

@@ -14,6 +14,7 @@ error names the file and the line::
       - GlobalFlags: {csx.performance.micro_batch_size: auto}
       - ScopedTrainFlags: {micro_batch_size: 2}
     fit: {max_steps: 10, val_steps: 2, checkpoint_every: 5}
+    shard: fsdp                     # or none (default): FSDP2 per block and at the root
 
 How a file becomes a run:
 
@@ -67,6 +68,7 @@ from mbcompile.training.flags import (
 __all__ = [
     "BACKENDS",
     "BUILTIN_MODELS",
+    "SHARDS",
     "CALLBACKS",
     "Config",
     "ConfigError",
@@ -93,6 +95,8 @@ CALLBACKS: dict[str, type[Callback]] = {
     "ScopedValidateFlags": ScopedValidateFlags,
 }
 BACKENDS = ("simulated", "torch.distributed")
+#: ``shard:`` values: none, or FSDP2 (``fully_shard`` per repeated block and at the root).
+SHARDS = ("none", "fsdp")
 SYNTHETIC = "synthetic"
 DEFAULT_OUTPUT_ROOT = "mbcompile-artifacts"
 
@@ -113,6 +117,7 @@ TOP_KEYS: dict[str, str] = {
     "compile_only": "true: compile and estimate, never run",
     "validate_only": "true: stop after capture and batch analysis",
     "lr_scaling": "{reference_batch_size, rule: linear | sqrt | none, warmup_steps}",
+    "shard": "'none' (default) or 'fsdp': fully_shard each repeated block and the root",
 }
 LR_SCALING_KEYS = ("reference_batch_size", "rule", "warmup_steps")
 REQUIRED_TOP = ("model", "batch_size")
@@ -268,6 +273,7 @@ class Config:
     lr_scaling: Mapping[str, Any] | None = None  # Trainer keyword arguments, or None
     checkpoint_every: int | None = None  # steps between checkpoints (None: at the end only)
     keep_checkpoints: int = 2  # the newest checkpoints kept
+    shard: str = "none"  # "fsdp": the Trainer shards the model with FSDP2 (SHARDS)
 
     @property
     def builtin(self) -> bool:
@@ -323,6 +329,9 @@ def parse_config(data: Any, marks: _Marks) -> Config:
                           f"num_csx={num_csx}: each system needs at least one sample")
     system = v.system(top.get("system"))
     backend = v.choice(("backend",), top.get("backend", "simulated"), BACKENDS)
+    shard = v.shard(top.get("shard", "none"), backend, "backend" in top, num_csx)
+    if shard != "none":
+        backend = "torch.distributed"
     if backend != "simulated":
         v.compile_option(("backend",), "backend", f"the {backend} backend")
     optimizer, optimizer_kwargs = v.optimizer(top.get("optimizer"))
@@ -353,7 +362,7 @@ def parse_config(data: Any, marks: _Marks) -> Config:
         val_every=fit["val_every"], log_every=fit["log_every"], in_dims=in_dims, seed=seed,
         output_dir=output_dir, compile_only=compile_only, validate_only=validate_only,
         lr_scaling=lr_scaling, checkpoint_every=fit["checkpoint_every"],
-        keep_checkpoints=fit["keep_checkpoints"], marks=marks)
+        keep_checkpoints=fit["keep_checkpoints"], shard=shard, marks=marks)
 
 
 def _suggest(word: Any, choices: Iterable[str]) -> str:
@@ -710,6 +719,27 @@ class _Validator:
                     except MbcompileError as exc:
                         raise self.fail(path, str(exc)) from None
 
+    def shard(self, value: Any, backend: str, backend_given: bool, num_csx: int) -> str:
+        """``shard: fsdp`` runs on ranks: it makes the backend torch.distributed, and refuses
+        a ``backend: simulated`` written beside it and a single system."""
+        path: Path_ = ("shard",)
+        if isinstance(value, bool) or value is None:  # YAML reads `shard: no` as false
+            raise self.fail(path, f"must be one of {', '.join(SHARDS)}, got "
+                            f"{_type_name(value)} {value!r}")
+        shard = self.choice(path, value, SHARDS)
+        if shard == "none":
+            return shard
+        if backend_given and backend != "torch.distributed":
+            raise self.fail(path, f"shard: {shard} splits the model over torch.distributed "
+                            f"ranks, but backend is {backend!r} (line "
+                            f"{self.m.line(('backend',))}): set backend: torch.distributed or "
+                            "remove the backend key, and run with --nproc N or torchrun")
+        if num_csx < 2:
+            raise self.fail(path, f"shard: {shard} splits the model over the ranks, one per "
+                            f"system, but num_csx is {num_csx}: set num_csx to the number of "
+                            "ranks (2 or more), or use shard: none")
+        return shard
+
     def fit(self, value: Any) -> dict[str, Any]:
         path: Path_ = ("fit",)
         section = self.mapping(path, {} if value is None else value, FIT_KEYS)
@@ -884,6 +914,10 @@ def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
     from mbcompile.training.trainer import Trainer
 
     model = build_model(cfg) if model is None else model
+    if cfg.shard != "none":  # before the optimizer, which must hold the shards
+        from mbcompile.training.trainer import shard_model
+
+        shard_model(model, cfg.shard)
     log_dir = log_dir or cfg.output_dir
     return Trainer(model, build_optimizer(cfg, model), gbs=cfg.batch_size, num_csx=cfg.num_csx,
                    callbacks=build_callbacks(cfg, mbs), system=cfg.system,
@@ -894,4 +928,5 @@ def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
                    checkpoint_dir=checkpoint_dir or os.path.join(log_dir, "checkpoints"),
                    checkpoint_every=cfg.checkpoint_every,
                    keep_checkpoints=cfg.keep_checkpoints, config=cfg.to_plain(),
+                   shard=None if cfg.shard == "none" else cfg.shard,
                    **(cfg.lr_scaling or {}))

@@ -27,6 +27,11 @@ What one ``fit`` does:
    ``TrainingInterrupted``; ``fit(..., resume=True)`` continues from the newest good
    one exactly (see ``mbcompile.training.checkpoint``).
 
+With ``shard="fsdp"`` (torch.distributed ranks) the model is sharded with FSDP2 by
+``shard_model`` (each child of its ``nn.ModuleList`` containers, then the root) and the
+optimizer's parameter groups are pointed at the shards; checkpoints then hold each
+rank's shards (``get_state_dict`` / ``set_state_dict`` through DCP).
+
 A batch is a tuple or list (positional inputs of ``model``), a dict (keyword inputs)
 or a tensor. The model computes its own loss (so that backward can run per
 microbatch) and returns it as a scalar tensor, first in a tuple, under ``"loss"``
@@ -79,7 +84,7 @@ from mbcompile.training.flags import Callback, Flags
 from mbcompile.training.lr_scaling import LRScaling
 
 __all__ = ["CheckpointError", "Trainer", "TrainerError", "TrainingInterrupted", "batch_args",
-           "loss_of"]
+           "loss_of", "shard_model"]
 
 #: Columns of every logged row, in file order; user metrics follow.
 COLUMNS = ("phase", "step", "global_step", "loss", "mbs", "num_microbatches", "samples",
@@ -121,6 +126,69 @@ def loss_of(output: Any) -> torch.Tensor:
         f"the model's output ({type(output).__name__}) holds no scalar loss; compute the loss "
         "inside forward (so backward can run per microbatch) and return it as a scalar tensor, "
         "first in a tuple, under 'loss' in a dict, or as .loss")
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: the children of every ``nn.ModuleList`` that is not inside
+    another block (a block's own lists stay in its unit)."""
+    out: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                out.append(child)
+                inside.update(id(m) for m in child.modules())
+    return out
+
+
+def shard_model(model: nn.Module, shard: str = "fsdp") -> nn.Module:
+    """Shard ``model`` in place with FSDP2, as torchtitan does: ``fully_shard`` on each
+    repeated block (the children of its ``nn.ModuleList`` containers), then on the root.
+
+    Needs an initialized process group; call it before building the optimizer (or let
+    ``Trainer(..., shard="fsdp")`` point the optimizer at the shards). A model that is
+    already sharded is returned as it is.
+    """
+    import torch.distributed as dist
+
+    if shard != "fsdp":
+        raise ArgumentTypeError(f"shard must be 'fsdp' (or None for no sharding), got {shard!r}")
+    if _is_fsdp(model):
+        return model
+    if not (dist.is_available() and dist.is_initialized()):
+        raise TrainerError("shard='fsdp' splits the model over torch.distributed ranks, but "
+                           "no process group is initialized: run with `mbcompile fit CONFIG "
+                           "--nproc N`, under torchrun, or call "
+                           "torch.distributed.init_process_group first")
+    from torch.distributed.fsdp import fully_shard
+
+    for block in _blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _point_at_shards(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+                     model: nn.Module) -> None:
+    """After ``fully_shard`` replaced ``model``'s parameters by shards, make ``optimizer``
+    (built on the old ones, with no state yet) update the shards instead."""
+    now = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in names]
+        if missing:
+            raise TrainerError(
+                "shard='fsdp': the optimizer holds a parameter that is not the model's; build "
+                "the optimizer on model.parameters(), or shard the model yourself first "
+                "(mbcompile.training.trainer.shard_model) and build it on the shards")
+        group["params"] = [now[names[id(p)]] for p in group["params"]]
 
 
 #: Config keys that may change between a run and its resume without a warning.
@@ -329,7 +397,7 @@ class Trainer:
                  reference_batch_size: int | None = None, lr_scaling: str | None = None,
                  warmup_steps: int = 0, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int | None = None, keep_checkpoints: int = 2,
-                 config: Mapping[str, Any] | None = None) -> None:
+                 config: Mapping[str, Any] | None = None, shard: str | None = None) -> None:
         if not isinstance(model, nn.Module) or isinstance(model, CompiledModule):
             raise ArgumentTypeError(
                 f"model must be the user's torch.nn.Module (the trainer compiles it), got "
@@ -348,8 +416,11 @@ class Trainer:
                 raise ArgumentTypeError(
                     f"callbacks must be mbcompile callbacks (GlobalFlags, ScopedTrainFlags, "
                     f"ScopedValidateFlags or a Callback subclass), got {type(cb).__name__}")
+        self._shard(model, optimizer, shard, backend, num_csx)
         self.model = model
         self.optimizer = optimizer
+        #: The model is sharded with FSDP2: checkpoints hold shards (DCP state dicts).
+        self.sharded = _is_fsdp(model)
         self.gbs, self.num_csx = gbs, num_csx
         self.system, self.backend, self.in_dims = system, backend, in_dims
         self.callbacks = list(callbacks)
@@ -394,6 +465,31 @@ class Trainer:
             self.compile_options["measure_noise_scale"] = NoiseScale()
         for cb in self.callbacks:
             cb.setup(self)
+
+    @staticmethod
+    def _shard(model: nn.Module, optimizer: torch.optim.Optimizer, shard: str | None,
+               backend: str | None, num_csx: int) -> None:
+        if shard in (None, "none"):
+            return
+        if shard != "fsdp":
+            raise ArgumentTypeError(f"shard must be 'fsdp' or None, got {shard!r}")
+        if backend != "torch.distributed":
+            raise TrainerError(
+                "shard='fsdp' splits the model over torch.distributed ranks: give "
+                "backend='torch.distributed' (in a config: shard: fsdp, run with --nproc N "
+                "or torchrun)")
+        if num_csx < 2:
+            raise TrainerError(f"shard='fsdp' splits the model over the ranks, one per "
+                               f"system, but num_csx is {num_csx}: use 2 or more ranks, or no "
+                               "sharding")
+        if _is_fsdp(model):
+            return
+        if optimizer.state:
+            raise TrainerError("shard='fsdp': the optimizer has state already; shard the "
+                               "model before the first step")
+        names = {id(p): n for n, p in model.named_parameters()}
+        shard_model(model, shard)
+        _point_at_shards(optimizer, names, model)
 
     # ------------------------------------------------------------- compiling
     def _check_options(self) -> None:
@@ -574,6 +670,7 @@ class Trainer:
             "metrics_rows": self.log.rows if self.log is not None else len(self.history),
             "fit_first_row": fit_start,
             "run": {"gbs": self.gbs, "num_csx": self.num_csx, "world_size": world,
+                    "shard": "fsdp" if self.sharded else None,
                     "model": type(self.model).__name__,
                     "optimizer": type(self.optimizer).__name__},
             "lr_scaling": dataclasses.asdict(self.lr_scaling) if self.lr_scaling else None,
@@ -582,37 +679,49 @@ class Trainer:
             "versions": {"torch": torch.__version__, "mbcompile": _version()},
         }
         with preserved_rng():
-            path = self.checkpoints.save(
-                self.global_step,
-                {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
-                trainer, {"rng": rng_state(), "pass_rng": cursor.pass_rng})
+            path = self.checkpoints.save(self.global_step, self._state(), trainer,
+                                         {"rng": rng_state(), "pass_rng": cursor.pass_rng})
         self.last_checkpoint = path
         if self.progress:
             self._print(f"checkpoint after step {step} ({reason}): {path}")
         return path
 
+    def _state(self) -> dict[str, Any]:
+        """The model's and optimizer's state dicts; sharded, each rank's shards (DTensors)
+        with the optimizer's state keyed by parameter name, as DCP wants them."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model, optimizer = get_state_dict(self.model, self.optimizer)
+            return {"model": model, "optimizer": optimizer}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
     def _restore(self, cursor: _Cursor) -> Checkpoint | None:
         """Load the newest good checkpoint into the model, optimizer and trainer, and put
         ``cursor`` where it was; RNG states last, so nothing here draws from them."""
         assert self.checkpoints is not None
-        ck = self.checkpoints.load_newest()
+        # sharded: DCP reads each rank's shards into the current state's DTensors (only
+        # once a checkpoint is chosen: get_state_dict gives a fresh optimizer its state)
+        def targets(path: Path, trainer: Mapping[str, Any]) -> dict[str, Any]:
+            self._check_run(path, trainer)  # before DCP writes into the model's shards
+            return self._state()
+
+        ck = self.checkpoints.load_newest(targets=targets if self.sharded else None)
         if ck is None:
             self._print(f"resume: no checkpoint in {self.checkpoints.folder}; starting from "
                         "step 0")
             return None
-        t, (_, world) = ck.trainer, self._ranks()
-        run = t["run"]
-        differ = [f"{k} {run.get(k)} (now {now})" for k, now in (
-            ("gbs", self.gbs), ("num_csx", self.num_csx), ("world_size", world))
-            if run.get(k) != now]
-        if differ:
-            raise CheckpointError(
-                f"checkpoint {ck.path} was written with {', '.join(differ)}; an exact resume "
-                "needs the same global batch, systems and ranks: run it as it was written, or "
-                "start a new run in another folder")
+        t = ck.trainer
+        self._check_run(ck.path, t)
         self._warn_config(ck)
-        self.model.load_state_dict(ck.state["model"])
-        self.optimizer.load_state_dict(ck.state["optimizer"])
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(self.model, self.optimizer, model_state_dict=ck.state["model"],
+                           optim_state_dict=ck.state["optimizer"])
+        else:
+            self.model.load_state_dict(ck.state["model"])
+            self.optimizer.load_state_dict(ck.state["optimizer"])
         self.global_step = int(t["global_step"])
         if t.get("lr_scaling") is not None and self.lr_scaling is not None:
             state = dict(t["lr_scaling"])
@@ -628,6 +737,17 @@ class Trainer:
         self._print(f"resumed from {ck.path}: step {t['step']}, global step "
                     f"{self.global_step}")
         return ck
+
+    def _check_run(self, path: Path, trainer: Mapping[str, Any]) -> None:
+        run, (_, world) = trainer["run"], self._ranks()
+        differ = [f"{k} {run.get(k)} (now {now})" for k, now in (
+            ("gbs", self.gbs), ("num_csx", self.num_csx), ("world_size", world),
+            ("shard", "fsdp" if self.sharded else None)) if run.get(k) != now]
+        if differ:
+            raise CheckpointError(
+                f"checkpoint {path} was written with {', '.join(differ)}; an exact resume "
+                "needs the same global batch, systems, ranks and sharding: run it as it was "
+                "written, or start a new run in another folder")
 
     def _warn_config(self, ck: Checkpoint) -> None:
         then = ck.trainer.get("config")
