@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mbcompile.check import relative_error
+from mbcompile.execution.distributed import free_port
 from mbcompile.training.checkpoint import latest_checkpoint, read_checkpoint
 from mbcompile.training.cli import main
 from mbcompile.training.config import ConfigError, build_trainer, load_config
@@ -147,7 +148,7 @@ def test_trainer_shards_and_trains_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_example_runs_with_nproc_2(tmp_path):
+def test_the_example_runs_with_nproc_2_and_under_torchrun(tmp_path):
     result = fit(tmp_path, str(EXAMPLE), "--nproc", "2", "--max-steps", "2", "--out", "run")
     assert result.returncode == 0, result.stderr
     assert "sharded with FSDP2 (shard: fsdp)" in result.stdout
@@ -159,6 +160,15 @@ def test_the_example_runs_with_nproc_2(tmp_path):
     ck = read_checkpoint(last)  # the shards, read back whole in one process
     assert ck.state["model"]["tok.weight"].shape == (64, 32)
     assert set(ck.state["optimizer"]["state"]) == set(ck.state["model"])  # keyed by name
+    # torchrun's ranks join its group and run the same steps
+    port = str(free_port())
+    torchrun = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", port, "-m", "mbcompile", "fit", str(EXAMPLE), "--max-steps", "2",
+         "--out", "torchrun"], cwd=tmp_path, env=environment(), capture_output=True,
+        text=True, timeout=240)
+    assert torchrun.returncode == 0, torchrun.stderr
+    assert rows(tmp_path / "torchrun") == rows(tmp_path / "run")
 
 
 @pytest.mark.slow
