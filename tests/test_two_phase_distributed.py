@@ -77,3 +77,25 @@ def test_every_family_on_ranks(tmp_path, world, gbs, mbs):
             assert relative_error(grads, eager) <= 1e-10, (family, rank)
             for n, b in model.named_buffers():
                 assert relative_error(mine["buffers"][n], b) <= 1e-10, (family, rank, n)
+
+
+@pytest.mark.slow
+def test_mixtral_with_its_router_aux_loss_on_ranks(tmp_path):
+    """The global-batch load-balancing loss: each rank's loss and gradients equal the
+    single-process full batch's, in float32 (grouped_mm has no float64) to its rounding."""
+    pytest.importorskip("transformers")
+    import zoo
+
+    mbdist.launch(workers.mixtral_step, 2, str(tmp_path), 7, 2, timeout_s=240.0)
+    model = zoo.hf("MixtralForCausalLM", "MixtralConfig", dtype=torch.float32,
+                   **{**zoo.MOE, "output_router_logits": True, "router_aux_loss_coef": 1.0})()
+    want = model(**zoo.tokens(7), use_cache=False)
+    want.loss.backward()
+    names = [n for n, p in model.named_parameters() if p.grad is not None]
+    eager = torch.cat([dict(model.named_parameters())[n].grad.flatten() for n in names])
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["two_phase"]
+        assert relative_error(got["loss"], want.loss) <= 1e-5
+        mine = torch.cat([got["grads"][n].flatten() for n in names])
+        assert relative_error(mine, eager) <= 1e-5, rank

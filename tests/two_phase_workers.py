@@ -137,3 +137,25 @@ def families_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> No
                            "grads": {n: p.grad for n, p in model.named_parameters()},
                            "buffers": {n: b.clone() for n, b in model.named_buffers()}}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def mixtral_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
+    """Mixtral (float32) with its router aux loss, the global-batch load-balancing loss, as
+    a two-phase step on this rank's share: the loss, the aux loss and the gradients."""
+    import transformers
+    import zoo
+
+    transformers.logging.set_verbosity_error()
+    build = zoo.hf("MixtralForCausalLM", "MixtralConfig", dtype=torch.float32,
+                   **{**zoo.MOE, "output_router_logits": True, "router_aux_loss_coef": 1.0})
+    model = build()
+    batch = {**zoo.tokens(gbs), "use_cache": False}
+    cm = mbcompile.compile(model, gbs, world, mbs, example_kwargs=batch,
+                           backend="torch.distributed", coupling="two_phase", outputs="loss")
+    local = {k: mbdist.shard(v, cm.plan, rank) if isinstance(v, torch.Tensor) else v
+             for k, v in batch.items()}
+    out = cm(**local)
+    out.loss.backward()
+    torch.save({"loss": out.loss.detach(), "two_phase": "two-phase" in cm.plan.reason,
+                "grads": {n: p.grad for n, p in model.named_parameters()}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
