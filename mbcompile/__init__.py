@@ -30,6 +30,7 @@ _NAMES = {
     "draw": "mbcompile.reports.draw",
     "CompileOnlyError": "mbcompile.planning.explore",
     "CostModelWarning": "mbcompile.planning.explore",
+    "TwoPhaseWarning": "mbcompile.planning.explore",
     "Callback": "mbcompile.training.flags",
     "GlobalFlags": "mbcompile.training.flags",
     "ScopedTrainFlags": "mbcompile.training.flags",
@@ -86,7 +87,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run
     from mbcompile.passes.batch_rules import register_batch_rule, trust_module  # noqa: F401
     from mbcompile.passes.errors import *  # noqa: F401,F403
     from mbcompile.planning.cost import CostModelError, DoesNotFitError  # noqa: F401
-    from mbcompile.planning.explore import CompileOnlyError, CostModelWarning  # noqa: F401
+    from mbcompile.planning.explore import (  # noqa: F401
+        CompileOnlyError,
+        CostModelWarning,
+        TwoPhaseWarning,
+    )
     from mbcompile.planning.plan import MicrobatchPlan, make_plan  # noqa: F401
     from mbcompile.planning.systems import SystemSpec, get_system  # noqa: F401
     from mbcompile.reports.draw import draw  # noqa: F401

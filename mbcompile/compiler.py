@@ -823,7 +823,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             return validation_of(type(model).__name__, gbs, num_csx,
                                  analysed.captured.graph_module,
                                  time.perf_counter() - start, analysed.rejected,
-                                 two_phase=refused is None)
+                                 two_phase=refused is None and not single)
         keep = kept_outputs(inputs.outputs, analysed.captured.output_spec, analysed.analysis,
                             analysed.state) if inner.training else None
         selection = plan_for(analysed.analysis,

@@ -771,6 +771,11 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
         raise
     if two_phase and isinstance(cost, TwoPhaseCostModel) and selection.estimate is not None:
         selection = _two_phase_selection(selection, cost)
+    elif two_phase:  # no cost model to size its terms with: still say what runs
+        plan = selection.plan
+        selection = replace(selection, plan=replace(plan, reason=(
+            f"{plan.reason}; two-phase step (a loss that couples samples; its memory "
+            "unchecked: the cost model could not run)")))
     if checkpointed is not None and _may_gain(selection, parse_mbs(mbs).mode):
         try:  # the second knob: a larger MBS that only fits with activation checkpointing
             other = _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx, mbs,
