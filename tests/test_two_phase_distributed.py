@@ -36,10 +36,11 @@ def test_ranks_equal_the_full_batch(tmp_path, name, world, gbs, mbs):
                                                              else "scale"].grad) <= 1e-10
 
 
-@pytest.mark.parametrize("name,phase", [("clip", 1), ("centered", 2), ("clip", 3)])
+@pytest.mark.parametrize("name,phase", [("clip", 1), ("centered", 2), ("clip", 3), ("clip", 0)])
 def test_a_failing_rank_stops_every_rank(tmp_path, name, phase):
-    """Rank 1 fails in one phase; a rank that failed before the frontier's gather still
-    joins it (with zeros), so nobody hangs, and the step's one status read stops all."""
+    """Rank 1 fails in one phase (0: a call under no_grad); a rank that failed before the
+    frontier's gather still joins it (with zeros), so nobody hangs, and the step's one
+    status read stops all."""
     mbdist.launch(workers.failing_step, 2, str(tmp_path), name, 7, phase, timeout_s=60.0)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")

@@ -70,8 +70,8 @@ def _raise(rank: int, phase: int) -> None:
 
 
 def failing_step(rank: int, world: int, out_dir: str, name: str, gbs: int, phase: int) -> None:
-    """Rank 1 fails in ``phase`` (1: P without grad, 2: C, 3: P with grad); every rank must
-    raise and keep its parameters and gradients."""
+    """Rank 1 fails in ``phase`` (1: P without grad, 2: C, 3: P with grad; 0: P in a call
+    under torch.no_grad()); every rank must raise and keep its parameters and gradients."""
     model, batch = make(name, gbs)
     cm = mbcompile.compile(model, gbs, world, 2, example_inputs=batch,
                            backend="torch.distributed", coupling="two_phase")
@@ -82,6 +82,8 @@ def failing_step(rank: int, world: int, out_dir: str, name: str, gbs: int, phase
     def fail(module: nn.Module, args: object) -> None:
         if rank == 1 and torch.is_grad_enabled() == (phase == 3):
             raise RuntimeError(f"injected failure in phase {phase}")
+        if rank == 1 and phase == 0:
+            raise RuntimeError("injected failure in phase 0")
 
     if phase == 2:  # C: the centred model's head runs once, on the whole batch
         model.g.register_forward_pre_hook(lambda m, a: _raise(rank, phase))
@@ -89,7 +91,11 @@ def failing_step(rank: int, world: int, out_dir: str, name: str, gbs: int, phase
         (model.a if name == "clip" else model.f).register_forward_pre_hook(fail)
     error = ""
     try:
-        cm(*mbdist.shard(batch, cm.plan, rank)).backward()
+        if phase == 0:
+            with torch.no_grad():
+                cm(*mbdist.shard(batch, cm.plan, rank))
+        else:
+            cm(*mbdist.shard(batch, cm.plan, rank)).backward()
     except mbcompile.MicrobatchError as exc:
         error = str(exc)
     kept = all(torch.equal(p, before[n][0]) and torch.equal(p.grad, before[n][1])

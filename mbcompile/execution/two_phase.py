@@ -112,11 +112,28 @@ class _Step:
 
     # -------------------------------------------------------------- phases
     def run(self) -> tuple[Any, ...]:
-        """The reference meaning, with grad as the caller has it (nothing fused)."""
-        results = [self.loop._in_microbatch(i, lambda mb=mb: as_tuple(self.body(*mb)))
-                   for i, mb in enumerate(self.microbatches)]
+        """The reference meaning, with grad as the caller has it (nothing fused). On ranks a
+        failing rank still joins the gather (with zeros) and the status all-reduce."""
+        failure: Exception | None = None
+        try:
+            results = [self.loop._in_microbatch(i, lambda mb=mb: as_tuple(self.body(*mb)))
+                       for i, mb in enumerate(self.microbatches)]
+        except Exception as exc:
+            if self.gather is None:
+                raise
+            failure, results = exc, _stand_ins(self.body)
         joined, _ = self._join(results)
-        return self._coupled(joined)
+        if self.gather is None:
+            return self._coupled(joined)
+        try:
+            if failure is not None:
+                raise failure
+            outs = self._coupled(joined)
+        except Exception as exc:
+            _agreed_status(exc)  # raises here, and an error on every other rank
+            raise
+        _agreed_status(None)
+        return outs
 
     def run_fused(self, params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
         saved = [p.grad for p in params]
