@@ -47,6 +47,7 @@ from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
 from mbcompile.passes.state_updates import StateUpdates, has_mutations, lift_state_updates
 from mbcompile.passes.unwrap import unwrap
+from mbcompile.planning.cost import ShardSpec
 from mbcompile.planning.explore import (
     Selection,
     check_request,
@@ -629,6 +630,25 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
 OUTPUT_MODES = ("all", "loss")
 
 
+def _shard_spec(model: nn.Module, world: int) -> ShardSpec | None:
+    """The FSDP2 units of a sharded model, by the full bytes of the parameters each owns."""
+    units = fsdp_modules(model)
+    if not units:
+        return None
+    owner: dict[int, int] = {}
+    for i, (_, unit) in enumerate(units):  # the root first: deeper units claim theirs after
+        for p in unit.parameters():
+            owner[id(p)] = i
+    sizes = [0.0] * len(units)
+    seen: set[int] = set()
+    for _, unit in units:
+        for p in unit.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                sizes[owner[id(p)]] += p.numel() * p.element_size()  # DTensor: global numel
+    return ShardSpec(world, tuple(sizes))
+
+
 def _check_recompute(option: Any) -> bool | str:
     if option == "auto" or isinstance(option, bool):
         return option
@@ -830,7 +850,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                              [values[n] for n in inputs.names], inputs.in_dims, gbs, num_csx,
                              policy, spec, measure=measure, name=type(model).__name__,
                              two_phase=refused is None and analysed.rejected is not None,
-                             kept=keep, recompute=inputs.recompute if inner.training else False)
+                             kept=keep, recompute=inputs.recompute if inner.training else False,
+                             shard=_shard_spec(inner, num_csx))
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name

@@ -181,3 +181,18 @@ def capture_view(rank: int, world: int, out_dir: str) -> None:
                 "hooks_kept": hooks == [(len(m._forward_pre_hooks), len(m._forward_hooks))
                                         for m in net.modules()]},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def cost_view(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
+    """The cost model of a sharded model on this rank: the modelled memory and time."""
+    net = shard(make_net())
+    batch = make_batch(gbs)
+    cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=batch,
+                           backend="torch.distributed", compile_only=True)
+    m, t = cm.estimate.memory, cm.estimate.time
+    figures = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+               "gathered": m.gathered, "peak": m.peak, "allgather": t.allgather,
+               "allreduce": t.allreduce}
+    torch.save({**{k: float(v) for k, v in figures.items()}, "reason": cm.plan.reason,
+                "report": str(cm.report())},
+               os.path.join(out_dir, f"rank{rank}.pt"))

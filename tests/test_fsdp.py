@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_distributed import _run  # spawn gloo ranks, bounded in time
 
+import mbcompile
 from mbcompile.check import relative_error
 
 UNITS = fsdp_workers.DEPTH + 1  # one FSDP unit per block, and the root
@@ -96,3 +97,25 @@ def test_capture_sees_through_fsdp(tmp_path):
     assert got["stand_ins"]["head.bias"] == ((fsdp_workers.CLASSES,), 8, "head.bias")
     assert got["hooks_kept"]
     assert "backend='torch.distributed'" in got["refusal"]
+
+
+@pytest.mark.slow
+def test_the_cost_model_knows_sharding(tmp_path):
+    """Per rank: parameters, gradients and optimizer state are 1/world of the unsharded
+    model's, the root and the largest unit are counted gathered, all-gathers cost time in
+    every microbatch, and gradients are reduce-scattered (half a ring all-reduce)."""
+    world, gbs, mbs = 2, 8, 2
+    _run(fsdp_workers.cost_view, world, str(tmp_path), gbs, mbs)
+    got = torch.load(tmp_path / "rank0.pt")
+    plain = mbcompile.compile(fsdp_workers.make_net(), gbs, world, mbs, compile_only=True,
+                              example_inputs=fsdp_workers.make_batch(gbs)).estimate
+    net = fsdp_workers.make_net()
+    blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in net.blocks]
+    root = sum(p.numel() * p.element_size() for p in net.parameters()) - sum(blocks)
+    assert got["params"] == pytest.approx(plain.memory.params / world)
+    assert got["grads"] == pytest.approx(plain.memory.grads / world)
+    assert got["optimizer"] == pytest.approx(plain.memory.optimizer / world)
+    assert got["gathered"] == pytest.approx(root + max(blocks))
+    assert got["allgather"] > 0 and got["allreduce"] == pytest.approx(plain.time.allreduce / 2)
+    assert f"sharded with FSDP2 over {world} ranks" in got["reason"]
+    assert "gathered parameters" in got["report"] and "FSDP2 all-gathers" in got["report"]

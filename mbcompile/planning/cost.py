@@ -95,6 +95,7 @@ __all__ = [
     "Estimate",
     "MemoryEstimate",
     "MicrobatchFigures",
+    "ShardSpec",
     "StaticFigures",
     "TimeEstimate",
     "analyse_cost",
@@ -118,6 +119,22 @@ class DoesNotFitError(PlanError):
     def __init__(self, message: str, *, mbs: int, needed: float, available: float) -> None:
         super().__init__(message)
         self.mbs, self.needed, self.available = mbs, needed, available
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A model sharded with FSDP2 over ``world`` ranks: each unit's full parameter bytes
+    (its own, not its sharded children's; the root's first)."""
+
+    world: int
+    unit_bytes: tuple[float, ...]
+
+    @property
+    def gathered(self) -> float:
+        """Parameters alive unsharded at the peak: the root (FSDP keeps it gathered through
+        the step) and the largest other unit (one at a time, resharded after its forward)."""
+        root, *others = self.unit_bytes
+        return root + max(others, default=0.0)
 
 
 def format_bytes(n: float) -> str:
@@ -420,8 +437,9 @@ class MemoryEstimate:
     """Peak memory of one system (the largest), broken down; bytes.
 
     ``params + buffers + grads + optimizer + inputs + outputs + activations +
-    update + frontier + coupled == peak``: the last six are what is alive at the
-    peak moment (the last two in a two-phase step only), which
+    update + frontier + coupled + gathered == peak``: what is alive at the peak
+    moment (frontier and coupled in a two-phase step only, gathered for an FSDP2 model,
+    whose params, grads and optimizer are then one rank's shards), which
     ``phase`` names ("microbatch loop", "joining outputs" or "optimizer update").
     ``saved`` and ``transient`` split the microbatch's activation peak whatever
     the phase.
@@ -442,6 +460,7 @@ class MemoryEstimate:
     phase: str
     frontier: float = 0.0  # two-phase: the frontier F and dL/dF for the whole batch
     coupled: float = 0.0  # two-phase: the coupled part's activations at the whole batch
+    gathered: float = 0.0  # FSDP2: parameters all-gathered (unsharded) at the peak
 
     @property
     def static(self) -> float:
@@ -475,6 +494,7 @@ class TimeEstimate:
     samples_per_second: float
     bound: str  # what dominates: "compute", "memory", "overhead", "weight streaming"
     extra_forward: float = 0.0  # two-phase: the per-sample part's forward without grad
+    allgather: float = 0.0  # FSDP2: every unit gathered in each microbatch's forward and backward
     coupled: float = 0.0  # two-phase: the coupled part, once, on the whole batch
 
     def to_dict(self) -> dict[str, Any]:
@@ -572,6 +592,7 @@ class CostModel:
         self._fit_from = 1  # smallest size the fit serves
         self.fit_note = "not built: every size is probed exactly"
         self.probes_run = 0
+        self.shard: ShardSpec | None = None  # FSDP2: parameters sharded over ranks
 
     # ------------------------------------------------------------- probes
     def probe(self, m: int) -> _Probe:
@@ -738,6 +759,11 @@ class CostModel:
         params = s.param_bytes if on_device else 0.0
         grads = s.trainable_bytes if trained else 0.0
         optimizer = spec.optimizer_bytes_per_param * s.num_trainable if trained else 0.0
+        gathered = 0.0
+        if self.shard is not None and on_device:  # one rank's shards, one unit gathered
+            w = self.shard.world
+            params, grads, optimizer = params / w, grads / w, optimizer / w
+            gathered = self.shard.gathered
         static = params + s.buffer_bytes + grads + optimizer
         inputs = s.input_bytes_fixed + s.input_bytes_per_sample * pbs
         saved, act = f.saved_bytes, f.activation_peak_bytes
@@ -761,8 +787,8 @@ class CostModel:
             params=params, buffers=s.buffer_bytes, grads=grads, optimizer=optimizer,
             inputs=inputs, outputs=outputs, activations=activations, update=update,
             saved=saved, transient=max(0.0, act - saved),
-            peak=static + inputs + outputs + activations + update,
-            capacity=spec.memory_bytes, phase=phase)
+            peak=static + inputs + outputs + activations + update + gathered,
+            capacity=spec.memory_bytes, phase=phase, gathered=gathered)
 
     # ----------------------------------------------------------- estimate
     def estimate(self, gbs: int, num_csx: int, mbs: int, spec: SystemSpec) -> Estimate:
@@ -791,13 +817,24 @@ class CostModel:
                 worst = (total + acc, roof, over, acc)
         allreduce = self.allreduce_seconds(num_csx, spec)
         optimizer = self.optimizer_seconds(spec)
-        step = worst[0] + allreduce + optimizer
+        allgather = 0.0
+        if self.shard is not None and self.shard.world > 1:
+            w, units = self.shard.world, self.shard.unit_bytes
+            # gradients are reduce-scattered, half a ring all-reduce; every unit is
+            # gathered in each microbatch's forward and again in its backward
+            allreduce /= 2
+            optimizer /= w
+            per_microbatch = 2 * ((w - 1) / w * sum(units) / spec.interconnect_bandwidth
+                                  + len(units) * spec.interconnect_latency_s)
+            allgather = k * per_microbatch
+        step = worst[0] + allreduce + optimizer + allgather
         first = self.microbatch_seconds(mbs, spec)[0]
         bound = max(bound_votes, key=bound_votes.get) if bound_votes else "compute"
         time = TimeEstimate(
             microbatch=first, compute=worst[1], overhead=worst[2], accumulate=worst[3],
             allreduce=allreduce, optimizer=optimizer, step=step,
-            samples_per_second=gbs / step if step > 0 else math.inf, bound=bound)
+            samples_per_second=gbs / step if step > 0 else math.inf, bound=bound,
+            allgather=allgather)
         return Estimate(spec.name, mbs, k, self.memory(pbs, mbs, k, spec), time,
                         self.figures(mbs))
 

@@ -59,6 +59,7 @@ from mbcompile.planning.cost import (
     DoesNotFitError,
     Estimate,
     MemoryEstimate,
+    ShardSpec,
     analyse_cost,
     format_bytes,
     format_seconds,
@@ -616,6 +617,8 @@ def describe_memory(m: MemoryEstimate) -> str:
               f"{format_bytes(m.saved)} + largest transient {format_bytes(m.transient)})"]
     if m.update:
         parts.append(f"optimizer update temporaries {format_bytes(m.update)}")
+    if m.gathered:  # FSDP2: the units alive unsharded at the peak
+        parts.append(f"gathered parameters {format_bytes(m.gathered)}")
     if m.frontier or m.coupled:  # a two-phase step's whole-batch terms
         parts += [f"frontier and its gradient {format_bytes(m.frontier)}",
                   f"coupled part at the whole batch {format_bytes(m.coupled)}"]
@@ -714,7 +717,8 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
              gbs: int, num_csx: int, mbs: MbsPolicy | object, system: SystemSpec, *,
              measure: bool | int = False, progress: bool | None = None,
              name: str | None = None, two_phase: bool = False,
-             kept: frozenset[int] | None = None, recompute: bool | str = False) -> Selection:
+             kept: frozenset[int] | None = None, recompute: bool | str = False,
+             shard: ShardSpec | None = None) -> Selection:
     """``compile()``'s planning step: cost model of the analysed graph, then :func:`select_plan`.
 
     ``analysis`` is the batch analysis of the captured graph (it says which outputs
@@ -726,7 +730,8 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
     system), only that size is probed and checked, unless it runs as a ``two_phase`` step.
     ``kept``: the output leaves a training step returns (``compile(outputs=...)``).
     ``recompute``: activation checkpointing per block: True, False, or ``"auto"`` (only
-    when no MBS fits without it; the plan then says so).
+    when no MBS fits without it; the plan then says so). ``shard``: the model is sharded
+    with FSDP2; memory and time are one rank's (``ShardSpec``).
     """
     unsplit = analysis.rejected is not None and not two_phase
     gm = analysis.graph_module
@@ -750,12 +755,14 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
         error = None
     except CostModelError as exc:
         cost, error = None, str(exc)
+    if cost is not None:
+        cost.shard = shard
     timer = HostTimer(gm, values, in_dims, reps) if reps else None
     checkpointed = None if two_phase or unsplit or recompute is False \
         else checkpoint_blocks(analysis.graph_module)
     if recompute is True and checkpointed is not None:
         return _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx, mbs,
-                               system, pbs, name, kept, progress, None)
+                               system, pbs, name, kept, progress, None, shard=shard)
     try:
         selection = select_plan(gbs, num_csx, mbs, cost, system, timer=timer, progress=progress,
                                 cost_error=error, unsplit=unsplit)
@@ -765,7 +772,7 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
         if checkpointed is not None:  # "auto": the other way to trade compute for memory
             try:
                 return _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx,
-                                       mbs, system, pbs, name, kept, progress, exc)
+                                       mbs, system, pbs, name, kept, progress, exc, shard=shard)
             except DoesNotFitError:
                 pass
         raise
@@ -776,14 +783,30 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
         selection = replace(selection, plan=replace(plan, reason=(
             f"{plan.reason}; two-phase step (a loss that couples samples; its memory "
             "unchecked: the cost model could not run)")))
+    if shard is not None and selection.estimate is not None:
+        selection = _sharded_selection(selection, shard)
     if checkpointed is not None and _may_gain(selection, parse_mbs(mbs).mode):
         try:  # the second knob: a larger MBS that only fits with activation checkpointing
             other = _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx, mbs,
-                                    system, pbs, name, kept, progress, None, asked=False)
+                                    system, pbs, name, kept, progress, None, asked=False,
+                                    shard=shard)
         except DoesNotFitError:
             return selection
         selection = _joint(selection, other, parse_mbs(mbs).mode)
     return selection
+
+
+def _sharded_selection(selection: Selection, shard: ShardSpec) -> Selection:
+    """The plan says what sharding costs and saves per rank."""
+    e = selection.estimate
+    assert e is not None
+    note = (f"sharded with FSDP2 over {shard.world} ranks: parameters, gradients and optimizer "
+            f"state are one rank's shards ({format_bytes(e.memory.params)} of parameters), "
+            f"{format_bytes(shard.gathered)} gathered at the peak (the root and the largest of "
+            f"{len(shard.unit_bytes) - 1} units), all-gathers "
+            f"{format_seconds(e.time.allgather)} per step")
+    plan = selection.plan
+    return replace(selection, plan=replace(plan, reason=f"{plan.reason}; {note}"))
 
 
 def _may_gain(selection: Selection, mode: str) -> bool:
@@ -823,11 +846,13 @@ def _with_recompute(analysis: BatchAnalysis, checkpointed: Any, values: Sequence
                     in_dims: Sequence[int | None], gbs: int, num_csx: int, mbs: Any,
                     system: SystemSpec, pbs: int, name: str | None,
                     kept: frozenset[int] | None, progress: bool | None,
-                    without: DoesNotFitError | None, asked: bool = True) -> Selection:
+                    without: DoesNotFitError | None, asked: bool = True,
+                    shard: ShardSpec | None = None) -> Selection:
     """The plan with activation checkpointing per block, its cost probed as it runs
     (``asked``: recompute=True; else chosen beside the plan without it)."""
     cost = analyse_cost(replace(analysis, graph_module=checkpointed), values, in_dims, pbs=pbs,
                         name=name, kept_outputs=kept)
+    cost.shard = shard
     selection = select_plan(gbs, num_csx, mbs, cost, system, progress=progress)
     why = (f"activation checkpointing per block{' (recompute=True)' if asked else ''}"
            if without is None else
