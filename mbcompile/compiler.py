@@ -780,7 +780,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     ``batch_norm="per_microbatch"`` lets BatchNorm in training use each microbatch's
     statistics, as a hand-written loop does (a ``PerMicrobatchStatisticsWarning``, and a
     note in ``plan.warnings``: not the full-batch result); the default ``"full_batch"``
-    rejects it, since a split would change the result.
+    keeps the full batch's statistics (a two-phase step, or ``MixingError`` with
+    ``coupling="reject"``), since a plain split would change the result.
     ``coupling="two_phase"`` (the default) runs a graph whose ops mix samples (a
     contrastive loss, ``x @ x.T``, ``loss.sqrt()``, BatchNorm in training) exactly, as a
     two-phase step: the per-sample part per microbatch, the coupled part once on the
@@ -792,6 +793,13 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     model counts only the loss and ``auto`` can choose a larger MBS), or a list of
     output names (keys of a dict or dataclass output such as HuggingFace's ``logits``,
     or tuple positions) kept beside the loss. In eval mode every output is returned.
+    ``torch_compile=True`` (or a dict of ``torch.compile`` keyword arguments, such as
+    ``{"backend": "aot_eager"}`` where no C++ compiler is installed for inductor)
+    compiles the body, and a two-phase step's coupled part, for each microbatch shape
+    the plan holds (static shapes: compiled on the first step, never again).
+    ``recompute`` is activation checkpointing per repeated block (``passes/recompute.py``):
+    ``"auto"`` (default: evaluated beside the plain plan where memory stops the MBS from
+    growing, and kept when faster or when nothing fits without it), True or False.
     ``compile_only=True`` traces, analyses, plans and estimates, and returns a
     module that raises ``CompileOnlyError`` when called; ``validate_only=True``
     stops after capture and batch analysis and returns a ``Validation``.
