@@ -12,8 +12,9 @@ import torch.nn as nn
 
 import mbcompile
 from mbcompile.check import relative_error
-from mbcompile.models import make_mlp, make_tiny_gpt
+from mbcompile.models import TinyGPT, make_mlp, make_tiny_gpt, token_batch
 from mbcompile.passes.recompute import checkpoint_blocks
+from mbcompile.planning.explore import measure_peak_bytes
 from mbcompile.planning.systems import get_system
 
 GBS = 14
@@ -136,3 +137,26 @@ def test_auto_and_explore_choose_mbs_and_recompute_jointly(tmp_path):
     # where everything fits without it, auto never recomputes
     assert not mbcompile.compile(model, 16, 1, "auto", example_inputs=batch,
                                  compile_only=True).plan.recompute
+
+
+def test_modelled_memory_with_checkpointing_matches_the_allocator():
+    """Within 20% of the allocator's count (the issue's bound; 1.5% on this model)."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=128, width=64, depth=4, heads=4, seq=64)
+    batch = token_batch(16, 64, 128)
+    cm = mbcompile.compile(model, 16, 1, 4, example_inputs=batch, recompute=True)
+    assert cm.plan.recompute
+    predicted = cm.estimate.memory
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+
+    def step() -> None:
+        loss, _ = cm(*batch)
+        loss.backward()
+        opt.step()
+
+    step()  # the optimizer state exists from now on, as in training
+    opt.zero_grad(set_to_none=True)
+    before = sum(t.nbytes for t in [*model.parameters(), *batch])
+    before += sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    measured = before + measure_peak_bytes(step)
+    assert predicted.peak == pytest.approx(measured, rel=0.20)

@@ -250,9 +250,12 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if getattr(func, "namespace", "aten") != "aten":
             return func(*args, **kwargs)
-        before = self.counter.get_total_flops()
         out = func(*args, **kwargs)
-        flops = self.counter.get_total_flops() - before
+        # torch's FLOP formulas, called here rather than by entering FlopCounterMode: its
+        # module tracker hooks every tensor for backward, which keeps activations that
+        # activation checkpointing recomputes alive to the end of the step
+        formula = self.counter.flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         ins = {id(t): t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         outs = {id(t): t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
         known = len(self.sizes)
@@ -350,7 +353,7 @@ class _Prober:
         for p in self.params.values():
             p.grad = None
         try:
-            with self.fake_probe.mode, counter, recorder, torch.enable_grad(), \
+            with self.fake_probe.mode, recorder, torch.enable_grad(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outs = self.fake_probe.run(*args)
                 flat = pytree.tree_leaves(outs)
