@@ -700,3 +700,22 @@ def one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def allocator_peak(cm: Any, model: nn.Module, batch: tuple[Any, ...]) -> float:
+    """Peak bytes of one Adam training step of ``cm`` as the allocator counts them: what
+    is live before the step (parameters, batch, optimizer state) plus the step's peak."""
+    from mbcompile.planning.explore import measure_peak_bytes
+
+    opt = torch.optim.Adam(model.parameters(), foreach=False)
+
+    def step() -> None:
+        loss = cm(*batch)[0]
+        loss.backward()
+        opt.step()
+
+    step()  # the optimizer state exists from now on, as in training
+    opt.zero_grad(set_to_none=True)
+    before = sum(t.nbytes for t in [*model.parameters(), *batch])
+    before += sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    return before + measure_peak_bytes(step)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import allocator_peak
 from torch.utils.flop_counter import FlopCounterMode
 
 import mbcompile
@@ -25,7 +26,6 @@ from mbcompile.planning.cost import (
     analyse_cost,
     format_bytes,
 )
-from mbcompile.planning.explore import measure_peak_bytes
 from mbcompile.planning.systems import get_system, system_names
 
 
@@ -219,18 +219,7 @@ def test_predicted_peak_memory_matches_the_allocator(name: str, mbs: int) -> Non
     cm = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch)
     cost = analyse_cost(cm.analysis, batch, (0, 0), pbs=gbs)
     predicted = cost.estimate(gbs, 1, mbs, get_system("host")).memory
-    opt = torch.optim.Adam(model.parameters(), foreach=False)
-
-    def step() -> None:
-        loss, _ = cm(*batch)
-        loss.backward()
-        opt.step()
-
-    step()  # the optimizer state exists from now on, as in training
-    opt.zero_grad(set_to_none=True)
-    before = sum(t.nbytes for t in [*model.parameters(), *batch])
-    before += sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    measured = before + measure_peak_bytes(step)
+    measured = allocator_peak(cm, model, batch)
     assert predicted.peak == pytest.approx(measured, rel=0.10), (
         f"{name} mbs {mbs}: predicted {format_bytes(predicted.peak)} ({predicted.phase}), "
         f"measured {format_bytes(measured)}")
