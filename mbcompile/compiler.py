@@ -630,9 +630,9 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
 OUTPUT_MODES = ("all", "loss")
 
 
-def _shard_spec(model: nn.Module, world: int) -> ShardSpec | None:
-    """The FSDP2 units of a sharded model, by the full bytes of the parameters each owns."""
-    units = fsdp_modules(model)
+def _shard_spec(units: Sequence[tuple[str, nn.Module]], world: int) -> ShardSpec | None:
+    """A sharded model's FSDP2 ``units`` (``fsdp_modules``, the root first) by the full
+    bytes of the parameters each owns."""
     if not units:
         return None
     owner: dict[int, int] = {}
@@ -812,12 +812,13 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     inner = unwrapped.module
     if capture not in CAPTURES:
         raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
-    if fsdp_modules(inner) and backend != "torch.distributed":
+    units = fsdp_modules(inner)  # FSDP2 units of a sharded model, or none
+    if units and backend != "torch.distributed":
         raise InputError(
             f"{type(model).__name__} is sharded with fully_shard, so its parameters live on "
             "several ranks: compile it with backend='torch.distributed' inside the process "
             "group that sharded it")
-    if fsdp_modules(inner) and capture == "export":
+    if units and capture == "export":
         raise InputError("a model sharded with fully_shard is captured with torch.fx "
                          "(capture='auto' or 'fx'); torch.export cannot trace FSDP's DTensors")
     if backend not in BACKENDS:
@@ -859,7 +860,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                              policy, spec, measure=measure, name=type(model).__name__,
                              two_phase=refused is None and analysed.rejected is not None,
                              kept=keep, recompute=inputs.recompute if inner.training else False,
-                             shard=_shard_spec(inner, num_csx))
+                             shard=_shard_spec(units, num_csx))
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name

@@ -110,18 +110,30 @@ class _Step:
                 "and gradients are as they were before the call (the original error is the "
                 "__cause__ of this one)") from exc
 
+    def _per_microbatch(self, states: list[_RngStates] | None = None, what: str = "forward"
+                        ) -> tuple[list[tuple[Any, ...]], Exception | None]:
+        """P on every microbatch (keeping each one's RNG state in ``states``), and the
+        failure, if any. On ranks F is gathered next, and every rank must issue the same
+        collectives: a failing rank goes on with zeros shaped like its F and reports the
+        failure in the step's one status all-reduce (the others run on, then stop)."""
+        results: list[tuple[Any, ...]] = []
+        try:
+            for i, mb in enumerate(self.microbatches):
+                if states is not None:
+                    states.append(_RngStates(mb))
+                results.append(self.loop._in_microbatch(
+                    i, lambda mb=mb: as_tuple(self.body(*mb)), what))
+        except Exception as exc:
+            if self.gather is None:
+                raise
+            return _stand_ins(self.body), exc
+        return results, None
+
     # -------------------------------------------------------------- phases
     def run(self) -> tuple[Any, ...]:
         """The reference meaning, with grad as the caller has it (nothing fused). On ranks a
         failing rank still joins the gather (with zeros) and the status all-reduce."""
-        failure: Exception | None = None
-        try:
-            results = [self.loop._in_microbatch(i, lambda mb=mb: as_tuple(self.body(*mb)))
-                       for i, mb in enumerate(self.microbatches)]
-        except Exception as exc:
-            if self.gather is None:
-                raise
-            failure, results = exc, _stand_ins(self.body)
+        results, failure = self._per_microbatch()
         joined, _ = self._join(results)
         if self.gather is None:
             return self._coupled(joined)
@@ -150,22 +162,8 @@ class _Step:
     def _three_phases(self, params: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], Any]:
         # 1. P per microbatch, no grad: F's pieces, and the RNG state each started from
         states: list[_RngStates] = []
-        results: list[tuple[Any, ...]] = []
-        failure: Exception | None = None
-        try:
-            with torch.no_grad():
-                for i, mb in enumerate(self.microbatches):
-                    states.append(_RngStates(mb))
-                    results.append(self.loop._in_microbatch(
-                        i, lambda mb=mb: as_tuple(self.body(*mb)), _PHASES[0]))
-        except Exception as exc:
-            if self.gather is None:
-                raise
-            # F is gathered next, and every rank must issue the same collectives: this rank
-            # joins them with zeros shaped like its F, then reports the failure in the
-            # step's one status all-reduce, at the end (the others run on, then stop)
-            failure = exc
-            results = _stand_ins(self.body)
+        with torch.no_grad():
+            results, failure = self._per_microbatch(states, _PHASES[0])
         pieces = [[r[i].shape[dim] if kind == "cat" else 0 for r in results]
                   for i, (kind, dim) in enumerate(self.outputs)]
         joined, offsets = self._join(results)
