@@ -612,6 +612,10 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
         analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
         in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)}, keep=keep,
         recompute=plan.recompute and model.training)
+    if plan.reshard_after_forward is not None:  # FSDP2 units: the plan's choice, at run time
+        from mbcompile.execution.fsdp import RESHARD
+
+        setattr(rewritten.body, RESHARD, plan.reshard_after_forward)
     if analysed.analysis.two_phase and backend == "torch.distributed":
         from mbcompile.execution.two_phase import TEMPLATE, frontier_template
 
@@ -653,6 +657,15 @@ def _check_recompute(option: Any) -> bool | str:
     if option == "auto" or isinstance(option, bool):
         return option
     raise InputError(f"recompute must be 'auto', True or False, got {option!r}")
+
+
+def _check_reshard(option: Any, sharded: bool) -> bool | str:
+    if option != "auto" and not isinstance(option, bool):
+        raise InputError(f"reshard_after_forward must be 'auto', True or False, got {option!r}")
+    if option != "auto" and not sharded:
+        raise InputError("reshard_after_forward is FSDP2's setting for a model sharded with "
+                         "fully_shard; this model is not sharded: leave it at 'auto'")
+    return option
 
 
 def _check_torch_compile(option: Any) -> dict[str, Any] | None:
@@ -754,7 +767,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             capture: str = "auto", batch_norm: str = "full_batch",
             coupling: str = "two_phase", outputs: Any = "all",
             torch_compile: bool | Mapping[str, Any] = False, recompute: bool | str = "auto",
-            compile_only: bool = False,
+            reshard_after_forward: bool | str = "auto", compile_only: bool = False,
             validate_only: bool = False,
             measure: bool | int = False) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
@@ -800,6 +813,11 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     ``recompute`` is activation checkpointing per repeated block (``passes/recompute.py``):
     ``"auto"`` (default: evaluated beside the plain plan where memory stops the MBS from
     growing, and kept when faster or when nothing fits without it), True or False.
+    ``reshard_after_forward`` is FSDP2's setting for a model sharded with ``fully_shard``
+    (every unit but the root): ``"auto"`` (default: both are planned and the faster plan
+    that fits is kept, jointly with the MBS; kept gathered from forward to backward halves
+    the all-gathers and holds every unit at the peak), True or False. It holds during
+    compiled steps only; the model's own setting is back after each.
     ``compile_only=True`` traces, analyses, plans and estimates, and returns a
     module that raises ``CompileOnlyError`` when called; ``validate_only=True``
     stops after capture and batch analysis and returns a ``Validation``.
@@ -841,6 +859,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                                  coupling=coupling, outputs=_check_outputs(outputs),
                                  torch_compile=_check_torch_compile(torch_compile),
                                  recompute=_check_recompute(recompute))
+    reshard = _check_reshard(reshard_after_forward, bool(units))
     start = time.perf_counter()
     try:
         analysed = _analyse(inner, gbs, inputs, values)
@@ -860,7 +879,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                              policy, spec, measure=measure, name=type(model).__name__,
                              two_phase=refused is None and analysed.rejected is not None,
                              kept=keep, recompute=inputs.recompute if inner.training else False,
-                             shard=_shard_spec(units, num_csx))
+                             shard=_shard_spec(units, num_csx), reshard=reshard)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name

@@ -100,13 +100,16 @@ class Comms:
 
 
 def train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
-                reshard_after_forward: bool = True, steps: int = 2) -> None:
+                reshard_after_forward: bool | str = "auto", steps: int = 2) -> None:
     """``steps`` compiled steps (SGD between them) of the sharded model on this rank's
-    share; saves each step's loss, full gradients (``full_tensor()``) and collectives."""
-    net = shard(make_net(), reshard_after_forward)
+    share, with ``compile(reshard_after_forward=...)`` (the model is sharded with the
+    opposite of a pinned setting, so the step must apply it); saves each step's loss, full
+    gradients (``full_tensor()``), collectives and the units' setting after the step."""
+    net = shard(make_net(), reshard_after_forward is not True)
     batch = make_batch(gbs)
     cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=batch,
-                           backend="torch.distributed")
+                           backend="torch.distributed",
+                           reshard_after_forward=reshard_after_forward)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     record = []
     for step in range(steps):
@@ -115,11 +118,20 @@ def train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
             loss = cm(*mbdist.shard(batch, cm.plan, rank))
             loss.backward()
         record.append({"loss": loss.detach(), "counts": comms.counts,
-                       "grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()}})
+                       "grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()},
+                       "resharded": [_resharded(b) for b in net.blocks],
+                       "sharded": all(not g.is_unsharded for m in (net, *net.blocks)
+                                      for g in m._get_fsdp_state()._fsdp_param_groups)})
         opt.step()
         opt.zero_grad()
-    torch.save({"steps": record, "plan": cm.plan.to_dict()},
+    torch.save({"steps": record, "plan": cm.plan.to_dict(), "report": str(cm.report())},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _resharded(unit: nn.Module) -> bool:
+    """The unit's ``reshard_after_forward`` as FSDP holds it now."""
+    return all(g.post_forward_mesh_info is not None
+               for g in unit._get_fsdp_state()._fsdp_param_groups)
 
 
 def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> None:
@@ -188,11 +200,41 @@ def cost_view(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
     net = shard(make_net())
     batch = make_batch(gbs)
     cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=batch,
-                           backend="torch.distributed", compile_only=True)
+                           backend="torch.distributed", compile_only=True,
+                           reshard_after_forward=True)
     m, t = cm.estimate.memory, cm.estimate.time
     figures = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                "gathered": m.gathered, "peak": m.peak, "allgather": t.allgather,
                "allreduce": t.allreduce}
     torch.save({**{k: float(v) for k, v in figures.items()}, "reason": cm.plan.reason,
                 "report": str(cm.report())},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def reshard_view(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
+    """How ``reshard_after_forward='auto'`` chooses: the modelled peak and step with each
+    setting pinned, then auto on a system with room for either, and on one whose memory
+    lies between the two peaks."""
+    import dataclasses
+
+    from mbcompile.planning.systems import get_system
+
+    net = shard(make_net())
+    batch = make_batch(gbs)
+
+    def plan(reshard: bool | str, system=None) -> dict:
+        cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=batch, system=system,
+                               backend="torch.distributed", compile_only=True,
+                               reshard_after_forward=reshard)
+        e = cm.estimate
+        return {"value": cm.plan.reshard_after_forward, "peak": e.memory.peak,
+                "gathered": e.memory.gathered, "step": e.time.step,
+                "allgather": e.time.allgather, "reason": cm.plan.reason,
+                "report": str(cm.report()), "plan": str(cm.plan)}
+
+    pinned = {value: plan(value) for value in (True, False)}
+    host = get_system("host")
+    between = dataclasses.replace(host, name="between", memory_bytes=(
+        pinned[True]["peak"] + pinned[False]["peak"]) / 2)
+    torch.save({"pinned": pinned, "roomy": plan("auto"), "tight": plan("auto", between)},
                os.path.join(out_dir, f"rank{rank}.pt"))

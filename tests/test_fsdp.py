@@ -29,23 +29,62 @@ def _reference(gbs: int, steps: int) -> list[tuple[torch.Tensor, dict[str, torch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,gbs,mbs", [
-    (2, 7, 2),   # 4 + 3 samples: microbatches 2, 2 and 2, 1
-    (3, 10, 2),  # 4 + 3 + 3 samples
-    (3, 7, 1),   # 3 + 2 + 2: ranks 1 and 2 have an empty third microbatch
+@pytest.mark.parametrize("world,gbs,mbs,reshard", [
+    (2, 7, 2, "auto"),  # 4 + 3 samples: microbatches 2, 2 and 2, 1
+    (2, 7, 2, True),    # the same, units resharded after forward (sharded kept gathered)
+    (2, 7, 2, False),   # the same, units kept gathered (sharded resharding)
+    (3, 10, 2, "auto"),  # 4 + 3 + 3 samples
+    (3, 7, 1, "auto"),  # 3 + 2 + 2: ranks 1 and 2 have an empty third microbatch
 ])
-def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs):
-    _run(fsdp_workers.train_steps, world, str(tmp_path), gbs, mbs)
+def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs, reshard):
+    _run(fsdp_workers.train_steps, world, str(tmp_path), gbs, mbs, reshard)
     reference = _reference(gbs, 2)
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         if (world, gbs, mbs) == (3, 7, 1):
             assert got["plan"]["microbatch_sizes"][rank][-1] == (1 if rank == 0 else 0)
+        chosen = got["plan"]["reshard_after_forward"]
+        assert chosen == reshard if reshard != "auto" else isinstance(chosen, bool)
+        rounds = max(len(sizes) for sizes in got["plan"]["microbatch_sizes"])
         for step, (loss, grads) in zip(got["steps"], reference):
             assert relative_error(step["loss"], loss) <= 1e-10
             for name, g in grads.items():
                 assert relative_error(step["grads"][name], g) <= 1e-10, (rank, name)
             assert step["counts"]["reduce_scatter"] == UNITS  # one round: each unit once
+            # the root once per forward; each block again in its backward if resharded
+            per_forward = 1 + (2 if chosen else 1) * fsdp_workers.DEPTH
+            assert step["counts"]["all_gather"] == rounds * per_forward
+            # the model's own setting is back after the step, every unit resharded
+            assert step["resharded"] == [reshard is not True] * fsdp_workers.DEPTH
+            assert step["sharded"]
+
+
+@pytest.mark.slow
+def test_auto_chooses_reshard_after_forward_with_the_mbs(tmp_path):
+    """Units kept gathered from forward to backward: fewer all-gathers (a faster modelled
+    step) and every unit gathered at the peak. ``auto`` keeps them gathered when that
+    fits, reshards when only that fits, and the plan, its reason and the report say so."""
+    _run(fsdp_workers.reshard_view, 2, str(tmp_path), 8, 2)
+    got = torch.load(tmp_path / "rank0.pt")
+    kept, resharded = got["pinned"][False], got["pinned"][True]
+    net = fsdp_workers.make_net()
+    blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in net.blocks]
+    root = sum(p.numel() * p.element_size() for p in net.parameters()) - sum(blocks)
+    # the units gathered, FSDP's flat buffers (ShardSpec.held)
+    assert resharded["gathered"] == pytest.approx(root + max(blocks) + 3 * max(blocks))
+    assert kept["gathered"] == pytest.approx(root + sum(blocks) + 2 * max(blocks))
+    assert kept["peak"] > resharded["peak"] and kept["step"] < resharded["step"]
+    assert kept["allgather"] < resharded["allgather"]
+    roomy, tight = got["roomy"], got["tight"]
+    assert roomy["value"] is False and tight["value"] is True
+    assert roomy["step"] == pytest.approx(kept["step"])
+    assert tight["peak"] == pytest.approx(resharded["peak"])
+    assert "kept gathered from forward to backward (reshard_after_forward=False)" \
+        in roomy["reason"]
+    assert "kept gathered to their backward even mbs 2 would need" in tight["reason"]
+    assert "fsdp: reshard_after_forward=False" in roomy["report"]
+    assert "fsdp: reshard_after_forward=True" in tight["report"]
+    assert "fsdp: reshard_after_forward=True" in resharded["plan"]
 
 
 @pytest.mark.slow
@@ -101,9 +140,10 @@ def test_capture_sees_through_fsdp(tmp_path):
 
 @pytest.mark.slow
 def test_the_cost_model_knows_sharding(tmp_path):
-    """Per rank: parameters, gradients and optimizer state are 1/world of the unsharded
-    model's, the root and the largest unit are counted gathered, all-gathers cost time in
-    every microbatch, and gradients are reduce-scattered (half a ring all-reduce)."""
+    """Per rank (units resharded after forward): parameters and optimizer state are
+    1/world of the unsharded model's, gradients accumulate unsharded, the root and the
+    largest unit are counted gathered with FSDP's buffers, all-gathers cost time in every
+    microbatch, and gradients are reduce-scattered (half a ring all-reduce)."""
     world, gbs, mbs = 2, 8, 2
     _run(fsdp_workers.cost_view, world, str(tmp_path), gbs, mbs)
     got = torch.load(tmp_path / "rank0.pt")
@@ -113,9 +153,26 @@ def test_the_cost_model_knows_sharding(tmp_path):
     blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in net.blocks]
     root = sum(p.numel() * p.element_size() for p in net.parameters()) - sum(blocks)
     assert got["params"] == pytest.approx(plain.memory.params / world)
-    assert got["grads"] == pytest.approx(plain.memory.grads / world)
     assert got["optimizer"] == pytest.approx(plain.memory.optimizer / world)
-    assert got["gathered"] == pytest.approx(root + max(blocks))
+    # 2 microbatches per rank: FSDP2 accumulates the gradients unsharded, all but the
+    # unit reduce-scattered first when the peak comes in the last backward
+    u = max(blocks)
+    assert got["grads"] == pytest.approx(plain.memory.grads - u + u / world)
+    # gathered: the root and one unit, the flat all-gather output and gloo's copy of
+    # the largest unit, and the reduce-scatter input kept until the next unit's
+    assert got["gathered"] == pytest.approx(root + u + 3 * u)
     assert got["allgather"] > 0 and got["allreduce"] == pytest.approx(plain.time.allreduce / 2)
     assert f"sharded with FSDP2 over {world} ranks" in got["reason"]
     assert "gathered parameters" in got["report"] and "FSDP2 all-gathers" in got["report"]
+
+
+@pytest.mark.parametrize("value,message", [
+    (False, "this model is not sharded: leave it at 'auto'"),
+    ("yes", "reshard_after_forward must be 'auto', True or False, got 'yes'"),
+])
+def test_reshard_after_forward_is_checked(value, message):
+    from mbcompile.errors import InputError
+
+    with pytest.raises(InputError, match=message):
+        mbcompile.compile(fsdp_workers.make_net(), 4, 1, 2, reshard_after_forward=value,
+                          example_inputs=fsdp_workers.make_batch(4))

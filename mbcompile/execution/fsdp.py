@@ -20,6 +20,10 @@ of the full shape, and each sharded block's call is bracketed by the markers
    left a microbatch empty runs its last one again with weight 0 (its gradient
    adds exact zeros) instead of skipping it.
 
+``ShardedStep.step`` also applies the plan's ``reshard_after_forward`` (``RESHARD``,
+chosen with the MBS by the cost model) to every unit but the root for the step, and
+puts the user's setting back afterwards.
+
 The gradients FSDP reduce-scatters land in the sharded parameters' ``.grad``,
 which the runtime set aside for the step, so they are never all-reduced again by
 mbcompile; only the loss's partial sums are (``all_reduce_sums``).
@@ -40,9 +44,12 @@ import torch.nn as nn
 from mbcompile.passes.capture import FSDP_PARAM
 from mbcompile.passes.ops import fsdp_unit_enter, fsdp_unit_exit
 
-__all__ = ["ShardedStep", "bind_units", "sharded_root", "is_sharded"]
+__all__ = ["RESHARD", "ShardedStep", "bind_units", "sharded_root", "is_sharded"]
 
 _ROOT = "fsdp_root"  # the attribute of the bound body that holds the user's sharded model
+#: The attribute of a body that holds the plan's ``reshard_after_forward`` for the units
+#: (set by the compiler; absent: the units keep the setting they were sharded with).
+RESHARD = "_mbcompile_reshard_after_forward"
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -121,6 +128,7 @@ class ShardedStep:
         self.done: set[str] = set()
         self.last: tuple[Any, ...] = ()
         self.body = bind_units(body, root, self)
+        self.reshard: bool | None = getattr(body, RESHARD, None)
 
     def enter(self, unit: str, *values: Any) -> tuple[Any, ...]:
         """FSDP's pre-forward of ``unit`` (all-gather; post-backward hook on the inputs)."""
@@ -213,12 +221,20 @@ class ShardedStep:
     def step(self) -> Iterator[None]:
         """Sum gradients over ranks for the step (FSDP averages by default); restore the
         user's FSDP settings afterwards, and leave every unit resharded."""
-        groups = [g for m in self.root.modules() if hasattr(m, "_get_fsdp_state")
-                  for g in m._get_fsdp_state()._fsdp_param_groups]
+        units = [m for m in self.root.modules() if hasattr(m, "_get_fsdp_state")]
+        groups = [g for m in units for g in m._get_fsdp_state()._fsdp_param_groups]
         saved = [(g.reduce_grads, g.all_reduce_grads, g.gradient_divide_factor,
                   g.force_sum_reduction_for_comms) for g in groups]
         for g in groups:
             g.gradient_divide_factor, g.force_sum_reduction_for_comms = 1.0, True
+        # the plan's reshard_after_forward, for every unit but the root (FSDP keeps the
+        # root gathered from forward to backward, set at its lazy init in the first step)
+        others = [m for m in units if m is not self.root] if self.reshard is not None else []
+        settings = [(m._get_fsdp_state()._auto_reshard_after_forward,
+                     [g.post_forward_mesh_info for g in m._get_fsdp_state()._fsdp_param_groups])
+                    for m in others]
+        for m in others:
+            m.set_reshard_after_forward(self.reshard, recurse=False)
         try:
             yield
         except BaseException:
@@ -228,4 +244,10 @@ class ShardedStep:
             for g, (reduce, all_reduce, factor, force) in zip(groups, saved):
                 g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
                 g.gradient_divide_factor, g.force_sum_reduction_for_comms = factor, force
-            self.root.reshard()  # the root keeps its gather after a no-grad forward
+            for m, (auto, meshes) in zip(others, settings):  # the user's setting again
+                state = m._get_fsdp_state()
+                state._auto_reshard_after_forward = auto
+                for g, mesh in zip(state._fsdp_param_groups, meshes):
+                    g.post_forward_mesh_info = mesh
+            for m in units:  # kept gathered after a no-grad forward (the root always)
+                m.reshard()

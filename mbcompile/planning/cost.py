@@ -128,13 +128,47 @@ class ShardSpec:
 
     world: int
     unit_bytes: tuple[float, ...]
+    #: FSDP2's ``reshard_after_forward`` for every unit but the root (which FSDP keeps
+    #: gathered from its forward to its backward either way).
+    reshard_after_forward: bool = True
 
     @property
     def gathered(self) -> float:
-        """Parameters alive unsharded at the peak: the root (FSDP keeps it gathered through
-        the step) and the largest other unit (one at a time, resharded after its forward)."""
+        """Parameters alive unsharded at the peak: the root, and the largest other unit
+        when units are resharded after their forward (one is gathered at a time), or
+        every unit when they stay gathered until their backward."""
         root, *others = self.unit_bytes
-        return root + max(others, default=0.0)
+        return root + (max(others, default=0.0) if self.reshard_after_forward else sum(others))
+
+    def held(self, grads: float, microbatches: int) -> tuple[float, float]:
+        """Gradient bytes and gathered bytes alive at one rank's peak, measured on gloo
+        ranks (``tests/test_fsdp_memory.py``) and read off FSDP2's code.
+
+        ``grads``: the full gradient bytes. With one microbatch the peak holds one unit's
+        gradient shard; with more, FSDP2 accumulates every unit's gradient unsharded
+        (full size) until the last backward's reduce-scatter (gradient sync is off in the
+        others), less the one unit already reduce-scattered when the peak comes. Gathered:
+        the unsharded parameters (``gathered``) and FSDP's flat buffers: the largest unit's
+        all-gather output and the flat copy the collective runs through (gloo; one fewer on
+        NCCL), and, resharding after forward, the reduce-scatter input kept until the next
+        unit's. Resharding after forward, the peak comes early in the last backward (a unit
+        gathered, the next one prefetched); keeping units gathered, in the last forward at
+        the last unit's all-gather, before any gradient of that microbatch exists.
+        """
+        root, *others = self.unit_bytes
+        largest = max(others, default=0.0)
+        if self.reshard_after_forward:
+            shard = largest / self.world
+            held = min(grads, shard) if microbatches == 1 else max(grads - largest, 0.0) + shard
+            return held, self.gathered + 3 * largest
+        return (0.0 if microbatches == 1 else grads), self.gathered + 2 * largest
+
+    def gathers_per_microbatch(self) -> tuple[float, int]:
+        """Bytes all-gathered and all-gathers per microbatch: every unit in its forward,
+        and again in its backward when it was resharded after the forward (not the root)."""
+        root, *others = self.unit_bytes
+        again = 2 if self.reshard_after_forward else 1
+        return root + again * sum(others), 1 + again * len(others)
 
 
 def format_bytes(n: float) -> str:
@@ -463,7 +497,7 @@ class MemoryEstimate:
     phase: str
     frontier: float = 0.0  # two-phase: the frontier F and dL/dF for the whole batch
     coupled: float = 0.0  # two-phase: the coupled part's activations at the whole batch
-    gathered: float = 0.0  # FSDP2: parameters all-gathered (unsharded) at the peak
+    gathered: float = 0.0  # FSDP2: parameters gathered at the peak, and FSDP's flat buffers
 
     @property
     def static(self) -> float:
@@ -497,7 +531,7 @@ class TimeEstimate:
     samples_per_second: float
     bound: str  # what dominates: "compute", "memory", "overhead", "weight streaming"
     extra_forward: float = 0.0  # two-phase: the per-sample part's forward without grad
-    allgather: float = 0.0  # FSDP2: every unit gathered in each microbatch's forward and backward
+    allgather: float = 0.0  # FSDP2: units all-gathered in every microbatch (ShardSpec)
     coupled: float = 0.0  # two-phase: the coupled part, once, on the whole batch
 
     def to_dict(self) -> dict[str, Any]:
@@ -763,10 +797,10 @@ class CostModel:
         grads = s.trainable_bytes if trained else 0.0
         optimizer = spec.optimizer_bytes_per_param * s.num_trainable if trained else 0.0
         gathered = 0.0
-        if self.shard is not None and on_device:  # one rank's shards, one unit gathered
+        if self.shard is not None and on_device:  # one rank's shards, units gathered
             w = self.shard.world
-            params, grads, optimizer = params / w, grads / w, optimizer / w
-            gathered = self.shard.gathered
+            params, optimizer = params / w, optimizer / w
+            grads, gathered = self.shard.held(grads, num_microbatches)
         static = params + s.buffer_bytes + grads + optimizer
         inputs = s.input_bytes_fixed + s.input_bytes_per_sample * pbs
         saved, act = f.saved_bytes, f.activation_peak_bytes
@@ -822,14 +856,14 @@ class CostModel:
         optimizer = self.optimizer_seconds(spec)
         allgather = 0.0
         if self.shard is not None and self.shard.world > 1:
-            w, units = self.shard.world, self.shard.unit_bytes
-            # gradients are reduce-scattered, half a ring all-reduce; every unit is
-            # gathered in each microbatch's forward and again in its backward
+            w = self.shard.world
+            # gradients are reduce-scattered, half a ring all-reduce; units are gathered
+            # in every microbatch (``ShardSpec.gathers_per_microbatch``)
             allreduce /= 2
             optimizer /= w
-            per_microbatch = 2 * ((w - 1) / w * sum(units) / spec.interconnect_bandwidth
-                                  + len(units) * spec.interconnect_latency_s)
-            allgather = k * per_microbatch
+            gathered, gathers = self.shard.gathers_per_microbatch()
+            allgather = k * ((w - 1) / w * gathered / spec.interconnect_bandwidth
+                             + gathers * spec.interconnect_latency_s)
         step = worst[0] + allreduce + optimizer + allgather
         first = self.microbatch_seconds(mbs, spec)[0]
         bound = max(bound_votes, key=bound_votes.get) if bound_votes else "compute"

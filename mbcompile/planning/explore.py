@@ -618,7 +618,7 @@ def describe_memory(m: MemoryEstimate) -> str:
     if m.update:
         parts.append(f"optimizer update temporaries {format_bytes(m.update)}")
     if m.gathered:  # FSDP2: the units alive unsharded at the peak
-        parts.append(f"gathered parameters {format_bytes(m.gathered)}")
+        parts.append(f"gathered parameters and FSDP buffers {format_bytes(m.gathered)}")
     if m.frontier or m.coupled:  # a two-phase step's whole-batch terms
         parts += [f"frontier and its gradient {format_bytes(m.frontier)}",
                   f"coupled part at the whole batch {format_bytes(m.coupled)}"]
@@ -713,12 +713,65 @@ def _with_reason(plan: MicrobatchPlan, reason: str) -> MicrobatchPlan:
     return replace(plan, reason=reason)
 
 
+def select_sharded(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostModel | None,
+                   spec: SystemSpec, *, reshard: bool | str = "auto", **kwargs: Any
+                   ) -> Selection:
+    """:func:`select_plan`, and for a model sharded with FSDP2 (``cost.shard``) its
+    ``reshard_after_forward`` chosen with the MBS.
+
+    ``reshard``: True or False pins the setting; ``"auto"`` plans both and keeps the
+    faster plan that fits. Keeping units gathered from forward to backward halves their
+    all-gathers but holds every unit's parameters at the peak, which can force a smaller
+    MBS: the two plans are compared whole (MBS and setting jointly). Without a cost model
+    the model runs with the setting it was sharded with (``plan.reshard_after_forward``
+    stays None).
+    """
+    shard = cost.shard if cost is not None else None
+    if shard is None:
+        return select_plan(gbs, num_csx, mbs, cost, spec, **kwargs)
+    assert cost is not None
+    if isinstance(reshard, bool):
+        cost.shard = replace(shard, reshard_after_forward=reshard)
+        selection = select_plan(gbs, num_csx, mbs, cost, spec, **kwargs)
+        return replace(selection, plan=replace(selection.plan, reshard_after_forward=reshard))
+    cost.shard = replace(shard, reshard_after_forward=True)
+    resharded = select_plan(gbs, num_csx, mbs, cost, spec, **kwargs)  # the least memory
+    cost.shard = replace(shard, reshard_after_forward=False)
+    try:
+        gathered: Selection | None = select_plan(gbs, num_csx, mbs, cost, spec, **kwargs)
+    except DoesNotFitError as exc:
+        gathered, unfit = None, exc
+    a = resharded.estimate
+    assert a is not None
+    if gathered is None:
+        chosen, note = resharded, (
+            f"FSDP2 units resharded after forward: kept gathered to their backward even mbs "
+            f"{unfit.mbs} would need {format_bytes(unfit.needed)} of "
+            f"{format_bytes(unfit.available)}")
+    else:
+        b = gathered.estimate
+        assert b is not None
+        keep = b.time.step < a.time.step
+        chosen = gathered if keep else resharded
+        c, o = (b, a) if keep else (a, b)
+        how = "kept gathered from forward to backward" if keep else "resharded after forward"
+        note = (f"FSDP2 units {how} (reshard_after_forward={not keep}): modelled step "
+                f"{format_seconds(c.time.step)} at mbs {c.mbs} (peak "
+                f"{format_bytes(c.memory.peak)}), against {format_seconds(o.time.step)} at mbs "
+                f"{o.mbs} (peak {format_bytes(o.memory.peak)}) with reshard_after_forward={keep}")
+    value = chosen is resharded
+    cost.shard = replace(shard, reshard_after_forward=value)
+    plan = replace(chosen.plan, reshard_after_forward=value,
+                   reason=f"{chosen.plan.reason}; {note}")
+    return replace(chosen, plan=plan)
+
+
 def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[int | None],
              gbs: int, num_csx: int, mbs: MbsPolicy | object, system: SystemSpec, *,
              measure: bool | int = False, progress: bool | None = None,
              name: str | None = None, two_phase: bool = False,
              kept: frozenset[int] | None = None, recompute: bool | str = False,
-             shard: ShardSpec | None = None) -> Selection:
+             shard: ShardSpec | None = None, reshard: bool | str = "auto") -> Selection:
     """``compile()``'s planning step: cost model of the analysed graph, then :func:`select_plan`.
 
     ``analysis`` is the batch analysis of the captured graph (it says which outputs
@@ -731,7 +784,9 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
     ``kept``: the output leaves a training step returns (``compile(outputs=...)``).
     ``recompute``: activation checkpointing per block: True, False, or ``"auto"`` (only
     when no MBS fits without it; the plan then says so). ``shard``: the model is sharded
-    with FSDP2; memory and time are one rank's (``ShardSpec``).
+    with FSDP2; memory and time are one rank's (``ShardSpec``), and ``reshard`` is its
+    ``reshard_after_forward``: True, False, or ``"auto"`` (chosen with the MBS, see
+    :func:`select_sharded`).
     """
     unsplit = analysis.rejected is not None and not two_phase
     gm = analysis.graph_module
@@ -762,17 +817,20 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
         else checkpoint_blocks(analysis.graph_module)
     if recompute is True and checkpointed is not None:
         return _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx, mbs,
-                               system, pbs, name, kept, progress, None, shard=shard)
+                               system, pbs, name, kept, progress, None, shard=shard,
+                               reshard=reshard)
     try:
-        selection = select_plan(gbs, num_csx, mbs, cost, system, timer=timer, progress=progress,
-                                cost_error=error, unsplit=unsplit)
+        selection = select_sharded(gbs, num_csx, mbs, cost, system, reshard=reshard,
+                                   timer=timer, progress=progress, cost_error=error,
+                                   unsplit=unsplit)
     except DoesNotFitError as exc:
         if two_phase and isinstance(cost, TwoPhaseCostModel):
             raise _two_phase_too_big(analysis, cost, exc, values, in_dims, pbs, system) from exc
         if checkpointed is not None:  # "auto": the other way to trade compute for memory
             try:
                 return _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx,
-                                       mbs, system, pbs, name, kept, progress, exc, shard=shard)
+                                       mbs, system, pbs, name, kept, progress, exc, shard=shard,
+                                       reshard=reshard)
             except DoesNotFitError:
                 pass
         raise
@@ -783,27 +841,32 @@ def plan_for(analysis: BatchAnalysis, values: Sequence[Any], in_dims: Sequence[i
         selection = replace(selection, plan=replace(plan, reason=(
             f"{plan.reason}; two-phase step (a loss that couples samples; its memory "
             "unchecked: the cost model could not run)")))
-    if shard is not None and selection.estimate is not None:
-        selection = _sharded_selection(selection, shard)
+    selection = _sharded_selection(selection)
     if checkpointed is not None and _may_gain(selection, parse_mbs(mbs).mode):
         try:  # the second knob: a larger MBS that only fits with activation checkpointing
             other = _with_recompute(analysis, checkpointed, values, in_dims, gbs, num_csx, mbs,
                                     system, pbs, name, kept, progress, None, asked=False,
-                                    shard=shard)
+                                    shard=shard, reshard=reshard)
         except DoesNotFitError:
             return selection
         selection = _joint(selection, other, parse_mbs(mbs).mode)
     return selection
 
 
-def _sharded_selection(selection: Selection, shard: ShardSpec) -> Selection:
-    """The plan says what sharding costs and saves per rank."""
-    e = selection.estimate
-    assert e is not None
-    note = (f"sharded with FSDP2 over {shard.world} ranks: parameters, gradients and optimizer "
+def _sharded_selection(selection: Selection) -> Selection:
+    """The plan says what sharding costs and saves per rank (unsharded: as it is)."""
+    e, shard = selection.estimate, getattr(selection.cost, "shard", None)
+    if e is None or shard is None:
+        return selection
+    grads = ("one unit's gradient shard" if e.num_microbatches == 1
+             else "gradients accumulated unsharded")
+    note = (f"sharded with FSDP2 over {shard.world} ranks: parameters and optimizer "
             f"state are one rank's shards ({format_bytes(e.memory.params)} of parameters), "
-            f"{format_bytes(shard.gathered)} gathered at the peak (the root and the largest of "
-            f"{len(shard.unit_bytes) - 1} units), all-gathers "
+            f"{grads} at the peak ({format_bytes(e.memory.grads)}), {format_bytes(shard.gathered)} "
+            f"gathered (the root and {'the largest' if shard.reshard_after_forward else 'all'}"
+            f" of {len(shard.unit_bytes) - 1} units) and "
+            f"{format_bytes(e.memory.gathered - shard.gathered)} of FSDP's flat buffers, "
+            "all-gathers "
             f"{format_seconds(e.time.allgather)} per step")
     plan = selection.plan
     return replace(selection, plan=replace(plan, reason=f"{plan.reason}; {note}"))
@@ -847,13 +910,14 @@ def _with_recompute(analysis: BatchAnalysis, checkpointed: Any, values: Sequence
                     system: SystemSpec, pbs: int, name: str | None,
                     kept: frozenset[int] | None, progress: bool | None,
                     without: DoesNotFitError | None, asked: bool = True,
-                    shard: ShardSpec | None = None) -> Selection:
+                    shard: ShardSpec | None = None, reshard: bool | str = "auto") -> Selection:
     """The plan with activation checkpointing per block, its cost probed as it runs
     (``asked``: recompute=True; else chosen beside the plan without it)."""
     cost = analyse_cost(replace(analysis, graph_module=checkpointed), values, in_dims, pbs=pbs,
                         name=name, kept_outputs=kept)
     cost.shard = shard
-    selection = select_plan(gbs, num_csx, mbs, cost, system, progress=progress)
+    selection = select_sharded(gbs, num_csx, mbs, cost, system, reshard=reshard,
+                               progress=progress)
     why = (f"activation checkpointing per block{' (recompute=True)' if asked else ''}"
            if without is None else
            f"activation checkpointing per block: without it even mbs {without.mbs} needs "
@@ -862,7 +926,7 @@ def _with_recompute(analysis: BatchAnalysis, checkpointed: Any, values: Sequence
     plan = replace(selection.plan, recompute=True,
                    reason=f"{selection.plan.reason}; {why}; with it the modelled peak is "
                           f"{format_bytes(peak)}")
-    return replace(selection, plan=plan)
+    return _sharded_selection(replace(selection, plan=plan))
 
 
 def _two_phase_selection(selection: Selection, cost: TwoPhaseCostModel) -> Selection:

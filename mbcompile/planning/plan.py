@@ -40,6 +40,7 @@ __all__ = [
     "MbsPolicy",
     "MicrobatchPlan",
     "closest_supported",
+    "describe_reshard",
     "make_plan",
     "parse_mbs",
     "per_system_batch_sizes",
@@ -300,6 +301,9 @@ class MicrobatchPlan:
     tokens_per_sample: int | None = None
     #: Activation checkpointing per block (``passes/recompute.py``), chosen by the plan.
     recompute: bool = False
+    #: FSDP2's ``reshard_after_forward`` for a sharded model's units, chosen with the MBS
+    #: (None: the model is not sharded, or runs with the setting it was sharded with).
+    reshard_after_forward: bool | None = None
 
     @property
     def pbs(self) -> int:
@@ -369,6 +373,8 @@ class MicrobatchPlan:
                          f"per microbatch at most {self.max_microbatch_size * t}")
         if self.recompute:
             lines.append("  recompute: activation checkpointing per block")
+        if self.reshard_after_forward is not None:
+            lines.append(f"  fsdp: {describe_reshard(self.reshard_after_forward)}")
         lines.append(f"  reason: {self.reason}")
         if self.warnings:
             lines.append("  warnings:")
@@ -376,6 +382,15 @@ class MicrobatchPlan:
         else:
             lines.append("  warnings: none")
         return "\n".join(lines)
+
+
+def describe_reshard(reshard_after_forward: bool) -> str:
+    """What FSDP2's ``reshard_after_forward`` setting means for a sharded step."""
+    if reshard_after_forward:
+        return ("reshard_after_forward=True (each unit resharded after its forward and "
+                "gathered again for its backward: one unit gathered at a time)")
+    return ("reshard_after_forward=False (each unit kept gathered from its forward to its "
+            "backward: half the all-gathers, every unit gathered at the peak)")
 
 
 def _format_sizes(sizes: tuple[int, ...], limit: int = 8) -> str:

@@ -23,6 +23,7 @@ import torch.fx as fx
 from mbcompile.errors import MbcompileError
 from mbcompile.passes.facts import FACT
 from mbcompile.planning.cost import format_bytes, format_seconds
+from mbcompile.planning.plan import describe_reshard
 
 __all__ = ["Report", "Validation", "render", "report_dict", "validation_of"]
 
@@ -195,6 +196,8 @@ def _text(d: dict[str, Any], cm: Any) -> str:
              f"(sizes {', '.join(map(str, plan.per_system_batch_sizes[:8]))}"
              f"{', ...' if plan.num_csx > 8 else ''})",
              f"  why: {plan.reason}"]
+    if plan.reshard_after_forward is not None:
+        lines.append(f"  fsdp: {describe_reshard(plan.reshard_after_forward)}")
     lines += [f"  warning: {w}" for w in plan.warnings]
     if selection is None:
         return "\n".join(lines)

@@ -1,0 +1,50 @@
+"""The cost model's peak memory of an FSDP2-sharded model against the live bytes measured
+on each of 2 gloo ranks (issue 18: within 20%), with one microbatch per rank and with
+several (gradient accumulation), units resharded after their forward or kept gathered."""
+
+from __future__ import annotations
+
+import fsdp_memory_workers as workers
+import pytest
+import torch
+from test_distributed import _run  # spawn gloo ranks, bounded in time
+
+from mbcompile.planning.cost import format_bytes
+
+WORLD, GBS = 2, 16  # 8 samples (128 tokens) per rank
+CASES = [(1, True), (4, True), (1, False), (4, False)]  # (microbatches per rank, reshard)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[tuple[int, bool], list[dict]]:
+    """Every case in one spawn of the ranks (the start-up is most of the time)."""
+    out = tmp_path_factory.mktemp("fsdp_memory")
+    configs = [(GBS, GBS // WORLD // k, reshard) for k, reshard in CASES]
+    _run(workers.live_bytes, WORLD, str(out), configs)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return {case: [results[i] for results in ranks] for i, case in enumerate(CASES)}
+
+
+def _breakdown(got: dict) -> str:
+    m, step = got["model"], got["step"]
+    live = ", ".join(f"{k} {format_bytes(v)}" for k, v in
+                     sorted(step["by_label"].items(), key=lambda kv: -kv[1]))
+    return (f"measured {format_bytes(got['measured'])} (before the step "
+            f"{format_bytes(got['measured'] - step['peak'])}; at the peak, {step['where']}: "
+            f"{live}); modelled {format_bytes(m['peak'])} ({m['phase']}: params "
+            f"{format_bytes(m['params'])}, grads {format_bytes(m['grads'])}, optimizer "
+            f"{format_bytes(m['optimizer'])}, gathered {format_bytes(m['gathered'])}, "
+            f"activations {format_bytes(m['activations'])}, inputs {format_bytes(m['inputs'])})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k,reshard", CASES)
+def test_modelled_peak_matches_live_bytes_per_rank(measured, k, reshard):
+    for rank, got in enumerate(measured[(k, reshard)]):
+        assert got["k"] == k
+        assert got["ran_reshard_after_forward"] == reshard, (
+            f"rank {rank} ran reshard_after_forward={not reshard}, not the model's fully_shard "
+            f"setting ({reshard}): the case measures the other setting")
+        assert got["model"]["peak"] == pytest.approx(got["measured"], rel=0.20), (
+            f"rank {rank}, {k} microbatch(es), reshard_after_forward={reshard}: "
+            + _breakdown(got))
