@@ -3,17 +3,24 @@
     python benchmarks/bench_fsdp.py                 # 20 rounds
     python benchmarks/bench_fsdp.py --rounds 40
 
-Both train the same small GPT, sharded the usual way (``fully_shard`` on each block,
-then on the root), on the same global batch with the same MBS. The hand-written loop
-is the FSDP2 idiom for gradient accumulation: ``set_requires_gradient_sync(False)``
-before every microbatch but the last, each microbatch's mean weighted by its share of
-the global token count (one all-reduce of the count per step, which an exact loop
-needs as the compiled step does; times the world size, since FSDP averages). The two
-alternate round by round (the order rotates), each step starts from a barrier, and
-the ratio is the median of the per-round ratios of rank 0's wall time. Collectives
-are counted per step from the c10d calls FSDP2 makes (reduce-scatter, all-gather)
-and from all-reduce; the gradients (``full_tensor()``) of one more step of each are
-compared.
+Three contenders train the same small GPT, sharded the usual way (``fully_shard`` on
+each block, then on the root), on the same global batch with the same MBS:
+
+- the hand-written loop, the FSDP2 idiom for gradient accumulation:
+  ``set_requires_gradient_sync(False)`` before every microbatch but the last, each
+  microbatch's mean weighted by its share of the global token count (one all-reduce
+  of the count per step, which an exact loop needs as the compiled step does; times
+  the world size, since FSDP averages), units resharded after forward (FSDP2's
+  default);
+- mbcompile with ``reshard_after_forward=True``: like for like with the hand loop;
+- mbcompile with ``reshard_after_forward="auto"``: as a user gets it (the cost model
+  chooses the setting with the MBS; the output says which).
+
+They alternate round by round (the order rotates), each step starts from a barrier,
+and the ratio is the median of the per-round ratios of rank 0's wall time.
+Collectives are counted per step from the c10d calls FSDP2 makes (reduce-scatter,
+all-gather) and from all-reduce; the gradients (``full_tensor()``) of one more step of
+each are compared.
 """
 
 from __future__ import annotations
@@ -95,32 +102,44 @@ def _hand_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     return loss
 
 
+PINNED = "mbcompile, reshard_after_forward=True"
+AUTO = "mbcompile, reshard_after_forward='auto'"
+HAND = "FSDP2 + set_requires_gradient_sync"
+
+
 def _rank(rank: int, world: int, out: str, rounds: int) -> None:
     torch.set_num_threads(1)
     model, batch = make_tiny_gpt(GBS, **CONFIG)
-    twin = _shard(copy.deepcopy(model))
+    twin = _shard(copy.deepcopy(model))  # the hand loop's, resharded after forward (default)
+    auto_model = _shard(copy.deepcopy(model))
     model = _shard(model)
-    cm = mbcompile.compile(model, GBS, world, MBS, example_inputs=batch,
-                           backend="torch.distributed", outputs="loss")
-    local = mbdist.shard(batch, cm.plan, rank)
-    sizes = cm.plan.microbatch_sizes[rank]
 
-    def compiled() -> object:
-        loss, _ = cm(*local)
-        loss.backward()
-        return loss
+    def compiled_step(module: torch.nn.Module, reshard: bool | str) -> tuple[object, object]:
+        cm = mbcompile.compile(module, GBS, world, MBS, example_inputs=batch,
+                               backend="torch.distributed", outputs="loss",
+                               reshard_after_forward=reshard)
+
+        def step() -> object:
+            loss, _ = cm(*local)
+            loss.backward()
+            return loss
+        return cm, step
+
+    cm, pinned = compiled_step(model, True)  # like for like: the hand loop's setting
+    auto_cm, auto = compiled_step(auto_model, "auto")  # as a user gets it
+    local = mbdist.shard(batch, cm.plan, rank)  # the steps read it when they run
+    sizes = cm.plan.microbatch_sizes[rank]
 
     def hand() -> object:
         loss = _hand_step(twin, local, sizes, world)
         return loss
 
-    contenders = {"mbcompile": (model, compiled),
-                  "FSDP2 + set_requires_gradient_sync": (twin, hand)}
+    contenders = {PINNED: (model, pinned), AUTO: (auto_model, auto), HAND: (twin, hand)}
     names = list(contenders)
 
-    def before() -> None:  # untimed: both start from no gradients and from a barrier
-        model.zero_grad(set_to_none=True)
-        twin.zero_grad(set_to_none=True)
+    def before() -> None:  # untimed: all start from no gradients and from a barrier
+        for module, _ in contenders.values():
+            module.zero_grad(set_to_none=True)
         dist.barrier()
 
     timed = alternate({n: step for n, (_, step) in contenders.items()}, rounds, WARMUP, before)
@@ -132,13 +151,14 @@ def _rank(rank: int, world: int, out: str, rounds: int) -> None:
         with _Counted() as counts[name]:
             step()
         grads[name] = [p.grad.full_tensor() for p in module.parameters()]
-    ref = grads[names[1]]
+    ref = grads[HAND]
     diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-               for a, b in zip(grads["mbcompile"], ref))
+               for name in (PINNED, AUTO) for a, b in zip(grads[name], ref))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times": times, "cpu": cpu, "grad_diff": diff, "counts": counts,
-                       "microbatches": len([s for s in sizes if s])}, f)
+                       "microbatches": len([s for s in sizes if s]),
+                       "auto_chose": auto_cm.plan.reshard_after_forward}, f)
 
 
 def versus_hand(rounds: int) -> None:
@@ -147,24 +167,26 @@ def versus_hand(rounds: int) -> None:
         mbdist.launch(_rank, 2, out, rounds, timeout_s=600.0)
         got = json.load(open(out))
     times, cpu = got["times"], got["cpu"]
-    hand = "FSDP2 + set_requires_gradient_sync"
+    hand = HAND
     print(f"2 gloo ranks, small GPT {CONFIG} sharded per block and at the root (5 FSDP "
           f"units), gbs {GBS}, mbs {MBS} ({got['microbatches']} microbatches per rank); "
           f"{rounds} rounds, contenders in turn, one torch thread per rank; rank 0's wall "
           "time per step, medians; '/ hand' is the median of the per-round ratios")
-    print(f"{'contender':36s} {'median ms':>9s} {'/ hand':>6s} {'quartiles':>13s} "
+    print(f"{'contender':40s} {'median ms':>9s} {'/ hand':>6s} {'quartiles':>13s} "
           f"{'CPU ms':>7s} {'CPU / hand':>10s} {'RS':>3s} {'AG':>3s} {'AR':>3s}")
     for name, ts in times.items():
         ratios = sorted(t / h for t, h in zip(ts, times[hand]))
         q1, q3 = ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]
         cpu_ratio = statistics.median(c / h for c, h in zip(cpu[name], cpu[hand]))
         c = got["counts"][name]
-        print(f"{name:36s} {statistics.median(ts) * 1e3:9.1f} {statistics.median(ratios):6.3f} "
+        print(f"{name:40s} {statistics.median(ts) * 1e3:9.1f} {statistics.median(ratios):6.3f} "
               f"{q1:6.3f}-{q3:.3f} {statistics.median(cpu[name]) * 1e3:7.1f} {cpu_ratio:10.3f} "
               f"{c['reduce_scatter']:3d} {c['all_gather']:3d} {c['all_reduce']:3d}")
     print(f"collectives per step per rank: RS reduce-scatter, AG all-gather, AR all-reduce. "
           f"Gradients (full_tensor()): mbcompile against the hand loop, largest difference "
-          f"relative to the tensor's largest element {got['grad_diff']:.1e} (float32)")
+          f"relative to the tensor's largest element {got['grad_diff']:.1e} (float32). "
+          f"The hand loop reshards after forward (FSDP2's default), as the pinned mbcompile "
+          f"does; 'auto' chose reshard_after_forward={got['auto_chose']}")
 
 
 def main() -> None:
