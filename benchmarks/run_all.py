@@ -1,4 +1,5 @@
-"""Run every benchmark of issue 7 and write ``benchmarks/RESULTS.md``.
+"""Run every benchmark of issue 7 and write ``benchmarks/RESULTS.md`` (up to its ``KEPT``
+line: the hand-written sections after it stay as they are).
 
     python benchmarks/run_all.py [--quick] [--out benchmarks/RESULTS.md]
 
@@ -76,6 +77,20 @@ def _targets(f: dict[str, dict[str, float]]) -> list[tuple[str, str, bool]]:
     return rows
 
 
+#: The line from which RESULTS.md is written by hand (runs on ranks, diagnoses, reruns
+#: with their own commands): run_all rewrites what comes before it and keeps the rest.
+KEPT = "<!-- kept by run_all.py: the sections below are written by hand -->"
+
+
+def _kept_sections(out: Path) -> str:
+    """The hand-written part of an existing RESULTS.md, from the ``KEPT`` line on."""
+    if not out.exists():
+        return ""
+    text = out.read_text()
+    at = text.find(KEPT)
+    return text[at:] if at >= 0 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds: a smoke test")
@@ -145,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *sections,
     ]
-    Path(args.out).write_text("\n".join(lines).rstrip() + "\n")
+    out = Path(args.out)
+    kept = _kept_sections(out)
+    out.write_text("\n".join(lines).rstrip() + "\n" + (f"\n{kept}" if kept else ""))
     print(f"wrote {args.out} in {total / 60:.1f} min")
     return 0
 
