@@ -207,6 +207,12 @@ def _layout(fn: Callable[..., Any], n_args: int, keys: tuple[str, ...]
             ) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]:
     """The names of ``fn``'s first ``n_args`` parameters, and the defaults of the others
     not in ``keys``; a call that does not fit the signature raises as ``bind`` would."""
+    return _layout_of(fn, n_args, keys)
+
+
+@functools.cache  # one call shape per loss call site: bound once, not once per microbatch
+def _layout_of(fn: Callable[..., Any], n_args: int, keys: tuple[str, ...]
+               ) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]:
     sig = _signature(fn)
     sig.bind(*range(n_args), **dict.fromkeys(keys))  # the same TypeError for a bad call
     params = list(sig.parameters.values())

@@ -82,6 +82,23 @@ def test_a_two_phase_step_compiles_body_and_coupled_part():
         assert relative_error(a.grad / 2, b.grad) <= 1e-5
 
 
+def test_freezing_and_unfreezing_between_steps():
+    """The loop lists the body's parameters once; which of them train is read every call."""
+    model, batch = make_tiny_gpt(GBS)
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, 2, 4, example_inputs=batch, torch_compile=AOT)
+    for frozen in (True, False, True):
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            m.head.requires_grad_(not frozen)
+        cm(*batch)[0].backward()
+        ref(*batch)[0].backward()
+        assert (model.head.weight.grad is None) == frozen
+        for a, b in zip(model.parameters(), ref.parameters()):
+            if b.requires_grad:
+                assert relative_error(a.grad, b.grad) <= 1e-5
+
+
 def test_a_failed_step_is_rolled_back():
     model, batch = make_tiny_gpt(GBS)
     cm = mbcompile.compile(model, GBS, 2, 4, example_inputs=batch, torch_compile=AOT)

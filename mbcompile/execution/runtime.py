@@ -248,18 +248,22 @@ class _StepChecks:
     Per microbatch: the loss partial (is it finite?) and, when measuring the noise
     scale, ``|g_m|^2`` and the count; for the step: ``|Σ g_m|^2``. ``packed()`` is
     one vector ``[loss partials..., |g_m|^2..., counts..., |G|^2]``, so the whole step
-    costs one device-to-host read, not one ``.item()`` per microbatch.
+    costs one device-to-host read, not one ``.item()`` per microbatch. The partials
+    are kept as they come (detached) and stacked once, in ``packed()``, rather than
+    copied one by one into a device vector (three dispatched ops per microbatch).
     """
 
     def __init__(self, n: int, device: torch.device, noise: bool) -> None:
-        self.n, self.noise, self.current = n, noise, 0
-        self.losses = torch.zeros(n, dtype=torch.float64, device=device)
-        self.squares = torch.zeros(n if noise else 0, dtype=torch.float64, device=device)
-        self.counts = torch.zeros(n if noise else 0, dtype=torch.float64, device=device)
-        self.big = torch.zeros(1 if noise else 0, dtype=torch.float64, device=device)
+        self.n, self.noise, self.current, self.device = n, noise, 0, device
+        self.partials: list[torch.Tensor | None] = [None] * n
+        self._losses: torch.Tensor | None = None
+        if noise:
+            self.squares = torch.zeros(n, dtype=torch.float64, device=device)
+            self.counts = torch.zeros(n, dtype=torch.float64, device=device)
+            self.big = torch.zeros(1, dtype=torch.float64, device=device)
 
     def finite(self, i: int, partial: torch.Tensor) -> None:
-        self.losses[i] = partial.detach().sum()  # a scalar: sum() only fixes the shape
+        self.partials[i] = partial.detach()  # read once, at the end of the step
 
     def add_square(self, g: torch.Tensor) -> None:  # a tensor hook: the gradient is unchanged
         self.squares[self.current].add_(torch.linalg.vector_norm(g.detach()).double().square())
@@ -272,12 +276,24 @@ class _StepChecks:
             if g is not None:
                 self.big.add_(torch.linalg.vector_norm(g.detach()).double().square())
 
+    def losses(self) -> torch.Tensor:
+        """Every microbatch's loss partial, in float64 (one stack; a partial that is not
+        0-dim is summed: a scalar loss's partial only needs its shape fixed)."""
+        if self._losses is None and not self.n:
+            self._losses = torch.zeros(0, dtype=torch.float64, device=self.device)
+        elif self._losses is None:
+            parts = [p if p.dim() == 0 else p.sum() for p in self.partials]
+            self._losses = torch.stack(parts).double()
+        return self._losses
+
     def packed(self) -> torch.Tensor:
-        return torch.cat([self.losses, self.squares, self.counts, self.big])
+        if not self.noise:
+            return self.losses()
+        return torch.cat([self.losses(), self.squares, self.counts, self.big])
 
     def failed(self) -> torch.Tensor:
         """A device bool: some microbatch's loss is not finite."""
-        return ~torch.isfinite(self.losses).all()
+        return ~torch.isfinite(self.losses()).all()
 
     def first_nonfinite(self, values: Sequence[float]) -> int | None:
         return next((i for i, v in enumerate(values[:self.n]) if not math.isfinite(v)), None)
@@ -312,7 +328,10 @@ class _FusedStep(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         flat = [o for out in results for o in out if isinstance(o, torch.Tensor)]
         loop.layout = [[isinstance(o, torch.Tensor) for o in out] for out in results]
-        loop.constants = [[o for o in out] for out in results]
+        # only the non-tensors: ctx holds the loop until backward, and tensors kept here
+        # (every microbatch's logits) would outlive the step's join of them
+        loop.constants = [[None if t else o for o, t in zip(out, layout)]
+                          for out, layout in zip(results, loop.layout)]
         ctx.mark_non_differentiable(*(o for out in results for o, skip in
                                       zip(out, loop.no_grad_outputs) if skip))
         return tuple(flat)
@@ -359,8 +378,12 @@ class _FusedStep(torch.autograd.Function):
         if loop.noise is not None:
             _measure_noise(loop, g)
         # Scale in place, no second buffer, and unconditionally: testing ``g == 1`` would
-        # read the device every step, and x * 1.0 is exactly x.
-        return (None, None, *(s.mul_(g) if s is not None else None for s in step))
+        # read the device every step, and x * 1.0 is exactly x. One foreach call: the same
+        # products as a mul_ per parameter, without a Python dispatch for each.
+        grads = [s for s in step if s is not None]
+        if grads:
+            torch._foreach_mul_(grads, g)
+        return (None, None, *step)
 
 
 def _measure_noise(loop: _Loop, g: torch.Tensor) -> None:
@@ -388,17 +411,24 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
                         fused_index: int | None, systems: Sequence[int],
                         count_index: int | None = None, sizes: Sequence[int] = ()
                         ) -> list[tuple[Any, ...]]:
+        sharded, params = known(body)
         loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes,
-                     channels.noise, sharded_step(body))
-        results = _run(loop)
+                     channels.noise, sharded)
+        results = _run(loop, params)
         if count_index is not None:  # kept for reports (token counts); no copy, no sync
             channels.last_counts = tuple(r[count_index] for r in results)
         return results
 
-    steps: dict[int, tuple[fx.GraphModule, Any]] = {}  # per body: its ShardedStep or None
+    # per body, found on its first call: its ShardedStep (None: not sharded) and its parameters
+    bodies: dict[int, tuple[fx.GraphModule, Any, tuple[torch.Tensor, ...] | None]] = {}
 
-    def sharded_step(body: fx.GraphModule) -> Any:
-        if id(body) not in steps:
+    def known(body: fx.GraphModule) -> tuple[Any, tuple[torch.Tensor, ...] | None]:
+        """The body's ShardedStep, and its parameters, listed once: a body's parameters are
+        fixed (compile builds a new body when the model's are replaced), and walking the
+        modules on every call costs more than the check it feeds. FSDP2 swaps a sharded
+        model's parameters between sharded and gathered, so those are listed per call (None).
+        """
+        if id(body) not in bodies:
             from mbcompile.execution import fsdp
 
             root = fsdp.sharded_root(body)
@@ -407,15 +437,18 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
                     f"{type(root).__name__} is sharded with fully_shard, so its parameters "
                     "live on several ranks: compile it with backend='torch.distributed' inside "
                     "the process group that sharded it")
-            steps[id(body)] = (body, fsdp.ShardedStep(body, root) if root is not None else None)
-        return steps[id(body)][1]
+            bodies[id(body)] = (body, fsdp.ShardedStep(body, root) if root is not None else None,
+                                tuple(body.parameters()) if root is None else None)
+        return bodies[id(body)][1:]
 
     microbatch_loop.__module__ = __name__
     return microbatch_loop
 
 
-def _run(loop: _Loop) -> list[tuple[Any, ...]]:
-    params = [p for p in loop.body.parameters() if p.requires_grad]
+def _run(loop: _Loop, params: Sequence[torch.Tensor] | None = None) -> list[tuple[Any, ...]]:
+    """One call of the loop; ``params`` are the body's (None: listed now)."""
+    params = [p for p in (loop.body.parameters() if params is None else params)
+              if p.requires_grad]
     if not params or not torch.is_grad_enabled():
         return loop.run()
     if loop.fused_index is None or any(_requires_grad(mb) for mb in loop.microbatches[:1]):
