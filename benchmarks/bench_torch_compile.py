@@ -1,11 +1,17 @@
 """mbcompile with ``torch_compile=True`` against a hand loop over ``torch.compile(model)``.
 
     python benchmarks/bench_torch_compile.py [--rounds 20] [--gbs 30] [--mbs 8] [--threads 1]
+                                             [--outputs all|loss]
 
 A tiny GPT (vocab 512, width 128, 2 layers, seq 64; float32), gbs 30 on one
 system at MBS 8: mbcompile's plan cuts it evenly into 8, 8, 7, 7, so there is a
 short microbatch, and every hand loop below runs exactly the plan's slices
 (``cm.plan.microbatch_slices``) with exact token weights (``common.hand_step``).
+Like is set beside like: with ``--outputs all`` (the default) mbcompile returns the
+logits of every microbatch, joined, and so does each hand loop (it keeps every
+microbatch's detached logits and concatenates them); with ``--outputs loss``
+mbcompile is compiled with ``outputs="loss"`` (the logits are dropped per
+microbatch) and the hand loops discard their logits. The printed section says which.
 Four contenders, gradients set to None before each step:
 
 a. ``mbcompile + torch.compile``: ``compile(..., torch_compile=True)`` (inductor);
@@ -153,7 +159,8 @@ def _profile(step: Callable[[], object], zero: Callable[[], None], steps: int = 
     return total, rows, linears // steps
 
 
-def run(rounds: int, gbs: int, mbs: int, profile: bool, out: list[str]) -> dict[str, float]:
+def run(rounds: int, gbs: int, mbs: int, profile: bool, out: list[str], outputs: str = "all"
+        ) -> dict[str, float]:
     backend, fallback = _backend()
     if fallback:
         print(fallback, flush=True)
@@ -168,9 +175,9 @@ def run(rounds: int, gbs: int, mbs: int, profile: bool, out: list[str]) -> dict[
     del eager
 
     options = {} if backend == "inductor" else {"backend": backend}
-    cm_a = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch,
+    cm_a = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch, outputs=outputs,
                              torch_compile=options or True)
-    cm_d = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch)
+    cm_d = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch, outputs=outputs)
     slices = [(a, b) for system in cm_a.plan.microbatch_slices for a, b in system if b > a]
     sizes = [b - a for a, b in slices]
     if len(set(sizes)) < 2:
@@ -186,8 +193,9 @@ def run(rounds: int, gbs: int, mbs: int, profile: bool, out: list[str]) -> dict[
         loss, _ = cm_d(*batch)
         loss.backward()
 
-    steps = {"a": step_a, "b": lambda: hand_step(compiled_model, batch, slices),
-             "c": lambda: hand_step(model, batch, slices), "d": step_d}
+    keep = outputs == "all"  # the hand loops keep (and join) the logits exactly when mbcompile does
+    steps = {"a": step_a, "b": lambda: hand_step(compiled_model, batch, slices, keep),
+             "c": lambda: hand_step(model, batch, slices, keep), "d": step_d}
 
     # first steps (the compile), exactness, warm-up until no new graph, graph counts
     if backend == "inductor":  # start the compile workers now, not inside one contender's step
@@ -236,12 +244,18 @@ def run(rounds: int, gbs: int, mbs: int, profile: bool, out: list[str]) -> dict[
         print("\n".join(prof_lines), flush=True)
 
     sizes_txt = ", ".join(map(str, sizes))
+    kept = ("`outputs='all'` (the default): mbcompile returns every microbatch's logits, "
+            "joined, and so do the hand loops (each keeps every microbatch's detached logits "
+            "and concatenates them)" if keep else
+            "`outputs='loss'`: mbcompile drops the logits per microbatch and returns the loss "
+            "only, and the hand loops discard their logits")
     out += [
         "### torch.compile: mbcompile against a hand loop over torch.compile(model)",
         "",
         f"Tiny GPT {CONFIG} (float32), gbs {gbs} on 1 system at MBS {mbs}: microbatches "
         f"{sizes_txt} (mbcompile's plan; every hand loop runs the same slices with exact token "
-        f"weights). Backend `{backend}`{' (' + fallback + ')' if fallback else ''}; inductor's "
+        f"weights). Outputs: {kept}. "
+        f"Backend `{backend}`{' (' + fallback + ')' if fallback else ''}; inductor's "
         f"cache in a fresh directory (cold compiles). {rounds} rounds after a warm-up round, "
         "the contenders in turn, one torch thread; ms are medians of the process's CPU time "
         "per step; ratios are medians of the per-round ratios (CPU time; wall time in "
@@ -277,7 +291,8 @@ def run(rounds: int, gbs: int, mbs: int, profile: bool, out: list[str]) -> dict[
     if prof_lines:
         out += ["One step profiled (cProfile, 5 steps averaged):", "", *prof_lines]
     figures = {"a_over_b": ratios["a/b"], "a_over_c": ratios["a/c"], "d_over_c": ratios["d/c"],
-               "backend": backend, **{f"graphs_{k}": graphs[k]["graphs"] for k in steps},
+               "backend": backend, "outputs": outputs,
+               **{f"graphs_{k}": graphs[k]["graphs"] for k in steps},
                **{f"first_step_s_{k}": first[k][0] for k in steps},
                **{f"grad_error_{k}": grad_err[k] for k in steps}}
     return figures
@@ -290,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mbs", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is steadiest on a shared 2-core machine)")
+    parser.add_argument("--outputs", choices=("all", "loss"), default="all",
+                        help="compile(..., outputs=...); the hand loops keep their logits for "
+                             "'all' and discard them for 'loss' (like with like)")
     parser.add_argument("--profile", action="store_true",
                         help="also cProfile one step of (a) and (b)")
     add_output_args(parser)
@@ -297,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     out: list[str] = []
     try:
-        figures = run(args.rounds, args.gbs, args.mbs, args.profile, out)
+        figures = run(args.rounds, args.gbs, args.mbs, args.profile, out, args.outputs)
     finally:
         shutil.rmtree(_CACHE, ignore_errors=True)
     return finish(out, figures, args.markdown, args.json)

@@ -80,7 +80,8 @@ def even_slices(gbs: int, systems: int, mbs: int) -> list[tuple[int, int]]:
 
 # ------------------------------------------------------------------ the hand-written loop
 def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-              slices: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+              slices: Sequence[tuple[int, int]], keep_outputs: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One training step as a user writes it: exact token weights, one microbatch alive.
 
     The model's loss is the mean over a microbatch's real tokens; weighted by
@@ -88,7 +89,9 @@ def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     token losses) / (global count), so the gradients add up to those of the
     full-batch mean. Returns what the model returns (loss, logits), like the
     compiled module, so both do the same work; logits are kept detached, as
-    nothing backpropagates through them.
+    nothing backpropagates through them. ``keep_outputs=False`` drops each
+    microbatch's logits instead and returns (loss, None): the loop to set beside
+    ``compile(..., outputs="loss")``.
     """
     ids, labels = batch
     counts = [(labels[a:b] != IGNORE_INDEX).sum() for a, b in slices]
@@ -100,8 +103,9 @@ def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
         part = mean * (count / total)
         part.backward()
         loss += part.detach()
-        outs.append(logits.detach())
-    return loss, torch.cat(outs)
+        if keep_outputs:
+            outs.append(logits.detach())
+    return loss, torch.cat(outs) if keep_outputs else None
 
 
 def hand_infer(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
