@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,10 +136,37 @@ def _resharded(unit: nn.Module) -> bool:
                for g in unit._get_fsdp_state()._fsdp_param_groups)
 
 
+def _failed_step_and_next(rank: int, out_dir: str, net: nn.Module, cm: Any, gbs: int,
+                          step: Callable[[], Any], **extra: Any) -> None:
+    """Run ``step`` (a step that fails on rank 1) with the user's gradients set to 7.0;
+    record its outcome, whether gradients and parameters stayed as given, then a good
+    step: the job goes on, exactly."""
+    for p in net.parameters():  # the user's gradients, which a failed step leaves alone
+        p.grad = torch.full_like(p, 7.0)
+    before = {n: p.detach().full_tensor().clone() for n, p in net.named_parameters()}
+    try:
+        step()
+        outcome = "no error"
+    except Exception as exc:  # what each rank saw is the test's result
+        outcome = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=1)}"
+    untouched = all(torch.equal(p.grad.to_local(), torch.full_like(p.to_local(), 7.0))
+                    for p in net.parameters())
+    same = all(torch.equal(p.detach().full_tensor(), before[n])
+               for n, p in net.named_parameters())
+    for p in net.parameters():
+        p.grad = None
+    loss = cm(*mbdist.shard(make_batch(gbs, seed=5), cm.plan, rank))
+    loss.backward()
+    torch.save({"untouched": untouched, "same": same, "outcome": outcome,
+                "next_loss": loss.detach(), **extra,
+                "next_grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> None:
     """Rank 1 fails: ``"nan"`` a NaN feature in its last sample (its last microbatch's loss
     is NaN), ``"target"`` a target out of range there (cross_entropy raises after every
-    block ran). Each rank records its outcome and whether its gradients stayed as given."""
+    block ran)."""
     net = shard(make_net())
     x, y = make_batch(gbs)
     cm = mbcompile.compile(net, gbs, world, 1, example_inputs=(x, y),
@@ -147,29 +176,37 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
         x[-1, 0, 0] = float("nan")
     if rank == 1 and where == "target":
         y[-1, 0] = CLASSES + 5
-    for p in net.parameters():  # the user's gradients, which a failed step leaves alone
-        p.grad = torch.full_like(p, 7.0)
-    before = {n: p.detach().full_tensor().clone() for n, p in net.named_parameters()}
+    _failed_step_and_next(rank, out_dir, net, cm, gbs, lambda: cm(x, y).backward())
+
+
+def failing_backward(rank: int, world: int, out_dir: str, gbs: int, which: int,
+                     reshard: bool) -> None:
+    """Rank 1's backward of its ``which``-th microbatch (1-based) raises halfway, at the
+    middle block's weight gradient (a hook on FSDP's gathered parameter), after one good
+    step."""
+    net = shard(make_net())
+    x, y = make_batch(gbs)
+    cm = mbcompile.compile(net, gbs, world, 1, example_inputs=(x, y),
+                           backend="torch.distributed", reshard_after_forward=reshard)
+    share = mbdist.shard((x, y), cm.plan, rank)
+    cm(*share).backward()  # a good step: FSDP's gathered parameters exist from now on
+    seen = {"n": 0}
+
+    def explode(grad: torch.Tensor) -> torch.Tensor:
+        seen["n"] += 1
+        if rank == 1 and seen["n"] == which:
+            raise RuntimeError(f"injected failure in backward {which} on rank 1")
+        return grad
+
+    block = net.blocks[DEPTH // 2]
+    weight = next(f for f in block._get_fsdp_state()._fsdp_param_groups[0].fsdp_params
+                  if f._module_info.module is block.ff and f._module_info.param_name == "weight")
+    hook = weight._unsharded_param.register_hook(explode)
     try:
-        loss = cm(x, y)
-        loss.backward()
-        outcome = "no error"
-    except Exception as exc:  # what each rank saw is the test's result
-        outcome = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=1)}"
-    untouched = all(torch.equal(p.grad.to_local(), torch.full_like(p.to_local(), 7.0))
-                    for p in net.parameters())
-    same = all(torch.equal(p.detach().full_tensor(), before[n])
-               for n, p in net.named_parameters())
-    # the job goes on: the next step is exact again (on good data)
-    for p in net.parameters():
-        p.grad = None
-    batch = make_batch(gbs, seed=5)
-    loss = cm(*mbdist.shard(batch, cm.plan, rank))
-    loss.backward()
-    torch.save({"untouched": untouched, "same": same, "outcome": outcome,
-                "next_loss": loss.detach(),
-                "next_grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()}},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+        _failed_step_and_next(rank, out_dir, net, cm, gbs, lambda: cm(*share).backward(),
+                              calls=seen["n"])
+    finally:
+        hook.remove()
 
 
 def capture_view(rank: int, world: int, out_dir: str) -> None:

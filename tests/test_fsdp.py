@@ -102,6 +102,19 @@ def test_one_reduce_scatter_round_whatever_the_mbs(tmp_path):
     assert counts[1][0]["all_gather"] > counts[4][0]["all_gather"]
 
 
+def _assert_untouched_and_next_exact(seen: dict[int, dict]) -> None:
+    """Every rank's failed step left gradients and parameters as given, and the next
+    step equals the single-process full-batch step."""
+    net = fsdp_workers.make_net()
+    loss = net(*fsdp_workers.make_batch(6, seed=5))
+    loss.backward()
+    for got in seen.values():
+        assert got["untouched"] and got["same"]
+        assert relative_error(got["next_loss"], loss) <= 1e-10
+        for name, p in net.named_parameters():
+            assert relative_error(got["next_grads"][name], p.grad) <= 1e-10
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["nan", "target"])
 def test_failing_rank_stops_every_rank(tmp_path, where):
@@ -112,14 +125,21 @@ def test_failing_rank_stops_every_rank(tmp_path, where):
     seen = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
     assert ("is nan" if where == "nan" else "out of bounds") in seen[1]["outcome"]
     assert "rank(s) [1] failed" in seen[0]["outcome"]
-    net = fsdp_workers.make_net()
-    loss = net(*fsdp_workers.make_batch(6, seed=5))
-    loss.backward()
-    for got in seen.values():
-        assert got["untouched"] and got["same"]
-        assert relative_error(got["next_loss"], loss) <= 1e-10
-        for name, p in net.named_parameters():
-            assert relative_error(got["next_grads"][name], p.grad) <= 1e-10
+    _assert_untouched_and_next_exact(seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which,reshard", [(1, True), (3, True), (3, False)])
+def test_a_failure_inside_the_backward_stops_every_rank(tmp_path, which, reshard):
+    """Rank 1's backward raises halfway through its first microbatch (two rounds still to
+    come) or its last (the reduce-scatters owed): it finishes the units' backward
+    collectives and the remaining rounds on zeros, so every rank raises, none hangs,
+    nothing changes, and the next step is exact."""
+    _run(fsdp_workers.failing_backward, 2, str(tmp_path), 6, which, reshard)
+    seen = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
+    assert f"injected failure in backward {which} on rank 1" in seen[1]["outcome"]
+    assert "rank(s) [1] failed" in seen[0]["outcome"]
+    _assert_untouched_and_next_exact(seen)
 
 
 @pytest.mark.slow

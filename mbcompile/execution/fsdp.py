@@ -115,6 +115,15 @@ def bind_units(body: fx.GraphModule, root: nn.Module, step: ShardedStep
     return bound
 
 
+def _zero_missing_grads(group: Any) -> None:
+    """Zero gradients for the gathered parameters of an FSDP param group that have none,
+    so its reduce-scatter sends what every other rank's does."""
+    for fsdp_param in group.fsdp_params:
+        param = fsdp_param.unsharded_param
+        if fsdp_param.unsharded_accumulated_grad is None and param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
 class ShardedStep:
     """What one training step of a sharded model does around the runtime's loop."""
 
@@ -163,22 +172,52 @@ class ShardedStep:
         out = self.body(*args)
         return state._post_forward(self.root, args, out)
 
-    def drain(self, rounds: Sequence[bool]) -> None:
-        """This rank's forward failed: issue the collectives the other ranks still issue.
+    def drain(self, rounds: Sequence[bool], in_backward: bool = False) -> None:
+        """This rank's round failed: issue the collectives the other ranks still issue.
 
-        The failed round's forward is finished on a zero: the units left open are left,
-        the units not reached are entered and left, each touching its gathered parameters
-        (so each reduce-scatter has every rank's full input); then its backward, and one
-        such round for each of ``rounds`` still to come (True: the step's last). Every
-        gradient it adds is zero, and the step is rolled back anyway.
+        A failed forward is finished on a zero: the units left open are left, the units
+        not reached are entered and left, each touching its gathered parameters (so each
+        reduce-scatter has every rank's full input); then its backward. A failed backward
+        (``in_backward``) is finished unit by unit (``finish_backward``). Then one such
+        round for each of ``rounds`` still to come (True: the step's last). Every
+        gradient it adds is zero or wrong, and the step is rolled back anyway.
         """
-        self._finish_round()
+        if in_backward:
+            self.finish_backward()
+        else:
+            self._finish_round()
         for last in rounds:
             self.sync(last)
             self.open, self.done, self.last = [], set(), ()
             state = self.root._get_fsdp_state()
             state._pre_forward(self.root, (), {})
             self._finish_round()
+
+    def finish_backward(self) -> None:
+        """This rank's backward failed: issue the collectives its units' backward still owed.
+
+        Unit by unit in backward order, as FSDP's own hooks would: the pre-backward of a
+        unit not reached (its all-gather, the next unit's prefetch), then the
+        post-backward of a unit not finished (its reduce-scatter, in the step's last
+        backward), each parameter without a gradient given zeros so every rank's
+        reduce-scatter has the same input; then the root's final callback, which the
+        failed backward never ran. The gradients are wrong; the step is rolled back.
+        """
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        for unit in reversed(self.order):
+            _, state = _unit(self.root, unit)
+            for group in state._fsdp_param_groups:
+                if group._training_state == TrainingState.POST_BACKWARD:
+                    continue
+                if group._training_state != TrainingState.PRE_BACKWARD:
+                    state._pre_backward(self._zero())
+                _zero_missing_grads(group)
+                group.post_backward()
+        root = self.root._get_fsdp_state()
+        for group in root._fsdp_param_groups:  # the root's reduce-scatter, in the callback
+            _zero_missing_grads(group)
+        root._root_post_backward_final_callback()
 
     def _finish_round(self) -> None:
         x = self._zero()

@@ -197,18 +197,21 @@ class _Loop:
                     try:
                         out = self._in_microbatch(i, lambda i=i: self._call(i))
                     except Exception:
-                        if self.sharded is not None:  # join the ranks' remaining collectives
-                            self.sharded.drain([j == len(schedule) - 1
-                                                for j in range(k + 1, len(schedule))])
+                        self._drain(k, len(schedule))
                         raise
                     partial = out[self.fused_index]
                     if self.reducer is not None and last:
                         self.reducer.arm()  # gradients final in this backward start reducing
-                    if not real:  # a round kept for FSDP's collectives: it adds exact zeros
-                        self._in_microbatch(i, (partial * 0).backward, "backward")
+                    if real:
+                        checks.finite(i, partial)  # read once, at the end of the step
+                    try:  # a round kept for FSDP's collectives (not real) adds exact zeros
+                        self._in_microbatch(i, (partial if real else partial * 0).backward,
+                                            "backward")
+                    except Exception:
+                        self._drain(k, len(schedule), in_backward=True)
+                        raise
+                    if not real:
                         continue
-                    checks.finite(i, partial)  # read once, at the end of the step
-                    self._in_microbatch(i, partial.backward, "backward")
                     if checks.noise:
                         checks.count(i, out[self.count_index] if self.count_index is not None
                                      else self.sizes[i])
@@ -227,6 +230,13 @@ class _Loop:
             for p, g in zip(params, saved):
                 p.grad = g
         return results
+
+    def _drain(self, k: int, rounds: int, in_backward: bool = False) -> None:
+        """Round ``k`` of ``rounds`` failed on this rank: a sharded model's rank joins the
+        FSDP collectives the other ranks still issue (``fsdp.ShardedStep.drain``)."""
+        if self.sharded is not None:
+            self.sharded.drain([j == rounds - 1 for j in range(k + 1, rounds)],
+                               in_backward=in_backward)
 
     def _settle(self, values: list[float]) -> None:
         """Act on the step's one read: raise for a non-finite loss, keep the noise figures."""
