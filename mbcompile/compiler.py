@@ -266,6 +266,8 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_example", dict(example))
         object.__setattr__(self, "_layout", _layout(inputs, [example[n] for n in inputs.names]))
         object.__setattr__(self, "_cache", {})
+        object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
+        object.__setattr__(self, "_slots_seen", None)
         object.__setattr__(self, "_warned", False)
         # state_dict() keys are the model's own ("net.0.weight", not "module.net.0.weight"),
         # also when this module sits inside a parent: hooks, not overrides, so nesting works
@@ -275,10 +277,23 @@ class CompiledModule(nn.Module):
 
     # -------------------------------------------------------------- compiling
     def _mode_key(self) -> tuple[Any, ...]:
-        # The graphs hold the model's Parameter and buffer objects (get_attr copies the
-        # reference): recompile when the user replaces one (load_state_dict(assign=True)).
-        return (tuple(m.training for m in self.module.modules()),
-                tuple(map(id, self.module.parameters())), tuple(map(id, self.module.buffers())))
+        """(every module's training flag, the identity of every parameter, buffer and
+        submodule slot): the graphs hold the model's Parameter and buffer objects (get_attr
+        copies the reference), so replacing one (``load_state_dict(assign=True)``, a new
+        head) recompiles, and so does a change of train/eval mode.
+
+        Read on every call, so it walks a module list kept from the last call (a module
+        walk costs more than the rest of the call's checks together); a replaced submodule
+        shows in its parent's slots, and then the list is walked afresh.
+        """
+        modules = self._modules_seen
+        slots = _slots(modules)
+        if slots != self._slots_seen:
+            modules = tuple(self.module.modules())
+            slots = _slots(modules)
+            object.__setattr__(self, "_modules_seen", modules)
+            object.__setattr__(self, "_slots_seen", slots)
+        return tuple(m.training for m in modules), slots
 
     def _compiled(self) -> _Compiled:
         key = self._mode_key()
@@ -407,6 +422,7 @@ class CompiledModule(nn.Module):
         # runtime's loop; drop the graphs and recompile from the model on first use.
         state = self.__dict__.copy()
         state["_cache"] = {}
+        state["_modules_seen"], state["_slots_seen"] = (), None  # ids mean nothing after a copy
         return state
 
     def extra_repr(self) -> str:
@@ -414,6 +430,12 @@ class CompiledModule(nn.Module):
         return (f"gbs={p.gbs}, num_csx={p.num_csx}, mbs={p.mbs}, "
                 f"num_microbatches={p.num_microbatches}"
                 + (", compile_only=True" if self.compile_only else ""))
+
+
+def _slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
+    """The identity of what fills each module's parameter, buffer and submodule slots."""
+    return tuple(id(v) for m in modules
+                 for slots in (m._parameters, m._buffers, m._modules) for v in slots.values())
 
 
 def _strip_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,

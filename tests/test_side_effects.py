@@ -301,6 +301,55 @@ def test_compiled_module_follows_replaced_parameters():
     assert model.w.grad is not None, "the gradient went to the replaced parameter"
 
 
+def test_compiled_module_follows_a_replaced_submodule_and_its_slots():
+    """After calls have been made (the module list is kept between calls), a submodule
+    replaced by assignment is seen by the next call, and so is a parameter of the new
+    submodule swapped by hand in its slot (as FSDP2 swaps them): the graph reads that
+    parameter directly (get_attr copies the reference), so only a recompile follows it."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 3, dtype=DTYPE))  # used directly: get_attr
+
+        def forward(self, x):
+            return torch.tanh(x @ self.w)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner()
+            self.lin = nn.Linear(3, 3).to(DTYPE)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.lin(self.inner(x)), y)
+
+    torch.manual_seed(0)
+    model = Net()
+    x, _ = make_mlp(GBS, dtype=DTYPE)[1]
+    y = torch.randn(GBS, 3, dtype=DTYPE)
+    cm = _compile(model, (x, y))
+    for _ in range(2):
+        cm(x, y).backward()
+
+    def same() -> None:
+        with torch.no_grad():
+            got, want = cm(x, y), model(x, y)
+        assert torch.allclose(got, want, rtol=1e-10, atol=0), (
+            f"compiled {got.item()} vs eager {want.item()}: the graph kept an old parameter")
+        model.zero_grad(set_to_none=True)
+        cm(x, y).backward()
+        assert model.inner.w.grad is not None, "the gradient went to a replaced parameter"
+
+    old = model.inner
+    model.inner = Inner()
+    old.zero_grad(set_to_none=True)
+    same()
+    assert old.w.grad is None, "the gradient went to the replaced submodule"
+    model.inner._parameters["w"] = nn.Parameter(torch.randn(8, 3, dtype=DTYPE))
+    same()
+
+
 # --------------------------------------------------------------------------- #
 # copies
 # --------------------------------------------------------------------------- #
