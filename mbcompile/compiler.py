@@ -198,28 +198,40 @@ def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: A
 
 def _batch_size(inputs: _Inputs, values: Sequence[Any], check_ndim: bool = False) -> int | None:
     """The common batch size of the batched inputs; raises if they disagree."""
-    seen: dict[int, str] = {}
+    seen: dict[int, tuple[str, Any]] = {}
     for name, value, d in zip(inputs.names, values, inputs.in_dims):
         if d is None:
             continue
-        for path, t in pytree.tree_flatten_with_path(value)[0]:
+        for path, t in _leaves(value):
             if not isinstance(t, torch.Tensor):
                 continue
-            leaf = repr(name) if not path else f"{name}{pytree.keystr(path)}"  # batch['y']
             if d < 0:
                 raise InputError(
-                    f"in_dims gives input {leaf} batch dim {d}: negative dims are not "
-                    f"supported; count from the front (in_dims={t.dim() + d} here)")
+                    f"in_dims gives input {_leaf_name(name, path)} batch dim {d}: negative "
+                    f"dims are not supported; count from the front (in_dims={t.dim() + d} here)")
             if t.dim() <= d:
                 raise InputError(
-                    f"in_dims gives input {leaf} batch dim {d}, but it has {t.dim()} dims; "
-                    "pass in_dims=None for unbatched inputs or the right dim")
-            seen.setdefault(t.shape[d], leaf)
+                    f"in_dims gives input {_leaf_name(name, path)} batch dim {d}, but it has "
+                    f"{t.dim()} dims; pass in_dims=None for unbatched inputs or the right dim")
+            seen.setdefault(t.shape[d], (name, path))
     if len(seen) > 1:
-        detail = ", ".join(f"{n} has {b}" for b, n in seen.items())
+        detail = ", ".join(f"{_leaf_name(*n)} has {b}" for b, n in seen.items())
         raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
                          "input must have the same number of samples along its in_dims dim")
     return next(iter(seen), None)
+
+
+def _leaves(value: Any) -> list[tuple[Any, Any]]:
+    """``(path, leaf)`` of every leaf of an input; a bare tensor (the usual input, checked on
+    every call) without a pytree walk."""
+    if isinstance(value, torch.Tensor):
+        return [((), value)]
+    return pytree.tree_flatten_with_path(value)[0]
+
+
+def _leaf_name(name: str, path: Any) -> str:
+    """How an error names one leaf of an input: ``'x'``, or ``batch['y']``."""
+    return repr(name) if not path else f"{name}{pytree.keystr(path)}"
 
 
 def _tokens_per_sample(inputs: _Inputs, values: Mapping[str, Any]) -> int | None:
@@ -475,20 +487,23 @@ def _check_layout(inputs: _Inputs, values: Sequence[Any], layout: tuple[Any, ...
     for name, value, d, (spec, shapes) in zip(inputs.names, values, inputs.in_dims, layout):
         if name in inputs.concrete:
             continue  # compared by value already
-        leaves, got = pytree.tree_flatten_with_path(value)
-        if got != spec:
-            raise InputError(
-                f"input {name!r} is nested differently from the example ({got} instead of "
-                f"{spec}); pass the same structure (keys, lengths) or compile again with an "
-                "example of this one")
+        if isinstance(value, torch.Tensor) and spec.is_leaf():  # the usual input: no walk
+            leaves = _leaves(value)
+        else:
+            leaves, got = pytree.tree_flatten_with_path(value)
+            if got != spec:
+                raise InputError(
+                    f"input {name!r} is nested differently from the example ({got} instead "
+                    f"of {spec}); pass the same structure (keys, lengths) or compile again "
+                    "with an example of this one")
         for (path, t), want in zip(leaves, shapes):
             if _shape(t, d) != want:
-                leaf = repr(name) if not path else f"{name}{pytree.keystr(path)}"
                 shown = tuple("B" if s is None else s for s in want or ())
                 raise InputError(
-                    f"input {leaf} has shape {tuple(getattr(t, 'shape', ()))} but the example "
-                    f"had {shown} (B: the batch dim); shapes other than the batch dim are "
-                    "fixed at compile time: compile again with an example of this shape")
+                    f"input {_leaf_name(name, path)} has shape "
+                    f"{tuple(getattr(t, 'shape', ()))} but the example had {shown} (B: the "
+                    "batch dim); shapes other than the batch dim are fixed at compile time: "
+                    "compile again with an example of this shape")
 
 
 def _same(a: Any, b: Any) -> bool:

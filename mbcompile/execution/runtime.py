@@ -475,4 +475,6 @@ def _run(loop: _Loop, params: Sequence[torch.Tensor] | None = None) -> list[tupl
 
 
 def _requires_grad(value: Any) -> bool:
+    if isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value):
+        return any(t.requires_grad for t in value)  # the usual microbatch: no pytree walk
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
