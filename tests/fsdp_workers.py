@@ -137,7 +137,7 @@ def _resharded(unit: nn.Module) -> bool:
 
 
 def _failed_step_and_next(rank: int, out_dir: str, net: nn.Module, cm: Any, gbs: int,
-                          step: Callable[[], Any], **extra: Any) -> None:
+                          step: Callable[[], Any]) -> None:
     """Run ``step`` (a step that fails on rank 1) with the user's gradients set to 7.0;
     record its outcome, whether gradients and parameters stayed as given, then a good
     step: the job goes on, exactly."""
@@ -158,7 +158,7 @@ def _failed_step_and_next(rank: int, out_dir: str, net: nn.Module, cm: Any, gbs:
     loss = cm(*mbdist.shard(make_batch(gbs, seed=5), cm.plan, rank))
     loss.backward()
     torch.save({"untouched": untouched, "same": same, "outcome": outcome,
-                "next_loss": loss.detach(), **extra,
+                "next_loss": loss.detach(),
                 "next_grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()}},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
@@ -203,8 +203,7 @@ def failing_backward(rank: int, world: int, out_dir: str, gbs: int, which: int,
                   if f._module_info.module is block.ff and f._module_info.param_name == "weight")
     hook = weight._unsharded_param.register_hook(explode)
     try:
-        _failed_step_and_next(rank, out_dir, net, cm, gbs, lambda: cm(*share).backward(),
-                              calls=seen["n"])
+        _failed_step_and_next(rank, out_dir, net, cm, gbs, lambda: cm(*share).backward())
     finally:
         hook.remove()
 
