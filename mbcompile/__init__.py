@@ -49,8 +49,8 @@ _NAMES = {
     "TrainingInterrupted": "mbcompile.training.checkpoint",
     "read_checkpoint": "mbcompile.training.checkpoint",
     **{name: "mbcompile.passes.errors" for name in (
-        "ArgumentTypeError", "CaptureError", "InputError", "MbcompileError", "MbcompileWarning",
-        "MbsAdjustedWarning", "MicrobatchError",
+        "ArgumentTypeError", "CaptureError", "InputError", "JointStepWarning", "MbcompileError",
+        "MbcompileWarning", "MbsAdjustedWarning", "MicrobatchError",
         "PerMicrobatchStatisticsWarning", "MicrobatchOutOfMemoryError", "MixingError",
         "PlanError", "RetainedActivationsWarning", "UnsupportedOpError")},
 }

@@ -13,6 +13,7 @@ __all__ = [
     "ArgumentTypeError",
     "CaptureError",
     "InputError",
+    "JointStepWarning",
     "MbcompileError",
     "MbcompileWarning",
     "MbsAdjustedWarning",
@@ -77,6 +78,11 @@ class MbsAdjustedWarning(MbcompileWarning):
 
 class RetainedActivationsWarning(MbcompileWarning):
     """Training without a loss inside the model keeps every microbatch's activations alive."""
+
+
+class JointStepWarning(MbcompileWarning):
+    """``torch_compile``: the joint forward-backward graph failed; the step runs the compiled
+    forward and autograd's backward per microbatch instead (exact, a little slower)."""
 
 
 def _out_of_memory_error() -> type:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -24,8 +25,14 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from mbcompile.execution.joint import JOINT
 from mbcompile.execution.noise import NoiseScale, estimate_noise_scale
-from mbcompile.passes.errors import InputError, MicrobatchError, MicrobatchOutOfMemoryError
+from mbcompile.passes.errors import (
+    InputError,
+    JointStepWarning,
+    MicrobatchError,
+    MicrobatchOutOfMemoryError,
+)
 from mbcompile.passes.ops import as_tuple
 
 T = TypeVar("T")
@@ -52,7 +59,11 @@ class _Loop:
     def __init__(self, body: fx.GraphModule, microbatches: list[tuple[Any, ...]],
                  fused_index: int | None, systems: Sequence[int], distributed: bool,
                  count_index: int | None = None, sizes: Sequence[int] = (),
-                 noise: NoiseScale | None = None, sharded: Any = None) -> None:
+                 noise: NoiseScale | None = None, sharded: Any = None, joint: Any = None
+                 ) -> None:
+        # ``joint.JointStep``: a body compiled with torch.compile runs each training
+        # microbatch as one forward-backward graph (None: forward, then autograd)
+        self.joint = joint
         # A model sharded with FSDP2: ``fsdp.ShardedStep`` runs each microbatch between
         # FSDP's hooks and keeps every rank's forwards in step (None: not sharded).
         self.sharded = sharded
@@ -177,6 +188,56 @@ class _Loop:
         return self._agreed(lambda: self._run_fused(params), lambda: self.checks.packed())
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+        joint = self._joint(params)
+        if joint is None:
+            return self._run_autograd(params)
+        try:
+            return self._run_joint(joint, params)
+        except Exception as exc:  # noqa: BLE001  (the autograd path says what is wrong)
+            failed = exc
+        # The joint graph failed (nothing was kept: its gradients were the step's own).
+        # Run the step the autograd way: if the model is at fault, that raises the
+        # model's error as usual, and the joint graph stays for the next step; if only
+        # the joint graph is, it is dropped for good, with a warning.
+        results = self._run_autograd(params)
+        joint.broken = f"{type(failed).__name__}: {failed}"
+        warnings.warn(
+            "torch_compile: the joint forward-backward graph of the training step failed "
+            f"({joint.broken[:300]}); the step ran, and will run, each microbatch's compiled "
+            "forward and then autograd's backward instead (exact, a little slower)",
+            JointStepWarning, stacklevel=2)
+        return results
+
+    def _joint(self, params: Sequence[torch.Tensor]) -> Any:
+        """The body's ``JointStep`` when this step can use it, else None. Not with FSDP
+        (its hooks run each unit's collectives), the noise scale (per-microbatch
+        gradient norms), the overlapped all-reduce (it starts in the last backward),
+        nor a parameter with hooks of its own (they fire per microbatch in autograd)."""
+        joint = self.joint
+        if (joint is None or joint.broken is not None or self.sharded is not None
+                or self.noise is not None or self.reducer is not None
+                or any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params)):
+            return None
+        return joint
+
+    def _run_joint(self, joint: Any, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+        """Every microbatch through the joint graph: the step's gradient is built in the
+        graph's own tensors, never in ``.grad``, so the user's gradients are not touched."""
+        names = joint.names(params)
+        flags = joint.differentiable(names, params, self.microbatches[0])
+        if flags is None:
+            return self._run_autograd(params)
+        checks = self.checks = _StepChecks(len(self.microbatches), params[0].device, False)
+        grads, results = None, []
+        for i, mb in enumerate(self.microbatches):
+            grads, out = joint(names, params, grads, self.fused_index, mb)
+            checks.finite(i, out[self.fused_index])  # read once, at the end of the step
+            results.append(out)
+        self.no_grad_outputs = [not f for f in flags]
+        self.step_grads = list(grads)
+        return results
+
+    def _run_autograd(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         # Set the user's gradients aside so autograd's own accumulation builds this
         # step's gradient in fresh .grad slots; put them back whatever happens.
         saved = [p.grad for p in params]
@@ -421,18 +482,19 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
                         fused_index: int | None, systems: Sequence[int],
                         count_index: int | None = None, sizes: Sequence[int] = ()
                         ) -> list[tuple[Any, ...]]:
-        sharded, params = known(body)
+        sharded, params, joint = known(body)
         loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes,
-                     channels.noise, sharded)
+                     channels.noise, sharded, joint)
         results = _run(loop, params)
         if count_index is not None:  # kept for reports (token counts); no copy, no sync
             channels.last_counts = tuple(r[count_index] for r in results)
         return results
 
-    # per body, found on its first call: its ShardedStep (None: not sharded) and its parameters
-    bodies: dict[int, tuple[fx.GraphModule, Any, tuple[torch.Tensor, ...] | None]] = {}
+    # per body, found on its first call: its ShardedStep (None: not sharded), its parameters
+    # and its JointStep (None: not compiled with torch.compile)
+    bodies: dict[int, tuple[fx.GraphModule, Any, tuple[torch.Tensor, ...] | None, Any]] = {}
 
-    def known(body: fx.GraphModule) -> tuple[Any, tuple[torch.Tensor, ...] | None]:
+    def known(body: fx.GraphModule) -> tuple[Any, tuple[torch.Tensor, ...] | None, Any]:
         """The body's ShardedStep, and its parameters, listed once: a body's parameters are
         fixed (compile builds a new body when the model's are replaced), and walking the
         modules on every call costs more than the check it feeds. FSDP2 swaps a sharded
@@ -448,7 +510,8 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
                     "live on several ranks: compile it with backend='torch.distributed' inside "
                     "the process group that sharded it")
             bodies[id(body)] = (body, fsdp.ShardedStep(body, root) if root is not None else None,
-                                tuple(body.parameters()) if root is None else None)
+                                tuple(body.parameters()) if root is None else None,
+                                getattr(body, JOINT, None))
         return bodies[id(body)][1:]
 
     microbatch_loop.__module__ = __name__

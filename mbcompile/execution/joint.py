@@ -1,0 +1,107 @@
+"""One microbatch's forward, backward and gradient accumulation as one compiled graph.
+
+With ``compile(..., torch_compile=...)`` the training loop (``runtime._Loop``) runs
+each microbatch through ``JointStep`` instead of the body's forward then autograd's
+backward. ``torch.func.grad_and_value`` over ``functional_call(body, ...)`` makes the
+microbatch's loss partial and its gradient one function, and ``torch.compile`` turns
+it into one graph per microbatch size: forward and backward kernels fused across
+their boundary, no autograd engine run and no ``AccumulateGrad`` per parameter per
+microbatch, and the step's accumulation (``acc += g``) done inside the graph::
+
+    grads = zeros_like(params)                    # once per step
+    for mb in microbatches:
+        outs = step(body, params, grads, mb)      # grads += d partial(mb) / d params
+
+A hand loop over ``torch.compile(model)`` cannot do this: its backward runs through
+``loss.backward()``. The gradients are the same sums in the same order (0 + g_0,
+then + g_1, ...; 0 + g is exactly g), so the step stays exact to rounding.
+
+One compiled function, one graph per microbatch size (at most two per system, so
+dynamo's cache limit is never near); starting from zeros, not from the first
+microbatch's fresh gradients, keeps it one graph per size rather than one more for
+the first microbatch (a third compile, where the zeros cost one memset per step).
+Outputs come back detached; which of them the autograd path would have let a
+gradient into (``differentiable``) is found once per set of trained parameters by
+running the body on meta tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.func import functional_call, grad_and_value
+from torch.utils import _pytree as pytree
+
+from mbcompile.passes.ops import as_tuple
+
+__all__ = ["JOINT", "JointStep"]
+
+JOINT = "_mbcompile_joint"  # the attribute of a body that carries its JointStep
+
+
+class JointStep:
+    """``body``'s microbatch training step, compiled with ``torch.compile(**options)``.
+
+    ``broken`` holds why the joint graph could not run (then the loop keeps the
+    per-microbatch autograd path for this body).
+    """
+
+    def __init__(self, body: fx.GraphModule, options: Mapping[str, Any]) -> None:
+        self.body = body
+        self.broken: str | None = None
+        # a body's parameters are fixed (compile builds a new body when the model's change)
+        self._names = {id(p): n for n, p in body.named_parameters()}
+        self._step = torch.compile(self._step_impl, **options)
+        self._differentiable: dict[tuple[str, ...], tuple[bool, ...] | None] = {}
+
+    def names(self, params: Sequence[torch.Tensor]) -> tuple[str, ...]:
+        return tuple(self._names[id(p)] for p in params)
+
+    def __call__(self, names: tuple[str, ...], params: Sequence[torch.Tensor],
+                 grads: list[torch.Tensor] | None, fused_index: int, mb: tuple[Any, ...]
+                 ) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
+        """(the step's gradients so far, this microbatch's outputs); ``grads`` None: the
+        first microbatch (the step's gradients start at zero), else added to in place."""
+        if grads is None:
+            grads = [torch.zeros_like(p) for p in params]
+        return grads, self._step(names, list(params), grads, fused_index, mb)
+
+    def _step_impl(self, names: tuple[str, ...], params: list[torch.Tensor],
+                   acc: list[torch.Tensor], fused_index: int, mb: tuple[Any, ...]
+                   ) -> tuple[Any, ...]:
+        def loss(trained: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[Any, ...]]:
+            outs = as_tuple(functional_call(self.body, trained, mb))
+            return outs[fused_index], outs
+
+        grads, (_, outs) = grad_and_value(loss, has_aux=True)(dict(zip(names, params)))
+        torch._foreach_add_(acc, [grads[n] for n in names])
+        return outs
+
+    def differentiable(self, names: tuple[str, ...], params: Sequence[torch.Tensor],
+                       mb: tuple[Any, ...]) -> tuple[bool, ...] | None:
+        """Per body output: would it require grad in the autograd path, with ``params``
+        trained? Found by one run of the body on meta tensors (no data, no device work),
+        once per set of trained parameters; None where the body cannot run on meta
+        tensors (data-dependent shapes, a read of a value): the loop keeps autograd."""
+        if names not in self._differentiable:
+            self._differentiable[names] = _meta_requires_grad(self.body, names, params, mb)
+        return self._differentiable[names]
+
+
+def _meta_requires_grad(body: fx.GraphModule, names: tuple[str, ...],
+                        params: Sequence[torch.Tensor], mb: tuple[Any, ...]
+                        ) -> tuple[bool, ...] | None:
+    def meta(t: Any) -> Any:
+        return t.detach().to("meta") if isinstance(t, torch.Tensor) else t
+
+    state = {n: meta(t) for n, t in (*body.named_parameters(), *body.named_buffers())}
+    state.update({n: meta(p).requires_grad_() for n, p in zip(names, params)})
+    try:
+        with torch.enable_grad():
+            outs = as_tuple(functional_call(body, state, pytree.tree_map(meta, mb)))
+    except Exception:  # noqa: BLE001  (any failure: the autograd path, which needs no meta run)
+        return None
+    return tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
