@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .custom_functions import refused_in_fx
 from .errors import CaptureError
 from .ops import fsdp_unit_enter, fsdp_unit_exit
 from .sources import is_library
@@ -326,7 +327,10 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         tracer = _FlatOutputTracer({id(m): m for n, m in units if n} if units else None)
         try:
-            graph = tracer.trace(model, concrete_args=concrete_args or None)
+            with refused_in_fx(name):
+                graph = tracer.trace(model, concrete_args=concrete_args or None)
+        except CaptureError:
+            raise
         except Exception as exc:  # any tracing failure becomes one clear error
             where = user_frame(traceback.extract_tb(exc.__traceback__))
             raise CaptureError(

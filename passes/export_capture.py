@@ -55,6 +55,7 @@ import torch.fx._pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from .capture import CaptureResult, flatten_output
+from .custom_functions import checked_in_export
 from .errors import CaptureError
 from .state_updates import has_mutations, mutates
 
@@ -278,9 +279,11 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     names = list(example)
     kwargs, dynamic = _export_kwargs(model, example, in_dims)
     try:
-        with _cache_off(model, example):
+        with _cache_off(model, example), checked_in_export(type(model).__name__):
             program = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic,
                                           strict=False)
+    except CaptureError:
+        raise
     except Exception as exc:  # any export failure becomes one clear error
         raise _export_error(model, exc, fx_error) from exc
     if has_mutations(program.graph_module):

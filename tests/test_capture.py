@@ -6,6 +6,7 @@ import copy
 import inspect
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -320,3 +321,138 @@ def test_export_views_become_reshapes() -> None:
     assert torch.ops.aten.view.default not in targets
     assert torch.ops.aten.reshape.default in targets
     assert max(max_rel_err_outputs(cm(x), model(x)).values()) <= TOL
+
+
+class _Reverse(torch.autograd.Function):
+    """Gradient reversal (domain adaptation): the identity forward, -g/2 backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -0.5 * grad
+
+
+class _Swish(torch.autograd.Function):
+    """A hand-written derivative (as BLOOM's GeLUFunction): backward is forward's derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * (s + x * s * (1 - s))
+
+
+class _SwishNew(torch.autograd.Function):
+    """The same, written the new way (forward without ctx, setup_context)."""
+
+    @staticmethod
+    def forward(x):
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * (s + x * s * (1 - s))
+
+
+@mbcompile.trust_module
+class _ReverseLayer(nn.Module):
+    def forward(self, x):
+        return _Reverse.apply(x)
+
+
+class _WithFunction(nn.Module):
+    """A classifier whose hidden features pass a custom Function, bare or in a trusted layer."""
+
+    def __init__(self, function: type | None) -> None:
+        super().__init__()
+        self.inp, self.head, self.function = nn.Linear(8, 8), nn.Linear(8, 3), function
+        self.rev = _ReverseLayer()
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        h = self.rev(h) if self.function is None else self.function.apply(h)  # the line
+        return F.cross_entropy(self.head(h), y)
+
+
+def _with_function(function: type | None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return _WithFunction(function).double(), (
+        torch.randn(10, 8, generator=g, dtype=torch.float64),
+        torch.randint(0, 3, (10,), generator=g))
+
+
+def _assert_step_exact(model: nn.Module, batch: tuple[torch.Tensor, ...], **kw: Any) -> None:
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, 10, 2, 2, example_inputs=batch, **kw)
+    cm(*batch).backward()
+    ref(*batch).backward()
+    errors = grad_errors(grads_of(model), grads_of(ref))
+    assert errors and max(errors.values()) <= TOL
+
+
+@pytest.mark.parametrize("how", ["fx", "export", "auto"])
+def test_a_custom_function_whose_backward_is_not_its_derivative_is_refused(how: str) -> None:
+    """Tracing records a Function's forward ops and drops its backward: a gradient reversal
+    would train with the identity's derivative (silently wrong), so it is refused at its
+    line: by fx, which cannot test it, and by export (and auto, after fx) once the two
+    derivatives were compared on random inputs."""
+    model, batch = _with_function(_Reverse)
+    before = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    with pytest.raises(CaptureError) as info:
+        mbcompile.compile(model, 10, 2, 2, example_inputs=batch, capture=how)
+    message = str(info.value)
+    line = inspect.getsource(_WithFunction.forward).splitlines()[2].strip()
+    assert "custom autograd.Function _Reverse" in message and line in message
+    assert "trust_module" in message
+    assert ("differ by 1.5 relative" in message) == (how != "fx")
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the check drew from its own RNG
+    assert torch.autograd.Function.apply.__func__ is \
+        torch.autograd.Function.__dict__["apply"].__func__  # the patch is undone
+
+
+@pytest.mark.parametrize("function", [_Swish, _SwishNew], ids=["old-style", "new-style"])
+@pytest.mark.parametrize("how", ["export", "auto"])
+def test_a_custom_function_whose_backward_is_its_derivative_is_kept(how, function) -> None:
+    model, batch = _with_function(function)
+    _assert_step_exact(model, batch, capture=how)
+
+
+def test_a_custom_function_in_a_trusted_module_keeps_its_backward() -> None:
+    model, batch = _with_function(None)
+    _assert_step_exact(model, batch, capture="fx")
+
+
+class _Checkpointed(nn.Module):
+    """torch's own reentrant checkpoint is a Function too, whose backward is the forward's
+    derivative: tracing through it is exact, so it is not refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        h = torch.utils.checkpoint.checkpoint(torch.tanh, self.inp(x), use_reentrant=True)
+        return F.cross_entropy(self.head(h), y)
+
+
+def test_torch_reentrant_checkpoint_is_traced_through() -> None:
+    torch.manual_seed(0)
+    _, batch = _with_function(None)
+    _assert_step_exact(_Checkpointed().double(), batch)

@@ -1,6 +1,8 @@
 """``compile(..., torch_compile=...)``: the body (and a two-phase step's coupled part) is
 compiled with torch.compile once per microbatch shape of the plan and never again; the
-step stays exact to float32 rounding and atomic.
+step stays exact to float32 rounding and atomic. A training step runs each microbatch
+as one joint forward-backward graph (``execution/joint.py``); where it cannot, the
+compiled forward and autograd's backward, as before.
 
 The tests use the ``aot_eager`` backend (AOTAutograd without code generation), which
 needs no C++ compiler; inductor is what ``torch_compile=True`` uses, and what the
@@ -9,14 +11,26 @@ benchmark measures."""
 from __future__ import annotations
 
 import copy
+import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch._dynamo as dynamo
+import torch.fx as fx
+from host_reads import HostReads
+from models import (
+    MODELS,
+    assert_close_errors,
+    one_intra_op_thread,
+    step_errors,
+    tensor_leaves,
+)
 from torch._dynamo.utils import counters
 
 import mbcompile
 from mbcompile.check import relative_error
+from mbcompile.execution import joint
 from mbcompile.models import make_tiny_gpt
 
 AOT = {"backend": "aot_eager"}
@@ -29,6 +43,31 @@ def fresh_dynamo():
     counters.clear()
     yield
     dynamo.reset()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Tiny models: see models.one_intra_op_thread."""
+    with one_intra_op_thread():
+        yield
+
+
+@pytest.fixture
+def joint_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The microbatch sizes the joint forward-backward graph ran, call by call."""
+    calls: list[int] = []
+    real = joint.JointStep.__call__
+
+    def counted(self, names, params, grads, fused_index, mb):
+        calls.append(next(t.shape[0] for t in mb if isinstance(t, torch.Tensor)))
+        return real(self, names, params, grads, fused_index, mb)
+
+    monkeypatch.setattr(joint.JointStep, "__call__", counted)
+    return calls
+
+
+def _sizes(cm) -> list[int]:
+    return [b - a for system in cm.plan.microbatch_slices for a, b in system if b > a]
 
 
 def _graphs() -> int:
@@ -124,3 +163,138 @@ def test_bad_options_are_refused():
         mbcompile.compile(model, GBS, 2, 4, example_inputs=batch, torch_compile={"speed": 1})
     with pytest.raises(mbcompile.ArgumentTypeError):
         mbcompile.compile(model, GBS, 2, 4, example_inputs=batch, torch_compile="yes")
+
+
+# Models whose loss is computed inside (the training step the joint graph runs), with
+# the output kinds the step returns beside it: logits, masks, dicts, dataclasses, counts.
+JOINT_MODELS = ["tiny_gpt", "mlp", "cnn", "masked_mean_bool", "weighted_ce", "size_normalised",
+                "dict_out", "dataclass_out", "namedtuple_out"]
+
+
+@pytest.mark.parametrize("plan", [(10, 3, 2), (13, 2, 3)], ids=["gbs10-csx3-mbs2",
+                                                              "gbs13-csx2-mbs3"])
+@pytest.mark.parametrize("name", JOINT_MODELS)
+def test_the_joint_graph_equals_the_eager_full_batch_in_float64(name, plan, joint_calls):
+    """Every microbatch of every system through the joint graph (uneven plans: short
+    microbatches, systems of different sizes), against one eager full-batch step."""
+    gbs, num_csx, mbs = plan
+    model, batch = MODELS[name](gbs)
+    cm = mbcompile.compile(model, gbs, num_csx, mbs, example_inputs=batch, torch_compile=AOT)
+    errors = step_errors(model, cm, batch)
+    assert_close_errors(errors, 1e-10)
+    assert joint_calls == _sizes(cm)  # the joint graph ran them all, in order
+
+
+def test_outputs_require_grad_as_in_the_autograd_path(joint_calls):
+    """The joint graph returns detached values; which of them a gradient may enter (and
+    so which come back requiring grad) is what the autograd path gives, frozen layers
+    included, and a gradient sent into a per-sample output is still refused."""
+    model, batch = MODELS["dict_out"](10)
+    plain = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
+    for frozen in (False, True):
+        for p in model.parameters():
+            p.requires_grad_(not frozen or p.dim() < 2)  # frozen: only biases train
+        want = [(path, t.requires_grad) for path, t in tensor_leaves(plain(*batch))]
+        out = cm(*batch)
+        assert [(path, t.requires_grad) for path, t in tensor_leaves(out)] == want
+    assert joint_calls  # the joint graph ran
+    per_sample = next(t for path, t in tensor_leaves(out)[1:] if t.requires_grad)
+    with pytest.raises(mbcompile.MicrobatchError, match="per-sample output"):
+        per_sample.pow(2).mean().backward()
+
+
+def test_a_parameter_hook_keeps_the_autograd_path(joint_calls):
+    """A hook on a parameter fires per microbatch in autograd; the joint graph would skip
+    it, so such a step runs the compiled forward and autograd's backward."""
+    model, batch = MODELS["mlp"](10)
+    seen: list[tuple[int, ...]] = []
+    hook = model.net[0].weight.register_hook(lambda g: seen.append(tuple(g.shape)))
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
+    assert_close_errors(step_errors(model, cm, batch), 1e-10)
+    # once per microbatch, and once more for the eager reference step
+    assert len(seen) == len(_sizes(cm)) + 1 and not joint_calls
+    hook.remove()
+    seen.clear()
+    assert_close_errors(step_errors(model, cm, batch), 1e-10)
+    assert joint_calls == _sizes(cm) and not seen
+
+
+def test_a_failing_joint_graph_falls_back_to_autograd_once(joint_calls):
+    """The joint graph fails (here: its compiled function raises at the second microbatch);
+    the step runs the autograd way, exact, and says so once; later steps run the autograd
+    way without trying the joint graph again."""
+    model, batch = MODELS["tiny_gpt"](10)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
+    step = getattr(cm.graph_module.body, joint.JOINT)
+    real, tries = step._step, []
+
+    def failing(*args):
+        tries.append(1)
+        if len(tries) == 2:
+            raise RuntimeError("no joint graph for this op")
+        return real(*args)
+
+    step._step = failing
+    with pytest.warns(mbcompile.JointStepWarning, match="no joint graph for this op"):
+        errors = step_errors(model, cm, batch)
+    assert_close_errors(errors, 1e-10)
+    assert len(joint_calls) == 2 and step.broken
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.JointStepWarning)
+        assert_close_errors(step_errors(model, cm, batch), 1e-10)
+    assert len(joint_calls) == 2  # not tried again
+
+
+def test_a_model_error_is_the_models_and_keeps_the_joint_graph(joint_calls):
+    """A label out of range fails in the joint graph and in autograd alike: the step raises
+    the model's error as usual, nothing changes, and the next good step uses the joint graph."""
+    model, batch = MODELS["cnn"](10)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
+    x, y = batch
+    bad = y.clone()
+    bad[5] = 99
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.JointStepWarning)
+        with pytest.raises(mbcompile.MicrobatchError, match="out of bounds"):
+            cm(x, bad)
+    for p, (value, grad) in zip(model.parameters(), before):
+        assert torch.equal(p, value) and torch.equal(p.grad, grad)
+    assert getattr(cm.graph_module.body, joint.JOINT).broken is None
+    joint_calls.clear()
+    assert_close_errors(step_errors(model, cm, batch), 1e-10)
+    assert joint_calls == _sizes(cm)
+
+
+def test_one_host_read_per_step_through_the_joint_graph(joint_calls):
+    model, batch = make_tiny_gpt(16, dtype=torch.float64)
+    cm = mbcompile.compile(model, 16, 1, 4, example_inputs=batch, torch_compile=AOT)
+    cm(*batch)[0].backward()  # the first step compiles
+    joint_calls.clear()
+    with HostReads() as reads:
+        loss, _ = cm(*batch)
+        loss.backward()
+    assert reads.total == 1, dict(reads.ops)
+    assert reads.ops["mbcompile.execution.runtime.read_host"] == 1
+    assert joint_calls == [4, 4, 4, 4]
+
+
+class _ReadsAValue(torch.nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()
+
+
+def test_a_body_that_cannot_run_on_meta_tensors_is_told_apart():
+    """Which outputs require grad comes from a run on meta tensors; a body that reads a
+    value cannot run there, and then the loop keeps the autograd path (None)."""
+    body = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    w = body.get_parameter("0.weight")
+    names = ("0.weight",)
+    assert joint._meta_requires_grad(body, names, [w], (torch.randn(4, 3),)) == (True,)
+    w.requires_grad_(False)
+    assert joint._meta_requires_grad(body, (), [], (torch.randn(4, 3),)) == (False,)
+    reads = fx.GraphModule(_ReadsAValue(), fx.Tracer().trace(_ReadsAValue()))
+    assert joint._meta_requires_grad(reads, (), [], (torch.randn(4, 3),)) is None

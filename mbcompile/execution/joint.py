@@ -72,13 +72,20 @@ class JointStep:
     def _step_impl(self, names: tuple[str, ...], params: list[torch.Tensor],
                    acc: list[torch.Tensor], fused_index: int, mb: tuple[Any, ...]
                    ) -> tuple[Any, ...]:
-        def loss(trained: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[Any, ...]]:
-            outs = as_tuple(functional_call(self.body, trained, mb))
-            return outs[fused_index], outs
+        others: list[tuple[int, Any]] = []  # non-tensor outputs (counts as Python ints)
 
-        grads, (_, outs) = grad_and_value(loss, has_aux=True)(dict(zip(names, params)))
+        def loss(trained: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            outs = as_tuple(functional_call(self.body, trained, mb))
+            # grad's aux holds tensors only: the rest leave through ``others``
+            others.extend((i, o) for i, o in enumerate(outs) if not isinstance(o, torch.Tensor))
+            return outs[fused_index], [o for o in outs if isinstance(o, torch.Tensor)]
+
+        grads, (_, tensors) = grad_and_value(loss, has_aux=True)(dict(zip(names, params)))
         torch._foreach_add_(acc, [grads[n] for n in names])
-        return outs
+        outs = list(tensors)
+        for i, o in others:
+            outs.insert(i, o)
+        return tuple(outs)
 
     def differentiable(self, names: tuple[str, ...], params: Sequence[torch.Tensor],
                        mb: tuple[Any, ...]) -> tuple[bool, ...] | None:

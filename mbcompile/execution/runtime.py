@@ -233,7 +233,8 @@ class _Loop:
             grads, out = joint(names, params, grads, self.fused_index, mb)
             checks.finite(i, out[self.fused_index])  # read once, at the end of the step
             results.append(out)
-        self.no_grad_outputs = [not f for f in flags]
+        self.no_grad_outputs = [isinstance(o, torch.Tensor) and not f
+                                for o, f in zip(results[0], flags)]
         self.step_grads = list(grads)
         return results
 

@@ -1,0 +1,190 @@
+"""Custom ``torch.autograd.Function`` calls met while capturing a model: refused, or checked.
+
+Both captures trace a Function's ``forward`` like any other code (``torch.fx`` on
+proxies, ``torch.export`` on fake tensors), so the graph holds the forward's ops and
+nothing of the Function's own ``backward``: the compiled step trains with autograd's
+derivative of the forward. That is exact where ``backward`` *is* that derivative
+(BLOOM's ``GeLUFunction``: a hand-written derivative of its tanh GELU) and silently
+wrong where it is not (a gradient reversal, ``forward: x``, ``backward: -g``; a
+straight-through estimator).
+
+- fx (``refused_in_fx``): the values are proxies, without shapes to test with, so a
+  call is an error at the user's line, with the way out: a module trusted with
+  ``mbcompile.trust_module`` stays one node, is called as written, and keeps the
+  Function's backward.
+- export (``checked_in_export``): each Function's call is recorded with its inputs'
+  shapes and dtypes; after the export, its backward is compared with autograd's
+  derivative of its forward on random inputs of those shapes (one vector-Jacobian
+  product, the same random cotangent): equal to the dtype's rounding, the inlined
+  forward is kept; otherwise the capture is an error naming the Function.
+
+Functions of torch itself (``torch.utils.checkpoint``'s reentrant ``CheckpointFunction``,
+whose backward is its forward's derivative, recomputed) are traced as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .errors import CaptureError
+
+__all__ = ["checked_in_export", "refused_in_fx"]
+
+# normwise relative error allowed between the two derivatives, by dtype (rounding of
+# two differently ordered computations; a wrong backward is off by order 1)
+_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
+_LOW_PRECISION = 5e-2
+
+
+@dataclass(frozen=True)
+class _Like:
+    """A traced tensor argument, as shape (size hints) and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@contextlib.contextmanager
+def refused_in_fx(model_name: str) -> Iterator[None]:
+    """While fx traces ``model_name``: a user's ``Function.apply`` on a proxy raises."""
+    def on_call(cls: type, where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if any(isinstance(v, fx.Proxy) for v in pytree.tree_leaves((args, kwargs))):
+            raise CaptureError(_message(
+                model_name, cls, where, "fx traces it on symbolic values, with no shapes to "
+                "check its backward on; capture='auto' or 'export' checks it numerically"))
+
+    with _watching(on_call):
+        yield
+
+
+@contextlib.contextmanager
+def checked_in_export(model_name: str) -> Iterator[None]:
+    """While ``model_name`` is exported: record each user Function's call; after the
+    export, raise unless every one's backward is its forward's derivative."""
+    calls: dict[type, tuple[str, Any]] = {}
+
+    def on_call(cls: type, where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if cls not in calls and any(isinstance(v, torch.Tensor)
+                                    for v in pytree.tree_leaves((args, kwargs))):
+            calls[cls] = (where, pytree.tree_map(_like, (args, kwargs)))
+
+    with _watching(on_call):
+        yield
+    for cls, (where, like) in calls.items():
+        why = _derivative_mismatch(cls, like)
+        if why is not None:
+            raise CaptureError(_message(model_name, cls, where, why, export=True))
+
+
+def _message(model_name: str, cls: type, where: str, why: str, export: bool = False) -> str:
+    fix = "capture with capture='fx' (export traces into every module), and " if export else ""
+    return (f"{model_name}.forward calls the custom autograd.Function {cls.__qualname__} at "
+            f"{where}: capturing records the ops of its forward and drops its backward, so "
+            f"the compiled step would train with autograd's derivative of "
+            f"{cls.__name__}.forward, not {cls.__name__}.backward ({why}). Fix: {fix}call it "
+            f"inside a submodule and trust that module with mbcompile.trust_module(...) if "
+            f"it treats samples independently (a trusted module stays one node and runs as "
+            f"written, backward included)")
+
+
+@contextlib.contextmanager
+def _watching(on_call: Callable[[type, str, tuple[Any, ...], dict[str, Any]], None]
+              ) -> Iterator[None]:
+    """``Function.apply`` reports each call of a Function defined outside torch."""
+    from .capture import user_frame
+
+    base = torch.autograd.Function
+    original = base.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith("torch."):
+            on_call(cls, user_frame(traceback.extract_stack()[:-1]), args, kwargs)
+        return original.__func__(cls, *args, **kwargs)
+
+    base.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        base.apply = original  # type: ignore[method-assign]
+
+
+def _like(v: Any) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    shape = tuple(s.node.hint if isinstance(s, torch.SymInt) else int(s) for s in v.shape)
+    return _Like(shape, v.dtype, v.requires_grad)
+
+
+class _Context:
+    """What an old-style ``forward(ctx, ...)`` may call on its context; nothing is kept."""
+
+    needs_input_grad: tuple[bool, ...] = ()
+
+    def save_for_backward(self, *tensors: Any) -> None: ...
+    def mark_dirty(self, *tensors: Any) -> None: ...
+    def mark_non_differentiable(self, *tensors: Any) -> None: ...
+    def set_materialize_grads(self, value: bool) -> None: ...
+
+
+def _derivative_mismatch(cls: type, like: Any) -> str | None:
+    """None where ``cls.backward`` equals autograd's derivative of ``cls.forward`` on random
+    inputs shaped as ``like`` (to the dtype's rounding), else what differs."""
+    gen = torch.Generator().manual_seed(0)
+
+    def real(v: Any) -> Any:
+        if not isinstance(v, _Like):
+            return v
+        if v.dtype.is_floating_point or v.dtype.is_complex:
+            return torch.randn(v.shape, generator=gen, dtype=v.dtype).requires_grad_(
+                v.requires_grad)
+        return torch.zeros(v.shape, dtype=v.dtype)  # indices, masks: 0 is always valid
+
+    def run(fn: Callable[[], Any]) -> list[Any]:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.manual_seed(0)  # the same draws for both, the user's RNG untouched
+            return pytree.tree_leaves(fn())
+
+    try:
+        args, kwargs = pytree.tree_map(real, like, is_leaf=lambda v: isinstance(v, _Like))
+        inputs = [t for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:
+            return None  # no gradient flows through it here
+        new_style = any("setup_context" in k.__dict__ for k in cls.__mro__
+                        if not k.__module__.startswith("torch."))
+        own = run(lambda: cls.apply(*args, **kwargs))
+        derived = run(lambda: cls.forward(*args, **kwargs) if new_style
+                      else cls.forward(_Context(), *args, **kwargs))
+        outs = [i for i, o in enumerate(own) if isinstance(o, torch.Tensor) and o.requires_grad]
+        cotangents = {i: torch.randn(own[i].shape, generator=gen, dtype=own[i].dtype)
+                      for i in outs}
+        want = _vjp([own[i] for i in outs], [cotangents[i] for i in outs], inputs)
+        kept = [i for i in outs if isinstance(derived[i], torch.Tensor)
+                and derived[i].requires_grad]
+        got = _vjp([derived[i] for i in kept], [cotangents[i] for i in kept], inputs)
+    except Exception as exc:  # noqa: BLE001  (anything: it could not be shown equal)
+        return f"its backward could not be checked on random inputs: {type(exc).__name__}: {exc}"
+    for x, (a, b) in zip(inputs, zip(want, got)):
+        scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30) if a.numel() else 1.0
+        error = (a - b).abs().max().item() / scale if a.numel() else 0.0
+        if error > _TOLERANCE.get(x.dtype, _LOW_PRECISION):
+            return (f"on random inputs its backward and the derivative of its forward differ "
+                    f"by {error:.2g} relative")
+    return None
+
+
+def _vjp(outputs: list[torch.Tensor], cotangents: list[torch.Tensor],
+         inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    if not outputs:
+        return [torch.zeros_like(x) for x in inputs]
+    grads = torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
