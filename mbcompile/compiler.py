@@ -37,7 +37,7 @@ from mbcompile.errors import (
     UnsupportedOpError,
 )
 from mbcompile.execution import BACKENDS, StepChannels, bindings
-from mbcompile.execution.joint import JOINT, JointStep
+from mbcompile.execution.joint import JOINT, joint_step
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.passes import batch_rules, ops
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
@@ -737,7 +737,7 @@ def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None
         part = getattr(gm, name, None)
         if isinstance(part, fx.GraphModule):
             if name == "body":  # what a training step runs per microbatch (execution/joint.py)
-                setattr(part, JOINT, JointStep(part, kwargs))
+                setattr(part, JOINT, joint_step(part, kwargs))
             setattr(gm, name, torch.compile(part, **kwargs))
 
 

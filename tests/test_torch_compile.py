@@ -298,3 +298,32 @@ def test_a_body_that_cannot_run_on_meta_tensors_is_told_apart():
     assert joint._meta_requires_grad(body, (), [], (torch.randn(4, 3),)) == (False,)
     reads = fx.GraphModule(_ReadsAValue(), fx.Tracer().trace(_ReadsAValue()))
     assert joint._meta_requires_grad(reads, (), [], (torch.randn(4, 3),)) is None
+
+
+def test_activation_checkpointing_keeps_the_autograd_path(joint_calls):
+    """torch.func.grad refuses saved-tensor hooks, which checkpointing uses: a recompute
+    body has no joint step and trains with the compiled forward and autograd's backward."""
+    model, batch = MODELS["tiny_gpt"](10)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT,
+                           recompute=True)
+    assert cm.plan.recompute
+    assert getattr(cm.graph_module.body, joint.JOINT) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.JointStepWarning)
+        assert_close_errors(step_errors(model, cm, batch), 1e-10)
+    assert not joint_calls
+
+
+def test_a_failed_joint_graph_leaves_saved_tensor_hooks_on():
+    """Forced onto a checkpointed body, the joint graph fails inside torch.func.grad, which
+    had switched saved-tensor hooks off: they are on again for the autograd path."""
+    model, batch = MODELS["tiny_gpt"](10)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT,
+                           recompute=True)
+    body = cm.graph_module.body._orig_mod
+    step = joint.JointStep(body, {"dynamic": False, **AOT})
+    params = list(model.parameters())
+    with torch.no_grad(), pytest.raises(Exception, match="saved tensor hooks"):
+        step(step.names(params), params, None, 0, (batch[0][:2], batch[1][:2]))
+    assert torch._C._autograd._saved_tensors_hooks_is_enabled()
+    assert_close_errors(step_errors(model, cm, batch), 1e-10)  # checkpointing still works

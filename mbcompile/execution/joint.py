@@ -37,9 +37,19 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.passes.ops import as_tuple
 
-__all__ = ["JOINT", "JointStep"]
+__all__ = ["JOINT", "JointStep", "joint_step"]
 
 JOINT = "_mbcompile_joint"  # the attribute of a body that carries its JointStep
+
+
+def joint_step(body: fx.GraphModule, options: Mapping[str, Any]) -> JointStep | None:
+    """The body's ``JointStep``, or None where torch.func cannot differentiate it: a body
+    with activation checkpointing (``recompute``) saves tensors through saved-tensor
+    hooks, which ``torch.func.grad`` refuses."""
+    if any(n.op == "call_function" and n.target is torch.utils.checkpoint.checkpoint
+           for n in body.graph.nodes):
+        return None
+    return JointStep(body, options)
 
 
 class JointStep:
@@ -67,7 +77,16 @@ class JointStep:
         first microbatch (the step's gradients start at zero), else added to in place."""
         if grads is None:
             grads = [torch.zeros_like(p) for p in params]
-        return grads, self._step(names, list(params), grads, fused_index, mb)
+        hooks = torch._C._autograd._saved_tensors_hooks_is_enabled()
+        try:
+            return grads, self._step(names, list(params), grads, fused_index, mb)
+        except BaseException:
+            # torch.func.grad switches saved-tensor hooks off while it runs and, failing
+            # inside a compiled frame, may leave them off: autograd's checkpointing (the
+            # path the loop falls back to) needs them
+            if hooks and not torch._C._autograd._saved_tensors_hooks_is_enabled():
+                torch._C._autograd._saved_tensors_hooks_enable()
+            raise
 
     def _step_impl(self, names: tuple[str, ...], params: list[torch.Tensor],
                    acc: list[torch.Tensor], fused_index: int, mb: tuple[Any, ...]
