@@ -189,10 +189,14 @@ class _Loop:
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         joint = self._joint(params)
-        if joint is None:
+        names = joint.names(params) if joint is not None else ()
+        # which outputs a gradient may enter (None: the body cannot tell on meta tensors)
+        flags = (joint.differentiable(names, params, self.microbatches[0])
+                 if joint is not None else None)
+        if flags is None:
             return self._run_autograd(params)
         try:
-            return self._run_joint(joint, params)
+            return self._run_joint(joint, names, flags, params)
         except Exception as exc:  # noqa: BLE001  (the autograd path says what is wrong)
             failed = exc
         # The joint graph failed (nothing was kept: its gradients were the step's own).
@@ -220,13 +224,10 @@ class _Loop:
             return None
         return joint
 
-    def _run_joint(self, joint: Any, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+    def _run_joint(self, joint: Any, names: tuple[str, ...], flags: Sequence[bool],
+                   params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         """Every microbatch through the joint graph: the step's gradient is built in the
         graph's own tensors, never in ``.grad``, so the user's gradients are not touched."""
-        names = joint.names(params)
-        flags = joint.differentiable(names, params, self.microbatches[0])
-        if flags is None:
-            return self._run_autograd(params)
         checks = self.checks = _StepChecks(len(self.microbatches), params[0].device, False)
         grads, results = None, []
         for i, mb in enumerate(self.microbatches):
