@@ -284,20 +284,92 @@ def test_one_host_read_per_step_through_the_joint_graph(joint_calls):
 
 class _ReadsAValue(torch.nn.Module):
     def forward(self, x):
-        return x * x.sum().item()
+        return (x * x.sum().item()).sum()
 
 
-def test_a_body_that_cannot_run_on_meta_tensors_is_told_apart():
-    """Which outputs require grad comes from a run on meta tensors; a body that reads a
-    value cannot run there, and then the loop keeps the autograd path (None)."""
-    body = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2)))
-    w = body.get_parameter("0.weight")
-    names = ("0.weight",)
-    assert joint._meta_requires_grad(body, names, [w], (torch.randn(4, 3),)) == (True,)
-    w.requires_grad_(False)
-    assert joint._meta_requires_grad(body, (), [], (torch.randn(4, 3),)) == (False,)
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.used(x).sum(), self.unused(x)
+
+
+def test_the_meta_facts_of_a_body():
+    """Which outputs require grad and which parameters the loss reaches come from a run
+    on meta tensors; a body that reads a value cannot run there (None: autograd)."""
+    body = fx.symbolic_trace(_TwoHeads())
+    params = list(body.parameters())
+    names = tuple(n for n, _ in body.named_parameters())
+    x = (torch.randn(4, 3),)
+    facts = joint._meta_facts(body, names, params, 0, x)
+    assert facts == joint.MetaFacts((True, True), (True, True, False, False))
+    facts = joint._meta_facts(body, names[2:], params[2:], 0, x)  # only the unused head trains
+    assert facts == joint.MetaFacts((False, True), (False, False))
     reads = fx.GraphModule(_ReadsAValue(), fx.Tracer().trace(_ReadsAValue()))
-    assert joint._meta_requires_grad(reads, (), [], (torch.randn(4, 3),)) is None
+    assert joint._meta_facts(reads, (), [], 0, x) is None
+
+
+class _AuxHead(torch.nn.Module):
+    """A classifier that also returns an auxiliary head's output, not in the loss, and
+    a threshold used only in a comparison: neither gets a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head, self.aux = (torch.nn.Linear(8, 8), torch.nn.Linear(8, 3),
+                                         torch.nn.Linear(8, 2))
+        self.threshold = torch.nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x)) * (x > self.threshold)
+        return torch.nn.functional.cross_entropy(self.head(h), y), self.aux(x)
+
+
+def test_parameters_the_loss_does_not_reach_keep_no_gradient(joint_calls):
+    """As in eager: .grad stays None (a zero gradient would move them under weight decay
+    or momentum), and an optimizer step leaves them as they were."""
+    torch.manual_seed(0)
+    model = _AuxHead().double()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(10, 8, generator=g, dtype=torch.float64),
+             torch.randint(0, 3, (10,), generator=g))
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
+    assert_close_errors(step_errors(model, cm, batch), 1e-10)
+    assert model.aux.weight.grad is None and model.threshold.grad is None
+    assert joint_calls == _sizes(cm)
+    before = model.aux.weight.detach().clone()
+    torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1).step()
+    assert torch.equal(model.aux.weight, before)
+
+
+def test_a_sparse_embedding_keeps_the_autograd_path():
+    """torch.func.grad would hand a sparse embedding's gradient back dense."""
+    model, batch = MODELS["tiny_gpt"](10)
+    model.tok.sparse = True
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
+    assert getattr(cm.graph_module.body, joint.JOINT) is None
+    cm(*batch)[0].backward()
+    assert model.tok.weight.grad.is_sparse
+
+
+def test_module_backward_hooks_and_saved_tensor_hooks_keep_the_autograd_path(joint_calls):
+    """Both belong to autograd's backward: while present the step runs autograd, exact and
+    without a warning, and the joint graph is used again once they are gone."""
+    model, batch = MODELS["mlp"](10)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
+    seen: list[int] = []
+    hook = model.net[2].register_full_backward_hook(lambda m, gi, go: seen.append(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.JointStepWarning)
+        assert_close_errors(step_errors(model, cm, batch), 1e-10)
+        assert not joint_calls and len(seen) == len(_sizes(cm)) + 1  # + the eager reference
+        hook.remove()
+        with torch.autograd.graph.save_on_cpu():
+            assert_close_errors(step_errors(model, cm, batch), 1e-10)
+        assert not joint_calls
+        assert_close_errors(step_errors(model, cm, batch), 1e-10)
+    assert joint_calls == _sizes(cm)
 
 
 def test_activation_checkpointing_keeps_the_autograd_path(joint_calls):

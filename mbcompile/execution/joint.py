@@ -21,13 +21,15 @@ dynamo's cache limit is never near); starting from zeros, not from the first
 microbatch's fresh gradients, keeps it one graph per size rather than one more for
 the first microbatch (a third compile, where the zeros cost one memset per step).
 Outputs come back detached; which of them the autograd path would have let a
-gradient into (``differentiable``) is found once per set of trained parameters by
-running the body on meta tensors.
+gradient into, and which trained parameters the loss reaches at all (the others keep
+``.grad`` None), is found once per set of trained parameters by running the body, and
+the loss's backward, on meta tensors (``facts``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,18 +39,24 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.passes.ops import as_tuple
 
-__all__ = ["JOINT", "JointStep", "joint_step"]
+__all__ = ["JOINT", "JointStep", "MetaFacts", "joint_step"]
 
 JOINT = "_mbcompile_joint"  # the attribute of a body that carries its JointStep
 
 
 def joint_step(body: fx.GraphModule, options: Mapping[str, Any]) -> JointStep | None:
-    """The body's ``JointStep``, or None where torch.func cannot differentiate it: a body
-    with activation checkpointing (``recompute``) saves tensors through saved-tensor
-    hooks, which ``torch.func.grad`` refuses."""
+    """The body's ``JointStep``, or None where torch.func cannot differentiate it as
+    autograd does: a body with activation checkpointing (``recompute``) saves tensors
+    through saved-tensor hooks, which ``torch.func.grad`` refuses, and a sparse embedding's
+    gradient would come back dense."""
     if any(n.op == "call_function" and n.target is torch.utils.checkpoint.checkpoint
            for n in body.graph.nodes):
         return None
+    if any(getattr(m, "sparse", False) is True for m in body.modules()
+           if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))) or any(
+            n.kwargs.get("sparse") is True for n in body.graph.nodes
+            if n.op == "call_function"):
+        return None  # sparse gradients: torch.func.grad would hand back dense ones
     return JointStep(body, options)
 
 
@@ -64,11 +72,17 @@ class JointStep:
         self.broken: str | None = None
         # a body's parameters are fixed (compile builds a new body when the model's change)
         self._names = {id(p): n for n, p in body.named_parameters()}
+        self._modules = tuple(body.modules())
         self._step = torch.compile(self._step_impl, **options)
-        self._differentiable: dict[tuple[str, ...], tuple[bool, ...] | None] = {}
+        self._facts: dict[tuple[str, ...], MetaFacts | None] = {}
 
     def names(self, params: Sequence[torch.Tensor]) -> tuple[str, ...]:
         return tuple(self._names[id(p)] for p in params)
+
+    def module_hooks(self) -> bool:
+        """Does a module of the body have backward hooks now (they fire per microbatch in
+        autograd, and torch.func would not run them)?"""
+        return any(m._backward_hooks or m._backward_pre_hooks for m in self._modules)
 
     def __call__(self, names: tuple[str, ...], params: Sequence[torch.Tensor],
                  grads: list[torch.Tensor] | None, fused_index: int, mb: tuple[Any, ...]
@@ -106,28 +120,42 @@ class JointStep:
             outs.insert(i, o)
         return tuple(outs)
 
-    def differentiable(self, names: tuple[str, ...], params: Sequence[torch.Tensor],
-                       mb: tuple[Any, ...]) -> tuple[bool, ...] | None:
-        """Per body output: would it require grad in the autograd path, with ``params``
-        trained? Found by one run of the body on meta tensors (no data, no device work),
-        once per set of trained parameters; None where the body cannot run on meta
-        tensors (data-dependent shapes, a read of a value): the loop keeps autograd."""
-        if names not in self._differentiable:
-            self._differentiable[names] = _meta_requires_grad(self.body, names, params, mb)
-        return self._differentiable[names]
+    def facts(self, names: tuple[str, ...], params: Sequence[torch.Tensor], fused_index: int,
+              mb: tuple[Any, ...]) -> MetaFacts | None:
+        """What the autograd path would give with ``params`` trained, found by one run of
+        the body on meta tensors (no data, no device work), once per set of trained
+        parameters; None where the body cannot run on meta tensors (data-dependent
+        shapes, a read of a value): the loop keeps autograd."""
+        if names not in self._facts:
+            self._facts[names] = _meta_facts(self.body, names, params, fused_index, mb)
+        return self._facts[names]
 
 
-def _meta_requires_grad(body: fx.GraphModule, names: tuple[str, ...],
-                        params: Sequence[torch.Tensor], mb: tuple[Any, ...]
-                        ) -> tuple[bool, ...] | None:
+@dataclass(frozen=True)
+class MetaFacts:
+    """``outputs``: per body output, would it require grad; ``reached``: per trained
+    parameter, does the loss reach it (one that it does not keeps ``.grad`` None, as in
+    autograd, never a zero gradient that weight decay or momentum would act on)."""
+
+    outputs: tuple[bool, ...]
+    reached: tuple[bool, ...]
+
+
+def _meta_facts(body: fx.GraphModule, names: tuple[str, ...], params: Sequence[torch.Tensor],
+                fused_index: int, mb: tuple[Any, ...]) -> MetaFacts | None:
     def meta(t: Any) -> Any:
         return t.detach().to("meta") if isinstance(t, torch.Tensor) else t
 
     state = {n: meta(t) for n, t in (*body.named_parameters(), *body.named_buffers())}
-    state.update({n: meta(p).requires_grad_() for n, p in zip(names, params)})
+    trained = [meta(p).requires_grad_() for p in params]
+    state.update(zip(names, trained))
     try:
         with torch.enable_grad():
             outs = as_tuple(functional_call(body, state, pytree.tree_map(meta, mb)))
+            loss = outs[fused_index]
+            grads = (torch.autograd.grad(loss, trained, allow_unused=True)
+                     if loss.requires_grad else (None,) * len(trained))
     except Exception:  # noqa: BLE001  (any failure: the autograd path, which needs no meta run)
         return None
-    return tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs)
+    return MetaFacts(tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs),
+                     tuple(g is not None for g in grads))

@@ -190,24 +190,26 @@ class _Loop:
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         joint = self._joint(params)
         names = joint.names(params) if joint is not None else ()
-        # which outputs a gradient may enter (None: the body cannot tell on meta tensors)
-        flags = (joint.differentiable(names, params, self.microbatches[0])
+        # which outputs a gradient may enter, which parameters the loss reaches (None: the
+        # body cannot tell on meta tensors)
+        facts = (joint.facts(names, params, self.fused_index, self.microbatches[0])
                  if joint is not None else None)
-        if flags is None:
+        if facts is None or not any(facts.reached):
             return self._run_autograd(params)
         try:
-            return self._run_joint(joint, names, flags, params)
+            return self._run_joint(joint, names, facts, params)
         except Exception as exc:  # noqa: BLE001  (the autograd path says what is wrong)
-            failed = exc
+            # only its text: the exception's frames hold the failed attempt's tensors
+            failed = f"{type(exc).__name__}: {exc}"
         # The joint graph failed (nothing was kept: its gradients were the step's own).
         # Run the step the autograd way: if the model is at fault, that raises the
         # model's error as usual, and the joint graph stays for the next step; if only
         # the joint graph is, it is dropped for good, with a warning.
         results = self._run_autograd(params)
-        joint.broken = f"{type(failed).__name__}: {failed}"
+        joint.broken = failed
         warnings.warn(
             "torch_compile: the joint forward-backward graph of the training step failed "
-            f"({joint.broken[:300]}); the step ran, and will run, each microbatch's compiled "
+            f"({failed[:300]}); the step ran, and will run, each microbatch's compiled "
             "forward and then autograd's backward instead (exact, a little slower)",
             JointStepWarning, stacklevel=2)
         return results
@@ -215,28 +217,35 @@ class _Loop:
     def _joint(self, params: Sequence[torch.Tensor]) -> Any:
         """The body's ``JointStep`` when this step can use it, else None. Not with FSDP
         (its hooks run each unit's collectives), the noise scale (per-microbatch
-        gradient norms), the overlapped all-reduce (it starts in the last backward),
-        nor a parameter with hooks of its own (they fire per microbatch in autograd)."""
+        gradient norms), the overlapped all-reduce (it starts in the last backward), a
+        parameter or module with backward hooks of its own (they fire per microbatch in
+        autograd), nor inside a ``saved_tensors_hooks`` context (torch.func refuses one)."""
         joint = self.joint
         if (joint is None or joint.broken is not None or self.sharded is not None
                 or self.noise is not None or self.reducer is not None
-                or any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params)):
+                or any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params)
+                or joint.module_hooks()
+                or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
             return None
         return joint
 
-    def _run_joint(self, joint: Any, names: tuple[str, ...], flags: Sequence[bool],
+    def _run_joint(self, joint: Any, names: tuple[str, ...], facts: Any,
                    params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         """Every microbatch through the joint graph: the step's gradient is built in the
-        graph's own tensors, never in ``.grad``, so the user's gradients are not touched."""
+        graph's own tensors, never in ``.grad``, so the user's gradients are not touched;
+        a parameter the loss does not reach is left out, and its gradient stays None."""
+        trained = [p for p, r in zip(params, facts.reached) if r]
+        names = tuple(n for n, r in zip(names, facts.reached) if r)
         checks = self.checks = _StepChecks(len(self.microbatches), params[0].device, False)
         grads, results = None, []
         for i, mb in enumerate(self.microbatches):
-            grads, out = joint(names, params, grads, self.fused_index, mb)
+            grads, out = joint(names, trained, grads, self.fused_index, mb)
             checks.finite(i, out[self.fused_index])  # read once, at the end of the step
             results.append(out)
         self.no_grad_outputs = [isinstance(o, torch.Tensor) and not f
-                                for o, f in zip(results[0], flags)]
-        self.step_grads = list(grads)
+                                for o, f in zip(results[0], facts.outputs)]
+        found = iter(grads)
+        self.step_grads = [next(found) if r else None for r in facts.reached]
         return results
 
     def _run_autograd(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
