@@ -12,11 +12,13 @@ straight-through estimator).
   call is an error at the user's line, with the way out: a module trusted with
   ``mbcompile.trust_module`` stays one node, is called as written, and keeps the
   Function's backward.
-- export (``checked_in_export``): each Function's call is recorded with its inputs'
-  shapes and dtypes; after the export, its backward is compared with autograd's
-  derivative of its forward on random inputs of those shapes (one vector-Jacobian
-  product, the same random cotangent): equal to the dtype's rounding, the inlined
-  forward is kept; otherwise the capture is an error naming the Function.
+- export (``checked_in_export``): each distinct call of a Function (its inputs' shapes
+  and dtypes and its other arguments) is recorded; after the export, its backward is
+  compared with autograd's derivative of its forward on random inputs of those shapes
+  (every float input differentiated, random masks, one vector-Jacobian product with
+  the same random cotangent; NaN and infinity must fall at the same places): equal to
+  the dtype's rounding, the inlined forward is kept; otherwise the capture is an error
+  naming the Function.
 
 Functions of torch itself (``torch.utils.checkpoint``'s reentrant ``CheckpointFunction``,
 whose backward is its forward's derivative, recomputed) are traced as before.
@@ -70,16 +72,18 @@ def refused_in_fx(model_name: str) -> Iterator[None]:
 def checked_in_export(model_name: str) -> Iterator[None]:
     """While ``model_name`` is exported: record each user Function's call; after the
     export, raise unless every one's backward is its forward's derivative."""
-    calls: dict[type, tuple[str, Any]] = {}
+    # every distinct call: a Function's backward may depend on its other arguments
+    # (fairseq's GradMultiply(x, scale) is the forward's derivative only at scale 1)
+    calls: dict[tuple[type, str], tuple[type, str, Any]] = {}
 
     def on_call(cls: type, where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if cls not in calls and any(isinstance(v, torch.Tensor)
-                                    for v in pytree.tree_leaves((args, kwargs))):
-            calls[cls] = (where, pytree.tree_map(_like, (args, kwargs)))
+        if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves((args, kwargs))):
+            like = pytree.tree_map(_like, (args, kwargs))
+            calls.setdefault((cls, repr(like)), (cls, where, like))
 
     with _watching(on_call):
         yield
-    for cls, (where, like) in calls.items():
+    for cls, where, like in calls.values():
         why = _derivative_mismatch(cls, like)
         if why is not None:
             raise CaptureError(_message(model_name, cls, where, why, export=True))
@@ -144,9 +148,12 @@ def _derivative_mismatch(cls: type, like: Any) -> str | None:
         if not isinstance(v, _Like):
             return v
         if v.dtype.is_floating_point or v.dtype.is_complex:
-            return torch.randn(v.shape, generator=gen, dtype=v.dtype).requires_grad_(
-                v.requires_grad)
-        return torch.zeros(v.shape, dtype=v.dtype)  # indices, masks: 0 is always valid
+            # every float input differentiated, whatever the trace's flag (a compile under
+            # torch.no_grad traces values that do not require grad, but the step's do)
+            return torch.randn(v.shape, generator=gen, dtype=v.dtype).requires_grad_()
+        if v.dtype == torch.bool:  # masks: both values, so a mask cannot hide a difference
+            return torch.rand(v.shape, generator=gen) < 0.5
+        return torch.zeros(v.shape, dtype=v.dtype)  # indices: 0 is always valid
 
     def run(fn: Callable[[], Any]) -> list[Any]:
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
@@ -158,7 +165,7 @@ def _derivative_mismatch(cls: type, like: Any) -> str | None:
         inputs = [t for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.requires_grad]
         if not inputs:
-            return None  # no gradient flows through it here
+            return None  # no float input: no gradient flows through it
         new_style = any("setup_context" in k.__dict__ for k in cls.__mro__
                         if not k.__module__.startswith("torch."))
         own = run(lambda: cls.apply(*args, **kwargs))
@@ -173,12 +180,31 @@ def _derivative_mismatch(cls: type, like: Any) -> str | None:
         got = _vjp([derived[i] for i in kept], [cotangents[i] for i in kept], inputs)
     except Exception as exc:  # noqa: BLE001  (anything: it could not be shown equal)
         return f"its backward could not be checked on random inputs: {type(exc).__name__}: {exc}"
-    for x, (a, b) in zip(inputs, zip(want, got)):
-        scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30) if a.numel() else 1.0
-        error = (a - b).abs().max().item() / scale if a.numel() else 0.0
-        if error > _TOLERANCE.get(x.dtype, _LOW_PRECISION):
-            return (f"on random inputs its backward and the derivative of its forward differ "
-                    f"by {error:.2g} relative")
+    for x, a, b in zip(inputs, want, got):
+        why = _differ(a, b, _TOLERANCE.get(x.dtype, _LOW_PRECISION))
+        if why is not None:
+            return why
+    return None
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> str | None:
+    """How two gradients differ beyond ``tolerance`` (normwise, relative), else None. Their
+    non-finite entries must sit at the same places; the finite rest is compared, and a
+    gradient with no finite entry cannot be compared at all."""
+    if not a.numel():
+        return None
+    finite = torch.isfinite(a)
+    if not torch.equal(finite, torch.isfinite(b)):
+        return ("on random inputs its backward and the derivative of its forward are not "
+                "finite at the same places")
+    if not finite.any():
+        return "on random inputs its gradient has no finite entry to compare"
+    a, b = a[finite], b[finite]
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30)
+    error = (a - b).abs().max().item() / scale
+    if error > tolerance:
+        return (f"on random inputs its backward and the derivative of its forward differ "
+                f"by {error:.2g} relative")
     return None
 
 

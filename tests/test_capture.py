@@ -434,6 +434,90 @@ def test_a_custom_function_whose_backward_is_its_derivative_is_kept(how, functio
     _assert_step_exact(model, batch, capture=how)
 
 
+class _GradMultiply(torch.autograd.Function):
+    """fairseq's: the identity forward, g * scale backward (the derivative only at scale 1)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class _MaskedRound(torch.autograd.Function):
+    """A straight-through estimator where ``mask`` is set: forward rounds, backward passes g."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        return torch.where(mask, x.round(), x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _Sqrt(torch.autograd.Function):
+    """sqrt with its own derivative: NaN on the check's negative inputs, as is autograd's."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.sqrt(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad / (2 * torch.sqrt(x))
+
+
+class _WrongSqrt(_Sqrt):
+    """The same NaN places, but a wrong sign and scale."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return -10.0 * grad / (2 * torch.sqrt(x))
+
+
+class _Subtle(nn.Module):
+    """Functions a check on one call, without masks or on NaN would wrongly pass."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.inp, self.mid, self.head, self.kind = (nn.Linear(8, 8), nn.Linear(8, 8),
+                                                    nn.Linear(8, 3), kind)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        if self.kind == "second-call":  # the first call's backward is the derivative
+            h = _GradMultiply.apply(torch.tanh(self.mid(_GradMultiply.apply(h, 1.0))), -1.0)
+        elif self.kind == "masked":
+            h = _MaskedRound.apply(h, h.detach().abs() > 0)
+        else:  # positive here, but the check's inputs are random normals
+            sqrt = _WrongSqrt if self.kind == "wrong-sqrt" else _Sqrt
+            h = sqrt.apply(F.softplus(h) + 1e-3)
+        return F.cross_entropy(self.head(h), y)
+
+
+@pytest.mark.parametrize("kind", ["second-call", "masked", "wrong-sqrt", "under-no-grad"])
+def test_subtly_wrong_backwards_are_refused_by_the_export_check(kind: str) -> None:
+    torch.manual_seed(0)
+    model = (_WithFunction(_Reverse) if kind == "under-no-grad" else _Subtle(kind)).double()
+    _, batch = _with_function(None)
+    with pytest.raises(CaptureError, match="differ by|not finite at the same places"):
+        with torch.set_grad_enabled(kind != "under-no-grad"):
+            mbcompile.compile(model, 10, 2, 2, example_inputs=batch, capture="export")
+
+
+def test_a_right_backward_with_nan_on_random_inputs_is_kept() -> None:
+    torch.manual_seed(0)
+    _, batch = _with_function(None)
+    _assert_step_exact(_Subtle("sqrt").double(), batch, capture="auto")
+
+
 def test_a_custom_function_in_a_trusted_module_keeps_its_backward() -> None:
     model, batch = _with_function(None)
     _assert_step_exact(model, batch, capture="fx")
