@@ -399,3 +399,25 @@ def test_a_failed_joint_graph_leaves_saved_tensor_hooks_on():
         step(step.names(params), params, None, 0, (batch[0][:2], batch[1][:2]))
     assert torch._C._autograd._saved_tensors_hooks_is_enabled()
     assert_close_errors(step_errors(model, cm, batch), 1e-10)  # checkpointing still works
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+
+def test_each_compiled_module_gets_its_own_joint_graphs(joint_calls):
+    """Dynamo's cache limit (8) is per code object: were every JointStep's graphs kept on
+    one, the ninth compiled module would run its step eagerly. Ten each compile theirs."""
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    assert dynamo.config.recompile_limit <= 8
+    for _ in range(10):
+        cm = mbcompile.compile(_Linear(), 8, 1, 4, example_inputs=(x, y), torch_compile=AOT)
+        before = _graphs()
+        cm(x, y).backward()
+        assert _graphs() == before + 1  # its own graph, for its one microbatch size
+    assert not counters["recompile_limit"]

@@ -16,10 +16,11 @@ A hand loop over ``torch.compile(model)`` cannot do this: its backward runs thro
 ``loss.backward()``. The gradients are the same sums in the same order (0 + g_0,
 then + g_1, ...; 0 + g is exactly g), so the step stays exact to rounding.
 
-One compiled function, one graph per microbatch size (at most two per system, so
-dynamo's cache limit is never near); starting from zeros, not from the first
-microbatch's fresh gradients, keeps it one graph per size rather than one more for
-the first microbatch (a third compile, where the zeros cost one memset per step).
+One compiled function per body (its own code object: dynamo's cache limit is per code
+object), one graph per microbatch size (at most two per system); starting from zeros,
+not from the first microbatch's fresh gradients, keeps it one graph per size rather
+than one more for the first microbatch (a third compile, where the zeros cost one
+memset per step).
 Outputs come back detached; which of them the autograd path would have let a
 gradient into, and which trained parameters the loss reaches at all (the others keep
 ``.grad`` None), is found once per set of trained parameters by running the body, and
@@ -28,6 +29,8 @@ the loss's backward, on meta tensors (``facts``).
 
 from __future__ import annotations
 
+import itertools
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +76,7 @@ class JointStep:
         # a body's parameters are fixed (compile builds a new body when the model's change)
         self._names = {id(p): n for n, p in body.named_parameters()}
         self._modules = tuple(body.modules())
-        self._step = torch.compile(self._step_impl, **options)
+        self._step = torch.compile(_own_code(self, JointStep._step_impl), **options)
         self._facts: dict[tuple[str, ...], MetaFacts | None] = {}
 
     def names(self, params: Sequence[torch.Tensor]) -> tuple[str, ...]:
@@ -129,6 +132,22 @@ class JointStep:
         if names not in self._facts:
             self._facts[names] = _meta_facts(self.body, names, params, fused_index, mb)
         return self._facts[names]
+
+
+def _own_code(owner: Any, method: Any) -> Any:
+    """``method`` bound to ``owner`` on a copy of its code object: dynamo keeps its graphs
+    per code object, with a limit of 8 (``recompile_limit``), and every JointStep's
+    graphs (per body, microbatch size and set of trained parameters) sharing one code
+    object would reach it in a process with a few compiled modules, after which dynamo
+    runs the step eagerly without a word."""
+    code = method.__code__
+    name = f"{code.co_name}_{next(_COPIES)}"
+    copy = code.replace(co_name=name, co_qualname=f"JointStep.{name}")
+    return types.MethodType(types.FunctionType(copy, method.__globals__, name,
+                                               method.__defaults__, method.__closure__), owner)
+
+
+_COPIES = itertools.count()
 
 
 @dataclass(frozen=True)
