@@ -27,6 +27,7 @@ whose backward is its forward's derivative, recomputed) are traced as before.
 from __future__ import annotations
 
 import contextlib
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -100,25 +101,44 @@ def _message(model_name: str, cls: type, where: str, why: str, export: bool = Fa
             f"written, backward included)")
 
 
+_BASE = torch.autograd.Function
+_ORIGINAL = _BASE.__dict__["apply"]
+_LOCK = threading.Lock()
+_USERS = 0  # captures in progress, on any thread: the patch stays while one is
+_LOCAL = threading.local()  # .watchers: this thread's captures, innermost last
+
+
+def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    watchers = getattr(_LOCAL, "watchers", None)
+    if watchers and not cls.__module__.startswith("torch."):
+        from .capture import user_frame
+
+        watchers[-1](cls, user_frame(traceback.extract_stack()[:-1]), args, kwargs)
+    return _ORIGINAL.__func__(cls, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def _watching(on_call: Callable[[type, str, tuple[Any, ...], dict[str, Any]], None]
               ) -> Iterator[None]:
-    """``Function.apply`` reports each call of a Function defined outside torch."""
-    from .capture import user_frame
-
-    base = torch.autograd.Function
-    original = base.__dict__["apply"]
-
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not cls.__module__.startswith("torch."):
-            on_call(cls, user_frame(traceback.extract_stack()[:-1]), args, kwargs)
-        return original.__func__(cls, *args, **kwargs)
-
-    base.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    """``Function.apply`` reports each call of a Function defined outside torch, made on
+    this thread, to ``on_call``. The patch is installed by the first capture in progress
+    and removed by the last, whatever the order in which threads finish; other threads'
+    calls go straight to the original."""
+    global _USERS
+    with _LOCK:
+        if _USERS == 0:
+            _BASE.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
+        _USERS += 1
+    stack = _LOCAL.__dict__.setdefault("watchers", [])
+    stack.append(on_call)
     try:
         yield
     finally:
-        base.apply = original  # type: ignore[method-assign]
+        stack.pop()
+        with _LOCK:
+            _USERS -= 1
+            if _USERS == 0:
+                _BASE.apply = _ORIGINAL  # type: ignore[method-assign]
 
 
 def _like(v: Any) -> Any:

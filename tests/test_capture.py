@@ -414,6 +414,7 @@ def test_a_custom_function_whose_backward_is_not_its_derivative_is_refused(how: 
     model, batch = _with_function(_Reverse)
     before = {n: p.detach().clone() for n, p in model.state_dict().items()}
     rng = torch.random.get_rng_state()
+    apply = torch.autograd.Function.__dict__["apply"]
     with pytest.raises(CaptureError) as info:
         mbcompile.compile(model, 10, 2, 2, example_inputs=batch, capture=how)
     message = str(info.value)
@@ -423,8 +424,7 @@ def test_a_custom_function_whose_backward_is_not_its_derivative_is_refused(how: 
     assert ("differ by 1.5 relative" in message) == (how != "fx")
     assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
     assert torch.equal(torch.random.get_rng_state(), rng)  # the check drew from its own RNG
-    assert torch.autograd.Function.apply.__func__ is \
-        torch.autograd.Function.__dict__["apply"].__func__  # the patch is undone
+    assert torch.autograd.Function.__dict__["apply"] is apply  # the patch is undone
 
 
 @pytest.mark.parametrize("function", [_Swish, _SwishNew], ids=["old-style", "new-style"])
@@ -540,3 +540,33 @@ def test_torch_reentrant_checkpoint_is_traced_through() -> None:
     torch.manual_seed(0)
     _, batch = _with_function(None)
     _assert_step_exact(_Checkpointed().double(), batch)
+
+
+def test_the_function_watch_is_undone_when_threads_finish_out_of_order() -> None:
+    """Capture A starts, capture B starts on another thread, A ends, B ends: torch's
+    Function.apply is its own again, and while B ran, A's thread called it unwatched."""
+    import threading
+
+    from mbcompile.passes.custom_functions import _watching
+
+    apply = torch.autograd.Function.__dict__["apply"]
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+    b_in, a_out = threading.Event(), threading.Event()
+    x = torch.ones(2, requires_grad=True)
+
+    def capture_b() -> None:
+        with _watching(lambda cls, *_: seen["b"].append(cls.__name__)):
+            b_in.set()
+            a_out.wait(10)
+            _Swish.apply(x)
+
+    with _watching(lambda cls, *_: seen["a"].append(cls.__name__)):
+        thread = threading.Thread(target=capture_b)
+        thread.start()
+        b_in.wait(10)
+        _Reverse.apply(x)
+    _GradMultiply.apply(x, 2.0)  # A is over, B is not: this thread's call is nobody's
+    a_out.set()
+    thread.join(10)
+    assert seen == {"a": ["_Reverse"], "b": ["_Swish"]}
+    assert torch.autograd.Function.__dict__["apply"] is apply
