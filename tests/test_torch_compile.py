@@ -421,3 +421,37 @@ def test_each_compiled_module_gets_its_own_joint_graphs(joint_calls):
         cm(x, y).backward()
         assert _graphs() == before + 1  # its own graph, for its one microbatch size
     assert not counters["recompile_limit"]
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.bn(self.lin(x)), y)
+
+
+def test_per_microbatch_batch_norm_keeps_the_autograd_path(joint_calls):
+    """Running statistics updated in place per microbatch: torch.func refuses that write,
+    so the step runs autograd (no failed attempt, no warning) and equals the step without
+    torch.compile, running statistics included."""
+    torch.manual_seed(0)
+    model = _Normed().double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.PerMicrobatchStatisticsWarning)
+        cm = mbcompile.compile(model, 8, 1, 2, example_inputs=(x, y), torch_compile=AOT,
+                               batch_norm="per_microbatch")
+        plain = mbcompile.compile(ref, 8, 1, 2, example_inputs=(x, y),
+                                  batch_norm="per_microbatch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.JointStepWarning)
+        cm(x, y).backward()
+    plain(x, y).backward()
+    assert not joint_calls
+    assert torch.equal(model.bn.num_batches_tracked, ref.bn.num_batches_tracked)
+    assert relative_error(model.bn.running_mean, ref.bn.running_mean) <= 1e-12
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert relative_error(a.grad, b.grad) <= 1e-12

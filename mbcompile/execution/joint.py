@@ -76,16 +76,21 @@ class JointStep:
         # a body's parameters are fixed (compile builds a new body when the model's change)
         self._names = {id(p): n for n, p in body.named_parameters()}
         self._modules = tuple(body.modules())
+        self._norms = tuple(m for m in self._modules
+                            if isinstance(m, torch.nn.modules.batchnorm._NormBase))
         self._step = torch.compile(_own_code(self, JointStep._step_impl), **options)
         self._facts: dict[tuple[str, ...], MetaFacts | None] = {}
 
     def names(self, params: Sequence[torch.Tensor]) -> tuple[str, ...]:
         return tuple(self._names[id(p)] for p in params)
 
-    def module_hooks(self) -> bool:
-        """Does a module of the body have backward hooks now (they fire per microbatch in
-        autograd, and torch.func would not run them)?"""
-        return any(m._backward_hooks or m._backward_pre_hooks for m in self._modules)
+    def needs_autograd(self) -> bool:
+        """Does a module of the body need autograd's per-microbatch backward now: backward
+        hooks (torch.func would not run them), or a norm layer updating its running
+        statistics in place (``batch_norm="per_microbatch"``; torch.func refuses in-place
+        writes to a module's buffers)?"""
+        return any(m._backward_hooks or m._backward_pre_hooks for m in self._modules) or any(
+            m.training and m.track_running_stats for m in self._norms)
 
     def __call__(self, names: tuple[str, ...], params: Sequence[torch.Tensor],
                  grads: list[torch.Tensor] | None, fused_index: int, mb: tuple[Any, ...]

@@ -219,12 +219,13 @@ class _Loop:
         (its hooks run each unit's collectives), the noise scale (per-microbatch
         gradient norms), the overlapped all-reduce (it starts in the last backward), a
         parameter or module with backward hooks of its own (they fire per microbatch in
-        autograd), nor inside a ``saved_tensors_hooks`` context (torch.func refuses one)."""
+        autograd), a norm layer updating running statistics per microbatch, nor inside a
+        ``saved_tensors_hooks`` context (torch.func refuses those two)."""
         joint = self.joint
         if (joint is None or joint.broken is not None or self.sharded is not None
                 or self.noise is not None or self.reducer is not None
                 or any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params)
-                or joint.module_hooks()
+                or joint.needs_autograd()
                 or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
             return None
         return joint
