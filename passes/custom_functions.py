@@ -53,7 +53,6 @@ class _Like:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    requires_grad: bool
 
 
 @contextlib.contextmanager
@@ -145,7 +144,7 @@ def _like(v: Any) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
     shape = tuple(s.node.hint if isinstance(s, torch.SymInt) else int(s) for s in v.shape)
-    return _Like(shape, v.dtype, v.requires_grad)
+    return _Like(shape, v.dtype)
 
 
 class _Context:
