@@ -92,7 +92,7 @@ class JointStep:
         return any(m._backward_hooks or m._backward_pre_hooks for m in self._modules) or any(
             m.training and m.track_running_stats for m in self._norms)
 
-    def __call__(self, names: tuple[str, ...], params: Sequence[torch.Tensor],
+    def __call__(self, names: tuple[str, ...], params: list[torch.Tensor],
                  grads: list[torch.Tensor] | None, fused_index: int, mb: tuple[Any, ...]
                  ) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
         """(the step's gradients so far, this microbatch's outputs); ``grads`` None: the
@@ -101,7 +101,7 @@ class JointStep:
             grads = [torch.zeros_like(p) for p in params]
         hooks = torch._C._autograd._saved_tensors_hooks_is_enabled()
         try:
-            return grads, self._step(names, list(params), grads, fused_index, mb)
+            return grads, self._step(names, params, grads, fused_index, mb)
         except BaseException:
             # torch.func.grad switches saved-tensor hooks off while it runs and, failing
             # inside a compiled frame, may leave them off: autograd's checkpointing (the

@@ -189,11 +189,12 @@ class _Loop:
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         joint = self._joint(params)
-        names = joint.names(params) if joint is not None else ()
+        if joint is None:
+            return self._run_autograd(params)
+        names = joint.names(params)
         # which outputs a gradient may enter, which parameters the loss reaches (None: the
         # body cannot tell on meta tensors)
-        facts = (joint.facts(names, params, self.fused_index, self.microbatches[0])
-                 if joint is not None else None)
+        facts = joint.facts(names, params, self.fused_index, self.microbatches[0])
         if facts is None or not any(facts.reached):
             return self._run_autograd(params)
         try:
