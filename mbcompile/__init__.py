@@ -52,7 +52,8 @@ _NAMES = {
         "ArgumentTypeError", "CaptureError", "InputError", "JointStepWarning", "MbcompileError",
         "MbcompileWarning", "MbsAdjustedWarning", "MicrobatchError",
         "PerMicrobatchStatisticsWarning", "MicrobatchOutOfMemoryError", "MixingError",
-        "PlanError", "RetainedActivationsWarning", "UnsupportedOpError")},
+        "PlanError", "RecompileWarning", "RetainedActivationsWarning",
+        "UnsupportedOpError")},
 }
 #: modules users reach as ``mbcompile.<name>`` (``mbcompile.distributed.shard``, ...)
 _MODULES = {

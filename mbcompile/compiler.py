@@ -33,6 +33,7 @@ from mbcompile.errors import (
     MbcompileError,
     MixingError,
     PerMicrobatchStatisticsWarning,
+    RecompileWarning,
     RetainedActivationsWarning,
     UnsupportedOpError,
 )
@@ -43,9 +44,12 @@ from mbcompile.passes import batch_rules, ops
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture, fsdp_modules
 from mbcompile.passes.export_capture import export_capture
-from mbcompile.passes.facts import input_fact
+from mbcompile.passes.facts import SHAPES, input_fact
+from mbcompile.passes.forward_modes import detach_grad_free_inputs
+from mbcompile.passes.guards import Guard, failed_guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
+from mbcompile.passes.sources import user_stacklevel
 from mbcompile.passes.state_updates import StateUpdates, has_mutations, lift_state_updates
 from mbcompile.passes.unwrap import unwrap
 from mbcompile.planning.cost import ShardSpec
@@ -106,6 +110,7 @@ class _Compiled:
     channels: StepChannels  # what its loop reports: noise scale, last counts
     analysis: BatchAnalysis  # what the batch analysis decided for this graph
     state: StateUpdates  # which graph outputs are state to write back, and where
+    guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
 
 
 def _check_module(model: Any) -> nn.Module:
@@ -281,6 +286,7 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
         object.__setattr__(self, "_slots_seen", None)
+        object.__setattr__(self, "_state_seen", None)  # _hooks_and_grads at the last compile
         object.__setattr__(self, "_warned", False)
         # state_dict() keys are the model's own ("net.0.weight", not "module.net.0.weight"),
         # also when this module sits inside a parent: hooks, not overrides, so nesting works
@@ -310,14 +316,34 @@ class CompiledModule(nn.Module):
 
     def _compiled(self) -> _Compiled:
         key = self._mode_key()
-        if key not in self._cache:
-            for stale in [k for k in self._cache if k[1:] != key[1:]]:
-                del self._cache[stale]  # they keep replaced parameters alive
-            analysed, self._analysed = self._analysed, None
-            self._cache[key] = _compile_graph(self._inner, self.plan, self._inputs, self._example,
-                                              self.rank, analysed, self.backend,
-                                              StepChannels(noise=self.noise_scale))
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            failed = failed_guard(compiled.guards)
+            if failed is None:
+                return compiled
+            self._recompiling(f"{failed.describe(self._names())}, which forward reads")
+            del self._cache[key]
+        elif self._cache:
+            changed = _hooks_or_grads_changed(self.module, self._state_seen)
+            if changed:
+                self._recompiling(changed)
+        for stale in [k for k in self._cache if k[1:] != key[1:]]:
+            del self._cache[stale]  # they keep replaced parameters alive
+        analysed, self._analysed = self._analysed, None
+        self._cache[key] = _compile_graph(self._inner, self.plan, self._inputs, self._example,
+                                          self.rank, analysed, self.backend,
+                                          StepChannels(noise=self.noise_scale))
+        object.__setattr__(self, "_state_seen", _hooks_and_grads(self.module))
         return self._cache[key]
+
+    def _names(self) -> dict[int, str]:
+        return {id(m): name for name, m in self.module.named_modules()}
+
+    def _recompiling(self, what: str) -> None:
+        warnings.warn(f"{what}: compiling {type(self.module).__name__} again for the new "
+                      "state (once per state; values that change every step are better kept "
+                      "in a buffer or passed as an argument)", RecompileWarning,
+                      stacklevel=user_stacklevel())
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -395,7 +421,7 @@ class CompiledModule(nn.Module):
                 "training without a single scalar loss inside the model: the loop keeps every "
                 "microbatch's activations alive until backward (same numbers, more memory). "
                 "Return the loss from forward to get one microbatch's memory.",
-                RetainedActivationsWarning, stacklevel=2)
+                RetainedActivationsWarning, stacklevel=user_stacklevel())
         flat = compiled.graph_module(*values)
         state = compiled.state
         if state.targets:  # the step succeeded: write the state back once, as eager does
@@ -445,10 +471,61 @@ class CompiledModule(nn.Module):
                 + (", compile_only=True" if self.compile_only else ""))
 
 
-def _slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
-    """The identity of what fills each module's parameter, buffer and submodule slots."""
-    return tuple(id(v) for m in modules
-                 for slots in (m._parameters, m._buffers, m._modules) for v in slots.values())
+def _slots(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
+    """The identity of what fills each module's parameter, buffer and submodule slots, each
+    parameter's ``requires_grad``, the keys of its hooks and of the global module hooks:
+    what a graph holds or was traced through. Read on every call, so written for speed
+    (hooks are rare: an empty module costs four truth tests)."""
+    out: list[Any] = []
+    extend = out.extend
+    for m in modules:
+        params = m._parameters
+        extend(map(id, params.values()))
+        extend(map(id, m._buffers.values()))
+        extend(map(id, m._modules.values()))
+        if params:
+            extend([getattr(p, "requires_grad", None) for p in params.values()])
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+            out.append(tuple(tuple(h) for h in _hook_dicts(m)))
+    if any(_GLOBAL_HOOKS):
+        out.append(tuple(tuple(h) for h in _GLOBAL_HOOKS))
+    return tuple(out)
+
+
+def _hook_dicts(m: nn.Module) -> tuple[dict[int, Any], ...]:
+    return (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+
+
+_GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for kind in (
+    "forward_pre", "forward", "backward_pre", "backward"))
+
+
+def _hooks_and_grads(model: nn.Module) -> dict[str, Any]:
+    """Per module: its hooks' keys and its parameters' ``requires_grad`` (for naming a change)."""
+    state: dict[str, Any] = {
+        name or "<model>": (tuple(tuple(h) for h in _hook_dicts(m)),
+                            tuple((k, getattr(p, "requires_grad", None))
+                                  for k, p in m._parameters.items()))
+        for name, m in model.named_modules()}
+    state["<global module hooks>"] = (tuple(tuple(h) for h in _GLOBAL_HOOKS), ())
+    return state
+
+
+def _hooks_or_grads_changed(model: nn.Module, before: Mapping[str, Any] | None) -> str | None:
+    """What changed in hooks or ``requires_grad`` since ``before`` (None: nothing did)."""
+    if before is None:
+        return None
+    now = _hooks_and_grads(model)
+    for name, (hooks, grads) in now.items():
+        if name not in before:
+            continue  # a new submodule: its parent's slots changed, which needs no warning
+        old_hooks, old_grads = before[name]
+        if hooks != old_hooks:
+            return f"the hooks of {name!r} changed"
+        for (key, flag), (_, old) in zip(grads, old_grads):
+            if flag != old:
+                return f"{name}.{key}.requires_grad changed from {old} to {flag}"
+    return None
 
 
 def _strip_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
@@ -620,6 +697,10 @@ def _analyse_captured(captured: CaptureResult, gbs: int, inputs: _Inputs,
     except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
         rejected = mixing_error(exc.node, gm, exc.reason, exc.fix)
         return _Analysed(captured, BatchAnalysis(gm, rejected=rejected), state)
+    # no-grad regions of an fx trace, now that the shapes say which values are tensors
+    if detach_grad_free_inputs(gm.graph, lambda n: getattr(n.meta.get(SHAPES), "is_tensor",
+                                                           False)):
+        gm.recompile()
     facts = {p.target: input_fact(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
     return _Analysed(captured, analyse_batch(gm, facts, gbs), state)
 
@@ -639,7 +720,7 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
         # one system, one microbatch (mbs="none"): nothing is split, so nothing can mix;
         # the captured graph runs as it is
         return _Compiled(gm, gm, captured.output_spec, False, channels, analysed.analysis,
-                         analysed.state)
+                         analysed.state, captured.guards)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
@@ -666,7 +747,7 @@ def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
         _torch_compile_parts(bound, inputs.torch_compile)
     return _Compiled(bound, gm, captured.output_spec,
                      not analysed.analysis.fused and plan.num_nonempty_microbatches > 1, channels,
-                     analysed.analysis, analysed.state)
+                     analysed.analysis, analysed.state, captured.guards)
 
 
 OUTPUT_MODES = ("all", "loss")

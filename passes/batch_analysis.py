@@ -25,7 +25,6 @@ A rejection reads (``MixingError``)::
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,25 +58,11 @@ from .facts import (
     Reduced,
     ValueInfo,
 )
-from .sources import is_library
+from .sources import source_line
 
 __all__ = ["BatchAnalysis", "analyse_batch", "describe_op", "mixing_error", "source_line"]
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*(?:\n\s*(?!File ")([^\n]*))?')
 _MAX_PATH = 12  # nodes shown of the path from the input before eliding the middle
-
-
-def source_line(node: fx.Node) -> str:
-    """``file:line: code`` of the innermost frame outside torch and mbcompile.
-
-    For a model that calls a block that calls the op, that is the op's own line
-    in the block, the one to change.
-    """
-    frames = _FRAME.findall(node.stack_trace or "")
-    for path, line, code in reversed(frames):
-        if not is_library(path):
-            return f"{path}:{line}: {code.strip()}" if code else f"{path}:{line}"
-    return "<source line not recorded>"
 
 
 def describe_op(node: fx.Node, gm: fx.GraphModule) -> str:

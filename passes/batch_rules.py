@@ -408,6 +408,8 @@ def rule_key(op: Any) -> Any:
     """The table key of an op: ATen overloads map to their packet."""
     if isinstance(op, torch._ops.OpOverload):
         return op.overloadpacket
+    if isinstance(op, ops.TensorHook):
+        return ops.TensorHook  # one rule for every hook forward registers
     return op
 
 
@@ -1830,6 +1832,7 @@ TABLE.add(spellings("real", "imag", "view_as_real", "view_as_complex"), linear) 
 # --- Casts and copies: same values, new dtype/device/memory; reductions pass through -----
 TABLE.add(CASTS, detach_rule, keeps_positions=True)  # x.float(), x.to(dev), x.clone()
 TABLE.add(DETACHES, detach_rule, keeps_positions=True)  # same values, no autograd history
+TABLE.add([ops.TensorHook], detach_rule, keeps_positions=True)  # h with a gradient hook: same
 TABLE.add([ops.fsdp_unit_enter, ops.fsdp_unit_exit], unit_marker)  # FSDP units: identities
 TABLE.add(EXPORT_CHECKS, drop_rule)  # export's asserts: no value, batch-free
 # --- Reshapes and dim moves: values untouched; the shapes locate the batch dim -----------

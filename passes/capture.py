@@ -43,12 +43,22 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm as _LegacyWeightNorm
 from torch.utils import _pytree as pytree
 
 from .custom_functions import refused_in_fx
 from .errors import CaptureError
-from .ops import fsdp_unit_enter, fsdp_unit_exit
-from .sources import is_library
+from .forward_modes import (
+    autocast_regions,
+    autocast_state,
+    differentiation_error,
+    stamp_modes,
+)
+from .guards import Guard, recorded_reads
+from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
+from .sources import is_library, source_line
 
 __all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",
            "fsdp_unit_enter", "fsdp_unit_exit", "user_frame"]
@@ -120,6 +130,7 @@ class CaptureResult:
     output_spec: OutputSpec
     concrete_args: Mapping[str, Any]
     method: str = "symbolic_trace"
+    guards: tuple[Guard, ...] = ()  # the plain attributes forward read (passes/guards.py)
 
 
 class _FlatOutputTracer(fx.Tracer):
@@ -129,18 +140,48 @@ class _FlatOutputTracer(fx.Tracer):
     into, and each unit's call is bracketed by the enter/exit markers).
     """
 
-    def __init__(self, units: Mapping[int, torch.nn.Module] | None = None) -> None:
+    def __init__(self, units: Mapping[int, torch.nn.Module] | None = None,
+                 model_name: str = "") -> None:
         super().__init__()
+        self.model_name = model_name
         self.record_stack_traces = True
         self.output_spec: OutputSpec | None = None
         self.units = units
+        self.ambient_autocast = autocast_state()
+
+    def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], *rest: Any, **more: Any) -> fx.Proxy:
+        if kind == "call_method" and target == "register_hook":  # h.register_hook(fn)
+            if len(args) != 2 or kwargs or not callable(args[1]):
+                raise CaptureError("Tensor.register_hook in forward takes one hook function")
+            node = self.create_node("call_function", TensorHook(args[1]), (args[0].node,), {})
+            return _HookHandle(node, self)
+        if target in _DIFFERENTIATIONS or (kind == "call_method" and target == "backward"):
+            raise differentiation_error(self.model_name)
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        # the grad mode and autocast state forward's own regions set (passes/forward_modes.py)
+        node = super().create_node(*args, **kwargs)
+        stamp_modes(node, self.ambient_autocast)
+        return node
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         # modules the user trusts as per-sample (mbcompile.trust_module) stay single nodes
         from .batch_rules import TRUSTED_MODULES
 
         if isinstance(m, tuple(TRUSTED_MODULES)):
+            if not torch.is_grad_enabled():
+                raise CaptureError(
+                    f"{type(m).__name__} {module_qualified_name!r}, trusted with "
+                    "mbcompile.trust_module, is called inside a no-grad region of forward; a "
+                    "trusted module runs as one opaque call, so its parameters would get "
+                    "gradients. Fix: call it outside the no-grad region and detach its output")
             return True
+        if not torch.is_grad_enabled():
+            return False  # traced into, so that its parameters are read (and detached) here
+        if _runs_more_than_forward(m):
+            return False  # its hooks and parametrizations are part of the step: traced too
         # a sharded model holds DTensor shards: its layers become functions of stand-ins
         return self.units is None and super().is_leaf_module(m, module_qualified_name)
 
@@ -184,7 +225,43 @@ class _FlatOutputTracer(fx.Tracer):
         return flat_fn, args
 
 
+class _HookHandle(fx.Proxy):
+    """What ``h.register_hook(fn)`` returns while tracing: a handle forward may not use."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise CaptureError(
+            f"forward uses the handle of a tensor hook it registered (.{name}) at "
+            f"{source_line(self.node)}; the compiled graph keeps the hook for the whole step. "
+            "Fix: keep the hook registered, or register it outside forward")
+
+
+def _hooks_see_every_use(graph: fx.Graph) -> None:
+    """Each ``tensor_hook(h)`` node stands for ``h`` in every use, earlier ones too: in eager
+    the hook sees the gradient of ``h`` from all its uses, whenever it was registered."""
+    for node in list(graph.nodes):
+        if isinstance(node.target, TensorHook):
+            (h,) = node.args
+            h.replace_all_uses_with(node, delete_user_cb=lambda user, hook=node: user is not hook)
+            h.append(node)
+
+
+def _runs_more_than_forward(m: torch.nn.Module) -> bool:
+    """A layer whose call recomputes its weight: a parametrization (spectral norm's power
+    iteration also updates buffers), or the pre-hook of legacy ``spectral_norm`` /
+    ``weight_norm``. Kept as one node, that work would run once per microbatch instead of
+    once per step, so it is traced. (Other hooks of a layer run at its call, once per
+    microbatch: a hook of the user's that keeps state belongs on a module of their own,
+    whose hooks are traced.)"""
+    return (parametrize.is_parametrized(m)
+            or type(m).__module__.startswith("torch.nn.utils.parametriz")
+            or any(isinstance(h, _WEIGHT_HOOKS) for h in m._forward_pre_hooks.values()))
+
+
+_WEIGHT_HOOKS = (_LegacySpectralNorm, _LegacyWeightNorm)
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DIFFERENTIATIONS = (torch.autograd.grad, torch.autograd.backward)
 _FRAME = re.compile(r'  File "([^"]+)", line \d+, in [^\n]*\n(?:    [^\n]*\n?)?')
 
 
@@ -325,10 +402,17 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         versions = {n: t._version for n, t in state.items()}
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-        tracer = _FlatOutputTracer({id(m): m for n, m in units if n} if units else None)
+        tracer = _FlatOutputTracer({id(m): m for n, m in units if n} if units else None,
+                                   name)
         try:
-            with refused_in_fx(name):
+            # a training forward is traced: no-grad regions are forward's own, not the caller's
+            with python_state_kept(model), recorded_reads(model, name) as guards, \
+                    refused_in_fx(name), torch.enable_grad():
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
+                # now, while the constants fx stored on the root (_tensor_constant0, a
+                # generator's _opaque_obj0) are there to copy; the model is then restored
+                gm = fx.GraphModule(_with_stand_ins(model, graph) if units else tracer.root,
+                                    graph, name)
         except CaptureError:
             raise
         except Exception as exc:  # any tracing failure becomes one clear error
@@ -354,11 +438,54 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
             "forward and update it outside the model, or keep the update in a module trusted "
             "with mbcompile.trust_module")
     assert tracer.output_spec is not None
+    autocast = autocast_regions(graph)
+    if autocast:
+        raise CaptureError(
+            f"{name}.forward has an autocast region ({source_line(autocast[0])}); torch.fx "
+            "traces ops, not the dtypes autocast picks for them, so the region would run in "
+            "the model's own dtype. Fix: compile with capture='auto' or capture='export' "
+            "(torch.export keeps the casts autocast makes)")
+    _hooks_see_every_use(graph)
     for node in graph.nodes:
         if node.stack_trace:
             node.stack_trace = _user_stack(node.stack_trace)
-    gm = fx.GraphModule(_with_stand_ins(model, graph) if units else tracer.root, graph, name)
-    return CaptureResult(gm, tracer.output_spec, concrete_args)
+    gm.recompile()
+    return CaptureResult(gm, tracer.output_spec, concrete_args, guards=tuple(guards))
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Undo what a traced forward assigns to its modules.
+
+    Tracing runs forward once on symbolic or fake values, so an assignment in forward
+    (``self.seen += n`` rebinding a buffer, legacy ``spectral_norm`` setting
+    ``module.weight``, a cache) would leave a proxy or fake tensor in the user's model:
+    every attribute, parameter, buffer and submodule slot is put back as it was. (A
+    public number or flag that forward changes is refused: ``guards.recorded_reads``.)
+    """
+    saved = [(mod, dict(mod.__dict__), *(dict(slots) for slots in _slots_of(mod)))
+             for mod in model.modules()]
+    try:
+        yield
+    finally:
+        for mod, attrs, *slot_copies in saved:
+            for slots, before in zip(_slots_of(mod), slot_copies):
+                if slots.keys() != before.keys() or any(slots[k] is not v
+                                                        for k, v in before.items()):
+                    slots.clear()
+                    slots.update(before)
+            for key in set(attrs) | set(mod.__dict__):
+                if key not in attrs:
+                    del mod.__dict__[key]
+                elif mod.__dict__.get(key, _MISSING) is not attrs[key]:
+                    mod.__dict__[key] = attrs[key]
+
+
+def _slots_of(mod: torch.nn.Module) -> tuple[dict[str, Any], ...]:
+    return mod._parameters, mod._buffers, mod._modules
 
 
 def signature_of(model: torch.nn.Module) -> inspect.Signature:

@@ -20,8 +20,10 @@ straight-through estimator).
   the dtype's rounding, the inlined forward is kept; otherwise the capture is an error
   naming the Function.
 
-Functions of torch itself (``torch.utils.checkpoint``'s reentrant ``CheckpointFunction``,
-whose backward is its forward's derivative, recomputed) are traced as before.
+Functions of torch itself are traced as before. ``torch.utils.checkpoint``'s reentrant
+``CheckpointFunction``, whose backward is its forward's derivative recomputed, is traced
+as the function it checkpoints: its forward runs that function under ``torch.no_grad()``,
+which is not a no-grad region of the model (``passes/forward_modes.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointFunction
 
 from .errors import CaptureError
 
@@ -109,6 +112,11 @@ _LOCAL = threading.local()  # .watchers: this thread's captures, innermost last
 
 def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     watchers = getattr(_LOCAL, "watchers", None)
+    if watchers and cls is CheckpointFunction:
+        # reentrant checkpointing: values and gradients are run_function's own; its forward's
+        # torch.no_grad() (undone by the recompute in backward) is not a region of the model
+        run_function, _, *inputs = args
+        return run_function(*inputs)
     if watchers and not cls.__module__.startswith("torch."):
         from .capture import user_frame
 

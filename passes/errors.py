@@ -17,6 +17,7 @@ __all__ = [
     "MbcompileError",
     "MbcompileWarning",
     "MbsAdjustedWarning",
+    "RecompileWarning",
     "MicrobatchError",
     "MicrobatchOutOfMemoryError",  # noqa: F822  (module __getattr__: defined with torch)
     "MixingError",
@@ -78,6 +79,11 @@ class MbsAdjustedWarning(MbcompileWarning):
 
 class RetainedActivationsWarning(MbcompileWarning):
     """Training without a loss inside the model keeps every microbatch's activations alive."""
+
+
+class RecompileWarning(MbcompileWarning):
+    """Python state the graph was built from changed since compile (an attribute forward
+    reads, a hook, a parameter's ``requires_grad``): the module compiles again for it."""
 
 
 class JointStepWarning(MbcompileWarning):

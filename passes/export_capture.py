@@ -46,6 +46,7 @@ import contextlib
 import inspect
 import operator
 import re
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -54,9 +55,15 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureResult, flatten_output
+from .capture import CaptureResult, flatten_output, python_state_kept, user_frame
 from .custom_functions import checked_in_export
 from .errors import CaptureError
+from .forward_modes import (
+    detach_no_grad_regions,
+    differentiation_refused,
+    inference_mode_as_no_grad,
+)
+from .guards import recorded_reads
 from .state_updates import has_mutations, mutates
 
 __all__ = ["EXPORT_ASSERTIONS", "export_capture"]
@@ -157,6 +164,31 @@ def _cache_off(model: torch.nn.Module, example: Mapping[str, Any]) -> Iterator[N
                 config.use_cache = True
             else:  # it came from the class: drop the instance's copy again
                 del config.use_cache
+
+
+@contextlib.contextmanager
+def _tensor_hooks_refused(model_name: str) -> Iterator[None]:
+    """While export traces: ``Tensor.register_hook`` in forward is an error at its line.
+
+    Export traces fake tensors and keeps no hook; torch.fx keeps one as a ``tensor_hook``
+    node (``passes/ops.py``), but only where no branch reads ``requires_grad``.
+    """
+    original = torch.Tensor.register_hook
+
+    def refused(self: torch.Tensor, hook: Any) -> Any:
+        where = user_frame(traceback.extract_stack()[:-1])
+        raise CaptureError(
+            f"{model_name}.forward registers a tensor hook at {where}; torch.export traces "
+            "without hooks, so its gradient would change silently. Fix: register the hook "
+            "without a branch on tensor values or requires_grad, and compile with "
+            "capture='fx' or 'auto' (torch.fx keeps it); or use a module backward hook "
+            "(register_full_backward_hook) on a submodule")
+
+    torch.Tensor.register_hook = refused  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
 
 
 def _resolve(root: torch.nn.Module, fallback: torch.nn.Module, target: str) -> Any:
@@ -279,7 +311,11 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     names = list(example)
     kwargs, dynamic = _export_kwargs(model, example, in_dims)
     try:
-        with _cache_off(model, example), checked_in_export(type(model).__name__):
+        name = type(model).__name__
+        with python_state_kept(model), _cache_off(model, example), \
+                recorded_reads(model, name) as guards, checked_in_export(name), \
+                inference_mode_as_no_grad(), _tensor_hooks_refused(name), \
+                differentiation_refused(name), torch.enable_grad():
             program = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic,
                                           strict=False)
     except CaptureError:
@@ -287,8 +323,11 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     except Exception as exc:  # any export failure becomes one clear error
         raise _export_error(model, exc, fx_error) from exc
     if has_mutations(program.graph_module):
-        # In-place writes and torch.no_grad() regions: functionalize, so that ops become
-        # values and state writes one final copy_ each (the state-updates pass lifts those)
+        # In-place writes, grad-mode and autocast regions: functionalize, so that ops become
+        # values, state writes one final copy_ each (the state-updates pass lifts those) and
+        # autocast regions explicit casts. Lowering inlines a no-grad region as if grad were
+        # on: what it reads is detached first, which keeps it no-grad.
+        detach_no_grad_regions(program.graph_module)
         program = program.run_decompositions({})
     exported = program.module()
     old = exported.graph
@@ -353,4 +392,4 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     graph.lint()
     gm = fx.GraphModule(root, graph, type(model).__name__)
     concrete = {n: v for n, v in example.items() if not _has_tensor(v)}
-    return CaptureResult(gm, spec, concrete, "export")
+    return CaptureResult(gm, spec, concrete, "export", tuple(guards))

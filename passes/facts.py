@@ -39,7 +39,9 @@ The other ``node.meta`` keys mbcompile writes (all namespaced ``mbcompile.``):
 - ``SHAPES``: ``ValueInfo`` of the node's value at two batch sizes (shape pass);
 - ``REDUCTION``: how a reduction node splits into per-microbatch partials;
 - ``PARAMS``: whether the value depends on parameters through something
-  differentiable (analysis): argmax, comparisons and counts do not.
+  differentiable (analysis): argmax, comparisons and counts do not;
+- ``GRAD_ENABLED``: the grad mode a node was traced under (fx capture; False inside a
+  ``torch.no_grad()`` region of forward, see ``passes/forward_modes.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import torch
 __all__ = [
     "input_fact",
     "FACT",
+    "GRAD_ENABLED",
     "PARAMS",
     "REDUCTION",
     "SHAPES",
@@ -72,6 +75,7 @@ FACT = "mbcompile.fact"
 SHAPES = "mbcompile.shapes"
 REDUCTION = "mbcompile.reduction"
 PARAMS = "mbcompile.params"
+GRAD_ENABLED = "mbcompile.grad_enabled"
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,8 @@ class Container:
     items: tuple[tuple[Any, Fact], ...]  # (key or index, fact) pairs
 
     def get(self, key: Any) -> Fact:
+        if isinstance(key, int) and key < 0 and all(k == i for i, (k, _) in enumerate(self.items)):
+            key += len(self.items)  # x.shape[-1]: a sequence counts from its end
         for k, fact in self.items:
             if k == key:
                 return fact

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 __all__ = [
     "BodyOutput",
     "LOOP_OPS",
+    "TensorHook",
     "accumulate_cat",
     "accumulate_sum",
     "all_reduce_sums",
@@ -134,6 +135,31 @@ def two_phase_step(body: Callable[..., Any], coupled: Callable[..., Any],
     for i, total in zip(sums, all_reduce_sums(*(joined[i] for i in sums))):
         joined[i] = total
     return as_tuple(coupled(*joined, *free))
+
+
+class TensorHook:
+    """A tensor hook that forward registers (``h.register_hook(fn)``), kept as an op.
+
+    The node ``tensor_hook(h)`` stands for ``h`` everywhere in the graph: it is ``h`` as a
+    view, with ``fn`` registered on it, so ``fn`` sees the gradient of every use of ``h``
+    and may replace it, as in eager. Inside the microbatch loop it runs on each
+    microbatch's gradient, which is the full batch's for any hook linear in the gradient
+    (a scale, a mask, a sign flip). fx prints it as ``mbcompile_passes_ops_tensor_hook``.
+    """
+
+    __name__ = "tensor_hook"  # what fx names the node (the module is this one's)
+
+    def __init__(self, fn: Callable[[torch.Tensor], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.view_as(x)
+        if y.requires_grad:
+            y.register_hook(self.fn)
+        return y
+
+    def __repr__(self) -> str:
+        return f"tensor_hook({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
 def fsdp_unit_enter(unit: str, *values: Any) -> tuple[Any, ...]:

@@ -5,7 +5,8 @@ children of an ``nn.ModuleList`` or ``nn.Sequential``, read off each node's
 ``nn_module_stack``) each become a submodule called through non-reentrant
 ``torch.utils.checkpoint``: only a block's inputs are kept for backward, and its
 activations are recomputed, block by block, during backward (with the RNG state of
-the forward, so dropout draws the same masks: the result is unchanged).
+the forward, so dropout draws the same masks: the result is unchanged; a block that
+draws from a generator of the model's own replays it too, ``passes/generators.py``).
 
 Before (a body)::
 
@@ -23,12 +24,15 @@ After::
 
 from __future__ import annotations
 
+import operator
 import re
 
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx.passes.split_module import split_module
+
+from .generators import checkpoint_replaying, generators_of
 
 __all__ = ["block_of", "checkpoint_blocks"]
 
@@ -42,6 +46,13 @@ def block_of(node: fx.Node) -> str | None:
         path = value[0] if isinstance(value, tuple) else key
         if isinstance(path, str) and _INDEXED.search(path):
             return path
+    return None
+
+
+def _attribute(gm: fx.GraphModule, arg: object) -> object:
+    """The value a ``get_attr`` argument reads (None for any other argument)."""
+    if isinstance(arg, fx.Node) and arg.op == "get_attr":
+        return operator.attrgetter(str(arg.target))(gm)
     return None
 
 
@@ -69,10 +80,16 @@ def checkpoint_blocks(gm: fx.GraphModule) -> fx.GraphModule | None:
             continue
         if not is_block.get(int(n.target.removeprefix("submod_")), False):
             continue
+        generators = generators_of(getattr(split, n.target)) + tuple(  # or passed in
+            g for g in (_attribute(split, a) for a in n.args) if isinstance(g, torch.Generator))
         with split.graph.inserting_before(n):
             fn = split.graph.get_attr(n.target)
-            call = split.graph.call_function(torch.utils.checkpoint.checkpoint,
-                                             (fn, *n.args), {"use_reentrant": False})
+            if generators:  # the model's own generators are replayed too
+                call = split.graph.call_function(checkpoint_replaying(generators),
+                                                 (fn, *n.args))
+            else:
+                call = split.graph.call_function(torch.utils.checkpoint.checkpoint,
+                                                 (fn, *n.args), {"use_reentrant": False})
         call.meta = dict(n.meta)
         n.replace_all_uses_with(call)
         split.graph.erase_node(n)

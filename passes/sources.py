@@ -7,11 +7,13 @@ itself (the package and its passes, wherever they are installed) are skipped.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import torch
+import torch.fx as fx
 
-__all__ = ["is_library"]
+__all__ = ["is_library", "source_line", "user_stacklevel"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _PASSES_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -28,3 +30,28 @@ def is_library(path: str) -> bool:
     """True for frames in torch, in mbcompile's package or its passes, or Python's own."""
     p = os.path.abspath(path)
     return path.startswith("<frozen") or p.startswith((_TORCH_DIR, _PASSES_DIR, _package_dir()))
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*(?:\n\s*(?!File ")([^\n]*))?')
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line: code`` of the innermost frame outside torch and mbcompile.
+
+    For a model that calls a block that calls the op, that is the op's own line
+    in the block, the one to change.
+    """
+    frames = _FRAME.findall(node.stack_trace or "")
+    for path, line, code in reversed(frames):
+        if not is_library(path):
+            return f"{path}:{line}: {code.strip()}" if code else f"{path}:{line}"
+    return "<source line not recorded>"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called by this function's caller that names
+    the first frame outside torch and mbcompile: the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and is_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -109,8 +109,10 @@ _IN_PLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", 
 
 def mutates(node: fx.Node) -> bool:
     """Whether ``node`` writes into a tensor in place (``x.add_(y)``, ``x += y``, ``aten.div_``,
-    a higher-order op such as export's ``torch.no_grad()`` region)."""
+    a call with ``out=``, a higher-order op such as export's ``torch.no_grad()`` region)."""
     target = node.target
+    if isinstance(node.kwargs.get("out"), fx.Node):  # F.normalize(v, out=self._u)
+        return True
     if node.op == "call_method":
         return isinstance(target, str) and target.endswith("_") and not target.startswith("_")
     if node.op != "call_function":

@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
+from mbcompile.passes.generators import checkpoint_replaying
 from mbcompile.passes.ops import as_tuple
 
 __all__ = ["JOINT", "JointStep", "MetaFacts", "joint_step"]
@@ -52,7 +53,8 @@ def joint_step(body: fx.GraphModule, options: Mapping[str, Any]) -> JointStep | 
     autograd does: a body with activation checkpointing (``recompute``) saves tensors
     through saved-tensor hooks, which ``torch.func.grad`` refuses, and a sparse embedding's
     gradient would come back dense."""
-    if any(n.op == "call_function" and n.target is torch.utils.checkpoint.checkpoint
+    if any(n.op == "call_function" and (n.target is torch.utils.checkpoint.checkpoint
+                                        or isinstance(n.target, checkpoint_replaying))
            for n in body.graph.nodes):
         return None
     if any(getattr(m, "sparse", False) is True for m in body.modules()

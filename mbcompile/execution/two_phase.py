@@ -32,6 +32,7 @@ from mbcompile.execution.runtime import StepChannels, _Loop, read_host
 from mbcompile.passes import ops
 from mbcompile.passes.errors import InputError, MicrobatchError
 from mbcompile.passes.fake_probe import FakeProbe
+from mbcompile.passes.generators import GeneratorStates, generators_of
 from mbcompile.passes.ops import as_tuple
 
 __all__ = ["Gather", "frontier_template", "make_two_phase", "rank_gather"]
@@ -45,16 +46,48 @@ _PHASES = ("forward without grad (phase 1 of 3)", "forward again with grad (phas
 
 
 class _RngStates:
-    """The CPU generator's state and those of the devices the inputs live on."""
+    """The CPU generator's state, those of the devices the inputs live on, and those of the
+    model's own generators the body draws from (``passes/generators.py``)."""
 
-    def __init__(self, tensors: Sequence[Any]) -> None:
+    def __init__(self, tensors: Sequence[Any], generators: Sequence[torch.Generator]) -> None:
         self.cpu = torch.get_rng_state()
         self.devices, self.states = checkpoint.get_device_states(*tensors)
+        self.own = GeneratorStates(generators)
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.devices:
             checkpoint.set_device_states(self.devices, self.states)
+        self.own.restore()
+
+
+def _fingerprint(value: torch.Tensor) -> torch.Tensor:
+    """Two numbers that change when a frontier piece's values change (on the device)."""
+    v = value.detach().double()
+    return torch.stack([v.sum(), v.abs().sum()])
+
+
+def _same_values(again: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Whether phase 3 recomputed a piece phase 1 computed (rounding allowed, for kernels
+    that are not bitwise deterministic), as a device bool: no host read."""
+    return ((again - before).abs() <= 1e-6 * before[1] + 1e-300).all()
+
+
+class _RunningStatistics:
+    """The running statistics of the norm layers a body updates in place (BatchNorm with
+    ``batch_norm="per_microbatch"``), as phase 1 left them: phase 3 runs each microbatch
+    again and would update them a second time."""
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        self.saved = [(b, b.clone()) for m in body.modules()
+                      if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                      and m.training and m.track_running_stats
+                      for b in m.buffers(recurse=False)]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, value in self.saved:
+                buffer.copy_(value)
 
 
 class _Step:
@@ -76,6 +109,8 @@ class _Step:
         self.layout: list[bool] = []
         self.constants: list[Any] = []
         self.loss_pos = 0  # the loss among the step's tensor outputs
+        self.generators = generators_of(body)  # the model's own, replayed with torch's
+        self.replayed: torch.Tensor | None = None  # phase 3 recomputed phase 1's frontier
 
     # ------------------------------------------------------------ helpers
     def _join(self, results: list[tuple[Any, ...]]) -> tuple[list[Any], list[int]]:
@@ -120,7 +155,7 @@ class _Step:
         try:
             for i, mb in enumerate(self.microbatches):
                 if states is not None:
-                    states.append(_RngStates(mb))
+                    states.append(_RngStates(mb, self.generators))
                 results.append(self.loop._in_microbatch(
                     i, lambda mb=mb: as_tuple(self.body(*mb)), what))
         except Exception as exc:
@@ -166,6 +201,8 @@ class _Step:
             results, failure = self._per_microbatch(states, _PHASES[0])
         pieces = [[r[i].shape[dim] if kind == "cat" else 0 for r in results]
                   for i, (kind, dim) in enumerate(self.outputs)]
+        prints = [[_fingerprint(r[i]) for i, (kind, _) in enumerate(self.outputs)
+                   if kind == "cat" and _differentiable(r[i])] for r in results]
         joined, offsets = self._join(results)
         del results
         if failure is not None:
@@ -188,36 +225,59 @@ class _Step:
         grads = [leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
                  for leaf in leaves]
         del leaves, joined
-        after = _RngStates(self.microbatches[0])
+        after = _RngStates(self.microbatches[0], self.generators)
+        statistics = _RunningStatistics(self.body)  # updated in phase 1, once per microbatch
+        same: list[torch.Tensor] = []
         # 3. P again per microbatch, with grad, from the same RNG state; backpropagate its
         # slice of dL/dF (a partial sum's gradient is the total's, the same for every piece)
         starts = [[offsets[i] + sum(p[:m]) for m in range(len(p))] for i, p in enumerate(pieces)]
-        for m, mb in enumerate(self.microbatches):
-            states[m].restore()
-            with torch.enable_grad():
-                again = self.loop._in_microbatch(
-                    m, lambda mb=mb: as_tuple(self.body(*mb)), _PHASES[1])
-                pairs = [(again[i], grads[i] if kind == "sum"
-                          else grads[i].narrow(dim, starts[i][m], pieces[i][m]))
-                         for i, (kind, dim) in enumerate(self.outputs)
-                         if grads[i] is not None and isinstance(again[i], torch.Tensor)
-                         and again[i].requires_grad]
-                if pairs:
-                    self.loop._in_microbatch(
-                        m, lambda pairs=pairs: torch.autograd.backward(*zip(*pairs)), _PHASES[2])
-            del again, pairs
+        cats = [i for i, (kind, _) in enumerate(self.outputs) if kind == "cat"]
+        try:
+            for m, mb in enumerate(self.microbatches):
+                states[m].restore()
+                with torch.enable_grad():
+                    again = self.loop._in_microbatch(
+                        m, lambda mb=mb: as_tuple(self.body(*mb)), _PHASES[1])
+                    # randomness phase 3 did not replay (a generator not found) shows here
+                    same.extend(_same_values(_fingerprint(again[i]), before) for i, before
+                                in zip((i for i in cats if _differentiable(again[i])), prints[m]))
+                    pairs = [(again[i], grads[i] if kind == "sum"
+                              else grads[i].narrow(dim, starts[i][m], pieces[i][m]))
+                             for i, (kind, dim) in enumerate(self.outputs)
+                             if grads[i] is not None and isinstance(again[i], torch.Tensor)
+                             and again[i].requires_grad]
+                    if pairs:
+                        self.loop._in_microbatch(
+                            m, lambda pairs=pairs: torch.autograd.backward(*zip(*pairs)),
+                            _PHASES[2])
+                del again, pairs
+        finally:
+            statistics.restore()
         after.restore()  # the RNG as after one forward of each part
+        self.replayed = torch.stack(same).all() if same else None
         self.step_grads = [p.grad for p in params]
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs), loss
 
     def _check(self, loss: torch.Tensor) -> None:
         """The step's one device read: the loss is finite (on ranks: every rank's is)."""
         finite = torch.isfinite(loss.detach()).all()
+        replayed = finite if self.replayed is None else self.replayed.to(finite.device)
+        checks = torch.stack([finite, replayed]).double()
         if self.gather is None:
-            ok = read_host(finite.reshape(1).double())[0] == 1.0
+            values = read_host(checks)
         else:
-            values = _agreed_status(None, finite.reshape(1).double(), ~finite)
-            ok = values is not None and values[0] == 1.0
+            values = _agreed_status(None, checks, ~(finite & replayed))
+        ok = values is not None and values[0] == 1.0
+        if ok and values[1] != 1.0:
+            self.step_grads = None
+            raise MicrobatchError(
+                "the two-phase step's per-sample part computed other values in phase 3 than "
+                "in phase 1, so its gradients would belong to other values than the loss: "
+                "randomness that mbcompile does not replay (torch's generators and the "
+                "model's own torch.Generator attributes are replayed; a generator kept "
+                "elsewhere, such as a global or a closure, is not). Fix: keep the generator "
+                "as an attribute of the module that draws from it, or draw the noise outside "
+                "the model and pass it in; the step was rolled back")
         if not ok:
             self.step_grads = None
             raise MicrobatchError(

@@ -1,0 +1,192 @@
+"""Forward-modes pass: grad-mode regions inside forward become ``detach`` on what they read.
+
+A forward may switch grad mode around part of its work (a distillation teacher
+under ``torch.no_grad()``, ``torch.set_grad_enabled(False)``, ``torch.inference_mode()``,
+a ``@torch.no_grad()`` helper, an EMA update of frozen parameters). Values computed
+under no-grad are the same numbers; autograd only records nothing for them. So the
+region is kept exactly by detaching every tensor it reads from outside it: nothing
+inside then requires grad, its results come back with eager's ``requires_grad=False``,
+parameters used only there keep ``.grad`` None, and no global grad mode is switched
+while a graph runs (a failing microbatch cannot leave grad mode off). Every later pass
+(the rewrite, two-phase steps, ``recompute``, the joint graph of ``torch_compile``)
+sees plain ``detach`` nodes.
+
+Before (traced under ``with torch.no_grad(): t = self.teacher(x)``)::
+
+    teacher = self.teacher(x)                 # meta[GRAD_ENABLED] = False
+    student = self.student(x)
+
+After (``detach_grad_free_inputs``)::
+
+    detach = aten.detach(x)
+    teacher = self.teacher(detach)            # reads no tensor that requires grad
+    student = self.student(x)
+
+How each capture records the regions:
+
+- ``torch.fx``: the tracer stamps every node with the grad mode it was created under
+  (``GRAD_ENABLED``; the context managers really switch grad mode while tracing).
+  Autocast regions change what each op computes, which a symbolic trace cannot see:
+  such a forward is refused under fx (``capture="auto"`` then uses ``torch.export``).
+- ``torch.export``: grad-mode regions are ``wrap_with_set_grad_enabled`` higher-order
+  ops; their tensor arguments are detached before the program is lowered (lowering
+  would otherwise inline the region and forget it was no-grad). Autocast regions
+  (``wrap_with_autocast``) are lowered to the explicit casts autocast makes.
+  ``torch.inference_mode()``, which export drops without a trace, is traced as
+  ``torch.no_grad()`` (the same values; eager's inference tensors differ only in which
+  later uses raise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.overrides import TorchFunctionMode
+
+from .errors import CaptureError
+from .facts import GRAD_ENABLED
+
+__all__ = ["GRAD_ENABLED", "autocast_regions", "autocast_state", "detach_grad_free_inputs",
+           "detach_no_grad_regions", "differentiation_error", "differentiation_refused",
+           "inference_mode_as_no_grad", "stamp_modes"]
+
+_AUTOCAST = "mbcompile.autocast"
+_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple[Any, ...]:
+    """What autocast does right now, per device type: off, or on with its dtype."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _DEVICES
+                 if torch.is_autocast_enabled(d))
+
+
+def stamp_modes(node: fx.Node, ambient_autocast: tuple[Any, ...]) -> None:
+    """Record on a node just traced the grad mode and autocast state it was created under."""
+    node.meta[GRAD_ENABLED] = torch.is_grad_enabled()
+    state = autocast_state()
+    if state != ambient_autocast:
+        node.meta[_AUTOCAST] = state
+
+
+def autocast_regions(graph: fx.Graph) -> list[fx.Node]:
+    """The nodes a trace stamped as created inside an autocast region of forward."""
+    return [n for n in graph.nodes if n.meta.get(_AUTOCAST)]
+
+
+def _outside(node: fx.Node) -> bool:
+    """Whether a value is made outside every no-grad region: inputs and attributes always are
+    (fx creates a parameter's ``get_attr`` where it is first used, maybe inside a region)."""
+    return node.op in ("placeholder", "get_attr") or node.meta.get(GRAD_ENABLED, True)
+
+
+def detach_grad_free_inputs(graph: fx.Graph, is_tensor: Callable[[fx.Node], bool]) -> int:
+    """Detach every tensor that a node traced under no-grad reads from outside its region.
+
+    A node traced with grad on (``torch.enable_grad()`` nested in a no-grad region) reads
+    its inputs as they are. Returns how many ``detach`` nodes were inserted.
+    """
+    made: dict[fx.Node, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op in ("placeholder", "get_attr", "output") or node.meta.get(GRAD_ENABLED, True):
+            continue
+        for arg in node.all_input_nodes:
+            if not _outside(arg) or not is_tensor(arg):
+                continue
+            if arg not in made:
+                with graph.inserting_after(arg):
+                    made[arg] = graph.call_function(torch.ops.aten.detach.default, (arg,))
+                made[arg].meta = {**arg.meta, GRAD_ENABLED: False,
+                                  "stack_trace": node.meta.get("stack_trace")}
+            node.replace_input_with(arg, made[arg])
+    return len(made)
+
+
+def _is_region(node: fx.Node) -> bool:
+    return (node.op == "call_function"
+            and node.target is torch.ops.higher_order.wrap_with_set_grad_enabled)
+
+
+def detach_no_grad_regions(gm: fx.GraphModule) -> None:
+    """Detach the tensor arguments of each of export's no-grad regions, in ``gm`` and in the
+    graphs its regions call (a no-grad region inside an autocast region). Export ends a
+    no-grad region where ``torch.enable_grad()`` starts inside it, so no region holds a part
+    that needs gradients."""
+    for module in list(gm.modules()):
+        if not isinstance(module, fx.GraphModule):
+            continue
+        graph = module.graph
+        for node in list(graph.nodes):
+            if not _is_region(node) or node.args[0]:
+                continue
+            args = list(node.args)
+            for i, arg in enumerate(args[2:], start=2):
+                if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor):
+                    with graph.inserting_before(node):
+                        detached = graph.call_function(torch.ops.aten.detach.default, (arg,))
+                    detached.meta = dict(arg.meta)
+                    args[i] = detached
+            node.args = tuple(args)
+        module.recompile()
+
+
+@contextlib.contextmanager
+def inference_mode_as_no_grad() -> Iterator[None]:
+    """While export traces: ``torch.inference_mode()`` regions behave as ``torch.no_grad()``
+    (export records no-grad regions, and drops inference-mode ones without a trace)."""
+    cls = torch.autograd.grad_mode.inference_mode
+    enter, exit_ = cls.__enter__, cls.__exit__
+
+    def __enter__(self: Any) -> None:
+        self._mbcompile_no_grad = torch.no_grad() if self.mode else contextlib.nullcontext()
+        self._mbcompile_no_grad.__enter__()
+
+    def __exit__(self: Any, *exc: Any) -> None:
+        self._mbcompile_no_grad.__exit__(*exc)
+
+    cls.__enter__, cls.__exit__ = __enter__, __exit__
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = enter, exit_
+
+
+class differentiation_refused(TorchFunctionMode):  # noqa: N801 (used as a context manager)
+    """While a capture traces: ``torch.autograd.grad`` (a gradient penalty) or a backward
+    inside forward is an error at its line.
+
+    The compiled step runs each microbatch's backward itself; a differentiation nested
+    inside forward would need its graph kept through that backward (``create_graph``),
+    per microbatch, which neither capture records. A torch-function mode sees the call
+    whatever name the model imported it under, and patches nothing of torch's.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__()
+        self.model_name = model_name
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if func in _DIFFERENTIATIONS:
+            raise differentiation_error(self.model_name)
+        return func(*args, **(kwargs or {}))
+
+
+_DIFFERENTIATIONS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+
+
+def differentiation_error(model_name: str) -> CaptureError:
+    """The error for a differentiation inside forward, at the user's line."""
+    from .capture import user_frame
+
+    where = user_frame(traceback.extract_stack()[:-1])
+    return CaptureError(
+        f"{model_name}.forward differentiates inside forward at {where} (a gradient "
+        "penalty: torch.autograd.grad or backward); the compiled step runs each "
+        "microbatch's backward itself and cannot keep a differentiation nested inside "
+        "its forward. Fix: compute the penalty outside the compiled module, or compile "
+        "the part of the model that does not differentiate")

@@ -1,0 +1,99 @@
+"""Model-owned random generators: found in a graph, their states saved and replayed.
+
+A part of the graph that runs twice for one step must draw the same numbers both
+times: a two-phase step runs the per-sample part P without grad and again with grad
+(``mbcompile/execution/two_phase.py``), ``recompute`` runs each checkpointed block
+again in backward (``passes/recompute.py``). torch's own generators are saved and
+restored by both; a ``torch.Generator`` the model owns (``torch.randn(...,
+generator=self.g)``) is found here and replayed the same way.
+
+Before (a traced forward)::
+
+    _opaque_obj0 = self._opaque_obj0                     # the model's torch.Generator
+    randn = torch.randn(size, generator=_opaque_obj0)
+
+``generators_of(gm)`` finds ``_opaque_obj0``; ``GeneratorStates(gens)`` saved before a
+microbatch's first run and ``restore()``-d before its second makes the second run
+draw the same noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils.checkpoint
+from torch.utils import _pytree as pytree
+
+__all__ = ["GeneratorStates", "checkpoint_replaying", "generators_of"]
+
+
+def generators_of(gm: torch.nn.Module) -> tuple[torch.Generator, ...]:
+    """Every ``torch.Generator`` a graph (and the graphs and modules it calls) draws from:
+    attributes its nodes read, constants in its nodes' arguments, and generators held by
+    the modules it calls as single nodes (their forward draws from them)."""
+    found: dict[int, torch.Generator] = {}
+    for module in gm.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Generator):
+                found.setdefault(id(value), value)
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                for value in pytree.tree_leaves((node.args, node.kwargs)):
+                    if isinstance(value, torch.Generator):
+                        found.setdefault(id(value), value)
+    return tuple(found.values())
+
+
+class GeneratorStates:
+    """The states of some generators, taken now; ``restore()`` puts them back."""
+
+    def __init__(self, generators: Sequence[torch.Generator]) -> None:
+        self.generators = tuple(generators)
+        self.states = [g.get_state() for g in self.generators]
+
+    def restore(self) -> None:
+        for g, state in zip(self.generators, self.states):
+            g.set_state(state)
+
+
+class checkpoint_replaying:  # noqa: N801 (an op of the graph, named like a function)
+    """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)`` whose recompute
+    also replays the model's own ``generators`` (torch's own are replayed by checkpoint).
+
+    A graph node calls an instance; fx prints it as ``checkpoint_replaying``.
+    """
+
+    __name__ = "checkpoint_replaying"
+
+    def __init__(self, generators: Sequence[torch.Generator]) -> None:
+        self.generators = tuple(generators)
+
+    def __call__(self, fn: Any, *args: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+                                                 context_fn=self._contexts)
+
+    def _contexts(self) -> tuple[Any, Any]:
+        saved: list[GeneratorStates] = []
+
+        @contextlib.contextmanager
+        def forward() -> Iterator[None]:
+            saved.append(GeneratorStates(self.generators))  # as the block starts
+            yield
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            now = GeneratorStates(self.generators)
+            saved[0].restore()
+            try:
+                yield
+            finally:
+                now.restore()  # the stream goes on where the step left it
+
+        return forward(), recompute()
+
+    def __repr__(self) -> str:
+        return f"checkpoint_replaying({len(self.generators)} generators)"

@@ -1,0 +1,634 @@
+"""Exact or refused at forward time: what a forward does around its ops (issue 25).
+
+Each model is ten lines; each is compiled on an uneven plan (gbs 7 over 2 systems,
+mbs 2: microbatches 2, 2 | 2, 1) and compared with one eager full-batch step in
+float64 (``models.step_errors``: the loss, every output, every ``.grad`` and its
+None-ness, every buffer), or refused with the project's own error. The oracle is
+eager PyTorch; nothing expected is computed by mbcompile.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from host_reads import HostReads
+from models import assert_close_errors, one_intra_op_thread, step_errors
+
+import mbcompile
+from mbcompile.passes import batch_rules
+
+TOL = 1e-10
+GBS, SYSTEMS, MBS = 7, 2, 2
+COMPILED = {"backend": "aot_eager"}  # torch_compile without a C++ toolchain's inductor
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_intra_op_thread():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _float64() -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def _batch(n: int = GBS, out: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 4, generator=g), torch.randn(n, out, generator=g)
+
+
+def _compile(model: nn.Module, batch: tuple[Any, ...], **kw: Any) -> mbcompile.CompiledModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)  # two-phase memory notes
+        return mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, **kw)
+
+
+def _assert_exact(model: nn.Module, cm: Any, batch: tuple[Any, ...], tol: float = TOL) -> None:
+    """One step of ``cm`` equals one eager step; the parameters stay leaves."""
+    assert_close_errors(step_errors(model, cm, batch), tol)
+    assert all(p.is_leaf and p.grad_fn is None for p in model.parameters())
+
+
+def _two_steps(model: nn.Module, cm: Any, batch: tuple[Any, ...]) -> None:
+    """Two steps, with an SGD update between them, each against eager on a copy."""
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        for module, call in ((model, cm), (ref, ref)):
+            module.zero_grad(set_to_none=True)
+            call(*batch)[0].backward()
+            with torch.no_grad():
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.1 * p.grad)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.is_leaf, name
+            assert (p.grad is None) == (q.grad is None), name
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=name)
+        for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b, c, rtol=1e-12, atol=1e-12, msg=name)
+
+
+# --------------------------------------------------------------------------- grad mode
+
+
+class Teacher(nn.Module):
+    """Distillation: the teacher runs without grad, in one of forward's grad-mode forms."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.teacher, self.student, self.form = nn.Linear(4, 3), nn.Linear(4, 3), form
+
+    @torch.no_grad()
+    def _decorated(self, x: torch.Tensor) -> torch.Tensor:
+        return self.teacher(x)
+
+    def _teach(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "no_grad":
+            with torch.no_grad():
+                return self.teacher(x)
+        if self.form == "set_grad_enabled":
+            with torch.set_grad_enabled(False):
+                return self.teacher(x)
+        if self.form == "inference_mode":
+            with torch.inference_mode():
+                t = self.teacher(x)
+            return t.clone()  # an inference tensor is cloned before autograd sees it
+        return self._decorated(x)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = self._teach(x)
+        o = self.student(x)
+        return F.mse_loss(o, t) + F.mse_loss(o, y), t, o
+
+
+FORMS = ["no_grad", "set_grad_enabled", "inference_mode", "decorator"]
+
+
+@pytest.mark.parametrize("capture", ["auto", "export"])
+@pytest.mark.parametrize("form", FORMS)
+def test_a_no_grad_region_trains_only_what_eager_trains(form, capture):
+    torch.manual_seed(0)
+    model, batch = Teacher(form), _batch()
+    cm = _compile(model, batch, capture=capture)
+    out = cm(*batch)
+    assert out[1].requires_grad is False and out[2].requires_grad is True
+    _assert_exact(model, cm, batch)
+    assert model.teacher.weight.grad is None and model.teacher.bias.grad is None
+
+
+def test_a_no_grad_region_under_torch_compile_and_recompute():
+    torch.manual_seed(0)
+    model, batch = Teacher("no_grad"), _batch()
+    _assert_exact(model, _compile(model, batch, torch_compile=COMPILED), batch)
+    assert model.teacher.weight.grad is None
+
+
+class NestedEnable(nn.Module):
+    """``torch.enable_grad()`` inside a no-grad region: its part trains again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            frozen = self.a(x)
+            with torch.enable_grad():
+                trained = self.b(x) * frozen
+        return F.mse_loss(trained, y), frozen
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_grad_mode_turned_back_on_inside_a_region_is_kept(capture):
+    torch.manual_seed(0)
+    model, batch = NestedEnable(), _batch()
+    _assert_exact(model, _compile(model, batch, capture=capture), batch)
+    assert model.a.weight.grad is None and model.b.weight.grad is not None
+
+
+def test_a_trusted_module_inside_a_no_grad_region_is_refused():
+    class Inner(nn.Linear):
+        pass
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.out = Inner(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                t = self.inner(x)
+            return F.mse_loss(self.out(x), t + y)
+
+    with batch_rules.scoped():
+        mbcompile.trust_module(Inner)
+        with pytest.raises(mbcompile.CaptureError, match="no-grad region"):
+            _compile(Net(), _batch(), capture="fx")
+
+
+# --------------------------------------------------------------------------- autocast
+
+
+class Autocast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x).relu()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = self.b(h)
+        return F.mse_loss(logits.float(), y), logits
+
+
+def test_an_autocast_region_keeps_eager_dtypes_and_values():
+    """float32 (autocast leaves float64 alone): the logits come back bf16 as in eager (a
+    dropped region gives float32), and the step equals eager's to bf16 rounding: the
+    gradients' sums over the batch run in bf16, split into microbatches."""
+    torch.manual_seed(0)
+    model = Autocast().float()
+    batch = tuple(t.float() for t in _batch())
+    cm = _compile(model, batch)
+    assert cm.original_graph_module is not None
+    out = cm(*batch)
+    assert out[1].dtype == torch.bfloat16
+    _assert_exact(model, cm, batch, tol=2 * 2**-7)  # bf16's rounding: its sums are split
+    with pytest.raises(mbcompile.CaptureError, match="autocast region"):
+        _compile(model, batch, capture="fx")
+
+
+# --------------------------------------------------------------------------- tensor hooks
+
+
+class Hooked(nn.Module):
+    """A gradient hook registered in forward, after an earlier use of the hooked value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        early = h.sum(1, keepdim=True)  # used before the hook: eager's hook sees it too
+        h.register_hook(lambda g: g * 0.25)
+        o = self.b(h.relu()) + early
+        return F.mse_loss(o, y), o
+
+
+@pytest.mark.parametrize("kw", [{}, {"torch_compile": COMPILED}], ids=["eager", "compiled"])
+def test_a_tensor_hook_registered_in_forward_is_kept(kw):
+    torch.manual_seed(0)
+    model, batch = Hooked(), _batch()
+    _assert_exact(model, _compile(model, batch, **kw), batch)
+
+
+def test_a_tensor_hook_under_export_is_refused_at_its_line():
+    with pytest.raises(mbcompile.CaptureError, match=r"registers a tensor hook at .*register_hook"):
+        _compile(Hooked(), _batch(), capture="export")
+
+
+# --------------------------------------------------------------------------- parametrizations
+
+
+def _spectral() -> nn.Module:
+    return nn.utils.parametrizations.spectral_norm(nn.Linear(4, 3))
+
+
+def _legacy_spectral() -> nn.Module:
+    return nn.utils.spectral_norm(nn.Linear(4, 3))
+
+
+def _weight_norm() -> nn.Module:
+    return nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))
+
+
+class Parametrized(nn.Module):
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.a = make()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.a(x)
+        return F.mse_loss(o, y), o
+
+
+@pytest.mark.parametrize("make", [_spectral, _legacy_spectral, _weight_norm])
+def test_a_parametrization_runs_once_per_step(make):
+    """Spectral norm's power iteration updates ``_u``/``_v`` (``weight_u``) once per step, as
+    eager does, over two steps with an update between them."""
+    torch.manual_seed(0)
+    model, batch = Parametrized(make), _batch()
+    cm = _compile(model, batch)
+    _assert_exact(model, cm, batch)
+    _two_steps(model, cm, batch)
+    assert all(isinstance(b, torch.Tensor) and not isinstance(b, torch.fx.Proxy)
+               for b in vars(model.a).values() if hasattr(b, "shape"))
+
+
+def test_spectral_norm_under_torch_compile():
+    torch.manual_seed(0)
+    model, batch = Parametrized(_spectral), _batch()
+    _assert_exact(model, _compile(model, batch, torch_compile=COMPILED), batch)
+
+
+# --------------------------------------------------------------------------- state writes
+
+
+class EmaCopy(nn.Module):
+    """An EMA of the trained layer, kept as frozen parameters and updated under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.ema = nn.Linear(4, 3), nn.Linear(4, 3)
+        self.ema.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            for e, p in zip(self.ema.parameters(), self.a.parameters()):
+                e.mul_(0.9).add_(p, alpha=0.1)
+        o = self.a(x) + self.ema(x)
+        return F.mse_loss(o, y), o
+
+
+@pytest.mark.parametrize("kw", [{}, {"torch_compile": COMPILED}], ids=["eager", "compiled"])
+def test_a_frozen_parameter_updated_in_place_stays_a_leaf(kw):
+    torch.manual_seed(0)
+    model, batch = EmaCopy(), _batch()
+    cm = _compile(model, batch, **kw)
+    _assert_exact(model, cm, batch)
+    _two_steps(model, cm, batch)  # torch_compile: the second step ran into "backward twice"
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        self.seen += x.shape[0]
+        o = self.a(x)
+        return F.mse_loss(o, y), o, o.shape[-1]
+
+
+@pytest.mark.parametrize("kw", [{}, {"capture": "export"}, {"torch_compile": COMPILED}],
+                         ids=["auto", "export", "compiled"])
+def test_a_buffer_counter_and_a_returned_size_compile_and_match(kw):
+    """Both crashed inside mbcompile ("'Node' object is not iterable", "KeyError: -1")."""
+    torch.manual_seed(0)
+    model, batch = Counter(), _batch()
+    cm = _compile(model, batch, **kw)
+    assert isinstance(model.seen, torch.Tensor) and int(model.seen) == 0  # capture undone
+    out = cm(*batch)
+    assert out[2] == 3 and int(model.seen) == GBS
+    _assert_exact(model, cm, batch)
+
+
+def test_a_python_counter_in_forward_is_refused_and_the_model_is_left_alone():
+    class Calls(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.calls = nn.Linear(4, 3), 0
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return F.mse_loss(self.a(x), y)
+
+    model = Calls()
+    with pytest.raises(mbcompile.CaptureError, match="'calls'"):
+        _compile(model, _batch())
+    assert model.calls == 0
+
+
+def test_a_gradient_penalty_is_refused_at_compile_time_with_the_reason():
+    class Penalty(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            x = x.detach().requires_grad_(True)
+            o = self.a(x)
+            (g,) = torch.autograd.grad(o.sum(), x, create_graph=True)
+            return F.mse_loss(o, y) + g.pow(2).sum(1).mean()
+
+    for capture in ("auto", "export"):
+        with pytest.raises(mbcompile.CaptureError, match="differentiates inside forward"):
+            _compile(Penalty(), _batch(), capture=capture)
+    assert torch.autograd.grad.__module__ == "torch.autograd"  # the patch is undone
+
+
+# --------------------------------------------------------------------------- guards
+
+
+class Weighted(nn.Module):
+    """A loss weight, a branch flag and a dropout probability read as Python values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop = nn.Linear(4, 3), nn.Dropout(0.0)
+        self.beta, self.flag = 1.0, False
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.drop(self.a(x))
+        if self.flag:
+            o = o * 2
+        return self.beta * F.mse_loss(o, y), o
+
+
+@pytest.mark.parametrize("capture", ["auto", "export"])
+@pytest.mark.parametrize("change", ["beta", "flag", "dropout_p"])
+def test_python_state_changed_after_compile_recompiles_with_a_warning(change, capture):
+    torch.manual_seed(0)
+    model, batch = Weighted(), _batch()
+    cm = _compile(model, batch, capture=capture)
+    _assert_exact(model, cm, batch)
+    if change == "beta":
+        model.beta = 0.5
+    elif change == "flag":
+        model.flag = True
+    else:
+        model.drop.p = 1.0  # every value dropped: deterministic
+    name = {"beta": "beta", "flag": "flag", "dropout_p": "drop.p"}[change]
+    if change == "dropout_p" and capture == "auto":  # fx keeps Dropout one live node
+        assert_close_errors(step_errors(model, cm, batch), TOL)
+        return
+    with pytest.warns(mbcompile.RecompileWarning, match=rf"{name} was .*, now"):
+        errors = step_errors(model, cm, batch)
+    assert_close_errors(errors, TOL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.RecompileWarning)  # once per state
+        assert_close_errors(step_errors(model, cm, batch), TOL)
+
+
+@pytest.mark.parametrize("kw", [{}, {"torch_compile": COMPILED}], ids=["eager", "compiled"])
+def test_a_forward_hook_added_after_compile_is_followed(kw):
+    torch.manual_seed(0)
+    model, batch = Parametrized(lambda: nn.Linear(4, 3)), _batch()
+    cm = _compile(model, batch, **kw)
+    handle = model.a.register_forward_hook(lambda m, args, out: out * 3)
+    with pytest.warns(mbcompile.RecompileWarning, match="hooks of 'a' changed"):
+        _assert_exact(model, cm, batch)
+    handle.remove()
+    with pytest.warns(mbcompile.RecompileWarning, match="hooks of 'a' changed"):
+        _assert_exact(model, cm, batch)
+
+
+class HookedBlock(nn.Module):
+    """A module of the user's (traced into) with a pre-hook that counts calls in a buffer
+    and a forward hook that rescales the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_module_hooks_present_at_compile_run_once_per_step():
+    torch.manual_seed(0)
+    model, batch = Parametrized(HookedBlock), _batch()
+
+    def count(module: nn.Module, args: tuple[Any, ...]) -> None:
+        module.calls += 1
+
+    model.a.register_forward_pre_hook(count)
+    model.a.register_forward_hook(lambda module, args, out: out * 3)
+    cm = _compile(model, batch)
+    _assert_exact(model, cm, batch)
+    assert int(model.a.calls) == 1  # one compiled step (the eager step ran on a copy)
+
+
+def test_requires_grad_changed_after_compile_is_named():
+    torch.manual_seed(0)
+    model, batch = Teacher("no_grad"), _batch()
+    cm = _compile(model, batch)
+    model.student.bias.requires_grad_(False)
+    with pytest.warns(mbcompile.RecompileWarning, match=r"student.bias.requires_grad changed"):
+        _assert_exact(model, cm, batch)
+
+
+def test_guards_add_no_host_read_per_step():
+    torch.manual_seed(0)
+    model, batch = Weighted(), _batch()
+    cm = _compile(model, batch)
+    assert any(g.name == "beta" for g in cm._compiled().guards)
+    cm(*batch)[0].backward()  # warm
+    with HostReads() as reads:
+        cm(*batch)[0].backward()
+    assert reads.total == 1
+
+
+# --------------------------------------------------------------------------- generators
+
+
+class Noisy(nn.Module):
+    """Noise from a generator the model owns, in the per-sample part; optionally a loss
+    that couples samples (a two-phase step runs the per-sample part twice)."""
+
+    def __init__(self, coupled: bool) -> None:
+        super().__init__()
+        self.a, self.coupled = nn.Linear(4, 3), coupled
+        self.g = torch.Generator().manual_seed(3)
+
+    def per_sample(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return h + torch.randn(h.shape, generator=self.g, dtype=h.dtype)
+
+    def head(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(h, y, reduction="sum") / h.shape[0]
+        if self.coupled:
+            z = F.normalize(h, dim=1)
+            loss = loss + (z @ z.T).logsumexp(1).mean()
+        return loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.per_sample(x)
+        return self.head(h, y), h
+
+
+class NoisyBlock(nn.Module):
+    def __init__(self, g: torch.Generator) -> None:
+        super().__init__()
+        self.lin, self.g = nn.Linear(4, 4), g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn(x.shape, generator=self.g, dtype=x.dtype)
+        return torch.tanh(self.lin(x)) * (1 + 0.1 * noise)  # the gradient reads the noise
+
+
+class NoisyBlocks(nn.Module):
+    """Repeated blocks (what ``recompute`` checkpoints), each drawing from the model's own
+    generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = torch.Generator().manual_seed(3)
+        self.blocks = nn.ModuleList([NoisyBlock(self.g) for _ in range(3)])
+
+    def per_sample(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def head(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(h, y)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.per_sample(x)
+        return self.head(h, y), h
+
+
+def _against_hand_split(model: nn.Module, cm: Any, batch: tuple[torch.Tensor, torch.Tensor]
+                        ) -> nn.Module:
+    """One step of ``cm`` against its reference for random draws and per-microbatch
+    statistics: the per-sample part run eagerly on each microbatch, in the plan's order (the
+    draws come in the same order), the loss on the joined batch. (Draws cannot equal one
+    full-batch draw, whose stream is split otherwise.) Returns the reference model."""
+    ref = copy.deepcopy(model)
+    loss = cm(*batch)[0]
+    loss.backward()
+    x, y = batch
+    slices = [(a, b) for system in cm.plan.microbatch_slices for a, b in system if b > a]
+    want = ref.head(torch.cat([ref.per_sample(x[a:b]) for a, b in slices]), y)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    return ref
+
+
+@pytest.mark.parametrize("case", ["two_phase", "two_phase_compiled", "recompute"])
+def test_a_model_owned_generator_is_replayed(case):
+    torch.manual_seed(0)
+    model = NoisyBlocks() if case == "recompute" else Noisy(coupled=True)
+    batch = _batch(out=4 if case == "recompute" else 3)
+    kw = ({"recompute": True} if case == "recompute" else
+          {"torch_compile": COMPILED} if case == "two_phase_compiled" else {})
+    cm = _compile(model, batch, **kw)
+    if case == "recompute":
+        assert cm.plan.recompute and "checkpoint_replaying" in cm.graph_module.body.code
+    else:
+        assert cm.analysis.two_phase
+    model.g.manual_seed(5)
+    ref = _against_hand_split(model, cm, batch)
+    assert torch.equal(model.g.get_state(), ref.g.get_state())  # one draw per microbatch
+
+
+_HIDDEN = torch.Generator().manual_seed(9)  # a generator no module holds
+
+
+class HiddenNoise(nn.Linear):
+    """A trusted layer drawing from a generator mbcompile cannot see."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.randn(x.shape[0], self.out_features,
+                                                generator=_HIDDEN, dtype=x.dtype)
+
+
+def test_randomness_a_two_phase_step_cannot_replay_stops_the_step():
+    class Net(Noisy):
+        def __init__(self) -> None:
+            super().__init__(coupled=True)
+            self.a = HiddenNoise(4, 3)
+
+        def per_sample(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x)
+
+    with batch_rules.scoped():
+        mbcompile.trust_module(HiddenNoise)
+        torch.manual_seed(0)
+        model, batch = Net(), _batch()
+        cm = _compile(model, batch)
+        assert cm.analysis.two_phase
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(mbcompile.MicrobatchError, match="phase 3 than in phase 1"):
+            cm(*batch)
+        assert all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# --------------------------------------------------------------------------- batch norm
+
+
+class BatchNormContrastive(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)
+
+    def per_sample(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+    def head(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = F.normalize(h, dim=1)
+        return F.mse_loss(h, y) + (z @ z.T).logsumexp(1).mean()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.per_sample(x)
+        return self.head(h, y), h
+
+
+def test_per_microbatch_batch_norm_in_a_two_phase_step_updates_once_per_microbatch():
+    torch.manual_seed(0)
+    model, batch = BatchNormContrastive(), _batch(10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+        cm = mbcompile.compile(model, 10, 2, 3, example_inputs=batch,
+                               batch_norm="per_microbatch")
+    assert cm.analysis.two_phase and cm.plan.num_nonempty_microbatches == 4
+    ref = _against_hand_split(model, cm, batch)
+    assert int(model.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 4
+    torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean, rtol=1e-12, atol=0)
