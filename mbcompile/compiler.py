@@ -1018,7 +1018,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                                warnings=plan.warnings + unwrapped.notes)
     split = plan.num_nonempty_microbatches > 1
     if batch_norm == "per_microbatch" and split and _has_batch_norm(model):
-        warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning, stacklevel=2)
+        warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning,
+                      stacklevel=user_stacklevel())
         plan = dataclasses.replace(plan, warnings=(*plan.warnings, PER_MICROBATCH_NOTE))
     try:
         return CompiledModule(model, plan, sig, inputs, values, rank,

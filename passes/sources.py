@@ -6,16 +6,19 @@ itself (the package and its passes, wherever they are installed) are skipped.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
 
-import torch
-import torch.fx as fx
+if TYPE_CHECKING:
+    import torch.fx as fx
 
 __all__ = ["is_library", "source_line", "user_stacklevel"]
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# found without importing torch: plan arithmetic warns through here and stays torch-free
+_TORCH_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec("torch").origin)) + os.sep
 _PASSES_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PACKAGE = (__package__ or "").rpartition(".")[0]  # "mbcompile": imported before its passes
 

@@ -34,6 +34,7 @@ from mbcompile.passes.errors import (
     MicrobatchOutOfMemoryError,
 )
 from mbcompile.passes.ops import as_tuple
+from mbcompile.passes.sources import user_stacklevel
 
 T = TypeVar("T")
 
@@ -212,7 +213,7 @@ class _Loop:
             "torch_compile: the joint forward-backward graph of the training step failed "
             f"({failed[:300]}); the step ran, and will run, each microbatch's compiled "
             "forward and then autograd's backward instead (exact, a little slower)",
-            JointStepWarning, stacklevel=2)
+            JointStepWarning, stacklevel=user_stacklevel())
         return results
 
     def _joint(self, params: Sequence[torch.Tensor]) -> Any:

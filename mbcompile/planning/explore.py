@@ -53,6 +53,7 @@ from mbcompile.errors import ArgumentTypeError, MbcompileError, MbcompileWarning
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.errors import MixingError
 from mbcompile.passes.recompute import checkpoint_blocks
+from mbcompile.passes.sources import user_stacklevel
 from mbcompile.planning.cost import (
     CostModel,
     CostModelError,
@@ -693,7 +694,7 @@ def select_plan(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostModel
             warnings.warn(f"the cost model could not run ({cost_error}); mbs='auto' uses the "
                           "default of about 4 microbatches per system, unchecked against "
                           "memory. Pass an int mbs to silence this.", CostModelWarning,
-                          stacklevel=3)
+                          stacklevel=user_stacklevel())
         plan = make_plan(gbs, num_csx, mbs)
         if policy.mode == "auto":
             plan = _with_reason(plan, f"{plan.reason} (cost model unavailable: {cost_error})")
@@ -937,7 +938,7 @@ def _two_phase_selection(selection: Selection, cost: TwoPhaseCostModel) -> Selec
     if share > COUPLED_SHARE_WARNING:
         note = (f"two-phase step: the coupled part holds {share:.0%} of the activation memory "
                 "at the whole batch, so microbatching saves little memory here")
-        warnings.warn(note, TwoPhaseWarning, stacklevel=4)
+        warnings.warn(note, TwoPhaseWarning, stacklevel=user_stacklevel())
         notes = (*notes, note)
     reason = f"{plan.reason}; {two_phase_reason(cost, selection.estimate)}"
     return replace(selection, plan=replace(plan, reason=reason, warnings=notes))

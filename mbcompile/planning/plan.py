@@ -25,14 +25,13 @@ The rules, walked through one running example (gbs 10 over 3 systems, mbs 2):
 from __future__ import annotations
 
 import numbers
-import os
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
 
 from mbcompile.passes.errors import ArgumentTypeError, MbsAdjustedWarning, PlanError
+from mbcompile.passes.sources import user_stacklevel
 
 __all__ = [
     "DEFAULT_AUTO_MICROBATCHES",
@@ -59,7 +58,6 @@ DEFAULT_AUTO_MICROBATCHES = 4
 
 _MODES = ("auto", "explore", "none")
 _EXPLORE_FORM = "{'explore': {'min': a, 'max': b}} (both optional ints >= 1, a <= b)"
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 # --------------------------------------------------------------------------- #
@@ -407,20 +405,10 @@ def _format_sizes(sizes: tuple[int, ...], limit: int = 8) -> str:
     return " + ".join(f"{count} x {size}" for size, count in runs)
 
 
-def _in_package(filename: str) -> bool:
-    directory = os.path.dirname(os.path.abspath(filename))
-    return directory == _PACKAGE_DIR or directory.startswith(_PACKAGE_DIR + os.sep)
-
-
 def _warn_user(message: str) -> None:
-    # Point the warning at the first frame outside mbcompile, however deep the
-    # call into the package was (compile() -> make_plan() -> here).
-    frame = sys._getframe(1)
-    level = 2
-    while frame is not None and _in_package(frame.f_code.co_filename):
-        frame = frame.f_back
-        level += 1
-    warnings.warn(message, MbsAdjustedWarning, stacklevel=level)
+    # at the first frame outside mbcompile and torch, however deep the call into the package
+    # was (compile() -> plan_for() -> make_plan() -> here)
+    warnings.warn(message, MbsAdjustedWarning, stacklevel=user_stacklevel())
 
 
 def _default_auto(pbs: int, supported: tuple[int, ...]) -> tuple[int, str]:

@@ -57,6 +57,7 @@ from mbcompile.passes.facts import (
     Free,
     Reduced,
 )
+from mbcompile.passes.sources import user_stacklevel
 
 __all__ = ["draw", "render", "to_dot", "to_svg"]
 
@@ -679,11 +680,11 @@ def draw(obj: Any, path: str | Path, *, error: MixingError | None = None,
             if fmt != "svg":
                 raise
             warnings.warn(f"{exc}; {target.name} was laid out without Graphviz instead",
-                          MbcompileWarning, stacklevel=2)
+                          MbcompileWarning, stacklevel=user_stacklevel())
     if fmt == "svg":
         target.write_text(_svg(pic), encoding="utf-8")
         return [*written, target]
     warnings.warn(f"Graphviz's 'dot' is not installed, so only {dot_path} was written; "
                   f"install graphviz for {target.name}, or draw to .svg, which needs no "
-                  "Graphviz", MbcompileWarning, stacklevel=2)
+                  "Graphviz", MbcompileWarning, stacklevel=user_stacklevel())
     return written
