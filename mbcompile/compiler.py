@@ -286,7 +286,7 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
         object.__setattr__(self, "_slots_seen", None)
-        object.__setattr__(self, "_state_seen", None)  # _hooks_and_grads at the last compile
+        object.__setattr__(self, "_hooks_seen", None)  # _hooks_by_module at the last compile
         object.__setattr__(self, "_warned", False)
         # state_dict() keys are the model's own ("net.0.weight", not "module.net.0.weight"),
         # also when this module sits inside a parent: hooks, not overrides, so nesting works
@@ -297,9 +297,11 @@ class CompiledModule(nn.Module):
     # -------------------------------------------------------------- compiling
     def _mode_key(self) -> tuple[Any, ...]:
         """(every module's training flag, the identity of every parameter, buffer and
-        submodule slot): the graphs hold the model's Parameter and buffer objects (get_attr
-        copies the reference), so replacing one (``load_state_dict(assign=True)``, a new
-        head) recompiles, and so does a change of train/eval mode.
+        submodule slot, the keys of every hook): the graphs hold the model's Parameter and
+        buffer objects (get_attr copies the reference), so replacing one
+        (``load_state_dict(assign=True)``, a new head) recompiles, and so does a change of
+        train/eval mode or of the hooks the graphs were traced through. A parameter's
+        ``requires_grad`` is read live on every call: nothing compiled depends on it.
 
         Read on every call, so it walks a module list kept from the last call (a module
         walk costs more than the rest of the call's checks together); a replaced submodule
@@ -312,7 +314,7 @@ class CompiledModule(nn.Module):
             slots = _slots(modules)
             object.__setattr__(self, "_modules_seen", modules)
             object.__setattr__(self, "_slots_seen", slots)
-        return tuple(m.training for m in modules), slots
+        return tuple(m.training for m in modules), slots, _hooks(modules)
 
     def _compiled(self) -> _Compiled:
         key = self._mode_key()
@@ -324,16 +326,16 @@ class CompiledModule(nn.Module):
             self._recompiling(f"{failed.describe(self._names())}, which forward reads")
             del self._cache[key]
         elif self._cache:
-            changed = _hooks_or_grads_changed(self.module, self._state_seen)
+            changed = _hooks_changed(self.module, self._hooks_seen)
             if changed:
                 self._recompiling(changed)
-        for stale in [k for k in self._cache if k[1:] != key[1:]]:
+        for stale in [k for k in self._cache if k[1] != key[1]]:
             del self._cache[stale]  # they keep replaced parameters alive
         analysed, self._analysed = self._analysed, None
         self._cache[key] = _compile_graph(self._inner, self.plan, self._inputs, self._example,
                                           self.rank, analysed, self.backend,
                                           StepChannels(noise=self.noise_scale))
-        object.__setattr__(self, "_state_seen", _hooks_and_grads(self.module))
+        object.__setattr__(self, "_hooks_seen", _hooks_by_module(self.module))
         return self._cache[key]
 
     def _names(self) -> dict[int, str]:
@@ -471,24 +473,20 @@ class CompiledModule(nn.Module):
                 + (", compile_only=True" if self.compile_only else ""))
 
 
-def _slots(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
-    """The identity of what fills each module's parameter, buffer and submodule slots, each
-    parameter's ``requires_grad``, the keys of its hooks and of the global module hooks:
-    what a graph holds or was traced through. Read on every call, so written for speed
-    (hooks are rare: an empty module costs four truth tests)."""
-    out: list[Any] = []
-    extend = out.extend
-    for m in modules:
-        params = m._parameters
-        extend(map(id, params.values()))
-        extend(map(id, m._buffers.values()))
-        extend(map(id, m._modules.values()))
-        if params:
-            extend([getattr(p, "requires_grad", None) for p in params.values()])
+def _slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
+    """The identity of what fills each module's parameter, buffer and submodule slots."""
+    return tuple(id(v) for m in modules
+                 for slots in (m._parameters, m._buffers, m._modules) for v in slots.values())
+
+
+def _hooks(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
+    """The keys of every module's hooks and of the global module hooks: the graphs were
+    traced through the hooks of the user's own modules. Read on every call (hooks are
+    rare: a module without any costs four truth tests)."""
+    out: list[Any] = [tuple(tuple(h) for h in _GLOBAL_HOOKS) if any(_GLOBAL_HOOKS) else ()]
+    for i, m in enumerate(modules):
         if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
-            out.append(tuple(tuple(h) for h in _hook_dicts(m)))
-    if any(_GLOBAL_HOOKS):
-        out.append(tuple(tuple(h) for h in _GLOBAL_HOOKS))
+            out.append((i, tuple(tuple(h) for h in _hook_dicts(m))))
     return tuple(out)
 
 
@@ -500,31 +498,21 @@ _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for ki
     "forward_pre", "forward", "backward_pre", "backward"))
 
 
-def _hooks_and_grads(model: nn.Module) -> dict[str, Any]:
-    """Per module: its hooks' keys and its parameters' ``requires_grad`` (for naming a change)."""
-    state: dict[str, Any] = {
-        name or "<model>": (tuple(tuple(h) for h in _hook_dicts(m)),
-                            tuple((k, getattr(p, "requires_grad", None))
-                                  for k, p in m._parameters.items()))
-        for name, m in model.named_modules()}
-    state["<global module hooks>"] = (tuple(tuple(h) for h in _GLOBAL_HOOKS), ())
+def _hooks_by_module(model: nn.Module) -> dict[str, Any]:
+    """Per module name: its hooks' keys (to name the module whose hooks changed)."""
+    state = {name or "<model>": tuple(tuple(h) for h in _hook_dicts(m))
+             for name, m in model.named_modules()}
+    state["<global module hooks>"] = tuple(tuple(h) for h in _GLOBAL_HOOKS)
     return state
 
 
-def _hooks_or_grads_changed(model: nn.Module, before: Mapping[str, Any] | None) -> str | None:
-    """What changed in hooks or ``requires_grad`` since ``before`` (None: nothing did)."""
+def _hooks_changed(model: nn.Module, before: Mapping[str, Any] | None) -> str | None:
+    """Which module's hooks changed since ``before`` (None: none did)."""
     if before is None:
         return None
-    now = _hooks_and_grads(model)
-    for name, (hooks, grads) in now.items():
-        if name not in before:
-            continue  # a new submodule: its parent's slots changed, which needs no warning
-        old_hooks, old_grads = before[name]
-        if hooks != old_hooks:
+    for name, hooks in _hooks_by_module(model).items():
+        if name in before and hooks != before[name]:  # a new module shows in its parent's slots
             return f"the hooks of {name!r} changed"
-        for (key, flag), (_, old) in zip(grads, old_grads):
-            if flag != old:
-                return f"{name}.{key}.requires_grad changed from {old} to {flag}"
     return None
 
 
