@@ -287,6 +287,7 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
         object.__setattr__(self, "_slots_seen", None)
         object.__setattr__(self, "_hooks_seen", None)  # _hooks_by_module at the last compile
+        object.__setattr__(self, "_live_hooks", frozenset())  # layers whose hooks run live
         object.__setattr__(self, "_warned", False)
         # state_dict() keys are the model's own ("net.0.weight", not "module.net.0.weight"),
         # also when this module sits inside a parent: hooks, not overrides, so nesting works
@@ -314,7 +315,7 @@ class CompiledModule(nn.Module):
             slots = _slots(modules)
             object.__setattr__(self, "_modules_seen", modules)
             object.__setattr__(self, "_slots_seen", slots)
-        return tuple(m.training for m in modules), slots, _hooks(modules)
+        return tuple(m.training for m in modules), slots, _hooks(modules, self._live_hooks)
 
     def _compiled(self) -> _Compiled:
         key = self._mode_key()
@@ -326,17 +327,30 @@ class CompiledModule(nn.Module):
             self._recompiling(f"{failed.describe(self._names())}, which forward reads")
             del self._cache[key]
         elif self._cache:
-            changed = _hooks_changed(self.module, self._hooks_seen)
+            changed = _hooks_changed(self.module, self._hooks_seen, self._live_hooks)
             if changed:
                 self._recompiling(changed)
         for stale in [k for k in self._cache if k[1] != key[1]]:
             del self._cache[stale]  # they keep replaced parameters alive
         analysed, self._analysed = self._analysed, None
-        self._cache[key] = _compile_graph(self._inner, self.plan, self._inputs, self._example,
-                                          self.rank, analysed, self.backend,
-                                          StepChannels(noise=self.noise_scale))
-        object.__setattr__(self, "_hooks_seen", _hooks_by_module(self.module))
-        return self._cache[key]
+        compiled = _compile_graph(self._inner, self.plan, self._inputs, self._example,
+                                  self.rank, analysed, self.backend,
+                                  StepChannels(noise=self.noise_scale))
+        # the key as the next call computes it: without the hooks of the layers it calls live
+        object.__setattr__(self, "_live_hooks", self._layers_called_live(compiled))
+        object.__setattr__(self, "_hooks_seen", _hooks_by_module(self.module, self._live_hooks))
+        self._cache[self._mode_key()] = compiled
+        return compiled
+
+    def _layers_called_live(self, compiled: _Compiled) -> frozenset[int]:
+        """The layers an fx graph calls as single nodes (``nn.Linear``, ...): they run their
+        own hooks at each call, so adding or removing one needs no recompile. (A body
+        compiled with ``torch_compile`` has dynamo trace them in: every hook counts.)"""
+        if self._inputs.torch_compile is not None:
+            return frozenset()
+        return frozenset(id(self._inner.get_submodule(str(n.target)))
+                         for n in compiled.original_graph_module.graph.nodes
+                         if n.op == "call_module" and _is_submodule(self._inner, str(n.target)))
 
     def _names(self) -> dict[int, str]:
         return {id(m): name for name, m in self.module.named_modules()}
@@ -479,15 +493,24 @@ def _slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
                  for slots in (m._parameters, m._buffers, m._modules) for v in slots.values())
 
 
-def _hooks(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
-    """The keys of every module's hooks and of the global module hooks: the graphs were
-    traced through the hooks of the user's own modules. Read on every call (hooks are
-    rare: a module without any costs four truth tests)."""
+def _hooks(modules: Sequence[nn.Module], live: frozenset[int]) -> tuple[Any, ...]:
+    """The keys of the hooks the graphs were traced through: every module's but those of
+    the ``live`` layers (their hooks run at their call), and the global module hooks. Read
+    on every call (hooks are rare: a module without any costs four truth tests)."""
     out: list[Any] = [tuple(tuple(h) for h in _GLOBAL_HOOKS) if any(_GLOBAL_HOOKS) else ()]
     for i, m in enumerate(modules):
-        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+        if (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
+                or m._backward_hooks) and id(m) not in live:
             out.append((i, tuple(tuple(h) for h in _hook_dicts(m))))
     return tuple(out)
+
+
+def _is_submodule(model: nn.Module, target: str) -> bool:
+    try:
+        model.get_submodule(target)
+    except AttributeError:
+        return False
+    return True
 
 
 def _hook_dicts(m: nn.Module) -> tuple[dict[int, Any], ...]:
@@ -498,19 +521,20 @@ _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for ki
     "forward_pre", "forward", "backward_pre", "backward"))
 
 
-def _hooks_by_module(model: nn.Module) -> dict[str, Any]:
-    """Per module name: its hooks' keys (to name the module whose hooks changed)."""
+def _hooks_by_module(model: nn.Module, live: frozenset[int]) -> dict[str, Any]:
+    """Per module name: the keys of the hooks ``_hooks`` watches (to name whose changed)."""
     state = {name or "<model>": tuple(tuple(h) for h in _hook_dicts(m))
-             for name, m in model.named_modules()}
+             for name, m in model.named_modules() if id(m) not in live}
     state["<global module hooks>"] = tuple(tuple(h) for h in _GLOBAL_HOOKS)
     return state
 
 
-def _hooks_changed(model: nn.Module, before: Mapping[str, Any] | None) -> str | None:
+def _hooks_changed(model: nn.Module, before: Mapping[str, Any] | None,
+                   live: frozenset[int]) -> str | None:
     """Which module's hooks changed since ``before`` (None: none did)."""
     if before is None:
         return None
-    for name, hooks in _hooks_by_module(model).items():
+    for name, hooks in _hooks_by_module(model, live).items():
         if name in before and hooks != before[name]:  # a new module shows in its parent's slots
             return f"the hooks of {name!r} changed"
     return None

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import operator
 import re
 import traceback
@@ -246,6 +247,50 @@ def _export_error(model: torch.nn.Module, exc: BaseException,
                         f"a dynamic batch dimension\n{tried}{why}")
 
 
+def _read_len_symbolically(model: torch.nn.Module, kwargs: dict[str, Any],
+                           dynamic: dict[str, Any], example: Mapping[str, Any], name: str
+                           ) -> torch.export.ExportedProgram | None:
+    """The program traced by TorchDynamo (``strict=True``) where the Python-level trace
+    turned the batch size into a constant; None where that does not capture it either.
+
+    Python's ``len(x)`` must return an int, so the Python-level trace (``strict=False``)
+    reads a batched tensor's length as the example's batch size, and export refuses the
+    specialised batch dim. transformers' contrastive losses (CLIP, ALIGN, OWL-ViT, ...)
+    build their targets so: ``cross_entropy(logits, torch.arange(len(logits)))``.
+    TorchDynamo reads the bytecode and keeps ``len(x)`` the symbol ``x.size(0)``, so the
+    graph holds ``arange(sym_size(x, 0))``, as if the code had said ``x.size(0)``; the
+    batch analysis then decides as for any batch size read off a shape: a shape is kept,
+    a coupled loss runs at the full batch in a two-phase step, and so does a value in
+    per-sample work (refused with ``coupling="reject"``). A constant in the code
+    (``x.view(32, -1)``, ``range(len(x))``) specialises under both traces: refused.
+
+    The Python-level recorders (attribute reads and writes, hooks, differentiation) ran
+    on the first trace, which went through the whole forward; TorchDynamo cannot trace
+    through them, so this trace runs without them.
+    """
+    try:
+        with python_state_kept(model), _cache_off(model, example), checked_in_export(name), \
+                torch.enable_grad(), _quiet_dynamo():
+            return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=True)
+    except CaptureError:  # a custom Function's check: about the model, reported as it is
+        raise
+    except Exception:  # noqa: BLE001 - the first trace's error is the one to report
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_dynamo() -> Iterator[None]:
+    """TorchDynamo logs a failed guard at ERROR level before export raises; the failure is
+    reported once, as the first trace's error, so its log stays silent meanwhile."""
+    logger = logging.getLogger("torch._guards")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
 def _changes_state(node: fx.Node) -> bool:
     """Kept even when unused: fx's own impure nodes, in-place ops, higher-order ops."""
     return node.is_impure() or mutates(node)
@@ -310,14 +355,26 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     """
     names = list(example)
     kwargs, dynamic = _export_kwargs(model, example, in_dims)
+    specialised: BaseException | None = None
     try:
         name = type(model).__name__
         with python_state_kept(model), _cache_off(model, example), \
                 recorded_reads(model, name) as guards, checked_in_export(name), \
                 inference_mode_as_no_grad(), _tensor_hooks_refused(name), \
                 differentiation_refused(name), torch.enable_grad():
-            program = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic,
-                                          strict=False)
+            try:
+                program = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic,
+                                              strict=False)
+            except Exception as exc:
+                # export traced the whole forward before it refused the specialised batch
+                # dim: the recorders above still judge that trace when the block ends
+                if not _SPECIALISED.search(str(exc)):
+                    raise
+                specialised = exc
+        if specialised is not None:
+            program = _read_len_symbolically(model, kwargs, dynamic, example, name)
+            if program is None:
+                raise _export_error(model, specialised, fx_error) from specialised
     except CaptureError:
         raise
     except Exception as exc:  # any export failure becomes one clear error

@@ -83,16 +83,21 @@ def _recording(cls: type) -> type:
             sink = getattr(_LOCAL, "sink", None)
             if sink is not None and not name.startswith("__") and _plain(value):
                 own = object.__getattribute__(self, "__dict__")
-                if name in own and own[name] is value:
-                    sink.setdefault((id(self), name), Guard(self, name, value))
+                key = (id(self), name)
+                if name in own and own[name] is value and key not in _LOCAL.written:
+                    sink.setdefault(key, Guard(self, name, value))
             return value
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
             writes = getattr(_LOCAL, "writes", None)
-            if writes is not None and not name.startswith("_") and _plain(value):
-                before = object.__getattribute__(self, "__dict__").get(name, _MISSING)
-                if _plain(before) and before != value:
+            if writes is not None and _plain(value):
+                key = (id(self), name)
+                # read before it is written (self.calls += 1): state carried across calls;
+                # written first (self.seq_len = x.size(1)): set afresh by every call
+                if key in _LOCAL.sink and not name.startswith("_") and \
+                        _LOCAL.sink[key].value != value:
                     writes.append((self, name))
+                _LOCAL.written.add(key)
             super(sub, self).__setattr__(name, value)
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
@@ -109,23 +114,26 @@ def recorded_reads(model: nn.Module, model_name: str) -> Iterator[list[Guard]]:
 
     The list yielded is filled when the block ends, first read first. Each module's class
     is a recording subclass for the duration (same name and module), then its own again.
-    A public number, string or flag that forward assigns a new value (``self.calls += 1``)
-    is state the compiled module would never update: ``CaptureError``. (The capture undoes
-    the assignment itself, ``capture.python_state_kept``.)
+    A public number, string or flag that forward reads and then assigns a new value
+    (``self.calls += 1``) is state the compiled module would never update: ``CaptureError``.
+    One that forward assigns before reading it (``self.seq_len = x.size(1)``) is set afresh
+    by every call: neither refused nor guarded. (The capture undoes every assignment itself,
+    ``capture.python_state_kept``.)
     """
     modules = list(model.modules())
     classes = [type(m) for m in modules]
     sink: dict[tuple[int, str], Guard] = {}
     writes: list[tuple[nn.Module, str]] = []
-    outer = getattr(_LOCAL, "sink", None), getattr(_LOCAL, "writes", None)
+    outer = (getattr(_LOCAL, "sink", None), getattr(_LOCAL, "writes", None),
+             getattr(_LOCAL, "written", None))
     guards: list[Guard] = []
     for m, cls in zip(modules, classes):
         m.__class__ = _recording(cls)
-    _LOCAL.sink, _LOCAL.writes = sink, writes
+    _LOCAL.sink, _LOCAL.writes, _LOCAL.written = sink, writes, set()
     try:
         yield guards
     finally:
-        _LOCAL.sink, _LOCAL.writes = outer
+        _LOCAL.sink, _LOCAL.writes, _LOCAL.written = outer
         for m, cls in zip(modules, classes):
             m.__class__ = cls
         guards.extend(sink.values())

@@ -412,20 +412,6 @@ def test_python_state_changed_after_compile_recompiles_with_a_warning(change, ca
         assert_close_errors(step_errors(model, cm, batch), TOL)
 
 
-@pytest.mark.parametrize("kw", [{}, {"torch_compile": COMPILED}], ids=["eager", "compiled"])
-def test_a_forward_hook_added_after_compile_is_followed(kw):
-    torch.manual_seed(0)
-    model, batch = Parametrized(lambda: nn.Linear(4, 3)), _batch()
-    cm = _compile(model, batch, **kw)
-    handle = model.a.register_forward_hook(lambda m, args, out: out * 3)
-    with pytest.warns(mbcompile.RecompileWarning, match="hooks of 'a' changed"):
-        _assert_exact(model, cm, batch)
-    handle.remove()  # back to the state compiled first: its graph is still cached
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", mbcompile.RecompileWarning)
-        _assert_exact(model, cm, batch)
-
-
 class HookedBlock(nn.Module):
     """A module of the user's (traced into) with a pre-hook that counts calls in a buffer
     and a forward hook that rescales the output."""
@@ -451,6 +437,35 @@ def test_module_hooks_present_at_compile_run_once_per_step():
     cm = _compile(model, batch)
     _assert_exact(model, cm, batch)
     assert int(model.a.calls) == 1  # one compiled step (the eager step ran on a copy)
+
+
+@pytest.mark.parametrize("kw", [{}, {"torch_compile": COMPILED}], ids=["eager", "compiled"])
+def test_a_forward_hook_added_after_compile_is_followed(kw):
+    """On a layer the graph calls as one node the hook runs at its call (no recompile); under
+    torch_compile dynamo traced the layer, so the new hook compiles again."""
+    torch.manual_seed(0)
+    model, batch = Parametrized(lambda: nn.Linear(4, 3)), _batch()
+    cm = _compile(model, batch, **kw)
+    handle = model.a.register_forward_hook(lambda m, args, out: out * 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _assert_exact(model, cm, batch)
+    recompiled = [w for w in caught if issubclass(w.category, mbcompile.RecompileWarning)]
+    assert len(recompiled) == (1 if kw else 0), recompiled
+    assert not kw or "hooks of 'a' changed" in str(recompiled[0].message)
+    handle.remove()  # back to the state compiled first: its graph is still cached
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.RecompileWarning)
+        _assert_exact(model, cm, batch)
+
+
+def test_a_hook_added_to_a_module_of_the_users_after_compile_recompiles():
+    torch.manual_seed(0)
+    model, batch = Parametrized(HookedBlock), _batch()
+    cm = _compile(model, batch)
+    model.a.register_forward_hook(lambda m, args, out: out * 3)
+    with pytest.warns(mbcompile.RecompileWarning, match="hooks of 'a' changed"):
+        _assert_exact(model, cm, batch)
 
 
 def test_requires_grad_changed_after_compile_is_read_live():
