@@ -31,6 +31,7 @@ import torch.utils.checkpoint as checkpoint
 from mbcompile.execution.runtime import StepChannels, _Loop, read_host
 from mbcompile.passes import ops
 from mbcompile.passes.errors import InputError, MicrobatchError
+from mbcompile.passes.facts import PARAMS
 from mbcompile.passes.fake_probe import FakeProbe
 from mbcompile.passes.generators import GeneratorStates, generators_of
 from mbcompile.passes.ops import as_tuple
@@ -109,6 +110,8 @@ class _Step:
         self.layout: list[bool] = []
         self.constants: list[Any] = []
         self.loss_pos = 0  # the loss among the step's tensor outputs
+        self.no_grad_outputs: set[int] = set()  # outputs C computed without grad (detached)
+        self.frozen = _without_gradient(body)  # F pieces that carry no gradient (detached)
         self.generators = generators_of(body)  # the model's own, replayed with torch's
         self.replayed: torch.Tensor | None = None  # phase 3 recomputed phase 1's frontier
 
@@ -208,7 +211,8 @@ class _Step:
         if failure is not None:
             raise failure
         # 2. C once, with grad, on the joined F: the loss, C's gradients and dL/dF
-        leaves = [j.detach().requires_grad_() if _differentiable(j) else j for j in joined]
+        leaves = [j.detach().requires_grad_() if _differentiable(j) and i not in self.frozen
+                  else j for i, j in enumerate(joined)]
         with torch.enable_grad():
             outs = self._coupled(leaves)
             loss = outs[self.loss_index]
@@ -256,6 +260,8 @@ class _Step:
         after.restore()  # the RNG as after one forward of each part
         self.replayed = torch.stack(same).all() if same else None
         self.step_grads = [p.grad for p in params]
+        self.no_grad_outputs = {i for i, o in enumerate(outs)
+                                if isinstance(o, torch.Tensor) and not o.requires_grad}
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs), loss
 
     def _check(self, loss: torch.Tensor) -> None:
@@ -315,6 +321,16 @@ def _stand_ins(body: Any) -> list[tuple[Any, ...]]:
             for outs in template]
 
 
+def _without_gradient(body: fx.GraphModule) -> frozenset[int]:
+    """The body outputs (F's pieces) that depend on no parameter through anything
+    differentiable (``detach``, a no-grad region): C reads them as constants, so what C
+    returns of them comes back detached, as in eager."""
+    out = next(n for n in reversed(body.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    return frozenset(i for i, v in enumerate(values)
+                     if isinstance(v, fx.Node) and v.meta.get(PARAMS) is False)
+
+
 def _differentiable(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
@@ -335,9 +351,11 @@ class _TwoPhaseStep(torch.autograd.Function):
         flat = [o for o in outs if isinstance(o, torch.Tensor)]
         loss = outs[step.loss_index]
         step.loss_pos = next(i for i, o in enumerate(flat) if o is loss)
-        # only what cannot carry a gradient is marked: a gradient sent into any other output
-        # reaches backward, which refuses it (marking it would drop it silently)
-        ctx.mark_non_differentiable(*(o for o in flat if not _differentiable(o)))
+        # marked: what cannot carry a gradient, and what eager returns detached (computed
+        # under no_grad, or .detach()-ed); a gradient sent into any other output reaches
+        # backward, which refuses it (marking it would drop it silently)
+        ctx.mark_non_differentiable(*(o for i, o in enumerate(outs) if isinstance(o, torch.Tensor)
+                                      and (not _differentiable(o) or i in step.no_grad_outputs)))
         return tuple(flat)
 
     @staticmethod
