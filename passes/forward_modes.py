@@ -49,11 +49,13 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
 from .errors import CaptureError
-from .facts import GRAD_ENABLED
+from .facts import GRAD_ENABLED, SHAPES
+from .ops import TensorHook
+from .sources import source_line
 
 __all__ = ["GRAD_ENABLED", "autocast_regions", "autocast_state", "detach_grad_free_inputs",
            "detach_no_grad_regions", "differentiation_error", "differentiation_refused",
-           "inference_mode_as_no_grad", "stamp_modes"]
+           "check_tensor_hooks", "inference_mode_as_no_grad", "stamp_modes"]
 
 _AUTOCAST = "mbcompile.autocast"
 _DEVICES = ("cpu", "cuda")
@@ -190,3 +192,50 @@ def differentiation_error(model_name: str) -> CaptureError:
         "microbatch's backward itself and cannot keep a differentiation nested inside "
         "its forward. Fix: compute the penalty outside the compiled module, or compile "
         "the part of the model that does not differentiate")
+
+
+def check_tensor_hooks(graph: fx.Graph, model_name: str) -> None:
+    """Refuse a tensor hook forward registers unless it is linear in the gradient and keeps
+    samples apart: it runs on each microbatch's gradient (``ops.TensorHook``), which equals
+    the full batch's only for such a hook. Checked on random gradients of the value's shape
+    at the full batch (``SHAPES``, from the shape pass): ``hook(2a + 3b) = 2 hook(a) +
+    3 hook(b)``, and the hook of the batch equals the hooks of its two halves, joined."""
+    for node in graph.nodes:
+        if not isinstance(node.target, TensorHook):
+            continue
+        info = node.meta.get(SHAPES)
+        if not getattr(info, "is_tensor", False) or not (info.dtype.is_floating_point):
+            continue
+        why = _hook_misbehaves(node.target.fn, info)
+        if why is not None:
+            raise CaptureError(
+                f"{model_name}.forward registers a tensor hook at {source_line(node)} that "
+                f"{why}; the compiled step runs it on each microbatch's gradient, which "
+                "equals the full batch's only for a hook linear in the gradient that keeps "
+                "samples apart (a scale, a mask, a sign flip). Fix: apply the transformation "
+                "to the gradients after backward (e.g. clip in the optimizer step), or "
+                "compile without the hook")
+
+
+def _hook_misbehaves(fn: Any, info: Any) -> str | None:
+    dtype = torch.float64  # the check's own precision, whatever the model's
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(info.shape_a, generator=generator, dtype=dtype) for _ in range(2))
+
+    def hooked(g: torch.Tensor) -> torch.Tensor:
+        out = fn(g.clone())
+        return g if out is None else out
+
+    def close(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return bool(torch.allclose(x, y, rtol=1e-9, atol=1e-12 * float(y.abs().max()) + 1e-300))
+
+    if not close(hooked(2 * a + 3 * b), 2 * hooked(a) + 3 * hooked(b)):
+        return "is not linear in the gradient"
+    dim = next((i for i, (x, y) in enumerate(zip(info.shape_a, info.shape_b)) if x != y), None)
+    if dim is not None and info.shape_a[dim] >= 2:
+        half = info.shape_a[dim] // 2
+        parts = torch.cat([hooked(a.narrow(dim, 0, half)),
+                           hooked(a.narrow(dim, half, info.shape_a[dim] - half))], dim)
+        if not close(parts, hooked(a)):
+            return "mixes the samples of the batch"
+    return None

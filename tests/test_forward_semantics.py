@@ -233,6 +233,26 @@ def test_a_tensor_hook_registered_in_forward_is_kept(kw):
     _assert_exact(model, _compile(model, batch, **kw), batch)
 
 
+class HookedWith(nn.Module):
+    def __init__(self, hook: Any) -> None:
+        super().__init__()
+        self.a, self.b, self.hook = nn.Linear(4, 8), nn.Linear(8, 3), hook
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.register_hook(self.hook)
+        return F.mse_loss(self.b(h), y)
+
+
+@pytest.mark.parametrize("hook, why", [
+    (lambda g: g.clamp(-0.01, 0.01), "is not linear in the gradient"),
+    (lambda g: g - g.mean(0), "mixes the samples of the batch"),
+], ids=["clamp", "centre"])
+def test_a_tensor_hook_that_a_microbatch_would_change_is_refused(hook, why):
+    with pytest.raises(mbcompile.CaptureError, match=why):
+        _compile(HookedWith(hook), _batch())
+
+
 def test_a_tensor_hook_under_export_is_refused_at_its_line():
     with pytest.raises(mbcompile.CaptureError, match=r"registers a tensor hook at .*register_hook"):
         _compile(Hooked(), _batch(), capture="export")
