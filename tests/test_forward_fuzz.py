@@ -1249,8 +1249,32 @@ RECOMPUTED = list(CONSTRUCTS) if _LONG else [
 CASES = [(name, combination) for name in CONSTRUCTS for combination in COMBINATIONS
          if combination != "recompute" or name in RECOMPUTED]
 
+#: What this fuzzer found that is still open (issue 25), each a strict xfail: it must start
+#: passing when fixed, and then its line goes. The random combinations leave these out.
+OPEN = {
+    "forward_hook_mixing": "S3: a forward hook of a layer the graph calls as one node runs "
+                           "per microbatch, unseen by the analysis; one that mixes samples "
+                           "(out - out.mean(0)) trains silently different",
+    "ema_param_loop": "S4/T1: fx iterates .parameters() as real tensors, so the in-place EMA "
+                      "runs at trace time (compile changes the teacher) and not in the step",
+    "generator_noise": "S5: a per-sample draw from a model-owned generator is drawn per "
+                       "microbatch, like dropout (DESIGN.md's one exception); exact draws "
+                       "would hoist the draw out of the loop",
+    "generator_shared": "S6/T2: a batch-free draw with constant arguments is run by fx at "
+                        "trace time and frozen into the graph as a constant",
+}
+OPEN_CASES = {("ema_param_attr", "two_phase"): "T3: the frozen-parameter EMA written in P runs "
+              "in phase 1 and again in phase 3; the replay check stops the step, naming "
+              "randomness, and the teacher is left changed"}
 
-@pytest.mark.parametrize(("construct", "combination"), CASES, ids=[f"{n}-{c}" for n, c in CASES])
+
+def _case(name: str, combination: str) -> Any:
+    why = OPEN_CASES.get((name, combination), OPEN.get(name))
+    marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
+    return pytest.param(name, combination, marks=marks, id=f"{name}-{combination}")
+
+
+@pytest.mark.parametrize(("construct", "combination"), [_case(n, c) for n, c in CASES])
 def test_each_construct_is_exact_or_refused(construct, combination):
     assert_ok(COMBINATIONS[combination](construct))
 
@@ -1304,6 +1328,14 @@ def test_torch_compile_cases(spec):
     assert_ok(spec)
 
 
+#: the random combinations draw from every construct but the open ones (their cases above),
+#: and the dropouts: S8, once export captures them (fx fails on another construct),
+#: nn.Dropout(1.0) is aten.native_dropout, which draws a mask even at p=1 where eager draws
+#: none: equal values, another global RNG stream (DESIGN.md's exception for random draws)
+RANDOM_CONSTRUCTS = [n for n in CONSTRUCTS if n not in OPEN and n not in (
+    "ema_param_attr", "dropout_module_p", "dropout_module_eval")]
+
+
 @st.composite
 def specs(draw: Any, torch_compile: bool = _LONG) -> Spec:
     gbs = draw(st.integers(5, 9))
@@ -1312,7 +1344,7 @@ def specs(draw: Any, torch_compile: bool = _LONG) -> Spec:
     return Spec(
         # a prefix of a permutation: every construct about equally often (sampled_from favours
         # the first entries of a list), none twice
-        constructs=tuple(draw(st.permutations(list(CONSTRUCTS)))[:draw(st.integers(1, 4))]),
+        constructs=tuple(draw(st.permutations(RANDOM_CONSTRUCTS))[:draw(st.integers(1, 4))]),
         gbs=gbs, num_csx=num_csx, mbs=draw(st.integers(1, pbs)),
         loss=draw(st.sampled_from(["mse", "ce"])),
         extras=tuple(draw(st.lists(st.sampled_from(list(EXTRAS)), max_size=2, unique=True))),
