@@ -451,6 +451,8 @@ class CompiledModule(nn.Module):
             for target, value in zip(state.targets, new):
                 if target.kind == "buffer":
                     self._inner.get_buffer(target.name).copy_(value)
+                elif target.kind == "parameter":  # under no_grad: it stays a leaf
+                    self._inner.get_parameter(target.name).copy_(value)
                 else:
                     arguments[target.name].copy_(value)
 

@@ -46,6 +46,7 @@ import torch.fx as fx
 from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm as _LegacyWeightNorm
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .custom_functions import refused_in_fx
@@ -223,6 +224,43 @@ class _FlatOutputTracer(fx.Tracer):
             return tuple(leaves)
 
         return flat_fn, args
+
+
+class _StateAsProxies(TorchFunctionMode):
+    """While fx traces: the model's own parameters and buffers, reached as tensors rather
+    than attributes (``for p in self.teacher.parameters(): p.mul_(0.9)``), enter the graph
+    as ``get_attr`` nodes, and a random draw with no symbolic argument
+    (``torch.randn(4, generator=self.g)``) becomes a node.
+
+    fx sees only calls on its proxies: without this, such a call runs on real tensors at
+    trace time (the EMA updates the teacher once, at compile; the draw advances the
+    generator once and its noise is a constant of every step).
+    """
+
+    def __init__(self, tracer: fx.Tracer, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.tracer = tracer
+        self.state = {id(t): name for name, t in (*model.named_parameters(),
+                                                  *model.named_buffers())}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        if any(isinstance(v, torch.Tensor) and id(v) in self.state for v in leaves):
+            args, kwargs = pytree.tree_map(self._as_proxy, (args, kwargs))
+        elif func in _RANDOM_FACTORIES and not any(isinstance(v, fx.Proxy) for v in leaves):
+            return self.tracer.create_proxy("call_function", func, tuple(args), kwargs)
+        return func(*args, **kwargs)
+
+    def _as_proxy(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and id(value) in self.state:
+            return self.tracer.create_proxy("get_attr", self.state[id(value)], (), {})
+        return value
+
+
+_RANDOM_FACTORIES = frozenset({torch.randn, torch.rand, torch.randint, torch.randperm,
+                               torch.normal})
 
 
 class _HookHandle(fx.Proxy):
@@ -407,7 +445,8 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
         try:
             # a training forward is traced: no-grad regions are forward's own, not the caller's
             with python_state_kept(model), recorded_reads(model, name) as guards, \
-                    refused_in_fx(name), torch.enable_grad():
+                    refused_in_fx(name), torch.enable_grad(), \
+                    (contextlib.nullcontext() if units else _StateAsProxies(tracer, model)):
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored

@@ -1,4 +1,4 @@
-"""State-updates pass: writes into buffers and inputs become extra graph outputs.
+"""State-updates pass: writes into buffers, frozen parameters and inputs become extra outputs.
 
 A functionalized capture ends with the state the call changes written back in
 place: ``copy_(self.center, new_center)`` for a buffer, ``copy_(x, new_x)`` for an
@@ -31,6 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .errors import CaptureError
+from .sources import source_line
+
 __all__ = ["StateTarget", "StateUpdates", "has_mutations", "lift_state_updates", "mutates"]
 
 _COPIES = (torch.ops.aten.copy_.default, torch.Tensor.copy_, "copy_")
@@ -40,7 +43,7 @@ _COPIES = (torch.ops.aten.copy_.default, torch.Tensor.copy_, "copy_")
 class StateTarget:
     """Where an extra output is written back: a buffer (by qualified name) or an input."""
 
-    kind: str  # "buffer" or "input"
+    kind: str  # "buffer", "parameter" (a frozen one: an EMA copy) or "input"
     name: str  # the buffer's qualified name, or the input's placeholder name
 
 
@@ -62,6 +65,16 @@ def _target(node: fx.Node, gm: fx.GraphModule) -> StateTarget | None:
         module = gm.get_submodule(owner) if owner else gm
         if name in dict(module.named_buffers(recurse=False)):
             return StateTarget("buffer", str(node.target))
+        param = dict(module.named_parameters(recurse=False)).get(name)
+        if param is not None:
+            if param.requires_grad:
+                raise CaptureError(
+                    f"forward writes the trained parameter {node.target!r} in place "
+                    f"({source_line(node)}); the uses after the write would read the new "
+                    "value without a gradient to the parameter. Fix: update it outside "
+                    "forward (in the optimizer step), or freeze it (requires_grad_(False)) "
+                    "if it is an EMA copy")
+            return StateTarget("parameter", str(node.target))  # an EMA copy, frozen
     return None
 
 

@@ -1255,17 +1255,14 @@ OPEN = {
     "forward_hook_mixing": "S3: a forward hook of a layer the graph calls as one node runs "
                            "per microbatch, unseen by the analysis; one that mixes samples "
                            "(out - out.mean(0)) trains silently different",
-    "ema_param_loop": "S4/T1: fx iterates .parameters() as real tensors, so the in-place EMA "
-                      "runs at trace time (compile changes the teacher) and not in the step",
     "generator_noise": "S5: a per-sample draw from a model-owned generator is drawn per "
                        "microbatch, like dropout (DESIGN.md's one exception); exact draws "
                        "would hoist the draw out of the loop",
-    "generator_shared": "S6/T2: a batch-free draw with constant arguments is run by fx at "
-                        "trace time and frozen into the graph as a constant",
+    "generator_shared": "S6: a batch-free draw from a model-owned generator is drawn per "
+                        "microbatch (it was a constant frozen at trace time), where eager "
+                        "draws once per step",
 }
-OPEN_CASES = {("ema_param_attr", "two_phase"): "T3: the frozen-parameter EMA written in P runs "
-              "in phase 1 and again in phase 3; the replay check stops the step, naming "
-              "randomness, and the teacher is left changed"}
+OPEN_CASES: dict[tuple[str, str], str] = {}
 
 
 def _case(name: str, combination: str) -> Any:
@@ -1329,11 +1326,10 @@ def test_torch_compile_cases(spec):
 
 
 #: the random combinations draw from every construct but the open ones (their cases above),
-#: and the dropouts: S8, once export captures them (fx fails on another construct),
-#: nn.Dropout(1.0) is aten.native_dropout, which draws a mask even at p=1 where eager draws
-#: none: equal values, another global RNG stream (DESIGN.md's exception for random draws)
-RANDOM_CONSTRUCTS = [n for n in CONSTRUCTS if n not in OPEN and n not in (
-    "ema_param_attr", "dropout_module_p", "dropout_module_eval")]
+#: and the dropouts: S8, once export captures them (fx fails on another construct), dropout
+#: is aten.native_dropout, which draws a mask even at p=0 or 1 where eager draws none:
+#: equal values, another global RNG stream (DESIGN.md's exception for random draws)
+RANDOM_CONSTRUCTS = [n for n in CONSTRUCTS if n not in OPEN and not n.startswith("dropout")]
 
 
 @st.composite

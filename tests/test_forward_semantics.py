@@ -330,6 +330,24 @@ def test_a_frozen_parameter_updated_in_place_stays_a_leaf(kw):
     _two_steps(model, cm, batch)  # torch_compile: the second step ran into "backward twice"
 
 
+def test_a_trained_parameter_written_in_place_is_refused():
+    class Clamped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.a.weight.clamp_(-0.1, 0.1)
+            return F.mse_loss(self.a(x), y)
+
+    model = Clamped()
+    before = model.a.weight.detach().clone()
+    with pytest.raises(mbcompile.CaptureError, match="trained parameter 'a.weight' in place"):
+        _compile(model, _batch())
+    assert torch.equal(model.a.weight, before)
+
+
 class Counter(nn.Module):
     def __init__(self) -> None:
         super().__init__()
