@@ -45,7 +45,11 @@ from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture, fsdp_modules
 from mbcompile.passes.export_capture import export_capture
 from mbcompile.passes.facts import SHAPES, input_fact
-from mbcompile.passes.forward_modes import check_tensor_hooks, detach_grad_free_inputs
+from mbcompile.passes.forward_modes import (
+    check_layer_hooks,
+    check_tensor_hooks,
+    detach_grad_free_inputs,
+)
 from mbcompile.passes.guards import Guard, failed_guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
@@ -712,6 +716,7 @@ def _analyse_captured(captured: CaptureResult, gbs: int, inputs: _Inputs,
         rejected = mixing_error(exc.node, gm, exc.reason, exc.fix)
         return _Analysed(captured, BatchAnalysis(gm, rejected=rejected), state)
     check_tensor_hooks(gm.graph, type(captured.graph_module).__name__)
+    check_layer_hooks(gm, type(captured.graph_module).__name__)
     # no-grad regions of an fx trace, now that the shapes say which values are tensors
     if detach_grad_free_inputs(gm.graph, lambda n: getattr(n.meta.get(SHAPES), "is_tensor",
                                                            False)):

@@ -55,7 +55,8 @@ from .sources import source_line
 
 __all__ = ["GRAD_ENABLED", "autocast_regions", "autocast_state", "detach_grad_free_inputs",
            "detach_no_grad_regions", "differentiation_error", "differentiation_refused",
-           "check_tensor_hooks", "inference_mode_as_no_grad", "stamp_modes"]
+           "check_layer_hooks", "check_tensor_hooks", "inference_mode_as_no_grad",
+           "stamp_modes"]
 
 _AUTOCAST = "mbcompile.autocast"
 _DEVICES = ("cpu", "cuda")
@@ -239,3 +240,48 @@ def _hook_misbehaves(fn: Any, info: Any) -> str | None:
         if not close(parts, hooked(a)):
             return "mixes the samples of the batch"
     return None
+
+
+def check_layer_hooks(gm: fx.GraphModule, model_name: str) -> None:
+    """Refuse a layer's forward (pre-)hook that a microbatch would change: a layer the graph
+    calls as one node runs its hooks at each call, on each microbatch, and the batch rule of
+    the layer knows nothing of them. Checked on a copy of the layer, on a random batch of
+    the input's full-batch shape (``SHAPES``): the batch's output must equal its two halves'
+    outputs, joined (``out - out.mean(0)`` does not)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+            continue
+        layer = gm.get_submodule(str(node.target))
+        if not (layer._forward_hooks or layer._forward_pre_hooks):
+            continue
+        info = getattr(node.args[0], "meta", {}).get(SHAPES)
+        if not getattr(info, "is_tensor", False) or not info.dtype.is_floating_point:
+            continue
+        dim = next((i for i, (x, y) in enumerate(zip(info.shape_a, info.shape_b)) if x != y),
+                   None)
+        if dim is None or info.shape_a[dim] < 2 or _splits_cleanly(layer, info, dim):
+            continue
+        raise CaptureError(
+            f"{model_name}: a forward hook of {type(layer).__name__} {node.target!r} changes "
+            f"what the layer returns depending on the whole batch ({source_line(node)}); the "
+            "layer runs with its hooks once per microbatch, so the step would differ from "
+            "eager. Fix: register the hook on a module of your own that wraps the layer (its "
+            "hooks are traced and judged with the model), or remove it while training")
+
+
+def _splits_cleanly(layer: torch.nn.Module, info: Any, dim: int) -> bool:
+    import copy
+
+    probe = copy.deepcopy(layer)  # its running statistics and buffers stay the user's
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(info.shape_a, generator=generator, dtype=info.dtype)
+    half = info.shape_a[dim] // 2
+    with torch.no_grad():
+        whole = probe(x)
+        parts = torch.cat([probe(x.narrow(dim, 0, half)),
+                           probe(x.narrow(dim, half, info.shape_a[dim] - half))], dim)
+    if not (isinstance(whole, torch.Tensor) and isinstance(parts, torch.Tensor)
+            and whole.shape == parts.shape):
+        return True  # not a tensor-to-tensor layer: nothing this check can compare
+    scale = float(whole.abs().max()) if whole.numel() else 0.0
+    return bool(torch.allclose(whole, parts, rtol=1e-5, atol=1e-6 * scale + 1e-30))

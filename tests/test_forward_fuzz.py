@@ -1252,9 +1252,6 @@ CASES = [(name, combination) for name in CONSTRUCTS for combination in COMBINATI
 #: What this fuzzer found that is still open (issue 25), each a strict xfail: it must start
 #: passing when fixed, and then its line goes. The random combinations leave these out.
 OPEN = {
-    "forward_hook_mixing": "S3: a forward hook of a layer the graph calls as one node runs "
-                           "per microbatch, unseen by the analysis; one that mixes samples "
-                           "(out - out.mean(0)) trains silently different",
     "generator_noise": "S5: a per-sample draw from a model-owned generator is drawn per "
                        "microbatch, like dropout (DESIGN.md's one exception); exact draws "
                        "would hoist the draw out of the loop",

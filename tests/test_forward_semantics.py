@@ -463,6 +463,15 @@ class HookedBlock(nn.Module):
         return self.lin(x)
 
 
+def test_a_layer_hook_that_mixes_samples_is_refused():
+    """A layer called as one node runs its hooks per microbatch: one that reads the whole
+    batch (centring the output) would change the step, so compile refuses it."""
+    model = Parametrized(lambda: nn.Linear(4, 3))
+    model.a.register_forward_hook(lambda m, args, out: out - out.mean(0))
+    with pytest.raises(mbcompile.CaptureError, match="depending on the whole batch"):
+        _compile(model, _batch())
+
+
 def test_module_hooks_present_at_compile_run_once_per_step():
     torch.manual_seed(0)
     model, batch = Parametrized(HookedBlock), _batch()
