@@ -357,8 +357,14 @@ ZOO: tuple[ZooModel, ...] = (
     masked("roformer", "RoFormerForMaskedLM", "RoFormerConfig"),
     masked("funnel", "FunnelForMaskedLM", "FunnelConfig", base=FUNNEL, block_sizes=[1, 1],
            d_head=8, d_inner=2 * WIDTH, tolerance=F32_INSIDE,
-           why="FunnelRelMultiheadAttention masks and normalises its scores in float32 "
-               "(attn_score.float())"),
+           why="FunnelRelMultiheadAttention casts its scores to float32 and back "
+               "(attn_score.float(), softmax(dtype=float64)); autograd casts the scores' "
+               "gradient to float32 on the way back. Eager's gradient there is of the mean "
+               "(g/N, rounded to float32); the compiled step backpropagates each "
+               "microbatch's partial sum from 1 and scales the step's gradient by 1/N "
+               "afterwards, so it rounds g, not g/N: fl32(g)/N differs from fl32(g/N) at "
+               "float32 rounding unless N (33 tokens here) is a power of two. The captured "
+               "graph itself, run by autograd on the whole batch, equals eager exactly"),
     ZooModel("bert_classification", CLASSIFY,
              hf("BertForSequenceClassification", "BertConfig", **ENCODER, num_labels=CLASSES),
              classes, tolerance=F64),
