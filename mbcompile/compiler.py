@@ -54,7 +54,12 @@ from mbcompile.passes.guards import Guard, failed_guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
 from mbcompile.passes.sources import user_stacklevel
-from mbcompile.passes.state_updates import StateUpdates, has_mutations, lift_state_updates
+from mbcompile.passes.state_updates import (
+    StateUpdates,
+    has_mutations,
+    lift_state_updates,
+    mutates,
+)
 from mbcompile.passes.unwrap import unwrap
 from mbcompile.planning.cost import ShardSpec
 from mbcompile.planning.explore import (
@@ -681,13 +686,17 @@ def _analyse_in_scope(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapp
                   and not isinstance(model, fx.GraphModule))
     if may_export and has_mutations(captured.graph_module):
         exported = _export_instead(model, inputs, example)
-        if exported is not None:
+        if isinstance(exported, CaptureResult):
             return _analyse_captured(exported, gbs, inputs, example)
+        if _writes_state(captured.graph_module):
+            # only export's functionalization turns a write into the model's state into a
+            # value written back once; its error says why it could not capture the model
+            raise exported
         may_export = False  # export cannot capture this model: do not try it twice
     analysed = _analyse_captured(captured, gbs, inputs, example)
     if may_export and isinstance(analysed.rejected, UnsupportedOpError):
         exported = _export_instead(model, inputs, example)
-        if exported is not None:
+        if isinstance(exported, CaptureResult):
             second = _analyse_captured(exported, gbs, inputs, example)
             if second.refused(inputs.coupling) is None:
                 return second
@@ -695,13 +704,19 @@ def _analyse_in_scope(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapp
 
 
 def _export_instead(model: nn.Module, inputs: _Inputs, example: Mapping[str, Any]
-                    ) -> CaptureResult | None:
-    """The torch.export capture, or None when export cannot capture the model either."""
+                    ) -> CaptureResult | CaptureError:
+    """The torch.export capture, or the error that says why export cannot capture it."""
     try:
         return export_capture(model, {n: example[n] for n in inputs.names},
                               dict(zip(inputs.names, inputs.in_dims)))
-    except CaptureError:
-        return None
+    except CaptureError as exc:
+        return exc
+
+
+def _writes_state(gm: fx.GraphModule) -> bool:
+    """Whether an fx graph writes in place into a parameter, a buffer or an input."""
+    return any(mutates(n) and n.args and isinstance(n.args[0], fx.Node)
+               and n.args[0].op in ("get_attr", "placeholder") for n in gm.graph.nodes)
 
 
 def _analyse_captured(captured: CaptureResult, gbs: int, inputs: _Inputs,
@@ -790,6 +805,21 @@ def _shard_spec(units: Sequence[tuple[str, nn.Module]], world: int) -> ShardSpec
                 seen.add(id(p))
                 sizes[owner[id(p)]] += p.numel() * p.element_size()  # DTensor: global numel
     return ShardSpec(world, tuple(sizes))
+
+
+def _recompute(option: bool | str, analysed: _Analysed) -> bool | str:
+    """``recompute`` as the model allows: a frozen parameter that forward writes (an EMA copy)
+    is written back after the step, in place, while a checkpointed block still holds it to
+    recompute from (autograd would refuse its new version in backward)."""
+    written = [t.name for t in analysed.state.targets if t.kind == "parameter"]
+    if not written:
+        return option
+    if option is True:
+        raise InputError(
+            f"recompute=True cannot run with a forward that writes the frozen parameter "
+            f"{written[0]!r} in place (an EMA copy): the recomputation in backward would "
+            "read it after the step wrote it back. Use recompute=False or 'auto'")
+    return False
 
 
 def _check_recompute(option: Any) -> bool | str:
@@ -1019,7 +1049,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                              [values[n] for n in inputs.names], inputs.in_dims, gbs, num_csx,
                              policy, spec, measure=measure, name=type(model).__name__,
                              two_phase=refused is None and analysed.rejected is not None,
-                             kept=keep, recompute=inputs.recompute if inner.training else False,
+                             kept=keep, recompute=_recompute(inputs.recompute, analysed)
+                             if inner.training else False,
                              shard=_shard_spec(units, num_csx), reshard=reshard)
     except MbcompileError:
         raise

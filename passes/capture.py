@@ -444,7 +444,7 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
                                    name)
         try:
             # a training forward is traced: no-grad regions are forward's own, not the caller's
-            with python_state_kept(model), recorded_reads(model, name) as guards, \
+            with python_state_kept(model) as rebound, recorded_reads(model, name) as guards, \
                     refused_in_fx(name), torch.enable_grad(), \
                     (contextlib.nullcontext() if units else _StateAsProxies(tracer, model)):
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
@@ -477,6 +477,12 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
             "forward and update it outside the model, or keep the update in a module trusted "
             "with mbcompile.trust_module")
     assert tracer.output_spec is not None
+    if rebound:  # self.seen = self.seen + n: fx records the sum, not the assignment
+        raise CaptureError(
+            f"{name}.forward assigns a new tensor to {rebound[0]!r}; torch.fx records the "
+            "value but not the assignment. Fix: compile with capture='auto' or 'export' "
+            "(torch.export writes it back once per step), or update it in place "
+            f"(self.{rebound[0].rsplit('.', 1)[-1]}.add_(...))")
     autocast = autocast_regions(graph)
     if autocast:
         raise CaptureError(
@@ -496,8 +502,9 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
-def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
-    """Undo what a traced forward assigns to its modules.
+def python_state_kept(model: torch.nn.Module) -> Iterator[list[str]]:
+    """Undo what a traced forward assigns to its modules; yields the list of the parameter,
+    buffer and submodule slots it rebound (filled when the block ends).
 
     Tracing runs forward once on symbolic or fake values, so an assignment in forward
     (``self.seen += n`` rebinding a buffer, legacy ``spectral_norm`` setting
@@ -507,13 +514,17 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[None]:
     """
     saved = [(mod, dict(mod.__dict__), *(dict(slots) for slots in _slots_of(mod)))
              for mod in model.modules()]
+    names = {id(mod): name for name, mod in model.named_modules()}
+    rebound: list[str] = []
     try:
-        yield
+        yield rebound
     finally:
         for mod, attrs, *slot_copies in saved:
             for slots, before in zip(_slots_of(mod), slot_copies):
                 if slots.keys() != before.keys() or any(slots[k] is not v
                                                         for k, v in before.items()):
+                    rebound.extend(".".join(filter(None, (names.get(id(mod)), k)))
+                                   for k in slots if slots[k] is not before.get(k))
                     slots.clear()
                     slots.update(before)
             for key in set(attrs) | set(mod.__dict__):
