@@ -227,14 +227,15 @@ class _FlatOutputTracer(fx.Tracer):
 
 
 class _StateAsProxies(TorchFunctionMode):
-    """While fx traces: the model's own parameters and buffers, reached as tensors rather
-    than attributes (``for p in self.teacher.parameters(): p.mul_(0.9)``), enter the graph
-    as ``get_attr`` nodes, and a random draw with no symbolic argument
-    (``torch.randn(4, generator=self.g)``) becomes a node.
+    """While fx traces: a call without any proxy argument that fx would not see becomes a
+    node when it writes into the model's own state (``for p in self.teacher.parameters():
+    p.mul_(0.9)``: the parameters enter as ``get_attr`` nodes) or draws random numbers
+    (``torch.randn(4, generator=self.g)``).
 
-    fx sees only calls on its proxies: without this, such a call runs on real tensors at
-    trace time (the EMA updates the teacher once, at compile; the draw advances the
-    generator once and its noise is a constant of every step).
+    Without this such a call runs on real tensors at trace time: the EMA updates the
+    teacher once, at compile; the draw advances the generator once, and its noise is a
+    constant of every step. (A state tensor used together with a proxy is fx's own
+    business: it becomes a ``get_attr``.)
     """
 
     def __init__(self, tracer: fx.Tracer, model: torch.nn.Module) -> None:
@@ -247,10 +248,12 @@ class _StateAsProxies(TorchFunctionMode):
                            ) -> Any:
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
-        if any(isinstance(v, torch.Tensor) and id(v) in self.state for v in leaves):
-            args, kwargs = pytree.tree_map(self._as_proxy, (args, kwargs))
-        elif func in _RANDOM_FACTORIES and not any(isinstance(v, fx.Proxy) for v in leaves):
-            return self.tracer.create_proxy("call_function", func, tuple(args), kwargs)
+        if not any(isinstance(v, fx.Proxy) for v in leaves):  # fx would not see the call
+            if func in _RANDOM_FACTORIES:
+                return self.tracer.create_proxy("call_function", func, tuple(args), kwargs)
+            if _in_place(func) and args and isinstance(args[0], torch.Tensor) \
+                    and id(args[0]) in self.state:  # a write into the model's state
+                args, kwargs = pytree.tree_map(self._as_proxy, (args, kwargs))
         return func(*args, **kwargs)
 
     def _as_proxy(self, value: Any) -> Any:
@@ -261,6 +264,14 @@ class _StateAsProxies(TorchFunctionMode):
 
 _RANDOM_FACTORIES = frozenset({torch.randn, torch.rand, torch.randint, torch.randperm,
                                torch.normal})
+
+
+def _in_place(func: Any) -> bool:
+    """``Tensor.mul_``, ``Tensor.copy_``, ``Tensor.__iadd__``: a call that writes its first
+    argument (``__get__`` of a property, ``Tensor.grad_fn``, is not one)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("_")) or (
+        name.startswith("__i") and name.endswith("__") and name != "__init__")
 
 
 class _HookHandle(fx.Proxy):
@@ -509,11 +520,13 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[list[str]]:
     Tracing runs forward once on symbolic or fake values, so an assignment in forward
     (``self.seen += n`` rebinding a buffer, legacy ``spectral_norm`` setting
     ``module.weight``, a cache) would leave a proxy or fake tensor in the user's model:
-    every attribute, parameter, buffer and submodule slot is put back as it was. (A
+    every attribute, parameter, buffer and submodule slot, and every hook dictionary, is put
+    back as it was. (A
     public number or flag that forward changes is refused: ``guards.recorded_reads``.)
     """
     saved = [(mod, dict(mod.__dict__), *(dict(slots) for slots in _slots_of(mod)))
              for mod in model.modules()]
+    hooks = [(table, dict(table)) for mod in model.modules() for table in _hook_tables(mod)]
     names = {id(mod): name for name, mod in model.named_modules()}
     rebound: list[str] = []
     try:
@@ -532,10 +545,19 @@ def python_state_kept(model: torch.nn.Module) -> Iterator[list[str]]:
                     del mod.__dict__[key]
                 elif mod.__dict__.get(key, _MISSING) is not attrs[key]:
                     mod.__dict__[key] = attrs[key]
+        for table, before in hooks:  # hooks a library installs on its first call
+            if table.keys() != before.keys():
+                table.clear()
+                table.update(before)
 
 
 def _slots_of(mod: torch.nn.Module) -> tuple[dict[str, Any], ...]:
     return mod._parameters, mod._buffers, mod._modules
+
+
+def _hook_tables(mod: torch.nn.Module) -> list[dict[Any, Any]]:
+    """Every dict of hooks (and hook flags) a module keeps, as ``Module.__init__`` makes them."""
+    return [v for k, v in vars(mod).items() if "hook" in k and isinstance(v, dict)]
 
 
 def signature_of(model: torch.nn.Module) -> inspect.Signature:
