@@ -1,16 +1,89 @@
-"""Suite-wide guard: no test leaves a rule registered or a module trusted behind it."""
+"""Suite-wide: one intra-op thread, slow tests first, and a guard that no test leaves a
+rule registered or a module trusted behind it.
+
+The suite runs under pytest-xdist (``-n auto --dist loadgroup`` in pyproject.toml): one
+worker per core, so each worker and every process it starts (spawned ranks, ``mbcompile``
+subprocesses) uses one intra-op thread. The test models are tiny; a second thread buys
+nothing, and its spin-waiting on a busy 2-core machine made small ops up to 100x slower.
+"""
 
 from __future__ import annotations
 
+import os
+import random
 from collections.abc import Iterator
 
 import pytest
 
-from mbcompile.passes.batch_rules import TABLE
+# Before torch is imported here or in any child process (children inherit the variable):
+# torch reads it once, for its default thread count. An explicit setting is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_HASHSEED_FLAG = "MBCOMPILE_TESTS_SET_PYTHONHASHSEED"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist every worker must collect the same tests in the same order, and a test
+    parametrized over a set of strings is ordered by the hash seed: the workers share one
+    seed, drawn here for the run. The workers then drop it from their environment, so
+    that the processes a test starts (tests/test_determinism.py compares fresh ones) draw
+    their own, as they do without xdist."""
+    if hasattr(config, "workerinput"):  # an xdist worker
+        if os.environ.pop(_HASHSEED_FLAG, None):
+            os.environ.pop("PYTHONHASHSEED", None)
+    elif getattr(config.option, "tx", None) and "PYTHONHASHSEED" not in os.environ:
+        os.environ["PYTHONHASHSEED"] = str(random.randrange(1, 2**32))
+        os.environ[_HASHSEED_FLAG] = "1"
+
+
+# Module-scoped fixtures that cost seconds (a compile, a spawn of ranks, a wheel build):
+# the tests that use one go to the same xdist worker (one work unit of --dist loadgroup),
+# so that the fixture runs once, not once per worker. Keyed by "<file>::<fixture>".
+SHARED_FIXTURES = {
+    "tests/test_cost.py::costs",
+    "tests/test_explore.py::costs",
+    "tests/test_fsdp_memory.py::measured",
+    "tests/test_layering.py::lazy_probe",
+    "tests/test_packaging.py::wheel",
+    "tests/test_two_phase.py::mixtral",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    units = {}  # item -> its work unit: its xdist group, else itself
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        for name in getattr(item, "fixturenames", ()):
+            key = f"{path}::{name}"
+            if key in SHARED_FIXTURES:
+                stem = path.rsplit("/", 1)[-1].removesuffix(".py")
+                item.add_marker(pytest.mark.xdist_group(f"{stem}.{name}"))
+                break
+        group = item.get_closest_marker("xdist_group")
+        name = group and (group.args[0] if group.args else group.kwargs.get("name", "default"))
+        units[item] = name or item.nodeid
+    # Slow tests (mostly spawned ranks and subprocesses) first: under xdist they start
+    # while the many short tests fill the other worker, instead of ending the run alone.
+    # A group is slow if one of its tests is, and moves as a whole; the sort is stable, so
+    # the order within each class is the collection order.
+    slow = {units[item] for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: units[item] not in slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_intra_op_thread() -> None:
+    """In case torch was imported before this file set OMP_NUM_THREADS (by a plugin)."""
+    if os.environ.get("OMP_NUM_THREADS") == "1":
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
 def _rule_table_unchanged() -> Iterator[None]:
+    from mbcompile.passes.batch_rules import TABLE  # here: the xdist controller needs no torch
+
     before = TABLE.snapshot()
     yield
     changes = TABLE.changes_since(before)

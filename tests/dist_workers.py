@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import random
+import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,3 +161,34 @@ def state_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
     cm(*mbdist.shard(batch, cm.plan, rank)).backward()
     torch.save({k: v.clone() for k, v in model.state_dict().items()},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_jobs(rank: int, world: int, out_dir: str,
+             jobs: list[tuple[str, Callable[..., None], tuple[Any, ...]]]) -> None:
+    """Several workers, one after another, on one spawn of the ranks (starting ranks, and
+    the first step in a process, is most of a job's time): each ``fn(rank, world,
+    out_dir/name, *args)`` as a fresh process would run it, with torch's and Python's RNG
+    and this module's settings (``mbdist.BUCKET_BYTES``, ``OVERLAP``) as they were at the
+    start. Writes ``name/done{rank}`` (the job's seconds) after each job, or
+    ``name/error{rank}.txt`` (its traceback) and stops; a barrier between jobs."""
+    settings = {k: v for k, v in vars(mbdist).items()
+                if not k.startswith("__") and isinstance(v, (bool, int, float, str))}
+    torch_rng, python_rng = torch.get_rng_state(), random.getstate()
+    for name, fn, args in jobs:
+        job_dir = os.path.join(out_dir, name)
+        os.makedirs(job_dir, exist_ok=True)
+        torch.set_rng_state(torch_rng)
+        random.setstate(python_rng)
+        t0 = time.monotonic()
+        try:
+            fn(rank, world, job_dir, *args)
+        except BaseException:
+            with open(os.path.join(job_dir, f"error{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+            raise
+        finally:
+            vars(mbdist).update(settings)
+        with open(os.path.join(job_dir, f"done{rank}"), "w") as f:
+            f.write(repr(time.monotonic() - t0))
+        dist.barrier()
+
