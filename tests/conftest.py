@@ -9,9 +9,13 @@ nothing, and its spin-waiting on a busy 2-core machine made small ops up to 100x
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
+import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -20,6 +24,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _HASHSEED_FLAG = "MBCOMPILE_TESTS_SET_PYTHONHASHSEED"
+_GROUPS_DIR = "MBCOMPILE_TESTS_XDIST_GROUPS"  # where the workers write their tests' groups
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -27,13 +32,68 @@ def pytest_configure(config: pytest.Config) -> None:
     parametrized over a set of strings is ordered by the hash seed: the workers share one
     seed, drawn here for the run. The workers then drop it from their environment, so
     that the processes a test starts (tests/test_determinism.py compares fresh ones) draw
-    their own, as they do without xdist."""
+    their own, as they do without xdist.
+
+    ``--dist loadgroup`` groups by a suffix that xdist adds to the node ids, which no
+    longer takes effect on pytest 9.2 (pytest-xdist issue 1386): the groups would be
+    split silently. So the workers write each test's group to a file and the controller's
+    scheduler (_GroupScheduling) reads it."""
     if hasattr(config, "workerinput"):  # an xdist worker
         if os.environ.pop(_HASHSEED_FLAG, None):
             os.environ.pop("PYTHONHASHSEED", None)
-    elif getattr(config.option, "tx", None) and "PYTHONHASHSEED" not in os.environ:
+        return
+    if not getattr(config.option, "tx", None):  # no xdist workers
+        return
+    if "PYTHONHASHSEED" not in os.environ:
         os.environ["PYTHONHASHSEED"] = str(random.randrange(1, 2**32))
         os.environ[_HASHSEED_FLAG] = "1"
+    if config.pluginmanager.has_plugin("xdist") and config.getvalue("dist") == "loadgroup":
+        folder = tempfile.mkdtemp(prefix="mbcompile-xdist-groups-")
+        os.environ[_GROUPS_DIR] = folder  # the workers inherit it
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+        config.pluginmanager.register(_GroupScheduling(folder), "mbcompile-xdist-groups")
+
+
+class _GroupScheduling:
+    """``--dist loadgroup`` whose groups come from the workers' files, not node ids."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        from xdist.scheduler import LoadGroupScheduling
+
+        folder = self.folder
+
+        class Scheduling(LoadGroupScheduling):
+            groups: dict[str, str] | None = None
+
+            def schedule(self) -> None:  # every worker has collected, and written its file
+                if self.groups is None:
+                    self.groups = {}
+                    for name in sorted(os.listdir(folder)):
+                        with open(os.path.join(folder, name)) as f:
+                            self.groups.update(json.load(f))
+                super().schedule()
+
+            def _split_scope(self, nodeid: str) -> str:
+                group = (self.groups or {}).get(nodeid)
+                return f"@{group}" if group else super()._split_scope(nodeid)
+
+        return Scheduling(config, log)
+
+
+def _write_groups(units: dict[pytest.Item, str]) -> None:
+    """In an xdist worker: each grouped test's group, for _GroupScheduling."""
+    folder, worker = os.environ.get(_GROUPS_DIR), os.environ.get("PYTEST_XDIST_WORKER")
+    if not folder or not worker:
+        return
+    groups = {item.nodeid: unit for item, unit in units.items() if unit != item.nodeid}
+    path = os.path.join(folder, f"{worker}.json")
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(groups, f)
+    os.replace(f"{path}.tmp", path)
 
 
 # Module-scoped fixtures that cost seconds (a compile, a spawn of ranks, a wheel build):
@@ -60,9 +120,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 stem = path.rsplit("/", 1)[-1].removesuffix(".py")
                 item.add_marker(pytest.mark.xdist_group(f"{stem}.{name}"))
                 break
-        group = item.get_closest_marker("xdist_group")
-        name = group and (group.args[0] if group.args else group.kwargs.get("name", "default"))
-        units[item] = name or item.nodeid
+        # as xdist names a group: a test with several marks joins their names
+        names = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}
+        units[item] = "_".join(sorted(names)) or item.nodeid
+    _write_groups(units)
     # Slow tests (mostly spawned ranks and subprocesses) first: under xdist they start
     # while the many short tests fill the other worker, instead of ending the run alone.
     # A group is slow if one of its tests is, and moves as a whole; the sort is stable, so
