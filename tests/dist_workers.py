@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
-import time
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -163,32 +162,17 @@ def state_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def run_jobs(rank: int, world: int, out_dir: str,
-             jobs: list[tuple[str, Callable[..., None], tuple[Any, ...]]]) -> None:
-    """Several workers, one after another, on one spawn of the ranks (starting ranks, and
-    the first step in a process, is most of a job's time): each ``fn(rank, world,
-    out_dir/name, *args)`` as a fresh process would run it, with torch's and Python's RNG
-    and this module's settings (``mbdist.BUCKET_BYTES``, ``OVERLAP``) as they were at the
-    start. Writes ``name/done{rank}`` (the job's seconds) after each job, or
-    ``name/error{rank}.txt`` (its traceback) and stops; a barrier between jobs."""
-    settings = {k: v for k, v in vars(mbdist).items()
-                if not k.startswith("__") and isinstance(v, (bool, int, float, str))}
-    torch_rng, python_rng = torch.get_rng_state(), random.getstate()
-    for name, fn, args in jobs:
-        job_dir = os.path.join(out_dir, name)
-        os.makedirs(job_dir, exist_ok=True)
-        torch.set_rng_state(torch_rng)
-        random.setstate(python_rng)
-        t0 = time.monotonic()
-        try:
-            fn(rank, world, job_dir, *args)
-        except BaseException:
-            with open(os.path.join(job_dir, f"error{rank}.txt"), "w") as f:
-                f.write(traceback.format_exc())
-            raise
-        finally:
-            vars(mbdist).update(settings)
-        with open(os.path.join(job_dir, f"done{rank}"), "w") as f:
-            f.write(repr(time.monotonic() - t0))
-        dist.barrier()
-
+def logged(rank: int, log_dir: str, target: Callable[..., None],
+           target_args: tuple[Any, ...]) -> None:
+    """``target(rank, *target_args)`` with this rank's stdout and stderr going to
+    ``log_dir/rank{rank}.log`` (tests/test_distributed.py ``_run`` copies them to the test's
+    output: a rank forked from the forkserver would write to the output of whichever test
+    started it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"),
+                 os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    target(rank, *target_args)

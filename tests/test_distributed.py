@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import shutil
+import sys
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import dist_workers
 import pytest
@@ -18,96 +20,66 @@ from mbcompile.models import make_tiny_gpt
 
 TIMEOUT_S = 90
 
-# 12-32 s per test on 2 cores (measured three times on a shared machine): every test
-# that spawns ranks (each rank imports torch) is marked slow.
+# 12-32 s per test on 2 cores (measured three times on a shared machine) while every rank
+# was a fresh interpreter importing torch: every test that starts ranks is marked slow.
+# Forked from the forkserver below, they take a few seconds.
+
+# What the ranks' forkserver imports once (a module missing here is skipped): torch,
+# mbcompile, and what their first step imports lazily (dynamo, FSDP, sympy, networkx).
+FORKSERVER_PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "torch._inductor",
+    "sympy", "networkx", "mbcompile.compiler", "mbcompile.execution.distributed",
+    "dist_workers", "fsdp_workers", "fsdp_memory_workers", "fsdp_training_workers",
+    "two_phase_workers",
+]
 
 
 def _run(fn, world: int, *args, timeout_s: float = TIMEOUT_S,
          collective_timeout_s: float = 30.0) -> None:
-    """Spawn ``world`` gloo ranks running ``fn`` and wait, bounded in time."""
-    ctx = mp.start_processes(mbdist._worker, args=(world, mbdist.free_port(),
-                                                   collective_timeout_s, fn, args),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"distributed test did not finish within {timeout_s} s")
+    """Start ``world`` gloo ranks running ``fn`` and wait, bounded in time.
 
-
-class Jobs:
-    """The outputs of several rank workers run on one spawn of the ranks
-    (``dist_workers.run_jobs``): ``jobs.dir(name)`` is the folder the job ``name`` wrote,
-    once every rank finished it."""
-
-    def __init__(self, out: Path, world: int, names: list[str], error: str | None) -> None:
-        self.out, self.world, self.names, self.error = out, world, names, error
-
-    def dir(self, name: str) -> Path:
-        folder = self.out / name
-        done = [folder / f"done{r}" for r in range(self.world)]
-        if all(p.exists() for p in done):
-            return folder
-        errors = "\n".join(p.read_text() for p in sorted(folder.glob("error*.txt")))
-        pytest.fail(f"job {name!r} did not finish on every rank of the shared spawn "
-                    f"(jobs, in order: {self.names}):\n{errors or self.error}", pytrace=False)
-
-    def seconds(self, name: str) -> list[float]:
-        """How long each rank took over the job (its start to its end, after start-up)."""
-        return [float((self.dir(name) / f"done{r}").read_text()) for r in range(self.world)]
-
-
-def run_jobs(world: int, out: Path,
-             jobs: dict[str, tuple[Callable[..., None], tuple[Any, ...]]],
-             timeout_s: float = TIMEOUT_S, collective_timeout_s: float = 30.0) -> Jobs:
-    """Run the workers ``jobs`` (name: (fn, args)) one after another on one spawn of
-    ``world`` ranks, bounded by ``timeout_s`` per job. A failure does not raise here: each
-    test asks ``Jobs.dir`` for its own job, and fails with the rank's error if that job
-    did not finish."""
-    error = None
+    The ranks are forked from a forkserver that imported FORKSERVER_PRELOAD once for
+    this test process (a spawned rank imported them itself: 3-5 s of CPU per rank,
+    most of a short test). So the ranks share the forkserver's environment, working
+    folder and hash seed, as they were at the first call: pass settings as arguments.
+    Each rank's stdout and stderr go to a file, copied to this process's stderr (which
+    pytest shows with the test) when the ranks have ended."""
+    multiprocessing.forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)  # once started: no-op
+    logs = Path(tempfile.mkdtemp(prefix="ranks-"))
     try:
-        _run(dist_workers.run_jobs, world, str(out),
-             [(name, fn, args) for name, (fn, args) in jobs.items()],
-             timeout_s=timeout_s * len(jobs), collective_timeout_s=collective_timeout_s)
-    except (Exception, pytest.fail.Exception) as exc:  # each test reports its own job
-        error = f"{type(exc).__name__}: {exc}"
-    return Jobs(out, world, list(jobs), error)
-
-
-# The 2-rank steps and failures run on one spawn of two ranks, shared by their tests
-# (module fixture two_ranks, one xdist work unit); the 3-rank step spawns its own.
-TWO_RANKS = pytest.mark.xdist_group("test_distributed.two_ranks")
-SHARED_STEPS = [(2, 7, 2, 1 << 30), (2, 7, 2, 16 * 1024)]
-FAILURES = ["forward", "last_backward", "nan"]
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> Jobs:
-    jobs = {f"step-{w}-{g}-{m}-{b}": (dist_workers.train_step, (g, m, b))
-            for w, g, m, b in SHARED_STEPS}
-    jobs.update({f"fail-{where}": (dist_workers.failing_step, (6, where)) for where in FAILURES})
-    return run_jobs(2, tmp_path_factory.mktemp("two_ranks"), jobs)
+        ctx = mp.start_processes(
+            dist_workers.logged,
+            args=(str(logs), mbdist._worker, (world, mbdist.free_port(), collective_timeout_s,
+                                              fn, args)),
+            nprocs=world, join=False, start_method="forkserver")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"distributed test did not finish within {timeout_s} s")
+    finally:
+        for log in sorted(logs.glob("rank*.log")):
+            text = log.read_text(errors="replace")
+            if text:
+                sys.stderr.write(f"---------- {log.stem} ----------\n{text}")
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,gbs,mbs,bucket_bytes", [
-    pytest.param(2, 7, 2, 1 << 30, marks=TWO_RANKS),     # 4 + 3 samples, one bucket
-    pytest.param(2, 7, 2, 16 * 1024, marks=TWO_RANKS),   # several small buckets
+    (2, 7, 2, 1 << 30),      # 4 + 3 samples, one bucket
+    (2, 7, 2, 16 * 1024),    # several small buckets
     (3, 10, 2, 16 * 1024),   # 4 + 3 + 3 samples, several small buckets
 ])
-def test_ranks_equal_full_batch_step(request, tmp_path, world, gbs, mbs, bucket_bytes):
-    if (world, gbs, mbs, bucket_bytes) in SHARED_STEPS:
-        out = request.getfixturevalue("two_ranks").dir(f"step-{world}-{gbs}-{mbs}-{bucket_bytes}")
-    else:
-        _run(dist_workers.train_step, world, str(tmp_path), gbs, mbs, bucket_bytes)
-        out = tmp_path
+def test_ranks_equal_full_batch_step(tmp_path, world, gbs, mbs, bucket_bytes):
+    _run(dist_workers.train_step, world, str(tmp_path), gbs, mbs, bucket_bytes)
     model, batch = make_tiny_gpt(gbs, dtype=torch.float64)
     loss, logits = model(*batch)
     loss.backward()
     start = 0
     for rank in range(world):
-        got = torch.load(out / f"rank{rank}.pt")
+        got = torch.load(tmp_path / f"rank{rank}.pt")
         size = got["plan"]["per_system_batch_sizes"][rank]
         assert relative_error(got["loss"], loss) <= 1e-10
         assert relative_error(got["logits"], logits[start:start + size]) <= 1e-10
@@ -142,14 +114,14 @@ def buckets_start_during_the_last_backward(events: list[tuple]) -> None:
 
 
 @pytest.mark.slow
-@TWO_RANKS
-@pytest.mark.parametrize("where", FAILURES)
-def test_failing_rank_stops_every_rank(two_ranks, where):
+@pytest.mark.parametrize("where", ["forward", "last_backward", "nan"])
+def test_failing_rank_stops_every_rank(tmp_path, where):
     """Wherever rank 1's step fails, both ranks raise, neither hangs, both issued the same
     collectives in the same order, and the user's gradients are untouched."""
-    out = two_ranks.dir(f"fail-{where}")
-    assert max(two_ranks.seconds(f"fail-{where}")) < TIMEOUT_S
-    seen = {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
+    t0 = time.monotonic()
+    _run(dist_workers.failing_step, 2, str(tmp_path), 6, where)
+    assert time.monotonic() - t0 < TIMEOUT_S
+    seen = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
     if where == "nan":
         assert "microbatch 2 is nan" in seen[1]["outcome"]
     else:

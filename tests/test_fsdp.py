@@ -6,55 +6,12 @@ from __future__ import annotations
 import fsdp_workers
 import pytest
 import torch
-from test_distributed import Jobs, _run, run_jobs  # spawn gloo ranks, bounded in time
+from test_distributed import _run  # spawn gloo ranks, bounded in time
 
 import mbcompile
 from mbcompile.check import relative_error
 
 UNITS = fsdp_workers.DEPTH + 1  # one FSDP unit per block, and the root
-
-# Starting ranks and their first step is most of a test's time, so the tests share a spawn
-# per world size: the 2-rank workers run one after another on one spawn of two ranks
-# (module fixture two_ranks), the 3-rank ones on one of three (three_ranks); each group of
-# tests is one xdist work unit, so that its spawn happens once.
-TWO_RANKS = pytest.mark.xdist_group("test_fsdp.two_ranks")
-THREE_RANKS = pytest.mark.xdist_group("test_fsdp.three_ranks")
-STEPS = [  # world, gbs, mbs, reshard
-    (2, 7, 2, "auto"),  # 4 + 3 samples: microbatches 2, 2 and 2, 1
-    (2, 7, 2, True),    # the same, units resharded after forward (sharded kept gathered)
-    (2, 7, 2, False),   # the same, units kept gathered (sharded resharding)
-    (3, 10, 2, "auto"),  # 4 + 3 + 3 samples
-    (3, 7, 1, "auto"),  # 3 + 2 + 2: ranks 1 and 2 have an empty third microbatch
-]
-FAILURES = ["nan", "target"]
-BACKWARD_FAILURES = [(1, True), (3, True), (3, False)]
-
-
-def _step_job(world: int, gbs: int, mbs: int, reshard: bool | str) -> str:
-    return f"steps-{world}-{gbs}-{mbs}-{reshard}"
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> Jobs:
-    jobs = {_step_job(*case): (fsdp_workers.train_steps, case[1:]) for case in STEPS
-            if case[0] == 2}
-    jobs["reshard_view"] = (fsdp_workers.reshard_view, (8, 2))
-    jobs.update({f"one_round-{mbs}": (fsdp_workers.train_steps, (8, mbs, True, 1))
-                 for mbs in (1, 4)})
-    jobs.update({f"failing-{where}": (fsdp_workers.failing_step, (6, where))
-                 for where in FAILURES})
-    jobs.update({f"failing_backward-{which}-{reshard}": (fsdp_workers.failing_backward,
-                                                         (6, which, reshard))
-                 for which, reshard in BACKWARD_FAILURES})
-    jobs["cost_view"] = (fsdp_workers.cost_view, (8, 2))
-    return run_jobs(2, tmp_path_factory.mktemp("fsdp_two_ranks"), jobs)
-
-
-@pytest.fixture(scope="module")
-def three_ranks(tmp_path_factory) -> Jobs:
-    jobs = {_step_job(*case): (fsdp_workers.train_steps, case[1:]) for case in STEPS
-            if case[0] == 3}
-    return run_jobs(3, tmp_path_factory.mktemp("fsdp_three_ranks"), jobs)
 
 
 def _reference(gbs: int, steps: int) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
@@ -73,14 +30,17 @@ def _reference(gbs: int, steps: int) -> list[tuple[torch.Tensor, dict[str, torch
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,gbs,mbs,reshard", [
-    pytest.param(*case, marks=TWO_RANKS if case[0] == 2 else THREE_RANKS) for case in STEPS
+    (2, 7, 2, "auto"),  # 4 + 3 samples: microbatches 2, 2 and 2, 1
+    (2, 7, 2, True),    # the same, units resharded after forward (sharded kept gathered)
+    (2, 7, 2, False),   # the same, units kept gathered (sharded resharding)
+    (3, 10, 2, "auto"),  # 4 + 3 + 3 samples
+    (3, 7, 1, "auto"),  # 3 + 2 + 2: ranks 1 and 2 have an empty third microbatch
 ])
-def test_sharded_steps_equal_full_batch_steps(request, world, gbs, mbs, reshard):
-    ranks = request.getfixturevalue("two_ranks" if world == 2 else "three_ranks")
-    out = ranks.dir(_step_job(world, gbs, mbs, reshard))
+def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs, reshard):
+    _run(fsdp_workers.train_steps, world, str(tmp_path), gbs, mbs, reshard)
     reference = _reference(gbs, 2)
     for rank in range(world):
-        got = torch.load(out / f"rank{rank}.pt")
+        got = torch.load(tmp_path / f"rank{rank}.pt")
         if (world, gbs, mbs) == (3, 7, 1):
             assert got["plan"]["microbatch_sizes"][rank][-1] == (1 if rank == 0 else 0)
         chosen = got["plan"]["reshard_after_forward"]
@@ -100,12 +60,12 @@ def test_sharded_steps_equal_full_batch_steps(request, world, gbs, mbs, reshard)
 
 
 @pytest.mark.slow
-@TWO_RANKS
-def test_auto_chooses_reshard_after_forward_with_the_mbs(two_ranks):
+def test_auto_chooses_reshard_after_forward_with_the_mbs(tmp_path):
     """Units kept gathered from forward to backward: fewer all-gathers (a faster modelled
     step) and every unit gathered at the peak. ``auto`` keeps them gathered when that
     fits, reshards when only that fits, and the plan, its reason and the report say so."""
-    got = torch.load(two_ranks.dir("reshard_view") / "rank0.pt")
+    _run(fsdp_workers.reshard_view, 2, str(tmp_path), 8, 2)
+    got = torch.load(tmp_path / "rank0.pt")
     kept, resharded = got["pinned"][False], got["pinned"][True]
     net = fsdp_workers.make_net()
     blocks = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in net.blocks]
@@ -128,13 +88,14 @@ def test_auto_chooses_reshard_after_forward_with_the_mbs(two_ranks):
 
 
 @pytest.mark.slow
-@TWO_RANKS
-def test_one_reduce_scatter_round_whatever_the_mbs(two_ranks):
+def test_one_reduce_scatter_round_whatever_the_mbs(tmp_path):
     """4 microbatches or 1: the same reduce-scatters per step (one per FSDP unit); the
     all-gathers grow with the forwards (FSDP re-gathers each unit per microbatch)."""
     counts = {}
     for mbs in (1, 4):
-        out = two_ranks.dir(f"one_round-{mbs}")
+        out = tmp_path / str(mbs)
+        out.mkdir()
+        _run(fsdp_workers.train_steps, 2, str(out), 8, mbs, True, 1)
         counts[mbs] = [torch.load(out / f"rank{r}.pt")["steps"][0]["counts"] for r in range(2)]
     assert counts[1][0] == counts[1][1] and counts[4][0] == counts[4][1]  # same on each rank
     assert counts[1][0]["reduce_scatter"] == counts[4][0]["reduce_scatter"] == UNITS
@@ -155,29 +116,27 @@ def _assert_untouched_and_next_exact(seen: dict[int, dict]) -> None:
 
 
 @pytest.mark.slow
-@TWO_RANKS
-@pytest.mark.parametrize("where", FAILURES)
-def test_failing_rank_stops_every_rank(two_ranks, where):
+@pytest.mark.parametrize("where", ["nan", "target"])
+def test_failing_rank_stops_every_rank(tmp_path, where):
     """Rank 1's last microbatch fails (a NaN loss, or an error raised after every block's
     all-gather); both ranks raise, neither hangs, nothing changes, and the next step is
     exact."""
-    out = two_ranks.dir(f"failing-{where}")
-    seen = {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
+    _run(fsdp_workers.failing_step, 2, str(tmp_path), 6, where)
+    seen = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
     assert ("is nan" if where == "nan" else "out of bounds") in seen[1]["outcome"]
     assert "rank(s) [1] failed" in seen[0]["outcome"]
     _assert_untouched_and_next_exact(seen)
 
 
 @pytest.mark.slow
-@TWO_RANKS
-@pytest.mark.parametrize("which,reshard", BACKWARD_FAILURES)
-def test_a_failure_inside_the_backward_stops_every_rank(two_ranks, which, reshard):
+@pytest.mark.parametrize("which,reshard", [(1, True), (3, True), (3, False)])
+def test_a_failure_inside_the_backward_stops_every_rank(tmp_path, which, reshard):
     """Rank 1's backward raises halfway through its first microbatch (two rounds still to
     come) or its last (the reduce-scatters owed): it finishes the units' backward
     collectives and the remaining rounds on zeros, so every rank raises, none hangs,
     nothing changes, and the next step is exact."""
-    out = two_ranks.dir(f"failing_backward-{which}-{reshard}")
-    seen = {r: torch.load(out / f"rank{r}.pt") for r in range(2)}
+    _run(fsdp_workers.failing_backward, 2, str(tmp_path), 6, which, reshard)
+    seen = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
     assert f"injected failure in backward {which} on rank 1" in seen[1]["outcome"]
     assert "rank(s) [1] failed" in seen[0]["outcome"]
     _assert_untouched_and_next_exact(seen)
@@ -200,14 +159,14 @@ def test_capture_sees_through_fsdp(tmp_path):
 
 
 @pytest.mark.slow
-@TWO_RANKS
-def test_the_cost_model_knows_sharding(two_ranks):
+def test_the_cost_model_knows_sharding(tmp_path):
     """Per rank (units resharded after forward): parameters and optimizer state are
     1/world of the unsharded model's, gradients accumulate unsharded, the root and the
     largest unit are counted gathered with FSDP's buffers, all-gathers cost time in every
     microbatch, and gradients are reduce-scattered (half a ring all-reduce)."""
     world, gbs, mbs = 2, 8, 2
-    got = torch.load(two_ranks.dir("cost_view") / "rank0.pt")
+    _run(fsdp_workers.cost_view, world, str(tmp_path), gbs, mbs)
+    got = torch.load(tmp_path / "rank0.pt")
     plain = mbcompile.compile(fsdp_workers.make_net(), gbs, world, mbs, compile_only=True,
                               example_inputs=fsdp_workers.make_batch(gbs)).estimate
     net = fsdp_workers.make_net()
