@@ -1,4 +1,7 @@
-"""Checkpoints of a training run, and the signals that stop one cleanly.
+"""Checkpoints of a training run: written atomically, verified, read back safely.
+
+The RNG states they hold are ``mbcompile.training.rng``'s; the signals that stop a run
+and have it write one are ``mbcompile.training.signals``'.
 
 A checkpoint is one folder under the run's output folder; its name is the global
 step it was taken after::
@@ -42,18 +45,13 @@ one is refused.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import pickle
-import random
 import re
 import shutil
-import signal
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -65,18 +63,15 @@ from typing import IO, Any
 import torch
 
 from mbcompile.errors import MbcompileError
+from mbcompile.training.signals import TrainingInterrupted
 
 __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointStore",
-    "StopSignals",
-    "TrainingInterrupted",
+    "TrainingInterrupted",  # raised by the Trainer (signals.py); public here, beside the store
     "latest_checkpoint",
-    "preserved_rng",
     "read_checkpoint",
-    "rng_state",
-    "set_rng_state",
 ]
 
 FORMAT = 1  # trainer.json's "format": bump when the layout changes
@@ -89,9 +84,6 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TENSOR_REF = "__dcp_tensor__"  # {"__dcp_tensor__": key}: a tensor stored in dcp/ under key
 #: ``targets(checkpoint folder, trainer.json)``: the state a sharded run loads into.
 Targets = Callable[[Path, Mapping[str, Any]], Any]
-#: A second SIGINT/SIGTERM within this many seconds of the first is the same request
-#: delivered twice (the terminal sends Ctrl-C to every rank and the launcher forwards it).
-REPEAT_WINDOW_S = 2.0
 
 
 def _step_dir(step: int) -> str:
@@ -108,89 +100,6 @@ class CheckpointError(MbcompileError):
 
 class _Damaged(Exception):
     """A checkpoint folder whose files are not what its manifest says."""
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """A fit stopped by SIGINT or SIGTERM after a whole step (a ``KeyboardInterrupt``
-    also for SIGTERM, so that ``except Exception`` does not swallow it).
-
-    ``signum`` is the signal, ``step`` the last finished step and ``checkpoint`` the
-    folder written for it (None when the trainer has no checkpoint folder, or when a
-    second signal stopped the run at once).
-    """
-
-    def __init__(self, signum: int, step: int | None = None,
-                 checkpoint: Path | None = None) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        name = signal.Signals(signum).name
-        if step is None:
-            text = f"stopped at once by a second {name}; no checkpoint of the current step"
-        elif checkpoint is None:
-            text = f"stopped by {name} after step {step}; no checkpoint folder was configured"
-        else:
-            text = (f"stopped by {name} after step {step}; checkpoint {checkpoint}: resume "
-                    "with fit(..., resume=True)")
-        super().__init__(text)
-
-    @property
-    def exit_code(self) -> int:
-        """What a shell reports for a process this signal ended: 130 (SIGINT), 143 (SIGTERM)."""
-        return 128 + self.signum
-
-
-# --------------------------------------------------------------------------- #
-# RNG states as plain Python values
-# --------------------------------------------------------------------------- #
-
-
-def _numpy() -> Any:
-    return importlib.import_module("numpy") if importlib.util.find_spec("numpy") else None
-
-
-def _hex(t: torch.Tensor) -> str:  # a torch RNG state (bytes) as plain text
-    return bytes(t.tolist()).hex()
-
-
-def _unhex(text: str) -> torch.Tensor:
-    return torch.tensor(list(bytes.fromhex(text)), dtype=torch.uint8)
-
-
-def rng_state() -> dict[str, Any]:
-    """The process's RNG states (torch CPU and CUDA, Python, numpy) as JSON-able values."""
-    state: dict[str, Any] = {"torch": _hex(torch.get_rng_state()),
-                             "python": [random.getstate()[0], list(random.getstate()[1]),
-                                        random.getstate()[2]]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_hex(s) for s in torch.cuda.get_rng_state_all()]
-    np = _numpy()
-    if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what ``rng_state`` returned."""
-    torch.set_rng_state(_unhex(state["torch"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unhex(s) for s in state["cuda"]])
-    np = _numpy()
-    if np is not None and "numpy" in state:
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-
-
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Run the body without changing any RNG state (compiling, writing checkpoints), so
-    that a resumed run, which compiles at another step, draws the same numbers."""
-    state = rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(state)
 
 
 # --------------------------------------------------------------------------- #
@@ -616,74 +525,3 @@ class CheckpointStore:
         if int(chosen) < 0:
             return None
         return _read(self.folder / _step_dir(int(chosen)), rank, self.group, targets)
-
-
-# --------------------------------------------------------------------------- #
-# Signals
-# --------------------------------------------------------------------------- #
-
-
-class StopSignals:
-    """SIGINT and SIGTERM while a fit runs: the first asks it to stop after the current
-    step; a second one (later than ``REPEAT_WINDOW_S``) stops it at once.
-
-    On ranks (``group`` given) the request is agreed on: each step's end starts an
-    all-reduce of the local request on the CPU group, and the next step's end reads
-    it, so every rank stops after the same step (one step after the signal) and no
-    step waits on the agreement. ``agreed(final=True)`` settles it at once.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-        self.signum = 0
-        self._first_at = 0.0
-        self._previous: dict[int, Any] = {}
-        self._work: Any = None
-        self._sent: torch.Tensor | None = None
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous.clear()
-        self._work = None  # on an error path, never wait on ranks that may be gone
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        now = time.monotonic()
-        if not self.signum:
-            self.signum, self._first_at = signum, now
-        elif now - self._first_at > REPEAT_WINDOW_S:
-            raise TrainingInterrupted(signum)
-
-    def agreed(self, *, final: bool = False) -> int:
-        """The signal every rank stops for now (0: go on)."""
-        if self.group is None:
-            return self.signum
-        import torch.distributed as dist
-
-        decided = 0
-        if self._work is not None:
-            self._work.wait()
-            decided = int(self._sent[0])
-            self._work = None
-        if decided:
-            return decided
-        flag = torch.tensor([self.signum], dtype=torch.int64)
-        if final:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            return int(flag[0])
-        self._sent = flag
-        self._work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group,
-                                     async_op=True)
-        return 0
-
-
-def describe_signal(signum: int) -> str:
-    return signal.Signals(signum).name

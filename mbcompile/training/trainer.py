@@ -18,7 +18,9 @@ What one ``fit`` does:
    microbatch inside it), ``loss.backward()`` (hands the step's gradient over),
    ``optimizer.step()``; logs a row (terminal, ``metrics.csv``, ``metrics.jsonl``);
 3. validates (every ``val_every`` steps, and at the end) in its own phase, under
-   ``model.eval()`` and ``torch.no_grad()``, compiled once with the validation MBS;
+   ``model.eval()`` and ``torch.no_grad()``, at the validation MBS: on the train
+   phase's module when the MBS is the same pinned value (``Trainer.compile``), else
+   compiled once for the phase;
 4. closes each phase in a ``finally``: flags, the model's train/eval modes and the
    progress display are back as they were, also when a step raises;
 5. with a checkpoint folder (``checkpoint_dir=``, or ``log_dir`` with
@@ -27,28 +29,21 @@ What one ``fit`` does:
    ``TrainingInterrupted``; ``fit(..., resume=True)`` continues from the newest good
    one exactly (see ``mbcompile.training.checkpoint``).
 
-With ``shard="fsdp"`` (torch.distributed ranks) the model is sharded with FSDP2 by
-``shard_model`` (each child of its ``nn.ModuleList`` containers, then the root) and the
-optimizer's parameter groups are pointed at the shards; checkpoints then hold each
-rank's shards (``get_state_dict`` / ``set_state_dict`` through DCP).
-
-A batch is a tuple or list (positional inputs of ``model``), a dict (keyword inputs)
-or a tensor. The model computes its own loss (so that backward can run per
-microbatch) and returns it as a scalar tensor, first in a tuple, under ``"loss"``
-in a dict, or as ``.loss``.
+The pieces it runs on have a file each: the batch forms and the loss in an output
+(``batches``), the position in the data (``data_cursor``), the logged rows
+(``metrics``), FSDP2 sharding (``sharding``), checkpoints (``checkpoint``, ``rng``,
+``signals``).
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import inspect
+import importlib.metadata
 import json
 import math
-import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -64,132 +59,37 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from mbcompile import compiler
+import mbcompile.compiler as compiler
 from mbcompile.compiler import CompiledModule
-from mbcompile.errors import ArgumentTypeError, MbcompileError
+from mbcompile.errors import ArgumentTypeError
 from mbcompile.execution.noise import NoiseScale
+from mbcompile.planning.plan import parse_mbs
+from mbcompile.training.batches import TrainerError, batch_args, batch_layout, loss_of
 from mbcompile.training.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointStore,
-    StopSignals,
     TrainingInterrupted,
     control_group,
-    describe_signal,
-    preserved_rng,
-    rng_state,
-    set_rng_state,
 )
+from mbcompile.training.data_cursor import DataCursor, batches, length
 from mbcompile.training.flags import Callback, Flags
 from mbcompile.training.lr_scaling import LRScaling
+from mbcompile.training.metrics import COLUMNS, Metric, MetricsLog, make_row
+from mbcompile.training.rng import preserved_rng, rng_state, set_rng_state
+from mbcompile.training.sharding import is_fsdp, shard_for_training, shard_model
+from mbcompile.training.signals import StopSignals, describe_signal
 
-__all__ = ["CheckpointError", "Trainer", "TrainerError", "TrainingInterrupted", "batch_args",
-           "loss_of", "shard_model"]
+__all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
+           "TrainingInterrupted", "batch_args", "loss_of", "shard_model"]
 
-#: Columns of every logged row, in file order; user metrics follow.
-COLUMNS = ("phase", "step", "global_step", "loss", "mbs", "num_microbatches", "samples",
-           "time_s", "samples_per_s", "lr")
-
-Metric = Callable[[Any, Any], Any]  # (model output, batch) -> number
-
-
-class TrainerError(MbcompileError):
-    """The training loop cannot go on: no data, no loss in the output, bad arguments."""
-
-
-def batch_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A batch as ``(args, kwargs)`` for ``model(*args, **kwargs)``."""
-    if isinstance(batch, torch.Tensor):
-        return (batch,), {}
-    if isinstance(batch, Mapping):
-        return (), dict(batch)
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    raise TrainerError(
-        f"a batch must be a tuple or list (positional inputs of the model), a dict (keyword "
-        f"inputs) or a tensor, got {type(batch).__name__}")
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss in a model's output: the output, its first item, ``["loss"]`` or ``.loss``."""
-    candidates: list[Any] = [output]
-    if isinstance(output, (tuple, list)) and output:
-        candidates.append(output[0])
-    if isinstance(output, Mapping) and "loss" in output:
-        candidates.append(output["loss"])
-    if getattr(output, "loss", None) is not None:
-        candidates.append(output.loss)
-    for c in candidates:
-        if isinstance(c, torch.Tensor) and c.dim() == 0 and c.is_floating_point():
-            return c
-    raise TrainerError(
-        f"the model's output ({type(output).__name__}) holds no scalar loss; compute the loss "
-        "inside forward (so backward can run per microbatch) and return it as a scalar tensor, "
-        "first in a tuple, under 'loss' in a dict, or as .loss")
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks: the children of every ``nn.ModuleList`` that is not inside
-    another block (a block's own lists stay in its unit)."""
-    out: list[nn.Module] = []
-    inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                out.append(child)
-                inside.update(id(m) for m in child.modules())
-    return out
-
-
-def shard_model(model: nn.Module, shard: str = "fsdp") -> nn.Module:
-    """Shard ``model`` in place with FSDP2, as torchtitan does: ``fully_shard`` on each
-    repeated block (the children of its ``nn.ModuleList`` containers), then on the root.
-
-    Needs an initialized process group; call it before building the optimizer (or let
-    ``Trainer(..., shard="fsdp")`` point the optimizer at the shards). A model that is
-    already sharded is returned as it is.
-    """
-    import torch.distributed as dist
-
-    if shard != "fsdp":
-        raise ArgumentTypeError(f"shard must be 'fsdp' (or None for no sharding), got {shard!r}")
-    if _is_fsdp(model):
-        return model
-    if not (dist.is_available() and dist.is_initialized()):
-        raise TrainerError("shard='fsdp' splits the model over torch.distributed ranks, but "
-                           "no process group is initialized: run with `mbcompile fit CONFIG "
-                           "--nproc N`, under torchrun, or call "
-                           "torch.distributed.init_process_group first")
-    from torch.distributed.fsdp import fully_shard
-
-    for block in _blocks(model):
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def _point_at_shards(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
-                     model: nn.Module) -> None:
-    """After ``fully_shard`` replaced ``model``'s parameters by shards, make ``optimizer``
-    (built on the old ones, with no state yet) update the shards instead."""
-    now = dict(model.named_parameters())
-    for group in optimizer.param_groups:
-        missing = [p for p in group["params"] if id(p) not in names]
-        if missing:
-            raise TrainerError(
-                "shard='fsdp': the optimizer holds a parameter that is not the model's; build "
-                "the optimizer on model.parameters(), or shard the model yourself first "
-                "(mbcompile.training.trainer.shard_model) and build it on the shards")
-        group["params"] = [now[names[id(p)]] for p in group["params"]]
-
+#: The options of ``mbcompile.compile`` that ``Trainer(compile_options=...)`` may set: all
+#: but those the Trainer passes itself (the MBS from its flags, gbs and num_csx, and the
+#: example call and ``in_dims`` from each phase's first batch). ``system`` and ``backend``
+#: are the Trainer's own arguments as well; given there, they win.
+COMPILE_OPTIONS = ("system", "backend", "measure_noise_scale", "capture", "batch_norm",
+                   "coupling", "outputs", "torch_compile", "recompute",
+                   "reshard_after_forward", "compile_only", "validate_only", "measure")
 
 #: Config keys that may change between a run and its resume without a warning.
 _VOLATILE_CONFIG = frozenset({"file", "output_dir", "max_steps", "val_steps", "val_every",
@@ -197,108 +97,15 @@ _VOLATILE_CONFIG = frozenset({"file", "output_dir", "max_steps", "val_steps", "v
 
 
 def _version() -> str:
-    import mbcompile
-
-    return str(getattr(mbcompile, "__version__", "unknown"))
+    """The installed mbcompile's version (what a checkpoint records it was written by)."""
+    try:
+        return importlib.metadata.version("mbcompile")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
 
 
 def _mbs_key(mbs: Any) -> str:
     return json.dumps(mbs, sort_keys=True, default=repr)
-
-
-def _batches(data: Iterable[Any], limit: int | None, what: str) -> Iterator[Any]:
-    """Batches of ``data``; a re-iterable (a list, a DataLoader) is cycled up to ``limit``."""
-    return iter(_Cursor(data, limit, what, track_rng=False))
-
-
-class _Cursor:
-    """The training batches: ``data`` cycled up to ``limit``, and where in it we are.
-
-    The position is the pass (each ``iter(data)`` starts one) and the batches read in
-    it. ``seek`` puts a fresh cursor where a checkpoint's was: earlier passes are
-    read through and dropped, and the current one is started from the RNG states it
-    began with (a DataLoader draws its shuffle there), then read up to the position.
-    """
-
-    def __init__(self, data: Iterable[Any], limit: int | None, what: str,
-                 track_rng: bool = True) -> None:
-        self.data, self.limit, self.what, self.track_rng = data, limit, what, track_rng
-        self.batches = 0  # handed out in this fit
-        self.passes = 0  # passes started
-        self.in_pass = 0  # batches read in the current pass
-        self.pass_rng: dict[str, Any] | None = None  # RNG states when the pass began
-        self._it: Iterator[Any] | None = None
-        self._one_pass = False  # an iterator cannot be restarted
-
-    def position(self) -> dict[str, int]:
-        return {"batches": self.batches, "passes": self.passes, "in_pass": self.in_pass}
-
-    def _start_pass(self) -> None:
-        if self.track_rng:
-            self.pass_rng = rng_state()
-        it = iter(self.data)
-        self._one_pass = it is self.data
-        self._it, self.passes, self.in_pass = it, self.passes + 1, 0
-
-    def __iter__(self) -> _Cursor:
-        return self
-
-    def __next__(self) -> Any:
-        if self.limit is not None and self.batches >= self.limit:
-            raise StopIteration
-        while True:
-            if self._it is None:
-                if self.passes and (self.limit is None or self._one_pass):
-                    raise StopIteration
-                self._start_pass()
-            try:
-                batch = next(self._it)
-            except StopIteration:
-                self._it = None
-                if self.in_pass == 0:  # an empty pass: nothing (more) to read
-                    if self.batches == 0:
-                        raise TrainerError(f"the {self.what} data yielded no batches") from None
-                    raise
-                continue
-            self.in_pass += 1
-            self.batches += 1
-            return batch
-
-    def seek(self, position: Mapping[str, int], pass_rng: Mapping[str, Any] | None) -> None:
-        passes, in_pass = position["passes"], position["in_pass"]
-        short = CheckpointError(
-            f"the {self.what} data has fewer batches than when the checkpoint was written "
-            f"(pass {passes}, batch {in_pass}); an exact resume needs the same data")
-        for _ in range(passes - 1):
-            self._start_pass()
-            if self._one_pass:
-                raise CheckpointError(
-                    f"the checkpoint is in pass {passes} over the {self.what} data, but the "
-                    "data is an iterator, which has one pass; pass a list or a DataLoader")
-            for _ in self._it:
-                self.in_pass += 1
-                self.batches += 1
-        if pass_rng is not None:
-            set_rng_state(pass_rng)
-        self._start_pass()
-        for _ in range(in_pass):
-            try:
-                next(self._it)
-            except StopIteration:
-                raise short from None
-            self.in_pass += 1
-            self.batches += 1
-        if self.batches != position["batches"]:
-            raise short
-
-
-def _length(data: Any, limit: int | None) -> int | None:
-    if limit is not None:
-        return limit
-    try:
-        return len(data)
-    except TypeError:
-        return None
 
 
 def _check_steps(name: str, value: Any, allow_none: bool = True) -> None:
@@ -308,63 +115,6 @@ def _check_steps(name: str, value: Any, allow_none: bool = True) -> None:
         raise ArgumentTypeError(f"{name} must be an int, got {value!r}")
     if value < 1:
         raise TrainerError(f"{name} must be at least 1, got {value}")
-
-
-class _MetricsLog:
-    """Rows to ``metrics.csv`` and ``metrics.jsonl`` under ``folder``, flushed per row."""
-
-    def __init__(self, folder: Path, columns: Sequence[str]) -> None:
-        self.folder = folder
-        self.columns = list(columns)
-        self.csv_path = folder / "metrics.csv"
-        self.json_path = folder / "metrics.jsonl"
-        self._started = False
-        self.rows = 0  # rows in the files
-
-    def resume(self, rows: int) -> list[dict[str, Any]]:
-        """Keep the first ``rows`` rows of both files (a checkpoint's count) and append after
-        them: what a killed run logged after its checkpoint is redone, never duplicated.
-        Returns the rows kept."""
-        lines = self.json_path.read_text().splitlines() if self.json_path.exists() else []
-        records = []
-        if self.csv_path.exists():
-            with open(self.csv_path, newline="") as f:
-                records = list(csv.reader(f))
-        kept = lines[:rows]
-        if len(kept) < rows or len(records) < rows + 1:
-            print(f"resume: {self.json_path} and {self.csv_path} hold fewer than the "
-                  f"{rows} rows of the checkpoint; the rows after them are appended",
-                  file=sys.stderr, flush=True)
-        header = records[0] if records else list(self.columns)
-        self._replace(self.json_path, "".join(line + "\n" for line in kept))
-        with open(self.csv_path.with_name(self.csv_path.name + ".tmp"), "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(header)
-            writer.writerows(records[1:rows + 1])
-        os.replace(self.csv_path.with_name(self.csv_path.name + ".tmp"), self.csv_path)
-        self._started, self.rows = True, len(kept)
-        return [json.loads(line) for line in kept]
-
-    @staticmethod
-    def _replace(path: Path, text: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-
-    def write(self, row: Mapping[str, Any]) -> None:
-        mode = "a" if self._started else "w"
-        if not self._started:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.csv_path, mode, newline="") as f:
-            writer = csv.DictWriter(f, self.columns, extrasaction="ignore")
-            if not self._started:
-                writer.writeheader()
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in self.columns})
-        with open(self.json_path, mode) as f:
-            f.write(json.dumps(dict(row), default=str) + "\n")
-        self._started = True
-        self.rows += 1
 
 
 class Trainer:
@@ -416,11 +166,11 @@ class Trainer:
                 raise ArgumentTypeError(
                     f"callbacks must be mbcompile callbacks (GlobalFlags, ScopedTrainFlags, "
                     f"ScopedValidateFlags or a Callback subclass), got {type(cb).__name__}")
-        self._shard(model, optimizer, shard, backend, num_csx)
+        shard_for_training(model, optimizer, shard, backend, num_csx)
         self.model = model
         self.optimizer = optimizer
         #: The model is sharded with FSDP2: checkpoints hold shards (DCP state dicts).
-        self.sharded = _is_fsdp(model)
+        self.sharded = is_fsdp(model)
         self.gbs, self.num_csx = gbs, num_csx
         self.system, self.backend, self.in_dims = system, backend, in_dims
         self.callbacks = list(callbacks)
@@ -432,9 +182,10 @@ class Trainer:
         self.flags = Flags()
         #: The compiled module of each (phase, MBS); a phase compiles once and reuses it.
         self.compiled: dict[tuple[str, str], CompiledModule] = {}
+        self._layouts: dict[tuple[str, str], Any] = {}  # the layout each one was compiled for
         self.history: list[dict[str, Any]] = []
         self.global_step = 0
-        self.log = _MetricsLog(Path(log_dir), COLUMNS + tuple(self.metrics)) \
+        self.log = MetricsLog(Path(log_dir), COLUMNS + tuple(self.metrics)) \
             if log_dir is not None else None
         self._live: Progress | None = None
         if checkpoint_dir is None and checkpoint_every is not None:
@@ -466,75 +217,66 @@ class Trainer:
         for cb in self.callbacks:
             cb.setup(self)
 
-    @staticmethod
-    def _shard(model: nn.Module, optimizer: torch.optim.Optimizer, shard: str | None,
-               backend: str | None, num_csx: int) -> None:
-        if shard in (None, "none"):
-            return
-        if shard != "fsdp":
-            raise ArgumentTypeError(f"shard must be 'fsdp' or None, got {shard!r}")
-        if backend != "torch.distributed":
-            raise TrainerError(
-                "shard='fsdp' splits the model over torch.distributed ranks: give "
-                "backend='torch.distributed' (in a config: shard: fsdp, run with --nproc N "
-                "or torchrun)")
-        if num_csx < 2:
-            raise TrainerError(f"shard='fsdp' splits the model over the ranks, one per "
-                               f"system, but num_csx is {num_csx}: use 2 or more ranks, or no "
-                               "sharding")
-        if _is_fsdp(model):
-            return
-        if optimizer.state:
-            raise TrainerError("shard='fsdp': the optimizer has state already; shard the "
-                               "model before the first step")
-        names = {id(p): n for n, p in model.named_parameters()}
-        shard_model(model, shard)
-        _point_at_shards(optimizer, names, model)
-
     # ------------------------------------------------------------- compiling
     def _check_options(self) -> None:
-        params = inspect.signature(compiler.compile).parameters
-        wanted = dict(self.compile_options)
-        if self.backend not in (None, "simulated"):
-            wanted["backend"] = self.backend
-        missing = [k for k in wanted if k not in params]
-        if missing:
+        unknown = [k for k in self.compile_options if k not in COMPILE_OPTIONS]
+        if unknown:
             raise TrainerError(
-                f"mbcompile.compile in this version has no {', '.join(map(repr, missing))} "
-                f"option; remove it (backend 'simulated' is the default and always there)")
+                f"compile_options has no {', '.join(map(repr, unknown))} option; the options "
+                f"are {', '.join(COMPILE_OPTIONS)} (the Trainer passes the MBS, the example "
+                "batch and in_dims itself)")
+
+    def _options(self) -> dict[str, Any]:
+        """The keyword options of every compile: the same for both phases, since
+        ``outputs`` acts only in training mode (in eval mode every output is returned)."""
+        options = dict(self.compile_options)
+        # a training step returns only the loss unless a metric reads the outputs: the
+        # logits are then never kept per microbatch (and auto sees the larger MBS)
+        options.setdefault("outputs", "all" if self.metrics else "loss")
+        if self.system is not None:
+            options["system"] = self.system
+        if self.backend not in (None, "simulated"):
+            options["backend"] = self.backend
+        return options
 
     def compile(self, phase: str, batch: Any) -> CompiledModule:
         """The module for ``phase`` ("train" or "validate") at the current flags' MBS.
 
         Compiled from ``batch`` on the first call for that (phase, MBS), reused after.
+        Validation runs on the module the train phase compiled when that one's plan is
+        the one a compile in eval mode would make (a pinned MBS: an int or "none" is plan
+        arithmetic) and the batch is laid out like its example: the module compiles its
+        eval-mode graph itself, once, on the first call in eval mode. ``"auto"`` chooses
+        the MBS for the mode's own step (a training step's memory holds what backward
+        needs), so an auto validation compiles its own.
         """
         mbs = self.flags.micro_batch_size
         key = (phase, _mbs_key(mbs))
-        if key not in self.compiled:
-            args, kwargs = batch_args(batch)
-            options = dict(self.compile_options)
-            # a training step returns only the loss unless a metric reads the outputs: the
-            # logits are then never kept per microbatch (and auto sees the larger MBS)
-            options.setdefault("outputs", "all" if self.metrics or phase != "train" else "loss")
-            if self.system is not None:
-                options["system"] = self.system
-            if self.backend not in (None, "simulated"):
-                options["backend"] = self.backend
-            started = time.perf_counter()
-            with preserved_rng():  # a resumed run compiles at another step
-                cm = compiler.compile(self.model, self.gbs, self.num_csx, mbs,
-                                      example_inputs=args or None,
-                                      example_kwargs=kwargs or None, in_dims=self.in_dims,
-                                      **options)
-            self.compiled[key] = cm
+        if key in self.compiled:
+            return self.compiled[key]
+        layout = batch_layout(batch)
+        trained = self.compiled.get(("train", key[1]))
+        if (phase == "validate" and trained is not None and parse_mbs(mbs).mode in ("int", "none")
+                and self._layouts.get(("train", key[1])) == layout):
+            self.compiled[key] = trained
             if self.progress:
-                p = cm.plan
-                self._print(f"{phase}: compiled in {time.perf_counter() - started:.2f} s: "
-                            f"gbs {p.gbs} over {p.num_csx} system{'s' if p.num_csx != 1 else ''}, "
-                            f"mbs {p.mbs} "
-                            f"(requested {p.requested_mbs}), {p.num_microbatches} "
-                            f"microbatch{'es' if p.num_microbatches != 1 else ''} per system")
-        return self.compiled[key]
+                self._print(f"{phase}: runs the train phase's module (mbs {trained.plan.mbs}) in "
+                            "eval mode")
+            return trained
+        args, kwargs = batch_args(batch)
+        started = time.perf_counter()
+        with preserved_rng():  # a resumed run compiles at another step
+            cm = compiler.compile(self.model, self.gbs, self.num_csx, mbs,
+                                  example_inputs=args or None, example_kwargs=kwargs or None,
+                                  in_dims=self.in_dims, **self._options())
+        self.compiled[key], self._layouts[key] = cm, layout
+        if self.progress:
+            p = cm.plan
+            self._print(f"{phase}: compiled in {time.perf_counter() - started:.2f} s: "
+                        f"gbs {p.gbs} over {p.num_csx} system{'s' if p.num_csx != 1 else ''}, "
+                        f"mbs {p.mbs} (requested {p.requested_mbs}), {p.num_microbatches} "
+                        f"microbatch{'es' if p.num_microbatches != 1 else ''} per system")
+        return cm
 
     # ----------------------------------------------------------------- phases
     def _call(self, hook: str, *args: Any) -> None:
@@ -586,18 +328,8 @@ class Trainer:
     def _row(self, phase: str, step: int, cm: CompiledModule, loss: torch.Tensor, output: Any,
              batch: Any, seconds: float) -> dict[str, Any]:
         lr = self.optimizer.param_groups[0].get("lr") if phase == "train" else None
-        row: dict[str, Any] = {
-            "phase": phase, "step": step, "global_step": self.global_step,
-            "loss": float(loss.detach()), "mbs": cm.plan.mbs,
-            "num_microbatches": cm.plan.num_microbatches, "samples": cm.plan.gbs,
-            "time_s": round(seconds, 6),
-            "samples_per_s": round(cm.plan.gbs / seconds, 3) if seconds > 0 else None,
-            "lr": float(lr) if isinstance(lr, (int, float)) else None,
-        }
-        for name, fn in self.metrics.items():
-            value = fn(output, batch)
-            row[name] = float(value.detach()) if isinstance(value, torch.Tensor) else value
-        return row
+        return make_row(phase, step, self.global_step, cm.plan, loss, seconds, lr, self.metrics,
+                        output, batch)
 
     def _record(self, row: dict[str, Any], task: Any, total: int | None) -> None:
         self.history.append(row)
@@ -659,7 +391,7 @@ class Trainer:
         noise = self.compile_options.get("measure_noise_scale")
         return noise if isinstance(noise, NoiseScale) else None
 
-    def _save(self, step: int, cursor: _Cursor, fit_start: int, reason: str) -> Path:
+    def _save(self, step: int, cursor: DataCursor, fit_start: int, reason: str) -> Path:
         """A checkpoint after training step ``step`` of this fit (every rank calls it)."""
         assert self.checkpoints is not None
         rank, world = self._ranks()
@@ -696,7 +428,7 @@ class Trainer:
             return {"model": model, "optimizer": optimizer}
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
-    def _restore(self, cursor: _Cursor) -> Checkpoint | None:
+    def _restore(self, cursor: DataCursor) -> Checkpoint | None:
         """Load the newest good checkpoint into the model, optimizer and trainer, and put
         ``cursor`` where it was; RNG states last, so nothing here draws from them."""
         assert self.checkpoints is not None
@@ -793,7 +525,7 @@ class Trainer:
                                "checkpoint_dir= (or log_dir= and checkpoint_every=)")
         group = self._control_group()
         start = len(self.history)
-        cursor = _Cursor(train_data, max_steps, "training")
+        cursor = DataCursor(train_data, max_steps, "training")
         step, saved, saved_step = 0, None, None
         if not resume and self.checkpoints is not None and self.last_checkpoint is None:
             self.checkpoints.start_over()  # an earlier run's checkpoints would outrank ours
@@ -805,7 +537,7 @@ class Trainer:
                 first = int(ck.trainer.get("fit_first_row", 0))
                 start = first if len(self.history) == ck.trainer["metrics_rows"] else \
                     len(self.history)
-        total = _length(train_data, max_steps)
+        total = length(train_data, max_steps)
         self._call("on_fit_start")
         try:
             with StopSignals(group) as signals:
@@ -850,10 +582,10 @@ class Trainer:
         """Run the model in eval mode over ``val_data``; returns the mean loss and metrics."""
         _check_steps("max_steps", max_steps)
         start = len(self.history)
-        total = _length(val_data, max_steps)
+        total = length(val_data, max_steps)
         with self._task("validate", total) as task, self._phase("validate"), torch.no_grad():
             self.model.eval()
-            for step, batch in enumerate(_batches(val_data, max_steps, "validation"), 1):
+            for step, batch in enumerate(batches(val_data, max_steps, "validation"), 1):
                 cm = self.compile("validate", batch)
                 args, kwargs = self._local(batch, cm)
                 started = time.perf_counter()

@@ -1,0 +1,63 @@
+"""What the Trainer reads: a batch as call arguments, and the loss in a model's output.
+
+A batch is a tuple or list (positional inputs of the model), a dict (keyword inputs)
+or a tensor. The model computes its own loss (so that backward can run per
+microbatch) and returns it as a scalar tensor, first in a tuple, under ``"loss"`` in
+a dict, or as ``.loss``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from mbcompile.errors import MbcompileError
+
+__all__ = ["TrainerError", "batch_args", "loss_of", "batch_layout"]
+
+
+class TrainerError(MbcompileError):
+    """The training loop cannot go on: no data, no loss in the output, bad arguments."""
+
+
+def batch_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A batch as ``(args, kwargs)`` for ``model(*args, **kwargs)``."""
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    raise TrainerError(
+        f"a batch must be a tuple or list (positional inputs of the model), a dict (keyword "
+        f"inputs) or a tensor, got {type(batch).__name__}")
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model's output: the output, its first item, ``["loss"]`` or ``.loss``."""
+    candidates: list[Any] = [output]
+    if isinstance(output, (tuple, list)) and output:
+        candidates.append(output[0])
+    if isinstance(output, Mapping) and "loss" in output:
+        candidates.append(output["loss"])
+    if getattr(output, "loss", None) is not None:
+        candidates.append(output.loss)
+    for c in candidates:
+        if isinstance(c, torch.Tensor) and c.dim() == 0 and c.is_floating_point():
+            return c
+    raise TrainerError(
+        f"the model's output ({type(output).__name__}) holds no scalar loss; compute the loss "
+        "inside forward (so backward can run per microbatch) and return it as a scalar tensor, "
+        "first in a tuple, under 'loss' in a dict, or as .loss")
+
+
+def batch_layout(batch: Any) -> tuple[Any, ...]:
+    """What a module compiled from ``batch`` fixes about later ones: the nesting, each
+    tensor's shape, dtype and device, and every other leaf's value. Two batches with
+    equal layouts can run through the same compiled module."""
+    leaves, spec = pytree.tree_flatten(batch)
+    return spec, tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor)
+                       else (type(t), t) for t in leaves)

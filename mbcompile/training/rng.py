@@ -1,0 +1,69 @@
+"""RNG states as plain Python values: what a checkpoint stores so that a resumed run
+draws the same numbers (torch CPU and CUDA, Python's ``random``, numpy when installed).
+
+The states are JSON (hex strings and lists), never pickles: a checkpoint's files are
+read without unpickling anything but tensors (see ``mbcompile.training.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import random
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["preserved_rng", "rng_state", "set_rng_state"]
+
+
+def _numpy() -> Any:
+    return importlib.import_module("numpy") if importlib.util.find_spec("numpy") else None
+
+
+def _hex(t: torch.Tensor) -> str:  # a torch RNG state (bytes) as plain text
+    return bytes(t.tolist()).hex()
+
+
+def _unhex(text: str) -> torch.Tensor:
+    return torch.tensor(list(bytes.fromhex(text)), dtype=torch.uint8)
+
+
+def rng_state() -> dict[str, Any]:
+    """The process's RNG states (torch CPU and CUDA, Python, numpy) as JSON-able values."""
+    state: dict[str, Any] = {"torch": _hex(torch.get_rng_state()),
+                             "python": [random.getstate()[0], list(random.getstate()[1]),
+                                        random.getstate()[2]]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_hex(s) for s in torch.cuda.get_rng_state_all()]
+    np = _numpy()
+    if np is not None:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what ``rng_state`` returned."""
+    torch.set_rng_state(_unhex(state["torch"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unhex(s) for s in state["cuda"]])
+    np = _numpy()
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Run the body without changing any RNG state (compiling, writing checkpoints), so
+    that a resumed run, which compiles at another step, draws the same numbers."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
