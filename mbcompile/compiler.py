@@ -39,6 +39,7 @@ from mbcompile.errors import (
 )
 from mbcompile.execution import BACKENDS, StepChannels, bindings
 from mbcompile.execution.joint import JOINT, joint_step
+from mbcompile.execution.live_hooks import unwatch, watch_new_hooks
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.passes import batch_rules, ops
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
@@ -297,6 +298,8 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_slots_seen", None)
         object.__setattr__(self, "_hooks_seen", None)  # _hooks_by_module at the last compile
         object.__setattr__(self, "_live_hooks", frozenset())  # layers whose hooks run live
+        object.__setattr__(self, "_live_layers", ())  # (name, layer) of those layers
+        object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
         object.__setattr__(self, "_warned", False)
         # state_dict() keys are the model's own ("net.0.weight", not "module.net.0.weight"),
         # also when this module sits inside a parent: hooks, not overrides, so nesting works
@@ -345,21 +348,29 @@ class CompiledModule(nn.Module):
         compiled = _compile_graph(self._inner, self.plan, self._inputs, self._example,
                                   self.rank, analysed, self.backend,
                                   StepChannels(noise=self.noise_scale))
-        # the key as the next call computes it: without the hooks of the layers it calls live
-        object.__setattr__(self, "_live_hooks", self._layers_called_live(compiled))
+        # the key as the next call computes it: without the forward hooks of the layers it
+        # calls live; those present now were checked (check_layer_hooks), later ones watched
+        live = self._layers_called_live(compiled)
+        object.__setattr__(self, "_live_layers", live)
+        object.__setattr__(self, "_live_hooks", frozenset(id(m) for _, m in live))
+        object.__setattr__(self, "_hooks_known", self._hooks_known | {
+            k for _, m in live for hooks in (m._forward_pre_hooks, m._forward_hooks)
+            for k in hooks})
         object.__setattr__(self, "_hooks_seen", _hooks_by_module(self.module, self._live_hooks))
         self._cache[self._mode_key()] = compiled
         return compiled
 
-    def _layers_called_live(self, compiled: _Compiled) -> frozenset[int]:
-        """The layers an fx graph calls as single nodes (``nn.Linear``, ...): they run their
-        own hooks at each call, so adding or removing one needs no recompile. (A body
-        compiled with ``torch_compile`` has dynamo trace them in: every hook counts.)"""
+    def _layers_called_live(self, compiled: _Compiled) -> tuple[tuple[str, nn.Module], ...]:
+        """The layers an fx graph calls as single nodes (``nn.Linear``, ...), by name: they
+        run their own forward hooks at each call, so adding or removing one needs no
+        recompile (``live_hooks`` watches the added ones). A body compiled with
+        ``torch_compile`` has dynamo trace them in: every hook counts."""
         if self._inputs.torch_compile is not None:
-            return frozenset()
-        return frozenset(id(self._inner.get_submodule(str(n.target)))
-                         for n in compiled.original_graph_module.graph.nodes
-                         if n.op == "call_module" and _is_submodule(self._inner, str(n.target)))
+            return ()
+        names = dict.fromkeys(str(n.target) for n in compiled.original_graph_module.graph.nodes
+                              if n.op == "call_module" and _is_submodule(self._inner,
+                                                                         str(n.target)))
+        return tuple((name, self._inner.get_submodule(name)) for name in names)
 
     def _names(self) -> dict[int, str]:
         return {id(m): name for name, m in self.module.named_modules()}
@@ -412,6 +423,15 @@ class CompiledModule(nn.Module):
         if self.compile_only:
             raise compile_only_error(self.plan, self.exploration)
         compiled = self._compiled()
+        watched = watch_new_hooks(self._live_layers, self._hooks_known)
+        if not watched:
+            return self._call(compiled, args, kwargs)
+        try:
+            return self._call(compiled, args, kwargs)
+        finally:
+            unwatch(watched)
+
+    def _call(self, compiled: _Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -510,9 +530,9 @@ def _hooks(modules: Sequence[nn.Module], live: frozenset[int]) -> tuple[Any, ...
     on every call (hooks are rare: a module without any costs four truth tests)."""
     out: list[Any] = [tuple(tuple(h) for h in _GLOBAL_HOOKS) if any(_GLOBAL_HOOKS) else ()]
     for i, m in enumerate(modules):
-        if (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
-                or m._backward_hooks) and id(m) not in live:
-            out.append((i, tuple(tuple(h) for h in _hook_dicts(m))))
+        if m._backward_pre_hooks or m._backward_hooks or (
+                (m._forward_pre_hooks or m._forward_hooks) and id(m) not in live):
+            out.append((i, tuple(tuple(h) for h in _hook_dicts(m, id(m) in live))))
     return tuple(out)
 
 
@@ -524,8 +544,11 @@ def _is_submodule(model: nn.Module, target: str) -> bool:
     return True
 
 
-def _hook_dicts(m: nn.Module) -> tuple[dict[int, Any], ...]:
-    return (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+def _hook_dicts(m: nn.Module, live: bool = False) -> tuple[dict[int, Any], ...]:
+    """The hook dictionaries the graphs depend on: a live layer's forward hooks run at its
+    call, but its backward hooks are checked at compile (``check_layer_hooks``)."""
+    backward = (m._backward_pre_hooks, m._backward_hooks)
+    return backward if live else (m._forward_pre_hooks, m._forward_hooks, *backward)
 
 
 _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for kind in (
@@ -534,8 +557,8 @@ _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for ki
 
 def _hooks_by_module(model: nn.Module, live: frozenset[int]) -> dict[str, Any]:
     """Per module name: the keys of the hooks ``_hooks`` watches (to name whose changed)."""
-    state = {name or "<model>": tuple(tuple(h) for h in _hook_dicts(m))
-             for name, m in model.named_modules() if id(m) not in live}
+    state = {name or "<model>": tuple(tuple(h) for h in _hook_dicts(m, id(m) in live))
+             for name, m in model.named_modules()}
     state["<global module hooks>"] = tuple(tuple(h) for h in _GLOBAL_HOOKS)
     return state
 

@@ -243,45 +243,80 @@ def _hook_misbehaves(fn: Any, info: Any) -> str | None:
 
 
 def check_layer_hooks(gm: fx.GraphModule, model_name: str) -> None:
-    """Refuse a layer's forward (pre-)hook that a microbatch would change: a layer the graph
-    calls as one node runs its hooks at each call, on each microbatch, and the batch rule of
-    the layer knows nothing of them. Checked on a copy of the layer, on a random batch of
-    the input's full-batch shape (``SHAPES``): the batch's output must equal its two halves'
-    outputs, joined (``out - out.mean(0)`` does not)."""
+    """Refuse a layer's hook that a microbatch would change: a layer the graph calls as one
+    node runs its hooks at each call, on each microbatch, and the batch rule of the layer
+    knows nothing of them. Checked on a copy of the layer, on a random batch of the input's
+    full-batch shape (``SHAPES``): the batch's output must equal its two halves' outputs,
+    joined (``out - out.mean(0)`` does not), and with backward hooks, so must the gradient
+    that reaches the input (``grad - grad.mean(0)`` does not).
+
+    Forward hooks added to such a layer after compile are not called on made-up data
+    (tests and users inject counting or failing hooks): they run as written, and one that
+    changes what the layer returns is refused at its first call inside a step
+    (``mbcompile.execution.live_hooks``). Backward hooks added later recompile."""
     for node in gm.graph.nodes:
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
         layer = gm.get_submodule(str(node.target))
-        if not (layer._forward_hooks or layer._forward_pre_hooks):
+        if not (layer._forward_pre_hooks or layer._forward_hooks or layer._backward_hooks
+                or layer._backward_pre_hooks):
             continue
         info = getattr(node.args[0], "meta", {}).get(SHAPES)
         if not getattr(info, "is_tensor", False) or not info.dtype.is_floating_point:
             continue
         dim = next((i for i, (x, y) in enumerate(zip(info.shape_a, info.shape_b)) if x != y),
                    None)
-        if dim is None or info.shape_a[dim] < 2 or _splits_cleanly(layer, info, dim):
+        if dim is None or info.shape_a[dim] < 2:
+            continue
+        what = _mixed_by_hooks(layer, info, dim)
+        if what is None:
             continue
         raise CaptureError(
-            f"{model_name}: a forward hook of {type(layer).__name__} {node.target!r} changes "
-            f"what the layer returns depending on the whole batch ({source_line(node)}); the "
-            "layer runs with its hooks once per microbatch, so the step would differ from "
-            "eager. Fix: register the hook on a module of your own that wraps the layer (its "
-            "hooks are traced and judged with the model), or remove it while training")
+            f"{model_name}: a hook of {type(layer).__name__} {node.target!r} changes {what} "
+            f"depending on the whole batch ({source_line(node)}); the layer runs with its "
+            "hooks once per microbatch, so the step would differ from eager. Fix: register "
+            "the hook on a module of your own that wraps the layer (its hooks are traced and "
+            "judged with the model), or remove it while training")
 
 
-def _splits_cleanly(layer: torch.nn.Module, info: Any, dim: int) -> bool:
+def _mixed_by_hooks(layer: torch.nn.Module, info: Any, dim: int) -> str | None:
+    """What the layer's hooks make depend on the whole batch (None: nothing found): the
+    layer is run on a random batch and on its two halves, and with backward hooks the
+    gradient of a random seed is taken back to the input too."""
     import copy
 
     probe = copy.deepcopy(layer)  # its running statistics and buffers stay the user's
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(info.shape_a, generator=generator, dtype=info.dtype)
-    half = info.shape_a[dim] // 2
-    with torch.no_grad():
-        whole = probe(x)
-        parts = torch.cat([probe(x.narrow(dim, 0, half)),
-                           probe(x.narrow(dim, half, info.shape_a[dim] - half))], dim)
-    if not (isinstance(whole, torch.Tensor) and isinstance(parts, torch.Tensor)
-            and whole.shape == parts.shape):
-        return True  # not a tensor-to-tensor layer: nothing this check can compare
+    n = info.shape_a[dim]
+    backward = bool(layer._backward_hooks or layer._backward_pre_hooks)
+    seed: torch.Tensor | None = None
+    outs, grads = [], []
+    for start, size in ((0, n), (0, n // 2), (n // 2, n - n // 2)):
+        piece = x.narrow(dim, start, size).detach().requires_grad_(backward)
+        with torch.set_grad_enabled(backward):
+            out = probe(piece)
+        if not isinstance(out, torch.Tensor) or out.dim() <= dim:
+            return None  # not a tensor-to-tensor layer: nothing this check can compare
+        outs.append(out.detach())
+        if backward and out.requires_grad and (start, size) == (0, n):
+            seed = torch.randn(out.shape, generator=generator, dtype=out.dtype)
+        if (seed is not None and out.requires_grad and seed.shape[dim] == n
+                and out.shape[dim] == size):
+            grads.append(torch.autograd.grad(out, piece, seed.narrow(dim, start, size),
+                                             allow_unused=True)[0])
+    if not _joined_equal(outs, dim):
+        return "what the layer returns"
+    if len(grads) == 3 and all(g is not None for g in grads) and not _joined_equal(grads, dim):
+        return "the gradient it passes back"
+    return None
+
+
+def _joined_equal(pieces: list[torch.Tensor], dim: int) -> bool:
+    """Whether ``pieces[0]`` (the whole batch's) equals the other pieces joined on ``dim``
+    (True where the shapes cannot be compared)."""
+    whole, parts = pieces[0], torch.cat(pieces[1:], dim)
+    if whole.shape != parts.shape:
+        return True
     scale = float(whole.abs().max()) if whole.numel() else 0.0
     return bool(torch.allclose(whole, parts, rtol=1e-5, atol=1e-6 * scale + 1e-30))

@@ -486,24 +486,120 @@ def test_module_hooks_present_at_compile_run_once_per_step():
     assert int(model.a.calls) == 1  # one compiled step (the eager step ran on a copy)
 
 
-@pytest.mark.parametrize("kw", [{}, {"torch_compile": COMPILED}], ids=["eager", "compiled"])
-def test_a_forward_hook_added_after_compile_is_followed(kw):
-    """On a layer the graph calls as one node the hook runs at its call (no recompile); under
-    torch_compile dynamo traced the layer, so the new hook compiles again."""
+def test_a_forward_hook_added_after_compile_under_torch_compile_recompiles():
+    """Under torch_compile dynamo traced the layer in, so a new hook compiles again (and is
+    checked); removing it goes back to the graph compiled first, still cached."""
     torch.manual_seed(0)
     model, batch = Parametrized(lambda: nn.Linear(4, 3)), _batch()
-    cm = _compile(model, batch, **kw)
+    cm = _compile(model, batch, torch_compile=COMPILED)
     handle = model.a.register_forward_hook(lambda m, args, out: out * 3)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with pytest.warns(mbcompile.RecompileWarning, match="hooks of 'a' changed"):
         _assert_exact(model, cm, batch)
-    recompiled = [w for w in caught if issubclass(w.category, mbcompile.RecompileWarning)]
-    assert len(recompiled) == (1 if kw else 0), recompiled
-    assert not kw or "hooks of 'a' changed" in str(recompiled[0].message)
-    handle.remove()  # back to the state compiled first: its graph is still cached
+    handle.remove()
     with warnings.catch_warnings():
         warnings.simplefilter("error", mbcompile.RecompileWarning)
         _assert_exact(model, cm, batch)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {**{k: v.clone() for k, v in model.state_dict().items()},
+            **{f"{k}.grad": None if p.grad is None else p.grad.clone()
+               for k, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("hook", [
+    lambda m, args, out: out * 3,                       # returns a new output
+    lambda m, args, out: out.sub_(out.mean(0)),         # writes the output in place
+    lambda m, args: (args[0] * 2,),                     # a pre-hook returning new arguments
+], ids=["returns", "in_place", "pre_hook"])
+def test_a_hook_changing_a_live_layer_added_after_compile_is_refused(hook):
+    """A layer the graph calls as one node runs its hooks per microbatch. compile checks
+    the hooks present then; one added later is not called on made-up data, and if it
+    changes what the layer computes the step is refused before anything changes."""
+    torch.manual_seed(0)
+    model, batch = Parametrized(lambda: nn.Linear(4, 3)), _batch()
+    cm = _compile(model, batch)
+    cm(*batch)[0].backward()  # a first step: gradients to keep
+    pre = hook.__code__.co_argcount == 2
+    handle = (model.a.register_forward_pre_hook if pre else model.a.register_forward_hook)(hook)
+    before = _state(model)
+    with pytest.raises(mbcompile.CaptureError, match="registered on Linear 'a' after compile"):
+        cm(*batch)
+    after = _state(model)
+    assert before.keys() == after.keys() and all(
+        (b is None and a is None) or torch.equal(b, a) for b, a in zip(before.values(),
+                                                                       after.values()))
+    handle.remove()  # the layer as compiled: no recompile, exact again
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.RecompileWarning)
+        _assert_exact(model, cm, batch)
+
+
+def test_a_hook_added_after_compile_that_only_reads_runs_per_microbatch():
+    """A hook that returns None (counting, logging, injecting a failure) runs as written,
+    once per microbatch, outside a step too, and the step stays exact."""
+    torch.manual_seed(0)
+    model, batch = Parametrized(lambda: nn.Linear(4, 3)), _batch()
+    cm = _compile(model, batch)
+    rows: list[int] = []
+    model.a.register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.RecompileWarning)
+        cm(*batch)[0].backward()
+    assert rows == [n for sizes in cm.plan.microbatch_sizes for n in sizes if n]  # 2, 2, 2, 1
+    rows.clear()
+    model(*batch)  # eager, outside any step: the watched hook is only called
+    assert rows == [GBS]
+    model.zero_grad(set_to_none=True)
+    _assert_exact(model, cm, batch)
+
+
+def test_compiling_again_checks_a_hook_added_after_compile():
+    torch.manual_seed(0)
+    model, batch = Parametrized(lambda: nn.Linear(4, 3)), _batch()
+    _compile(model, batch)
+    handle = model.a.register_forward_hook(lambda m, args, out: out * 3)
+    _assert_exact(model, _compile(model, batch), batch)  # checked, and exact
+    handle.remove()
+    model.a.register_forward_hook(lambda m, args, out: out - out.mean(0))
+    with pytest.raises(mbcompile.CaptureError, match="depending on the whole batch"):
+        _compile(model, batch)
+
+
+class TwoLayers(nn.Module):
+    """``b``'s input requires grad, so a backward hook on ``b`` changes what reaches ``a``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.b(torch.tanh(self.a(x)))
+        return F.mse_loss(o, y), o
+
+
+def test_a_backward_hook_that_mixes_samples_is_refused():
+    model, batch = TwoLayers(), _batch()
+    model.b.register_full_backward_hook(lambda m, gi, go: (gi[0] - gi[0].mean(0),))
+    with pytest.raises(mbcompile.CaptureError, match="the gradient it passes back"):
+        _compile(model, batch)
+
+
+def test_a_backward_hook_added_after_compile_recompiles_and_is_checked():
+    """A live layer's backward hooks run in each microbatch's backward: adding one
+    recompiles (and checks it), where adding a forward hook does not."""
+    torch.manual_seed(0)
+    model, batch = TwoLayers(), _batch()
+    cm = _compile(model, batch)
+    handle = model.b.register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.25,))
+    with pytest.warns(mbcompile.RecompileWarning, match="hooks of 'b' changed"):
+        _assert_exact(model, cm, batch)
+    handle.remove()
+    model.b.register_full_backward_hook(lambda m, gi, go: (gi[0] - gi[0].mean(0),))
+    with pytest.warns(mbcompile.RecompileWarning), pytest.raises(
+            mbcompile.CaptureError, match="the gradient it passes back"):
+        cm(*batch)
 
 
 def test_a_hook_added_to_a_module_of_the_users_after_compile_recompiles():

@@ -26,6 +26,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from mbcompile.execution.joint import JOINT
+from mbcompile.execution.live_hooks import UncheckedHookError, in_step
 from mbcompile.execution.noise import NoiseScale, estimate_noise_scale
 from mbcompile.passes.errors import (
     InputError,
@@ -127,9 +128,10 @@ class _Loop:
         ``torch.OutOfMemoryError`` whose message keeps the allocator's text), so
         batch-size finders that catch OOMs keep working around a compiled module.
         """
+        in_step.depth += 1  # hooks added to live layers after compile are watched
         try:
             return fn()
-        except MicrobatchError:
+        except (MicrobatchError, UncheckedHookError):
             raise
         except Exception as exc:
             system, local = self.where(index)
@@ -140,6 +142,8 @@ class _Loop:
                 f"{type(exc).__name__}: {exc}\n  the step was rolled back: parameters and "
                 "gradients are as they were before the call (the original error is the "
                 "__cause__ of this one)") from exc
+        finally:
+            in_step.depth -= 1
 
     def _agreed(self, fn: Callable[[], T], checks: Callable[[], torch.Tensor] | None = None
                 ) -> T:
