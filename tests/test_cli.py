@@ -276,7 +276,7 @@ def test_artifacts_take_the_report_and_the_exploration_plot(tmp_path):
     (``to_dict``); its ``exploration.plot(path)`` draws the explore plot."""
     import mbcompile
     from mbcompile.models import make_mlp
-    from mbcompile.training.cli import write_artifacts
+    from mbcompile.training.cli_compile import write_artifacts
 
     class Exploration:
         def plot(self, path):

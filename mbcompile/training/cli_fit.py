@@ -1,0 +1,198 @@
+"""``mbcompile fit`` and ``mbcompile validate``: a config's run through the Trainer.
+
+``fit`` trains in this process, on ``--nproc N`` CPU ranks it launches, or on the
+ranks torchrun started; it writes checkpoints to ``<output_dir>/checkpoints/`` and,
+when stopped, says what it kept and the command that resumes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from mbcompile.training.checkpoint import TrainingInterrupted, latest_checkpoint
+from mbcompile.training.cli_compile import compile_config
+from mbcompile.training.cli_messages import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    CommandError,
+    add_note,
+    echo,
+    paragraph,
+)
+from mbcompile.training.config import Config, build_data, build_trainer, load_config
+
+__all__ = ["run_fit", "run_validate"]
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    out = Path(args.out or cfg.output_dir)
+    if cfg.compile_only or cfg.validate_only:
+        echo(f"{cfg.file} sets {'compile_only' if cfg.compile_only else 'validate_only'}: "
+             "compiling only, no training")
+        return compile_config(cfg, out, mbs=args.mbs, compile_only=cfg.compile_only,
+                              validate_only=cfg.validate_only)
+    if getattr(args, "nproc", None):
+        if args.nproc != cfg.num_csx:
+            raise CommandError(f"--nproc {args.nproc} launches one rank per system, but "
+                               f"{cfg.file} has num_csx {cfg.num_csx}: make them equal")
+        return _launch_ranks(args, out)
+    if cfg.backend == "torch.distributed":
+        _init_from_environment(cfg)
+    return _fit(cfg, args, out, _rank())
+
+
+def _launch_ranks(args: argparse.Namespace, out: Path) -> int:
+    """``fit --nproc N``: N ranks in child processes; this process forwards SIGINT and
+    SIGTERM to them (they stop after an agreed step with a checkpoint) and waits."""
+    import multiprocessing
+
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    from mbcompile.execution.distributed import launch
+
+    def forward(signum: int, frame: Any) -> None:
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError, TypeError):  # gone already
+                os.kill(child.pid, signum)
+
+    echo(f"launching {args.nproc} CPU ranks (gloo on 127.0.0.1), one per system")
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        launch(_fit_rank, args.nproc, args)
+    except (ProcessExitedException, ProcessRaisedException) as exc:
+        code = getattr(exc, "exit_code", None)
+        if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            return int(code)  # the ranks stopped cleanly; rank 0 said where and how to resume
+        add_note(exc, _checkpoint_note(out, args))
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return EXIT_OK  # every rank finished, whatever signal came after the last step
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _init_from_environment(cfg: Config) -> None:
+    """Join the process group torchrun describes in the environment, if not joined yet."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            what = f"shard: {cfg.shard}" if cfg.shard != "none" else "backend torch.distributed"
+            raise CommandError(f"{what} needs ranks: run with --nproc {cfg.num_csx}, or launch "
+                               f"with torchrun --nproc-per-node {cfg.num_csx} -m mbcompile "
+                               "fit ...")
+        dist.init_process_group("gloo")
+
+
+def _fit_rank(rank: int, world: int, args: argparse.Namespace) -> None:
+    """One rank of ``fit --nproc``: the config's run on the torch.distributed backend.
+
+    A stop by SIGINT/SIGTERM ends the rank with exit code 130/143 once rank 0 has
+    said where the checkpoint is (the launcher passes the code on).
+    """
+    import torch.distributed as dist
+
+    cfg = dataclasses.replace(load_config(args.config), backend="torch.distributed")
+    try:
+        _fit(cfg, args, Path(args.out or cfg.output_dir), rank)
+    except KeyboardInterrupt as exc:  # a non-zero exit: the launcher stops the other ranks
+        if rank == 0:
+            sys.stdout.flush()
+            print(paragraph(exc), file=sys.stderr, flush=True)
+        if isinstance(exc, TrainingInterrupted) and exc.checkpoint is not None:
+            dist.barrier()  # every rank waits for rank 0's message before the launcher reaps
+        code = exc.exit_code if isinstance(exc, TrainingInterrupted) else EXIT_INTERRUPTED
+        raise SystemExit(code) from None
+
+
+def _fit(cfg: Config, args: argparse.Namespace, out: Path, rank: int = 0) -> int:
+    """Train as ``cfg`` says: rank 0 logs to ``out``, rank r to ``out/rank<r>``; the
+    checkpoints of every rank go to ``out/checkpoints``."""
+    quiet = bool(rank)
+    say = (lambda *_: None) if quiet else echo
+    log_dir = out if not rank else out / f"rank{rank}"
+    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(log_dir), progress=not quiet,
+                            console=Console(soft_wrap=True, quiet=quiet),
+                            checkpoint_dir=out / "checkpoints")
+    train = build_data(cfg, "train")
+    val = build_data(cfg, "validate") if cfg.val_steps else None
+    steps = args.max_steps or cfg.max_steps
+    sharded = f"sharded with FSDP2 (shard: {cfg.shard}), " if cfg.shard != "none" else ""
+    say(f"fit: {cfg.model}, gbs {cfg.batch_size} over {cfg.num_csx} "
+        f"system{'s' if cfg.num_csx != 1 else ''}, {steps} steps, {sharded}"
+        f"flags: train {cfg.flags('train')}, validate {cfg.flags('validate')}")
+    try:
+        rows = trainer.fit(train, val, max_steps=steps, val_steps=cfg.val_steps or None,
+                           val_every=cfg.val_every, resume=bool(getattr(args, "resume", False)))
+    except (Exception, KeyboardInterrupt) as exc:
+        note = _kept(trainer.global_step, log_dir)
+        if isinstance(exc, TrainingInterrupted) and exc.checkpoint is not None:
+            note += (f"; checkpoint of step {exc.step}: {exc.checkpoint}; resume with: "
+                     f"{_resume_command(args)}")
+        elif trainer.last_checkpoint is not None:
+            note += f"; {_checkpoint_note(out, args)}"
+        add_note(exc, note)
+        raise
+    train_rows = [r for r in rows if r["phase"] == "train"]
+    val_rows = [r for r in rows if r["phase"] == "validate"]
+    if train_rows:
+        say(f"trained {len(train_rows)} steps: loss {train_rows[0]['loss']:.4f} -> "
+            f"{train_rows[-1]['loss']:.4f}" + (f"; last validation loss "
+                                                f"{val_rows[-1]['loss']:.4f}" if val_rows
+                                                else ""))
+    say(f"metrics: {log_dir / 'metrics.csv'} and {log_dir / 'metrics.jsonl'}")
+    if trainer.last_checkpoint is not None:
+        say(f"checkpoint: {trainer.last_checkpoint}")
+    return EXIT_OK
+
+
+def _resume_command(args: argparse.Namespace) -> str:
+    """The command line that resumes this one."""
+    argv = [a for a in getattr(args, "argv", None) or sys.argv[1:] if a != "--resume"]
+    return shlex.join(["mbcompile", *argv, "--resume"])
+
+
+def _checkpoint_note(out: Path, args: argparse.Namespace) -> str:
+    last = latest_checkpoint(out / "checkpoints")
+    if last is None:
+        return "no checkpoint was written"
+    return f"the last checkpoint is {last}; resume with: {_resume_command(args)}"
+
+
+def _kept(done: int, out: Path) -> str:
+    """What a fit stopped after ``done`` training steps leaves behind."""
+    if not done:
+        return "no training step finished"
+    return (f"the metrics of the {done} finished training step{'s' if done != 1 else ''} "
+            f"are in {out / 'metrics.csv'}")
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    out = Path(args.out or cfg.output_dir)
+    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(out), console=Console(soft_wrap=True))
+    steps = args.steps or cfg.val_steps or None
+    summary = trainer.validate(build_data(cfg, "validate"), max_steps=steps)
+    if summary["loss"] is None or not math.isfinite(summary["loss"]):
+        raise CommandError(f"validation loss is {summary['loss']}")
+    echo(f"validated {summary['steps']} steps: mean loss {summary['loss']:.4f} "
+         f"(mbs {summary['mbs']}); metrics: {out / 'metrics.csv'}")
+    return EXIT_OK

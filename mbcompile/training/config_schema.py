@@ -1,0 +1,448 @@
+"""The schema of a run configuration: its keys, their checks, and the frozen ``Config``.
+
+``parse_config(data, marks)`` checks every section of a loaded document (types,
+required and unknown keys, flag keys and values, import paths, an int MBS against
+the per-system batch) and returns a ``Config``; each problem is a ``ConfigError``
+at the file and line of the value (see ``config_loader``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+import mbcompile.models as models
+from mbcompile.errors import MbcompileError
+from mbcompile.planning import systems
+from mbcompile.planning.plan import make_plan
+from mbcompile.training.config_checks import (
+    Checks,
+    optimizer_classes,
+    signature_names,
+    suggest_from,
+    type_name,
+)
+from mbcompile.training.config_loader import ConfigError, Marks, Path_
+from mbcompile.training.flags import (
+    FLAGS,
+    Callback,
+    FlagError,
+    GlobalFlags,
+    ScopedTrainFlags,
+    ScopedValidateFlags,
+    resolve_key,
+)
+
+__all__ = ["BACKENDS", "BUILTIN_MODELS", "CALLBACKS", "SHARDS", "SYNTHETIC", "TOP_KEYS",
+           "Config", "parse_config"]
+
+#: Built-in example models by config name (their synthetic data: ``SYNTHETIC_BATCHES``).
+BUILTIN_MODELS: dict[str, type[nn.Module]] = {
+    "tiny_gpt": models.TinyGPT,
+    "mlp": models.MLP,
+    "cnn": models.CNN,
+}
+CALLBACKS: dict[str, type[Callback]] = {
+    "GlobalFlags": GlobalFlags,
+    "ScopedTrainFlags": ScopedTrainFlags,
+    "ScopedValidateFlags": ScopedValidateFlags,
+}
+BACKENDS = ("simulated", "torch.distributed")
+#: ``shard:`` values: none, or FSDP2 (``fully_shard`` per repeated block and at the root).
+SHARDS = ("none", "fsdp")
+SYNTHETIC = "synthetic"
+DEFAULT_OUTPUT_ROOT = "mbcompile-artifacts"
+
+#: Top-level keys: what each holds (also the text of "missing key" errors).
+TOP_KEYS: dict[str, str] = {
+    "model": "a built-in model name (tiny_gpt, mlp, cnn) or {name, kwargs}",
+    "data": "'synthetic' (default) or {source: package.module:factory, kwargs}",
+    "batch_size": "the global batch size (GBS), an int >= 1",
+    "num_csx": "the number of systems, an int >= 1 (default 1)",
+    "system": "a system preset name or a mapping of SystemSpec fields",
+    "backend": "'simulated' (default) or 'torch.distributed'",
+    "optimizer": "{name: a torch.optim class or package.module:Class, <its kwargs>}",
+    "callbacks": "a list of {GlobalFlags | ScopedTrainFlags | ScopedValidateFlags: {flags}}",
+    "fit": "{max_steps, val_steps, val_every, log_every, checkpoint_every, keep_checkpoints}",
+    "in_dims": "the batch dim of the inputs (default 0)",
+    "seed": "the seed for the model's initial weights and synthetic data (default 0)",
+    "output_dir": "where artifacts and metrics go (default mbcompile-artifacts/<file name>)",
+    "compile_only": "true: compile and estimate, never run",
+    "validate_only": "true: stop after capture and batch analysis",
+    "lr_scaling": "{reference_batch_size, rule: linear | sqrt | none, warmup_steps}",
+    "shard": "'none' (default) or 'fsdp': fully_shard each repeated block and the root",
+}
+LR_SCALING_KEYS = ("reference_batch_size", "rule", "warmup_steps")
+REQUIRED_TOP = ("model", "batch_size")
+FIT_KEYS = {"max_steps": 10, "val_steps": 2, "val_every": None, "log_every": 1,
+            "checkpoint_every": None, "keep_checkpoints": 2}
+DATA_KEYS = ("source", "kwargs", "seed", "num_batches")
+MODEL_KEYS = ("name", "kwargs")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated run configuration. Build it with :func:`load_config`."""
+
+    file: str
+    model: str  # a built-in name or package.module:Class
+    model_kwargs: Mapping[str, Any]
+    data: str  # "synthetic" or package.module:factory
+    data_kwargs: Mapping[str, Any]
+    data_seed: int
+    num_batches: int  # synthetic: how many distinct batches are cycled
+    batch_size: int
+    num_csx: int
+    system: Any
+    backend: str
+    optimizer: str
+    optimizer_kwargs: Mapping[str, Any]
+    callbacks: tuple[tuple[str, Mapping[str, Any]], ...]  # (callback name, short-key flags)
+    max_steps: int
+    val_steps: int  # 0: no validation inside fit
+    val_every: int | None
+    log_every: int
+    in_dims: Any
+    seed: int
+    output_dir: str
+    compile_only: bool
+    validate_only: bool
+    marks: Marks = field(repr=False, compare=False)
+    lr_scaling: Mapping[str, Any] | None = None  # Trainer keyword arguments, or None
+    checkpoint_every: int | None = None  # steps between checkpoints (None: at the end only)
+    keep_checkpoints: int = 2  # the newest checkpoints kept
+    shard: str = "none"  # "fsdp": the Trainer shards the model with FSDP2 (SHARDS)
+
+    @property
+    def builtin(self) -> bool:
+        return self.model in BUILTIN_MODELS
+
+    def flags(self, phase: str | None = None) -> dict[str, Any]:
+        """The flags in force in ``phase`` ("train", "validate" or None for global)."""
+        scoped = {"train": "ScopedTrainFlags", "validate": "ScopedValidateFlags"}.get(phase or "")
+        out = {k: spec.default for k, spec in FLAGS.items()}
+        for name, flags in self.callbacks:
+            if name == "GlobalFlags":
+                out.update(flags)
+        for name, flags in self.callbacks:
+            if name == scoped:
+                out.update(flags)
+        return out
+
+    def error(self, dotted_path: Path_, message: str) -> ConfigError:
+        return self.marks.error(dotted_path, message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "marks"}
+
+    def to_plain(self) -> dict[str, Any]:
+        """``to_dict`` as JSON types (what a checkpoint stores)."""
+        return json.loads(json.dumps(self.to_dict(), default=str))
+
+
+def parse_config(data: Any, marks: Marks) -> Config:
+    """Validate the document ``data`` (its lines in ``marks``) into a ``Config``."""
+    v = _Validator(marks)
+    top = v.mapping((), data, TOP_KEYS, REQUIRED_TOP)
+    model, model_kwargs = v.model(top["model"])
+    data_source, data_kwargs, data_seed, num_batches = v.data(top.get("data", SYNTHETIC), model)
+    batch_size = v.integer(("batch_size",), top["batch_size"], 1)
+    num_csx = v.integer(("num_csx",), top.get("num_csx", 1), 1)
+    if batch_size < num_csx:
+        raise marks.error(("batch_size",), f"the global batch size {batch_size} is smaller than "
+                          f"num_csx={num_csx}: each system needs at least one sample")
+    system = v.system(top.get("system"))
+    backend = v.choice(("backend",), top.get("backend", "simulated"), BACKENDS)
+    shard = v.shard(top.get("shard", "none"), backend, "backend" in top, num_csx)
+    if shard != "none":
+        backend = "torch.distributed"
+    optimizer, optimizer_kwargs = v.optimizer(top.get("optimizer"))
+    callbacks = v.callbacks(top.get("callbacks", []))
+    v.plan(callbacks, batch_size, num_csx)
+    fit = v.fit(top.get("fit", {}))
+    compile_only = v.boolean(("compile_only",), top.get("compile_only", False))
+    validate_only = v.boolean(("validate_only",), top.get("validate_only", False))
+    if compile_only and validate_only:
+        raise marks.error(("validate_only",), "compile_only and validate_only are both true; "
+                          "choose one (validate_only stops earlier, after the batch analysis)")
+    seed = v.integer(("seed",), top.get("seed", 0), 0)
+    lr_scaling = v.lr_scaling(top.get("lr_scaling"))
+    in_dims = v.in_dims(top.get("in_dims", 0))
+    output_dir = top.get("output_dir")
+    if output_dir is None:
+        output_dir = os.path.join(DEFAULT_OUTPUT_ROOT, Path(marks.file).stem)
+    output_dir = v.string(("output_dir",), output_dir)
+    return Config(
+        file=marks.file, model=model, model_kwargs=model_kwargs, data=data_source,
+        data_kwargs=data_kwargs, data_seed=data_seed if data_seed is not None else seed,
+        num_batches=num_batches, batch_size=batch_size, num_csx=num_csx, system=system,
+        backend=backend, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+        callbacks=callbacks, max_steps=fit["max_steps"], val_steps=fit["val_steps"],
+        val_every=fit["val_every"], log_every=fit["log_every"], in_dims=in_dims, seed=seed,
+        output_dir=output_dir, compile_only=compile_only, validate_only=validate_only,
+        lr_scaling=lr_scaling, checkpoint_every=fit["checkpoint_every"],
+        keep_checkpoints=fit["keep_checkpoints"], shard=shard, marks=marks)
+
+
+
+class _Validator(Checks):
+    """The schema, as code: one method per section, each raising a located ``ConfigError``."""
+
+    # -------------------------------------------------------------- sections
+    def model(self, value: Any) -> tuple[str, dict[str, Any]]:
+        path: Path_ = ("model",)
+        if isinstance(value, str):
+            name, kwargs, name_path = value, {}, path
+        else:
+            section = self.mapping(path, value, MODEL_KEYS, ("name",),
+                                   " ({name: tiny_gpt, kwargs: {...}}) or a model name")
+            name_path = path + ("name",)
+            name = self.string(name_path, section["name"])
+            kwargs = self.kwargs(path + ("kwargs",), section.get("kwargs"))
+        if name in BUILTIN_MODELS:
+            target: Any = BUILTIN_MODELS[name]
+        elif ":" in name:
+            target = self.importable(name_path, name, "Class")
+            if not callable(target):
+                raise self.fail(name_path, f"{name!r} is not a class or function")
+        else:
+            raise self.fail(name_path, f"unknown model {name!r}"
+                            f"{suggest_from(name, BUILTIN_MODELS)}; use a built-in example "
+                            f"({', '.join(BUILTIN_MODELS)}) or an import path "
+                            "package.module:Class")
+        self.signature_kwargs(path + ("kwargs",), target, kwargs)
+        return name, kwargs
+
+    def data(self, value: Any, model: str) -> tuple[str, dict[str, Any], int | None, int]:
+        path: Path_ = ("data",)
+        section: dict[str, Any] = {}
+        if isinstance(value, str):
+            source, source_path = value, path
+        else:
+            section = self.mapping(path, value, DATA_KEYS,
+                                   what=" ({source: synthetic} or {source: pkg.mod:factory})")
+            source = section.get("source", SYNTHETIC)
+            source_path = path + ("source",)
+            self.string(source_path, source)
+        kwargs = self.kwargs(path + ("kwargs",), section.get("kwargs"))
+        seed = self.optional_integer(path + ("seed",), section.get("seed"), 0)
+        num_batches = self.integer(path + ("num_batches",), section.get("num_batches", 4), 1)
+        if source == SYNTHETIC:
+            if kwargs:
+                raise self.fail(path + ("kwargs",), "synthetic data takes no kwargs (only seed "
+                                "and num_batches); for your own data give source: "
+                                "package.module:factory", key=True)
+            if model not in BUILTIN_MODELS:
+                raise self.fail(source_path if "data" in self.m.keys else ("model",),
+                                f"synthetic data is built in only for the example models "
+                                f"({', '.join(BUILTIN_MODELS)}); for {model!r} give data: "
+                                "{source: package.module:factory} returning a dataset or a "
+                                "dataloader")
+            return source, kwargs, seed, num_batches
+        if ":" not in source:
+            raise self.fail(source_path, f"unknown data source {source!r}"
+                            f"{suggest_from(source, [SYNTHETIC])}; use 'synthetic' or an import "
+                            "path package.module:factory")
+        factory = self.importable(source_path, source, "factory")
+        if not callable(factory):
+            raise self.fail(source_path, f"{source!r} is not callable")
+        accepted = signature_names(factory)
+        self.signature_kwargs(path + ("kwargs",), factory, kwargs,
+                              provided=[p for p in ("split", "batch_size") if p in accepted])
+        return source, kwargs, seed, num_batches
+
+    def system(self, value: Any) -> Any:
+        """A preset name (kept as written: compile resolves it) or a mapping of
+        ``SystemSpec`` fields (built into one here)."""
+        path: Path_ = ("system",)
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                systems.get_system(self.string(path, value))
+            except MbcompileError:
+                names = systems.system_names()
+                raise self.fail(path, f"unknown system {value!r}{suggest_from(value, names)}; "
+                                f"the presets are {', '.join(names)}, or give a mapping of "
+                                "SystemSpec fields") from None
+            return value
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a preset name or a mapping of SystemSpec fields, "
+                            f"got {type_name(value)} {value!r}")
+        self.mapping(path, value, [f.name for f in dataclasses.fields(systems.SystemSpec)])
+        kwargs = dict(value)
+        kwargs.setdefault("name", f"{Path(self.m.file).stem}-system")
+        for k, v in kwargs.items():
+            if k not in ("name", "source") and v is not None and (
+                    isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise self.fail(path + (k,), f"must be a number, got {type_name(v)} {v!r}")
+        try:
+            return systems.SystemSpec(**kwargs)
+        except TypeError as exc:  # a required field is missing
+            raise self.fail(path, f"not a complete SystemSpec: {exc}", key=True) from None
+        except MbcompileError as exc:
+            raise self.fail(path, str(exc), key=True) from None
+
+    def optimizer(self, value: Any) -> tuple[str, dict[str, Any]]:
+        path: Path_ = ("optimizer",)
+        if value is None:
+            return "AdamW", {"lr": 1e-3}
+        if isinstance(value, str):
+            value = {"name": value}
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a mapping {{name: AdamW, lr: 1.0e-3, ...}}, got "
+                            f"{type_name(value)} {value!r}")
+        if "name" not in value:
+            raise self.fail(path, "missing required key 'name' (a torch.optim class such as "
+                            "AdamW or SGD, or package.module:Class)", key=True)
+        name = self.string(path + ("name",), value["name"])
+        classes = optimizer_classes()
+        if name in classes:
+            target: Any = classes[name]
+        elif ":" in name:
+            target = self.importable(path + ("name",), name, "Class")
+        else:
+            raise self.fail(path + ("name",), f"unknown optimizer {name!r}"
+                            f"{suggest_from(name, classes)}; use a torch.optim class "
+                            f"({', '.join(sorted(classes))}) or package.module:Class")
+        kwargs = {k: v for k, v in value.items() if k != "name"}
+        self.kwargs(path, kwargs)
+        self.signature_kwargs(path, target, kwargs, provided=("params",))
+        return name, kwargs
+
+    def callbacks(self, value: Any) -> tuple[tuple[str, dict[str, Any]], ...]:
+        path: Path_ = ("callbacks",)
+        if value is None:
+            return ()
+        if not isinstance(value, list):
+            raise self.fail(path, f"must be a list of callbacks (- GlobalFlags: {{...}}), got "
+                            f"{type_name(value)} {value!r}")
+        out = []
+        for i, item in enumerate(value):
+            item_path = path + (i,)
+            if isinstance(item, str):
+                item = {item: {}}
+            if not isinstance(item, dict) or len(item) != 1:
+                raise self.fail(item_path, "each callback is a mapping with one key, its name: "
+                                "- GlobalFlags: {micro_batch_size: 4}")
+            (name, flags), = item.items()
+            if name not in CALLBACKS:
+                raise self.fail(item_path + (name,), f"unknown callback {name!r}"
+                                f"{suggest_from(name, CALLBACKS)}; choose one of "
+                                f"{', '.join(CALLBACKS)}", key=True)
+            out.append((name, self.flags(item_path + (name,), flags)))
+        return tuple(out)
+
+    def flags(self, path: Path_, value: Any, prefix: str = "",
+              out: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = {} if out is None else out
+        if value is None:
+            return out
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a mapping of flags (micro_batch_size: 4), got "
+                            f"{type_name(value)} {value!r}")
+        paths = [spec.path for spec in FLAGS.values()]
+        for k, v in value.items():
+            full = f"{prefix}{k}"
+            if isinstance(v, dict) and full not in FLAGS and full not in paths \
+                    and any(p.startswith(full + ".") for p in paths):
+                self.flags(path + (k,), v, full + ".", out)  # nested: csx: {performance: ...}
+                continue
+            try:
+                short = resolve_key(full)
+            except FlagError as exc:
+                raise self.fail(path + (k,), str(exc), key=True, label=path) from None
+            try:
+                FLAGS[short].check(v)
+            except MbcompileError as exc:
+                raise self.fail(path + (k,), str(exc)) from None
+            if short in out and out[short] != v:
+                raise self.fail(path + (k,), f"flag {short!r} is set twice with different "
+                                f"values ({out[short]!r} and {v!r}); keep one", key=True)
+            out[short] = v
+            self.flag_paths.setdefault(short, []).append(path + (k,))
+        return out
+
+    def plan(self, callbacks: Sequence[tuple[str, Mapping[str, Any]]], gbs: int,
+             num_csx: int) -> None:
+        """An int MBS must fit the per-system batch: say so at the flag's line, now."""
+        values = [flags["micro_batch_size"] for _, flags in callbacks
+                  if "micro_batch_size" in flags]
+        for value, path in zip(values, self.flag_paths.get("micro_batch_size", [])):
+            if isinstance(value, int) and not isinstance(value, bool):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # an adjusted MBS warns when compiling
+                    try:
+                        make_plan(gbs, num_csx, value)
+                    except MbcompileError as exc:
+                        raise self.fail(path, str(exc)) from None
+
+    def shard(self, value: Any, backend: str, backend_given: bool, num_csx: int) -> str:
+        """``shard: fsdp`` runs on ranks: it makes the backend torch.distributed, and refuses
+        a ``backend: simulated`` written beside it and a single system."""
+        path: Path_ = ("shard",)
+        if isinstance(value, bool) or value is None:  # YAML reads `shard: no` as false
+            raise self.fail(path, f"must be one of {', '.join(SHARDS)}, got "
+                            f"{type_name(value)} {value!r}")
+        shard = self.choice(path, value, SHARDS)
+        if shard == "none":
+            return shard
+        if backend_given and backend != "torch.distributed":
+            raise self.fail(path, f"shard: {shard} splits the model over torch.distributed "
+                            f"ranks, but backend is {backend!r} (line "
+                            f"{self.m.line(('backend',))}): set backend: torch.distributed or "
+                            "remove the backend key, and run with --nproc N or torchrun")
+        if num_csx < 2:
+            raise self.fail(path, f"shard: {shard} splits the model over the ranks, one per "
+                            f"system, but num_csx is {num_csx}: set num_csx to the number of "
+                            "ranks (2 or more), or use shard: none")
+        return shard
+
+    def fit(self, value: Any) -> dict[str, Any]:
+        path: Path_ = ("fit",)
+        section = self.mapping(path, {} if value is None else value, FIT_KEYS)
+        out = {**FIT_KEYS, **section}
+        self.integer(path + ("max_steps",), out["max_steps"], 1)
+        self.integer(path + ("val_steps",), out["val_steps"], 0)
+        self.optional_integer(path + ("val_every",), out["val_every"], 1)
+        self.integer(path + ("log_every",), out["log_every"], 1)
+        self.optional_integer(path + ("checkpoint_every",), out["checkpoint_every"], 1)
+        self.integer(path + ("keep_checkpoints",), out["keep_checkpoints"], 1)
+        return out
+
+    def lr_scaling(self, value: Any) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        path: Path_ = ("lr_scaling",)
+        section = self.mapping(path, value, LR_SCALING_KEYS, ("reference_batch_size",))
+        out = {"reference_batch_size": self.integer(path + ("reference_batch_size",),
+                                                    section["reference_batch_size"], 1),
+               "warmup_steps": self.integer(path + ("warmup_steps",),
+                                            section.get("warmup_steps", 0), 0)}
+        if "rule" in section:
+            out["lr_scaling"] = self.choice(path + ("rule",), section["rule"],
+                                            ("linear", "sqrt", "none"))
+        return out
+
+    def in_dims(self, value: Any) -> Any:
+        path: Path_ = ("in_dims",)
+
+        def dim(p: Path_, d: Any) -> Any:
+            return d if d is None else self.integer(p, d, 0)
+
+        if isinstance(value, list):
+            return tuple(dim(path + (i,), d) for i, d in enumerate(value))
+        if isinstance(value, dict):
+            return {k: dim(path + (k,), d) for k, d in value.items()}
+        return dim(path, value)
+
+
+# --------------------------------------------------------------------------- #
