@@ -17,8 +17,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 #: public name -> the module that defines it
 _NAMES = {
     "CompiledModule": "mbcompile.compiler",
@@ -68,7 +66,9 @@ __all__ = sorted(_NAMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _NAMES:
+    if name == "__version__":  # in its own module, so the package's modules read it there
+        value = importlib.import_module("mbcompile.version").__version__
+    elif name in _NAMES:
         value = getattr(importlib.import_module(_NAMES[name]), name)
     elif name in _MODULES:
         value = importlib.import_module(_MODULES[name])
@@ -79,7 +79,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_NAMES, *_MODULES})
+    return sorted({*globals(), *_NAMES, *_MODULES, "__version__"})
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run time

@@ -59,7 +59,7 @@ from .forward_modes import (
 )
 from .guards import Guard, recorded_reads
 from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
-from .sources import is_library, source_line
+from .sources import source_line, user_frame
 
 __all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",
            "fsdp_unit_enter", "fsdp_unit_exit", "user_frame"]
@@ -312,16 +312,6 @@ _WEIGHT_HOOKS = (_LegacySpectralNorm, _LegacyWeightNorm)
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DIFFERENTIATIONS = (torch.autograd.grad, torch.autograd.backward)
 _FRAME = re.compile(r'  File "([^"]+)", line \d+, in [^\n]*\n(?:    [^\n]*\n?)?')
-
-
-def user_frame(tb: traceback.StackSummary | list[traceback.FrameSummary]) -> str:
-    """The innermost frame outside torch and mbcompile's passes, as ``file:line: code``."""
-    for frame in reversed(list(tb)):
-        f = os.path.abspath(frame.filename)
-        if is_library(f):
-            continue
-        return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
-    return "<unknown source line>"
 
 
 def _tracer_frame(path: str) -> bool:

@@ -118,7 +118,7 @@ def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         run_function, _, *inputs = args
         return run_function(*inputs)
     if watchers and not cls.__module__.startswith("torch."):
-        from .capture import user_frame
+        from .sources import user_frame
 
         watchers[-1](cls, user_frame(traceback.extract_stack()[:-1]), args, kwargs)
     return _ORIGINAL.__func__(cls, *args, **kwargs)

@@ -13,9 +13,11 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import traceback
+
     import torch.fx as fx
 
-__all__ = ["is_library", "source_line", "user_stacklevel"]
+__all__ = ["is_library", "source_line", "user_frame", "user_stacklevel"]
 
 # found without importing torch: plan arithmetic warns through here and stays torch-free
 _TORCH_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec("torch").origin)) + os.sep
@@ -49,6 +51,17 @@ def source_line(node: fx.Node) -> str:
         if not is_library(path):
             return f"{path}:{line}: {code.strip()}" if code else f"{path}:{line}"
     return "<source line not recorded>"
+
+
+def user_frame(tb: traceback.StackSummary | list[traceback.FrameSummary]) -> str:
+    """The innermost frame of ``tb`` outside torch and mbcompile, as ``file:line: code``
+    (where a refused call was made: capture's traced frames, a custom Function's apply)."""
+    for frame in reversed(list(tb)):
+        f = os.path.abspath(frame.filename)
+        if is_library(f):
+            continue
+        return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "<unknown source line>"
 
 
 def user_stacklevel() -> int:

@@ -91,13 +91,13 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
     """
     model, batch = make_tiny_gpt(gbs, dtype=torch.float64)
     mbdist.BUCKET_BYTES = 16 * 1024  # several buckets, so some start before the failure
-    cm = mbcompile.compile(model, gbs, world, 1, example_inputs=batch,
-                           backend="torch.distributed")
-    last = cm.plan.per_system_batch_sizes[rank]  # microbatches of 1
-    forwards = {"n": 0}
+    forwards = {"n": 0, "armed": False}
     log = Collectives()
+    last = 0  # rank 1's last microbatch (microbatches of 1), known once compiled
 
     def count(module, args):
+        if not forwards["armed"]:
+            return
         forwards["n"] += 1
         log.mark("forward")
         if where == "forward" and rank == 1 and forwards["n"] == 2:
@@ -105,7 +105,7 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
             raise RuntimeError("injected failure on rank 1")
 
     def poison(module, args, out):
-        return out + float("nan") if where == "nan" and rank == 1 \
+        return out + float("nan") if forwards["armed"] and where == "nan" and rank == 1 \
             and forwards["n"] == last else out
 
     def explode(grad):
@@ -113,9 +113,15 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
             log.mark("fail")
             raise RuntimeError("injected failure on rank 1")
 
+    # Registered before compile, which checks them (a hook added later that changes what
+    # a layer returns is refused); they act only once armed, after compile's own forwards.
     model.head.register_forward_pre_hook(count)
     model.head.register_forward_hook(poison)
     model.blocks[0].qkv.weight.register_hook(explode)  # late in the backward
+    cm = mbcompile.compile(model, gbs, world, 1, example_inputs=batch,
+                           backend="torch.distributed")
+    last = cm.plan.per_system_batch_sizes[rank]
+    forwards["armed"] = True
     for p in model.parameters():  # the user's gradients, which a failed step leaves alone
         p.grad = torch.full_like(p, 7.0)
     try:

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from mbcompile.check import relative_error
 from mbcompile.execution import distributed as mbdist
+from mbcompile.execution import launcher
 from mbcompile.models import make_tiny_gpt
 
 TIMEOUT_S = 90
@@ -28,7 +29,7 @@ TIMEOUT_S = 90
 # mbcompile, and what their first step imports lazily (dynamo, FSDP, sympy, networkx).
 FORKSERVER_PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo", "torch._inductor",
-    "sympy", "networkx", "mbcompile.compiler", "mbcompile.execution.distributed",
+    "sympy", "networkx", "mbcompile.compiler", "mbcompile.execution.ranks",
     "dist_workers", "fsdp_workers", "fsdp_memory_workers", "fsdp_training_workers",
     "two_phase_workers",
 ]
@@ -49,8 +50,8 @@ def _run(fn, world: int, *args, timeout_s: float = TIMEOUT_S,
     try:
         ctx = mp.start_processes(
             dist_workers.logged,
-            args=(str(logs), mbdist._worker, (world, mbdist.free_port(), collective_timeout_s,
-                                              fn, args)),
+            args=(str(logs), launcher._worker, (world, launcher.free_port(), collective_timeout_s,
+                                                fn, args)),
             nprocs=world, join=False, start_method="forkserver")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1):

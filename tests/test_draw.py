@@ -17,6 +17,8 @@ import mbcompile
 from mbcompile.errors import MbcompileError, MbcompileWarning, MixingError
 from mbcompile.models import make_mlp, make_tiny_gpt
 from mbcompile.reports.draw import draw, to_dot, to_svg
+from mbcompile.reports.picture import picture as draw_picture
+from mbcompile.reports.svg import place
 
 drawing = importlib.import_module("mbcompile.reports.draw")  # the module, not mbcompile.draw
 HAS_DOT = shutil.which("dot") is not None
@@ -132,8 +134,8 @@ def test_the_svg_needs_no_graphviz(tmp_path, compiled, rejected, no_graphviz):
 @pytest.mark.parametrize("make", [make_mlp, make_tiny_gpt], ids=["mlp", "tiny_gpt"])
 def test_our_layout_keeps_nodes_apart_and_inside_their_clusters(make):
     model, batch = make(8)
-    pic = drawing._picture(mbcompile.compile(model, 8, 2, 2, example_inputs=batch), None, None)
-    block = drawing._place(pic, "")
+    pic = draw_picture(mbcompile.compile(model, 8, 2, 2, example_inputs=batch), None, None)
+    block = place(pic, "")
     boxes = list(block.nodes.values())
     assert len(boxes) == len(pic.boxes)
     for (x1, y1, w1, h1), (x2, y2, w2, h2) in itertools.combinations(boxes, 2):
@@ -185,7 +187,7 @@ def test_a_two_phase_step_shows_p_c_and_the_frontier(no_graphviz):
     torch.manual_seed(0)
     cm = mbcompile.compile(Normed(), 8, 2, 2, example_inputs=(torch.randn(8, 4),),
                            coupling="two_phase")
-    picture = drawing._picture(cm, None, None)
+    picture = draw_picture(cm, None, None)
     clusters = {c.name: c.label for c in picture.clusters}
     assert "body (P)" in clusters["body"] and "coupled part (C)" in clusters["coupled"]
     frontier = [a for a in picture.arrows if a.label == "frontier"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mbcompile.check import relative_error
-from mbcompile.execution.distributed import free_port
+from mbcompile.execution.launcher import free_port
 from mbcompile.training.checkpoint import latest_checkpoint, read_checkpoint
 from mbcompile.training.cli import main
 from mbcompile.training.config import ConfigError, build_trainer, load_config

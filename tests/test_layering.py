@@ -1,4 +1,5 @@
-"""The passes depend only downward, and ``import mbcompile`` is cheap.
+"""The package is layered: no import cycles, nothing imports back up, and
+``import mbcompile`` is cheap.
 
 ``mbcompile.passes`` is the bottom layer: the compiler, the planners, the backends
 and the trainer build on it, never the other way round (STYLE.md: "Don't import
@@ -15,6 +16,14 @@ upward"). Two checks hold that line:
 
 And ``import mbcompile`` alone loads none of its submodules (PEP 562 ``__getattr__``
 loads each public name on first use), while every public name still resolves.
+
+Above the passes, the import graph of every module of ``mbcompile/`` and ``passes/``
+(section 4; every import statement counts, also one inside a function or under
+``TYPE_CHECKING``: a lazy import is still a dependency, it only hides a cycle from
+Python) has no cycle, neither between modules nor between the package's parts
+(``compiler``, ``reports/``, ``execution/``, ...), and no module but the root imports
+the package root (``import mbcompile``, ``from mbcompile import x``): the root
+re-exports, so importing it from inside is importing upward.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 import mbcompile
@@ -287,3 +297,258 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
         mbcompile.no_such_name  # noqa: B018
     assert not hasattr(mbcompile, "passes_not_a_name")
+
+
+# --------------------------------------------------------------------------- #
+# 4. The import graph of the whole package: no cycles, no import of the root
+# --------------------------------------------------------------------------- #
+
+ROOT = "mbcompile"
+ROOT_DIR = Path(mbcompile.__file__).resolve().parent
+
+#: Imports that still break the rules, each waiting for a change in its owner's file
+#: (importer, imported) -> what ends it. The checks below ignore these edges, and an entry
+#: whose import is gone fails ``test_the_allow_list_holds_only_live_imports``: delete it
+#: then. Nothing may be added here without an owner and a plan to remove it.
+ALLOWED: dict[tuple[str, str], str] = {
+    # mbcompile/execution/runtime.py (its two step_status calls) and two_phase.py (its one,
+    # in _agreed_status) pass read=read_host; then distributed.step_status makes ``read``
+    # required and drops _loop_read, its import of runtime (a cycle with runtime's import
+    # of distributed).
+    ("mbcompile.execution.distributed", "mbcompile.execution.runtime"):
+        "distributed.step_status reads through runtime.read_host until its callers pass it",
+    # mbcompile/execution/__init__.py: bindings() returns ranks.bindings(channels, shares)
+    # for "torch.distributed" (which binds two_phase_step too); then delete
+    # distributed.bindings, which delegates to ranks (ranks imports runtime: a cycle).
+    ("mbcompile.execution.distributed", "mbcompile.execution.ranks"):
+        "distributed.bindings delegates to ranks.bindings until execution/__init__ calls it",
+    # passes/forward_modes.py: ``from .sources import user_frame`` (it moved there);
+    # capture.py imports forward_modes, so its import of capture is a cycle.
+    ("mbcompile.passes.forward_modes", "mbcompile.passes.capture"):
+        "forward_modes imports user_frame from capture, which imports forward_modes",
+    # mbcompile/training/config.py (ConfigReader.system): the dead
+    # ``try: from mbcompile import systems`` goes (mbcompile.planning.systems always exists).
+    ("mbcompile.training.config", ROOT): "config imports systems from the package root",
+}
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of the package, by dotted name: ``mbcompile/`` (without a ``passes/``
+    inside it, where an installed wheel has one) and the passes, as installed."""
+    found: dict[str, Path] = {}
+    for base, top, skip in ((ROOT_DIR, [ROOT], PASSES_DIR), (PASSES_DIR, [ROOT, "passes"], None)):
+        for path in sorted(base.rglob("*.py")):
+            if "__pycache__" in path.parts or (skip is not None and path.is_relative_to(skip)):
+                continue
+            parts = [*top, *path.relative_to(base).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULE_FILES = _module_files()
+
+
+def import_edges(source: str, module: str, is_package: bool, modules: set[str] | frozenset[str],
+                 filename: str = "<source>") -> list[tuple[str, int, str]]:
+    """The ``mbcompile`` modules that ``source`` (module ``module``) imports, as
+    ``(imported, line, statement)``: every ``import``/``from ... import`` wherever it sits
+    (a function body, ``if TYPE_CHECKING:``), relative ones resolved, and
+    ``importlib.import_module``/``__import__`` of a constant name.
+
+    An import names the deepest module of ``modules`` it reaches: ``from mbcompile.passes
+    import ops`` imports ``mbcompile.passes.ops``, ``from mbcompile import compile`` the
+    root ``mbcompile`` (``compile`` is a name the root re-exports, not a module).
+    """
+    package = module.split(".") if is_package else module.split(".")[:-1]
+
+    def deepest(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    found: list[tuple[str, int, str]] = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]
+                            if node.level else [node.module or ""]).strip(".")
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                     for a in node.names]
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else (
+                func.attr if isinstance(func, ast.Attribute) else None)
+            arg = node.args[0]
+            if (called in _IMPORT_CALLS and isinstance(arg, ast.Constant)
+                    and isinstance(arg.value, str)):
+                names = [arg.value]
+        targets = {deepest(n) for n in names if n == ROOT or n.startswith(ROOT + ".")}
+        found += [(t, node.lineno, ast.unparse(node).split("\n")[0])
+                  for t in sorted(targets - {None, module})]
+    return found
+
+
+def _graph() -> nx.DiGraph:
+    """The import graph: an edge ``a -> b`` for each module ``a`` that imports ``b``, with
+    the lines that do (``where``)."""
+    g = nx.DiGraph()
+    g.add_nodes_from(MODULE_FILES)
+    modules = frozenset(MODULE_FILES)
+    for module, path in MODULE_FILES.items():
+        for target, line, code in import_edges(path.read_text(), module,
+                                               path.name == "__init__.py", modules, str(path)):
+            if not g.has_edge(module, target):
+                g.add_edge(module, target, where=[])
+            g[module][target]["where"].append(f"{path.name}:{line}: {code}")
+    return g
+
+
+@pytest.fixture(scope="module")
+def graph() -> nx.DiGraph:
+    return _graph()
+
+
+@pytest.fixture(scope="module")
+def checked(graph: nx.DiGraph) -> nx.DiGraph:
+    """The graph without the allow-listed edges."""
+    g = graph.copy()
+    g.remove_edges_from(ALLOWED)
+    return g
+
+
+def _explain(g: nx.DiGraph, cycle: list[tuple[str, str]]) -> str:
+    return "\n".join(f"  {a} -> {b}: {'; '.join(g[a][b].get('where', []))}" for a, b in cycle)
+
+
+def _cycles(g: nx.DiGraph) -> str:
+    """Each cycle of ``g`` (up to 20), with the import lines that close it."""
+    cycles = [list(zip(c, c[1:] + c[:1])) for c in nx.simple_cycles(g, length_bound=6)]
+    return "\n".join(_explain(g, c) + "\n" for c in cycles[:20])
+
+
+def test_the_graph_sees_every_module(graph: nx.DiGraph) -> None:
+    assert {f"{PASSES}.{m.rsplit('.', 1)[1]}" for m in MODULES} <= set(graph), "the passes"
+    assert {ROOT, "mbcompile.compiler", "mbcompile.execution.runtime",
+            "mbcompile.execution.distributed", "mbcompile.reports.draw",
+            "mbcompile.training.trainer", "mbcompile.planning.plan", PASSES} <= set(graph)
+    # a top-level import, a lazy one (in a function) and a relative one are all edges
+    assert graph.has_edge("mbcompile.compiler", "mbcompile.passes.capture")
+    assert graph.has_edge("mbcompile.execution.runtime", "mbcompile.execution.distributed")
+    assert graph.has_edge("mbcompile.passes.capture", "mbcompile.passes.forward_modes")
+
+
+def test_no_import_cycles(checked: nx.DiGraph) -> None:
+    assert nx.is_directed_acyclic_graph(checked), (
+        "import cycles (a -> b: a imports b, at these lines):\n" + _cycles(checked)
+        + "Move what both need into a module below both, or pass it in.")
+
+
+def _part(module: str) -> str:
+    """The part of the package a module belongs to: ``mbcompile.reports.draw`` ->
+    ``mbcompile.reports``; a top-level module (``mbcompile.compiler``) is its own part."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_cycles_between_the_parts(checked: nx.DiGraph) -> None:
+    """``compiler``, ``reports/``, ``execution/``, ``planning/``, ``training/``, the passes:
+    if reports/ imports the compiler, the compiler must not import reports/."""
+    parts = nx.DiGraph()
+    for a, b, data in checked.edges(data=True):
+        if ROOT not in (a, b) and _part(a) != _part(b):
+            parts.add_edge(_part(a), _part(b))
+            parts[_part(a)][_part(b)].setdefault("where", []).extend(
+                f"{a} -> {b} ({w})" for w in data["where"])
+    assert nx.is_directed_acyclic_graph(parts), (
+        "cycles between the package's parts:\n" + _cycles(parts))
+
+
+def test_no_module_imports_the_package_root(checked: nx.DiGraph) -> None:
+    """The root re-exports everything (lazily): a module inside that imports it imports
+    upward; it imports the module that defines the name instead (the version: from
+    ``mbcompile.version``)."""
+    found = {a: checked[a][ROOT]["where"] for a in checked.predecessors(ROOT)}
+    assert not found, f"imports of the package root from inside it: {found}"
+
+
+def test_the_passes_import_nothing_above_them(checked: nx.DiGraph) -> None:
+    """The graph's form of section 2 (which also catches imports that climb above)."""
+    inside = {m for m in checked if _inside_passes(m)}
+    found = {f"{a} -> {b}": checked[a][b]["where"] for a in inside
+             for b in checked.successors(a) if b not in inside}
+    assert not found, found
+
+
+def test_the_allow_list_holds_only_live_imports(graph: nx.DiGraph) -> None:
+    """An allow-listed import that is gone leaves its entry behind: delete the entry."""
+    stale = [edge for edge in ALLOWED if not graph.has_edge(*edge)]
+    assert not stale, f"these imports are gone; delete their entries from ALLOWED: {stale}"
+
+
+def test_the_version_is_one_number() -> None:
+    """Read inside the package from ``mbcompile.version``; the root and the installed
+    distribution (pyproject.toml's ``version``) say the same."""
+    from importlib.metadata import version
+
+    from mbcompile.version import __version__
+
+    assert mbcompile.__version__ == __version__ == version("mbcompile")
+
+
+# The graph's reader itself: what it must see.
+_MODS = frozenset({ROOT, "mbcompile.compiler", "mbcompile.execution", "mbcompile.execution.runtime",
+                   "mbcompile.execution.distributed", "mbcompile.passes", "mbcompile.passes.ops"})
+
+
+@pytest.mark.parametrize(("source", "imported"), [
+    ("import mbcompile", ROOT),
+    ("from mbcompile import __version__", ROOT),
+    ("from mbcompile import compile", ROOT),
+    ("from mbcompile import passes", "mbcompile.passes"),
+    ("from mbcompile.passes import ops", "mbcompile.passes.ops"),
+    ("import mbcompile.execution.runtime as r", "mbcompile.execution.runtime"),
+    ("from mbcompile.execution import StepChannels", "mbcompile.execution"),
+    ("from . import runtime", "mbcompile.execution.runtime"),
+    ("from .runtime import read_host", "mbcompile.execution.runtime"),
+    ("from .. import compiler", "mbcompile.compiler"),
+    ("from .. import compile", ROOT),
+    ("def f():\n    from mbcompile.execution import runtime\n", "mbcompile.execution.runtime"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mbcompile import compiler\n",
+     "mbcompile.compiler"),
+    ("import importlib\nimportlib.import_module('mbcompile.compiler')", "mbcompile.compiler"),
+    ("__import__('mbcompile.execution.runtime')", "mbcompile.execution.runtime"),
+])
+def test_the_graph_reader_sees_every_import(source: str, imported: str) -> None:
+    edges = import_edges(source, "mbcompile.execution.distributed", False, _MODS)
+    assert [e[0] for e in edges] == [imported], edges
+
+
+@pytest.mark.parametrize("source", [
+    "import torch\nfrom torch import fx",
+    "msg = 'from mbcompile import compile'",
+    "from mbcompile.execution.distributed import shard",  # the module itself
+    "import importlib\nimportlib.import_module(name)",  # not a constant: not a static edge
+])
+def test_the_graph_reader_ignores_the_rest(source: str) -> None:
+    assert import_edges(source, "mbcompile.execution.distributed", False, _MODS) == []
+
+
+def test_a_package_resolves_relative_imports_from_itself() -> None:
+    """In ``mbcompile/execution/__init__.py``, ``from . import runtime`` is its own child."""
+    edges = import_edges("from . import runtime", "mbcompile.execution", True, _MODS)
+    assert [e[0] for e in edges] == ["mbcompile.execution.runtime"]
+
+
+def test_the_cycle_check_fails_on_a_cycle() -> None:
+    """Today's cycles had this shape: runtime imports distributed in a function, and
+    distributed imports runtime at the top."""
+    g = nx.DiGraph()
+    for module, source in (("mbcompile.execution.runtime",
+                            "def f():\n    from mbcompile.execution import distributed\n"),
+                           ("mbcompile.execution.distributed",
+                            "from mbcompile.execution import runtime\n")):
+        for target, line, code in import_edges(source, module, False, _MODS):
+            g.add_edge(module, target, where=[f"{line}: {code}"])
+    assert not nx.is_directed_acyclic_graph(g)
+    assert "runtime -> mbcompile.execution.distributed" in _cycles(g)

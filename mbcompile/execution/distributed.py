@@ -1,4 +1,4 @@
-"""Real multi-system runs on ``torch.distributed``: one rank per system.
+"""The collectives of a step on ``torch.distributed`` ranks (``mbcompile.distributed``).
 
 With ``compile(..., backend="torch.distributed")`` inside a process group of
 ``num_csx`` ranks, rank ``r`` is system ``r`` and is called with its own share of
@@ -15,26 +15,28 @@ by every rank in this order:
    dtype, so denominators and the loss are global on every rank.
 
 Everything here is a no-op for the simulated backend, which sums systems in
-process (``passes.ops.accumulate_sum``).
+process (``passes.ops.accumulate_sum``). The loop that issues them is ``runtime.py``,
+which imports this module (never the other way round); the backend's bindings are
+``ranks.py``.
+The knobs (``BUCKET_BYTES``, ``OVERLAP``, ...) live here, where they are read, so
+setting ``mbcompile.distributed.BUCKET_BYTES`` takes effect. Users reach the rank
+helpers they call with the collectives from here too: ``shard``, ``PlanSampler``,
+``check_world`` and ``rank_slice`` (``rank_shares.py``) and ``launch``
+(``launcher.py``).
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.utils import _pytree as pytree
 
-from mbcompile.execution import runtime
-from mbcompile.passes import ops
-from mbcompile.passes.errors import InputError, MicrobatchError
-from mbcompile.planning.plan import MicrobatchPlan
+from mbcompile.execution.launcher import free_port, launch
+from mbcompile.execution.rank_shares import PlanSampler, check_world, rank_slice, shard
+from mbcompile.passes.errors import MicrobatchError
 
 __all__ = [
     "BUCKET_BYTES",
@@ -42,12 +44,13 @@ __all__ = [
     "MIN_BUCKETS",
     "OVERLAP",
     "OverlappedReduce",
-    "bindings",
     "PlanSampler",
     "all_reduce_gradients",
     "all_reduce_sums",
+    "bindings",
     "bucket_indices",
     "check_world",
+    "free_port",
     "gradient_buckets",
     "launch",
     "rank_slice",
@@ -70,68 +73,18 @@ MIN_BUCKETS = 8
 OVERLAP = True
 
 
-def check_world(plan: MicrobatchPlan) -> int:
-    """This process's rank; raises unless a process group of ``num_csx`` ranks is up."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise InputError(
-            "backend='torch.distributed' needs an initialised process group: call "
-            "torch.distributed.init_process_group(...) first (torchrun sets it up), or use "
-            "the default simulated backend")
-    world = dist.get_world_size()
-    if world != plan.num_csx:
-        raise InputError(
-            f"the process group has {world} ranks but num_csx={plan.num_csx}; each rank is one "
-            f"system: compile with num_csx={world} or launch {plan.num_csx} ranks")
-    return dist.get_rank()
-
-
-def rank_slice(plan: MicrobatchPlan, rank: int) -> slice:
-    """The samples of the global batch that system ``rank`` runs."""
-    start = sum(plan.per_system_batch_sizes[:rank])
-    return slice(start, start + plan.per_system_batch_sizes[rank])
-
-
-def shard(batch: Any, plan: MicrobatchPlan, rank: int, dim: int = 0) -> Any:
-    """Rank ``rank``'s share of a global batch (views along ``dim`` of every tensor)."""
-    s = rank_slice(plan, rank)
-    return pytree.tree_map(
-        lambda t: t.narrow(dim, s.start, s.stop - s.start) if isinstance(t, torch.Tensor) else t,
-        batch)
-
-
-class PlanSampler(torch.utils.data.Sampler[list[int]]):
-    """Batches of dataset indices for one rank: step k's global batch is
-    ``[k*gbs, (k+1)*gbs)`` (shuffled by ``seed`` if given) and this rank takes its
-    plan-sized share. Use as ``DataLoader(ds, batch_sampler=PlanSampler(...))``.
-    """
-
-    def __init__(self, length: int, plan: MicrobatchPlan, rank: int,
-                 seed: int | None = None) -> None:
-        self.length, self.plan, self.rank, self.seed = length, plan, rank, seed
-
-    def __len__(self) -> int:
-        return self.length // self.plan.gbs
-
-    def __iter__(self) -> Iterator[list[int]]:
-        order = list(range(self.length))
-        if self.seed is not None:
-            g = torch.Generator().manual_seed(self.seed)
-            order = torch.randperm(self.length, generator=g).tolist()
-        s = rank_slice(self.plan, self.rank)
-        for step in range(len(self)):
-            base = step * self.plan.gbs
-            yield order[base + s.start:base + s.stop]
-
-
 def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
-                failed_locally: torch.Tensor | None = None) -> list[float] | None:
+                failed_locally: torch.Tensor | None = None,
+                read: Callable[[torch.Tensor], list[float]] | None = None
+                ) -> list[float] | None:
     """All ranks learn whether any rank's microbatches failed; all raise if one did.
 
     ``checks`` is the rank's packed step checks (``runtime._StepChecks``) and
     ``failed_locally`` a device bool saying they already show a failure (a
     non-finite loss): the status is all-reduced on the device and read together
-    with the checks, so the step costs one device-to-host read. Returns the
-    checks as floats when no other rank failed (the caller raises for its own).
+    with the checks, so the step costs one device-to-host read: ``read``, the loop's
+    (``runtime.read_host``, which the tests count). Returns the checks as floats when
+    no other rank failed (the caller raises for its own).
     """
     device = checks.device if checks is not None else torch.device("cpu")
     bit = 1 << dist.get_rank()
@@ -140,7 +93,7 @@ def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
         flag.add_(failed_locally.to(torch.int64) * bit)
     dist.all_reduce(flag)
     packed = flag if checks is None else torch.cat([flag.double(), checks.double()])
-    values = runtime.read_host(packed)
+    values = (read or _loop_read())(packed)
     status = int(values[0])
     failed = [r for r in range(dist.get_world_size()) if status >> r & 1]
     if error is not None:
@@ -150,6 +103,15 @@ def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
             f"rank(s) {failed} failed in their microbatches; this rank ({dist.get_rank()}) "
             "stops the step too, with parameters and gradients as they were")
     return values[1:] if checks is not None else None
+
+
+def _loop_read() -> Callable[[torch.Tensor], list[float]]:
+    # TRANSITIONAL (an allow-listed edge in tests/test_layering.py): runtime.py and
+    # two_phase.py still call step_status without ``read``. Once they pass
+    # ``read=read_host``, make ``read`` required and delete this import back up.
+    from mbcompile.execution import runtime
+
+    return runtime.read_host
 
 
 class _AllReduceSums(torch.autograd.Function):
@@ -302,38 +264,9 @@ class OverlappedReduce:
         self.launched = []
 
 
-def bindings(channels: runtime.StepChannels) -> dict[Callable[..., Any], Callable[..., Any]]:
-    """The rank's loop (gradients all-reduced from the last microbatch's backward on, status
-    and checks once) and the all-reduce of the packed partial sums."""
-    return {ops.microbatch_loop: runtime.make_loop(channels, distributed=True),
-            ops.all_reduce_sums: all_reduce_sums}
+def bindings(channels: Any) -> dict[Callable[..., Any], Callable[..., Any]]:
+    """TRANSITIONAL: ``ranks.bindings``, for ``execution/__init__.py`` until it calls that
+    (an allow-listed edge in tests/test_layering.py; delete this then)."""
+    from mbcompile.execution import ranks
 
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 for a local process group."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, timeout_s: float, fn: Callable[..., Any],
-            args: tuple[Any, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 120.0) -> None:
-    """Run ``fn(rank, world, *args)`` on ``nproc`` local gloo ranks (CPU) and wait.
-
-    If a rank raises, the others are stopped and the error is raised here; a rank
-    stuck in a collective gives up after ``timeout_s``.
-    """
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(nproc, free_port(), timeout_s, fn, args), nprocs=nproc, join=True)
+    return ranks.bindings(channels)

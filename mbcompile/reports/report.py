@@ -24,6 +24,7 @@ from mbcompile.errors import MbcompileError
 from mbcompile.passes.facts import FACT
 from mbcompile.planning.cost import format_bytes, format_seconds
 from mbcompile.planning.plan import describe_reshard
+from mbcompile.version import __version__
 
 __all__ = ["Report", "Validation", "render", "report_dict", "validation_of"]
 
@@ -145,8 +146,6 @@ def report_dict(cm: Any) -> dict[str, Any]:
     Reads ``cm.plan``, ``cm.selection`` (a :class:`~mbcompile.planning.explore.Selection`,
     may be None), ``cm.compile_only`` and ``cm.module``.
     """
-    from mbcompile import __version__
-
     plan = cm.plan
     selection = getattr(cm, "selection", None)
     compile_only = bool(getattr(cm, "compile_only", False))

@@ -1,0 +1,74 @@
+"""Each rank's share of the global batch: which samples system ``rank`` runs.
+
+Rank ``r`` is system ``r`` of the plan and runs ``plan.per_system_batch_sizes[r]``
+consecutive samples of each global batch (gbs 10 on 3 ranks: samples 0-3, 4-6, 7-9).
+``shard`` cuts a batch that every rank holds, ``PlanSampler`` hands each rank its
+indices of a dataset, and ``check_world`` says whether the process group is the plan's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from mbcompile.passes.errors import InputError
+from mbcompile.planning.plan import MicrobatchPlan
+
+__all__ = ["PlanSampler", "check_world", "rank_slice", "shard"]
+
+
+def check_world(plan: MicrobatchPlan) -> int:
+    """This process's rank; raises unless a process group of ``num_csx`` ranks is up."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError(
+            "backend='torch.distributed' needs an initialised process group: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets it up), or use "
+            "the default simulated backend")
+    world = dist.get_world_size()
+    if world != plan.num_csx:
+        raise InputError(
+            f"the process group has {world} ranks but num_csx={plan.num_csx}; each rank is one "
+            f"system: compile with num_csx={world} or launch {plan.num_csx} ranks")
+    return dist.get_rank()
+
+
+def rank_slice(plan: MicrobatchPlan, rank: int) -> slice:
+    """The samples of the global batch that system ``rank`` runs."""
+    start = sum(plan.per_system_batch_sizes[:rank])
+    return slice(start, start + plan.per_system_batch_sizes[rank])
+
+
+def shard(batch: Any, plan: MicrobatchPlan, rank: int, dim: int = 0) -> Any:
+    """Rank ``rank``'s share of a global batch (views along ``dim`` of every tensor)."""
+    s = rank_slice(plan, rank)
+    return pytree.tree_map(
+        lambda t: t.narrow(dim, s.start, s.stop - s.start) if isinstance(t, torch.Tensor) else t,
+        batch)
+
+
+class PlanSampler(torch.utils.data.Sampler[list[int]]):
+    """Batches of dataset indices for one rank: step k's global batch is
+    ``[k*gbs, (k+1)*gbs)`` (shuffled by ``seed`` if given) and this rank takes its
+    plan-sized share. Use as ``DataLoader(ds, batch_sampler=PlanSampler(...))``.
+    """
+
+    def __init__(self, length: int, plan: MicrobatchPlan, rank: int,
+                 seed: int | None = None) -> None:
+        self.length, self.plan, self.rank, self.seed = length, plan, rank, seed
+
+    def __len__(self) -> int:
+        return self.length // self.plan.gbs
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = list(range(self.length))
+        if self.seed is not None:
+            g = torch.Generator().manual_seed(self.seed)
+            order = torch.randperm(self.length, generator=g).tolist()
+        s = rank_slice(self.plan, self.rank)
+        for step in range(len(self)):
+            base = step * self.plan.gbs
+            yield order[base + s.start:base + s.stop]
