@@ -1,7 +1,7 @@
 """Mixture-of-experts token dispatch: sort the batch's tokens, work per row, unsort.
 
 An MoE layer sorts the flattened tokens of the whole batch by expert id, runs each
-expert on its rows and puts the rows back in token order. ``passes/token_dispatch``
+expert on its rows and puts the rows back in token order. ``passes/rules/tokens``
 proves such a region per-sample (each token's output depends on its own hidden
 state and the shared weights); a region that really mixes tokens of different
 samples in a similar-looking way is still rejected, at the user's line, with
@@ -53,14 +53,14 @@ import mbcompile
 from mbcompile import MixingError
 from mbcompile.passes.batch_analysis import analyse_batch
 from mbcompile.passes.facts import FACT, Batched, Container, input_fact
-from mbcompile.passes.shape_prop import propagate_shapes
-from mbcompile.passes.token_dispatch import (
+from mbcompile.passes.rules import (
     GROUPED_MATMULS,
     GroupCounts,
     Permuted,
     TokenIndex,
     Unsort,
 )
+from mbcompile.passes.shape_prop import propagate_shapes
 
 TOL = 1e-10
 FLOAT32_TOL = 1e-5

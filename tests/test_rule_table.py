@@ -25,19 +25,23 @@ import torch.nn.functional as F
 
 import mbcompile
 from mbcompile import UnsupportedOpError
-from mbcompile.passes import batch_rules, partials
-from mbcompile.passes.batch_rules import (
+from mbcompile.passes import partials
+from mbcompile.passes.partials import LOSSES, Loss, LossKind
+from mbcompile.passes.rules import (
     BATCH_RULES,
     FAMILIES,
+    GROUPED_MATMULS,
     POSITION_PRESERVING,
     TABLE,
     TRUSTED_MODULES,
+    loss_rule,
     register_batch_rule,
+    registry,
     rule_key,
     scoped,
     trust_module,
 )
-from mbcompile.passes.partials import LOSSES, Loss, LossKind
+from mbcompile.passes.rules.layout import reshape_rule
 
 GBS = 8
 
@@ -198,7 +202,7 @@ def _calls(module: Any, name: str) -> list[tuple[ast.Call, str]]:
 
 
 def test_every_table_entry_is_one_line_with_a_comment() -> None:
-    entries = [(c, line) for c, line in _calls(batch_rules, "add")
+    entries = [(c, line) for name in ("add", "layer") for c, line in _calls(registry, name)
                if isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name)
                and c.func.value.id == "TABLE"]
     assert len(entries) > 50
@@ -212,6 +216,36 @@ def test_every_loss_is_declared_on_one_line() -> None:
     assert len(declarations) == len(LOSSES)
     for call, line in declarations:
         assert call.lineno == call.end_lineno, f"spans lines: {line}"
+
+
+def test_a_token_dispatch_line_wraps_the_rule_above_it() -> None:
+    """The token-dispatch section adds a meaning to an op's own line (one lookup, no second
+    table): outside a dispatch, the rule it wraps decides."""
+    view = BATCH_RULES["view"]
+    assert view.wrapped is reshape_rule
+    assert view.handles_tokens and view.handles_positions
+    assert BATCH_RULES[torch.sort].wrapped is not None
+
+
+def test_grouped_matmuls_are_table_lines_found_by_their_qualified_name() -> None:
+    places = ((0, "self"), (1, "mat2"), (2, "offs"))
+    assert GROUPED_MATMULS["aten::_grouped_mm"] == GROUPED_MATMULS["torch._grouped_mm"] == places
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    for target in (torch.ops.aten._grouped_mm.default, torch._grouped_mm):
+        node = graph.call_function(target, (x, x, x))
+        assert TABLE.lookup(node, None) is BATCH_RULES["aten::_grouped_mm"]
+    with pytest.raises(KeyError):
+        GROUPED_MATMULS["view"]  # a line of the table, but no grouped matmul's
+    with scoped():
+        mine = ((1, "x"), (0, "w"), (2, "offs"))
+        GROUPED_MATMULS["mylib::grouped_mm"] = mine
+        rule = BATCH_RULES["mylib::grouped_mm"]
+        GROUPED_MATMULS["mylib::grouped_mm"] = mine  # declared again: the same entry
+        assert BATCH_RULES["mylib::grouped_mm"] is rule and rule.grouped_matmul == mine
+        assert dict(GROUPED_MATMULS)["mylib::grouped_mm"] == mine
+        del GROUPED_MATMULS["mylib::grouped_mm"]
+        assert "mylib::grouped_mm" not in BATCH_RULES
 
 
 def test_table_entries_are_rules() -> None:
@@ -319,7 +353,7 @@ def test_every_aten_spelling_has_a_sample_call() -> None:
 def test_a_declaration_yields_a_rule_and_partials(loss: Loss) -> None:
     assert loss.spellings[:2] == (loss.fn, loss.module) and loss.aten == loss.spellings[2:]
     for op in loss.spellings:
-        assert BATCH_RULES[rule_key(op)] is batch_rules.loss_rule
+        assert BATCH_RULES[rule_key(op)] is loss_rule
         assert partials.loss_for(op) is loss
     assert partials.loss_for(type("Sub", (loss.module,), {})) is loss  # subclasses too
     named = [loss.partial, *loss.aten_partials.values()]

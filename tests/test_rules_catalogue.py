@@ -1,9 +1,10 @@
 """A catalogue of small models and op patterns, each with its expected verdict.
 
 Every entry is one forward written the way users write it. ``ACCEPT`` entries
-must compile and equal eager PyTorch on the full batch, outputs and every
-gradient, in float64 (the plan: gbs 6 over 2 systems, mbs 2, so each system
-runs a microbatch of 2 and one of 1). ``REJECT`` entries mix samples: with
+must compile as an ordinary split (with ``coupling="reject"``: no op found mixing)
+and equal eager PyTorch on the full batch, outputs and every gradient, in float64
+(the plan: gbs 6 over 2 systems, mbs 2, so each system runs a microbatch of 2 and
+one of 1). ``REJECT`` entries mix samples: with
 ``coupling="reject"`` they must raise a ``MixingError`` whose op names the
 offending op and whose source line is the entry's own line marked
 ``# offending``; with the default (``coupling="two_phase"``) those that a
@@ -680,14 +681,21 @@ def check_exact(entry: Entry, capture: str, coupling: str | None = None
     return cm
 
 
+def check_split(entry: Entry, capture: str) -> None:
+    """An accepted entry compiles as an ordinary split: its rules alone prove it per-sample
+    (a rule that wrongly found mixing would still be exact, run as a two-phase step)."""
+    cm = check_exact(entry, capture, coupling="reject")
+    assert cm.analysis.rejected is None and cm.analysis.two_phase is False, cm.analysis.rejected
+
+
 @pytest.mark.parametrize("name", ACCEPT)
 def test_accepted_and_exact(name: str) -> None:
-    check_exact(ACCEPT[name], "fx")
+    check_split(ACCEPT[name], "fx")
 
 
 @pytest.mark.parametrize("name", [n for n, e in ACCEPT.items() if e.export])
 def test_accepted_and_exact_through_export(name: str) -> None:
-    check_exact(ACCEPT[name], "export")
+    check_split(ACCEPT[name], "export")
 
 
 _CALL_LINE = next(i + 1 for i, line in enumerate(open(__file__).read().splitlines())
@@ -828,7 +836,7 @@ def _trusted(s, x, mask, y, tok, img):
 
 
 def test_trusted_layer_is_a_per_sample_leaf() -> None:
-    from mbcompile.passes.batch_rules import BATCH_RULES, TRUSTED_MODULES
+    from mbcompile.passes.rules import BATCH_RULES, TRUSTED_MODULES
 
     entry = Entry(_trusted, {"gate": NoisyGate})
     with pytest.raises(mbcompile.MbcompileError):  # fx cannot trace it, nor export
@@ -857,7 +865,7 @@ def _wrapped(s, x, mask, y, tok, img):
 
 
 def test_user_rule_for_a_wrapped_function() -> None:
-    from mbcompile.passes.batch_rules import BATCH_RULES
+    from mbcompile.passes.rules import BATCH_RULES
 
     entry = Entry(_wrapped)
     with pytest.raises(UnsupportedOpError, match="register_batch_rule"):
