@@ -11,7 +11,6 @@ The rest calls ``mbcompile.training.cli.main`` in process, which is what the con
 from __future__ import annotations
 
 import csv
-import inspect
 import json
 import os
 import re
@@ -26,17 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from mbcompile import compiler
 from mbcompile.training.cli import main, mbs_argument
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
-COMPILE_PARAMS = inspect.signature(compiler.compile).parameters
-# compile_only / validate_only come with the cost-model issue; until then the example
-# compile runs a plain compile, and the validate-only test is skipped.
-HAS_COMPILE_ONLY = "compile_only" in COMPILE_PARAMS
-HAS_VALIDATE_ONLY = "validate_only" in COMPILE_PARAMS
 
 
 def console_script() -> str:
@@ -88,8 +81,7 @@ def test_demo_runs_with_no_files(tmp_path):
 
 @pytest.mark.parametrize("example", EXAMPLE_FILES, ids=lambda p: p.stem)
 def test_compile_writes_the_artifacts(tmp_path, example):
-    mode = ["--compile-only"] if HAS_COMPILE_ONLY else []
-    result = run("compile", str(example), *mode, "--out", "art", cwd=tmp_path)
+    result = run("compile", str(example), "--compile-only", "--out", "art", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     art = tmp_path / "art"
     assert "MicrobatchPlan" in (art / "plan.txt").read_text()
@@ -133,8 +125,6 @@ def test_fit_on_cpu_ranks_matches_one_process(tmp_path):
     assert wrong.returncode == 1 and "num_csx 3" in wrong.stderr
 
 
-@pytest.mark.skipif(not HAS_VALIDATE_ONLY, reason="needs compile(validate_only=...) from the "
-                                                  "cost-model issue")
 def test_validate_only(tmp_path):
     result = run("compile", str(EXAMPLES / "mlp.yaml"), "--validate-only", "--out", "art",
                  cwd=tmp_path)
@@ -193,9 +183,6 @@ def test_failures_exit_1(tmp_path, capsys):
     assert main(["compile", str(tmp_path / "big.yaml"), "--mbs", "9", "--out",
                  str(tmp_path / "a")]) == 1
     assert "must be at most the per-system batch size 8" in capsys.readouterr().err
-    if not HAS_COMPILE_ONLY:
-        assert main(["compile", str(tmp_path / "big.yaml"), "--compile-only"]) == 1
-        assert "--compile-only needs" in capsys.readouterr().err
 
 
 # Normed (BatchNorm in training) runs as a two-phase step; Baked bakes the batch size into

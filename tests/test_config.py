@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from mbcompile import compiler
+from mbcompile.planning.systems import SystemSpec
 from mbcompile.training.config import (
     ConfigError,
     build_callbacks,
     build_data,
     build_model,
     build_optimizer,
+    compile_options,
     load_config,
 )
 from mbcompile.training.flags import GlobalFlags, ScopedTrainFlags
@@ -142,14 +144,50 @@ def test_a_missing_file_is_a_config_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_only_flags_need_the_compile_options(tmp_path):
+def test_every_config_key_passed_to_compile_is_a_compile_option(tmp_path):
+    """The keys that reach ``mbcompile.compile`` (in_dims, system, backend, compile_only,
+    validate_only) name its keyword options: checked here against its signature, which
+    the product never reads at run time."""
     params = inspect.signature(compiler.compile).parameters
-    path = write(tmp_path, "model: mlp\nbatch_size: 8\ncompile_only: true\n")
-    if "compile_only" in params:
-        assert load_config(path).compile_only
-    else:  # until the cost-model issue lands, the key is refused at its line
-        with pytest.raises(ConfigError, match=r"run.yaml:3: compile_only: .*does not have"):
-            load_config(path)
+    cfg = load_config(write(tmp_path, "model: mlp\nbatch_size: 8\nnum_csx: 2\nsystem: host\n"
+                                      "backend: torch.distributed\ncompile_only: true\n"))
+    assert cfg.compile_only and cfg.backend == "torch.distributed"
+    for only in ({}, {"compile_only": True}, {"validate_only": True}):
+        options = compile_options(cfg, **only)
+        assert set(options) == {"in_dims", "system", "backend", *only}
+        assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in options)
+
+
+def test_a_config_compiles_with_the_options_it_sets(tmp_path):
+    cfg = load_config(write(tmp_path, "model: mlp\nbatch_size: 8\nnum_csx: 2\n"
+                                      "system: a100-80gb\ncompile_only: true\n"))
+    (batch,) = build_data(cfg)[:1]
+    cm = compiler.compile(build_model(cfg), cfg.batch_size, cfg.num_csx, 2,
+                          example_inputs=batch, **compile_options(cfg, compile_only=True))
+    assert cm.compile_only and cm.system.name == "a100-80gb" and cm.plan.mbs == 2
+
+
+def test_system_is_a_preset_or_the_fields_of_a_system_spec(tmp_path):
+    spec = load_config(write(tmp_path, """
+        model: mlp
+        batch_size: 8
+        system:
+          memory_bytes: 1.0e+9
+          peak_flops: 1.0e+12
+          peak_flops_fp32: 5.0e+11
+          memory_bandwidth: 1.0e+11
+        """)).system
+    assert isinstance(spec, SystemSpec) and spec.name == "run-system"
+    assert spec.memory_bytes == 1e9
+    with pytest.raises(ConfigError, match=r"run.yaml:3: system: unknown system 'a100-80g' "
+                                          r"\(did you mean 'a100-80gb'\?\)"):
+        load_config(write(tmp_path, "model: mlp\nbatch_size: 8\nsystem: a100-80g\n"))
+    with pytest.raises(ConfigError, match=r"run.yaml:4: system.memory_bytes: must be a number"):
+        load_config(write(tmp_path, "model: mlp\nbatch_size: 8\nsystem:\n"
+                                    "  memory_bytes: lots\n"))
+    with pytest.raises(ConfigError, match=r"run.yaml:3: system: not a complete SystemSpec"):
+        load_config(write(tmp_path, "model: mlp\nbatch_size: 8\nsystem:\n"
+                                    "  memory_bytes: 1.0e+9\n"))
 
 
 USER_MODULE = '''

@@ -1,22 +1,31 @@
-"""Trainer: scoped MBS per phase, restore after a failing phase, compile once per phase,
-exact steps, per-step logs."""
+"""Trainer: scoped MBS per phase, restore after a failing phase, compile once per phase
+(once for both at a shared pinned MBS), exact steps, per-step logs."""
 
 from __future__ import annotations
 
 import copy
 import csv
+import inspect
 import io
 import json
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from rich.console import Console
 
 from mbcompile import compiler
 from mbcompile.errors import ArgumentTypeError
 from mbcompile.models import make_mlp
 from mbcompile.training.flags import Callback, GlobalFlags, ScopedTrainFlags, ScopedValidateFlags
-from mbcompile.training.trainer import Trainer, TrainerError, batch_args, loss_of
+from mbcompile.training.trainer import (
+    COMPILE_OPTIONS,
+    Trainer,
+    TrainerError,
+    batch_args,
+    loss_of,
+)
 
 GBS, NUM_CSX = 12, 2  # pbs 6: supported MBS 1, 2, 3, 6
 
@@ -91,7 +100,8 @@ def test_flags_and_modes_are_restored_when_a_phase_raises():
     assert trainer.flags.snapshot() == before and trainer.flags.depth == 0
 
 
-def test_each_phase_compiles_once_and_reuses(monkeypatch):
+def count_compiles(monkeypatch) -> list:
+    """The MBS of every ``mbcompile.compile`` call from here on."""
     calls = []
     real = compiler.compile
 
@@ -100,12 +110,75 @@ def test_each_phase_compiles_once_and_reuses(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(compiler, "compile", counting)
+    return calls
+
+
+def test_each_phase_compiles_once_and_reuses(monkeypatch):
+    calls = count_compiles(monkeypatch)
     trainer = make_trainer(ScopedTrainFlags(micro_batch_size=2),
                            ScopedValidateFlags(micro_batch_size=3))
     trainer.fit(batches(2), batches(1), max_steps=4, val_every=1, val_steps=1)
     trainer.fit(batches(2), batches(1), max_steps=2, val_steps=1)
     assert calls == [2, 3]  # one compile per phase, across steps and fits
     assert sorted(k[0] for k in trainer.compiled) == ["train", "validate"]
+
+
+class DropoutMLP(nn.Module):
+    """Different in eval mode: the module must switch to its eval graph to validate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x, y):
+        pred = self.net(x)
+        return F.mse_loss(pred, y), pred
+
+
+def test_validation_runs_on_the_train_phase_module_at_a_pinned_mbs(monkeypatch):
+    """The model compiles once for both phases when they share a pinned MBS (plan
+    arithmetic, the same in either mode): the compiled module builds its eval-mode graph
+    itself, and validation gives, bit for bit, what a compile in eval mode gives."""
+    fresh_compile = compiler.compile
+    calls = count_compiles(monkeypatch)
+    torch.manual_seed(0)
+    model = DropoutMLP().double()
+    trainer = make_trainer(GlobalFlags(micro_batch_size=3), model=model)
+    val = batches(1, seed=1)
+    rows = trainer.fit(batches(2), val, max_steps=2, val_every=1, val_steps=1)
+    assert calls == [3]
+    assert trainer.compiled[("validate", "3")] is trainer.compiled[("train", "3")]
+    assert [(r["phase"], r["mbs"], r["num_microbatches"]) for r in rows] == [
+        ("train", 3, 2), ("validate", 3, 2), ("train", 3, 2), ("validate", 3, 2)]
+    model.eval()
+    with torch.no_grad():
+        fresh, _ = fresh_compile(model, GBS, NUM_CSX, 3, example_inputs=val[0])(*val[0])
+        eager, _ = model(*val[0])
+    assert rows[-1]["loss"] == float(fresh)
+    assert rows[-1]["loss"] == pytest.approx(float(eager), rel=1e-12)  # no dropout: eval mode
+
+
+def test_validation_compiles_its_own_module_for_auto_or_another_layout(monkeypatch):
+    """``auto`` picks the MBS for the mode's own step, and a module takes only batches laid
+    out like its example: then the validation phase compiles for itself, as before."""
+    calls = count_compiles(monkeypatch)
+    trainer = make_trainer(GlobalFlags(micro_batch_size="auto"))
+    trainer.fit(batches(1), batches(1, seed=1), max_steps=1, val_steps=1)
+    assert calls == ["auto", "auto"]
+    assert trainer.compiled[("validate", '"auto"')] is not trainer.compiled[("train", '"auto"')]
+    calls.clear()
+    trainer = make_trainer(GlobalFlags(micro_batch_size=3))
+    x, y = batches(1, seed=1)[0]
+    rows = trainer.fit(batches(1), [{"x": x, "y": y}], max_steps=1, val_steps=1)
+    assert calls == [3, 3] and rows[-1]["phase"] == "validate"
+
+
+def test_the_trainer_takes_every_compile_option_it_does_not_set_itself():
+    """``COMPILE_OPTIONS`` is stated by hand; this keeps it equal to ``compile``'s own
+    keyword options (the product never reads compile's signature)."""
+    params = inspect.signature(compiler.compile).parameters
+    keyword = {name for name, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(COMPILE_OPTIONS) == keyword - {"example_inputs", "example_kwargs", "in_dims"}
 
 
 def test_a_step_equals_a_full_batch_sgd_step():

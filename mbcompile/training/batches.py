@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import MbcompileError
 
-__all__ = ["TrainerError", "batch_args", "loss_of", "batch_layout"]
+__all__ = ["TrainerError", "batch_args", "loss_of", "batch_layout", "same_layout"]
 
 
 class TrainerError(MbcompileError):
@@ -61,3 +61,12 @@ def batch_layout(batch: Any) -> tuple[Any, ...]:
     leaves, spec = pytree.tree_flatten(batch)
     return spec, tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor)
                        else (type(t), t) for t in leaves)
+
+
+def same_layout(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:
+    """Whether two ``batch_layout`` results are equal (a leaf whose ``==`` is no bool,
+    such as a numpy array, counts as different)."""
+    try:
+        return a is not None and b is not None and bool(a == b)
+    except Exception:
+        return False

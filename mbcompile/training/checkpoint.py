@@ -70,8 +70,10 @@ __all__ = [
     "CheckpointError",
     "CheckpointStore",
     "TrainingInterrupted",  # raised by the Trainer (signals.py); public here, beside the store
+    "check_run",
     "latest_checkpoint",
     "read_checkpoint",
+    "warn_config",
 ]
 
 FORMAT = 1  # trainer.json's "format": bump when the layout changes
@@ -84,6 +86,11 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TENSOR_REF = "__dcp_tensor__"  # {"__dcp_tensor__": key}: a tensor stored in dcp/ under key
 #: ``targets(checkpoint folder, trainer.json)``: the state a sharded run loads into.
 Targets = Callable[[Path, Mapping[str, Any]], Any]
+
+
+#: Config keys that may change between a run and its resume without a warning.
+VOLATILE_CONFIG = frozenset({"file", "output_dir", "max_steps", "val_steps", "val_every",
+                             "log_every", "checkpoint_every", "keep_checkpoints"})
 
 
 def _step_dir(step: int) -> str:
@@ -296,6 +303,30 @@ def control_group() -> Any:
     except Exception:  # another backend, or another torch: keep the default above
         pass
     return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def check_run(path: Path, written: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """Refuse to resume from checkpoint ``path`` unless the run's shape ``now`` (global
+    batch, systems, ranks, sharding) is the one it was ``written`` with."""
+    differ = [f"{k} {written.get(k)} (now {v})" for k, v in now.items() if written.get(k) != v]
+    if differ:
+        raise CheckpointError(
+            f"checkpoint {path} was written with {', '.join(differ)}; an exact resume "
+            "needs the same global batch, systems, ranks and sharding: run it as it was "
+            "written, or start a new run in another folder")
+
+
+def warn_config(path: Path, then: Any, now: Mapping[str, Any] | None) -> None:
+    """Say on stderr which config keys (other than ``VOLATILE_CONFIG``) differ from the
+    ones checkpoint ``path`` was written with; the run goes on with the new values."""
+    if not isinstance(then, dict) or now is None:
+        return
+    keys = sorted(k for k in set(then) | set(now)
+                  if k not in VOLATILE_CONFIG and then.get(k) != now.get(k))
+    if keys:
+        print(f"resume: the config differs from the one checkpoint {path} was written "
+              f"with in: {', '.join(keys)}; the run continues with the new values",
+              file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- #

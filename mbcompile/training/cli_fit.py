@@ -60,7 +60,7 @@ def _launch_ranks(args: argparse.Namespace, out: Path) -> int:
 
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    from mbcompile.execution.distributed import launch
+    from mbcompile.execution.launcher import launch
 
     def forward(signum: int, frame: Any) -> None:
         for child in multiprocessing.active_children():

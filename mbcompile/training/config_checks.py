@@ -27,10 +27,12 @@ __all__ = ["Checks", "import_object", "optimizer_classes", "signature_names", "s
 
 
 def suggest_from(word: Any, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or nothing."""
     return suggest(str(word), list(choices))
 
 
 def type_name(value: Any) -> str:
+    """A value's type as YAML calls it (mapping, list, string, boolean, null)."""
     return "null" if value is None else {dict: "mapping", list: "list", str: "string",
                                          bool: "boolean"}.get(type(value), type(value).__name__)
 
@@ -47,8 +49,8 @@ def import_object(spec: str) -> Any:
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
-
 def signature_names(fn: Any) -> tuple[str, ...]:
+    """The named parameters of the user's callable ``fn`` (none if it has no signature)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -57,6 +59,7 @@ def signature_names(fn: Any) -> tuple[str, ...]:
 
 
 def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
+    """``torch.optim``'s optimizers by class name (what ``optimizer: {name: ...}`` takes)."""
     return {name: obj for name, obj in vars(torch.optim).items()
             if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)
             and obj is not torch.optim.Optimizer}

@@ -38,10 +38,8 @@ The pieces it runs on have a file each: the batch forms and the loss in an outpu
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import math
-import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -64,13 +62,21 @@ from mbcompile.compiler import CompiledModule
 from mbcompile.errors import ArgumentTypeError
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.planning.plan import parse_mbs
-from mbcompile.training.batches import TrainerError, batch_args, batch_layout, loss_of
+from mbcompile.training.batches import (
+    TrainerError,
+    batch_args,
+    batch_layout,
+    loss_of,
+    same_layout,
+)
 from mbcompile.training.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointStore,
     TrainingInterrupted,
+    check_run,
     control_group,
+    warn_config,
 )
 from mbcompile.training.data_cursor import DataCursor, batches, length
 from mbcompile.training.flags import Callback, Flags
@@ -79,6 +85,7 @@ from mbcompile.training.metrics import COLUMNS, Metric, MetricsLog, make_row
 from mbcompile.training.rng import preserved_rng, rng_state, set_rng_state
 from mbcompile.training.sharding import is_fsdp, shard_for_training, shard_model
 from mbcompile.training.signals import StopSignals, describe_signal
+from mbcompile.version import __version__
 
 __all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
            "TrainingInterrupted", "batch_args", "loss_of", "shard_model"]
@@ -90,18 +97,6 @@ __all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
 COMPILE_OPTIONS = ("system", "backend", "measure_noise_scale", "capture", "batch_norm",
                    "coupling", "outputs", "torch_compile", "recompute",
                    "reshard_after_forward", "compile_only", "validate_only", "measure")
-
-#: Config keys that may change between a run and its resume without a warning.
-_VOLATILE_CONFIG = frozenset({"file", "output_dir", "max_steps", "val_steps", "val_every",
-                              "log_every", "checkpoint_every", "keep_checkpoints"})
-
-
-def _version() -> str:
-    """The installed mbcompile's version (what a checkpoint records it was written by)."""
-    try:
-        return importlib.metadata.version("mbcompile")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "unknown"
 
 
 def _mbs_key(mbs: Any) -> str:
@@ -257,7 +252,7 @@ class Trainer:
         layout = batch_layout(batch)
         trained = self.compiled.get(("train", key[1]))
         if (phase == "validate" and trained is not None and parse_mbs(mbs).mode in ("int", "none")
-                and self._layouts.get(("train", key[1])) == layout):
+                and same_layout(self._layouts.get(("train", key[1])), layout)):
             self.compiled[key] = trained
             if self.progress:
                 self._print(f"{phase}: runs the train phase's module (mbs {trained.plan.mbs}) in "
@@ -350,7 +345,7 @@ class Trainer:
         if self.backend == "torch.distributed":
             import torch.distributed as dist
 
-            from mbcompile.execution.distributed import shard
+            from mbcompile.execution.rank_shares import shard
 
             if not isinstance(self.in_dims, int):
                 raise TrainerError("the torch.distributed backend in the Trainer shards "
@@ -394,21 +389,18 @@ class Trainer:
     def _save(self, step: int, cursor: DataCursor, fit_start: int, reason: str) -> Path:
         """A checkpoint after training step ``step`` of this fit (every rank calls it)."""
         assert self.checkpoints is not None
-        rank, world = self._ranks()
         noise = self._noise()
         trainer = {
             "step": step, "global_step": self.global_step, "reason": reason,
             "data": cursor.position(),
             "metrics_rows": self.log.rows if self.log is not None else len(self.history),
             "fit_first_row": fit_start,
-            "run": {"gbs": self.gbs, "num_csx": self.num_csx, "world_size": world,
-                    "shard": "fsdp" if self.sharded else None,
-                    "model": type(self.model).__name__,
+            "run": {**self._run_shape(), "model": type(self.model).__name__,
                     "optimizer": type(self.optimizer).__name__},
             "lr_scaling": dataclasses.asdict(self.lr_scaling) if self.lr_scaling else None,
             "noise_scale": noise.state_dict() if noise is not None else None,
             "config": self.config,
-            "versions": {"torch": torch.__version__, "mbcompile": _version()},
+            "versions": {"torch": torch.__version__, "mbcompile": __version__},
         }
         with preserved_rng():
             path = self.checkpoints.save(self.global_step, self._state(), trainer,
@@ -435,7 +427,8 @@ class Trainer:
         # sharded: DCP reads each rank's shards into the current state's DTensors (only
         # once a checkpoint is chosen: get_state_dict gives a fresh optimizer its state)
         def targets(path: Path, trainer: Mapping[str, Any]) -> dict[str, Any]:
-            self._check_run(path, trainer)  # before DCP writes into the model's shards
+            # before DCP writes into the model's shards
+            check_run(path, trainer["run"], self._run_shape())
             return self._state()
 
         ck = self.checkpoints.load_newest(targets=targets if self.sharded else None)
@@ -444,8 +437,8 @@ class Trainer:
                         "step 0")
             return None
         t = ck.trainer
-        self._check_run(ck.path, t)
-        self._warn_config(ck)
+        check_run(ck.path, t["run"], self._run_shape())
+        warn_config(ck.path, t.get("config"), self.config)
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -470,27 +463,10 @@ class Trainer:
                     f"{self.global_step}")
         return ck
 
-    def _check_run(self, path: Path, trainer: Mapping[str, Any]) -> None:
-        run, (_, world) = trainer["run"], self._ranks()
-        differ = [f"{k} {run.get(k)} (now {now})" for k, now in (
-            ("gbs", self.gbs), ("num_csx", self.num_csx), ("world_size", world),
-            ("shard", "fsdp" if self.sharded else None)) if run.get(k) != now]
-        if differ:
-            raise CheckpointError(
-                f"checkpoint {path} was written with {', '.join(differ)}; an exact resume "
-                "needs the same global batch, systems, ranks and sharding: run it as it was "
-                "written, or start a new run in another folder")
-
-    def _warn_config(self, ck: Checkpoint) -> None:
-        then = ck.trainer.get("config")
-        if not isinstance(then, dict) or self.config is None:
-            return
-        keys = sorted(k for k in set(then) | set(self.config)
-                      if k not in _VOLATILE_CONFIG and then.get(k) != self.config.get(k))
-        if keys:
-            print(f"resume: the config differs from the one checkpoint {ck.path} was written "
-                  f"with in: {', '.join(keys)}; the run continues with the new values",
-                  file=sys.stderr, flush=True)
+    def _run_shape(self) -> dict[str, Any]:
+        """What an exact resume needs unchanged (``checkpoint.check_run``)."""
+        return {"gbs": self.gbs, "num_csx": self.num_csx, "world_size": self._ranks()[1],
+                "shard": "fsdp" if self.sharded else None}
 
     def _interrupted(self, signum: int, step: int, saved: Path | None) -> TrainingInterrupted:
         if self.progress:
