@@ -225,6 +225,10 @@ def test_a_token_dispatch_line_wraps_the_rule_above_it() -> None:
     assert view.wrapped is reshape_rule
     assert view.handles_tokens and view.handles_positions
     assert BATCH_RULES[torch.sort].wrapped is not None
+    with scoped():  # a rule registered for such an op replaces the wrapped rule only
+        register_batch_rule("view", "per_sample")
+        assert BATCH_RULES["view"].wrapped is FAMILIES["per_sample"]
+        assert BATCH_RULES["view"].handles_tokens
 
 
 def test_grouped_matmuls_are_table_lines_found_by_their_qualified_name() -> None:

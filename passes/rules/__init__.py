@@ -35,6 +35,10 @@ module                 holds
 ``registry``           the table itself, and ``register_batch_rule``, ``trust_module``
 =====================  =============================================================
 
+Each module imports only those above it in this order (no cycles): ``context``,
+``spellings``; ``tokens``; ``table``; ``dims``, ``families``; the rule families;
+``token_rules``, ``token_moves``, ``grouped_matmuls``; ``groups``; ``registry``.
+
 As in JAX, an op without a rule is rejected, never guessed. Users add rules with
 ``register_batch_rule(op, rule)`` and trust whole layers with ``trust_module``;
 ``with scoped(): ...`` undoes whatever was registered inside it, and

@@ -376,7 +376,8 @@ def register_batch_rule(op: Any, rule: Rule | str) -> None:
     is found from its shape), ``"pointwise"`` (elementwise: also rejects a
     non-linear function of a batch reduction), ``"linear"`` (linear in its
     inputs, so reductions pass through), ``"free"`` (batch-free unless shaped
-    by the batch). Inside ``with scoped():`` the rule lasts for the block.
+    by the batch). Inside ``with scoped():`` the rule lasts for the block. An op of the
+    token-dispatch section keeps its meaning on sorted rows; ``rule`` decides the rest.
 
     >>> mbcompile.register_batch_rule(my_ops.fused_gelu, "per_sample")
     >>> mbcompile.register_batch_rule("my_method", lambda ctx: ctx.batched_out())
@@ -389,7 +390,9 @@ def register_batch_rule(op: Any, rule: Rule | str) -> None:
     if not callable(rule):
         raise TypeError(f"a batch rule is a function (RuleContext) -> Fact or a family name, "
                         f"got {rule!r}")
-    TABLE.rules[rule_key(op)] = rule
+    key = rule_key(op)
+    rewrap = getattr(TABLE.rules.get(key), "rewrap", None)  # a token-dispatch line's wrap
+    TABLE.rules[key] = rewrap(rule) if rewrap is not None else rule
 
 
 def trust_module(module_type: type[nn.Module]) -> type[nn.Module]:

@@ -85,7 +85,8 @@ class RuleTable:
     def layer(self, ops: Iterable[Any], wrap: Callable[[Rule | None], Rule]) -> None:
         """One table line over the lines above: each op's rule becomes ``wrap(its rule)``
         (``None`` where it has none), a rule that gives the op a second meaning (in a token
-        dispatch) and leaves the rest to the rule it wraps."""
+        dispatch) and leaves the rest to the rule it wraps (``.wrapped``; ``.rewrap(rule)``
+        is the same wrap around another rule, which ``register_batch_rule`` uses)."""
         for key in dict.fromkeys(rule_key(op) for op in ops if op is not None):
             self.rules[key] = wrap(self.rules.get(key))
 

@@ -89,7 +89,7 @@ def dispatching(special: Special, start: Start | None = None) -> Callable[[Rule 
             return apply_rule(base if base is not None else _no_rule, ctx)
 
         rule.__qualname__ = f"dispatching({special.__name__})({getattr(base, '__name__', base)})"
-        rule.wrapped = base  # type: ignore[attr-defined]
+        rule.wrapped, rule.rewrap = base, wrap  # type: ignore[attr-defined]
         return rule
 
     return wrap
@@ -110,7 +110,7 @@ def new_of_values(base: Rule | None) -> Rule:
                 return apply_rule(rule_, view)  # type: ignore[arg-type]
         return apply_rule(rule_, ctx)
 
-    rule.wrapped = base  # type: ignore[attr-defined]
+    rule.wrapped, rule.rewrap = base, new_of_values  # type: ignore[attr-defined]
     return rule
 
 
