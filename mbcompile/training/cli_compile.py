@@ -30,22 +30,11 @@ from mbcompile.training.config import (
 __all__ = ["compile_config", "run_compile", "write_artifacts"]
 
 
-def _report(cm: Any) -> tuple[str | None, Any]:
-    """``cm.report()`` as (text, JSON-able), where the module has one.
-
-    The contract: ``str(report)`` is the text; ``report.to_dict()`` (or a JSON string
-    from ``report.to_json()``) is the data.
-    """
-    report_fn = getattr(cm, "report", None)
-    if not callable(report_fn):
-        return None, None
-    report = report_fn()
-    data: Any = None
-    if callable(getattr(report, "to_dict", None)):
-        data = report.to_dict()
-    elif callable(getattr(report, "to_json", None)):
-        data = json.loads(report.to_json())
-    return str(report), data
+def _report(cm: Any) -> tuple[str, Any]:
+    """``cm.report()`` of a compiled module or a ``Validation`` as (text, JSON-able): a
+    ``Report`` is the text, and its ``to_dict()`` the data."""
+    report = cm.report()
+    return str(report), report.to_dict()
 
 
 def _explore_plot(cm: Any, out: Path) -> Path | None:
