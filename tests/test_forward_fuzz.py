@@ -135,6 +135,7 @@ class Construct(nn.Module):
 
     rel = REL  # the comparison's tolerance when this construct is in the model
     keep_float32 = False  # autocast blocks keep float32 weights (autocast casts only float32)
+    mutation_only_observes = False  # its mutation adds a reader: eager's values stay the same
 
     def prepare(self, x: torch.Tensor) -> None:
         """Called on the input before the model reads it (in-place writes to it)."""
@@ -465,6 +466,60 @@ class HookAddedLeaf(Construct):
 
     def mutate(self, root):
         self.lin.register_forward_hook(_halve_output)
+
+
+class ReadingHookAddedLeaf(Construct):
+    """No hook at compile; mutate adds a hook to a leaf ``nn.Linear`` that only records
+    (returns None): it runs per microbatch, and the step is unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.seen: list[int] = []
+
+    mutation_only_observes = True
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        self.lin.register_forward_hook(lambda m, args, out: self.seen.append(out.shape[0]))
+
+
+def _halve_grad_input(module: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+    return tuple(None if g is None else g * 0.5 for g in grad_input)
+
+
+def _center_grad_input(module: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+    return tuple(None if g is None else g - g.mean(0) for g in grad_input)  # mixes samples
+
+
+class BackwardHookLeaf(Construct):
+    """A full backward hook on a leaf ``nn.Linear`` halving the gradient it passes back,
+    present at compile; mutate removes it (a live layer's backward hooks recompile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.handle = self.lin.register_full_backward_hook(_halve_grad_input)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        self.handle.remove()
+
+
+class BackwardHookMixing(Construct):
+    """A full backward hook centring the gradient over the batch: couples samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.lin.register_full_backward_hook(_center_grad_input)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
 
 
 class HookAddedInner(Construct):
@@ -832,6 +887,9 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "forward_hook_inner": ForwardHookInner,  # on a traced submodule; removed later
     "hook_added_leaf": HookAddedLeaf,  # forward hook added after compile (leaf)
     "hook_added_inner": HookAddedInner,  # pre-hook added after compile (traced submodule)
+    "reading_hook_added_leaf": ReadingHookAddedLeaf,  # returns None: runs per microbatch
+    "backward_hook_leaf": BackwardHookLeaf,  # g * 0.5 into the layer's input; removed later
+    "backward_hook_mixing": BackwardHookMixing,  # g - g.mean(0): couples the batch
     "forward_hook_mixing": ForwardHookMixing,  # out - out.mean(0) in a hook: couples
     "root_forward_hook": RootForwardHook,  # hook on the model itself; removed later
     "root_pre_hook": RootPreHook,  # pre-hook on the model itself
@@ -1281,7 +1339,8 @@ def test_each_extra_output_is_exact_or_refused(extra, coupled):
                    example_batch=3))
 
 
-MUTATING = [n for n, c in CONSTRUCTS.items() if c.mutate is not Construct.mutate]
+MUTATING = [n for n, c in CONSTRUCTS.items()
+            if c.mutate is not Construct.mutate and not c.mutation_only_observes]
 
 
 @pytest.mark.parametrize("construct", MUTATING)
