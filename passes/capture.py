@@ -62,7 +62,7 @@ from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
 from .sources import source_line, user_frame
 
 __all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",
-           "fsdp_unit_enter", "fsdp_unit_exit", "user_frame"]
+           "fsdp_unit_enter", "fsdp_unit_exit"]
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureResult, flatten_output, python_state_kept, user_frame
+from .capture import CaptureResult, flatten_output, python_state_kept
 from .custom_functions import checked_in_export
 from .errors import CaptureError
 from .forward_modes import (
@@ -65,6 +65,7 @@ from .forward_modes import (
     inference_mode_as_no_grad,
 )
 from .guards import recorded_reads
+from .sources import user_frame
 from .state_updates import has_mutations, mutates
 
 __all__ = ["EXPORT_ASSERTIONS", "export_capture"]

@@ -184,7 +184,7 @@ _DIFFERENTIATIONS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.
 
 def differentiation_error(model_name: str) -> CaptureError:
     """The error for a differentiation inside forward, at the user's line."""
-    from .capture import user_frame
+    from .sources import user_frame
 
     where = user_frame(traceback.extract_stack()[:-1])
     return CaptureError(

@@ -321,15 +321,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # of distributed).
     ("mbcompile.execution.distributed", "mbcompile.execution.runtime"):
         "distributed.step_status reads through runtime.read_host until its callers pass it",
-    # mbcompile/execution/__init__.py: bindings() returns ranks.bindings(channels, shares)
-    # for "torch.distributed" (which binds two_phase_step too); then delete
-    # distributed.bindings, which delegates to ranks (ranks imports runtime: a cycle).
-    ("mbcompile.execution.distributed", "mbcompile.execution.ranks"):
-        "distributed.bindings delegates to ranks.bindings until execution/__init__ calls it",
-    # passes/forward_modes.py: ``from .sources import user_frame`` (it moved there);
-    # capture.py imports forward_modes, so its import of capture is a cycle.
-    ("mbcompile.passes.forward_modes", "mbcompile.passes.capture"):
-        "forward_modes imports user_frame from capture, which imports forward_modes",
 }
 
 

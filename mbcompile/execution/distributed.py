@@ -47,7 +47,6 @@ __all__ = [
     "PlanSampler",
     "all_reduce_gradients",
     "all_reduce_sums",
-    "bindings",
     "bucket_indices",
     "check_world",
     "free_port",
@@ -262,11 +261,3 @@ class OverlappedReduce:
         for work, _, _ in self.launched:
             work.wait()
         self.launched = []
-
-
-def bindings(channels: Any) -> dict[Callable[..., Any], Callable[..., Any]]:
-    """TRANSITIONAL: ``ranks.bindings``, for ``execution/__init__.py`` until it calls that
-    (an allow-listed edge in tests/test_layering.py; delete this then)."""
-    from mbcompile.execution import ranks
-
-    return ranks.bindings(channels)
