@@ -35,8 +35,8 @@ _NAMES = {
     "ScopedValidateFlags": "mbcompile.training.flags",
     "NoiseScaleMonitor": "mbcompile.training.monitors",
     "NoiseScale": "mbcompile.execution.noise",
-    "register_batch_rule": "mbcompile.passes.batch_rules",
-    "trust_module": "mbcompile.passes.batch_rules",
+    "register_batch_rule": "mbcompile.passes.rules",
+    "trust_module": "mbcompile.passes.rules",
     "MicrobatchPlan": "mbcompile.planning.plan",
     "make_plan": "mbcompile.planning.plan",
     "Validation": "mbcompile.reports.report",
@@ -85,8 +85,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run time
     from mbcompile.compiler import CompiledModule, compile  # noqa: F401
     from mbcompile.execution.noise import NoiseScale  # noqa: F401
-    from mbcompile.passes.batch_rules import register_batch_rule, trust_module  # noqa: F401
     from mbcompile.passes.errors import *  # noqa: F401,F403
+    from mbcompile.passes.rules import register_batch_rule, trust_module  # noqa: F401
     from mbcompile.planning.cost import CostModelError, DoesNotFitError  # noqa: F401
     from mbcompile.planning.explore import (  # noqa: F401
         CompileOnlyError,

@@ -169,7 +169,7 @@ class _FlatOutputTracer(fx.Tracer):
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         # modules the user trusts as per-sample (mbcompile.trust_module) stay single nodes
-        from .batch_rules import TRUSTED_MODULES
+        from .rules import TRUSTED_MODULES
 
         if isinstance(m, tuple(TRUSTED_MODULES)):
             if not torch.is_grad_enabled():

@@ -121,7 +121,7 @@ class _Recorder(FakeProbe):
         return result
 
     def _trusted(self, n: fx.Node) -> bool:
-        from .batch_rules import TRUSTED_MODULES
+        from .rules import TRUSTED_MODULES
 
         return n.op == "call_module" and isinstance(self.module.get_submodule(n.target),
                                                     tuple(TRUSTED_MODULES))

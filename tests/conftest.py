@@ -144,7 +144,7 @@ def _one_intra_op_thread() -> None:
 
 @pytest.fixture(autouse=True)
 def _rule_table_unchanged() -> Iterator[None]:
-    from mbcompile.passes.batch_rules import TABLE  # here: the xdist controller needs no torch
+    from mbcompile.passes.rules import TABLE  # here: the xdist controller needs no torch
 
     before = TABLE.snapshot()
     yield

@@ -30,7 +30,7 @@ from mbcompile import (
     PlanError,
 )
 from mbcompile.models import make_mlp
-from mbcompile.passes import batch_rules
+from mbcompile.passes import rules
 
 DTYPE = torch.float64
 GBS = 8
@@ -532,7 +532,7 @@ class CheckedNet(nn.Module):
 
 def test_trusted_module_is_a_leaf_and_raising_in_it_is_reported():
     """trust_module promises a leaf that is never traced into: its forward runs per call."""
-    with batch_rules.scoped():  # the trust ends with the test
+    with rules.scoped():  # the trust ends with the test
         mbcompile.trust_module(Checked)
         torch.manual_seed(0)
         model = CheckedNet().to(DTYPE)

@@ -23,7 +23,7 @@ from models import one_intra_op_thread
 
 import mbcompile
 from mbcompile import MixingError, UnsupportedOpError
-from mbcompile.passes.batch_rules import BATCH_RULES
+from mbcompile.passes.rules import BATCH_RULES
 
 GBS, FEAT = 6, 4
 

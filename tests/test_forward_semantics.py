@@ -22,7 +22,7 @@ from host_reads import HostReads
 from models import assert_close_errors, one_intra_op_thread, step_errors
 
 import mbcompile
-from mbcompile.passes import batch_rules
+from mbcompile.passes import rules
 
 TOL = 1e-10
 GBS, SYSTEMS, MBS = 7, 2, 2
@@ -171,7 +171,7 @@ def test_a_trusted_module_inside_a_no_grad_region_is_refused():
                 t = self.inner(x)
             return F.mse_loss(self.out(x), t + y)
 
-    with batch_rules.scoped():
+    with rules.scoped():
         mbcompile.trust_module(Inner)
         with pytest.raises(mbcompile.CaptureError, match="no-grad region"):
             _compile(Net(), _batch(), capture="fx")
@@ -750,7 +750,7 @@ def test_randomness_a_two_phase_step_cannot_replay_stops_the_step():
         def per_sample(self, x: torch.Tensor) -> torch.Tensor:
             return self.a(x)
 
-    with batch_rules.scoped():
+    with rules.scoped():
         mbcompile.trust_module(HiddenNoise)
         torch.manual_seed(0)
         model, batch = Net(), _batch()

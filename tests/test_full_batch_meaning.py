@@ -39,8 +39,8 @@ import mbcompile
 from mbcompile import MixingError
 from mbcompile.check import relative_error
 from mbcompile.passes.batch_analysis import analyse_batch
-from mbcompile.passes.batch_rules import node_name
 from mbcompile.passes.facts import FACT, Batched, Free, input_fact
+from mbcompile.passes.rules import node_name
 
 TOL = 1e-10
 GRAD_FLOOR = 1e-4

@@ -34,8 +34,8 @@ from models import (
 
 import mbcompile
 from mbcompile import MbcompileError, MixingError, UnsupportedOpError
-from mbcompile.passes import batch_rules
-from mbcompile.passes.batch_rules import BATCH_RULES, rule_key
+from mbcompile.passes import rules
+from mbcompile.passes.rules import BATCH_RULES, rule_key
 
 GBS = 12
 FEATURES = 6
@@ -442,7 +442,7 @@ def test_trust_module_makes_a_custom_layer_a_per_sample_leaf(restore_rules: None
 
     with pytest.raises(MbcompileError):
         compile_it(build(WithRowNorm))
-    with batch_rules.scoped():  # the trust ends with the test
+    with rules.scoped():  # the trust ends with the test
         mbcompile.trust_module(RowNorm)
         model = build(WithRowNorm)
         x = example()
