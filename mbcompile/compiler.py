@@ -12,12 +12,10 @@ samples only in training), and reuses the result on every call.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,89 +24,42 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from mbcompile.analysis import Analysed, analyse
 from mbcompile.errors import (
-    ArgumentTypeError,
     CaptureError,
     InputError,
     MbcompileError,
-    MixingError,
     PerMicrobatchStatisticsWarning,
     RecompileWarning,
     RetainedActivationsWarning,
-    UnsupportedOpError,
 )
-from mbcompile.execution import BACKENDS, StepChannels, bindings
-from mbcompile.execution.joint import JOINT, joint_step
+from mbcompile.execution import StepChannels, bindings
+from mbcompile.execution.joint import joint_step
 from mbcompile.execution.live_hooks import unwatch, watch_new_hooks
 from mbcompile.execution.noise import NoiseScale
+from mbcompile.execution.step_config import StepConfig
 from mbcompile.passes import batch_rules, ops
-from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
-from mbcompile.passes.capture import CaptureResult, OutputSpec, capture, fsdp_modules
-from mbcompile.passes.export_capture import export_capture
-from mbcompile.passes.facts import SHAPES, input_fact
-from mbcompile.passes.forward_modes import (
-    check_layer_hooks,
-    check_tensor_hooks,
-    detach_grad_free_inputs,
-)
+from mbcompile.passes.batch_analysis import BatchAnalysis
+from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.guards import Guard, failed_guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
-from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
 from mbcompile.passes.sources import user_stacklevel
-from mbcompile.passes.state_updates import (
-    StateUpdates,
-    has_mutations,
-    lift_state_updates,
-    mutates,
-)
-from mbcompile.passes.unwrap import unwrap
-from mbcompile.planning.cost import ShardSpec
-from mbcompile.planning.explore import (
-    Selection,
-    check_request,
-    compile_only_error,
-    plan_for,
-    single_microbatch_request,
-)
-from mbcompile.planning.plan import MicrobatchPlan, parse_mbs
-from mbcompile.planning.systems import get_system
+from mbcompile.passes.state_updates import StateUpdates
+from mbcompile.planning.explore import Selection, compile_only_error
+from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.reports.report import Validation, render, validation_of
+from mbcompile.request import (
+    Inputs,
+    Request,
+    batch_size,
+    leaf_name,
+    make_request,
+    tokens_per_sample,
+)
+from mbcompile.request import leaves as input_leaves
+from mbcompile.selection import select
 
 __all__ = ["CompiledModule", "compile"]
-
-
-@dataclass(frozen=True)
-class _Inputs:
-    """How a call's arguments map onto the graph's placeholders."""
-
-    names: tuple[str, ...]  # forward's parameters, in order
-    in_dims: tuple[int | None, ...]  # batch dim per parameter (None: unbatched)
-    concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
-    capture: str = "auto"  # "auto" (fx, then torch.export if fx fails), "fx" or "export"
-    batch_norm: str = "full_batch"  # or "per_microbatch": BatchNorm statistics per microbatch
-    coupling: str = "two_phase"  # or "reject": ops that mix samples raise MixingError
-    outputs: Any = "all"  # "all", "loss", or output names: what a training step returns
-    torch_compile: Any = None  # torch.compile kwargs for the body and coupled part (None: off)
-    recompute: Any = "auto"  # activation checkpointing per block: "auto", True or False
-
-
-@dataclass(frozen=True)
-class _Analysed:
-    """Capture, shapes and batch analysis: the graph with a batch fact on every node."""
-
-    captured: CaptureResult
-    analysis: BatchAnalysis  # the facts, the trained loss, the rejection (one run still works)
-    state: StateUpdates  # buffers and inputs the call writes: extra outputs, written back
-
-    @property
-    def rejected(self) -> MixingError | None:
-        return self.analysis.rejected
-
-    def refused(self, coupling: str) -> MixingError | None:
-        """The error that stops a split: the rejection, unless a two-phase step runs it."""
-        if self.analysis.two_phase and coupling == "two_phase":
-            return None
-        return self.analysis.rejected
 
 
 @dataclass(frozen=True)
@@ -123,143 +74,6 @@ class _Compiled:
     guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
 
 
-def _check_module(model: Any) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        raise ArgumentTypeError(
-            f"model must be a torch.nn.Module, got {type(model).__name__}; wrap functions in a "
-            "Module whose forward calls them")
-    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if meta:
-        raise InputError(
-            f"model has parameters or buffers on the meta device ({meta[0]!r}, ...), which hold "
-            "no values; materialise them first (model.to_empty(device='cpu') and load weights)")
-    return model
-
-
-def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: Any
-          ) -> tuple[inspect.Signature, dict[str, Any], _Inputs]:
-    """Bind the example call to forward's signature and resolve ``in_dims`` per parameter."""
-    if example_inputs is None and example_kwargs is None:
-        raise InputError(
-            "example_inputs (or example_kwargs) are required: mbcompile traces shapes from one "
-            "example call, e.g. compile(model, gbs, num_csx, example_inputs=(x, y))")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    args = tuple(example_inputs or ())
-    kwargs = dict(example_kwargs or {})
-    sig = inspect.signature(model.forward)
-    if any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
-        raise CaptureError(
-            f"{type(model).__name__}.forward takes *args; mbcompile needs named "
-            "parameters to map inputs to the graph. Wrap the model in a Module whose forward "
-            "names its inputs.")
-    variadic = [p for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD]
-    if variadic:  # forward(..., **kwargs), as in HuggingFace models: map the named ones only
-        sig = sig.replace(parameters=[p for p in sig.parameters.values() if p not in variadic])
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError as exc:
-        extra = (f"; mbcompile maps inputs to forward's named parameters only, not to "
-                 f"**{variadic[0].name}") if variadic else ""
-        raise InputError(f"example inputs do not match {type(model).__name__}.forward{sig}: "
-                         f"{exc}{extra}") from None
-    bound.apply_defaults()
-    values = dict(bound.arguments)
-    names = tuple(values)
-    positional = list(sig.parameters)[:len(args)]
-    meta = [n for n in names if any(isinstance(t, torch.Tensor) and t.is_meta
-                                    for t in pytree.tree_leaves(values[n]))]
-    if meta:
-        raise InputError(
-            f"example_inputs hold tensors on the meta device (input {meta[0]!r}), which have no "
-            "values to run the model on; pass real tensors (any batch size) on the model's "
-            "device")
-    if isinstance(in_dims, dict) and set(in_dims) - set(names):
-        unknown = sorted(set(in_dims) - set(names))
-        raise InputError(
-            f"in_dims names {', '.join(map(repr, unknown))}, which "
-            f"{'is' if len(unknown) == 1 else 'are'} not a parameter of "
-            f"{type(model).__name__}.forward{sig}; use the forward's parameter names as keys")
-    if isinstance(in_dims, bool) or not isinstance(in_dims, (int, tuple, list, dict, type(None))):
-        raise ArgumentTypeError(
-            f"in_dims must be an int, a tuple per positional input, or a dict per keyword, "
-            f"got {in_dims!r}")
-    if isinstance(in_dims, (tuple, list)) and len(in_dims) != len(args):
-        raise InputError(
-            f"in_dims has {len(in_dims)} entries but there are {len(args)} positional example "
-            f"inputs; give one entry per positional input (None for unbatched ones)")
-    dims: list[int | None] = []
-    for name in names:
-        value = values[name]
-        if isinstance(in_dims, (tuple, list)) and name in positional:
-            d = in_dims[positional.index(name)]
-        elif isinstance(in_dims, dict):
-            d = in_dims.get(name, 0)
-        elif isinstance(in_dims, (tuple, list)):
-            d = 0
-        else:
-            d = in_dims
-        has_tensor = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
-        if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
-            raise ArgumentTypeError(f"in_dims for input {name!r} must be an int or None, "
-                                    f"got {d!r}")
-        dims.append(d if has_tensor else None)
-    concrete = {n: values[n] for n, d in zip(names, dims)
-                if d is None and not any(isinstance(t, torch.Tensor)
-                                         for t in pytree.tree_leaves(values[n]))}
-    inputs = _Inputs(names, tuple(dims), concrete)
-    _batch_size(inputs, [values[n] for n in names], check_ndim=True)
-    return sig, values, inputs
-
-
-def _batch_size(inputs: _Inputs, values: Sequence[Any], check_ndim: bool = False) -> int | None:
-    """The common batch size of the batched inputs; raises if they disagree."""
-    seen: dict[int, tuple[str, Any]] = {}
-    for name, value, d in zip(inputs.names, values, inputs.in_dims):
-        if d is None:
-            continue
-        for path, t in _leaves(value):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if d < 0:
-                raise InputError(
-                    f"in_dims gives input {_leaf_name(name, path)} batch dim {d}: negative "
-                    f"dims are not supported; count from the front (in_dims={t.dim() + d} here)")
-            if t.dim() <= d:
-                raise InputError(
-                    f"in_dims gives input {_leaf_name(name, path)} batch dim {d}, but it has "
-                    f"{t.dim()} dims; pass in_dims=None for unbatched inputs or the right dim")
-            seen.setdefault(t.shape[d], (name, path))
-    if len(seen) > 1:
-        detail = ", ".join(f"{_leaf_name(*n)} has {b}" for b, n in seen.items())
-        raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
-                         "input must have the same number of samples along its in_dims dim")
-    return next(iter(seen), None)
-
-
-def _leaves(value: Any) -> list[tuple[Any, Any]]:
-    """``(path, leaf)`` of every leaf of an input; a bare tensor (the usual input, checked on
-    every call) without a pytree walk."""
-    if isinstance(value, torch.Tensor):
-        return [((), value)]
-    return pytree.tree_flatten_with_path(value)[0]
-
-
-def _leaf_name(name: str, path: Any) -> str:
-    """How an error names one leaf of an input: ``'x'``, or ``batch['y']``."""
-    return repr(name) if not path else f"{name}{pytree.keystr(path)}"
-
-
-def _tokens_per_sample(inputs: _Inputs, values: Mapping[str, Any]) -> int | None:
-    """The sequence length of token-id inputs ((B, T) integer tensors), if there are any."""
-    for name, d in zip(inputs.names, inputs.in_dims):
-        value = values[name]
-        if (d is not None and isinstance(value, torch.Tensor) and not value.is_floating_point()
-                and value.dim() == 2):
-            return int(value.shape[1 - d])
-    return None
-
-
 class CompiledModule(nn.Module):
     """A model compiled for microbatching: call it like the model.
 
@@ -272,27 +86,24 @@ class CompiledModule(nn.Module):
     model's, so it loads into the original and back.
     """
 
-    def __init__(self, model: nn.Module, plan: MicrobatchPlan, signature: inspect.Signature,
-                 inputs: _Inputs, example: Mapping[str, Any], rank: int | None = None,
-                 noise_scale: NoiseScale | None = None, selection: Selection | None = None,
-                 compile_only: bool = False, analysed: _Analysed | None = None,
-                 backend: str = "simulated", inner: nn.Module | None = None) -> None:
+    def __init__(self, request: Request, selection: Selection, plan: MicrobatchPlan,
+                 analysed: Analysed | None = None, rank: int | None = None) -> None:
         super().__init__()
-        self.module = model  # the user's model, wrapper and all: its state_dict() keys
+        self.module = request.model  # the user's model, wrapper and all: its state_dict() keys
         # what the graphs were captured from (model, or the module a wrapper forwards to);
         # not a registered submodule, so nothing is listed twice
-        object.__setattr__(self, "_inner", model if inner is None else inner)
+        object.__setattr__(self, "_inner", request.inner)
+        object.__setattr__(self, "_request", request)
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "selection", selection)
-        object.__setattr__(self, "compile_only", compile_only)
+        object.__setattr__(self, "compile_only", request.compile_only)
         object.__setattr__(self, "_analysed", analysed)  # compile()'s analysis, used once
         object.__setattr__(self, "rank", rank)
-        object.__setattr__(self, "backend", backend)
-        object.__setattr__(self, "noise_scale", noise_scale)
-        object.__setattr__(self, "_signature", signature)
-        object.__setattr__(self, "_inputs", inputs)
-        object.__setattr__(self, "_example", dict(example))
-        object.__setattr__(self, "_layout", _layout(inputs, [example[n] for n in inputs.names]))
+        object.__setattr__(self, "backend", request.backend)
+        object.__setattr__(self, "noise_scale", request.noise_scale)
+        object.__setattr__(self, "_signature", request.signature)
+        object.__setattr__(self, "_inputs", request.inputs)
+        object.__setattr__(self, "_layout", _layout(request.inputs, request.values))
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
         object.__setattr__(self, "_slots_seen", None)
@@ -345,9 +156,7 @@ class CompiledModule(nn.Module):
         for stale in [k for k in self._cache if k[1] != key[1]]:
             del self._cache[stale]  # they keep replaced parameters alive
         analysed, self._analysed = self._analysed, None
-        compiled = _compile_graph(self._inner, self.plan, self._inputs, self._example,
-                                  self.rank, analysed, self.backend,
-                                  StepChannels(noise=self.noise_scale))
+        compiled = _compile_graph(self._request, self.plan, self.rank, analysed)
         # the key as the next call computes it: without the forward hooks of the layers it
         # calls live; those present now were checked (check_layer_hooks), later ones watched
         live = self._layers_called_live(compiled)
@@ -365,7 +174,7 @@ class CompiledModule(nn.Module):
         run their own forward hooks at each call, so adding or removing one needs no
         recompile (``live_hooks`` watches the added ones). A body compiled with
         ``torch_compile`` has dynamo trace them in: every hook counts."""
-        if self._inputs.torch_compile is not None:
+        if self._request.torch_compile is not None:
             return ()
         names = dict.fromkeys(str(n.target) for n in compiled.original_graph_module.graph.nodes
                               if n.op == "call_module" and _is_submodule(self._inner,
@@ -445,7 +254,7 @@ class CompiledModule(nn.Module):
                     f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "
                     "non-tensor arguments are fixed when compiling: compile again with the "
                     "new value")
-        batch = _batch_size(self._inputs, values)
+        batch = batch_size(self._inputs, values)
         _check_layout(self._inputs, values, self._layout)
         if self.rank is not None:
             local = self.plan.per_system_batch_sizes[self.rank]
@@ -587,7 +396,7 @@ def _add_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: st
         state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
 
 
-def _layout(inputs: _Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
+def _layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
     """Per input: its pytree structure and its tensors' shapes, the batch dim left out."""
     out = []
     for value, d in zip(values, inputs.in_dims):
@@ -602,7 +411,7 @@ def _shape(t: Any, d: int | None) -> tuple[int | None, ...] | None:
     return tuple(None if i == d else s for i, s in enumerate(t.shape))
 
 
-def _check_layout(inputs: _Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
+def _check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
     """Raise ``InputError`` unless every input is nested and shaped like the example.
 
     Shapes other than the batch dim are fixed at compile time: the rewritten graph
@@ -612,7 +421,7 @@ def _check_layout(inputs: _Inputs, values: Sequence[Any], layout: tuple[Any, ...
         if name in inputs.concrete:
             continue  # compared by value already
         if isinstance(value, torch.Tensor) and spec.is_leaf():  # the usual input: no walk
-            leaves = _leaves(value)
+            leaves = input_leaves(value)
         else:
             leaves, got = pytree.tree_flatten_with_path(value)
             if got != spec:
@@ -624,7 +433,7 @@ def _check_layout(inputs: _Inputs, values: Sequence[Any], layout: tuple[Any, ...
             if _shape(t, d) != want:
                 shown = tuple("B" if s is None else s for s in want or ())
                 raise InputError(
-                    f"input {_leaf_name(name, path)} has shape "
+                    f"input {leaf_name(name, path)} has shape "
                     f"{tuple(getattr(t, 'shape', ()))} but the example had {shown} (B: the "
                     "batch dim); shapes other than the batch dim are fixed at compile time: "
                     "compile again with an example of this shape")
@@ -637,244 +446,62 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-CAPTURES = ("auto", "fx", "export")
-
-
-def _capture(model: nn.Module, inputs: _Inputs, example: Mapping[str, Any]) -> CaptureResult:
-    """torch.fx symbolic tracing first (its graphs read best), torch.export when it fails.
-
-    A forward that takes ``**kwargs`` (HuggingFace style) goes to torch.export directly:
-    fx would turn ``**kwargs`` into one more graph input that no call argument maps to.
-    """
-    var_keyword = any(p.kind == p.VAR_KEYWORD
-                      for p in inspect.signature(model.forward).parameters.values())
-    if inputs.capture == "fx" and var_keyword and not isinstance(model, fx.GraphModule):
-        raise CaptureError(
-            f"{type(model).__name__}.forward takes **kwargs, which torch.fx turns into an "
-            "extra graph input; compile with capture='auto' or capture='export' (torch.export "
-            "maps the named parameters), or wrap the model in a Module whose forward names "
-            "its inputs.")
-    fx_error = None
-    if inputs.capture == "fx" or (inputs.capture == "auto" and not var_keyword):
-        try:
-            return capture(model, inputs.concrete)
-        except CaptureError as exc:
-            if inputs.capture == "fx" or isinstance(model, fx.GraphModule):
-                raise
-            fx_error = exc
-    return export_capture(model, {n: example[n] for n in inputs.names},
-                          dict(zip(inputs.names, inputs.in_dims)), fx_error=fx_error)
-
-
-BATCH_NORM_MODES = ("full_batch", "per_microbatch")
-COUPLING_MODES = ("two_phase", "reject")
-
 PER_MICROBATCH_NOTE = (
     "batch_norm='per_microbatch': BatchNorm in training normalises with each microbatch's "
     "statistics and updates its running statistics once per microbatch, as a hand-written "
     "loop does; this is not the full-batch result")
 
 
-@contextlib.contextmanager
-def _batch_norm_rules(mode: str) -> Iterator[None]:
-    """With ``"per_microbatch"``, BatchNorm counts as per-sample for as long as the block runs:
-    each microbatch is normalised by its own statistics (the user asked for exactly that)."""
-    if mode != "per_microbatch":
-        yield
-        return
-    with batch_rules.scoped():
-        for op in batch_rules.BATCH_NORMS:
-            if isinstance(op, type) or op is torch.ops.aten.batch_norm:  # single-output forms
-                batch_rules.register_batch_rule(op, "per_sample")
-        yield
-
-
-def _analyse(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapping[str, Any]
-             ) -> _Analysed:
-    with _batch_norm_rules(inputs.batch_norm):
-        return _analyse_in_scope(model, gbs, inputs, example)
-
-
-def _analyse_in_scope(model: nn.Module, gbs: int, inputs: _Inputs, example: Mapping[str, Any]
-                      ) -> _Analysed:
-    """Capture, state updates, shapes and batch analysis; a rejection is kept, not raised.
-
-    With ``capture="auto"``, a torch.fx graph that writes in place, or that the analysis
-    refuses for an op it has no rule for (an ``fx.wrap``-ped function, an opaque layer),
-    is captured again with torch.export, which functionalizes in-place writes and looks
-    inside such calls; the export graph is kept when the analysis accepts it.
-    """
-    captured = _capture(model, inputs, example)
-    may_export = (inputs.capture == "auto" and captured.method != "export"
-                  and not isinstance(model, fx.GraphModule))
-    if may_export and has_mutations(captured.graph_module):
-        exported = _export_instead(model, inputs, example)
-        if isinstance(exported, CaptureResult):
-            return _analyse_captured(exported, gbs, inputs, example)
-        if _writes_state(captured.graph_module):
-            # only export's functionalization turns a write into the model's state into a
-            # value written back once; its error says why it could not capture the model
-            raise exported
-        may_export = False  # export cannot capture this model: do not try it twice
-    analysed = _analyse_captured(captured, gbs, inputs, example)
-    if may_export and isinstance(analysed.rejected, UnsupportedOpError):
-        exported = _export_instead(model, inputs, example)
-        if isinstance(exported, CaptureResult):
-            second = _analyse_captured(exported, gbs, inputs, example)
-            if second.refused(inputs.coupling) is None:
-                return second
-    return analysed
-
-
-def _export_instead(model: nn.Module, inputs: _Inputs, example: Mapping[str, Any]
-                    ) -> CaptureResult | CaptureError:
-    """The torch.export capture, or the error that says why export cannot capture it."""
-    try:
-        return export_capture(model, {n: example[n] for n in inputs.names},
-                              dict(zip(inputs.names, inputs.in_dims)))
-    except CaptureError as exc:
-        return exc
-
-
-def _writes_state(gm: fx.GraphModule) -> bool:
-    """Whether an fx graph writes in place into a parameter, a buffer or an input."""
-    return any(mutates(n) and n.args and isinstance(n.args[0], fx.Node)
-               and n.args[0].op in ("get_attr", "placeholder") for n in gm.graph.nodes)
-
-
-def _analyse_captured(captured: CaptureResult, gbs: int, inputs: _Inputs,
-                      example: Mapping[str, Any]) -> _Analysed:
-    state = lift_state_updates(captured.graph_module)
-    gm = state.graph_module
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    values = [example[n] for n in inputs.names]
-    try:
-        propagate_shapes(gm, values, inputs.in_dims, gbs)
-    except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
-        rejected = mixing_error(exc.node, gm, exc.reason, exc.fix)
-        return _Analysed(captured, BatchAnalysis(gm, rejected=rejected), state)
-    check_tensor_hooks(gm.graph, type(captured.graph_module).__name__)
-    check_layer_hooks(gm, type(captured.graph_module).__name__)
-    # no-grad regions of an fx trace, now that the shapes say which values are tensors
-    if detach_grad_free_inputs(gm.graph, lambda n: getattr(n.meta.get(SHAPES), "is_tensor",
-                                                           False)):
-        gm.recompile()
-    facts = {p.target: input_fact(v, d) for p, v, d in zip(placeholders, values, inputs.in_dims)}
-    return _Analysed(captured, analyse_batch(gm, facts, gbs), state)
-
-
-def _compile_graph(model: nn.Module, plan: MicrobatchPlan, inputs: _Inputs,
-                   example: Mapping[str, Any], rank: int | None = None,
-                   analysed: _Analysed | None = None, backend: str = "simulated",
-                   channels: StepChannels | None = None) -> _Compiled:
-    analysed = analysed or _analyse(model, plan.gbs, inputs, example)
-    channels = channels or StepChannels()
+def _compile_graph(request: Request, plan: MicrobatchPlan, rank: int | None = None,
+                   analysed: Analysed | None = None) -> _Compiled:
+    """The rewritten graph of ``request``'s model in its current train/eval mode, bound to
+    the backend: compile()'s analysis the first time, a fresh one after a mode change."""
+    splits = plan.num_nonempty_microbatches > 1
+    analysed = analysed or analyse(request, single=not splits)
+    if not splits:
+        analysed = analysed.unsplit()
     captured = analysed.captured
     gm = captured.graph_module
-    if analysed.rejected is not None and (plan.num_nonempty_microbatches == 1
-                                          or analysed.refused(inputs.coupling) is not None):
-        if plan.num_nonempty_microbatches > 1:
-            raise analysed.rejected
-        # one system, one microbatch (mbs="none"): nothing is split, so nothing can mix;
-        # the captured graph runs as it is
-        return _Compiled(gm, gm, captured.output_spec, False, channels, analysed.analysis,
+    if analysed.mode == "unsplit":
+        # one system, one microbatch: nothing is split, so nothing can mix; the captured
+        # graph runs as it is
+        return _Compiled(gm, gm, captured.output_spec, False,
+                         StepChannels(noise=request.noise_scale), analysed.analysis,
                          analysed.state, captured.guards)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
     slices = [(a - offset, b - offset) for system in systems for a, b in system if b > a]
-    keep = kept_outputs(inputs.outputs, captured.output_spec, analysed.analysis,
-                        analysed.state) if model.training else None
+    in_dims = request.inputs.in_dims
     rewritten = microbatch_rewrite(
         analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
-        in_dims={p.target: d for p, d in zip(placeholders, inputs.in_dims)}, keep=keep,
-        recompute=plan.recompute and model.training)
-    if plan.reshard_after_forward is not None:  # FSDP2 units: the plan's choice, at run time
-        from mbcompile.execution.fsdp import RESHARD
-
-        setattr(rewritten.body, RESHARD, plan.reshard_after_forward)
-    if analysed.analysis.two_phase and backend == "torch.distributed":
-        from mbcompile.execution.two_phase import TEMPLATE, frontier_template
-
-        # a rank whose phase 1 fails still joins the frontier's gather, with zeros this shape
-        setattr(rewritten.body, TEMPLATE, frontier_template(
-            rewritten.body, [example[n] for n in inputs.names], inputs.in_dims,
-            [b - a for a, b in slices]))
-    bound = ops.bind(rewritten, bindings(backend, channels, plan.per_system_batch_sizes))
-    if inputs.torch_compile is not None:
-        _torch_compile_parts(bound, inputs.torch_compile)
+        in_dims={p.target: d for p, d in zip(placeholders, in_dims)}, keep=analysed.kept,
+        recompute=plan.recompute and analysed.training, cut=analysed.cut)
+    channels = StepChannels(noise=request.noise_scale,
+                            config=_step_config(request, plan, analysed, rewritten, slices))
+    bound = ops.bind(rewritten, bindings(request.backend, channels, plan.per_system_batch_sizes))
+    if request.torch_compile is not None:
+        _torch_compile_parts(bound, request.torch_compile)
     return _Compiled(bound, gm, captured.output_spec,
-                     not analysed.analysis.fused and plan.num_nonempty_microbatches > 1, channels,
+                     splits and not analysed.analysis.fused, channels,
                      analysed.analysis, analysed.state, captured.guards)
 
 
-OUTPUT_MODES = ("all", "loss")
+def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
+                 rewritten: fx.GraphModule, slices: Sequence[tuple[int, int]]) -> StepConfig:
+    """What the runtime needs from compile time for this graph: FSDP2 units' setting (the
+    plan's choice), a two-phase step's frontier shapes on ranks (a rank whose phase 1 fails
+    still joins the gather, with zeros this shape), the body's joint training step."""
+    template = None
+    if analysed.mode == "two_phase" and request.backend == "torch.distributed":
+        from mbcompile.execution.two_phase import frontier_template
 
-
-def _shard_spec(units: Sequence[tuple[str, nn.Module]], world: int) -> ShardSpec | None:
-    """A sharded model's FSDP2 ``units`` (``fsdp_modules``, the root first) by the full
-    bytes of the parameters each owns."""
-    if not units:
-        return None
-    owner: dict[int, int] = {}
-    for i, (_, unit) in enumerate(units):  # the root first: deeper units claim theirs after
-        for p in unit.parameters():
-            owner[id(p)] = i
-    sizes = [0.0] * len(units)
-    seen: set[int] = set()
-    for _, unit in units:
-        for p in unit.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                sizes[owner[id(p)]] += p.numel() * p.element_size()  # DTensor: global numel
-    return ShardSpec(world, tuple(sizes))
-
-
-def _recompute(option: bool | str, analysed: _Analysed) -> bool | str:
-    """``recompute`` as the model allows: a frozen parameter that forward writes (an EMA copy)
-    is written back after the step, in place, while a checkpointed block still holds it to
-    recompute from (autograd would refuse its new version in backward)."""
-    written = [t.name for t in analysed.state.targets if t.kind == "parameter"]
-    if not written:
-        return option
-    if option is True:
-        raise InputError(
-            f"recompute=True cannot run with a forward that writes the frozen parameter "
-            f"{written[0]!r} in place (an EMA copy): the recomputation in backward would "
-            "read it after the step wrote it back. Use recompute=False or 'auto'")
-    return False
-
-
-def _check_recompute(option: Any) -> bool | str:
-    if option == "auto" or isinstance(option, bool):
-        return option
-    raise InputError(f"recompute must be 'auto', True or False, got {option!r}")
-
-
-def _check_reshard(option: Any, sharded: bool) -> bool | str:
-    if option != "auto" and not isinstance(option, bool):
-        raise InputError(f"reshard_after_forward must be 'auto', True or False, got {option!r}")
-    if option != "auto" and not sharded:
-        raise InputError("reshard_after_forward is FSDP2's setting for a model sharded with "
-                         "fully_shard; this model is not sharded: leave it at 'auto'")
-    return option
-
-
-def _check_torch_compile(option: Any) -> dict[str, Any] | None:
-    """``torch_compile=`` as torch.compile keyword arguments (None: off)."""
-    if option is False or option is None:
-        return None
-    if option is True:
-        return {}
-    if isinstance(option, Mapping) and all(isinstance(k, str) for k in option):
-        unknown = set(option) - set(inspect.signature(torch.compile).parameters)
-        if unknown:
-            raise InputError(f"torch_compile has {sorted(unknown)}, which torch.compile does "
-                             f"not take; its arguments are "
-                             f"{list(inspect.signature(torch.compile).parameters)[1:]}")
-        return dict(option)
-    raise ArgumentTypeError(f"torch_compile must be a bool or a dict of torch.compile keyword "
-                            f"arguments, got {option!r}")
+        template = frontier_template(rewritten.body, request.values, request.inputs.in_dims,
+                                     [b - a for a, b in slices])
+    joint = None
+    if request.torch_compile is not None:  # what a training step runs per microbatch
+        joint = joint_step(rewritten.body, {"dynamic": False, **request.torch_compile})
+    return StepConfig(plan.reshard_after_forward, template, joint)
 
 
 def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None:
@@ -890,68 +517,7 @@ def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None
     for name in ("body", "coupled"):
         part = getattr(gm, name, None)
         if isinstance(part, fx.GraphModule):
-            if name == "body":  # what a training step runs per microbatch (execution/joint.py)
-                setattr(part, JOINT, joint_step(part, kwargs))
             setattr(gm, name, torch.compile(part, **kwargs))
-
-
-def _check_outputs(option: Any) -> Any:
-    if isinstance(option, str):
-        if option not in OUTPUT_MODES:
-            raise InputError(f"outputs must be one of {OUTPUT_MODES} or a list of output names, "
-                             f"got {option!r}")
-        return option
-    if isinstance(option, (list, tuple)) and all(isinstance(o, (str, int)) for o in option):
-        return tuple(option)
-    raise ArgumentTypeError(f"outputs must be 'all', 'loss' or a list of output names "
-                            f"(str keys or int positions), got {option!r}")
-
-
-def kept_outputs(option: Any, spec: OutputSpec, analysis: BatchAnalysis,
-                 state: StateUpdates) -> frozenset[int] | None:
-    """The flat output leaves a training step returns for ``outputs=option`` (None: all).
-
-    The trained losses are always kept (training needs them), and so is the state the
-    call writes back.
-    """
-    if option == "all":
-        return None
-    keep = set(analysis.loss_outputs) | set(range(state.n_outputs, state.n_outputs
-                                                 + len(state.targets)))
-    if option == "loss":
-        if not analysis.loss_outputs:
-            raise InputError("outputs='loss' needs a loss computed inside the model (a scalar "
-                             "that depends on the parameters); this model returns none. Use "
-                             "outputs='all', or return the loss from forward")
-        return frozenset(keep)
-    names = _output_names(spec)
-    for name in option:
-        if name not in names:
-            raise InputError(f"outputs names {name!r}, which the model does not return; its "
-                             f"outputs are {sorted(names, key=str)}")
-        keep |= names[name]
-    return frozenset(keep)
-
-
-def _output_names(spec: OutputSpec) -> dict[Any, set[int]]:
-    """Top-level output names (dict keys, dataclass fields, tuple positions) -> their leaves."""
-    def leaves(s: OutputSpec) -> set[int]:
-        return {s.index} if s.kind == "leaf" else set().union(*(leaves(c) for c in s.children))
-
-    if spec.kind in ("dict", "dataclass"):
-        return {k: leaves(c) for k, c in zip(spec.keys, spec.children)}
-    if spec.kind in ("tuple", "list"):
-        return {i: leaves(c) for i, c in enumerate(spec.children)}
-    return {0: leaves(spec)}
-
-
-def _noise_scale(option: bool | NoiseScale) -> NoiseScale | None:
-    if isinstance(option, NoiseScale):
-        return option
-    if not isinstance(option, bool):
-        raise ArgumentTypeError(f"measure_noise_scale must be a bool or a NoiseScale, got "
-                                f"{option!r}")
-    return NoiseScale() if option else None
 
 
 def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
@@ -963,7 +529,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             torch_compile: bool | Mapping[str, Any] = False, recompute: bool | str = "auto",
             reshard_after_forward: bool | str = "auto", compile_only: bool = False,
             validate_only: bool = False,
-            measure: bool | int = False) -> CompiledModule | Validation:
+            measure: bool | int = False, cost_model: bool = True) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
     ``mbs`` is ``"auto"`` (chosen from the memory and time model), ``"none"`` (no
@@ -1017,92 +583,62 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     stops after capture and batch analysis and returns a ``Validation``.
     ``measure=True`` (or a repetition count) also times real forward+backward on
     the model's device for each MBS evaluated, reported beside the model.
+    ``cost_model=False`` plans without the cost model: no fake-tensor probes of the graph
+    (most of a small model's compile time), no estimate, nothing checked against memory;
+    for tests and runs that need no memory plan. It takes an int ``mbs`` or ``"none"``
+    (planned as asked) and no ``system`` or ``measure``; ``recompute="auto"`` then means
+    no activation checkpointing, and a two-phase step runs unchecked. ``cm.estimate`` is
+    None and ``cm.report()`` says the cost model was not asked for.
     Raises ``MixingError`` when splitting the batch would change the result.
     """
-    model = _check_module(model)
-    unwrapped = unwrap(model)  # DDP, torch.compile, peft: bind and capture what they call
-    inner = unwrapped.module
-    if capture not in CAPTURES:
-        raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
-    units = fsdp_modules(inner)  # FSDP2 units of a sharded model, or none
-    if units and backend != "torch.distributed":
-        raise InputError(
-            f"{type(model).__name__} is sharded with fully_shard, so its parameters live on "
-            "several ranks: compile it with backend='torch.distributed' inside the process "
-            "group that sharded it")
-    if units and capture == "export":
-        raise InputError("a model sharded with fully_shard is captured with torch.fx "
-                         "(capture='auto' or 'fx'); torch.export cannot trace FSDP's DTensors")
-    if backend not in BACKENDS:
-        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if unwrapped.world_size > 1 and backend != "torch.distributed":
-        raise InputError(
-            f"{type(model).__name__} all-reduces gradients over {unwrapped.world_size} "
-            "processes, and mbcompile compiles the module it wraps, without that all-reduce; "
-            "compile with backend='torch.distributed' (mbcompile all-reduces the gradients "
-            "itself), or compile the wrapped module on one process")
-    if batch_norm not in BATCH_NORM_MODES:
-        raise InputError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
-    if coupling not in COUPLING_MODES:
-        raise InputError(f"coupling must be one of {COUPLING_MODES}, got {coupling!r}")
-    spec = get_system(system)
-    policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
-    check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
-    sig, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims)
-    inputs = dataclasses.replace(inputs, capture=capture, batch_norm=batch_norm,
-                                 coupling=coupling, outputs=_check_outputs(outputs),
-                                 torch_compile=_check_torch_compile(torch_compile),
-                                 recompute=_check_recompute(recompute))
-    reshard = _check_reshard(reshard_after_forward, bool(units))
+    request = make_request(model, gbs, num_csx, mbs, example_inputs=example_inputs,
+                           example_kwargs=example_kwargs, in_dims=in_dims, system=system,
+                           backend=backend, measure_noise_scale=measure_noise_scale,
+                           capture=capture, batch_norm=batch_norm, coupling=coupling,
+                           outputs=outputs, torch_compile=torch_compile, recompute=recompute,
+                           reshard_after_forward=reshard_after_forward,
+                           compile_only=compile_only, validate_only=validate_only,
+                           measure=measure, cost_model=cost_model)
     start = time.perf_counter()
     try:
-        analysed = _analyse(inner, gbs, inputs, values)
-        single = single_microbatch_request(gbs, num_csx, policy)
-        refused = analysed.refused(coupling)
-        if refused is not None and not single:
-            raise refused
+        analysed = analyse(request, validating=validate_only)
         if validate_only:
-            return validation_of(type(model).__name__, gbs, num_csx,
-                                 analysed.captured.graph_module,
+            return validation_of(request.name, gbs, num_csx, analysed.captured.graph_module,
                                  time.perf_counter() - start, analysed.rejected,
-                                 two_phase=refused is None and not single)
-        keep = kept_outputs(inputs.outputs, analysed.captured.output_spec, analysed.analysis,
-                            analysed.state) if inner.training else None
-        selection = plan_for(analysed.analysis,
-                             [values[n] for n in inputs.names], inputs.in_dims, gbs, num_csx,
-                             policy, spec, measure=measure, name=type(model).__name__,
-                             two_phase=refused is None and analysed.rejected is not None,
-                             kept=keep, recompute=_recompute(inputs.recompute, analysed)
-                             if inner.training else False,
-                             shard=_shard_spec(units, num_csx), reshard=reshard)
+                                 two_phase=analysed.mode == "two_phase")
+        selection = select(request, analysed)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name
-        raise _crashed(model, exc) from exc
-    plan = selection.plan
+        raise _crashed(request.model, exc) from exc
     rank = None
     if backend == "torch.distributed":
         from mbcompile.execution.distributed import check_world
 
-        rank = check_world(plan)
-        if measure_noise_scale:
+        rank = check_world(selection.plan)
+        if request.noise_scale is not None:
             raise InputError("measure_noise_scale works with the simulated backend only so far; "
                              "measure on one process, then train on ranks")
-    plan = dataclasses.replace(plan, tokens_per_sample=_tokens_per_sample(inputs, values),
-                               warnings=plan.warnings + unwrapped.notes)
-    split = plan.num_nonempty_microbatches > 1
-    if batch_norm == "per_microbatch" and split and _has_batch_norm(model):
-        warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning,
-                      stacklevel=user_stacklevel())
-        plan = dataclasses.replace(plan, warnings=(*plan.warnings, PER_MICROBATCH_NOTE))
+    plan = _final_plan(request, selection.plan)
     try:
-        return CompiledModule(model, plan, sig, inputs, values, rank,
-                              _noise_scale(measure_noise_scale), selection, compile_only,
-                              analysed, backend, inner)
+        return CompiledModule(request, selection, plan, analysed, rank)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name
-        raise _crashed(model, exc) from exc
+        raise _crashed(request.model, exc) from exc
+
+
+def _final_plan(request: Request, plan: MicrobatchPlan) -> MicrobatchPlan:
+    """The selection's plan with what the request adds: tokens per sample, and the notes of
+    unwrapping the model and of per-microbatch BatchNorm statistics."""
+    notes = plan.warnings + request.notes
+    if (request.batch_norm == "per_microbatch" and plan.num_nonempty_microbatches > 1
+            and _has_batch_norm(request.model)):
+        warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning,
+                      stacklevel=user_stacklevel())
+        notes = (*notes, PER_MICROBATCH_NOTE)
+    return dataclasses.replace(plan, warnings=notes, tokens_per_sample=tokens_per_sample(
+        request.inputs, request.example))
 
 
 def _has_batch_norm(model: nn.Module) -> bool:

@@ -45,7 +45,7 @@ from .coupling import Partition, partition
 from .facts import FACT, REDUCTION, ReductionSpec
 from .recompute import checkpoint_blocks
 
-__all__ = ["microbatch_rewrite", "two_phase_parts"]
+__all__ = ["Cut", "cut_graph", "microbatch_rewrite", "two_phase_parts"]
 
 
 def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
@@ -65,7 +65,7 @@ def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
 def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, int]],
                        systems: Sequence[int], in_dims: Mapping[str, Any],
                        keep: Collection[int] | None = None,
-                       recompute: bool = False) -> fx.GraphModule:
+                       recompute: bool = False, cut: Cut | None = None) -> fx.GraphModule:
     """Return the microbatched ``GraphModule`` (with the body as submodule ``body``).
 
     ``slices`` are the non-empty microbatches' (start, stop) in the batch the
@@ -80,9 +80,10 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     ``keep``: the output leaves to return (None: all); the others come back as None and
     are neither computed after the loop nor kept per microbatch (a training step's
     logits that nobody reads). ``recompute``: the body's repeated blocks run under
-    activation checkpointing (``recompute.py``).
+    activation checkpointing (``recompute.py``). ``cut``: the graph already cut for ``keep``
+    (``cut_graph``), as the analysis hands it to the cost model too.
     """
-    parts = _cut(analysis, keep)
+    parts = cut if cut is not None else cut_graph(analysis, keep)
     gm, placeholders, leaves = parts.gm, parts.placeholders, parts.leaves
     part, frontier, slots, specs = parts.part, parts.frontier, parts.slots, parts.specs
     names, source, body = parts.names, parts.source, parts.body
@@ -99,9 +100,9 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     root: dict[str, Any] = {"body": body}
     sizes = tuple(b - a for a, b in slices)
     if analysis.two_phase:
-        coupled = _coupled_module(gm, part, frontier, slots, specs, names, source, leaves)
-        root["coupled"] = coupled
-        free = coupled.free_inputs
+        assert parts.coupled is not None
+        root["coupled"] = parts.coupled
+        free = parts.free
         step = _call(top, ops.two_phase_step,
                      (body_ref, top.get_attr("coupled"), mbs, *(top_env[p] for p in free)),
                      {"outputs": tuple((o.kind, o.dim) for o in specs),
@@ -132,8 +133,8 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     return rewritten
 
 
-@dataclass
-class _Parts:
+@dataclass(frozen=True)
+class Cut:
     """The analysed graph cut at the loop: the body and how its outputs are joined."""
 
     gm: fx.GraphModule
@@ -146,9 +147,13 @@ class _Parts:
     slots: dict[fx.Node, list[int]]  # reduction or frontier value -> body output indices
     names: dict[int, str]  # body output index -> name of the value after the loop
     source: dict[int, fx.Node]  # body output index -> the node whose source line it is
+    coupled: fx.GraphModule | None = None  # a two-phase step's coupled part (C)
+    free: tuple[fx.Node, ...] = ()  # the graph inputs C reads besides the frontier
 
 
-def _cut(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> _Parts:
+def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> Cut:
+    """Cut the analysed graph at the loop for the output leaves ``keep`` (None: all):
+    made once per analysis, read by the cost model and the rewrite."""
     if analysis.rejected is not None and not analysis.two_phase:
         raise analysis.rejected
     gm = analysis.graph_module
@@ -195,17 +200,21 @@ def _cut(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> _Parts
         names.update(zip(slots[n], (f"{n.name}_sum", f"{n.name}_count")))
         source.update((i, n) for i in slots[n])
 
-    return _Parts(gm, placeholders, leaves, part, frontier, body, specs, slots, names, source)
+    coupled, free = _coupled_module(gm, part, frontier, slots, specs, names, source, leaves) \
+        if analysis.two_phase else (None, ())
+    return Cut(gm, placeholders, leaves, part, frontier, body, specs, slots, names, source,
+               coupled, free)
 
 
-def two_phase_parts(analysis: BatchAnalysis) -> tuple[fx.GraphModule, fx.GraphModule, Partition]:
-    """P (the body: the graph's inputs -> per-sample frontier values and partial sums) and
-    C (``coupled``: those, joined over the whole batch, -> the graph's outputs), as the
-    rewrite builds them, for the cost model to probe apart."""
-    parts = _cut(analysis)
-    coupled = _coupled_module(parts.gm, parts.part, parts.frontier, parts.slots, parts.specs,
-                              parts.names, parts.source, parts.leaves)
-    return parts.body, coupled, parts.part
+def two_phase_parts(analysis: BatchAnalysis, cut: Cut | None = None
+                    ) -> tuple[fx.GraphModule, fx.GraphModule, Partition, tuple[fx.Node, ...]]:
+    """P (the body: the graph's inputs -> per-sample frontier values and partial sums),
+    C (``coupled``: those, joined over the whole batch, -> the graph's outputs), the
+    partition and the graph inputs C reads besides them (passed in after them), as the
+    rewrite builds them (the same ``cut``, when given), for the cost model to probe apart."""
+    parts = cut if cut is not None else cut_graph(analysis)
+    assert parts.coupled is not None
+    return parts.body, parts.coupled, parts.part, parts.free
 
 
 def _body_nodes(part: Partition, placeholders: list[fx.Node]) -> set[fx.Node]:
@@ -261,9 +270,10 @@ def _emit_tail(graph: fx.Graph, env: dict[fx.Node, fx.Node], part: Partition,
 def _coupled_module(gm: fx.GraphModule, part: Partition, frontier: Sequence[fx.Node],
                     slots: Mapping[fx.Node, list[int]], specs: Sequence[ops.BodyOutput],
                     names: Mapping[int, str], source: Mapping[int, fx.Node],
-                    leaves: Sequence[Any]) -> fx.GraphModule:
+                    leaves: Sequence[Any]) -> tuple[fx.GraphModule, tuple[fx.Node, ...]]:
     """The coupled part C as a module: the joined body outputs (per-sample values and
-    global partial sums, in body output order), then the unbatched inputs it reads."""
+    global partial sums, in body output order), then the unbatched inputs it reads (the
+    graph's placeholders, returned beside it: the top graph passes them in)."""
     graph = fx.Graph()
     joined = []
     for i in range(len(specs)):
@@ -278,9 +288,7 @@ def _coupled_module(gm: fx.GraphModule, part: Partition, frontier: Sequence[fx.N
         env[p] = graph.node_copy(p)
     _emit_tail(graph, env, part, frontier, slots, joined)
     graph.output(tuple(env[x] if isinstance(x, fx.Node) else x for x in leaves))
-    coupled = fx.GraphModule(gm, graph, "CoupledPart")
-    coupled.free_inputs = tuple(free_inputs)  # type: ignore[assignment]  # top passes them in
-    return coupled
+    return fx.GraphModule(gm, graph, "CoupledPart"), tuple(free_inputs)
 
 
 def _call(graph: fx.Graph, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -20,12 +20,12 @@ from torch.utils.flop_counter import FlopCounterMode
 import mbcompile
 from mbcompile.models import CNN, MLP, TinyGPT, make_cnn, make_mlp, make_tiny_gpt, token_batch
 from mbcompile.planning.cost import (
-    _EXTRA_FLOPS,
     CostModel,
     CostModelError,
     analyse_cost,
     format_bytes,
 )
+from mbcompile.planning.probe import EXTRA_FLOPS
 from mbcompile.planning.systems import get_system, system_names
 
 
@@ -64,7 +64,7 @@ def real_step(model: nn.Module, batch: tuple[Any, ...], m: int) -> tuple[int, in
             saved[st.data_ptr()] = st.nbytes()
         return t
 
-    counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS)
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
     with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss, _ = model(*args)
         grads = torch.autograd.grad(loss, [p for p in model.parameters()])
@@ -105,7 +105,7 @@ def test_cpu_flash_attention_is_counted_and_causal_costs_half() -> None:
     q = torch.randn(2, 4, 16, 8, requires_grad=True)
     dense = 2 * (2 * (2 * 4) * 16 * 16 * 8)  # two batched matmuls: q @ k.T and p @ v
     for causal, expected in ((False, dense), (True, dense // 2)):
-        with FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as counter:
+        with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS) as counter:
             F.scaled_dot_product_attention(q, q, q, is_causal=causal)
         assert counter.get_total_flops() == expected
 

@@ -364,3 +364,39 @@ def test_validate_only_still_rejects_mixing_and_accepts_an_unsplit_run() -> None
     assert v.ok and v.two_phase and "as a two-phase step" in v.report()
     cm = mbcompile.compile(SoftmaxOverBatch(), 8, 1, "none", example_inputs=(x,))
     assert cm.plan.num_microbatches == 1 and cm.estimate is not None
+
+
+# --------------------------------------------------------------------------- #
+# cost_model=False: a plan without the memory model, for runs that need none
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("mbs", [4, "none"])
+def test_without_the_cost_model_nothing_is_probed(monkeypatch, mbs) -> None:
+    """The plan is the arithmetic one, no fake-tensor probe runs, and the module computes
+    what eager does (the option drops the estimate, never exactness)."""
+    from mbcompile.planning import probe
+
+    def refuse(self: Any, m: int) -> Any:
+        raise AssertionError("a probe ran with cost_model=False")
+
+    monkeypatch.setattr(probe.Prober, "__call__", refuse)
+    model, batch = make_tiny_gpt(8)
+    cm = mbcompile.compile(model, 8, 2, mbs, example_inputs=batch, cost_model=False)
+    assert cm.plan == replace(make_plan(8, 2, mbs), tokens_per_sample=cm.plan.tokens_per_sample)
+    assert cm.estimate is None and cm.exploration is None
+    assert "cost_model=False" in cm.report()
+    out, ref = cm(*batch), model(*batch)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"mbs": "auto"}, "chooses the MBS"),
+    ({"mbs": {"explore": {"min": 1}}, "compile_only": True}, "chooses the MBS"),
+    ({"mbs": 4, "system": "host"}, "drop system="),
+    ({"mbs": 4, "measure": True}, "drop measure="),
+])
+def test_without_the_cost_model_what_needs_it_is_refused(kwargs, match) -> None:
+    model, batch = make_mlp(8)
+    with pytest.raises(mbcompile.InputError, match=match):
+        mbcompile.compile(model, 8, 2, example_inputs=batch, cost_model=False, **kwargs)

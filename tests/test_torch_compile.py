@@ -226,7 +226,7 @@ def test_a_failing_joint_graph_falls_back_to_autograd_once(joint_calls):
     way without trying the joint graph again."""
     model, batch = MODELS["tiny_gpt"](10)
     cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
-    step = getattr(cm.graph_module.body, joint.JOINT)
+    step = cm._compiled().channels.config.joint
     real, tries = step._step, []
 
     def failing(*args):
@@ -263,7 +263,7 @@ def test_a_model_error_is_the_models_and_keeps_the_joint_graph(joint_calls):
             cm(x, bad)
     for p, (value, grad) in zip(model.parameters(), before):
         assert torch.equal(p, value) and torch.equal(p.grad, grad)
-    assert getattr(cm.graph_module.body, joint.JOINT).broken is None
+    assert cm._compiled().channels.config.joint.broken is None
     joint_calls.clear()
     assert_close_errors(step_errors(model, cm, batch), 1e-10)
     assert joint_calls == _sizes(cm)
@@ -348,7 +348,7 @@ def test_a_sparse_embedding_keeps_the_autograd_path():
     model, batch = MODELS["tiny_gpt"](10)
     model.tok.sparse = True
     cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
-    assert getattr(cm.graph_module.body, joint.JOINT) is None
+    assert cm._compiled().channels.config.joint is None
     cm(*batch)[0].backward()
     assert model.tok.weight.grad.is_sparse
 
@@ -360,6 +360,9 @@ def test_module_backward_hooks_and_saved_tensor_hooks_keep_the_autograd_path(joi
     cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
     seen: list[int] = []
     hook = model.net[2].register_full_backward_hook(lambda m, gi, go: seen.append(1))
+    with pytest.warns(mbcompile.RecompileWarning):  # its calls at compile are checks
+        cm._compiled()
+    seen.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", mbcompile.JointStepWarning)
         assert_close_errors(step_errors(model, cm, batch), 1e-10)
@@ -379,7 +382,7 @@ def test_activation_checkpointing_keeps_the_autograd_path(joint_calls):
     cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT,
                            recompute=True)
     assert cm.plan.recompute
-    assert getattr(cm.graph_module.body, joint.JOINT) is None
+    assert cm._compiled().channels.config.joint is None
     with warnings.catch_warnings():
         warnings.simplefilter("error", mbcompile.JointStepWarning)
         assert_close_errors(step_errors(model, cm, batch), 1e-10)

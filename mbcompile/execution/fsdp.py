@@ -20,7 +20,7 @@ of the full shape, and each sharded block's call is bracketed by the markers
    left a microbatch empty runs its last one again with weight 0 (its gradient
    adds exact zeros) instead of skipping it.
 
-``ShardedStep.step`` also applies the plan's ``reshard_after_forward`` (``RESHARD``,
+``ShardedStep.step`` also applies the plan's ``reshard_after_forward`` (``StepConfig``,
 chosen with the MBS by the cost model) to every unit but the root for the step, and
 puts the user's setting back afterwards.
 
@@ -44,12 +44,9 @@ import torch.nn as nn
 from mbcompile.passes.capture import FSDP_PARAM
 from mbcompile.passes.ops import fsdp_unit_enter, fsdp_unit_exit
 
-__all__ = ["RESHARD", "ShardedStep", "bind_units", "sharded_root", "is_sharded"]
+__all__ = ["ShardedStep", "bind_units", "sharded_root", "is_sharded"]
 
 _ROOT = "fsdp_root"  # the attribute of the bound body that holds the user's sharded model
-#: The attribute of a body that holds the plan's ``reshard_after_forward`` for the units
-#: (set by the compiler; absent: the units keep the setting they were sharded with).
-RESHARD = "_mbcompile_reshard_after_forward"
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -127,7 +124,8 @@ def _zero_missing_grads(group: Any) -> None:
 class ShardedStep:
     """What one training step of a sharded model does around the runtime's loop."""
 
-    def __init__(self, body: fx.GraphModule, root: nn.Module) -> None:
+    def __init__(self, body: fx.GraphModule, root: nn.Module,
+                 reshard: bool | None = None) -> None:
         self.root = root
         self.count: int | None = None  # forwards per step on every rank (the most on any)
         self.order: list[str] = []  # the units in forward order (the body's markers)
@@ -137,7 +135,9 @@ class ShardedStep:
         self.done: set[str] = set()
         self.last: tuple[Any, ...] = ()
         self.body = bind_units(body, root, self)
-        self.reshard: bool | None = getattr(body, RESHARD, None)
+        # the plan's reshard_after_forward for the units (None: the setting they were sharded
+        # with), handed over in the step's StepConfig
+        self.reshard = reshard
 
     def enter(self, unit: str, *values: Any) -> tuple[Any, ...]:
         """FSDP's pre-forward of ``unit`` (all-gather; post-backward hook on the inputs)."""

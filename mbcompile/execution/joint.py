@@ -43,9 +43,7 @@ from torch.utils import _pytree as pytree
 from mbcompile.passes.generators import checkpoint_replaying
 from mbcompile.passes.ops import as_tuple
 
-__all__ = ["JOINT", "JointStep", "MetaFacts", "joint_step"]
-
-JOINT = "_mbcompile_joint"  # the attribute of a body that carries its JointStep
+__all__ = ["JointStep", "MetaFacts", "joint_step"]
 
 
 def joint_step(body: fx.GraphModule, options: Mapping[str, Any]) -> JointStep | None:

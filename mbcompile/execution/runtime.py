@@ -18,16 +18,16 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from mbcompile.execution.joint import JOINT
 from mbcompile.execution.live_hooks import UncheckedHookError, in_step
 from mbcompile.execution.noise import NoiseScale, estimate_noise_scale
+from mbcompile.execution.step_config import StepConfig
 from mbcompile.passes.errors import (
     InputError,
     JointStepWarning,
@@ -39,19 +39,21 @@ from mbcompile.passes.sources import user_stacklevel
 
 T = TypeVar("T")
 
-__all__ = ["StepChannels", "make_loop", "read_host"]
+__all__ = ["StepChannels", "hand_over", "make_loop", "read_host"]
 
 
 @dataclass
 class StepChannels:
-    """What one compiled graph's loop reports besides its outputs.
+    """What one compiled graph's loop is told and reports besides its outputs.
 
     ``noise``: a ``NoiseScale`` the training step updates (None: not measured);
+    ``config``: the run-time options compile time chose for this graph (``StepConfig``);
     ``last_counts``: the last call's per-microbatch counts of the trained loss's mean
     (references to device values, never read by the loop itself).
     """
 
     noise: NoiseScale | None = None
+    config: StepConfig = field(default_factory=StepConfig)
     last_counts: tuple[Any, ...] | None = None
 
 
@@ -429,50 +431,72 @@ class _FusedStep(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         loop: _Loop = ctx.loop
         width = sum(loop.layout[0])
-        tensor_pos = [sum(loop.layout[0][:i]) for i in range(len(loop.layout[0]))]
-        loss_pos = tensor_pos[loop.fused_index]
-        # Gradients into per-sample outputs would be lost (their backward already ran):
-        # refuse them, checking every microbatch's at once (one read, and only when present)
-        extra = [grads[m * width + j] for m in range(len(loop.layout)) for j in range(width)
-                 if j != loss_pos and grads[m * width + j] is not None]
-        if extra and bool(torch.stack([x.ne(0).any() for x in extra]).any()):
-            raise MicrobatchError(
-                "a gradient flows into a per-sample output of the compiled module, "
-                "but its backward already ran per microbatch for the loss only; "
-                "compute everything you backpropagate through inside the model "
-                "(return it in the loss), or call the module under torch.no_grad() "
-                "for outputs you only read")
-        loss_grads = [grads[m * width + loss_pos] for m in range(len(loop.layout))]
-        if loop.step_grads is None:
-            raise MicrobatchError(
-                "backward through a compiled module's step ran twice; each call's gradients "
-                "are handed over once (retain_graph is not supported across its loop)")
-        step, loop.step_grads = loop.step_grads, None
-        if loop.reducer is not None:  # launched during the last microbatch's backward
-            loop.reducer.wait()
-            loop.reducer = None
-        elif loop.distributed:  # one bucketed all-reduce per step, never per microbatch
-            from mbcompile.execution.distributed import all_reduce_gradients
+        loss_pos = sum(loop.layout[0][:loop.fused_index])  # among a microbatch's tensors
+        return hand_over(loop, grads, [m * width + loss_pos for m in range(len(loop.layout))],
+                         ctx.n_params, lambda step: _reduce(loop, step),
+                         None if loop.noise is None else lambda g: _measure_noise(loop, g))
 
-            all_reduce_gradients([s for s, r in zip(step, loop.reduced or [True] * len(step))
-                                  if r])
-        if all(g is None for g in loss_grads):
-            return (None, None) + (None,) * ctx.n_params
-        g = next(x for x in loss_grads if x is not None)
-        others = [x for x in loss_grads if x is not g]  # the sum's backward hands one tensor
-        if any(x is None for x in others) or (
-                others and not bool(torch.stack([x.eq(g).all() for x in others]).all())):
-            raise MicrobatchError("microbatch losses received different gradients; only the "
-                                  "combined loss can be differentiated")
-        if loop.noise is not None:
-            _measure_noise(loop, g)
-        # Scale in place, no second buffer, and unconditionally: testing ``g == 1`` would
-        # read the device every step, and x * 1.0 is exactly x. One foreach call: the same
-        # products as a mul_ per parameter, without a Python dispatch for each.
-        grads = [s for s in step if s is not None]
-        if grads:
-            torch._foreach_mul_(grads, g)
-        return (None, None, *step)
+
+def _reduce(loop: _Loop, step: list[torch.Tensor | None]) -> None:
+    """The step's gradients summed over ranks: the all-reduce the last microbatch's backward
+    started, or one bucketed all-reduce per step, never per microbatch."""
+    if loop.reducer is not None:  # launched during the last microbatch's backward
+        loop.reducer.wait()
+        loop.reducer = None
+    elif loop.distributed:
+        from mbcompile.execution.distributed import all_reduce_gradients
+
+        all_reduce_gradients([s for s, r in zip(step, loop.reduced or [True] * len(step))
+                              if r])
+
+
+def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n_params: int,
+              reduce: Callable[[list[torch.Tensor | None]], None],
+              noise: Callable[[torch.Tensor], None] | None = None) -> tuple[Any, ...]:
+    """The backward of a training step, fused (``_FusedStep``) or two-phase
+    (``two_phase._TwoPhaseStep``): hand the gradients its forward built
+    (``owner.step_grads``) to the caller's ``loss.backward()``.
+
+    ``grads`` arrive for the step's tensor outputs, ``loss_positions`` being the loss's
+    partial sums among them. One policy for a gradient arriving at any other output: the
+    step's backward already ran, for the loss only, so a nonzero one would be lost; it is
+    refused (all checked in one device read, and only when some arrive). The gradients
+    are handed over once, summed over ranks by ``reduce``, and scaled in place by the
+    loss's incoming gradient ``g``, the same for every partial sum (the loss is their
+    sum, maybe divided by a count): ``g * Σ_m ∂partial_m/∂θ``.
+    """
+    losses = set(loss_positions)
+    extra = [g for i, g in enumerate(grads) if i not in losses and g is not None]
+    if extra and bool(torch.stack([x.ne(0).any() for x in extra]).any()):
+        raise MicrobatchError(
+            "a gradient flows into an output of the compiled module other than its loss (a "
+            "per-sample output), but the step's backward already ran, for the loss only; "
+            "compute everything you backpropagate through inside the model (return it in "
+            "the loss), or call the module under torch.no_grad() for outputs you only read")
+    if owner.step_grads is None:
+        raise MicrobatchError(
+            "backward through a compiled module's step ran twice; each call's gradients "
+            "are handed over once (retain_graph is not supported across its loop)")
+    step, owner.step_grads = owner.step_grads, None
+    reduce(step)
+    loss_grads = [grads[i] for i in loss_positions]
+    if all(g is None for g in loss_grads):
+        return (None, None) + (None,) * n_params
+    g = next(x for x in loss_grads if x is not None)
+    others = [x for x in loss_grads if x is not g]  # the sum's backward hands one tensor
+    if any(x is None for x in others) or (
+            others and not bool(torch.stack([x.eq(g).all() for x in others]).all())):
+        raise MicrobatchError("microbatch losses received different gradients; only the "
+                              "combined loss can be differentiated")
+    if noise is not None:
+        noise(g)
+    # Scale in place, no second buffer, and unconditionally: testing ``g == 1`` would
+    # read the device every step, and x * 1.0 is exactly x. One foreach call: the same
+    # products as a mul_ per parameter, without a Python dispatch for each.
+    scaled = [s for s in step if s is not None]
+    if scaled:
+        torch._foreach_mul_(scaled, g)
+    return (None, None, *step)
 
 
 def _measure_noise(loop: _Loop, g: torch.Tensor) -> None:
@@ -527,9 +551,11 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
                     f"{type(root).__name__} is sharded with fully_shard, so its parameters "
                     "live on several ranks: compile it with backend='torch.distributed' inside "
                     "the process group that sharded it")
-            bodies[id(body)] = (body, fsdp.ShardedStep(body, root) if root is not None else None,
+            config = channels.config
+            bodies[id(body)] = (body, None if root is None else
+                                fsdp.ShardedStep(body, root, config.reshard_after_forward),
                                 tuple(body.parameters()) if root is None else None,
-                                getattr(body, JOINT, None))
+                                config.joint)
         return bodies[id(body)][1:]
 
     microbatch_loop.__module__ = __name__

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint as checkpoint
 
-from mbcompile.execution.runtime import StepChannels, _Loop, read_host
+from mbcompile.execution.runtime import StepChannels, _Loop, hand_over, read_host
 from mbcompile.passes import ops
 from mbcompile.passes.errors import InputError, MicrobatchError
 from mbcompile.passes.facts import PARAMS
@@ -98,8 +98,10 @@ class _Step:
                  microbatches: list[tuple[Any, ...]], free: tuple[Any, ...],
                  outputs: Sequence[tuple[str, int]], loss_index: int | None,
                  systems: Sequence[int], sizes: Sequence[int], gather: Gather | None,
-                 sums: Callable[..., tuple[Any, ...]], keep_coupled_grads: bool) -> None:
+                 sums: Callable[..., tuple[Any, ...]], keep_coupled_grads: bool,
+                 template: Sequence[tuple[Any, ...]] | None = None) -> None:
         self.body, self.coupled = body, coupled
+        self.template = template  # the frontier's shapes, for a failing rank (StepConfig)
         self.microbatches, self.free = microbatches, free
         self.outputs, self.loss_index = outputs, loss_index
         self.systems = systems
@@ -164,7 +166,7 @@ class _Step:
         except Exception as exc:
             if self.gather is None:
                 raise
-            return _stand_ins(self.body), exc
+            return _stand_ins(self.template), exc
         return results, None
 
     # -------------------------------------------------------------- phases
@@ -264,6 +266,13 @@ class _Step:
                                 if isinstance(o, torch.Tensor) and not o.requires_grad}
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs), loss
 
+    def reduce(self, grads: list[torch.Tensor | None]) -> None:
+        """The step's gradients summed over ranks (in one process: as they are)."""
+        if self.gather is not None:
+            from mbcompile.execution.distributed import all_reduce_gradients
+
+            all_reduce_gradients(grads)
+
     def _check(self, loss: torch.Tensor) -> None:
         """The step's one device read: the loss is finite (on ranks: every rank's is)."""
         finite = torch.isfinite(loss.detach()).all()
@@ -291,10 +300,6 @@ class _Step:
                 "step was rolled back: parameters and gradients are as they were before the call")
 
 
-#: Where ``frontier_template`` leaves its answer on the body (read on ranks only).
-TEMPLATE = "mbcompile_frontier_template"
-
-
 def frontier_template(body: fx.GraphModule, values: Sequence[Any],
                       in_dims: Sequence[int | None], sizes: Sequence[int]) -> list[tuple[Any, ...]]:
     """Each microbatch's body outputs as ``(shape, dtype, device)`` (numbers as they are),
@@ -309,10 +314,9 @@ def frontier_template(body: fx.GraphModule, values: Sequence[Any],
     return template
 
 
-def _stand_ins(body: Any) -> list[tuple[Any, ...]]:
+def _stand_ins(template: Sequence[tuple[Any, ...]] | None) -> list[tuple[Any, ...]]:
     """Zeros shaped like each microbatch's body outputs, for a rank whose phase 1 failed to
-    join the frontier's collectives with (``frontier_template``)."""
-    template = getattr(body, TEMPLATE, None)
+    join the frontier's collectives with (``frontier_template``, in the ``StepConfig``)."""
     if template is None:
         raise InputError("this two-phase module has no frontier template; compile it with "
                          "backend='torch.distributed'")
@@ -361,26 +365,7 @@ class _TwoPhaseStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         step: _Step = ctx.step
-        loss_pos = step.loss_pos
-        if any(g is not None for i, g in enumerate(grads) if i != loss_pos):  # no device read
-            raise MicrobatchError(
-                "a gradient flows into an output of the compiled module other than its loss, "
-                "but the two-phase step ran its backward for the loss only; compute "
-                "everything you backpropagate through inside the model, or call the module "
-                "under torch.no_grad() for outputs you only read")
-        if step.step_grads is None:
-            raise MicrobatchError(
-                "backward through a compiled module's step ran twice; each call's gradients "
-                "are handed over once (retain_graph is not supported across its loop)")
-        grads_, step.step_grads = step.step_grads, None
-        if step.gather is not None:
-            from mbcompile.execution.distributed import all_reduce_gradients
-
-            all_reduce_gradients(grads_)
-        g = grads[loss_pos]
-        if g is None:
-            return (None, None) + (None,) * ctx.n_params
-        return (None, None, *(s.mul_(g) if s is not None else None for s in grads_))
+        return hand_over(step, grads, [step.loss_pos], ctx.n_params, step.reduce)
 
 
 def _agreed_status(error: BaseException | None, checks: torch.Tensor | None = None,
@@ -445,7 +430,7 @@ def make_two_phase(channels: StepChannels, gather: Gather | None = None,
             raise InputError("measure_noise_scale does not support a two-phase step (a loss "
                              "that couples samples) yet; compile without it")
         step = _Step(body, coupled, microbatches, free, outputs, loss_index, systems, sizes,
-                     gather, sums, keep_coupled_grads)
+                     gather, sums, keep_coupled_grads, channels.config.frontier_template)
         params = list(dict.fromkeys(
             p for m in (body, coupled) for p in m.parameters() if p.requires_grad))
         if not params or not torch.is_grad_enabled() or loss_index is None:

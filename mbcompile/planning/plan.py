@@ -407,7 +407,7 @@ def _format_sizes(sizes: tuple[int, ...], limit: int = 8) -> str:
 
 def _warn_user(message: str) -> None:
     # at the first frame outside mbcompile and torch, however deep the call into the package
-    # was (compile() -> plan_for() -> make_plan() -> here)
+    # was (compile() -> select() -> make_plan() -> here)
     warnings.warn(message, MbsAdjustedWarning, stacklevel=user_stacklevel())
 
 

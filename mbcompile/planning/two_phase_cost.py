@@ -26,13 +26,14 @@ import torch.fx as fx
 
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.facts import SHAPES, ValueInfo
-from mbcompile.passes.microbatch_rewrite import two_phase_parts
+from mbcompile.passes.microbatch_rewrite import Cut, two_phase_parts
 from mbcompile.planning.cost import (
     CostModel,
     Estimate,
     MemoryEstimate,
-    _Probe,
-    _Prober,
+    Probe,
+    Prober,
+    ShardSpec,
     format_bytes,
     static_figures,
 )
@@ -44,17 +45,19 @@ __all__ = ["TwoPhaseCostModel", "analyse_two_phase_cost"]
 COUPLED_SHARE_WARNING = 0.5
 
 
-class _CoupledProber(_Prober):
+class _CoupledProber(Prober):
     """Probes C on fake inputs shaped like the joined frontier at the full batch."""
 
-    def __init__(self, coupled: fx.GraphModule, free_values: Sequence[Any],
-                 device: torch.device, loss_index: int | None) -> None:
+    def __init__(self, coupled: fx.GraphModule, free: Sequence[fx.Node],
+                 free_values: Sequence[Any], device: torch.device, loss_index: int | None
+                 ) -> None:
         super().__init__(coupled, [], [], (loss_index,) if loss_index is not None else None)
         self.free_values = list(free_values)
         self.device = device
         self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+        names = {n.name for n in free}  # C's copies of the graph's placeholders
         for n in coupled.graph.nodes:
-            if n.op == "placeholder" and n not in set(_free_placeholders(coupled)):
+            if n.op == "placeholder" and n.name not in names:
                 info = n.meta.get(SHAPES)
                 if isinstance(info, ValueInfo) and info.is_tensor:
                     self.shapes.append((tuple(info.shape_a), info.dtype or torch.float32))
@@ -68,17 +71,12 @@ class _CoupledProber(_Prober):
         return [*joined, *(self.fake_probe.fake(v) for v in self.free_values)]
 
 
-def _free_placeholders(coupled: fx.GraphModule) -> list[fx.Node]:
-    names = {n.name for n in getattr(coupled, "free_inputs", ())}
-    return [n for n in coupled.graph.nodes if n.op == "placeholder" and n.name in names]
-
-
 class TwoPhaseCostModel(CostModel):
     """A ``CostModel`` of P (per microbatch) with F and C's whole-batch terms added."""
 
-    def __init__(self, p_model: CostModel, coupled: _Probe, frontier_bytes: float,
+    def __init__(self, p_model: CostModel, coupled: Probe, frontier_bytes: float,
                  static: Any) -> None:
-        super().__init__(p_model._prober, static, p_model.name)
+        super().__init__(p_model._prober, static, p_model.name, p_model.shard)
         self.__dict__.update({k: v for k, v in p_model.__dict__.items()
                               if k in ("_exact", "_fit", "_fit_from", "fit_note", "probes_run")})
         self.coupled_probe = coupled
@@ -122,18 +120,20 @@ class TwoPhaseCostModel(CostModel):
 
 def analyse_two_phase_cost(analysis: BatchAnalysis, values: Sequence[Any],
                            in_dims: Sequence[int | None], *, pbs: int,
-                           name: str | None = None) -> TwoPhaseCostModel:
-    """The cost model of ``analysis``'s graph run as a two-phase step."""
+                           name: str | None = None, cut: Cut | None = None,
+                           shard: ShardSpec | None = None) -> TwoPhaseCostModel:
+    """The cost model of ``analysis``'s graph run as a two-phase step (``cut``: the graph
+    cut as the rewrite runs it, when the analysis made it already)."""
     from mbcompile.planning.cost import analyse_cost
 
-    body, coupled, part = two_phase_parts(analysis)
-    p_model = analyse_cost(body, values, in_dims, pbs=pbs, name=name)
+    body, coupled, part, free_nodes = two_phase_parts(analysis, cut)
+    p_model = analyse_cost(body, values, in_dims, pbs=pbs, name=name, shard=shard)
     placeholders = [n for n in analysis.graph_module.graph.nodes if n.op == "placeholder"]
     by_name = {p.name: v for p, v in zip(placeholders, values)}
-    free = [by_name[n.name] for n in getattr(coupled, "free_inputs", ())]
+    free = [by_name[n.name] for n in free_nodes]
     tensors = [t for v in values for t in ([v] if isinstance(v, torch.Tensor) else [])]
     device = tensors[0].device if tensors else torch.device("cpu")
-    prober = _CoupledProber(coupled, free, device, analysis.coupled_loss)
+    prober = _CoupledProber(coupled, free_nodes, free, device, analysis.coupled_loss)
     static = static_figures(analysis.graph_module, values, in_dims, analysis.fused)
     static = replace(static, output_bytes_per_sample=p_model.static.output_bytes_per_sample)
     return TwoPhaseCostModel(p_model, prober(1), part.frontier_bytes(), static)

@@ -1,0 +1,286 @@
+"""The analysis: capture, state updates, shapes and batch facts, and what they decide.
+
+>>> analysed = analyse(request)
+>>> analysed.mode, analysed.fused, analysed.kept
+('split', True, None)
+
+This is the one home of what the graph decides for the rest of ``compile()``: the
+mode (``"split"``, ``"two_phase"`` or ``"unsplit"``), whether backward runs per
+microbatch (``fused``), the outputs a training step keeps, the trained loss (the
+batch analysis's), and the graph cut at the loop (``Cut``). The cost model and
+the rewrite both read them from here; neither re-derives them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from mbcompile.errors import CaptureError, InputError, MixingError, UnsupportedOpError
+from mbcompile.passes import batch_rules
+from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
+from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
+from mbcompile.passes.export_capture import export_capture
+from mbcompile.passes.facts import SHAPES, input_fact
+from mbcompile.passes.forward_modes import (
+    check_layer_hooks,
+    check_tensor_hooks,
+    detach_grad_free_inputs,
+)
+from mbcompile.passes.microbatch_rewrite import Cut, cut_graph
+from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
+from mbcompile.passes.state_updates import (
+    StateUpdates,
+    has_mutations,
+    lift_state_updates,
+    mutates,
+)
+from mbcompile.request import Request
+
+__all__ = ["MODES", "Analysed", "analyse", "kept_outputs"]
+
+#: What runs: the batch split into microbatches; a two-phase step (ops that couple
+#: samples run once on the whole batch); or the captured graph as it is (one system,
+#: one microbatch: nothing is split, so a graph the analysis rejects still runs).
+MODES = ("split", "two_phase", "unsplit")
+
+
+@dataclass(frozen=True)
+class Analysed:
+    """The captured graph with a batch fact on every node, and what it decides."""
+
+    captured: CaptureResult
+    analysis: BatchAnalysis  # the facts, the trained loss, the rejection
+    state: StateUpdates  # buffers and inputs the call writes: extra outputs, written back
+    mode: str = "split"  # one of MODES
+    training: bool = False  # the model was in training mode
+    kept: frozenset[int] | None = None  # output leaves a training step returns (None: all)
+    cut: Cut | None = None  # the graph cut at the loop (split and two-phase modes)
+
+    @property
+    def rejected(self) -> MixingError | None:
+        return self.analysis.rejected
+
+    @property
+    def fused(self) -> bool:
+        """Backward runs per microbatch, so one microbatch's activations are alive: a
+        single trained loss, or nothing split at all."""
+        return self.mode == "unsplit" or self.analysis.fused
+
+    def refused(self, coupling: str) -> MixingError | None:
+        """The error that stops a split: the rejection, unless a two-phase step runs it."""
+        if self.analysis.two_phase and coupling == "two_phase":
+            return None
+        return self.analysis.rejected
+
+    def unsplit(self) -> Analysed:
+        """The same analysis for a plan that turned out to run one microbatch per system
+        (``mbs="auto"`` on one system may choose the whole batch): a graph the batch
+        analysis rejected then runs as it is."""
+        if self.rejected is None or self.mode == "unsplit":
+            return self
+        return replace(self, mode="unsplit", cut=None)
+
+
+def analyse(request: Request, *, single: bool | None = None, validating: bool = False
+            ) -> Analysed:
+    """Analyse ``request.inner`` in its current train/eval mode, and decide once.
+
+    ``single``: the plan runs one microbatch on one system (default: the request can
+    mean nothing else). Raises the analysis's ``MixingError`` when a split is needed and
+    neither a plain split nor a two-phase step is exact. ``validating``
+    (``compile(validate_only=True)``): the facts and the mode only, nothing for a plan.
+    """
+    model = request.inner
+    found = _analyse(model, request)
+    single = request.single if single is None else single
+    if found.rejected is None:
+        mode = "split"
+    elif single:
+        mode = "unsplit"
+    elif found.refused(request.coupling) is None:
+        mode = "two_phase"
+    else:
+        raise found.rejected
+    if validating:
+        return replace(found, mode=mode, training=model.training)
+    kept = kept_outputs(request.outputs, found.captured.output_spec, found.analysis,
+                        found.state) if model.training else None
+    return replace(found, mode=mode, training=model.training, kept=kept,
+                   cut=cut_graph(found.analysis, kept) if mode != "unsplit" else None)
+
+
+def recompute_option(request: Request, analysed: Analysed) -> bool | str:
+    """``recompute`` as the model allows (False in eval mode: nothing is trained)."""
+    return _recompute(request.recompute, analysed) if analysed.training else False
+
+
+def _capture(model: nn.Module, request: Request) -> CaptureResult:
+    """torch.fx symbolic tracing first (its graphs read best), torch.export when it fails.
+
+    A forward that takes ``**kwargs`` (HuggingFace style) goes to torch.export directly:
+    fx would turn ``**kwargs`` into one more graph input that no call argument maps to.
+    """
+    var_keyword = any(p.kind == p.VAR_KEYWORD
+                      for p in inspect.signature(model.forward).parameters.values())
+    if request.capture == "fx" and var_keyword and not isinstance(model, fx.GraphModule):
+        raise CaptureError(
+            f"{type(model).__name__}.forward takes **kwargs, which torch.fx turns into an "
+            "extra graph input; compile with capture='auto' or capture='export' (torch.export "
+            "maps the named parameters), or wrap the model in a Module whose forward names "
+            "its inputs.")
+    fx_error = None
+    if request.capture == "fx" or (request.capture == "auto" and not var_keyword):
+        try:
+            return capture(model, request.inputs.concrete)
+        except CaptureError as exc:
+            if request.capture == "fx" or isinstance(model, fx.GraphModule):
+                raise
+            fx_error = exc
+    return export_capture(model, dict(request.example),
+                          dict(zip(request.inputs.names, request.inputs.in_dims)),
+                          fx_error=fx_error)
+
+
+@contextlib.contextmanager
+def _batch_norm_rules(mode: str) -> Iterator[None]:
+    """With ``"per_microbatch"``, BatchNorm counts as per-sample for as long as the block runs:
+    each microbatch is normalised by its own statistics (the user asked for exactly that)."""
+    if mode != "per_microbatch":
+        yield
+        return
+    with batch_rules.scoped():
+        for op in batch_rules.BATCH_NORMS:
+            if isinstance(op, type) or op is torch.ops.aten.batch_norm:  # single-output forms
+                batch_rules.register_batch_rule(op, "per_sample")
+        yield
+
+
+def _analyse(model: nn.Module, request: Request) -> Analysed:
+    with _batch_norm_rules(request.batch_norm):
+        return _analyse_in_scope(model, request)
+
+
+def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
+    """Capture, state updates, shapes and batch analysis; a rejection is kept, not raised.
+
+    With ``capture="auto"``, a torch.fx graph that writes in place, or that the analysis
+    refuses for an op it has no rule for (an ``fx.wrap``-ped function, an opaque layer),
+    is captured again with torch.export, which functionalizes in-place writes and looks
+    inside such calls; the export graph is kept when the analysis accepts it.
+    """
+    captured = _capture(model, request)
+    may_export = (request.capture == "auto" and captured.method != "export"
+                  and not isinstance(model, fx.GraphModule))
+    if may_export and has_mutations(captured.graph_module):
+        exported = _export_instead(model, request)
+        if isinstance(exported, CaptureResult):
+            return _analyse_captured(exported, request)
+        if _writes_state(captured.graph_module):
+            # only export's functionalization turns a write into the model's state into a
+            # value written back once; its error says why it could not capture the model
+            raise exported
+        may_export = False  # export cannot capture this model: do not try it twice
+    analysed = _analyse_captured(captured, request)
+    if may_export and isinstance(analysed.rejected, UnsupportedOpError):
+        exported = _export_instead(model, request)
+        if isinstance(exported, CaptureResult):
+            second = _analyse_captured(exported, request)
+            if second.refused(request.coupling) is None:
+                return second
+    return analysed
+
+
+def _export_instead(model: nn.Module, request: Request) -> CaptureResult | CaptureError:
+    """The torch.export capture, or the error that says why export cannot capture it."""
+    try:
+        return export_capture(model, dict(request.example),
+                              dict(zip(request.inputs.names, request.inputs.in_dims)))
+    except CaptureError as exc:
+        return exc
+
+
+def _writes_state(gm: fx.GraphModule) -> bool:
+    """Whether an fx graph writes in place into a parameter, a buffer or an input."""
+    return any(mutates(n) and n.args and isinstance(n.args[0], fx.Node)
+               and n.args[0].op in ("get_attr", "placeholder") for n in gm.graph.nodes)
+
+
+def _analyse_captured(captured: CaptureResult, request: Request) -> Analysed:
+    state = lift_state_updates(captured.graph_module)
+    gm = state.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values, in_dims = request.values, request.inputs.in_dims
+    try:
+        propagate_shapes(gm, values, in_dims, request.gbs)
+    except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
+        rejected = mixing_error(exc.node, gm, exc.reason, exc.fix)
+        return Analysed(captured, BatchAnalysis(gm, rejected=rejected), state)
+    check_tensor_hooks(gm.graph, type(captured.graph_module).__name__)
+    check_layer_hooks(gm, type(captured.graph_module).__name__)
+    # no-grad regions of an fx trace, now that the shapes say which values are tensors
+    if detach_grad_free_inputs(gm.graph, lambda n: getattr(n.meta.get(SHAPES), "is_tensor",
+                                                           False)):
+        gm.recompile()
+    facts = {p.target: input_fact(v, d) for p, v, d in zip(placeholders, values, in_dims)}
+    return Analysed(captured, analyse_batch(gm, facts, request.gbs), state)
+
+
+def kept_outputs(option: Any, spec: OutputSpec, analysis: BatchAnalysis,
+                 state: StateUpdates) -> frozenset[int] | None:
+    """The flat output leaves a training step returns for ``outputs=option`` (None: all).
+
+    The trained losses are always kept (training needs them), and so is the state the
+    call writes back.
+    """
+    if option == "all":
+        return None
+    keep = set(analysis.loss_outputs) | set(range(state.n_outputs, state.n_outputs
+                                                 + len(state.targets)))
+    if option == "loss":
+        if not analysis.loss_outputs:
+            raise InputError("outputs='loss' needs a loss computed inside the model (a scalar "
+                             "that depends on the parameters); this model returns none. Use "
+                             "outputs='all', or return the loss from forward")
+        return frozenset(keep)
+    names = _output_names(spec)
+    for name in option:
+        if name not in names:
+            raise InputError(f"outputs names {name!r}, which the model does not return; its "
+                             f"outputs are {sorted(names, key=str)}")
+        keep |= names[name]
+    return frozenset(keep)
+
+
+def _output_names(spec: OutputSpec) -> dict[Any, set[int]]:
+    """Top-level output names (dict keys, dataclass fields, tuple positions) -> their leaves."""
+    def leaves(s: OutputSpec) -> set[int]:
+        return {s.index} if s.kind == "leaf" else set().union(*(leaves(c) for c in s.children))
+
+    if spec.kind in ("dict", "dataclass"):
+        return {k: leaves(c) for k, c in zip(spec.keys, spec.children)}
+    if spec.kind in ("tuple", "list"):
+        return {i: leaves(c) for i, c in enumerate(spec.children)}
+    return {0: leaves(spec)}
+
+
+def _recompute(option: bool | str, analysed: Analysed) -> bool | str:
+    """``recompute`` as the model allows: a frozen parameter that forward writes (an EMA copy)
+    is written back after the step, in place, while a checkpointed block still holds it to
+    recompute from (autograd would refuse its new version in backward)."""
+    written = [t.name for t in analysed.state.targets if t.kind == "parameter"]
+    if not written:
+        return option
+    if option is True:
+        raise InputError(
+            f"recompute=True cannot run with a forward that writes the frozen parameter "
+            f"{written[0]!r} in place (an EMA copy): the recomputation in backward would "
+            "read it after the step wrote it back. Use recompute=False or 'auto'")
+    return False

@@ -1,0 +1,62 @@
+"""The affine fit: every per-op figure of a probe as ``a + b*m``, checked against exact probes.
+
+For the models this project targets the op sequence does not change with the batch
+size, only the batch dim of the shapes, so each figure is affine in ``m``. A fit made
+from two probes is kept only when it reproduces a third exact probe to
+``FIT_TOLERANCE`` (``CostModel.build_fit`` says which sizes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mbcompile.planning.probe import Probe
+
+__all__ = ["FIT_TOLERANCE", "Fit", "fit", "reproduces"]
+
+FIT_TOLERANCE = 1e-6
+
+
+@dataclass
+class Fit:
+    base: Probe  # non-batch-dependent arrays (fp32, kernel, backward) come from here
+    a: dict[str, np.ndarray]
+    b: dict[str, np.ndarray]
+    saved: tuple[float, float]
+    outputs: tuple[float, float]
+
+    def at(self, m: int) -> Probe:
+        arrays = {k: self.a[k] + self.b[k] * m for k in self.a}
+        return Probe(m=m, ops=self.base.ops, fp32=self.base.fp32, kernel=self.base.kernel,
+                      backward=self.base.backward, saved=self.saved[0] + self.saved[1] * m,
+                      outputs=self.outputs[0] + self.outputs[1] * m, **arrays)
+
+
+def fit(p: Probe, q: Probe) -> Fit | None:
+    if p.ops != q.ops or len(p.live) != len(q.live):
+        return None
+    dm = q.m - p.m
+    a, b = {}, {}
+    for k, x in p.arrays().items():
+        y = q.arrays()[k]
+        b[k] = (y - x) / dm
+        a[k] = x - b[k] * p.m
+    saved_b = (q.saved - p.saved) / dm
+    out_b = (q.outputs - p.outputs) / dm
+    return Fit(p, a, b, (p.saved - saved_b * p.m, saved_b), (p.outputs - out_b * p.m, out_b))
+
+
+def _close(x: float | np.ndarray, y: float | np.ndarray) -> bool:
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    scale = np.maximum(np.maximum(np.abs(x), np.abs(y)), 1.0)
+    return bool(np.all(np.abs(x - y) <= FIT_TOLERANCE * scale))
+
+
+def reproduces(fit: Fit, exact: Probe) -> bool:
+    got = fit.at(exact.m)
+    if got.ops != exact.ops or len(got.live) != len(exact.live):
+        return False
+    return (all(_close(got.arrays()[k], exact.arrays()[k]) for k in exact.arrays())
+            and _close(got.saved, exact.saved) and _close(got.outputs, exact.outputs))

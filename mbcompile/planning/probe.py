@@ -1,0 +1,268 @@
+"""One probe: the captured graph's forward and backward on fake tensors at one microbatch size.
+
+A *probe* runs the graph once under ``FakeTensorMode`` (shapes and dtypes, no data);
+the forward is ``passes/fake_probe.py``'s ``FakeProbe``, the interpreter the shape pass
+runs too, under the dispatch mode here. It records, per ATen op: FLOPs (torch's
+``FlopCounterMode`` formulas, plus the CPU flash attention kernels it lacks); bytes read
+and written (parameters apart, so that weights re-read every microbatch are visible);
+the live activation bytes after the op (parameter gradients apart: static memory); and,
+through ``saved_tensors_hooks``, the bytes saved for backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from mbcompile.errors import MbcompileError
+from mbcompile.passes.fake_probe import FakeProbe
+from mbcompile.planning.estimates import CostModelError
+
+__all__ = ["EXTRA_FLOPS", "Probe", "Prober", "backward_root", "nbytes"]
+
+
+# --------------------------------------------------------------------------- #
+# FLOP formulas torch's counter lacks
+# --------------------------------------------------------------------------- #
+
+
+def _causal(flops: int, is_causal: bool) -> int:
+    # Flash kernels skip the blocks above the diagonal: about half the work.
+    return flops // 2 if is_causal else flops
+
+
+def _cpu_flash_fwd(query: Any, key: Any, value: Any, dropout_p: float = 0.0,
+                   is_causal: bool = False, *args: Any, out_shape: Any = None,
+                   **kwargs: Any) -> int:
+    return _causal(sdpa_flop_count(query, key, value), is_causal)
+
+
+def _cpu_flash_bwd(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsumexp: Any,
+                   dropout_p: float = 0.0, is_causal: bool = False, *args: Any,
+                   out_shape: Any = None, **kwargs: Any) -> int:
+    return _causal(sdpa_backward_flop_count(grad_out, query, key, value), is_causal)
+
+
+EXTRA_FLOPS: dict[Any, Callable[..., int]] = {}
+for _name, _fn in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_fwd),
+                   ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_bwd)):
+    if hasattr(torch.ops.aten, _name):
+        EXTRA_FLOPS[getattr(torch.ops.aten, _name)] = _fn
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Per-op figures of one fake forward+backward at microbatch size ``m``."""
+
+    m: int
+    ops: tuple[str, ...]
+    flops: np.ndarray  # per op
+    act_bytes: np.ndarray  # bytes of non-parameter tensors read and written
+    weight_bytes: np.ndarray  # bytes of parameters read
+    fp32: np.ndarray  # bool: charged at the fp32 rate
+    kernel: np.ndarray  # bool: does work (not a view or a metadata op)
+    backward: np.ndarray  # bool: ran during backward
+    live: np.ndarray  # live activation bytes after the op
+    saved: float  # bytes saved for backward (activations only)
+    outputs: float  # bytes of the graph's non-scalar tensor outputs
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"flops": self.flops, "act_bytes": self.act_bytes,
+                "weight_bytes": self.weight_bytes, "live": self.live}
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every ATen op's FLOPs, bytes and the live-storage timeline."""
+
+    def __init__(self, counter: FlopCounterMode, param_storages: set[int]) -> None:
+        super().__init__()
+        self.counter = counter
+        self.param_storages = param_storages
+        self.backward = False
+        self.ops: list[str] = []
+        self.rows: list[tuple[float, float, float, bool, bool, bool]] = []
+        self.sizes: list[int] = []  # per storage created here
+        self.born: list[int] = []  # op index that created it
+        self.died: list[int | None] = []  # ops recorded when it was freed
+        self.by_id: dict[int, int] = {}  # id(storage) -> index, while alive
+        self._refs: list[weakref.ref[Any]] = []
+
+    def _track(self, storage: Any) -> None:
+        key = id(storage)
+        if key in self.by_id or key in self.param_storages:
+            return
+        index = len(self.sizes)
+        self.by_id[key] = index
+        self.sizes.append(storage.nbytes())
+        self.born.append(len(self.ops))
+        self.died.append(None)
+
+        def freed(_: Any, index: int = index, key: int = key) -> None:
+            self.died[index] = len(self.ops)
+            if self.by_id.get(key) == index:
+                del self.by_id[key]
+
+        self._refs.append(weakref.ref(storage, freed))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", "aten") != "aten":
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        # torch's FLOP formulas, called here rather than by entering FlopCounterMode: its
+        # module tracker hooks every tensor for backward, which keeps activations that
+        # activation checkpointing recomputes alive to the end of the step
+        formula = self.counter.flop_registry.get(func._overloadpacket)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        ins = {id(t): t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        outs = {id(t): t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+        known = len(self.sizes)
+        seen_before = {id(t.untyped_storage()) for t in ins.values()}
+        for t in outs.values():
+            st = t.untyped_storage()
+            if id(st) not in seen_before:
+                self._track(st)
+        allocates = len(self.sizes) > known
+        kernel = allocates or bool(func._schema.is_mutable)
+        weight = act = 0.0
+        if kernel:
+            for t in ins.values():
+                if id(t.untyped_storage()) in self.param_storages:
+                    weight += nbytes(t)
+                else:
+                    act += nbytes(t)
+            act += sum(nbytes(t) for t in outs.values())
+        dtypes = [t.dtype for t in (*outs.values(), *ins.values()) if t.is_floating_point()]
+        fp32 = not dtypes or dtypes[0] in (torch.float32, torch.float64)
+        self.ops.append(str(func))
+        self.rows.append((float(flops), act, weight, fp32, kernel, self.backward))
+        return out
+
+    def live(self, exclude: set[int]) -> np.ndarray:
+        """Live bytes after each op, leaving out the storages in ``exclude``."""
+        n = len(self.ops)
+        delta = np.zeros(n + 1)
+        for i, (size, born, died) in enumerate(zip(self.sizes, self.born, self.died)):
+            if i in exclude:
+                continue
+            # created by op `born` (0-based: the op appended as index born); freed
+            # before op `died` ran, so it counts for ops born .. died-1.
+            delta[born] += size
+            if died is not None:
+                delta[died] -= size
+        return np.cumsum(delta)[:n]
+
+
+def backward_root(outputs: Sequence[Any], loss_leaves: tuple[int, ...] | None
+                  ) -> torch.Tensor | None:
+    """What a probe's (or a timing's) backward starts from: the trained loss the batch
+    analysis found (``loss_leaves``, its ``loss_outputs``: the one rule for which output
+    is the loss); without an analysis (a body, a module), its scalar outputs, else the sum
+    of its trainable outputs."""
+    flat = list(outputs)
+    if loss_leaves:
+        picked = [flat[i] for i in loss_leaves]
+    else:
+        picked = [o for o in flat if isinstance(o, torch.Tensor) and o.dim() == 0]
+    picked = [o for o in picked if isinstance(o, torch.Tensor) and o.requires_grad
+              and o.is_floating_point()]
+    if not picked:
+        picked = [o.sum() for o in flat if isinstance(o, torch.Tensor) and o.requires_grad
+                  and o.is_floating_point()]
+    if not picked:
+        return None
+    total = picked[0]
+    for o in picked[1:]:
+        total = total + o
+    return total
+
+
+class Prober:
+    """Probes one graph: the fake probe (one FakeTensorMode, its caches and its fake
+    parameters shared by every size) under this module's instrumentation."""
+
+    def __init__(self, gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | None],
+                 loss_leaves: tuple[int, ...] | None,
+                 kept: frozenset[int] | None = None) -> None:
+        self.gm = gm
+        self.kept = kept  # the outputs a training step keeps (None: all)
+        self.values = list(values)
+        self.in_dims = list(in_dims)
+        self.loss_leaves = loss_leaves
+        self.fake_probe = FakeProbe(gm)
+        self.fake_probe.extra_traceback = False  # CostModelError words the failure itself
+        self.params = {n: self.fake_probe.fake(p) for n, p in gm.named_parameters()}
+        self.buffers = {n: self.fake_probe.fake(b) for n, b in gm.named_buffers()}
+        self.param_storages = {id(p.untyped_storage()) for p in self.params.values()}
+        self.param_storages |= {id(b.untyped_storage()) for b in self.buffers.values()}
+
+    def inputs(self, m: int) -> list[Any]:
+        """Fake inputs at microbatch size ``m``."""
+        return self.fake_probe.inputs(self.values, self.in_dims, m)
+
+    def __call__(self, m: int) -> Probe:
+        args = self.inputs(m)
+        counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
+        recorder = _Recorder(counter, set(self.param_storages))
+        saved: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            index = recorder.by_id.get(id(t.untyped_storage()))
+            if index is not None:
+                saved.add(index)
+            return t
+
+        for p in self.params.values():
+            p.grad = None
+        try:
+            with self.fake_probe.mode, recorder, torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                outs = self.fake_probe.run(*args)
+                flat = pytree.tree_leaves(outs)
+                outputs = float(sum(nbytes(o) for i, o in enumerate(flat)
+                                    if isinstance(o, torch.Tensor) and o.dim() > 0
+                                    and (self.kept is None or i in self.kept)))
+                loss = backward_root(flat, self.loss_leaves)
+                recorder.backward = True
+                if loss is not None:
+                    loss.backward()
+                grads = {id(p.grad.untyped_storage()) for p in self.params.values()
+                         if p.grad is not None}
+                exclude = {recorder.by_id[g] for g in grads if g in recorder.by_id}
+                saved_bytes = float(sum(recorder.sizes[i] for i in saved))
+                del outs, flat, loss
+        except MbcompileError:
+            raise
+        except Exception as exc:
+            raise CostModelError(
+                f"the cost model could not run {type(self.gm).__name__}'s forward and backward "
+                f"on fake tensors at microbatch size {m}: {type(exc).__name__}: {exc}. Pass an "
+                "int mbs to compile without the cost model, and please report the model"
+            ) from exc
+        finally:
+            for p in self.params.values():
+                p.grad = None
+        rows = np.array(recorder.rows, dtype=float).reshape(-1, 6)
+        return Probe(
+            m=m, ops=tuple(recorder.ops), flops=rows[:, 0], act_bytes=rows[:, 1],
+            weight_bytes=rows[:, 2], fp32=rows[:, 3].astype(bool),
+            kernel=rows[:, 4].astype(bool), backward=rows[:, 5].astype(bool),
+            live=recorder.live(exclude), saved=saved_bytes, outputs=outputs)

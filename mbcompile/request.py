@@ -1,0 +1,395 @@
+"""The request: ``compile()``'s arguments, every option checked once, before any tracing.
+
+>>> request = make_request(model, gbs=10, num_csx=3, mbs=2, example_inputs=(ids, labels))
+>>> request.policy.mode, request.pbs, request.single
+('int', 4, False)
+
+Everything later stages need from the call is here, parsed once (``mbs`` into an
+``MbsPolicy``, ``system`` into a ``SystemSpec``, ``in_dims`` into one batch dim per
+forward parameter), so that no stage re-reads or re-checks a raw option.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from mbcompile.errors import ArgumentTypeError, CaptureError, InputError, PlanError
+from mbcompile.execution import BACKENDS
+from mbcompile.execution.noise import NoiseScale
+from mbcompile.passes.capture import fsdp_modules
+from mbcompile.passes.unwrap import unwrap
+from mbcompile.planning.cost import ShardSpec
+from mbcompile.planning.explore import check_request, single_microbatch_request
+from mbcompile.planning.plan import MbsPolicy, parse_mbs, per_system_batch_sizes
+from mbcompile.planning.systems import SystemSpec, get_system
+
+__all__ = ["BATCH_NORM_MODES", "CAPTURES", "COUPLING_MODES", "OUTPUT_MODES", "Inputs",
+           "Request", "batch_size", "leaf_name", "leaves", "make_request"]
+
+CAPTURES = ("auto", "fx", "export")
+BATCH_NORM_MODES = ("full_batch", "per_microbatch")
+COUPLING_MODES = ("two_phase", "reject")
+OUTPUT_MODES = ("all", "loss")
+@dataclass(frozen=True)
+class Inputs:
+    """How a call's arguments map onto the graph's placeholders."""
+
+    names: tuple[str, ...]  # forward's parameters, in order
+    in_dims: tuple[int | None, ...]  # batch dim per parameter (None: unbatched)
+    concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
+
+
+@dataclass(frozen=True)
+class Request:
+    """One ``compile()`` call, checked: what every later stage reads, never re-parses."""
+
+    model: nn.Module  # what the user passed (wrapper and all)
+    inner: nn.Module  # what is captured: the module a DDP / torch.compile / peft wrapper calls
+    notes: tuple[str, ...]  # what unwrapping the model did, for plan.warnings
+    gbs: int
+    num_csx: int
+    policy: MbsPolicy  # mbs, parsed once
+    system: SystemSpec
+    signature: inspect.Signature  # forward's, **kwargs left out
+    example: Mapping[str, Any] = field(repr=False)  # the example call, by parameter name
+    inputs: Inputs = field(repr=False)
+    backend: str = "simulated"
+    capture: str = "auto"  # "auto" (fx, then torch.export if fx fails), "fx" or "export"
+    batch_norm: str = "full_batch"  # or "per_microbatch": BatchNorm statistics per microbatch
+    coupling: str = "two_phase"  # or "reject": ops that mix samples raise MixingError
+    outputs: Any = "all"  # "all", "loss", or output names: what a training step returns
+    torch_compile: Mapping[str, Any] | None = None  # torch.compile kwargs (None: off)
+    recompute: bool | str = "auto"  # activation checkpointing per block
+    reshard: bool | str = "auto"  # FSDP2's reshard_after_forward
+    shard: ShardSpec | None = None  # an FSDP2-sharded model's units (None: not sharded)
+    noise_scale: NoiseScale | None = None
+    compile_only: bool = False
+    validate_only: bool = False
+    measure: int = 0  # repetitions of real timing per candidate (0: none)
+    cost_model: bool = True  # False: planned without the cost model's fake-tensor probes
+
+    @property
+    def values(self) -> list[Any]:
+        """The example inputs in placeholder order."""
+        return [self.example[n] for n in self.inputs.names]
+
+    @property
+    def pbs(self) -> int:
+        return per_system_batch_sizes(self.gbs, self.num_csx)[0]
+
+    @property
+    def single(self) -> bool:
+        """Whatever is chosen, one system runs one microbatch: nothing is split."""
+        return single_microbatch_request(self.gbs, self.num_csx, self.policy)
+
+    @property
+    def name(self) -> str:
+        return type(self.model).__name__
+
+
+def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
+                 example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
+                 in_dims: Any = 0, system: Any = None, backend: str = "simulated",
+                 measure_noise_scale: bool | NoiseScale = False, capture: str = "auto",
+                 batch_norm: str = "full_batch", coupling: str = "two_phase",
+                 outputs: Any = "all", torch_compile: bool | Mapping[str, Any] = False,
+                 recompute: bool | str = "auto", reshard_after_forward: bool | str = "auto",
+                 compile_only: bool = False, validate_only: bool = False,
+                 measure: bool | int = False, cost_model: bool = True) -> Request:
+    """Check every option of ``compile()`` (the same arguments) and bind the example call;
+    raises before anything is traced (DESIGN.md invariant 9: fail fast)."""
+    model = _check_module(model)
+    unwrapped = unwrap(model)  # DDP, torch.compile, peft: bind and capture what they call
+    inner = unwrapped.module
+    if capture not in CAPTURES:
+        raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
+    units = fsdp_modules(inner)  # FSDP2 units of a sharded model, or none
+    if units and backend != "torch.distributed":
+        raise InputError(
+            f"{type(model).__name__} is sharded with fully_shard, so its parameters live on "
+            "several ranks: compile it with backend='torch.distributed' inside the process "
+            "group that sharded it")
+    if units and capture == "export":
+        raise InputError("a model sharded with fully_shard is captured with torch.fx "
+                         "(capture='auto' or 'fx'); torch.export cannot trace FSDP's DTensors")
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if unwrapped.world_size > 1 and backend != "torch.distributed":
+        raise InputError(
+            f"{type(model).__name__} all-reduces gradients over {unwrapped.world_size} "
+            "processes, and mbcompile compiles the module it wraps, without that all-reduce; "
+            "compile with backend='torch.distributed' (mbcompile all-reduces the gradients "
+            "itself), or compile the wrapped module on one process")
+    if batch_norm not in BATCH_NORM_MODES:
+        raise InputError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
+    if coupling not in COUPLING_MODES:
+        raise InputError(f"coupling must be one of {COUPLING_MODES}, got {coupling!r}")
+    spec = get_system(system)
+    policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
+    check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
+    _check_cost_model(cost_model, policy, system, measure)
+    signature, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims)
+    return Request(
+        model=model, inner=inner, notes=tuple(unwrapped.notes), gbs=gbs, num_csx=num_csx,
+        policy=policy, system=spec, signature=signature, example=values, inputs=inputs,
+        backend=backend, capture=capture, batch_norm=batch_norm, coupling=coupling,
+        outputs=_check_outputs(outputs), torch_compile=_check_torch_compile(torch_compile),
+        recompute=_check_recompute(recompute),
+        reshard=_check_reshard(reshard_after_forward, bool(units)),
+        shard=_shard_spec(units, num_csx), noise_scale=_noise_scale(measure_noise_scale),
+        compile_only=compile_only, validate_only=validate_only, measure=_repetitions(measure),
+        cost_model=cost_model)
+
+
+# --------------------------------------------------------------------------- #
+# The model and the example call
+# --------------------------------------------------------------------------- #
+
+
+def _check_module(model: Any) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; wrap functions in a "
+            "Module whose forward calls them")
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        raise InputError(
+            f"model has parameters or buffers on the meta device ({meta[0]!r}, ...), which hold "
+            "no values; materialise them first (model.to_empty(device='cpu') and load weights)")
+    return model
+
+
+def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: Any
+          ) -> tuple[inspect.Signature, dict[str, Any], Inputs]:
+    """Bind the example call to forward's signature and resolve ``in_dims`` per parameter."""
+    if example_inputs is None and example_kwargs is None:
+        raise InputError(
+            "example_inputs (or example_kwargs) are required: mbcompile traces shapes from one "
+            "example call, e.g. compile(model, gbs, num_csx, example_inputs=(x, y))")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    args = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+    sig = inspect.signature(model.forward)
+    if any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
+        raise CaptureError(
+            f"{type(model).__name__}.forward takes *args; mbcompile needs named "
+            "parameters to map inputs to the graph. Wrap the model in a Module whose forward "
+            "names its inputs.")
+    variadic = [p for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD]
+    if variadic:  # forward(..., **kwargs), as in HuggingFace models: map the named ones only
+        sig = sig.replace(parameters=[p for p in sig.parameters.values() if p not in variadic])
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        extra = (f"; mbcompile maps inputs to forward's named parameters only, not to "
+                 f"**{variadic[0].name}") if variadic else ""
+        raise InputError(f"example inputs do not match {type(model).__name__}.forward{sig}: "
+                         f"{exc}{extra}") from None
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    names = tuple(values)
+    positional = list(sig.parameters)[:len(args)]
+    meta = [n for n in names if any(isinstance(t, torch.Tensor) and t.is_meta
+                                    for t in pytree.tree_leaves(values[n]))]
+    if meta:
+        raise InputError(
+            f"example_inputs hold tensors on the meta device (input {meta[0]!r}), which have no "
+            "values to run the model on; pass real tensors (any batch size) on the model's "
+            "device")
+    if isinstance(in_dims, dict) and set(in_dims) - set(names):
+        unknown = sorted(set(in_dims) - set(names))
+        raise InputError(
+            f"in_dims names {', '.join(map(repr, unknown))}, which "
+            f"{'is' if len(unknown) == 1 else 'are'} not a parameter of "
+            f"{type(model).__name__}.forward{sig}; use the forward's parameter names as keys")
+    if isinstance(in_dims, bool) or not isinstance(in_dims, (int, tuple, list, dict, type(None))):
+        raise ArgumentTypeError(
+            f"in_dims must be an int, a tuple per positional input, or a dict per keyword, "
+            f"got {in_dims!r}")
+    if isinstance(in_dims, (tuple, list)) and len(in_dims) != len(args):
+        raise InputError(
+            f"in_dims has {len(in_dims)} entries but there are {len(args)} positional example "
+            f"inputs; give one entry per positional input (None for unbatched ones)")
+    dims: list[int | None] = []
+    for name in names:
+        value = values[name]
+        if isinstance(in_dims, (tuple, list)) and name in positional:
+            d = in_dims[positional.index(name)]
+        elif isinstance(in_dims, dict):
+            d = in_dims.get(name, 0)
+        elif isinstance(in_dims, (tuple, list)):
+            d = 0
+        else:
+            d = in_dims
+        has_tensor = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+            raise ArgumentTypeError(f"in_dims for input {name!r} must be an int or None, "
+                                    f"got {d!r}")
+        dims.append(d if has_tensor else None)
+    concrete = {n: values[n] for n, d in zip(names, dims)
+                if d is None and not any(isinstance(t, torch.Tensor)
+                                         for t in pytree.tree_leaves(values[n]))}
+    inputs = Inputs(names, tuple(dims), concrete)
+    batch_size(inputs, [values[n] for n in names], check_ndim=True)
+    return sig, values, inputs
+
+
+def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False) -> int | None:
+    """The common batch size of the batched inputs; raises if they disagree."""
+    seen: dict[int, tuple[str, Any]] = {}
+    for name, value, d in zip(inputs.names, values, inputs.in_dims):
+        if d is None:
+            continue
+        for path, t in leaves(value):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if d < 0:
+                raise InputError(
+                    f"in_dims gives input {leaf_name(name, path)} batch dim {d}: negative "
+                    f"dims are not supported; count from the front (in_dims={t.dim() + d} here)")
+            if t.dim() <= d:
+                raise InputError(
+                    f"in_dims gives input {leaf_name(name, path)} batch dim {d}, but it has "
+                    f"{t.dim()} dims; pass in_dims=None for unbatched inputs or the right dim")
+            seen.setdefault(t.shape[d], (name, path))
+    if len(seen) > 1:
+        detail = ", ".join(f"{leaf_name(*n)} has {b}" for b, n in seen.items())
+        raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
+                         "input must have the same number of samples along its in_dims dim")
+    return next(iter(seen), None)
+
+
+def leaves(value: Any) -> list[tuple[Any, Any]]:
+    """``(path, leaf)`` of every leaf of an input; a bare tensor (the usual input, checked on
+    every call) without a pytree walk."""
+    if isinstance(value, torch.Tensor):
+        return [((), value)]
+    return pytree.tree_flatten_with_path(value)[0]
+
+
+def leaf_name(name: str, path: Any) -> str:
+    """How an error names one leaf of an input: ``'x'``, or ``batch['y']``."""
+    return repr(name) if not path else f"{name}{pytree.keystr(path)}"
+
+
+def tokens_per_sample(inputs: Inputs, values: Mapping[str, Any]) -> int | None:
+    """The sequence length of token-id inputs ((B, T) integer tensors), if there are any."""
+    for name, d in zip(inputs.names, inputs.in_dims):
+        value = values[name]
+        if (d is not None and isinstance(value, torch.Tensor) and not value.is_floating_point()
+                and value.dim() == 2):
+            return int(value.shape[1 - d])
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# The options
+# --------------------------------------------------------------------------- #
+
+
+def _shard_spec(units: Sequence[tuple[str, nn.Module]], world: int) -> ShardSpec | None:
+    """A sharded model's FSDP2 ``units`` (``fsdp_modules``, the root first) by the full
+    bytes of the parameters each owns."""
+    if not units:
+        return None
+    owner: dict[int, int] = {}
+    for i, (_, unit) in enumerate(units):  # the root first: deeper units claim theirs after
+        for p in unit.parameters():
+            owner[id(p)] = i
+    sizes = [0.0] * len(units)
+    seen: set[int] = set()
+    for _, unit in units:
+        for p in unit.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                sizes[owner[id(p)]] += p.numel() * p.element_size()  # DTensor: global numel
+    return ShardSpec(world, tuple(sizes))
+
+
+def _check_recompute(option: Any) -> bool | str:
+    if option == "auto" or isinstance(option, bool):
+        return option
+    raise InputError(f"recompute must be 'auto', True or False, got {option!r}")
+
+
+def _check_reshard(option: Any, sharded: bool) -> bool | str:
+    if option != "auto" and not isinstance(option, bool):
+        raise InputError(f"reshard_after_forward must be 'auto', True or False, got {option!r}")
+    if option != "auto" and not sharded:
+        raise InputError("reshard_after_forward is FSDP2's setting for a model sharded with "
+                         "fully_shard; this model is not sharded: leave it at 'auto'")
+    return option
+
+
+def _check_torch_compile(option: Any) -> dict[str, Any] | None:
+    """``torch_compile=`` as torch.compile keyword arguments (None: off)."""
+    if option is False or option is None:
+        return None
+    if option is True:
+        return {}
+    if isinstance(option, Mapping) and all(isinstance(k, str) for k in option):
+        unknown = set(option) - set(inspect.signature(torch.compile).parameters)
+        if unknown:
+            raise InputError(f"torch_compile has {sorted(unknown)}, which torch.compile does "
+                             f"not take; its arguments are "
+                             f"{list(inspect.signature(torch.compile).parameters)[1:]}")
+        return dict(option)
+    raise ArgumentTypeError(f"torch_compile must be a bool or a dict of torch.compile keyword "
+                            f"arguments, got {option!r}")
+
+
+def _check_outputs(option: Any) -> Any:
+    if isinstance(option, str):
+        if option not in OUTPUT_MODES:
+            raise InputError(f"outputs must be one of {OUTPUT_MODES} or a list of output names, "
+                             f"got {option!r}")
+        return option
+    if isinstance(option, (list, tuple)) and all(isinstance(o, (str, int)) for o in option):
+        return tuple(option)
+    raise ArgumentTypeError(f"outputs must be 'all', 'loss' or a list of output names "
+                            f"(str keys or int positions), got {option!r}")
+
+
+def _noise_scale(option: bool | NoiseScale) -> NoiseScale | None:
+    if isinstance(option, NoiseScale):
+        return option
+    if not isinstance(option, bool):
+        raise ArgumentTypeError(f"measure_noise_scale must be a bool or a NoiseScale, got "
+                                f"{option!r}")
+    return NoiseScale() if option else None
+
+
+def _check_cost_model(option: Any, policy: MbsPolicy, system: Any, measure: Any) -> None:
+    """``cost_model=False`` plans without the memory model: only what needs none."""
+    if not isinstance(option, bool):
+        raise ArgumentTypeError(f"cost_model must be a bool, got {option!r}")
+    if option:
+        return
+    if policy.mode not in ("int", "none"):
+        raise InputError(f"cost_model=False plans without the cost model, but "
+                         f"mbs={policy.request!r} chooses the MBS with it; pass an int mbs "
+                         "or 'none', or leave cost_model=True")
+    if system is not None or measure:
+        what = "system=" if system is not None else "measure="
+        raise InputError(f"cost_model=False plans without the cost model, so nothing is checked "
+                         f"against a system or timed; drop {what}, or leave cost_model=True")
+
+
+def _repetitions(measure: Any) -> int:
+    """``measure=`` as repetitions of real timing per candidate (0: none)."""
+    if isinstance(measure, bool):
+        return 3 if measure else 0
+    if not isinstance(measure, int):
+        raise ArgumentTypeError(f"measure must be a bool or a repetition count, got "
+                                f"{measure!r}")
+    if measure < 0:
+        raise PlanError(f"measure must be a bool or a repetition count >= 1, got {measure}")
+    return measure

@@ -1,0 +1,265 @@
+"""The selection: the cost model of the analysed graph, then the plan chosen with it.
+
+>>> selection = select(request, analysed)
+>>> selection.plan.mbs, selection.estimate.memory.peak
+
+``compile()``'s third stage. It reads the request (``mbs``, the system, the FSDP2
+sharding, ``recompute``) and the analysis (mode, kept outputs, the cut) and builds
+one cost model per graph that may run: plain, as a two-phase step, or with activation
+checkpointing per block, each only when it is needed. The arithmetic of choosing is
+``planning/explore.py``'s; what is decided here is which graph is costed and which of
+the plans is kept.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mbcompile.analysis import Analysed, recompute_option
+from mbcompile.passes.errors import MixingError
+from mbcompile.passes.recompute import checkpoint_blocks
+from mbcompile.passes.sources import user_stacklevel
+from mbcompile.planning.cost import (
+    CostModel,
+    CostModelError,
+    DoesNotFitError,
+    analyse_cost,
+    format_bytes,
+    format_seconds,
+)
+from mbcompile.planning.explore import HostTimer, Selection, TwoPhaseWarning, select_sharded
+from mbcompile.planning.plan import make_plan
+from mbcompile.planning.two_phase_cost import (
+    COUPLED_SHARE_WARNING,
+    TwoPhaseCostModel,
+    analyse_two_phase_cost,
+    two_phase_reason,
+)
+from mbcompile.request import Request
+
+__all__ = ["select"]
+
+#: ``Selection.cost_error`` when the request asked for no cost model.
+NO_COST_MODEL = "cost_model=False: planned without the memory model"
+
+
+@dataclass
+class _Context:
+    """One selection's inputs, and the checkpointed graph built when first needed."""
+
+    request: Request
+    analysed: Analysed
+    progress: bool | None = None
+    _checkpointed: list[Any] = field(default_factory=list)
+
+    def checkpointed(self) -> Any:
+        """The graph with activation checkpointing per block (None: no repeated blocks)."""
+        if not self._checkpointed:
+            self._checkpointed.append(checkpoint_blocks(self.analysed.analysis.graph_module))
+        return self._checkpointed[0]
+
+
+def select(request: Request, analysed: Analysed, *, progress: bool | None = None
+           ) -> Selection:
+    """The plan for ``request`` on ``analysed``'s graph, its estimate and what it evaluated.
+
+    A cost model that cannot run is reported through ``Selection.cost_error`` (see
+    ``select_plan``). In ``"unsplit"`` mode only the whole per-system batch is probed and
+    checked. ``recompute`` (``"auto"``): activation checkpointing per block is costed only
+    when memory stops the MBS from growing. With ``request.cost_model`` False nothing is
+    probed: the plan is the arithmetic one (``make_plan``), unchecked against memory.
+    """
+    ctx = _Context(request, analysed, progress)
+    recompute = recompute_option(request, analysed)
+    unsplit, two_phase = analysed.mode == "unsplit", analysed.mode == "two_phase"
+    may_recompute = not (two_phase or unsplit or recompute is False)
+    if not request.cost_model:
+        return _without_cost_model(ctx, recompute is True and may_recompute)
+    if recompute is True and may_recompute and ctx.checkpointed() is not None:
+        return _with_recompute(ctx, None)
+    cost, error = _cost_model(ctx)
+    timer = HostTimer(analysed.analysis.graph_module, request.values, request.inputs.in_dims,
+                      request.measure) if request.measure else None
+    try:
+        selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
+                                   request.system, reshard=request.reshard, timer=timer,
+                                   progress=progress, cost_error=error, unsplit=unsplit)
+    except DoesNotFitError as exc:
+        if two_phase and isinstance(cost, TwoPhaseCostModel):
+            raise _two_phase_too_big(ctx, cost, exc) from exc
+        if may_recompute and ctx.checkpointed() is not None:  # the other way to save memory
+            try:
+                return _with_recompute(ctx, exc)
+            except DoesNotFitError:
+                pass
+        raise
+    if two_phase and isinstance(cost, TwoPhaseCostModel) and selection.estimate is not None:
+        selection = _two_phase_selection(selection, cost)
+    elif two_phase:  # no cost model to size its terms with: still say what runs
+        selection = _noted(selection, "two-phase step (a loss that couples samples; its "
+                                      "memory unchecked: the cost model could not run)")
+    selection = _sharded_selection(selection)
+    mode = request.policy.mode
+    if may_recompute and _may_gain(selection, mode) and ctx.checkpointed() is not None:
+        try:  # the second knob: a larger MBS that only fits with activation checkpointing
+            other = _with_recompute(ctx, None, asked=False)
+        except DoesNotFitError:
+            return selection
+        selection = _joint(selection, other, mode)
+    return selection
+
+
+def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
+    """The cost model of the graph as it runs, or why it could not be built."""
+    request, analysed = ctx.request, ctx.analysed
+    values, in_dims = request.values, request.inputs.in_dims
+    try:
+        if analysed.mode == "two_phase":
+            return analyse_two_phase_cost(analysed.analysis, values, in_dims, pbs=request.pbs,
+                                          name=request.name, cut=analysed.cut,
+                                          shard=request.shard), None
+        return analyse_cost(analysed.analysis, values, in_dims, pbs=request.pbs,
+                            name=request.name, fit=analysed.mode != "unsplit",
+                            kept_outputs=analysed.kept, fused=analysed.fused,
+                            shard=request.shard), None
+    except CostModelError as exc:
+        return None, str(exc)
+
+
+def _without_cost_model(ctx: _Context, recompute: bool) -> Selection:
+    """``cost_model=False``: the plan as asked (an int or ``"none"``), nothing probed."""
+    request = ctx.request
+    plan = make_plan(request.gbs, request.num_csx, request.policy)
+    if recompute and ctx.checkpointed() is not None:
+        plan = replace(plan, recompute=True, reason=f"{plan.reason}; activation "
+                       "checkpointing per block (recompute=True)")
+    selection = Selection(plan, request.system, None, None, None, NO_COST_MODEL)
+    if ctx.analysed.mode == "two_phase":
+        selection = _noted(selection, "two-phase step (a loss that couples samples; its "
+                                      "memory unchecked: cost_model=False)")
+    return selection
+
+
+def _noted(selection: Selection, note: str) -> Selection:
+    plan = selection.plan
+    return replace(selection, plan=replace(plan, reason=f"{plan.reason}; {note}"))
+
+
+def _sharded_selection(selection: Selection) -> Selection:
+    """The plan says what sharding costs and saves per rank (unsharded: as it is)."""
+    e, shard = selection.estimate, getattr(selection.cost, "shard", None)
+    if e is None or shard is None:
+        return selection
+    grads = ("one unit's gradient shard" if e.num_microbatches == 1
+             else "gradients accumulated unsharded")
+    note = (f"sharded with FSDP2 over {shard.world} ranks: parameters and optimizer "
+            f"state are one rank's shards ({format_bytes(e.memory.params)} of parameters), "
+            f"{grads} at the peak ({format_bytes(e.memory.grads)}), {format_bytes(shard.gathered)} "
+            f"gathered (the root and {'the largest' if shard.reshard_after_forward else 'all'}"
+            f" of {len(shard.unit_bytes) - 1} units) and "
+            f"{format_bytes(e.memory.gathered - shard.gathered)} of FSDP's flat buffers, "
+            "all-gathers "
+            f"{format_seconds(e.time.allgather)} per step")
+    plan = selection.plan
+    return replace(selection, plan=replace(plan, reason=f"{plan.reason}; {note}"))
+
+
+def _may_gain(selection: Selection, mode: str) -> bool:
+    """Whether activation checkpointing could give a faster plan: ``explore`` shows both;
+    ``auto`` only when memory, not the batch, stopped the MBS from growing (at the same
+    MBS, recomputing only costs time)."""
+    x = selection.exploration
+    if x is None or mode not in ("auto", "explore"):
+        return False
+    return mode == "explore" or not x.candidate(max(c.mbs for c in x.candidates)).fits
+
+
+def _joint(plain: Selection, ticked: Selection, mode: str) -> Selection:
+    """One selection over (MBS, recompute): the faster plan, and every candidate seen."""
+    px, tx = plain.exploration, ticked.exploration
+    assert px is not None and tx is not None and plain.estimate is not None \
+        and ticked.estimate is not None
+    candidates = tuple(sorted([*px.candidates,
+                               *(replace(c, recompute=True) for c in tx.candidates)],
+                              key=lambda c: (c.mbs, c.recompute)))
+    faster = ticked.estimate.time.step < plain.estimate.time.step
+    chosen = ticked if faster else plain
+    other = plain if faster else ticked
+    note = (f"; {'with' if faster else 'without'} activation checkpointing per block it is "
+            f"faster: modelled step {format_seconds(chosen.estimate.time.step)} at mbs "
+            f"{chosen.plan.mbs}, against {format_seconds(other.estimate.time.step)} at mbs "
+            f"{other.plan.mbs} {'without' if faster else 'with'} it")
+    exploration = replace(px, mode=mode, candidates=candidates, best=chosen.plan.mbs,
+                          best_recompute=faster, seconds=px.seconds + tx.seconds)
+    if mode == "explore":
+        note += f"; pin it with mbs={chosen.plan.mbs}, recompute={faster}"
+    plan = replace(chosen.plan, reason=chosen.plan.reason + note)
+    return replace(chosen, plan=plan, exploration=exploration)
+
+
+def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
+                    asked: bool = True) -> Selection:
+    """The plan with activation checkpointing per block, its cost probed as it runs
+    (``asked``: recompute=True; else chosen beside the plan without it)."""
+    request, analysed = ctx.request, ctx.analysed
+    checkpointed = ctx.checkpointed()
+    assert checkpointed is not None
+    cost = analyse_cost(replace(analysed.analysis, graph_module=checkpointed), request.values,
+                        request.inputs.in_dims, pbs=request.pbs, name=request.name,
+                        kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard)
+    selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
+                               request.system, reshard=request.reshard, progress=ctx.progress)
+    why = (f"activation checkpointing per block{' (recompute=True)' if asked else ''}"
+           if without is None else
+           f"activation checkpointing per block: without it even mbs {without.mbs} needs "
+           f"{format_bytes(without.needed)} of {format_bytes(without.available)}")
+    peak = selection.estimate.memory.peak if selection.estimate is not None else 0.0
+    plan = replace(selection.plan, recompute=True,
+                   reason=f"{selection.plan.reason}; {why}; with it the modelled peak is "
+                          f"{format_bytes(peak)}")
+    return _sharded_selection(replace(selection, plan=plan))
+
+
+def _two_phase_selection(selection: Selection, cost: TwoPhaseCostModel) -> Selection:
+    """The plan says it is two-phase, and warns when the coupled part holds most memory."""
+    plan = selection.plan
+    share = cost.coupled_share(plan.mbs)
+    notes = plan.warnings
+    if share > COUPLED_SHARE_WARNING:
+        note = (f"two-phase step: the coupled part holds {share:.0%} of the activation memory "
+                "at the whole batch, so microbatching saves little memory here")
+        warnings.warn(note, TwoPhaseWarning, stacklevel=user_stacklevel())
+        notes = (*notes, note)
+    reason = f"{plan.reason}; {two_phase_reason(cost, selection.estimate)}"
+    return replace(selection, plan=replace(plan, reason=reason, warnings=notes))
+
+
+def _two_phase_too_big(ctx: _Context, cost: TwoPhaseCostModel, exc: DoesNotFitError
+                       ) -> MixingError:
+    """The rejection, with why a two-phase step does not fit either (the numbers)."""
+    analysis, system, pbs = ctx.analysed.analysis, ctx.request.system, ctx.request.pbs
+    values, in_dims = ctx.request.values, ctx.request.inputs.in_dims
+    rejected = analysis.rejected
+    plain_text = ""
+    for m in dict.fromkeys(x for x in (exc.mbs, 2) if x <= pbs):  # BatchNorm needs 2 samples
+        try:  # what one microbatch of a plain (wrong) split would need, for comparison
+            plain = analyse_cost(analysis.graph_module, values, in_dims, pbs=m, fit=False)
+        except CostModelError:
+            continue
+        plain_peak = plain.memory(pbs, m, -(-pbs // m), system).peak
+        plain_text = (f"; one microbatch of {m} in a plain split would need "
+                      f"{format_bytes(plain_peak)}")
+        break
+    mem = cost.memory(pbs, exc.mbs, -(-pbs // exc.mbs), system)
+    message = (f"{rejected}\n  a two-phase step would run it exactly, but does not fit "
+               f"{system.name}: it needs {format_bytes(exc.needed)} at mbs {exc.mbs} (frontier "
+               f"and its gradient {format_bytes(mem.frontier)}, the coupled part at the whole "
+               f"batch {format_bytes(mem.coupled)}) of {format_bytes(exc.available)}"
+               f"{plain_text}")
+    err = type(rejected)(message) if rejected is not None else MixingError(message)
+    if rejected is not None:
+        err.__dict__.update(rejected.__dict__)
+    err.two_phase_peak, err.capacity = exc.needed, exc.available  # type: ignore[attr-defined]
+    return err
