@@ -37,6 +37,7 @@ from mbcompile.check import relative_error
 from mbcompile.models import CNN, MLP, TinyGPT, make_cnn, make_mlp, make_tiny_gpt, token_batch
 
 __all__ = [
+    "TOL",
     "CNN",
     "FIRST_LAYER",
     "MLP",
@@ -74,6 +75,10 @@ DTYPE = torch.float64
 FEATURES, HIDDEN, CLASSES = 6, 16, 4
 
 Maker = Callable[..., tuple[nn.Module, tuple[Any, ...]]]
+
+
+#: compiled vs eager in float64: the largest difference, relative to the largest value
+TOL = 1e-10
 
 
 def _gen(seed: int) -> torch.Generator:

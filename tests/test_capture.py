@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,25 +14,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from models import (
     MODELS,
+    TOL,
     grad_errors,
     grads_of,
     max_rel_err_outputs,
-    one_intra_op_thread,
     tensor_leaves,
 )
 
 import mbcompile
 from mbcompile import CaptureError, InputError, MbcompileError
 from mbcompile.passes.capture import capture
-
-TOL = 1e-10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 class Branchy(nn.Module):

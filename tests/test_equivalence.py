@@ -9,7 +9,6 @@ leaf and every parameter gradient.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,26 +18,17 @@ import torch.nn.functional as F
 from models import (
     FIRST_LAYER,
     MODELS,
+    TOL,
     WARNS_RETAINED,
     assert_close_errors,
     grad_errors,
     grads_of,
     max_rel_err_outputs,
-    one_intra_op_thread,
     tensor_leaves,
 )
 
 import mbcompile
 from mbcompile import MbsAdjustedWarning, RetainedActivationsWarning
-
-TOL = 1e-10
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 @dataclass(frozen=True)

@@ -13,26 +13,17 @@ networkx), why the op mixes samples, and what to do.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import one_intra_op_thread
 
 import mbcompile
 from mbcompile import MixingError, UnsupportedOpError
 from mbcompile.passes.rules import BATCH_RULES
 
 GBS, FEAT = 6, 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 class Net(nn.Module):

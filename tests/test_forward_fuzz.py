@@ -63,7 +63,6 @@ import math
 import os
 import traceback
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +77,6 @@ from models import (
     buffer_errors,
     grad_errors,
     grads_of,
-    one_intra_op_thread,
     rel_err,
 )
 from torch.nn.utils import parametrizations
@@ -114,13 +112,6 @@ FUZZ = settings(max_examples=_EXAMPLES, deadline=None, derandomize=not _LONG, da
 # Constructs raise UserWarnings on purpose (deprecated legacy spectral_norm, recompiles):
 # the oracle is the comparison, not the warnings.
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 # --------------------------------------------------------------------------- #

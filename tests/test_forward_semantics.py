@@ -19,20 +19,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from host_reads import HostReads
-from models import assert_close_errors, one_intra_op_thread, step_errors
+from models import TOL, assert_close_errors, step_errors
 
 import mbcompile
 from mbcompile.passes import rules
 
-TOL = 1e-10
 GBS, SYSTEMS, MBS = 7, 2, 2
 COMPILED = {"backend": "aot_eager"}  # torch_compile without a C++ toolchain's inductor
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with one_intra_op_thread():
-        yield
 
 
 @pytest.fixture(autouse=True)

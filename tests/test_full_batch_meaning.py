@@ -25,7 +25,7 @@ issue: BERT regression (``num_labels=1``), MBart, Funnel and LongT5.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from models import assert_close_errors, one_intra_op_thread, step_errors, tensor_leaves
+from models import TOL, assert_close_errors, step_errors, tensor_leaves
 
 import mbcompile
 from mbcompile import MixingError
@@ -42,18 +42,10 @@ from mbcompile.passes.batch_analysis import analyse_batch
 from mbcompile.passes.facts import FACT, Batched, Free, input_fact
 from mbcompile.passes.rules import node_name
 
-TOL = 1e-10
 GRAD_FLOOR = 1e-4
 B_EXAMPLE, T, C, VOCAB, PAD = 7, 5, 6, 11, 0
 PLANS = {"gbs7-csx2-mbs2": (7, 2, 2), "gbs5-csx2-mbs1": (5, 2, 1)}
 CAPTURES = ("fx", "export")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 class Net(nn.Module):

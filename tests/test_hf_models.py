@@ -23,7 +23,6 @@ tolerance:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,11 +30,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import (
+    TOL,
     assert_close_errors,
     grad_errors,
     grads_of,
     keyword_steps,
-    one_intra_op_thread,
     rel_err,
     step_errors,
 )
@@ -43,18 +42,10 @@ from models import (
 import mbcompile
 from mbcompile import MixingError
 
-TOL = 1e-10
 FLOAT32_TOL = 1e-5
 VOCAB, WIDTH, SEQ = 64, 32, 8
 GBS, NUM_CSX = 6, 4  # systems get 2, 2, 1, 1 samples
 PLANS = [pytest.param(1, id="mbs1"), pytest.param(2, id="mbs2")]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

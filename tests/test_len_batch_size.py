@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import grads_of, one_intra_op_thread, rel_err
+from models import grads_of, rel_err
 
 import mbcompile
 from mbcompile import CaptureError, MixingError
@@ -69,12 +69,6 @@ def _batch():
     g = torch.Generator().manual_seed(0)
     return (torch.randn(7, 4, generator=g, dtype=torch.float64),
             torch.randint(0, 3, (7,), generator=g))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_intra_op_thread():
-        yield
 
 
 def _matches(model: nn.Module, cm, inputs, **call) -> None:

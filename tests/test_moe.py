@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,11 +39,11 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from models import (
+    TOL,
     assert_close_errors,
     grad_errors,
     grads_of,
     keyword_steps,
-    one_intra_op_thread,
     rel_err,
     step_errors,
 )
@@ -62,19 +61,11 @@ from mbcompile.passes.rules import (
 )
 from mbcompile.passes.shape_prop import propagate_shapes
 
-TOL = 1e-10
 FLOAT32_TOL = 1e-5
 BFLOAT16_TOL = 2e-2  # torch's grouped_mm in bfloat16 (8 bits of mantissa: 2^-8 ~ 4e-3)
 GRAD_FLOOR = 1e-4  # see test_hf_models: gradients that are zero up to rounding
 GBS, NUM_CSX, MBS = 7, 2, 2  # systems of 4 and 3 samples, microbatches of 2, 2 and 2, 1
 T, FEAT, H, FFN, E, K, CLASSES = 4, 5, 16, 16, 4, 2, 3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 # --------------------------------------------------------------------------- #

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ from models import (
     grad_errors,
     grads_of,
     max_rel_err_outputs,
-    one_intra_op_thread,
     tensor_leaves,
 )
 
@@ -64,13 +63,6 @@ TOL = 1e-12
 GBS = 7
 SLICES = ((0, 2), (2, 4), (4, 6), (6, 7))
 SYSTEMS = (2, 2)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 # --------------------------------------------------------------------------- #

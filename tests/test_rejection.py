@@ -24,10 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from models import (
     MODELS,
+    TOL,
     assert_close_errors,
     grad_errors,
     grads_of,
-    one_intra_op_thread,
     rel_err,
     step_errors,
 )
@@ -39,17 +39,9 @@ from mbcompile.passes.rules import BATCH_RULES, rule_key
 
 GBS = 12
 FEATURES = 6
-TOL = 1e-10
 # BatchNorm and centring cancel the Linear's bias: its gradient is zero up to rounding, so
 # each gradient is measured against at least this fraction of the largest one.
 GRAD_FLOOR = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 def scale_rows(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ padding, ``img`` (B, C, H, W) images.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import (
+    TOL,
     assert_close_errors,
     grad_errors,
     grads_of,
-    one_intra_op_thread,
     rel_err,
     step_errors,
     tensor_leaves,
@@ -45,19 +45,11 @@ from mbcompile.passes.batch_analysis import analyse_batch
 from mbcompile.passes.facts import FACT, Batched, Free
 from mbcompile.passes.shape_prop import propagate_shapes
 
-TOL = 1e-10
 # A bias that a normalisation cancels (InstanceNorm after a Linear) has a gradient that is
 # zero up to rounding: each gradient is measured against at least this fraction of the largest.
 GRAD_FLOOR = 1e-4
 B, T, FEAT, HID, CLASSES, CH, HW = 6, 5, 6, 8, 4, 3, 8
 GBS, NUM_CSX, MBS = 6, 2, 2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 class Pattern(nn.Module):

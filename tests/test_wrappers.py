@@ -32,27 +32,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import (
+    TOL,
     assert_close_errors,
     grad_errors,
     grads_of,
     keyword_steps,
     mlp,
-    one_intra_op_thread,
     rel_err,
 )
 
 import mbcompile
 from mbcompile.passes.unwrap import Unwrapped, unwrap
 
-TOL = 1e-10  # float64 throughout
 GBS, NUM_CSX = 6, 4  # systems get 2, 2, 1, 1 samples
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 # --------------------------------------------------------------------------- #

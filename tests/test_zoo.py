@@ -22,12 +22,11 @@ number is never an expected failure: only an ``MbcompileError`` is.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from models import assert_close_errors, one_intra_op_thread
+from models import assert_close_errors
 from zoo import (
     F32_INSIDE,
     F32_LOSS,
@@ -72,13 +71,6 @@ def _param(entry: ZooModel) -> Any:
 
 MATCH = [_param(e) for e in ZOO if e.expected in MATCHES]
 REJECT = [_param(e) for e in ZOO if e.expected.startswith("reject:")]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Tiny models: see models.one_intra_op_thread."""
-    with one_intra_op_thread():
-        yield
 
 
 @pytest.fixture(autouse=True, scope="module")
