@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from mbcompile.errors import CaptureError, InputError, MixingError, UnsupportedOpError
-from mbcompile.passes import batch_rules
+from mbcompile.passes import rules
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
 from mbcompile.passes.export_capture import export_capture
@@ -156,10 +156,10 @@ def _batch_norm_rules(mode: str) -> Iterator[None]:
     if mode != "per_microbatch":
         yield
         return
-    with batch_rules.scoped():
-        for op in batch_rules.BATCH_NORMS:
+    with rules.scoped():
+        for op in rules.BATCH_NORMS:
             if isinstance(op, type) or op is torch.ops.aten.batch_norm:  # single-output forms
-                batch_rules.register_batch_rule(op, "per_sample")
+                rules.register_batch_rule(op, "per_sample")
         yield
 
 

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from mbcompile.analysis import Analysed, analyse
 from mbcompile.errors import (
@@ -38,7 +37,8 @@ from mbcompile.execution.joint import joint_step
 from mbcompile.execution.live_hooks import unwatch, watch_new_hooks
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.step_config import StepConfig
-from mbcompile.passes import batch_rules, ops
+from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
+from mbcompile.passes import ops, rules
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.guards import Guard, failed_guard
@@ -49,14 +49,14 @@ from mbcompile.planning.explore import Selection, compile_only_error
 from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.reports.report import Validation, render, validation_of
 from mbcompile.request import (
-    Inputs,
     Request,
     batch_size,
-    leaf_name,
+    check_layout,
+    input_layout,
     make_request,
+    same_value,
     tokens_per_sample,
 )
-from mbcompile.request import leaves as input_leaves
 from mbcompile.selection import select
 
 __all__ = ["CompiledModule", "compile"]
@@ -103,7 +103,7 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "noise_scale", request.noise_scale)
         object.__setattr__(self, "_signature", request.signature)
         object.__setattr__(self, "_inputs", request.inputs)
-        object.__setattr__(self, "_layout", _layout(request.inputs, request.values))
+        object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
         object.__setattr__(self, "_slots_seen", None)
@@ -132,13 +132,13 @@ class CompiledModule(nn.Module):
         shows in its parent's slots, and then the list is walked afresh.
         """
         modules = self._modules_seen
-        slots = _slots(modules)
-        if slots != self._slots_seen:
+        filled = slots(modules)
+        if filled != self._slots_seen:
             modules = tuple(self.module.modules())
-            slots = _slots(modules)
+            filled = slots(modules)
             object.__setattr__(self, "_modules_seen", modules)
-            object.__setattr__(self, "_slots_seen", slots)
-        return tuple(m.training for m in modules), slots, _hooks(modules, self._live_hooks)
+            object.__setattr__(self, "_slots_seen", filled)
+        return tuple(m.training for m in modules), filled, hooks_key(modules, self._live_hooks)
 
     def _compiled(self) -> _Compiled:
         key = self._mode_key()
@@ -150,7 +150,7 @@ class CompiledModule(nn.Module):
             self._recompiling(f"{failed.describe(self._names())}, which forward reads")
             del self._cache[key]
         elif self._cache:
-            changed = _hooks_changed(self.module, self._hooks_seen, self._live_hooks)
+            changed = hooks_changed(self.module, self._hooks_seen, self._live_hooks)
             if changed:
                 self._recompiling(changed)
         for stale in [k for k in self._cache if k[1] != key[1]]:
@@ -165,7 +165,7 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "_hooks_known", self._hooks_known | {
             k for _, m in live for hooks in (m._forward_pre_hooks, m._forward_hooks)
             for k in hooks})
-        object.__setattr__(self, "_hooks_seen", _hooks_by_module(self.module, self._live_hooks))
+        object.__setattr__(self, "_hooks_seen", hooks_by_module(self.module, self._live_hooks))
         self._cache[self._mode_key()] = compiled
         return compiled
 
@@ -177,7 +177,7 @@ class CompiledModule(nn.Module):
         if self._request.torch_compile is not None:
             return ()
         names = dict.fromkeys(str(n.target) for n in compiled.original_graph_module.graph.nodes
-                              if n.op == "call_module" and _is_submodule(self._inner,
+                              if n.op == "call_module" and is_submodule(self._inner,
                                                                          str(n.target)))
         return tuple((name, self._inner.get_submodule(name)) for name in names)
 
@@ -249,13 +249,13 @@ class CompiledModule(nn.Module):
         values = [bound.arguments[n] for n in self._inputs.names]
         for name, expected in self._inputs.concrete.items():
             got = bound.arguments[name]
-            if got is not expected and not _same(got, expected):
+            if got is not expected and not same_value(got, expected):
                 raise InputError(
                     f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "
                     "non-tensor arguments are fixed when compiling: compile again with the "
                     "new value")
         batch = batch_size(self._inputs, values)
-        _check_layout(self._inputs, values, self._layout)
+        check_layout(self._inputs, values, self._layout)
         if self.rank is not None:
             local = self.plan.per_system_batch_sizes[self.rank]
             if batch is not None and batch != local:
@@ -294,6 +294,20 @@ class CompiledModule(nn.Module):
                 else:
                     arguments[target.name].copy_(value)
 
+    def loss_of(self, output: Any) -> torch.Tensor:
+        """The trained loss in ``output`` (what this module returned): the output leaf the
+        batch analysis found to be the loss, the one rule the cost model and the rewrite
+        follow too. Raises ``InputError`` when the model computes no loss inside."""
+        compiled = self._compiled()
+        for index in compiled.analysis.loss_outputs:
+            found = _output_leaf(compiled.output_spec, output, index)
+            if isinstance(found, torch.Tensor):
+                return found
+        raise InputError(
+            f"{type(self.module).__name__} returns no trained loss (a scalar computed inside "
+            "forward that depends on the parameters); compute the loss inside forward, so "
+            "backward can run per microbatch, and return it")
+
     def token_counts(self) -> dict[str, Any] | None:
         """What the loss's mean counted in the last call: non-padding tokens for a token
         loss (targets not equal to ``ignore_index``), elements for an MSE, ...
@@ -327,62 +341,6 @@ class CompiledModule(nn.Module):
                 + (", compile_only=True" if self.compile_only else ""))
 
 
-def _slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
-    """The identity of what fills each module's parameter, buffer and submodule slots."""
-    return tuple(id(v) for m in modules
-                 for slots in (m._parameters, m._buffers, m._modules) for v in slots.values())
-
-
-def _hooks(modules: Sequence[nn.Module], live: frozenset[int]) -> tuple[Any, ...]:
-    """The keys of the hooks the graphs were traced through: every module's but those of
-    the ``live`` layers (their hooks run at their call), and the global module hooks. Read
-    on every call (hooks are rare: a module without any costs four truth tests)."""
-    out: list[Any] = [tuple(tuple(h) for h in _GLOBAL_HOOKS) if any(_GLOBAL_HOOKS) else ()]
-    for i, m in enumerate(modules):
-        if m._backward_pre_hooks or m._backward_hooks or (
-                (m._forward_pre_hooks or m._forward_hooks) and id(m) not in live):
-            out.append((i, tuple(tuple(h) for h in _hook_dicts(m, id(m) in live))))
-    return tuple(out)
-
-
-def _is_submodule(model: nn.Module, target: str) -> bool:
-    try:
-        model.get_submodule(target)
-    except AttributeError:
-        return False
-    return True
-
-
-def _hook_dicts(m: nn.Module, live: bool = False) -> tuple[dict[int, Any], ...]:
-    """The hook dictionaries the graphs depend on: a live layer's forward hooks run at its
-    call, but its backward hooks are checked at compile (``check_layer_hooks``)."""
-    backward = (m._backward_pre_hooks, m._backward_hooks)
-    return backward if live else (m._forward_pre_hooks, m._forward_hooks, *backward)
-
-
-_GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for kind in (
-    "forward_pre", "forward", "backward_pre", "backward"))
-
-
-def _hooks_by_module(model: nn.Module, live: frozenset[int]) -> dict[str, Any]:
-    """Per module name: the keys of the hooks ``_hooks`` watches (to name whose changed)."""
-    state = {name or "<model>": tuple(tuple(h) for h in _hook_dicts(m, id(m) in live))
-             for name, m in model.named_modules()}
-    state["<global module hooks>"] = tuple(tuple(h) for h in _GLOBAL_HOOKS)
-    return state
-
-
-def _hooks_changed(model: nn.Module, before: Mapping[str, Any] | None,
-                   live: frozenset[int]) -> str | None:
-    """Which module's hooks changed since ``before`` (None: none did)."""
-    if before is None:
-        return None
-    for name, hooks in _hooks_by_module(model, live).items():
-        if name in before and hooks != before[name]:  # a new module shows in its parent's slots
-            return f"the hooks of {name!r} changed"
-    return None
-
-
 def _strip_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                          local_metadata: Any) -> None:
     inner = prefix + "module."
@@ -396,54 +354,23 @@ def _add_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: st
         state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
 
 
-def _layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
-    """Per input: its pytree structure and its tensors' shapes, the batch dim left out."""
-    out = []
-    for value, d in zip(values, inputs.in_dims):
-        leaves, spec = pytree.tree_flatten(value)
-        out.append((spec, tuple(_shape(t, d) for t in leaves)))
-    return tuple(out)
-
-
-def _shape(t: Any, d: int | None) -> tuple[int | None, ...] | None:
-    if not isinstance(t, torch.Tensor):
+def _output_leaf(spec: OutputSpec, output: Any, index: int) -> Any:
+    """The leaf numbered ``index`` of ``output``, an object shaped like ``spec``."""
+    if spec.kind == "leaf":
+        return output if spec.index == index else None
+    if spec.kind in ("tuple", "list"):
+        parts: list[Any] = list(output)
+    elif spec.kind == "dataclass":
+        parts = [getattr(output, k) for k in spec.keys]
+    elif spec.kind == "dict":
+        parts = [output[k] for k in spec.keys]
+    else:
         return None
-    return tuple(None if i == d else s for i, s in enumerate(t.shape))
-
-
-def _check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
-    """Raise ``InputError`` unless every input is nested and shaped like the example.
-
-    Shapes other than the batch dim are fixed at compile time: the rewritten graph
-    holds sizes computed from them (``x.size(0) * x.size(1)`` after the loop).
-    """
-    for name, value, d, (spec, shapes) in zip(inputs.names, values, inputs.in_dims, layout):
-        if name in inputs.concrete:
-            continue  # compared by value already
-        if isinstance(value, torch.Tensor) and spec.is_leaf():  # the usual input: no walk
-            leaves = input_leaves(value)
-        else:
-            leaves, got = pytree.tree_flatten_with_path(value)
-            if got != spec:
-                raise InputError(
-                    f"input {name!r} is nested differently from the example ({got} instead "
-                    f"of {spec}); pass the same structure (keys, lengths) or compile again "
-                    "with an example of this one")
-        for (path, t), want in zip(leaves, shapes):
-            if _shape(t, d) != want:
-                shown = tuple("B" if s is None else s for s in want or ())
-                raise InputError(
-                    f"input {leaf_name(name, path)} has shape "
-                    f"{tuple(getattr(t, 'shape', ()))} but the example had {shown} (B: the "
-                    "batch dim); shapes other than the batch dim are fixed at compile time: "
-                    "compile again with an example of this shape")
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # values without a truthy == are compared by identity only
-        return False
+    for child, part in zip(spec.children, parts):
+        found = _output_leaf(child, part, index)
+        if found is not None:
+            return found
+    return None
 
 
 PER_MICROBATCH_NOTE = (
@@ -619,7 +546,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
         if request.noise_scale is not None:
             raise InputError("measure_noise_scale works with the simulated backend only so far; "
                              "measure on one process, then train on ranks")
-    plan = _final_plan(request, selection.plan)
+    plan = _final_plan(request, selection)
     try:
         return CompiledModule(request, selection, plan, analysed, rank)
     except MbcompileError:
@@ -628,22 +555,25 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
         raise _crashed(request.model, exc) from exc
 
 
-def _final_plan(request: Request, plan: MicrobatchPlan) -> MicrobatchPlan:
-    """The selection's plan with what the request adds: tokens per sample, and the notes of
-    unwrapping the model and of per-microbatch BatchNorm statistics."""
-    notes = plan.warnings + request.notes
+def _final_plan(request: Request, selection: Selection) -> MicrobatchPlan:
+    """The compiled module's plan, made once: the selection's plan with its reasons and
+    warnings joined in, and what the request adds (tokens per sample, the notes of
+    unwrapping the model and of per-microbatch BatchNorm statistics)."""
+    plan = selection.plan
+    notes = plan.warnings + selection.warnings + request.notes
     if (request.batch_norm == "per_microbatch" and plan.num_nonempty_microbatches > 1
             and _has_batch_norm(request.model)):
         warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning,
                       stacklevel=user_stacklevel())
         notes = (*notes, PER_MICROBATCH_NOTE)
-    return dataclasses.replace(plan, warnings=notes, tokens_per_sample=tokens_per_sample(
-        request.inputs, request.example))
+    return dataclasses.replace(plan, reason=selection.reason, warnings=notes,
+                               tokens_per_sample=tokens_per_sample(request.inputs,
+                                                                   request.example))
 
 
 def _has_batch_norm(model: nn.Module) -> bool:
     """Whether a BatchNorm module of ``model`` is in training mode (uses batch statistics)."""
-    kinds = tuple(op for op in batch_rules.BATCH_NORMS if isinstance(op, type))
+    kinds = tuple(op for op in rules.BATCH_NORMS if isinstance(op, type))
     return any(isinstance(m, kinds) and m.training for m in model.modules())
 
 

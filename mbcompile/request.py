@@ -31,7 +31,8 @@ from mbcompile.planning.plan import MbsPolicy, parse_mbs, per_system_batch_sizes
 from mbcompile.planning.systems import SystemSpec, get_system
 
 __all__ = ["BATCH_NORM_MODES", "CAPTURES", "COUPLING_MODES", "OUTPUT_MODES", "Inputs",
-           "Request", "batch_size", "leaf_name", "leaves", "make_request"]
+           "Request", "batch_size", "check_layout", "input_layout", "leaf_name", "leaves",
+           "make_request", "same_value"]
 
 CAPTURES = ("auto", "fx", "export")
 BATCH_NORM_MODES = ("full_batch", "per_microbatch")
@@ -288,6 +289,56 @@ def tokens_per_sample(inputs: Inputs, values: Mapping[str, Any]) -> int | None:
                 and value.dim() == 2):
             return int(value.shape[1 - d])
     return None
+
+
+def input_layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
+    """Per input: its pytree structure and its tensors' shapes, the batch dim left out."""
+    out = []
+    for value, d in zip(values, inputs.in_dims):
+        leaves, spec = pytree.tree_flatten(value)
+        out.append((spec, tuple(_shape(t, d) for t in leaves)))
+    return tuple(out)
+
+
+def _shape(t: Any, d: int | None) -> tuple[int | None, ...] | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return tuple(None if i == d else s for i, s in enumerate(t.shape))
+
+
+def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
+    """Raise ``InputError`` unless every input is nested and shaped like the example.
+
+    Shapes other than the batch dim are fixed at compile time: the rewritten graph
+    holds sizes computed from them (``x.size(0) * x.size(1)`` after the loop).
+    """
+    for name, value, d, (spec, shapes) in zip(inputs.names, values, inputs.in_dims, layout):
+        if name in inputs.concrete:
+            continue  # compared by value already
+        if isinstance(value, torch.Tensor) and spec.is_leaf():  # the usual input: no walk
+            found = leaves(value)
+        else:
+            found, got = pytree.tree_flatten_with_path(value)
+            if got != spec:
+                raise InputError(
+                    f"input {name!r} is nested differently from the example ({got} instead "
+                    f"of {spec}); pass the same structure (keys, lengths) or compile again "
+                    "with an example of this one")
+        for (path, t), want in zip(found, shapes):
+            if _shape(t, d) != want:
+                shown = tuple("B" if s is None else s for s in want or ())
+                raise InputError(
+                    f"input {leaf_name(name, path)} has shape "
+                    f"{tuple(getattr(t, 'shape', ()))} but the example had {shown} (B: the "
+                    "batch dim); shapes other than the batch dim are fixed at compile time: "
+                    "compile again with an example of this shape")
+
+
+def same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # values without a truthy == are compared by identity only
+        return False
 
 
 # --------------------------------------------------------------------------- #

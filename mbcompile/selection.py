@@ -81,7 +81,8 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
         return _with_recompute(ctx, None)
     cost, error = _cost_model(ctx)
     timer = HostTimer(analysed.analysis.graph_module, request.values, request.inputs.in_dims,
-                      request.measure) if request.measure else None
+                      request.measure, analysed.analysis.loss_outputs or None
+                      ) if request.measure else None
     try:
         selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
                                    request.system, reshard=request.reshard, timer=timer,
@@ -98,8 +99,8 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
     if two_phase and isinstance(cost, TwoPhaseCostModel) and selection.estimate is not None:
         selection = _two_phase_selection(selection, cost)
     elif two_phase:  # no cost model to size its terms with: still say what runs
-        selection = _noted(selection, "two-phase step (a loss that couples samples; its "
-                                      "memory unchecked: the cost model could not run)")
+        selection = selection.noted("two-phase step (a loss that couples samples; its "
+                                    "memory unchecked: the cost model could not run)")
     selection = _sharded_selection(selection)
     mode = request.policy.mode
     if may_recompute and _may_gain(selection, mode) and ctx.checkpointed() is not None:
@@ -133,18 +134,14 @@ def _without_cost_model(ctx: _Context, recompute: bool) -> Selection:
     request = ctx.request
     plan = make_plan(request.gbs, request.num_csx, request.policy)
     if recompute and ctx.checkpointed() is not None:
-        plan = replace(plan, recompute=True, reason=f"{plan.reason}; activation "
-                       "checkpointing per block (recompute=True)")
+        plan = replace(plan, recompute=True)
     selection = Selection(plan, request.system, None, None, None, NO_COST_MODEL)
+    if plan.recompute:
+        selection = selection.noted("activation checkpointing per block (recompute=True)")
     if ctx.analysed.mode == "two_phase":
-        selection = _noted(selection, "two-phase step (a loss that couples samples; its "
-                                      "memory unchecked: cost_model=False)")
+        selection = selection.noted("two-phase step (a loss that couples samples; its memory "
+                                    "unchecked: cost_model=False)")
     return selection
-
-
-def _noted(selection: Selection, note: str) -> Selection:
-    plan = selection.plan
-    return replace(selection, plan=replace(plan, reason=f"{plan.reason}; {note}"))
 
 
 def _sharded_selection(selection: Selection) -> Selection:
@@ -162,8 +159,7 @@ def _sharded_selection(selection: Selection) -> Selection:
             f"{format_bytes(e.memory.gathered - shard.gathered)} of FSDP's flat buffers, "
             "all-gathers "
             f"{format_seconds(e.time.allgather)} per step")
-    plan = selection.plan
-    return replace(selection, plan=replace(plan, reason=f"{plan.reason}; {note}"))
+    return selection.noted(note)
 
 
 def _may_gain(selection: Selection, mode: str) -> bool:
@@ -187,7 +183,7 @@ def _joint(plain: Selection, ticked: Selection, mode: str) -> Selection:
     faster = ticked.estimate.time.step < plain.estimate.time.step
     chosen = ticked if faster else plain
     other = plain if faster else ticked
-    note = (f"; {'with' if faster else 'without'} activation checkpointing per block it is "
+    note = (f"{'with' if faster else 'without'} activation checkpointing per block it is "
             f"faster: modelled step {format_seconds(chosen.estimate.time.step)} at mbs "
             f"{chosen.plan.mbs}, against {format_seconds(other.estimate.time.step)} at mbs "
             f"{other.plan.mbs} {'without' if faster else 'with'} it")
@@ -195,8 +191,7 @@ def _joint(plain: Selection, ticked: Selection, mode: str) -> Selection:
                           best_recompute=faster, seconds=px.seconds + tx.seconds)
     if mode == "explore":
         note += f"; pin it with mbs={chosen.plan.mbs}, recompute={faster}"
-    plan = replace(chosen.plan, reason=chosen.plan.reason + note)
-    return replace(chosen, plan=plan, exploration=exploration)
+    return replace(chosen, exploration=exploration).noted(note)
 
 
 def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
@@ -216,24 +211,20 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
            f"activation checkpointing per block: without it even mbs {without.mbs} needs "
            f"{format_bytes(without.needed)} of {format_bytes(without.available)}")
     peak = selection.estimate.memory.peak if selection.estimate is not None else 0.0
-    plan = replace(selection.plan, recompute=True,
-                   reason=f"{selection.plan.reason}; {why}; with it the modelled peak is "
-                          f"{format_bytes(peak)}")
-    return _sharded_selection(replace(selection, plan=plan))
+    selection = replace(selection, plan=replace(selection.plan, recompute=True))
+    return _sharded_selection(selection.noted(
+        f"{why}; with it the modelled peak is {format_bytes(peak)}"))
 
 
 def _two_phase_selection(selection: Selection, cost: TwoPhaseCostModel) -> Selection:
     """The plan says it is two-phase, and warns when the coupled part holds most memory."""
-    plan = selection.plan
-    share = cost.coupled_share(plan.mbs)
-    notes = plan.warnings
+    share = cost.coupled_share(selection.plan.mbs)
+    warning = None
     if share > COUPLED_SHARE_WARNING:
-        note = (f"two-phase step: the coupled part holds {share:.0%} of the activation memory "
-                "at the whole batch, so microbatching saves little memory here")
-        warnings.warn(note, TwoPhaseWarning, stacklevel=user_stacklevel())
-        notes = (*notes, note)
-    reason = f"{plan.reason}; {two_phase_reason(cost, selection.estimate)}"
-    return replace(selection, plan=replace(plan, reason=reason, warnings=notes))
+        warning = (f"two-phase step: the coupled part holds {share:.0%} of the activation "
+                   "memory at the whole batch, so microbatching saves little memory here")
+        warnings.warn(warning, TwoPhaseWarning, stacklevel=user_stacklevel())
+    return selection.noted(two_phase_reason(cost, selection.estimate), warning)
 
 
 def _two_phase_too_big(ctx: _Context, cost: TwoPhaseCostModel, exc: DoesNotFitError

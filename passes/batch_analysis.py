@@ -2,7 +2,7 @@
 
 Like JAX's batching interpreter, the loop is short: placeholders get their facts
 from ``in_dims``, parameters and constants are batch-free, and every other node
-asks the rule table (``batch_rules.BATCH_RULES``). A node none of whose inputs
+asks the rule table (``rules.BATCH_RULES``). A node none of whose inputs
 depends on the batch is batch-free whatever its op. A rule that finds samples
 being mixed, or an op without a rule, raises ``MixingError`` naming the op, the
 node, the user's source line, the path from a batched input, why, and the fix.
@@ -34,15 +34,6 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import token_dispatch
-from .batch_rules import (
-    MBS_NONE,
-    RuleContext,
-    _Rejected,
-    apply_rule,
-    is_aten,
-    lookup_rule,
-    node_name,
-)
 from .errors import MixingError, UnsupportedOpError
 from .facts import (
     FACT,
@@ -58,6 +49,15 @@ from .facts import (
     Reduced,
     ValueInfo,
 )
+from .rules import (
+    MBS_NONE,
+    RuleContext,
+    apply_rule,
+    is_aten,
+    lookup_rule,
+    node_name,
+)
+from .rules import Rejected as _Rejected
 from .sources import source_line
 
 __all__ = ["BatchAnalysis", "analyse_batch", "describe_op", "mixing_error", "source_line"]

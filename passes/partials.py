@@ -15,7 +15,7 @@ Every loss is declared once, in ``LOSSES``: its functional, its module, its ATen
 spellings and its ``LossKind`` (what its 'mean' divides by). That one line yields
 the loss's partials here (``Loss.partial`` for ``F.<loss>``, ``module_loss_partial``
 for the module, ``Loss.aten_partials`` for export graphs) and its batch rule in
-``batch_rules`` (``loss_rule``). ``F.mse_loss(x, y)`` with ``reduction='mean'``
+``rules`` (``loss_rule``). ``F.mse_loss(x, y)`` with ``reduction='mean'``
 becomes ``mse_loss_partial(x, y) == (F.mse_loss(x, y, reduction='sum'), x.numel())``.
 """
 

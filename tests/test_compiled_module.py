@@ -95,6 +95,20 @@ def test_dataclass_output_fields_are_the_right_tensors() -> None:
         assert torch.allclose(getattr(out, field), getattr(want, field), rtol=TOL, atol=0)
 
 
+@pytest.mark.parametrize("name", ["dataclass_out", "mlp"])
+def test_loss_of_is_the_trained_loss_the_analysis_found(name: str) -> None:
+    """``cm.loss_of(output)``: the leaf the batch analysis trains, wherever the output
+    keeps it (a dataclass field, a tuple position); one rule for every caller."""
+    model, batch = MODELS[name](10)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    out = cm(*batch)
+    assert cm.loss_of(out) is (out.loss if name == "dataclass_out" else tensor_leaves(out)[0][1])
+    model, (x,) = MODELS["per_sample"](10)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x,))
+    with pytest.raises(InputError, match="no trained loss"):
+        cm.loss_of(cm(x))
+
+
 # --------------------------------------------------------------------------- #
 # Argument forms
 # --------------------------------------------------------------------------- #

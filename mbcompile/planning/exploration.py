@@ -6,7 +6,7 @@ itself is ``explore.py``'s (``"auto"``, ``"explore"``) and ``mbcompile/selection
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,14 @@ class Exploration:
 
 @dataclass(frozen=True)
 class Selection:
-    """What :func:`select_plan` decided: the plan, its estimate, what it evaluated."""
+    """What :func:`select_plan` decided: the plan, its estimate, what it evaluated.
+
+    ``plan`` is the arithmetic's answer (``make_plan``, with the knobs the selection
+    turned: ``recompute``, ``reshard_after_forward``); what the later steps of the
+    selection say of it (a two-phase step's memory, FSDP2 sharding, checkpointing) is
+    kept beside it, in ``notes`` and ``warnings``, and joined once into the compiled
+    module's plan (``reason``).
+    """
 
     plan: MicrobatchPlan
     system: SystemSpec
@@ -173,3 +180,15 @@ class Selection:
     exploration: Exploration | None
     cost: CostModel | None = field(repr=False, default=None)
     cost_error: str | None = None
+    notes: tuple[str, ...] = ()  # why, beyond the MBS: each later step's word, in order
+    warnings: tuple[str, ...] = ()  # what the user should know of the plan (also warned)
+
+    def noted(self, note: str, warning: str | None = None) -> Selection:
+        """This selection with one more note (and warning) beside its plan."""
+        return replace(self, notes=(*self.notes, note),
+                       warnings=self.warnings if warning is None else (*self.warnings, warning))
+
+    @property
+    def reason(self) -> str:
+        """Why this plan: the MBS choice, then every note, in the order they were made."""
+        return "; ".join((self.plan.reason, *self.notes))

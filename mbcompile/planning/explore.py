@@ -497,9 +497,8 @@ def select_sharded(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostMo
                 f"{format_seconds(c.time.step)} at mbs {c.mbs} (peak "
                 f"{format_bytes(c.memory.peak)}), against {format_seconds(o.time.step)} at mbs "
                 f"{o.mbs} (peak {format_bytes(o.memory.peak)}) with reshard_after_forward={keep}")
-    plan = replace(chosen.plan, reshard_after_forward=chosen is resharded,
-                   reason=f"{chosen.plan.reason}; {note}")
-    return replace(chosen, plan=plan)
+    plan = replace(chosen.plan, reshard_after_forward=chosen is resharded)
+    return replace(chosen, plan=plan).noted(note)
 
 
 class TwoPhaseWarning(MbcompileWarning):

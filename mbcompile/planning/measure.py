@@ -45,11 +45,13 @@ class HostTimer:
     """
 
     def __init__(self, module: torch.nn.Module, values: Sequence[Any],
-                 in_dims: Sequence[int | None], reps: int = 3) -> None:
+                 in_dims: Sequence[int | None], reps: int = 3,
+                 loss_leaves: tuple[int, ...] | None = None) -> None:
         self.module = module
         self.values = list(values)
         self.in_dims = list(in_dims)
         self.reps = max(1, int(reps))
+        self.loss_leaves = loss_leaves  # the trained loss (the batch analysis's loss_outputs)
         self.params = [p for p in module.parameters() if p.requires_grad]
         first = next(iter(module.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -59,7 +61,7 @@ class HostTimer:
         _sync(self.device)
         start = time.perf_counter()
         out = self.module(*args)
-        loss = backward_root(pytree.tree_leaves(out), None)
+        loss = backward_root(pytree.tree_leaves(out), self.loss_leaves)
         if loss is not None and self.params:
             torch.autograd.grad(loss, self.params, allow_unused=True)
         _sync(self.device)

@@ -1,0 +1,73 @@
+"""What a compiled graph depends on in the model besides its inputs: the mode key.
+
+A ``CompiledModule`` keeps one compiled graph per key: every module's ``training``
+flag, the identity of what fills every parameter, buffer and submodule slot, and the
+keys of the hooks the graphs were traced through (``CompiledModule._mode_key``).
+The helpers here compute the slots and hook parts cheaply, on every call, and name
+what changed when a recompile warns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["hooks_by_module", "hooks_changed", "hooks_key", "is_submodule", "slots"]
+
+
+def slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
+    """The identity of what fills each module's parameter, buffer and submodule slots."""
+    return tuple(id(v) for m in modules
+                 for held in (m._parameters, m._buffers, m._modules) for v in held.values())
+
+
+def hooks_key(modules: Sequence[nn.Module], live: frozenset[int]) -> tuple[Any, ...]:
+    """The keys of the hooks the graphs were traced through: every module's but those of
+    the ``live`` layers (their hooks run at their call), and the global module hooks. Read
+    on every call (hooks are rare: a module without any costs four truth tests)."""
+    out: list[Any] = [tuple(tuple(h) for h in _GLOBAL_HOOKS) if any(_GLOBAL_HOOKS) else ()]
+    for i, m in enumerate(modules):
+        if m._backward_pre_hooks or m._backward_hooks or (
+                (m._forward_pre_hooks or m._forward_hooks) and id(m) not in live):
+            out.append((i, tuple(tuple(h) for h in _hook_dicts(m, id(m) in live))))
+    return tuple(out)
+
+
+def is_submodule(model: nn.Module, target: str) -> bool:
+    try:
+        model.get_submodule(target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _hook_dicts(m: nn.Module, live: bool = False) -> tuple[dict[int, Any], ...]:
+    """The hook dictionaries the graphs depend on: a live layer's forward hooks run at its
+    call, but its backward hooks are checked at compile (``check_layer_hooks``)."""
+    backward = (m._backward_pre_hooks, m._backward_hooks)
+    return backward if live else (m._forward_pre_hooks, m._forward_hooks, *backward)
+
+
+_GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for kind in (
+    "forward_pre", "forward", "backward_pre", "backward"))
+
+
+def hooks_by_module(model: nn.Module, live: frozenset[int]) -> dict[str, Any]:
+    """Per module name: the keys of the hooks ``hooks_key`` watches (to name whose changed)."""
+    state = {name or "<model>": tuple(tuple(h) for h in _hook_dicts(m, id(m) in live))
+             for name, m in model.named_modules()}
+    state["<global module hooks>"] = tuple(tuple(h) for h in _GLOBAL_HOOKS)
+    return state
+
+
+def hooks_changed(model: nn.Module, before: Mapping[str, Any] | None,
+                  live: frozenset[int]) -> str | None:
+    """Which module's hooks changed since ``before`` (None: none did)."""
+    if before is None:
+        return None
+    for name, hooks in hooks_by_module(model, live).items():
+        if name in before and hooks != before[name]:  # a new module shows in its parent's slots
+            return f"the hooks of {name!r} changed"
+    return None
