@@ -117,8 +117,8 @@ def validation_of(model_name: str, gbs: int, num_csx: int, gm: fx.GraphModule,
     """Summarise an analysed graph as a :class:`Validation`.
 
     ``rejected``: the analysis's error for a request that never splits the batch
-    (one system, one microbatch), which therefore still runs; or, with ``two_phase``,
-    for a graph that runs exactly as a two-phase step.
+    (one system, one microbatch), which therefore still runs; or, with ``two_phase``
+    (the analysis's mode, decided there), for a graph that runs exactly as a two-phase step.
     """
     kinds = Counter(type(n.meta.get(FACT)).__name__ for n in gm.graph.nodes
                     if n.op not in ("output",) and FACT in n.meta)
@@ -132,7 +132,7 @@ def validation_of(model_name: str, gbs: int, num_csx: int, gm: fx.GraphModule,
         note = (f"the batch cannot be split ({first}); it runs because one system runs "
                 "one microbatch")
     return Validation(model_name, gbs, num_csx, gm, tuple(sorted(kinds.items())), seconds,
-                      note, two_phase=rejected is not None and two_phase)
+                      note, two_phase=two_phase)
 
 
 # --------------------------------------------------------------------------- #
