@@ -40,11 +40,13 @@ def _rank() -> int:
 class DropoutMLP(nn.Module):
     """A regression MLP with dropout (so the torch RNG matters); see ``MBC_KILL_AT``."""
 
-    def __init__(self, hidden: int = 16, p: float = 0.25) -> None:
+    def __init__(self, hidden: int = 16, p: float = 0.25, double: bool = False) -> None:
         super().__init__()
         self.l1 = nn.Linear(FEATURES, hidden)
         self.drop = nn.Dropout(p)
         self.l2 = nn.Linear(hidden, OUT)
+        if double:  # float64: runs on other numbers of systems agree to 1e-10
+            self.double()
         self._forwards = 0
         kill_at = os.environ.get("MBC_KILL_AT")
         if kill_at and _rank() == int(os.environ.get("MBC_KILL_RANK", "1")):
@@ -65,10 +67,10 @@ class DropoutMLP(nn.Module):
 
 
 class _Noisy(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, dtype: torch.dtype = torch.float32) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, FEATURES, generator=g)
-        self.y = torch.randn(n, OUT, generator=g)
+        self.x = torch.randn(n, FEATURES, generator=g).to(dtype)
+        self.y = torch.randn(n, OUT, generator=g).to(dtype)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -109,13 +111,14 @@ class PausingLoader:
 
 
 def shuffled(batch_size: int, split: str = "train", samples: int = 40,
-             seed: int = 0) -> PausingLoader:
+             seed: int = 0, double: bool = False) -> PausingLoader:
     """``samples`` noisy regression samples in shuffled batches (a pass is
-    ``samples // batch_size`` batches). Seeds Python's and numpy's RNGs, which a new
-    process starts from entropy, so that two runs draw the same noise."""
+    ``samples // batch_size`` batches), float64 if ``double``. Seeds Python's and numpy's
+    RNGs, which a new process starts from entropy, so that two runs draw the same noise."""
     random.seed(seed)
     np.random.seed(seed)
-    data = _Noisy(samples, seed + (0 if split == "train" else 1000))
+    data = _Noisy(samples, seed + (0 if split == "train" else 1000),
+                  torch.float64 if double else torch.float32)
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=split == "train",
                                          drop_last=True)
     return PausingLoader(loader, split)

@@ -15,7 +15,8 @@ step it was taken after::
       step-00000020/      on torch.distributed ranks, instead of state.pt:
         dcp/              torch.distributed.checkpoint: .metadata, __0_0.distcp, __1_0.distcp
         structure.pt      the two state_dicts with each tensor replaced by its key in dcp/
-        rng-rank1.json    one RNG file per rank
+        rng-rank1.json    one RNG file per rank; a resume on another number of ranks
+                          restores rank 0's on every rank (``mbcompile.training.elastic``)
 
 How a checkpoint is written (``CheckpointStore.save``):
 
@@ -70,10 +71,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointStore",
     "TrainingInterrupted",  # raised by the Trainer (signals.py); public here, beside the store
-    "check_run",
     "latest_checkpoint",
     "read_checkpoint",
-    "warn_config",
 ]
 
 FORMAT = 1  # trainer.json's "format": bump when the layout changes
@@ -87,10 +86,8 @@ _TENSOR_REF = "__dcp_tensor__"  # {"__dcp_tensor__": key}: a tensor stored in dc
 #: ``targets(checkpoint folder, trainer.json)``: the state a sharded run loads into.
 Targets = Callable[[Path, Mapping[str, Any]], Any]
 
-
-#: Config keys that may change between a run and its resume without a warning.
-VOLATILE_CONFIG = frozenset({"file", "output_dir", "max_steps", "val_steps", "val_every",
-                             "log_every", "checkpoint_every", "keep_checkpoints"})
+#: ``check(checkpoint folder, trainer.json)``: refuses a checkpoint before its state is read.
+Check = Callable[[Path, Mapping[str, Any]], Any]
 
 
 def _step_dir(step: int) -> str:
@@ -305,30 +302,6 @@ def control_group() -> Any:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def check_run(path: Path, written: Mapping[str, Any], now: Mapping[str, Any]) -> None:
-    """Refuse to resume from checkpoint ``path`` unless the run's shape ``now`` (global
-    batch, systems, ranks, sharding) is the one it was ``written`` with."""
-    differ = [f"{k} {written.get(k)} (now {v})" for k, v in now.items() if written.get(k) != v]
-    if differ:
-        raise CheckpointError(
-            f"checkpoint {path} was written with {', '.join(differ)}; an exact resume "
-            "needs the same global batch, systems, ranks and sharding: run it as it was "
-            "written, or start a new run in another folder")
-
-
-def warn_config(path: Path, then: Any, now: Mapping[str, Any] | None) -> None:
-    """Say on stderr which config keys (other than ``VOLATILE_CONFIG``) differ from the
-    ones checkpoint ``path`` was written with; the run goes on with the new values."""
-    if not isinstance(then, dict) or now is None:
-        return
-    keys = sorted(k for k in set(then) | set(now)
-                  if k not in VOLATILE_CONFIG and then.get(k) != now.get(k))
-    if keys:
-        print(f"resume: the config differs from the one checkpoint {path} was written "
-              f"with in: {', '.join(keys)}; the run continues with the new values",
-              file=sys.stderr, flush=True)
-
-
 # --------------------------------------------------------------------------- #
 # The store
 # --------------------------------------------------------------------------- #
@@ -337,13 +310,15 @@ def warn_config(path: Path, then: Any, now: Mapping[str, Any] | None) -> None:
 @dataclass(frozen=True)
 class Checkpoint:
     """One checkpoint read back: ``state`` holds ``model`` and ``optimizer`` state_dicts,
-    ``trainer`` the contents of trainer.json and ``rank`` this rank's RNG file."""
+    ``trainer`` the contents of trainer.json, ``rank`` this rank's RNG file (rank 0's when
+    the number of processes changed) and ``world_size`` the processes that wrote it."""
 
     path: Path
     step: int
     state: Mapping[str, Any]
     trainer: Mapping[str, Any]
     rank: Mapping[str, Any]
+    world_size: int = 1
 
 
 def _complete(folder: Path) -> list[tuple[int, Path]]:
@@ -364,19 +339,24 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _read(path: Path, rank: int = 0, group: Any = None,
-          targets: Targets | None = None) -> Checkpoint:
+def _read(path: Path, rank: int = 0, world: int = 1, group: Any = None,
+          targets: Targets | None = None, check: Check | None = None) -> Checkpoint:
     trainer = json.loads((path / TRAINER).read_text())
     if trainer.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {trainer.get('format')!r}; this mbcompile "
                               f"reads format {FORMAT}")
-    rank_state = json.loads((path / _rng_file(rank)).read_text())
+    if check is not None:
+        check(path, trainer)
+    written = int(json.loads((path / MANIFEST).read_text()).get("world_size", 1))
+    # another number of processes: every rank restores rank 0's RNG states, the ones the
+    # data order was drawn from (the ranks' own files were written for other shares)
+    rank_state = json.loads((path / _rng_file(rank if world == written else 0)).read_text())
     if (path / STATE).is_file():
         state = _load_torch(path / STATE)
     else:
         into = None if targets is None else lambda: targets(path, trainer)
         state = _dcp_load(path / DCP, _load_torch(path / STRUCTURE), group, into)
-    return Checkpoint(path, int(trainer["global_step"]), state, trainer, rank_state)
+    return Checkpoint(path, int(trainer["global_step"]), state, trainer, rank_state, written)
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
@@ -520,19 +500,20 @@ class CheckpointStore:
         print(f"checkpoint {path} is damaged: {reason}{moved}; trying the previous one",
               file=err, flush=True)
 
-    def load_newest(self, err: IO[str] | None = None,
-                    targets: Targets | None = None) -> Checkpoint | None:
+    def load_newest(self, err: IO[str] | None = None, targets: Targets | None = None,
+                    check: Check | None = None) -> Checkpoint | None:
         """The newest good checkpoint (None if there is none); damaged ones are reported on
         ``err`` (stderr) by path and set aside. On ranks rank 0 chooses, all ranks load;
-        ``targets(path, trainer_json)`` (sharded runs) gives the state whose DTensors
-        receive this rank's shards (it may refuse the checkpoint first)."""
+        ``check(path, trainer_json)`` may refuse it (``CheckpointError``) before its state
+        is read; ``targets(path, trainer_json)`` (sharded runs) gives the state whose
+        DTensors receive this rank's shards."""
         err = err if err is not None else sys.stderr
         rank, world = self._rank()
         if world == 1:
             for _, path in reversed(self.complete()):
                 try:
                     _verify(path)
-                    return _read(path)
+                    return _read(path, check=check)
                 except CheckpointError:
                     raise
                 except Exception as exc:  # truncated, corrupt, unsafe: the previous one
@@ -545,8 +526,9 @@ class CheckpointStore:
             for step, path in reversed(self.complete()):
                 try:
                     _verify(path)
-                    read_dcp_metadata(path / DCP)
-                    _load_torch(path / STRUCTURE)
+                    if not (path / STATE).is_file():  # written by ranks (one process: state.pt)
+                        read_dcp_metadata(path / DCP)
+                        _load_torch(path / STRUCTURE)
                 except Exception as exc:
                     self._set_aside(path, str(exc), err)
                     continue
@@ -555,4 +537,5 @@ class CheckpointStore:
         dist.broadcast(chosen, src=dist.get_global_rank(self.group, 0), group=self.group)
         if int(chosen) < 0:
             return None
-        return _read(self.folder / _step_dir(int(chosen)), rank, self.group, targets)
+        return _read(self.folder / _step_dir(int(chosen)), rank, world, self.group, targets,
+                     check)

@@ -20,9 +20,14 @@ from typing import Any
 
 from rich.console import Console
 
-from mbcompile.training.checkpoint import TrainingInterrupted, latest_checkpoint
+from mbcompile.training.checkpoint import (
+    CheckpointError,
+    TrainingInterrupted,
+    latest_checkpoint,
+)
 from mbcompile.training.cli_compile import compile_config
 from mbcompile.training.cli_messages import (
+    EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
     CommandError,
@@ -75,6 +80,8 @@ def _launch_ranks(args: argparse.Namespace, out: Path) -> int:
         code = getattr(exc, "exit_code", None)
         if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
             return int(code)  # the ranks stopped cleanly; rank 0 said where and how to resume
+        if code == EXIT_FAILURE and isinstance(exc, ProcessExitedException):
+            return EXIT_FAILURE  # every rank refused the checkpoint; rank 0 said why
         add_note(exc, _checkpoint_note(out, args))
         raise
     finally:
@@ -113,6 +120,12 @@ def _fit_rank(rank: int, world: int, args: argparse.Namespace) -> None:
     cfg = dataclasses.replace(load_config(args.config), backend="torch.distributed")
     try:
         _fit(cfg, args, Path(args.out or cfg.output_dir), rank)
+    except CheckpointError as exc:  # every rank refuses the same checkpoint: rank 0 says why
+        if rank == 0:
+            sys.stdout.flush()
+            print(paragraph(exc), file=sys.stderr, flush=True)
+        dist.barrier()  # before the launcher reaps the ranks
+        raise SystemExit(EXIT_FAILURE) from None
     except KeyboardInterrupt as exc:  # a non-zero exit: the launcher stops the other ranks
         if rank == 0:
             sys.stdout.flush()
@@ -142,6 +155,9 @@ def _fit(cfg: Config, args: argparse.Namespace, out: Path, rank: int = 0) -> int
     try:
         rows = trainer.fit(train, val, max_steps=steps, val_steps=cfg.val_steps or None,
                            val_every=cfg.val_every, resume=bool(getattr(args, "resume", False)))
+    except CheckpointError as exc:  # refused before any step: running it again cannot help
+        add_note(exc, f"nothing was trained; {out / 'checkpoints'} is unchanged")
+        raise
     except (Exception, KeyboardInterrupt) as exc:
         note = _kept(trainer.global_step, log_dir)
         if isinstance(exc, TrainingInterrupted) and exc.checkpoint is not None:

@@ -74,11 +74,10 @@ from mbcompile.training.checkpoint import (
     CheckpointError,
     CheckpointStore,
     TrainingInterrupted,
-    check_run,
     control_group,
-    warn_config,
 )
 from mbcompile.training.data_cursor import DataCursor, batches, length
+from mbcompile.training.elastic import check_run, warn_config
 from mbcompile.training.flags import Callback, Flags
 from mbcompile.training.lr_scaling import LRScaling
 from mbcompile.training.metrics import COLUMNS, Metric, MetricsLog, make_row
@@ -396,8 +395,7 @@ class Trainer:
             "data": cursor.position(),
             "metrics_rows": self.log.rows if self.log is not None else len(self.history),
             "fit_first_row": fit_start,
-            "run": {**self._run_shape(), "model": type(self.model).__name__,
-                    "optimizer": type(self.optimizer).__name__},
+            "run": self._run_shape(),
             "lr_scaling": dataclasses.asdict(self.lr_scaling) if self.lr_scaling else None,
             "noise_scale": noise.state_dict() if noise is not None else None,
             "config": self.config,
@@ -425,20 +423,23 @@ class Trainer:
         """Load the newest good checkpoint into the model, optimizer and trainer, and put
         ``cursor`` where it was; RNG states last, so nothing here draws from them."""
         assert self.checkpoints is not None
+        changed: list[str | None] = [None]
+
+        def check(path: Path, trainer: Mapping[str, Any]) -> None:
+            # before any state is read: another gbs or model is refused, systems may change
+            changed[0] = check_run(path, trainer["run"], self._run_shape())
+
         # sharded: DCP reads each rank's shards into the current state's DTensors (only
         # once a checkpoint is chosen: get_state_dict gives a fresh optimizer its state)
-        def targets(path: Path, trainer: Mapping[str, Any]) -> dict[str, Any]:
-            # before DCP writes into the model's shards
-            check_run(path, trainer["run"], self._run_shape())
-            return self._state()
-
-        ck = self.checkpoints.load_newest(targets=targets if self.sharded else None)
+        ck = self.checkpoints.load_newest(
+            check=check, targets=(lambda *_: self._state()) if self.sharded else None)
         if ck is None:
             self._print(f"resume: no checkpoint in {self.checkpoints.folder}; starting from "
                         "step 0")
             return None
         t = ck.trainer
-        check_run(ck.path, t["run"], self._run_shape())
+        if changed[0] is not None:
+            self._print(f"resume: checkpoint {ck.path} was {changed[0]}")
         warn_config(ck.path, t.get("config"), self.config)
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -455,8 +456,9 @@ class Trainer:
         noise = self._noise()
         if noise is not None and t.get("noise_scale") is not None:
             noise.load_state_dict(t["noise_scale"])
-        if self.log is not None:
-            self.history = self.log.resume(int(t["metrics_rows"]))
+        if self.log is not None:  # a rank the checkpoint's world lacked has no rows to keep
+            ours = self._ranks()[0] < ck.world_size
+            self.history = self.log.resume(int(t["metrics_rows"]) if ours else 0)
         cursor.seek(t["data"], ck.rank.get("pass_rng"))
         set_rng_state(ck.rank["rng"])
         self.last_checkpoint = ck.path
@@ -465,9 +467,11 @@ class Trainer:
         return ck
 
     def _run_shape(self) -> dict[str, Any]:
-        """What an exact resume needs unchanged (``checkpoint.check_run``)."""
+        """The run's shape, checked on resume (``elastic.check_run``): the systems and
+        ranks may change, the rest may not."""
         return {"gbs": self.gbs, "num_csx": self.num_csx, "world_size": self._ranks()[1],
-                "shard": "fsdp" if self.sharded else None}
+                "shard": "fsdp" if self.sharded else None,
+                "model": type(self.model).__name__, "optimizer": type(self.optimizer).__name__}
 
     def _interrupted(self, signum: int, step: int, saved: Path | None) -> TrainingInterrupted:
         if self.progress:
