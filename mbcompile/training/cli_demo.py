@@ -15,26 +15,63 @@ from rich.console import Console
 import mbcompile.compiler as compiler
 from mbcompile.check import relative_error
 from mbcompile.models import make_tiny_gpt, token_batch
-from mbcompile.planning.systems import get_system
+from mbcompile.planning.plan import make_plan
+from mbcompile.planning.systems import SystemSpec, get_system
 from mbcompile.training.cli_messages import EXIT_OK, CommandError, echo
 from mbcompile.training.flags import GlobalFlags
 from mbcompile.training.trainer import Trainer
 
-__all__ = ["DEMO_TOLERANCE", "run_demo"]
+__all__ = ["DEMO_OUTPUTS", "DEMO_TOLERANCE", "run_demo"]
 
 #: The demo's max relative difference above which it fails (float32 rounding is ~1e-7).
 DEMO_TOLERANCE = 1e-4
+#: What the demo's compiled step returns: the loss only, as the Trainer's step in part 4
+#: does, so that both compiles see the same memory and make the same plan.
+DEMO_OUTPUTS = "loss"
 
 
-def _demo_system(model: Any, batch: Any, gbs: int, num_csx: int) -> Any:
-    """The host with memory halfway between the needs of MBS 1 and of no split.
+@dataclasses.dataclass(frozen=True)
+class DemoSystem:
+    """Simulated systems too small for a whole per-system batch, and the figures why."""
 
-    On the real host a tiny GPT fits whole, and auto rightly keeps it whole; the
-    demo is about microbatching, so it runs on systems that need it.
+    spec: SystemSpec
+    pbs: int  # the per-system batch
+    whole: float  # the least modelled peak of a whole per-system batch, checkpointed or not
+
+
+def _demo_system(model: Any, batch: Any, gbs: int, num_csx: int) -> DemoSystem | None:
+    """The host with memory halfway between the least any split needs (MBS 1 with
+    activation checkpointing) and the least a whole per-system batch needs (with or
+    without it), or None when a system holds one sample and there is nothing to split.
+
+    On the real host a tiny GPT fits whole, and auto rightly keeps it whole; the demo is
+    about microbatching, so it runs on systems where no plan without a split fits, and
+    auto's choice between the splits that do (with checkpointing or without) is its own.
     """
-    peak = [compiler.compile(model, gbs, num_csx, mbs, example_inputs=batch, compile_only=True
-                             ).estimate.memory.peak for mbs in (1, "none")]
-    return dataclasses.replace(get_system("host"), name="demo", memory_bytes=sum(peak) / 2)
+    pbs = make_plan(gbs, num_csx, "none").pbs
+    if pbs < 2:
+        return None
+
+    def peak(mbs: int, recompute: bool) -> float:
+        return compiler.compile(model, gbs, num_csx, mbs, example_inputs=batch,
+                                compile_only=True, recompute=recompute, outputs=DEMO_OUTPUTS
+                                ).estimate.memory.peak
+
+    least = peak(1, True)
+    whole = min(peak(pbs, True), peak(pbs, False))
+    spec = dataclasses.replace(get_system("host"), name="demo", memory_bytes=(least + whole) / 2)
+    return DemoSystem(spec, pbs, whole)
+
+
+def _split_line(plan: Any) -> str:
+    """What the plan does with each system's share, in words."""
+    how = ", with activation checkpointing per block" if plan.recompute else ""
+    if plan.num_microbatches == 1:
+        return f"=> one microbatch per system: each system's whole share at once{how}"
+    least, most = min(plan.per_system_batch_sizes), plan.pbs
+    share = f"{most}" if least == most else f"{least} to {most}"
+    return (f"=> each system's {share} samples run as {plan.num_microbatches} microbatches "
+            f"of at most {plan.mbs}, one after the other{how}")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -49,14 +86,21 @@ def run_demo(args: argparse.Namespace) -> int:
          f"(gbs {gbs}) over {num_csx} simulated systems, mbs={args.mbs}")
     echo()
 
-    system = _demo_system(model, batch, gbs, num_csx) if args.mbs == "auto" else None
-    if system is not None:
-        echo(f"the simulated systems have {system.memory_bytes / 1e3:.0f} kB of memory each: "
-             "too little for a whole per-system batch, so mbs=auto has to split it")
+    demo = _demo_system(model, batch, gbs, num_csx) if args.mbs == "auto" else None
+    if demo is not None:
+        echo(f"the simulated systems have {demo.spec.memory_bytes / 1e3:.0f} kB of memory each: "
+             f"a whole per-system batch of {demo.pbs} needs {demo.whole / 1e3:.0f} kB even with "
+             "activation checkpointing, so mbs=auto has to split it")
+    elif args.mbs == "auto":
+        echo(f"each system holds one sample, so there is nothing to split: try --gbs "
+             f"{4 * num_csx} to see a split")
+    system = None if demo is None else demo.spec
     started = time.perf_counter()
-    cm = compiler.compile(model, gbs, num_csx, args.mbs, example_inputs=batch, system=system)
+    cm = compiler.compile(model, gbs, num_csx, args.mbs, example_inputs=batch, system=system,
+                          outputs=DEMO_OUTPUTS)
     echo(f"1. compiled in {time.perf_counter() - started:.2f} s")
     echo(str(cm.plan))
+    echo(_split_line(cm.plan))
     echo()
     echo("2. the rewritten graph (the body submodule runs once per microbatch):")
     echo(cm.graph_module.code.strip())
@@ -90,7 +134,8 @@ def run_demo(args: argparse.Namespace) -> int:
     batches = [token_batch(gbs, seed=1 + i) for i in range(4)]
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), gbs=gbs,
                       num_csx=num_csx, callbacks=[GlobalFlags(micro_batch_size=args.mbs)],
-                      console=Console(soft_wrap=True), system=system)
+                      console=Console(soft_wrap=True), system=system,
+                      compile_options={"outputs": DEMO_OUTPUTS})
     rows = trainer.fit(batches, max_steps=args.steps)
     echo()
     echo(f"done: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} over {len(rows)} steps. "
