@@ -72,6 +72,12 @@ def test_demo_runs_with_no_files(tmp_path):
     out = result.stdout
     assert "over 4 simulated systems, mbs=auto" in out
     assert "MicrobatchPlan" in out  # the plan, printed
+    # the demo says its systems are too small for a whole per-system batch: both its
+    # compile and the Trainer's must then split it (issue 27, item 7)
+    assert "so mbs=auto has to split it" in out
+    assert int(re.search(r"microbatches per system: (\d+)", out)[1]) >= 2
+    assert re.search(r"=> each system's 4 samples run as \d+ microbatches", out)
+    assert int(re.search(r"train: compiled .* (\d+) microbatches per system", out)[1]) >= 2
     assert "microbatch_loop" in out  # the rewritten graph
     assert "equal to a full-batch step" in out
     assert "train step 5/5: loss" in out
@@ -249,6 +255,20 @@ def test_batch_norm_in_training_compiles_as_a_two_phase_step(tmp_path, capsys, m
     out = capsys.readouterr().out
     assert "two-phase step (a loss that couples samples)" in out
     assert not (tmp_path / "art" / "rejected.dot").exists()
+
+
+def test_compile_plans_the_step_fit_runs_for_a_transformers_model(tmp_path, capsys):
+    """``examples/hf/llama.yaml``: a Llama from its class and config mapping, compiled with
+    the config's ``outputs`` (the loss, as ``fit`` trains it): no logits are kept."""
+    pytest.importorskip("transformers")
+    art = tmp_path / "art"
+    code = main(["compile", str(EXAMPLES / "hf" / "llama.yaml"), "--compile-only", "--out",
+                 str(art)])
+    assert code == 0, capsys.readouterr().err
+    config = json.loads((art / "plan.json").read_text())["config"]
+    assert config["outputs"] == "loss" and config["model_config"]["hidden_size"] == 32
+    graph = (art / "graph.py").read_text()
+    assert "accumulate_sum" in graph and "accumulate_cat" not in graph
 
 
 def test_validate_command(tmp_path, capsys):

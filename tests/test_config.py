@@ -18,6 +18,7 @@ from mbcompile.training.config import (
     build_data,
     build_model,
     build_optimizer,
+    build_trainer,
     compile_options,
     load_config,
 )
@@ -154,7 +155,7 @@ def test_every_config_key_passed_to_compile_is_a_compile_option(tmp_path):
     assert cfg.compile_only and cfg.backend == "torch.distributed"
     for only in ({}, {"compile_only": True}, {"validate_only": True}):
         options = compile_options(cfg, **only)
-        assert set(options) == {"in_dims", "system", "backend", *only}
+        assert set(options) == {"in_dims", "outputs", "system", "backend", *only}
         assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in options)
 
 
@@ -278,3 +279,53 @@ def test_the_sharded_example_reads_as_written():
     assert (cfg.model, cfg.shard, cfg.backend, cfg.num_csx) == ("tiny_gpt", "fsdp",
                                                                 "torch.distributed", 2)
     assert cfg.output_dir.endswith("tiny_gpt_fsdp")
+
+
+def test_outputs_is_what_compile_and_fit_both_use(tmp_path):
+    """``mbcompile compile`` plans the step ``mbcompile fit`` runs (issue 26, item 6):
+    the ``outputs`` key, by default the loss only, reaches both the same way."""
+    for text, outputs in (("", "loss"), ("outputs: all\n", "all"),
+                          ("outputs: [loss, 1]\n", ("loss", 1))):
+        cfg = load_config(write(tmp_path, "model: mlp\nbatch_size: 8\nnum_csx: 2\n" + text))
+        trainer = build_trainer(cfg, log_dir=str(tmp_path / "run"), progress=False)
+        assert cfg.outputs == outputs
+        assert compile_options(cfg)["outputs"] == trainer.compile_options["outputs"] == outputs
+    with pytest.raises(ConfigError, match=r"run.yaml:3: outputs: unknown value 'los' "
+                                          r"\(did you mean 'loss'\?\)"):
+        load_config(write(tmp_path, "model: mlp\nbatch_size: 8\noutputs: los\n"))
+    with pytest.raises(ConfigError, match=r"run.yaml:5: outputs\[1\]: an output is a name or a "
+                                          r"position, got float 1.5"):
+        load_config(write(tmp_path, "model: mlp\nbatch_size: 8\noutputs:\n  - loss\n"
+                                    "  - 1.5\n"))
+
+
+def test_a_transformers_model_from_its_class_and_config(tmp_path):
+    """``model: {class: transformers:LlamaForCausalLM, config: {...}}`` builds
+    ``Class(Class.config_class(**config))``; its mistakes are located like any other."""
+    pytest.importorskip("transformers")
+    cfg = load_config(EXAMPLES / "hf" / "llama.yaml")
+    model = build_model(cfg)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (32, 2)
+    assert torch.equal(next(model.parameters()), next(build_model(cfg).parameters()))  # seeded
+    batch = next(iter(build_data(cfg, "train")))
+    assert batch["input_ids"].shape == (cfg.batch_size, 16)
+    assert torch.isfinite(model(**batch).loss)
+
+    llama = "model:\n  class: transformers:LlamaForCausalLM\n"
+    mistakes = [
+        (llama + "  config: {hidden_sise: 32}\n",
+         r"run.yaml:3: model.config.hidden_sise: LlamaConfig has no argument 'hidden_sise' "
+         r"\(did you mean 'hidden_size'\?\)"),
+        (llama + "  config: {hidden_size: 30, num_attention_heads: 4}\n",
+         r"run.yaml:3: model.config: LlamaConfig\(\*\*config\) failed: .*not a multiple"),
+        (llama, r"run.yaml:1: model: transformers:LlamaForCausalLM is built from a "
+                r"LlamaConfig: give its fields under model.config"),
+        ("model:\n  class: mlp\n  config: {width: 3}\n",
+         r"run.yaml:3: model.config: mlp has no config_class"),
+        ("model:\n  class: mlp\n  name: mlp\n", r"run.yaml:2: model.class: name and class "
+                                                r"are one key"),
+    ]
+    for text, message in mistakes:
+        with pytest.raises(ConfigError, match=message):
+            load_config(write(tmp_path, text + "batch_size: 8\n"))

@@ -117,7 +117,7 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
     args, kwargs = batch_args(_first_batch(cfg, phase))
     what = "validate-only" if validate_only else "compile-only" if compile_only else "compile"
     echo(f"{what}: {cfg.model} ({phase} phase), gbs {cfg.batch_size} over {cfg.num_csx} "
-         f"system{'s' if cfg.num_csx != 1 else ''}, mbs={mbs}")
+         f"system{'s' if cfg.num_csx != 1 else ''}, mbs={mbs}, outputs={options['outputs']}")
     started = time.perf_counter()
     try:
         cm = compiler.compile(model, cfg.batch_size, cfg.num_csx, mbs,

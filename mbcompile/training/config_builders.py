@@ -27,14 +27,20 @@ def _model_target(cfg: Config) -> Any:
 
 
 def _model_path(cfg: Config) -> Path_:
-    return ("model", "name") if ("model", "name") in cfg.marks.keys else ("model",)
+    for key in ("name", "class"):
+        if ("model", key) in cfg.marks.keys:
+            return ("model", key)
+    return ("model",)
 
 
 def build_model(cfg: Config) -> nn.Module:
-    """The model, with weights drawn from ``cfg.seed``."""
+    """The model, with weights drawn from ``cfg.seed``; a transformers model from its
+    config, ``Class(Class.config_class(**cfg.model_config), **cfg.model_kwargs)``."""
     torch.manual_seed(cfg.seed)
+    target = _model_target(cfg)
     try:
-        model = _model_target(cfg)(**cfg.model_kwargs)
+        config = () if cfg.model_config is None else (target.config_class(**cfg.model_config),)
+        model = target(*config, **cfg.model_kwargs)
     except Exception as exc:
         raise cfg.error(_model_path(cfg), f"building the model {cfg.model!r} failed: "
                         f"{type(exc).__name__}: {exc}") from exc
@@ -143,8 +149,10 @@ def build_callbacks(cfg: Config, mbs: Any = None) -> list[Callback]:
 def compile_options(cfg: Config, *, compile_only: bool = False,
                     validate_only: bool = False) -> dict[str, Any]:
     """The keyword options of ``mbcompile.compile`` that ``cfg`` sets: ``in_dims``,
-    ``system``, ``backend``, ``compile_only`` and ``validate_only`` (``mbcompile compile``)."""
-    options: dict[str, Any] = {"in_dims": cfg.in_dims}
+    ``outputs``, ``system``, ``backend``, ``compile_only`` and ``validate_only``
+    (``mbcompile compile``). ``outputs`` is the one ``build_trainer`` hands the Trainer,
+    so that ``compile`` plans the step ``fit`` runs."""
+    options: dict[str, Any] = {"in_dims": cfg.in_dims, "outputs": cfg.outputs}
     if cfg.system is not None:
         options["system"] = cfg.system
     if cfg.backend != "simulated":
@@ -176,7 +184,7 @@ def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
                    backend=None if cfg.backend == "simulated" else cfg.backend,
                    in_dims=cfg.in_dims, log_dir=log_dir,
                    log_every=cfg.log_every, progress=progress, console=console,
-                   compile_options=compile_options,
+                   compile_options={"outputs": cfg.outputs, **(compile_options or {})},
                    checkpoint_dir=checkpoint_dir or os.path.join(log_dir, "checkpoints"),
                    checkpoint_every=cfg.checkpoint_every,
                    keep_checkpoints=cfg.keep_checkpoints, config=cfg.to_plain(),

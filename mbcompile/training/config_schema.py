@@ -23,6 +23,7 @@ import mbcompile.models as models
 from mbcompile.errors import MbcompileError
 from mbcompile.planning import systems
 from mbcompile.planning.plan import make_plan
+from mbcompile.request import OUTPUT_MODES
 from mbcompile.training.config_checks import (
     Checks,
     optimizer_classes,
@@ -63,7 +64,8 @@ DEFAULT_OUTPUT_ROOT = "mbcompile-artifacts"
 
 #: Top-level keys: what each holds (also the text of "missing key" errors).
 TOP_KEYS: dict[str, str] = {
-    "model": "a built-in model name (tiny_gpt, mlp, cnn) or {name, kwargs}",
+    "model": "a built-in model name (tiny_gpt, mlp, cnn), {name, kwargs}, or a transformers "
+             "model as {class: transformers:LlamaForCausalLM, config: {<its config's fields>}}",
     "data": "'synthetic' (default) or {source: package.module:factory, kwargs}",
     "batch_size": "the global batch size (GBS), an int >= 1",
     "num_csx": "the number of systems, an int >= 1 (default 1)",
@@ -79,13 +81,18 @@ TOP_KEYS: dict[str, str] = {
     "validate_only": "true: stop after capture and batch analysis",
     "lr_scaling": "{reference_batch_size, rule: linear | sqrt | none, warmup_steps}",
     "shard": "'none' (default) or 'fsdp': fully_shard each repeated block and the root",
+    "outputs": "what a training step returns, for compile and fit alike: 'loss' (default: "
+               "the logits are never kept), 'all', or a list of output names",
 }
 LR_SCALING_KEYS = ("reference_batch_size", "rule", "warmup_steps")
 REQUIRED_TOP = ("model", "batch_size")
 FIT_KEYS = {"max_steps": 10, "val_steps": 2, "val_every": None, "log_every": 1,
             "checkpoint_every": None, "keep_checkpoints": 2}
 DATA_KEYS = ("source", "kwargs", "seed", "num_batches")
-MODEL_KEYS = ("name", "kwargs")
+MODEL_KEYS = ("name", "class", "kwargs", "config")  # name and class are one key, two spellings
+#: ``outputs:`` when the config sets none: what ``Trainer`` returns without metrics, so
+#: that ``mbcompile compile`` plans the step ``mbcompile fit`` runs.
+DEFAULT_OUTPUTS = "loss"
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,10 @@ class Config:
     checkpoint_every: int | None = None  # steps between checkpoints (None: at the end only)
     keep_checkpoints: int = 2  # the newest checkpoints kept
     shard: str = "none"  # "fsdp": the Trainer shards the model with FSDP2 (SHARDS)
+    #: ``model.config``: the fields of a transformers model's config, built as
+    #: ``model_class.config_class(**model_config)`` and passed first (None: no config).
+    model_config: Mapping[str, Any] | None = None
+    outputs: Any = DEFAULT_OUTPUTS  # compile's ``outputs``: "loss", "all" or output names
 
     @property
     def builtin(self) -> bool:
@@ -152,7 +163,7 @@ def parse_config(data: Any, marks: Marks) -> Config:
     """Validate the document ``data`` (its lines in ``marks``) into a ``Config``."""
     v = _Validator(marks)
     top = v.mapping((), data, TOP_KEYS, REQUIRED_TOP)
-    model, model_kwargs = v.model(top["model"])
+    model, model_kwargs, model_config = v.model(top["model"])
     data_source, data_kwargs, data_seed, num_batches = v.data(top.get("data", SYNTHETIC), model)
     batch_size = v.integer(("batch_size",), top["batch_size"], 1)
     num_csx = v.integer(("num_csx",), top.get("num_csx", 1), 1)
@@ -176,6 +187,7 @@ def parse_config(data: Any, marks: Marks) -> Config:
     seed = v.integer(("seed",), top.get("seed", 0), 0)
     lr_scaling = v.lr_scaling(top.get("lr_scaling"))
     in_dims = v.in_dims(top.get("in_dims", 0))
+    outputs = v.outputs(top.get("outputs", DEFAULT_OUTPUTS))
     output_dir = top.get("output_dir")
     if output_dir is None:
         output_dir = os.path.join(DEFAULT_OUTPUT_ROOT, Path(marks.file).stem)
@@ -189,7 +201,8 @@ def parse_config(data: Any, marks: Marks) -> Config:
         val_every=fit["val_every"], log_every=fit["log_every"], in_dims=in_dims, seed=seed,
         output_dir=output_dir, compile_only=compile_only, validate_only=validate_only,
         lr_scaling=lr_scaling, checkpoint_every=fit["checkpoint_every"],
-        keep_checkpoints=fit["keep_checkpoints"], shard=shard, marks=marks)
+        keep_checkpoints=fit["keep_checkpoints"], shard=shard, model_config=model_config,
+        outputs=outputs, marks=marks)
 
 
 
@@ -197,16 +210,26 @@ class _Validator(Checks):
     """The schema, as code: one method per section, each raising a located ``ConfigError``."""
 
     # -------------------------------------------------------------- sections
-    def model(self, value: Any) -> tuple[str, dict[str, Any]]:
+    def model(self, value: Any) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
         path: Path_ = ("model",)
+        config = None
         if isinstance(value, str):
             name, kwargs, name_path = value, {}, path
         else:
-            section = self.mapping(path, value, MODEL_KEYS, ("name",),
+            section = self.mapping(path, value, MODEL_KEYS, (),
                                    " ({name: tiny_gpt, kwargs: {...}}) or a model name")
-            name_path = path + ("name",)
-            name = self.string(name_path, section["name"])
+            spelled = [k for k in ("name", "class") if k in section]
+            if not spelled:
+                raise self.fail(path, "missing required key 'name' (a built-in model or "
+                                "package.module:Class; also spelled class:)", key=True)
+            if len(spelled) > 1:
+                raise self.fail(path + ("class",), "name and class are one key, spelled two "
+                                "ways: keep one", key=True)
+            name_path = path + (spelled[0],)
+            name = self.string(name_path, section[spelled[0]])
             kwargs = self.kwargs(path + ("kwargs",), section.get("kwargs"))
+            if "config" in section:
+                config = self.kwargs(path + ("config",), section["config"])
         if name in BUILTIN_MODELS:
             target: Any = BUILTIN_MODELS[name]
         elif ":" in name:
@@ -218,8 +241,42 @@ class _Validator(Checks):
                             f"{suggest_from(name, BUILTIN_MODELS)}; use a built-in example "
                             f"({', '.join(BUILTIN_MODELS)}) or an import path "
                             "package.module:Class")
-        self.signature_kwargs(path + ("kwargs",), target, kwargs)
-        return name, kwargs
+        if config is not None:
+            self.model_config(path + ("config",), name, target, config)
+        elif isinstance(getattr(target, "config_class", None), type):
+            self.needs_config(path, name, target, kwargs)
+        self.signature_kwargs(path + ("kwargs",), target, kwargs,
+                              provided=("config",) if config is not None else ())
+        return name, kwargs, config
+
+    def model_config(self, path: Path_, name: str, target: Any, config: dict[str, Any]) -> None:
+        """``model.config``: the fields of ``target.config_class`` (a transformers model's),
+        built now so that a bad value is reported here; a key that is not one of its
+        arguments but close to one is a typo (transformers would keep it silently)."""
+        config_class = getattr(target, "config_class", None)
+        if not isinstance(config_class, type):
+            raise self.fail(path, f"{name} has no config_class: model.config builds a "
+                            "transformers model's configuration (Class.config_class(**config)); "
+                            "give this model's arguments under model.kwargs", key=True)
+        known = signature_names(config_class)
+        for k in config:
+            hint = suggest_from(k, known)
+            if k not in known and hint:
+                raise self.fail(path + (k,), f"{config_class.__name__} has no argument {k!r}"
+                                f"{hint}", key=True)
+        try:
+            config_class(**config)
+        except Exception as exc:
+            said = " ".join(str(exc).split())  # one line: transformers' errors span several
+            raise self.fail(path, f"{config_class.__name__}(**config) failed: "
+                            f"{type(exc).__name__}: {said}", key=True) from None
+
+    def needs_config(self, path: Path_, name: str, target: Any, kwargs: dict[str, Any]) -> None:
+        """A transformers model class without ``model.config``: say which key builds it."""
+        if "config" not in kwargs and "config" in signature_names(target):
+            raise self.fail(path, f"{name} is built from a {target.config_class.__name__}: "
+                            "give its fields under model.config ({class: " + name +
+                            ", config: {hidden_size: 32, ...}})", key=True)
 
     def data(self, value: Any, model: str) -> tuple[str, dict[str, Any], int | None, int]:
         path: Path_ = ("data",)
@@ -431,6 +488,27 @@ class _Validator(Checks):
             out["lr_scaling"] = self.choice(path + ("rule",), section["rule"],
                                             ("linear", "sqrt", "none"))
         return out
+
+    def outputs(self, value: Any) -> Any:
+        """``outputs:`` as ``mbcompile.compile`` takes it: a mode, or output names (a
+        dict output's keys) and positions (a tuple output's), kept as a tuple."""
+        path: Path_ = ("outputs",)
+        if isinstance(value, list):
+            if not value:
+                raise self.fail(path, "an empty list keeps no output; list the outputs to "
+                                f"return, or write one of {', '.join(OUTPUT_MODES)}")
+            for i, item in enumerate(value):
+                if isinstance(item, bool) or not isinstance(item, (str, int)):
+                    raise self.fail(path + (i,), f"an output is a name or a position, got "
+                                    f"{type_name(item)} {item!r}")
+            return tuple(value)
+        if isinstance(value, str) and value not in OUTPUT_MODES:
+            raise self.fail(path, f"unknown value {value!r}{suggest_from(value, OUTPUT_MODES)}; "
+                            f"choose one of {', '.join(OUTPUT_MODES)}, or list the outputs")
+        if not isinstance(value, str):
+            raise self.fail(path, f"must be one of {', '.join(OUTPUT_MODES)} or a list of "
+                            f"output names, got {type_name(value)} {value!r}")
+        return value
 
     def in_dims(self, value: Any) -> Any:
         path: Path_ = ("in_dims",)
