@@ -5,7 +5,7 @@ error names the file and the line::
 
     model:
       name: tiny_gpt                # built-in: tiny_gpt, mlp, cnn; or package.module:Class
-      kwargs: {width: 32, depth: 2}
+      kwargs: {width: 32, depth: 2}   # or class: transformers:Llama..., config: {...}
     data: synthetic                 # or {source: package.module:factory, kwargs: {...}}
     batch_size: 16                  # the global batch size (GBS)
     num_csx: 4
@@ -15,6 +15,7 @@ error names the file and the line::
       - ScopedTrainFlags: {micro_batch_size: 2}
     fit: {max_steps: 10, val_steps: 2, checkpoint_every: 5}
     shard: fsdp                     # or none (default): FSDP2 per block and at the root
+    outputs: loss                   # (default) what a step returns, in compile and fit alike
 
 How a file becomes a run:
 
