@@ -65,7 +65,7 @@ def train_and_compare(cm: mbcompile.CompiledModule, model: torch.nn.Module, args
 ])
 def test_output_structure_is_kept(name: str, kind: type) -> None:
     model, batch = MODELS[name](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     out = cm(*batch)
     want = model(*batch)
     assert type(out) is type(want)
@@ -87,7 +87,7 @@ def test_dataclass_output_fields_are_the_right_tensors() -> None:
     """Fields are not shuffled: each has the shape and value of its eager field."""
     model, batch = MODELS["dataclass_out"](10)
     assert isinstance(model, DataclassOutNet)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     with torch.no_grad():
         out, want = cm(*batch), model(*batch)
     assert out.loss.shape == () and out.logits.shape == (10, 4) and out.hidden.shape == (10, 16)
@@ -100,11 +100,11 @@ def test_loss_of_is_the_trained_loss_the_analysis_found(name: str) -> None:
     """``cm.loss_of(output)``: the leaf the batch analysis trains, wherever the output
     keeps it (a dataclass field, a tuple position); one rule for every caller."""
     model, batch = MODELS[name](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     out = cm(*batch)
     assert cm.loss_of(out) is (out.loss if name == "dataclass_out" else tensor_leaves(out)[0][1])
     model, (x,) = MODELS["per_sample"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x,))
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x,), cost_model=False)
     with pytest.raises(InputError, match="no trained loss"):
         cm.loss_of(cm(x))
 
@@ -116,7 +116,7 @@ def test_loss_of_is_the_trained_loss_the_analysis_found(name: str) -> None:
 
 def test_keyword_call() -> None:
     model, (x, y) = MODELS["mlp"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y))
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y), cost_model=False)
     train_and_compare(cm, model, (), {"x": x, "y": y})
     train_and_compare(cm, model, (x,), {"y": y})
 
@@ -130,7 +130,7 @@ def test_compiled_from_example_kwargs_called_positionally() -> None:
 
 def test_non_tensor_arguments_are_fixed_at_compile_time() -> None:
     model, (x, y) = MODELS["flag"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y, True, 2))
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y, True, 2), cost_model=False)
     train_and_compare(cm, model, (x, y, True, 2))
     train_and_compare(cm, model, (x, y), {"double": True, "repeats": 2})
     with pytest.raises(InputError, match="double"):
@@ -142,7 +142,7 @@ def test_non_tensor_arguments_are_fixed_at_compile_time() -> None:
 def test_default_non_tensor_arguments() -> None:
     """Defaults of non-tensor parameters are fixed too; the defaults' graph is the one run."""
     model, (x, y) = MODELS["flag"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y))
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y), cost_model=False)
     train_and_compare(cm, model, (x, y))
     with pytest.raises(InputError, match="double"):
         cm(x, y, double=True)
@@ -169,7 +169,7 @@ def test_unbatched_input_of_other_length_is_not_a_batch_mismatch() -> None:
 def test_in_dims_1_for_time_major_inputs() -> None:
     model, (x, y) = MODELS["time_major"](10)
     assert x.shape[1] == 10
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y), in_dims=1)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y), in_dims=1, cost_model=False)
     rows: list[int] = []
     handle = model.inp.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[1]))
     try:
@@ -190,7 +190,7 @@ def test_in_dims_1_for_time_major_inputs() -> None:
 
 def test_call_with_other_batch_size_is_an_input_error() -> None:
     model, batch = MODELS["mlp"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     _, (x, y) = MODELS["mlp"](12)
     with pytest.raises(InputError, match="gbs=10") as info:
         cm(x, y)
@@ -200,14 +200,14 @@ def test_call_with_other_batch_size_is_an_input_error() -> None:
 
 def test_inputs_disagreeing_on_batch_size() -> None:
     model, (x, y) = MODELS["mlp"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y))
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y), cost_model=False)
     with pytest.raises(InputError):
         cm(x, y[:9])
 
 
 def test_call_with_wrong_arguments() -> None:
     model, (x, y) = MODELS["mlp"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y))
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y), cost_model=False)
     with pytest.raises(InputError):
         cm(x, y, x)
     with pytest.raises(InputError):
@@ -234,7 +234,7 @@ def test_train_after_eval_compile_runs_batch_norm_as_a_two_phase_step() -> None:
     equal to one eager full-batch step (loss, logits, gradients, running statistics)."""
     model, batch = MODELS["batch_norm"](10)
     model.eval()
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     with torch.no_grad():
         cm(*batch)
     cm.train()
@@ -251,7 +251,7 @@ def test_train_after_eval_compile_runs_batch_norm_as_a_two_phase_step() -> None:
 
 def test_parameters_are_the_models_own_objects() -> None:
     model, batch = MODELS["cnn"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     own = list(model.parameters())
     got = list(cm.parameters())
     assert len(got) == len(own)
@@ -260,7 +260,7 @@ def test_parameters_are_the_models_own_objects() -> None:
 
 def test_state_dict_round_trip() -> None:
     model, batch = MODELS["tiny_gpt"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     state = cm.state_dict()
     assert state.keys() == model.state_dict().keys()
     fresh, _ = MODELS["tiny_gpt"](10, seed=5)
@@ -283,7 +283,7 @@ def test_optimizer_step_through_compiled_module_matches_eager() -> None:
     """The user's loop, unchanged: two SGD steps compiled equal two eager steps."""
     model, batch = MODELS["mlp"](10)
     twin, _ = MODELS["mlp"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     opt = torch.optim.SGD(cm.parameters(), lr=0.1, momentum=0.9)
     opt_twin = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     for _ in range(2):
@@ -299,7 +299,7 @@ def test_optimizer_step_through_compiled_module_matches_eager() -> None:
 
 def test_plan_is_frozen_and_printable() -> None:
     model, batch = MODELS["mlp"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     assert isinstance(cm.plan, mbcompile.MicrobatchPlan)
     assert (cm.plan.gbs, cm.plan.num_csx, cm.plan.mbs) == (10, 3, 2)
     assert cm.plan.per_system_batch_sizes == (4, 3, 3)
@@ -313,5 +313,5 @@ def test_compile_warns_nothing_for_a_supported_plan() -> None:
     model, batch = MODELS["tiny_gpt"](10)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+        cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
         cm(*batch)[0].backward()

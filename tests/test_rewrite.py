@@ -62,7 +62,7 @@ def check_golden(name: str, text: str) -> None:
 @pytest.fixture
 def mlp_10_3_2() -> tuple[mbcompile.CompiledModule, torch.nn.Module, tuple]:
     model, batch = MODELS["mlp"](10)
-    return mbcompile.compile(model, 10, 3, 2, example_inputs=batch), model, batch
+    return mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False), model, batch
 
 
 def test_golden_mlp_gbs10_csx3_mbs2(mlp_10_3_2) -> None:
@@ -132,7 +132,7 @@ def test_graphs_lint_and_original_is_annotated(name: str) -> None:
     model, batch = MODELS[name](10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mbcompile.RetainedActivationsWarning)
-        cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+        cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     cm.graph_module.graph.lint()
     cm.graph_module.body.graph.lint()
     cm.original_graph_module.graph.lint()
@@ -157,7 +157,7 @@ def test_facts_of_the_mlp(mlp_10_3_2) -> None:
 @pytest.mark.parametrize("name", ["mlp", "tiny_gpt", "cnn", "dict_out"])
 def test_original_graph_module_runs_and_equals_eager(name: str) -> None:
     model, batch = MODELS[name](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     with torch.no_grad():
         flat = cm.original_graph_module(*batch)
         want = [t for _, t in tensor_leaves(model(*batch))]
@@ -169,7 +169,7 @@ def test_original_graph_module_runs_and_equals_eager(name: str) -> None:
 def test_rewritten_graph_equals_the_graph_before_the_pass(name: str) -> None:
     """The pass alone: the rewritten GraphModule, called directly, equals the captured one."""
     model, batch = MODELS[name](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     with torch.no_grad():
         got = cm.graph_module(*batch)
         want = cm.original_graph_module(*batch)
@@ -179,8 +179,8 @@ def test_rewritten_graph_equals_the_graph_before_the_pass(name: str) -> None:
 @pytest.mark.parametrize("name", ["mlp", "tiny_gpt", "cnn", "two_losses"])
 def test_compiling_twice_gives_the_same_graph(name: str) -> None:
     model, batch = MODELS[name](10)
-    first = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
-    second = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
+    first = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
+    second = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
     assert printout(first) == printout(second)
     assert first.original_graph_module.code == second.original_graph_module.code
     # A fresh, equal model compiles to the same code as well.
@@ -190,8 +190,8 @@ def test_compiling_twice_gives_the_same_graph(name: str) -> None:
 
 def test_plan_changes_only_the_split_and_loop() -> None:
     model, batch = MODELS["mlp"](10)
-    a = mbcompile.compile(model, 10, 3, 2, example_inputs=batch)
-    b = mbcompile.compile(model, 10, 2, 1, example_inputs=batch)
+    a = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
+    b = mbcompile.compile(model, 10, 2, 1, example_inputs=batch, cost_model=False)
     assert normalise(a.graph_module.body.code) == normalise(b.graph_module.body.code)
     assert a.graph_module.code != b.graph_module.code
 
