@@ -1,4 +1,7 @@
-"""Choosing the MBS: ``"auto"``, ``"explore"``, the memory checks, and measured timing.
+"""Choosing the MBS: ``"auto"``, ``"explore"`` and the memory checks (the search).
+
+What a search evaluated and chose is ``exploration.py``'s (``Candidate``,
+``Exploration``, ``Selection``, re-exported here); real timing is ``measure.py``'s.
 
 Everything here works on a :class:`~mbcompile.planning.cost.CostModel` and a
 :class:`~mbcompile.planning.systems.SystemSpec`.  ``compile()`` calls :func:`check_request`
