@@ -122,3 +122,24 @@ def shuffled(batch_size: int, split: str = "train", samples: int = 40,
     loader = torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=split == "train",
                                          drop_last=True)
     return PausingLoader(loader, split)
+
+
+def shuffles_alike(rank: int, world: int) -> None:
+    """A rank of tests/test_elastic_resume.py: ranks whose torch RNGs drifted apart (rank r
+    drew r numbers, as dropout over shares of other sizes does) read a shuffled DataLoader
+    through DataCursors synced by ``broadcast_rng_state``: every pass's order is the same."""
+    import torch.distributed as dist
+
+    from mbcompile.training.data_cursor import DataCursor
+    from mbcompile.training.rng import broadcast_rng_state
+
+    torch.manual_seed(0)
+    torch.rand(rank)
+    loader = torch.utils.data.DataLoader(torch.arange(12), batch_size=4, shuffle=True)
+    cursor = DataCursor(loader, 6, "training",
+                        sync=lambda: broadcast_rng_state(dist.group.WORLD))
+    order = [batch.tolist() for batch in cursor]
+    orders: list[list] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(orders, order)
+    assert all(o == orders[0] for o in orders), orders
+    assert sorted(sum(orders[0][:3], [])) == list(range(12))  # a pass is a permutation

@@ -107,12 +107,14 @@ CONFIG = """
       - GlobalFlags: {{micro_batch_size: 2}}
     lr_scaling: {{reference_batch_size: 4, warmup_steps: 5}}
     fit: {{max_steps: 6, checkpoint_every: 2}}
+    shard: {shard}
 """
 
 
-def config(tmp_path: Path, num_csx: int, gbs: int = GBS) -> str:
-    name = f"run{num_csx}-{gbs}.yaml"
-    (tmp_path / name).write_text(textwrap.dedent(CONFIG.format(gbs=gbs, num_csx=num_csx)))
+def config(tmp_path: Path, num_csx: int, gbs: int = GBS, shard: str = "none") -> str:
+    name = f"run{num_csx}-{gbs}-{shard}.yaml"
+    text = CONFIG.format(gbs=gbs, num_csx=num_csx, shard=shard)
+    (tmp_path / name).write_text(textwrap.dedent(text))
     return name
 
 
@@ -127,15 +129,17 @@ def final_model(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("before,after", [(2, 3), (3, 2)])
-def test_ranks_resume_on_another_number(tmp_path, here, before, after):  # noqa: F811
+@pytest.mark.parametrize("before,after,shard", [(2, 3, "none"), (3, 2, "none"),
+                                                (3, 2, "fsdp")])
+def test_ranks_resume_on_another_number(tmp_path, here, before, after, shard):  # noqa: F811
+    """FSDP2 too: DCP reads the shards of 3 ranks into the DTensors of 2 (resharding)."""
     code, _, err = here("fit", config(tmp_path, before), "--out", "ref")  # one process
     assert code == 0, err
-    code, _, err = here("fit", config(tmp_path, before), "--out", "run", "--nproc",
-                        str(before), "--max-steps", "3")
+    code, _, err = here("fit", config(tmp_path, before, shard=shard), "--out", "run",
+                        "--nproc", str(before), "--max-steps", "3")
     assert code == 0, err
-    code, out, err = here("fit", config(tmp_path, after), "--out", "run", "--nproc",
-                          str(after), "--resume")
+    code, out, err = here("fit", config(tmp_path, after, shard=shard), "--out", "run",
+                          "--nproc", str(after), "--resume")
     assert code == 0, err
     assert f"written with {before} systems on {before} processes, resumed with {after} on " \
            f"{after}" in out
@@ -147,9 +151,33 @@ def test_ranks_resume_on_another_number(tmp_path, here, before, after):  # noqa:
         assert [r["step"] for r in new if r["phase"] == "train"] == [4, 5, 6]
     assert max_difference(final_model(tmp_path / "run"), final_model(tmp_path / "ref")) <= TOL
     # another global batch is refused by every rank, and the command is not suggested again
-    code, _, err = here("fit", config(tmp_path, after, gbs=12), "--out", "run", "--nproc",
-                        str(after), "--resume")
+    code, _, err = here("fit", config(tmp_path, after, gbs=12, shard=shard), "--out", "run",
+                        "--nproc", str(after), "--resume")
     assert code == 1
     assert err.startswith("error: checkpoint run/checkpoints/step-00000006 was written with "
                           "gbs 8 (now 12)"), err
     assert "resume with" not in err and "Traceback" not in err, err
+
+
+def test_ranks_whose_rngs_drifted_apart_shuffle_each_pass_alike():
+    from checkpoint_workers import shuffles_alike
+
+    from mbcompile.execution.launcher import launch
+
+    launch(shuffles_alike, 3)
+
+
+def test_check_run_fixes_gbs_model_optimizer_and_sharding_and_lets_systems_change():
+    from mbcompile.training.elastic import check_run
+
+    run = {"gbs": 8, "num_csx": 2, "world_size": 2, "shard": "fsdp", "model": "FSDPGPT",
+           "optimizer": "AdamW"}
+    assert check_run(Path("ck"), run, run) is None
+    assert check_run(Path("ck"), run, {**run, "num_csx": 4, "world_size": 4}) == (
+        "written with 2 systems on 2 processes, resumed with 4 on 4: the same gbs 8, sample "
+        "order and LR schedule; the plan is recomputed")
+    assert check_run(Path("ck"), run, {**run, "model": "GPT"}) is None  # FSDP2's class name
+    with pytest.raises(CheckpointError, match=r"with model FSDPGPT \(now MLP\), shard fsdp "
+                       r"\(now None\): .*another model's; sharded and unsharded .* Resume "
+                       "it with the model and shard it was written with"):
+        check_run(Path("ck"), run, {**run, "shard": None, "model": "MLP", "world_size": 1})

@@ -2,12 +2,14 @@
 
 A checkpoint stores the cursor's position (the pass over the data and the batches
 read in it) and the RNG states the pass began with; a resumed run seeks a fresh
-cursor there and reads on exactly as the interrupted run would have.
+cursor there and reads on exactly as the interrupted run would have. The position
+counts global batches (on ranks every rank reads the whole batch and takes its
+share), so it carries over to another number of systems or ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from mbcompile.training.batches import TrainerError
@@ -29,11 +31,14 @@ class DataCursor:
     it. ``seek`` puts a fresh cursor where a checkpoint's was: earlier passes are
     read through and dropped, and the current one is started from the RNG states it
     began with (a DataLoader draws its shuffle there), then read up to the position.
+    ``sync`` (on ranks: ``rng.broadcast_rng_state``) runs before each pass starts, so
+    that every rank draws the same shuffle.
     """
 
     def __init__(self, data: Iterable[Any], limit: int | None, what: str,
-                 track_rng: bool = True) -> None:
+                 track_rng: bool = True, sync: Callable[[], None] | None = None) -> None:
         self.data, self.limit, self.what, self.track_rng = data, limit, what, track_rng
+        self.sync = sync
         self.batches = 0  # handed out in this fit
         self.passes = 0  # passes started
         self.in_pass = 0  # batches read in the current pass
@@ -45,6 +50,8 @@ class DataCursor:
         return {"batches": self.batches, "passes": self.passes, "in_pass": self.in_pass}
 
     def _start_pass(self) -> None:
+        if self.sync is not None:
+            self.sync()
         if self.track_rng:
             self.pass_rng = rng_state()
         it = iter(self.data)

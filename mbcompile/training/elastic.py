@@ -47,11 +47,18 @@ VOLATILE_CONFIG = frozenset({"file", "output_dir", "max_steps", "val_steps", "va
                              "log_every", "checkpoint_every", "keep_checkpoints", "num_csx"})
 
 
+def _same(key: str, then: Any, now: Any) -> bool:
+    if key == "model":  # FSDP2 names a sharded model's class FSDP<its class>
+        return str(then).removeprefix("FSDP") == str(now).removeprefix("FSDP")
+    return then == now
+
+
 def check_run(path: Path, written: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
     """Refuse to resume from checkpoint ``path`` if a ``FIXED`` part of the run's shape
     ``now`` differs from the one it was ``written`` with; else say what changed among
     ``ELASTIC`` (None: nothing). Keys a checkpoint lacks are not compared."""
-    differ = [k for k in FIXED if k in written and k in now and written[k] != now[k]]
+    differ = [k for k in FIXED if k in written and k in now
+              and not _same(k, written[k], now[k])]
     if differ:
         what = ", ".join(f"{k} {written[k]} (now {now[k]})" for k in differ)
         why = "; ".join(FIXED[k] for k in differ)

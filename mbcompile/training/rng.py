@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["preserved_rng", "rng_state", "set_rng_state"]
+__all__ = ["broadcast_rng_state", "preserved_rng", "rng_state", "set_rng_state"]
 
 
 def _numpy() -> Any:
@@ -56,6 +56,23 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if np is not None and "numpy" in state:
         name, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def broadcast_rng_state(group: Any) -> None:
+    """Give every rank of ``group`` rank 0's host RNG states (torch CPU, Python, numpy).
+
+    Ranks draw different numbers inside the model (dropout over shares of other sizes),
+    so their global RNGs drift apart; a data pass started from them would shuffle the
+    data differently on each rank, and the ranks' shares would no longer make up one
+    global batch. Each rank's CUDA generators stay its own.
+    """
+    import torch.distributed as dist
+
+    state = rng_state()
+    state.pop("cuda", None)
+    box = [state]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    set_rng_state(box[0])
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ With ``Trainer(..., shard="fsdp")`` (torch.distributed ranks) the model is shard
 ``shard_model`` (each child of its ``nn.ModuleList`` containers, then the root, as
 torchtitan does) and the optimizer's parameter groups are pointed at the shards;
 checkpoints then hold each rank's shards (``get_state_dict`` / ``set_state_dict``
-through DCP).
+through DCP), which DCP reshards when a run resumes on another number of ranks.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ What one ``fit`` does:
    ``checkpoint_every=``), writes a checkpoint every ``checkpoint_every`` steps and
    at the end; SIGINT and SIGTERM let the current step finish, write one and raise
    ``TrainingInterrupted``; ``fit(..., resume=True)`` continues from the newest good
-   one exactly (see ``mbcompile.training.checkpoint``).
+   one exactly (see ``mbcompile.training.checkpoint``), also on another ``num_csx``
+   or number of ranks at the same ``gbs`` (``mbcompile.training.elastic``).
 
 The pieces it runs on have a file each: the batch forms and the loss in an output
 (``batches``), the position in the data (``data_cursor``), the logged rows
@@ -81,7 +82,7 @@ from mbcompile.training.elastic import check_run, warn_config
 from mbcompile.training.flags import Callback, Flags
 from mbcompile.training.lr_scaling import LRScaling
 from mbcompile.training.metrics import COLUMNS, Metric, MetricsLog, make_row
-from mbcompile.training.rng import preserved_rng, rng_state, set_rng_state
+from mbcompile.training.rng import broadcast_rng_state, preserved_rng, rng_state, set_rng_state
 from mbcompile.training.sharding import is_fsdp, shard_for_training, shard_model
 from mbcompile.training.signals import StopSignals, describe_signal
 from mbcompile.version import __version__
@@ -506,7 +507,9 @@ class Trainer:
                                "checkpoint_dir= (or log_dir= and checkpoint_every=)")
         group = self._control_group()
         start = len(self.history)
-        cursor = DataCursor(train_data, max_steps, "training")
+        # ranks: each pass starts from rank 0's RNG states, so every rank shuffles alike
+        sync = (lambda: broadcast_rng_state(group)) if group is not None else None
+        cursor = DataCursor(train_data, max_steps, "training", sync=sync)
         step, saved, saved_step = 0, None, None
         if not resume and self.checkpoints is not None and self.last_checkpoint is None:
             self.checkpoints.start_over()  # an earlier run's checkpoints would outrank ours
