@@ -1,7 +1,7 @@
-"""Run the model zoo (``tests/zoo.py``) and print, or write into the README, its table.
+"""Run the model zoo (``tests/zoo.py``) and print, or write into docs/zoo.md, its table.
 
     python benchmarks/zoo_table.py                  # run every model, print the table
-    python benchmarks/zoo_table.py --write-readme   # and replace the README's zoo table
+    python benchmarks/zoo_table.py --write-readme   # and replace the table in docs/zoo.md
     python benchmarks/zoo_table.py llama t5         # only these models (never written)
 
 Each model runs the case ``tests/test_zoo.py`` runs (one training step, GBS 7 over
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 from zoo import FAMILIES, MBS, NUM_CSX, ZOO, Outcome, run_case  # noqa: E402
 
-README = ROOT / "README.md"
+README = ROOT / "docs" / "zoo.md"
 START, END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 
 
@@ -126,7 +126,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="only these models (default: all)")
     parser.add_argument("--write-readme", action="store_true",
-                        help="replace the table between the README's zoo markers")
+                        help="replace the table between docs/zoo.md's zoo markers")
     args = parser.parse_args()
     unknown = set(args.names) - {e.name for e in ZOO}
     if unknown:

@@ -47,7 +47,8 @@ _NAMES = {
     "TrainingInterrupted": "mbcompile.training.checkpoint",
     "read_checkpoint": "mbcompile.training.checkpoint",
     **{name: "mbcompile.passes.errors" for name in (
-        "ArgumentTypeError", "CaptureError", "InputError", "JointStepWarning", "MbcompileError",
+        "ArgumentTypeError", "BatchSizeWarning", "CaptureError", "InputError",
+        "JointStepWarning", "MbcompileError",
         "MbcompileWarning", "MbsAdjustedWarning", "MicrobatchError",
         "PerMicrobatchStatisticsWarning", "MicrobatchOutOfMemoryError", "MixingError",
         "PlanError", "RecompileWarning", "RetainedActivationsWarning",

@@ -13,6 +13,7 @@ samples only in training), and reuses the result on every call.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,7 @@ import torch.nn as nn
 
 from mbcompile.analysis import Analysed, analyse
 from mbcompile.errors import (
+    BatchSizeWarning,
     CaptureError,
     InputError,
     MbcompileError,
@@ -37,6 +39,7 @@ from mbcompile.execution.joint import joint_step
 from mbcompile.execution.live_hooks import unwatch, watch_new_hooks
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.step_config import StepConfig
+from mbcompile.face import ModelFace
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
 from mbcompile.passes import ops, rules
 from mbcompile.passes.batch_analysis import BatchAnalysis
@@ -46,7 +49,7 @@ from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.passes.state_updates import StateUpdates
 from mbcompile.planning.explore import Selection, compile_only_error
-from mbcompile.planning.plan import MicrobatchPlan
+from mbcompile.planning.plan import MicrobatchPlan, parse_mbs, per_system_batch_sizes
 from mbcompile.reports.report import Validation, render, validation_of
 from mbcompile.request import (
     Request,
@@ -74,7 +77,7 @@ class _Compiled:
     guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
 
 
-class CompiledModule(nn.Module):
+class CompiledModule(ModelFace, nn.Module):
     """A model compiled for microbatching: call it like the model.
 
     Attributes: ``plan`` (a ``MicrobatchPlan``), ``graph_module`` (the rewritten
@@ -83,7 +86,11 @@ class CompiledModule(nn.Module):
     ``estimate`` (modelled memory and step time of the plan on ``system``) and
     ``exploration`` (the MBS values the choice evaluated); ``report()`` says it all.
     Parameters are the model's own (shared, not copied); ``state_dict()`` is the
-    model's, so it loads into the original and back.
+    model's, so it loads into the original and back. It looks like the model
+    (``mbcompile.face``): attributes it does not have are the model's (``cm.config``,
+    ``cm.generate(...)``), and ``inspect.signature(cm.forward)`` is the model's forward's.
+    A batch of another size than ``gbs`` is planned and compiled on first sight, once per
+    size, with a ``BatchSizeWarning`` (unless compiled with ``batch_sizes="fixed"``).
     """
 
     def __init__(self, request: Request, selection: Selection, plan: MicrobatchPlan,
@@ -102,6 +109,8 @@ class CompiledModule(nn.Module):
         object.__setattr__(self, "backend", request.backend)
         object.__setattr__(self, "noise_scale", request.noise_scale)
         object.__setattr__(self, "_signature", request.signature)
+        object.__setattr__(self, "_face_signature", inspect.signature(request.inner.forward))
+        object.__setattr__(self, "_variants", {})  # batch size -> the module compiled for it
         object.__setattr__(self, "_inputs", request.inputs)
         object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
         object.__setattr__(self, "_cache", {})
@@ -264,10 +273,12 @@ class CompiledModule(nn.Module):
                     f"gbs={self.plan.gbs} is {local} (plan.per_system_batch_sizes[{self.rank}]); "
                     "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank)")
         elif batch is not None and batch != self.plan.gbs:
-            raise InputError(
-                f"the batch has {batch} samples but the module was compiled for "
-                f"gbs={self.plan.gbs}; pass batches of {self.plan.gbs} samples, or compile "
-                f"again with gbs={batch}")
+            if self._request.batch_sizes == "fixed":
+                raise InputError(
+                    f"the batch has {batch} samples but the module was compiled for "
+                    f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "
+                    f"{self.plan.gbs} samples, or compile with batch_sizes='any'")
+            return self._for_batch(batch, bound.arguments)(*args, **kwargs)
         if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned
                 and any(p.requires_grad for p in self.module.parameters())):
             object.__setattr__(self, "_warned", True)
@@ -282,6 +293,36 @@ class CompiledModule(nn.Module):
             self._write_state(state, flat[state.n_outputs:], bound.arguments)
             flat = flat[:state.n_outputs]
         return compiled.output_spec.rebuild(flat)
+
+    def _for_batch(self, batch: int, arguments: Mapping[str, Any]) -> CompiledModule:
+        """The module compiled for batches of ``batch`` samples (see ``_variant``)."""
+        return self._variants.get(batch) or self._variant(
+            batch, dataclasses.replace(self._request, example=dict(arguments)), batch,
+            f"a batch of {batch} samples, where {type(self.module).__name__} was compiled "
+            f"for gbs={self.plan.gbs}")
+
+    def _variant(self, key: Any, request: Request, batch: int, why: str) -> CompiledModule:
+        """Compile ``request`` for ``batch`` samples, once, and keep it under ``key``: the
+        same options and MBS policy (an int MBS capped at the new per-system batch; fewer
+        samples than systems leave systems idle), the call as its example."""
+        start = time.perf_counter()
+        systems = min(request.num_csx, batch)
+        policy = request.policy
+        pbs = per_system_batch_sizes(batch, systems)[0]
+        if policy.mode == "int" and (policy.value or 0) > pbs:
+            policy = parse_mbs(pbs)
+        compiled = _compile_request(dataclasses.replace(
+            request, gbs=batch, num_csx=systems, policy=policy))
+        self._variants[key] = compiled
+        plan = compiled.plan
+        warnings.warn(
+            f"{why}: planned and compiled once for it ({batch} samples on {systems} "
+            f"system{'s' if systems > 1 else ''}, mbs={plan.mbs}, {plan.num_microbatches} "
+            f"microbatch{'es' if plan.num_microbatches > 1 else ''} per system) in "
+            f"{time.perf_counter() - start:.1f} s, and kept for later calls like it "
+            "(compile(..., batch_sizes='fixed') makes another batch size an error)",
+            BatchSizeWarning, stacklevel=user_stacklevel())
+        return compiled
 
     def _write_state(self, state: StateUpdates, new: Sequence[Any],
                      arguments: Mapping[str, Any]) -> None:
@@ -456,67 +497,16 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             torch_compile: bool | Mapping[str, Any] = False, recompute: bool | str = "auto",
             reshard_after_forward: bool | str = "auto", compile_only: bool = False,
             validate_only: bool = False,
-            measure: bool | int = False, cost_model: bool = True) -> CompiledModule | Validation:
+            measure: bool | int = False, cost_model: bool = True,
+            batch_sizes: str = "any") -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
-    ``mbs`` is ``"auto"`` (chosen from the memory and time model), ``"none"`` (no
-    split), an int, or ``"explore"`` / ``{"explore": {"min": a, "max": b}}`` (every
-    MBS in range; needs ``compile_only=True``; ``cm.report()`` says which to pin).
-    ``system`` is a preset name (``"host"``, ``"wafer-sim"``, ``"a100-80gb"``,
-    ``"a100-40gb"``, ``"h100-80gb"``) or a ``SystemSpec``; None means ``"host"``.
-    A plan whose modelled peak memory exceeds the system's raises ``DoesNotFitError``.
-    ``example_inputs``/``example_kwargs`` are one example call (any batch size);
-    ``in_dims`` gives the batch dim of the tensor inputs, vmap style: an int for
-    all, a tuple per positional input, or a dict per keyword (None: unbatched).
-    ``backend`` is ``"simulated"`` (every system in this process, one after the
-    other) or ``"torch.distributed"`` (this process is rank r = system r of an
-    initialised process group of ``num_csx`` ranks, called with its own share).
-    ``measure_noise_scale`` estimates the gradient noise scale every training step
-    from the microbatch gradients (``cm.noise_scale``, see ``mbcompile.execution.noise``);
-    pass a ``NoiseScale(decay=...)`` to choose the smoothing.
-    ``capture`` is ``"auto"`` (torch.fx symbolic tracing, and ``torch.export`` with a
-    dynamic batch dim when tracing fails, as for HuggingFace models), ``"fx"`` or
-    ``"export"``.
-    ``batch_norm="per_microbatch"`` lets BatchNorm in training use each microbatch's
-    statistics, as a hand-written loop does (a ``PerMicrobatchStatisticsWarning``, and a
-    note in ``plan.warnings``: not the full-batch result); the default ``"full_batch"``
-    keeps the full batch's statistics (a two-phase step, or ``MixingError`` with
-    ``coupling="reject"``), since a plain split would change the result.
-    ``coupling="two_phase"`` (the default) runs a graph whose ops mix samples (a
-    contrastive loss, ``x @ x.T``, ``loss.sqrt()``, BatchNorm in training) exactly, as a
-    two-phase step: the per-sample part per microbatch, the coupled part once on the
-    whole batch (see ``passes/coupling.py``), when its memory fits the system;
-    ``coupling="reject"`` raises ``MixingError`` for such graphs instead.
-    ``outputs`` says what a training step (the model in training mode) returns:
-    ``"all"`` (default: what the model returns), ``"loss"`` (the trained loss; the
-    other outputs come back as None and are never kept per microbatch, so the memory
-    model counts only the loss and ``auto`` can choose a larger MBS), or a list of
-    output names (keys of a dict or dataclass output such as HuggingFace's ``logits``,
-    or tuple positions) kept beside the loss. In eval mode every output is returned.
-    ``torch_compile=True`` (or a dict of ``torch.compile`` keyword arguments, such as
-    ``{"backend": "aot_eager"}`` where no C++ compiler is installed for inductor)
-    compiles the body, and a two-phase step's coupled part, for each microbatch shape
-    the plan holds (static shapes: compiled on the first step, never again).
-    ``recompute`` is activation checkpointing per repeated block (``passes/recompute.py``):
-    ``"auto"`` (default: evaluated beside the plain plan where memory stops the MBS from
-    growing, and kept when faster or when nothing fits without it), True or False.
-    ``reshard_after_forward`` is FSDP2's setting for a model sharded with ``fully_shard``
-    (every unit but the root): ``"auto"`` (default: both are planned and the faster plan
-    that fits is kept, jointly with the MBS; kept gathered from forward to backward halves
-    the all-gathers and holds every unit at the peak), True or False. It holds during
-    compiled steps only; the model's own setting is back after each.
-    ``compile_only=True`` traces, analyses, plans and estimates, and returns a
-    module that raises ``CompileOnlyError`` when called; ``validate_only=True``
-    stops after capture and batch analysis and returns a ``Validation``.
-    ``measure=True`` (or a repetition count) also times real forward+backward on
-    the model's device for each MBS evaluated, reported beside the model.
-    ``cost_model=False`` plans without the cost model: no fake-tensor probes of the graph
-    (most of a small model's compile time), no estimate, nothing checked against memory;
-    for tests and runs that need no memory plan. It takes an int ``mbs`` or ``"none"``
-    (planned as asked) and no ``system`` or ``measure``; ``recompute="auto"`` then means
-    no activation checkpointing, and a two-phase step runs unchecked. ``cm.estimate`` is
-    None and ``cm.report()`` says the cost model was not asked for.
-    Raises ``MixingError`` when splitting the batch would change the result.
+    ``mbs`` is ``"auto"``, ``"none"``, an int, or ``"explore"``; ``example_inputs`` /
+    ``example_kwargs`` are one example call (any batch size). Returns a ``CompiledModule``
+    (a ``Validation`` with ``validate_only=True``). Raises ``MixingError`` when splitting
+    the batch would change the result and no two-phase step fits, and
+    ``DoesNotFitError`` when the plan exceeds the system's memory. Every parameter is
+    described once, in docs/api.md.
     """
     request = make_request(model, gbs, num_csx, mbs, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, in_dims=in_dims, system=system,
@@ -525,21 +515,36 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                            outputs=outputs, torch_compile=torch_compile, recompute=recompute,
                            reshard_after_forward=reshard_after_forward,
                            compile_only=compile_only, validate_only=validate_only,
-                           measure=measure, cost_model=cost_model)
+                           measure=measure, cost_model=cost_model, batch_sizes=batch_sizes)
+    if validate_only:
+        return _validate(request)
+    return _compile_request(request)
+
+
+def _validate(request: Request) -> Validation:
     start = time.perf_counter()
     try:
-        analysed = analyse(request, validating=validate_only)
-        if validate_only:
-            return validation_of(request.name, gbs, num_csx, analysed.captured.graph_module,
-                                 time.perf_counter() - start, analysed.rejected,
-                                 two_phase=analysed.mode == "two_phase")
+        analysed = analyse(request, validating=True)
+    except MbcompileError:
+        raise
+    except Exception as exc:  # a pass crashed: say so with the model's name
+        raise _crashed(request.model, exc) from exc
+    return validation_of(request.name, request.gbs, request.num_csx,
+                         analysed.captured.graph_module, time.perf_counter() - start,
+                         analysed.rejected, two_phase=analysed.mode == "two_phase")
+
+
+def _compile_request(request: Request) -> CompiledModule:
+    """The chain after the request: analysis, selection, the compiled module."""
+    try:
+        analysed = analyse(request)
         selection = select(request, analysed)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name
         raise _crashed(request.model, exc) from exc
     rank = None
-    if backend == "torch.distributed":
+    if request.backend == "torch.distributed":
         from mbcompile.execution.distributed import check_world
 
         rank = check_world(selection.plan)

@@ -31,10 +31,11 @@ from mbcompile.planning.plan import MbsPolicy, parse_mbs, per_system_batch_sizes
 from mbcompile.planning.systems import SystemSpec, get_system
 
 __all__ = ["BATCH_NORM_MODES", "CAPTURES", "COUPLING_MODES", "OUTPUT_MODES", "Inputs",
-           "Request", "batch_size", "check_layout", "input_layout", "leaf_name", "leaves",
-           "make_request", "same_value"]
+           "BATCH_SIZES", "Request", "batch_size", "check_layout", "input_layout", "leaf_name",
+           "leaves", "make_request", "same_value"]
 
 CAPTURES = ("auto", "fx", "export")
+BATCH_SIZES = ("any", "fixed")
 BATCH_NORM_MODES = ("full_batch", "per_microbatch")
 COUPLING_MODES = ("two_phase", "reject")
 OUTPUT_MODES = ("all", "loss")
@@ -75,6 +76,7 @@ class Request:
     validate_only: bool = False
     measure: int = 0  # repetitions of real timing per candidate (0: none)
     cost_model: bool = True  # False: planned without the cost model's fake-tensor probes
+    batch_sizes: str = "any"  # "any": other batch sizes are planned on first sight; "fixed"
 
     @property
     def values(self) -> list[Any]:
@@ -103,7 +105,8 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
                  outputs: Any = "all", torch_compile: bool | Mapping[str, Any] = False,
                  recompute: bool | str = "auto", reshard_after_forward: bool | str = "auto",
                  compile_only: bool = False, validate_only: bool = False,
-                 measure: bool | int = False, cost_model: bool = True) -> Request:
+                 measure: bool | int = False, cost_model: bool = True,
+                 batch_sizes: str = "any") -> Request:
     """Check every option of ``compile()`` (the same arguments) and bind the example call;
     raises before anything is traced (DESIGN.md invariant 9: fail fast)."""
     model = _check_module(model)
@@ -132,6 +135,8 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         raise InputError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
     if coupling not in COUPLING_MODES:
         raise InputError(f"coupling must be one of {COUPLING_MODES}, got {coupling!r}")
+    if batch_sizes not in BATCH_SIZES:
+        raise InputError(f"batch_sizes must be one of {BATCH_SIZES}, got {batch_sizes!r}")
     spec = get_system(system)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
     check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
@@ -146,7 +151,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         reshard=_check_reshard(reshard_after_forward, bool(units)),
         shard=_shard_spec(units, num_csx), noise_scale=_noise_scale(measure_noise_scale),
         compile_only=compile_only, validate_only=validate_only, measure=_repetitions(measure),
-        cost_model=cost_model)
+        cost_model=cost_model, batch_sizes=batch_sizes)
 
 
 # --------------------------------------------------------------------------- #
@@ -222,14 +227,16 @@ def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: A
     dims: list[int | None] = []
     for name in names:
         value = values[name]
+        explicit = True
         if isinstance(in_dims, (tuple, list)) and name in positional:
             d = in_dims[positional.index(name)]
-        elif isinstance(in_dims, dict):
-            d = in_dims.get(name, 0)
-        elif isinstance(in_dims, (tuple, list)):
-            d = 0
+        elif isinstance(in_dims, dict) and name in in_dims:
+            d = in_dims[name]
         else:
-            d = in_dims
+            d = in_dims if not isinstance(in_dims, (tuple, list, dict)) else 0
+            explicit = False
+        if not explicit and isinstance(value, torch.Tensor) and value.dim() == 0:
+            d = None  # a scalar (a token count, a temperature) has no batch dim to split
         has_tensor = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
         if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
             raise ArgumentTypeError(f"in_dims for input {name!r} must be an int or None, "
@@ -256,6 +263,10 @@ def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False) 
                 raise InputError(
                     f"in_dims gives input {leaf_name(name, path)} batch dim {d}: negative "
                     f"dims are not supported; count from the front (in_dims={t.dim() + d} here)")
+            if t.dim() == 0:
+                raise InputError(
+                    f"input {leaf_name(name, path)} is a scalar (a 0-dim tensor), which has no "
+                    f"batch dim, but in_dims gives it {d}; give it None")
             if t.dim() <= d:
                 raise InputError(
                     f"in_dims gives input {leaf_name(name, path)} batch dim {d}, but it has "

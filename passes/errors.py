@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "ArgumentTypeError",
+    "BatchSizeWarning",
     "CaptureError",
     "InputError",
     "JointStepWarning",
@@ -84,6 +85,11 @@ class RetainedActivationsWarning(MbcompileWarning):
 class RecompileWarning(MbcompileWarning):
     """Python state the graph was built from changed since compile (an attribute forward
     reads, a hook, a parameter's ``requires_grad``): the module compiles again for it."""
+
+
+class BatchSizeWarning(MbcompileWarning):
+    """A call brought a batch of another size than ``gbs``: the module planned and compiled
+    it once for that size (``compile(..., batch_sizes="fixed")`` makes it an error)."""
 
 
 class JointStepWarning(MbcompileWarning):

@@ -241,9 +241,11 @@ def test_in_dims_on_a_zero_dim_tensor():
     model = Temperature().to(DTYPE)
     batch = (torch.randn(GBS, 4, dtype=DTYPE), torch.randint(0, 3, (GBS,)),
              torch.tensor(2.0, dtype=DTYPE))
-    _raises(InputError, lambda: _compile(model, batch), "in_dims", "'t'", "in_dims=None")
-    # and the fix the message names works
-    cm = _compile(model, batch, in_dims=(0, 0, None))
+    # a batch dim given to it explicitly is refused with a message for scalars
+    _raises(InputError, lambda: _compile(model, batch, in_dims=(0, 0, 0)), "'t'", "scalar",
+            "give it None")
+    # by default a scalar has no batch dim (issue 27: HF's num_items_in_batch)
+    cm = _compile(model, batch)
     assert torch.equal(cm(*batch).detach(), model(*batch).detach()) or torch.allclose(
         cm(*batch), model(*batch), rtol=1e-12, atol=0)
 
@@ -288,11 +290,11 @@ def test_in_dims_dict_with_unknown_name(mlp):
 @pytest.mark.parametrize("batch_size", [1, 6, 7, 9, 16])
 def test_call_with_another_batch_size(mlp, batch_size):
     model, batch = mlp
-    cm = _compile(model, batch)
+    cm = _compile(model, batch, batch_sizes="fixed")  # the default plans other sizes
     x, y = make_mlp(batch_size, dtype=DTYPE)[1]
     err = _raises(InputError, lambda: cm(x, y), "gbs=8", str(batch_size))
     assert isinstance(err, ValueError)
-    assert "compile again" in str(err)
+    assert "batch_sizes='any'" in str(err)
 
 
 def test_call_with_batch_sizes_that_disagree(mlp):

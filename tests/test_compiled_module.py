@@ -188,9 +188,10 @@ def test_in_dims_1_for_time_major_inputs() -> None:
 # --------------------------------------------------------------------------- #
 
 
-def test_call_with_other_batch_size_is_an_input_error() -> None:
+def test_call_with_other_batch_size_is_an_input_error_when_fixed() -> None:
     model, batch = MODELS["mlp"](10)
-    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False)
+    cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, cost_model=False,
+                           batch_sizes="fixed")
     _, (x, y) = MODELS["mlp"](12)
     with pytest.raises(InputError, match="gbs=10") as info:
         cm(x, y)

@@ -26,7 +26,7 @@ keeps ``expected="match"`` and records the first line of today's error in
 the test flips to a failure the day the fix lands, and that entry is updated.
 
 ``run_case`` is the one definition of a case, shared by the test and by
-``benchmarks/zoo_table.py``, which writes the README table from its outcomes.
+``benchmarks/zoo_table.py``, which writes docs/zoo.md's table from its outcomes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,98 @@
+"""The compiled module's face: it looks like the model it compiled.
+
+Code written for the model reads its attributes and its forward's signature:
+``transformers.Trainer`` keeps only the dataset columns that ``forward`` names, and reads
+``loss_type``, ``accepts_loss_kwargs`` and ``config``; ``save_pretrained`` and ``generate``
+belong to the model. torch.compile's ``OptimizedModule`` forwards attribute reads to the
+module it wraps; ``ModelFace`` does the same for a module that holds the user's model as
+its submodule ``module``:
+
+- an attribute the compiled module does not have is read from the model (``cm.config``,
+  ``cm.save_pretrained(...)``, ``cm.generate(...)``, which runs the plain model);
+- an attribute the model has and the compiled module does not is written to the model
+  (``cm.loss_type = "ForCausalLM"`` changes what the model computes, so it must reach it);
+- ``inspect.signature(cm.forward)`` is the model's forward's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["ModelFace", "SignedForward"]
+
+
+class ModelFace:
+    """Mixin for an ``nn.Module`` subclass whose submodule ``module`` is the user's model
+    and whose ``_signature`` is the signature of the model's forward (see module doc)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None and not isinstance(forward, SignedForward):
+            cls.forward = SignedForward(forward)  # type: ignore[method-assign]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return nn.Module.__getattr__(self, name)  # type: ignore[arg-type]
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("module")
+            if model is None or name.startswith("__"):  # while building, and protocols
+                raise
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}, and neither has "
+                f"the {type(model).__name__} it compiled") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        model = self.__dict__.get("_modules", {}).get("module")
+        if model is not None and not self._owns(name) and hasattr(model, name):
+            setattr(model, name, value)
+            return
+        nn.Module.__setattr__(self, name, value)  # type: ignore[arg-type]
+
+    def _owns(self, name: str) -> bool:
+        """Whether ``name`` is the compiled module's own (its state, a method, a property,
+        or one of its parameters, buffers or submodules): then it is never the model's."""
+        d = self.__dict__
+        return (name in d or hasattr(type(self), name) or name in d.get("_parameters", ())
+                or name in d.get("_buffers", ()) or name in d.get("_modules", ()))
+
+
+class SignedForward:
+    """``forward`` as a method whose signature is the model's (``self._signature``), so
+    ``inspect.signature(cm.forward)`` lists the model's arguments, not ``*args, **kwargs``.
+    A non-data descriptor: assigning ``cm.forward = ...`` (Accelerate's autocast wrapper)
+    still shadows it per instance."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+        self.__name__ = getattr(fn, "__name__", "forward")
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self.fn
+        return _BoundForward(self.fn, obj)
+
+
+class _BoundForward:
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, fn: Any, obj: Any) -> None:
+        self.__func__, self.__self__ = fn, obj
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = self.__self__.__dict__.get("_signature")
+        return signature if signature is not None else inspect.signature(self.__func__)
+
+    def __repr__(self) -> str:
+        return f"<bound forward of {type(self.__self__).__name__}>"

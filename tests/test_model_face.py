@@ -1,0 +1,138 @@
+"""The compiled module looks like the model (issue 27): its attributes, its forward's
+signature, its state_dict keys; and it takes batches of any size, planned on first sight."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import TOL, assert_close_errors, step_errors
+
+import mbcompile
+from mbcompile.models import make_tiny_gpt
+
+GBS, SYSTEMS, MBS = 6, 2, 2
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def _compiled(**kw):
+    model, batch = make_tiny_gpt(GBS, dtype=torch.float64)
+    return model, batch, mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch,
+                                           cost_model=False, **kw)
+
+
+def test_attributes_the_compiled_module_lacks_are_the_models():
+    model, _, cm = _compiled()
+    model.loss_type = "ForCausalLM"
+    assert cm.loss_type == "ForCausalLM" and cm.blocks is model.blocks
+    assert cm.plan.gbs == GBS  # its own come first
+    with pytest.raises(AttributeError, match="neither has the TinyGPT it compiled"):
+        cm.not_an_attribute  # noqa: B018
+
+
+def test_writes_to_the_models_attributes_reach_the_model():
+    model, _, cm = _compiled()
+    model.temperature = 1.0
+    cm.temperature = 0.5  # an attribute of the model: written there
+    cm.note = "mine"  # neither's: kept on the compiled module
+    assert model.temperature == 0.5 and "temperature" not in vars(cm)
+    assert cm.note == "mine" and not hasattr(model, "note")
+
+
+def test_the_signature_and_state_dict_are_the_models():
+    model, _, cm = _compiled()
+    assert inspect.signature(cm.forward) == inspect.signature(model.forward)
+    assert list(cm.state_dict()) == list(model.state_dict())
+
+
+@pytest.mark.parametrize("size", [4, 5, 1])
+def test_a_batch_of_another_size_is_planned_once_and_exact(size):
+    model, _, cm = _compiled()
+    _, batch = make_tiny_gpt(size, seed=3, dtype=torch.float64)
+    with pytest.warns(mbcompile.BatchSizeWarning, match=f"a batch of {size} samples"):
+        cm(*batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.BatchSizeWarning)  # once per size
+        assert_close_errors(step_errors(model, cm, batch), TOL)
+    variant = cm._variants[size]
+    assert variant.plan.gbs == size and variant.plan.mbs <= MBS
+    assert max(variant.plan.per_system_batch_sizes) - min(
+        variant.plan.per_system_batch_sizes) <= 1
+
+
+def test_batch_sizes_fixed_keeps_the_error():
+    _, _, cm = _compiled(batch_sizes="fixed")
+    _, batch = make_tiny_gpt(4, seed=3, dtype=torch.float64)
+    with pytest.raises(mbcompile.InputError, match="batch_sizes='fixed'"):
+        cm(*batch)
+    with pytest.raises(mbcompile.InputError, match="batch_sizes must be one of"):
+        _compiled(batch_sizes="sometimes")
+
+
+def test_an_evaluation_batch_of_another_size_runs_in_eval_mode():
+    model, _, cm = _compiled()
+    ref = copy.deepcopy(model).eval()
+    cm.eval()
+    _, batch = make_tiny_gpt(3, seed=5, dtype=torch.float64)
+    with torch.no_grad(), pytest.warns(mbcompile.BatchSizeWarning):
+        got = cm(*batch)
+    want = ref(*batch)
+    assert all(torch.allclose(g, w, rtol=0, atol=1e-12) for g, w in zip(got, want))
+
+
+class Tempered(nn.Module):
+    """A scalar tensor argument (a temperature): it has no batch dim to split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, y, temperature):
+        return F.mse_loss(self.lin(x) / temperature, y)
+
+
+def test_a_scalar_input_is_not_split_and_a_batch_dim_for_it_is_refused():
+    torch.manual_seed(0)
+    model, ref = Tempered(), None
+    ref = copy.deepcopy(model)
+    batch = (torch.randn(GBS, 4), torch.randn(GBS, 3), torch.tensor(2.0))
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
+    later = (*batch[:2], torch.tensor(0.5))  # a new value: read at each call
+    cm(*later).backward()
+    ref(*later).backward()
+    assert all(torch.allclose(p.grad, q.grad, rtol=0, atol=1e-14)
+               for p, q in zip(model.parameters(), ref.parameters()))
+    with pytest.raises(mbcompile.InputError, match="is a scalar"):
+        mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False,
+                          in_dims=(0, 0, 0))
+
+
+def test_a_transformers_model_keeps_its_face(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=16, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(0, 64, (GBS, 8), generator=torch.Generator().manual_seed(1))
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_kwargs={"input_ids": ids},
+                           cost_model=False)
+    assert cm.config is model.config and cm.device == model.device and cm.dtype == model.dtype
+    cm.save_pretrained(tmp_path)  # the model's method: tied weights saved as the model saves
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).double()
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
+                                                  model.state_dict().values()))
+    prompt = ids[:1, :4]
+    assert torch.equal(cm.generate(prompt, max_new_tokens=3, do_sample=False),
+                       model.generate(prompt, max_new_tokens=3, do_sample=False))
