@@ -49,6 +49,7 @@ from mbcompile.planning.cost import DoesNotFitError, format_bytes, format_second
 from mbcompile.planning.explore import Selector, measure_peak_bytes  # noqa: E402
 from mbcompile.planning.plan import make_plan  # noqa: E402
 from mbcompile.planning.systems import get_system, system_names  # noqa: E402
+from mbcompile.reports import exploration as shown  # noqa: E402
 
 GPT2 = dict(vocab=50257, width=768, depth=12, heads=12, seq=1024)
 GBS, NUM_CSX, SYSTEM = 512, 4, "a100-80gb"
@@ -150,7 +151,7 @@ def speed(rounds: int, plot: str | None, out: list[str], fig: dict[str, Any]) ->
         f"explore: {ex.plan.reason}",
         "",
         "```",
-        ex.exploration.table(),
+        shown.table(ex.exploration),
         "```",
         "",
     ]
@@ -158,7 +159,7 @@ def speed(rounds: int, plot: str | None, out: list[str], fig: dict[str, Any]) ->
                auto_vs_eager=auto_ratio, explore_vs_10_eager=explore_ratio,
                auto_mbs=cm.plan.mbs, explore_best=ex.plan.mbs)
     path = Path(plot) if plot else Path(tempfile.mkdtemp()) / "explore_gpt2.png"
-    ex.exploration.plot(path, title=f"GPT-2 small, gbs {GBS} over {NUM_CSX} x {SYSTEM}")
+    shown.plot(ex.exploration, path, title=f"GPT-2 small, gbs {GBS} over {NUM_CSX} x {SYSTEM}")
     out += [f"Plot of the exploration: {path}", ""]
 
     # The fit against exact probes at more sizes, and auto on every preset.

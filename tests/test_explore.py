@@ -31,6 +31,7 @@ from mbcompile.planning.explore import (
 )
 from mbcompile.planning.plan import make_plan, supported_mbs
 from mbcompile.planning.systems import SystemSpec, get_system
+from mbcompile.reports.exploration import plot, table
 from mbcompile.reports.report import Report, Validation
 
 MAKERS = {"mlp": make_mlp, "cnn": make_cnn, "tiny_gpt": make_tiny_gpt}
@@ -209,12 +210,12 @@ def test_exploration_reports_a_table_json_and_a_plot(costs, tmp_path) -> None:
     x = sel.exploration
     assert [c.mbs for c in x.candidates] == [m for m in supported_mbs(32) if 2 <= m <= 16]
     assert x.best == plan.mbs and f"pin it with mbs={plan.mbs}" in plan.reason
-    rows = x.table().splitlines()
+    rows = table(x).splitlines()
     assert len(rows) == 2 + len(x.candidates) + 1
     assert rows[0].split()[:3] == ["mbs", "micro", "step"]
     assert sum(row.endswith("*") for row in rows) == 1
     json.dumps(x.to_dict())
-    png = x.plot(tmp_path / "explore.png")
+    png = plot(x, tmp_path / "explore.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
@@ -241,7 +242,7 @@ def test_measured_exploration_times_the_host_beside_the_model(costs) -> None:
     assert x.measured_best in [c.mbs for c in x.candidates if c.fits]
     assert x.to_dict()["measured_best"] == x.measured_best
     assert x.best == plan.mbs  # the plan follows the model, not the clock
-    rows = x.table().splitlines()
+    rows = table(x).splitlines()
     assert "loop (measured)" in rows[0] and len(rows) == 2 + len(x.candidates) + 1
     assert [row.split()[0] for row in rows[2:-1]] == [str(c.mbs) for c in x.candidates]
     assert all(p.grad is None for p in model.parameters())  # autograd.grad, not .backward
@@ -311,7 +312,7 @@ def test_compile_explores_and_reports_the_value_to_pin(tmp_path) -> None:
     assert cm.exploration.mode == "explore" and cm.plan.mbs == cm.exploration.best
     assert f"pin: compile again with mbs={cm.plan.mbs}" in cm.report()
     assert json.loads(cm.report("json"))["pin"] == cm.plan.mbs
-    cm.exploration.plot(tmp_path / "x.png")
+    plot(cm.exploration, tmp_path / "x.png")
 
 
 def test_compile_runs_with_the_plan_it_reports() -> None:

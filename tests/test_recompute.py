@@ -16,6 +16,7 @@ from mbcompile.check import relative_error
 from mbcompile.models import TinyGPT, make_mlp, make_tiny_gpt, token_batch
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.planning.systems import get_system
+from mbcompile.reports.exploration import plot, table
 
 GBS = 14
 
@@ -129,9 +130,9 @@ def test_auto_and_explore_choose_mbs_and_recompute_jointly(tmp_path):
     assert (x.best, x.best_recompute) == (best.mbs, best.recompute)
     assert explored.plan.recompute == best.recompute
     assert f"recompute={best.recompute}" in explored.plan.reason
-    table = x.table()
-    assert "recompute" in table.splitlines()[0] and table.count(" *") == 1
-    assert x.plot(tmp_path / "joint.png").stat().st_size > 0
+    text = table(x)
+    assert "recompute" in text.splitlines()[0] and text.count(" *") == 1
+    assert plot(x, tmp_path / "joint.png").stat().st_size > 0
     auto = mbcompile.compile(model, 16, 1, "auto", example_inputs=batch, system=tight)
     assert (auto.plan.mbs, auto.plan.recompute) == (best.mbs, best.recompute)
     # where everything fits without it, auto never recomputes

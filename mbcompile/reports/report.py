@@ -24,6 +24,7 @@ from mbcompile.errors import MbcompileError
 from mbcompile.passes.facts import FACT
 from mbcompile.planning.cost import format_bytes, format_seconds
 from mbcompile.planning.plan import describe_reshard
+from mbcompile.reports.exploration import table
 from mbcompile.version import __version__
 
 __all__ = ["Report", "Validation", "render", "report_dict", "validation_of"]
@@ -78,10 +79,6 @@ class Validation:
     seconds: float
     note: str = ""  # set when the analysis rejected a split that this request never makes
     two_phase: bool = False  # the loss couples samples: a two-phase step runs it exactly
-
-    @property
-    def ok(self) -> bool:
-        return True
 
     def to_dict(self) -> dict[str, Any]:
         return {"status": "validated", "model": self.model, "gbs": self.gbs,
@@ -238,7 +235,7 @@ def _text(d: dict[str, Any], cm: Any) -> str:
     if x is not None and (x.mode in ("auto", "explore") or x.measured):
         label = "candidates auto evaluated" if x.mode == "auto" else "exploration"
         lines.append(f"{label}:")
-        lines += ["  " + row for row in x.table().splitlines()]
+        lines += ["  " + row for row in table(x).splitlines()]
         if x.measured and x.measured_best is not None:
             lines.append(f"  measured fastest on this host: mbs={x.measured_best}")
     if d["pin"] is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import mbcompile.compiler as compiler
 from mbcompile.errors import MbcompileError, MixingError
 from mbcompile.planning.plan import parse_mbs
+from mbcompile.reports.exploration import plot
 from mbcompile.training.batches import batch_args
 from mbcompile.training.cli_messages import EXIT_OK, CommandError, echo
 from mbcompile.training.config import (
@@ -38,20 +39,10 @@ def _report(cm: Any) -> tuple[str, Any]:
 
 
 def _explore_plot(cm: Any, out: Path) -> Path | None:
-    """``explore.png``: ``plot(path)`` (or ``save_plot``) of the module's exploration.
-
-    The exploration is ``cm.exploration`` or ``cm.report().exploration``
-    (``mbcompile.planning.explore.Exploration``).
-    """
-    report_fn = getattr(cm, "report", None)
-    report = report_fn() if callable(report_fn) else None
-    for holder in (getattr(cm, "exploration", None), getattr(report, "exploration", None)):
-        for name in ("plot", "save_plot"):
-            if callable(getattr(holder, name, None)):
-                path = out / "explore.png"
-                getattr(holder, name)(path)
-                return path if path.exists() else None
-    return None
+    """``explore.png``: the plot of the module's exploration, when it explored."""
+    if cm.exploration is None:
+        return None
+    return plot(cm.exploration, out / "explore.png")
 
 
 def _write(path: Path, text: str, written: list[Path]) -> None:
@@ -89,9 +80,9 @@ def write_artifacts(cm: Any, out: Path, cfg: Config | None = None, mbs: Any = No
     except (MbcompileError, AttributeError):  # a validate-only result has no rewritten graph
         pass
     if mbs is not None and parse_mbs(mbs).mode == "explore":
-        plot = _explore_plot(cm, out)
-        if plot is not None:
-            written.append(plot)
+        picture = _explore_plot(cm, out)
+        if picture is not None:
+            written.append(picture)
     return written
 
 
