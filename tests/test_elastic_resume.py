@@ -143,7 +143,7 @@ def test_ranks_resume_on_another_number(tmp_path, here, before, after, shard):  
     assert code == 0, err
     assert f"written with {before} systems on {before} processes, resumed with {after} on " \
            f"{after}" in out
-    assert "config differs" not in err  # num_csx may change
+    assert "config differs" not in err and "fewer than" not in err, err  # num_csx may change
     assert_same_run(logged(tmp_path / "run"), logged(tmp_path / "ref"))
     assert_same_run(logged(tmp_path / "run" / "rank1"), logged(tmp_path / "ref"))
     if after > before:  # a new rank logs from the checkpoint on

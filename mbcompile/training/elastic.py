@@ -42,9 +42,11 @@ FIXED = {
 #: What may change: the plan is recomputed from it, the step's numbers are not.
 ELASTIC = ("num_csx", "world_size")
 
-#: Config keys that may change between a run and its resume without a warning.
+#: Config keys that may change between a run and its resume without a warning (the
+#: systems and the backend: ``check_run`` says what changed).
 VOLATILE_CONFIG = frozenset({"file", "output_dir", "max_steps", "val_steps", "val_every",
-                             "log_every", "checkpoint_every", "keep_checkpoints", "num_csx"})
+                             "log_every", "checkpoint_every", "keep_checkpoints", "num_csx",
+                             "backend"})
 
 
 def _same(key: str, then: Any, now: Any) -> bool:

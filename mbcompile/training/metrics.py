@@ -65,7 +65,7 @@ class MetricsLog:
             with open(self.csv_path, newline="") as f:
                 records = list(csv.reader(f))
         kept = lines[:rows]
-        if len(kept) < rows or len(records) < rows + 1:
+        if rows and (len(kept) < rows or len(records) < rows + 1):
             print(f"resume: {self.json_path} and {self.csv_path} hold fewer than the "
                   f"{rows} rows of the checkpoint; the rows after them are appended",
                   file=sys.stderr, flush=True)

@@ -441,7 +441,8 @@ class Trainer:
         t = ck.trainer
         if changed[0] is not None:
             self._print(f"resume: checkpoint {ck.path} was {changed[0]}")
-        warn_config(ck.path, t.get("config"), self.config)
+        if self._ranks()[0] == 0:  # one warning, not one per rank
+            warn_config(ck.path, t.get("config"), self.config)
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
