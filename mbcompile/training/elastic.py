@@ -14,10 +14,11 @@ What does not carry over is refused by ``check_run`` (``FIXED``): another global
 batch (the sample order and every update change), another model or optimizer (the
 state does not fit), another sharding (the state is laid out differently).
 
-RNG states (``CheckpointStore`` reads them): on the world it was written with, each rank
-restores its own file; on another world every rank restores rank 0's, the states its
-data order was drawn from, so that all ranks read the same batches. Draws inside the model (dropout)
-depend on the split anyway: they are the documented exception to exactness.
+RNG states (``CheckpointStore`` reads them): on the world it was written with, each
+rank restores its own file; on another world every rank restores rank 0's, the states
+its data order was drawn from (each pass starts from rank 0's on every rank), so that
+all ranks read the same batches. Draws inside the model (dropout) depend on the split
+anyway: they are the documented exception to exactness.
 """
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ def check_run(path: Path, written: Mapping[str, Any], now: Mapping[str, Any]) ->
     changed = [k for k in ELASTIC if k in written and k in now and written[k] != now[k]]
     if not changed:
         return None
-    return (f"written with {written.get('num_csx')} systems on {written.get('world_size')} "
-            f"process{'es' if written.get('world_size') != 1 else ''}, resumed with "
+    def count(n: Any, what: str) -> str:
+        return f"{n} {what}{'' if n == 1 else 'es' if what.endswith('s') else 's'}"
+
+    return (f"written with {count(written.get('num_csx'), 'system')} on "
+            f"{count(written.get('world_size'), 'process')}, resumed with "
             f"{now.get('num_csx')} on {now.get('world_size')}: the same gbs {now.get('gbs')}, "
             "sample order and LR schedule; the plan is recomputed")
 
