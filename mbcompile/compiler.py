@@ -253,7 +253,13 @@ class CompiledModule(ModelFace, nn.Module):
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
-            raise InputError(f"call does not match forward{self._signature}: {exc}") from None
+            through = sorted(set(kwargs) - set(self._signature.parameters))
+            extra = (f"; {', '.join(map(repr, through))} would reach forward's **kwargs, which "
+                     "mbcompile does not map to the graph yet (transformers.Trainer passes "
+                     "num_items_in_batch there): call with the named parameters only"
+                     ) if through and self._takes_var_keyword() else ""
+            raise InputError(f"call does not match forward{self._signature}: {exc}{extra}"
+                             ) from None
         bound.apply_defaults()
         values = [bound.arguments[n] for n in self._inputs.names]
         for name, expected in self._inputs.concrete.items():
@@ -293,6 +299,9 @@ class CompiledModule(ModelFace, nn.Module):
             self._write_state(state, flat[state.n_outputs:], bound.arguments)
             flat = flat[:state.n_outputs]
         return compiled.output_spec.rebuild(flat)
+
+    def _takes_var_keyword(self) -> bool:
+        return any(p.kind == p.VAR_KEYWORD for p in self._face_signature.parameters.values())
 
     def _for_batch(self, batch: int, arguments: Mapping[str, Any]) -> CompiledModule:
         """The module compiled for batches of ``batch`` samples (see ``_variant``)."""

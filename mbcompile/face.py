@@ -26,7 +26,7 @@ __all__ = ["ModelFace", "SignedForward"]
 
 class ModelFace:
     """Mixin for an ``nn.Module`` subclass whose submodule ``module`` is the user's model
-    and whose ``_signature`` is the signature of the model's forward (see module doc)."""
+    and whose ``_face_signature`` is the signature of the model's forward (module doc)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -64,7 +64,7 @@ class ModelFace:
 
 
 class SignedForward:
-    """``forward`` as a method whose signature is the model's (``self._signature``), so
+    """``forward`` as a method whose signature is the model's (``self._face_signature``), so
     ``inspect.signature(cm.forward)`` lists the model's arguments, not ``*args, **kwargs``.
     A non-data descriptor: assigning ``cm.forward = ...`` (Accelerate's autocast wrapper)
     still shadows it per instance."""
@@ -91,7 +91,7 @@ class _BoundForward:
 
     @property
     def __signature__(self) -> inspect.Signature:
-        signature = self.__self__.__dict__.get("_signature")
+        signature = self.__self__.__dict__.get("_face_signature")
         return signature if signature is not None else inspect.signature(self.__func__)
 
     def __repr__(self) -> str:

@@ -136,3 +136,20 @@ def test_a_transformers_model_keeps_its_face(tmp_path):
     prompt = ids[:1, :4]
     assert torch.equal(cm.generate(prompt, max_new_tokens=3, do_sample=False),
                        model.generate(prompt, max_new_tokens=3, do_sample=False))
+
+
+def test_a_keyword_through_var_kwargs_is_refused_with_the_reason():
+    class Kw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x, y, **kwargs):
+            return F.mse_loss(self.lin(x), y)
+
+    model = Kw()
+    batch = (torch.randn(GBS, 4), torch.randn(GBS, 3))
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
+    assert "kwargs" in inspect.signature(cm.forward).parameters  # the model's face
+    with pytest.raises(mbcompile.InputError, match="'num_items_in_batch' would reach"):
+        cm(*batch, num_items_in_batch=torch.tensor(12))

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import MbcompileError
 
-__all__ = ["TrainerError", "batch_args", "loss_of", "batch_layout", "same_layout"]
+__all__ = ["TrainerError", "batch_args", "batch_layout", "same_layout"]
 
 
 class TrainerError(MbcompileError):
@@ -34,24 +34,6 @@ def batch_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     raise TrainerError(
         f"a batch must be a tuple or list (positional inputs of the model), a dict (keyword "
         f"inputs) or a tensor, got {type(batch).__name__}")
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss in a model's output: the output, its first item, ``["loss"]`` or ``.loss``."""
-    candidates: list[Any] = [output]
-    if isinstance(output, (tuple, list)) and output:
-        candidates.append(output[0])
-    if isinstance(output, Mapping) and "loss" in output:
-        candidates.append(output["loss"])
-    if getattr(output, "loss", None) is not None:
-        candidates.append(output.loss)
-    for c in candidates:
-        if isinstance(c, torch.Tensor) and c.dim() == 0 and c.is_floating_point():
-            return c
-    raise TrainerError(
-        f"the model's output ({type(output).__name__}) holds no scalar loss; compute the loss "
-        "inside forward (so backward can run per microbatch) and return it as a scalar tensor, "
-        "first in a tuple, under 'loss' in a dict, or as .loss")
 
 
 def batch_layout(batch: Any) -> tuple[Any, ...]:

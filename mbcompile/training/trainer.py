@@ -67,7 +67,6 @@ from mbcompile.training.batches import (
     TrainerError,
     batch_args,
     batch_layout,
-    loss_of,
     same_layout,
 )
 from mbcompile.training.checkpoint import (
@@ -88,7 +87,7 @@ from mbcompile.training.signals import StopSignals, describe_signal
 from mbcompile.version import __version__
 
 __all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
-           "TrainingInterrupted", "batch_args", "loss_of", "shard_model"]
+           "TrainingInterrupted", "batch_args", "shard_model"]
 
 #: The options of ``mbcompile.compile`` that ``Trainer(compile_options=...)`` may set: all
 #: but those the Trainer passes itself (the MBS from its flags, gbs and num_csx, and the
@@ -97,7 +96,7 @@ __all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
 COMPILE_OPTIONS = ("system", "backend", "measure_noise_scale", "capture", "batch_norm",
                    "coupling", "outputs", "torch_compile", "recompute",
                    "reshard_after_forward", "compile_only", "validate_only", "measure",
-                   "cost_model")
+                   "cost_model", "batch_sizes")
 
 
 def _mbs_key(mbs: Any) -> str:
@@ -360,7 +359,7 @@ class Trainer:
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         output = cm(*args, **kwargs)
-        loss = loss_of(output)
+        loss = cm.loss_of(output)  # the analysis's rule: the leaf the step trains
         if not math.isfinite(float(loss.detach())):
             raise TrainerError(f"train step {step}: the loss is {float(loss)}; the step was not "
                                "applied (parameters and optimizer state are unchanged)")
@@ -575,7 +574,7 @@ class Trainer:
                 args, kwargs = self._local(batch, cm)
                 started = time.perf_counter()
                 output = cm(*args, **kwargs)
-                loss = loss_of(output)
+                loss = cm.loss_of(output)
                 row = self._row("validate", step, cm, loss, output, batch,
                                 time.perf_counter() - started)
                 self._record(row, task, total)
