@@ -38,6 +38,7 @@ from mbcompile.models import CNN, MLP, TinyGPT, make_cnn, make_mlp, make_tiny_gp
 
 __all__ = [
     "TOL",
+    "plan_free",
     "CNN",
     "FIRST_LAYER",
     "MLP",
@@ -80,6 +81,16 @@ Maker = Callable[..., tuple[nn.Module, tuple[Any, ...]]]
 #: compiled vs eager in float64: the largest difference, relative to the largest value
 TOL = 1e-10
 
+
+
+def plan_free(mbs: Any, **options: Any) -> dict[str, Any]:
+    """``compile()`` options for a test that checks what a step computes, not its memory
+    plan: an int (or ``"none"``) MBS is planned as asked with ``cost_model=False``, which
+    skips the cost model's fake-tensor probes (most of a small model's compile time)."""
+    asked = mbs == "none" or (isinstance(mbs, int) and not isinstance(mbs, bool))
+    if asked and not {"system", "measure"} & set(options):
+        options.setdefault("cost_model", False)
+    return options
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed + 1)

@@ -24,6 +24,7 @@ from models import (
     grad_errors,
     grads_of,
     max_rel_err_outputs,
+    plan_free,
     tensor_leaves,
 )
 
@@ -85,11 +86,11 @@ def compile_case(model: torch.nn.Module, batch: tuple[Any, ...], case: Case,
         with warnings.catch_warnings():
             warnings.simplefilter("error", MbsAdjustedWarning)
             cm = mbcompile.compile(model, case.gbs, case.num_csx, case.mbs,
-                                   example_inputs=batch, **kwargs)
+                                   example_inputs=batch, **plan_free(case.mbs, **kwargs))
     else:
         with pytest.warns(MbsAdjustedWarning, match=f"mbs={case.mbs}"):
             cm = mbcompile.compile(model, case.gbs, case.num_csx, case.mbs,
-                                   example_inputs=batch, **kwargs)
+                                   example_inputs=batch, **plan_free(case.mbs, **kwargs))
         assert cm.plan.mbs == case.adjusted_to
         assert cm.plan.requested_mbs == case.mbs
     return cm

@@ -77,6 +77,7 @@ from models import (
     buffer_errors,
     grad_errors,
     grads_of,
+    plan_free,
     rel_err,
 )
 from torch.nn.utils import parametrizations
@@ -1205,7 +1206,7 @@ def check(spec: Spec) -> Outcome:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cm = mbcompile.compile(model, spec.gbs, spec.num_csx, spec.mbs,
-                                   example_inputs=example, **kwargs)
+                                   example_inputs=example, **plan_free(spec.mbs, **kwargs))
     except MbcompileError as err:
         outcome.status, outcome.refusal = "refused at compile", _describe(err)
         if _is_crash(err):

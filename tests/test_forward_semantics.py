@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from host_reads import HostReads
-from models import TOL, assert_close_errors, step_errors
+from models import TOL, assert_close_errors, plan_free, step_errors
 
 import mbcompile
 from mbcompile.passes import rules
@@ -44,7 +44,8 @@ def _batch(n: int = GBS, out: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
 def _compile(model: nn.Module, batch: tuple[Any, ...], **kw: Any) -> mbcompile.CompiledModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mbcompile.MbcompileWarning)  # two-phase memory notes
-        return mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, **kw)
+        return mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch,
+                                 **plan_free(MBS, **kw))
 
 
 def _assert_exact(model: nn.Module, cm: Any, batch: tuple[Any, ...], tol: float = TOL) -> None:

@@ -315,12 +315,6 @@ ROOT_DIR = Path(mbcompile.__file__).resolve().parent
 #: whose import is gone fails ``test_the_allow_list_holds_only_live_imports``: delete it
 #: then. Nothing may be added here without an owner and a plan to remove it.
 ALLOWED: dict[tuple[str, str], str] = {
-    # mbcompile/execution/runtime.py (its two step_status calls) and two_phase.py (its one,
-    # in _agreed_status) pass read=read_host; then distributed.step_status makes ``read``
-    # required and drops _loop_read, its import of runtime (a cycle with runtime's import
-    # of distributed).
-    ("mbcompile.execution.distributed", "mbcompile.execution.runtime"):
-        "distributed.step_status reads through runtime.read_host until its callers pass it",
 }
 
 

@@ -34,6 +34,7 @@ from models import (
     assert_close_errors,
     grad_errors,
     grads_of,
+    plan_free,
     rel_err,
     step_errors,
     tensor_leaves,
@@ -645,7 +646,7 @@ def _compile(model: nn.Module, inputs: tuple[torch.Tensor, ...], capture: str = 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # RetainedActivationsWarning for two-losses
         return mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=inputs,
-                                 capture=capture, **options)
+                                 capture=capture, **plan_free(MBS, **options))
 
 
 def check_exact(entry: Entry, capture: str, coupling: str | None = None

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from models import grad_errors, grads_of, rel_err, tensor_leaves
+from models import grad_errors, grads_of, plan_free, rel_err, tensor_leaves
 
 __all__ = [
     "F32_INSIDE",
@@ -437,7 +437,8 @@ def build_case(entry: ZooModel) -> Case:
 def compile_case(case: Case) -> Any:
     import mbcompile
 
-    return mbcompile.compile(case.model, GBS, NUM_CSX, MBS, example_kwargs=case.kwargs)
+    return mbcompile.compile(case.model, GBS, NUM_CSX, MBS, example_kwargs=case.kwargs,
+                             **plan_free(MBS))
 
 
 def _loss_of(out: Any) -> torch.Tensor:

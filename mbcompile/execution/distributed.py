@@ -73,9 +73,8 @@ OVERLAP = True
 
 
 def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
-                failed_locally: torch.Tensor | None = None,
-                read: Callable[[torch.Tensor], list[float]] | None = None
-                ) -> list[float] | None:
+                failed_locally: torch.Tensor | None = None, *,
+                read: Callable[[torch.Tensor], list[float]]) -> list[float] | None:
     """All ranks learn whether any rank's microbatches failed; all raise if one did.
 
     ``checks`` is the rank's packed step checks (``runtime._StepChecks``) and
@@ -92,7 +91,7 @@ def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
         flag.add_(failed_locally.to(torch.int64) * bit)
     dist.all_reduce(flag)
     packed = flag if checks is None else torch.cat([flag.double(), checks.double()])
-    values = (read or _loop_read())(packed)
+    values = read(packed)
     status = int(values[0])
     failed = [r for r in range(dist.get_world_size()) if status >> r & 1]
     if error is not None:
@@ -102,15 +101,6 @@ def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
             f"rank(s) {failed} failed in their microbatches; this rank ({dist.get_rank()}) "
             "stops the step too, with parameters and gradients as they were")
     return values[1:] if checks is not None else None
-
-
-def _loop_read() -> Callable[[torch.Tensor], list[float]]:
-    # TRANSITIONAL (an allow-listed edge in tests/test_layering.py): runtime.py and
-    # two_phase.py still call step_status without ``read``. Once they pass
-    # ``read=read_host``, make ``read`` required and delete this import back up.
-    from mbcompile.execution import runtime
-
-    return runtime.read_host
 
 
 class _AllReduceSums(torch.autograd.Function):
