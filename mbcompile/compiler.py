@@ -36,7 +36,7 @@ from mbcompile.errors import (
 )
 from mbcompile.execution import StepChannels, bindings
 from mbcompile.execution.joint import joint_step
-from mbcompile.execution.live_hooks import unwatch, watch_new_hooks
+from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_new_hooks
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.step_config import StepConfig
 from mbcompile.face import ModelFace
@@ -171,9 +171,7 @@ class CompiledModule(ModelFace, nn.Module):
         live = self._layers_called_live(compiled)
         object.__setattr__(self, "_live_layers", live)
         object.__setattr__(self, "_live_hooks", frozenset(id(m) for _, m in live))
-        object.__setattr__(self, "_hooks_known", self._hooks_known | {
-            k for _, m in live for hooks in (m._forward_pre_hooks, m._forward_hooks)
-            for k in hooks})
+        object.__setattr__(self, "_hooks_known", self._hooks_known | hook_keys(live))
         object.__setattr__(self, "_hooks_seen", hooks_by_module(self.module, self._live_hooks))
         self._cache[self._mode_key()] = compiled
         return compiled

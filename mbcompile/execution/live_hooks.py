@@ -27,7 +27,8 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.passes.errors import CaptureError
 
-__all__ = ["UncheckedHookError", "WatchedHook", "in_step", "unwatch", "watch_new_hooks"]
+__all__ = ["UncheckedHookError", "WatchedHook", "hook_keys", "in_step", "unwatch",
+           "watch_new_hooks"]
 
 
 class UncheckedHookError(CaptureError):
@@ -74,6 +75,17 @@ class WatchedHook:
         return f"WatchedHook({self.fn!r})"
 
 
+def _forward_hook_dicts(layer: torch.nn.Module) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The hooks a live layer runs at its call (its backward hooks are in the mode key)."""
+    return layer._forward_pre_hooks, layer._forward_hooks
+
+
+def hook_keys(layers: Iterable[tuple[str, torch.nn.Module]]) -> frozenset[int]:
+    """The keys of ``layers``' forward (pre-)hooks: at compile, the ones it checked."""
+    return frozenset(k for _, layer in layers for hooks in _forward_hook_dicts(layer)
+                     for k in hooks)
+
+
 def watch_new_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[int]
                     ) -> list[tuple[dict[int, Any], int, Any]]:
     """Wrap, in place, every forward (pre-)hook of ``layers`` whose key is not in ``known``
@@ -82,7 +94,7 @@ def watch_new_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozen
     so the user's hook dictionaries are theirs again after it, refused or not."""
     watched = []
     for name, layer in layers:
-        for hooks in (layer._forward_pre_hooks, layer._forward_hooks):
+        for hooks in _forward_hook_dicts(layer):
             if not hooks or known.issuperset(hooks):  # per call: two truth tests a layer
                 continue
             for key in [k for k in hooks if k not in known]:
