@@ -50,6 +50,7 @@ from mbcompile.passes.sources import user_stacklevel
 from mbcompile.passes.state_updates import StateUpdates
 from mbcompile.planning.explore import Selection, compile_only_error
 from mbcompile.planning.plan import MicrobatchPlan, parse_mbs, per_system_batch_sizes
+from mbcompile.planning.static_memory import check_static_memory
 from mbcompile.reports.report import Validation, render, validation_of
 from mbcompile.request import (
     Request,
@@ -505,7 +506,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             reshard_after_forward: bool | str = "auto", compile_only: bool = False,
             validate_only: bool = False,
             measure: bool | int = False, cost_model: bool = True,
-            batch_sizes: str = "any") -> CompiledModule | Validation:
+            batch_sizes: str = "any", optimizer: Any = None) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
     ``mbs`` is ``"auto"``, ``"none"``, an int, or ``"explore"``; ``example_inputs`` /
@@ -522,7 +523,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                            outputs=outputs, torch_compile=torch_compile, recompute=recompute,
                            reshard_after_forward=reshard_after_forward,
                            compile_only=compile_only, validate_only=validate_only,
-                           measure=measure, cost_model=cost_model, batch_sizes=batch_sizes)
+                           measure=measure, cost_model=cost_model, batch_sizes=batch_sizes,
+                           optimizer=optimizer)
     if validate_only:
         return _validate(request)
     return _compile_request(request)
@@ -543,6 +545,8 @@ def _validate(request: Request) -> Validation:
 
 def _compile_request(request: Request) -> CompiledModule:
     """The chain after the request: analysis, selection, the compiled module."""
+    # before any tracing: a model whose parameters alone cannot fit fails in milliseconds
+    check_static_memory(request.inner, request.system, request.num_csx, request.shard)
     try:
         analysed = analyse(request)
         selection = select(request, analysed)

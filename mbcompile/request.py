@@ -27,6 +27,7 @@ from mbcompile.passes.capture import fsdp_modules
 from mbcompile.passes.unwrap import unwrap
 from mbcompile.planning.cost import ShardSpec
 from mbcompile.planning.explore import check_request, single_microbatch_request
+from mbcompile.planning.optimizer_state import with_optimizer
 from mbcompile.planning.plan import MbsPolicy, parse_mbs, per_system_batch_sizes
 from mbcompile.planning.systems import SystemSpec, get_system
 
@@ -77,6 +78,7 @@ class Request:
     measure: int = 0  # repetitions of real timing per candidate (0: none)
     cost_model: bool = True  # False: planned without the cost model's fake-tensor probes
     batch_sizes: str = "any"  # "any": other batch sizes are planned on first sight; "fixed"
+    optimizer: Any = None  # what the plan's optimizer state was sized for (system has the bytes)
 
     @property
     def values(self) -> list[Any]:
@@ -106,10 +108,11 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
                  recompute: bool | str = "auto", reshard_after_forward: bool | str = "auto",
                  compile_only: bool = False, validate_only: bool = False,
                  measure: bool | int = False, cost_model: bool = True,
-                 batch_sizes: str = "any") -> Request:
+                 batch_sizes: str = "any", optimizer: Any = None) -> Request:
     """Check every option of ``compile()`` (the same arguments) and bind the example call;
     raises before anything is traced (DESIGN.md invariant 9: fail fast)."""
-    model = _check_module(model)
+    planning_only = compile_only or validate_only
+    model = _check_module(model, planning_only)
     unwrapped = unwrap(model)  # DDP, torch.compile, peft: bind and capture what they call
     inner = unwrapped.module
     if capture not in CAPTURES:
@@ -137,11 +140,12 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         raise InputError(f"coupling must be one of {COUPLING_MODES}, got {coupling!r}")
     if batch_sizes not in BATCH_SIZES:
         raise InputError(f"batch_sizes must be one of {BATCH_SIZES}, got {batch_sizes!r}")
-    spec = get_system(system)
+    spec = with_optimizer(get_system(system), optimizer, model)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
     check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
     _check_cost_model(cost_model, policy, system, measure)
-    signature, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims)
+    signature, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims,
+                                      planning_only)
     return Request(
         model=model, inner=inner, notes=tuple(unwrapped.notes), gbs=gbs, num_csx=num_csx,
         policy=policy, system=spec, signature=signature, example=values, inputs=inputs,
@@ -151,7 +155,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         reshard=_check_reshard(reshard_after_forward, bool(units)),
         shard=_shard_spec(units, num_csx), noise_scale=_noise_scale(measure_noise_scale),
         compile_only=compile_only, validate_only=validate_only, measure=_repetitions(measure),
-        cost_model=cost_model, batch_sizes=batch_sizes)
+        cost_model=cost_model, batch_sizes=batch_sizes, optimizer=optimizer)
 
 
 # --------------------------------------------------------------------------- #
@@ -159,21 +163,23 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
 # --------------------------------------------------------------------------- #
 
 
-def _check_module(model: Any) -> nn.Module:
+def _check_module(model: Any, planning_only: bool) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ArgumentTypeError(
             f"model must be a torch.nn.Module, got {type(model).__name__}; wrap functions in a "
             "Module whose forward calls them")
     meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    if meta:
+    if meta and not planning_only:  # shapes are enough to plan: compile_only / validate_only
         raise InputError(
             f"model has parameters or buffers on the meta device ({meta[0]!r}, ...), which hold "
-            "no values; materialise them first (model.to_empty(device='cpu') and load weights)")
+            "no values to train: compile it with compile_only=True (or validate_only=True) to "
+            "plan it, or materialise it first (model.to_empty(device='cpu'), then "
+            "model.tie_weights() for a transformers model, and load weights)")
     return model
 
 
-def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: Any
-          ) -> tuple[inspect.Signature, dict[str, Any], Inputs]:
+def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: Any,
+          planning_only: bool = False) -> tuple[inspect.Signature, dict[str, Any], Inputs]:
     """Bind the example call to forward's signature and resolve ``in_dims`` per parameter."""
     if example_inputs is None and example_kwargs is None:
         raise InputError(
@@ -205,11 +211,11 @@ def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: A
     positional = list(sig.parameters)[:len(args)]
     meta = [n for n in names if any(isinstance(t, torch.Tensor) and t.is_meta
                                     for t in pytree.tree_leaves(values[n]))]
-    if meta:
+    if meta and not planning_only:
         raise InputError(
             f"example_inputs hold tensors on the meta device (input {meta[0]!r}), which have no "
             "values to run the model on; pass real tensors (any batch size) on the model's "
-            "device")
+            "device, or compile with compile_only=True (or validate_only=True) to plan only")
     if isinstance(in_dims, dict) and set(in_dims) - set(names):
         unknown = sorted(set(in_dims) - set(names))
         raise InputError(
