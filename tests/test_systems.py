@@ -17,8 +17,29 @@ def test_the_presets_the_issue_names_exist() -> None:
     names = system_names()
     assert names[0] == "host"
     assert {"wafer-sim", "a100-80gb", "a100-40gb"} <= set(names)
-    assert get_system("a100-80gb").memory_bytes == 80e9
-    assert get_system("a100-40gb").memory_bytes == 40e9
+    assert get_system("a100-80gb").memory_bytes == 81920 * 2**20  # as nvidia-smi reports it
+    assert get_system("a100-40gb").memory_bytes == 40536 * 2**20
+
+
+@pytest.mark.parametrize("name", ["a100-80gb", "a100-40gb", "h100-80gb"])
+def test_gpu_presets_reserve_context_buffers_and_fragmentation(name: str) -> None:
+    spec = get_system(name)
+    reserved = systems._CUDA_CONTEXT_BYTES + systems._NCCL_BUFFER_BYTES \
+        + systems._FRAGMENTATION * spec.memory_bytes
+    assert spec.reserved_bytes == pytest.approx(reserved)
+    assert spec.usable_bytes == spec.memory_bytes - spec.reserved_bytes
+    for part in ("CUDA context", "NCCL", "fragmentation"):
+        assert part in spec.reserved_note
+    assert "reserved" in spec.describe()
+
+
+def test_reserved_bytes_must_leave_some_memory() -> None:
+    with pytest.raises(PlanError, match="reserved_bytes"):
+        SystemSpec("bad", memory_bytes=1e9, peak_flops=1e12, peak_flops_fp32=5e11,
+                   memory_bandwidth=1e11, reserved_bytes=1e9)
+    spec = SystemSpec("ok", memory_bytes=1e9, peak_flops=1e12, peak_flops_fp32=5e11,
+                      memory_bandwidth=1e11, reserved_bytes=2.5e8)
+    assert spec.usable_bytes == 7.5e8
 
 
 @pytest.mark.parametrize("name", system_names())

@@ -337,7 +337,7 @@ class CostModel:
             inputs=inputs, outputs=outputs, activations=activations, update=update,
             saved=saved, transient=max(0.0, act - saved),
             peak=static + inputs + outputs + activations + update + gathered,
-            capacity=spec.memory_bytes, phase=phase, gathered=gathered)
+            capacity=spec.usable_bytes, phase=phase, gathered=gathered)
 
     # ----------------------------------------------------------- estimate
     def estimate(self, gbs: int, num_csx: int, mbs: int, spec: SystemSpec) -> Estimate:

@@ -216,7 +216,7 @@ class Selector:
             mode=mode, system=self.spec.name, gbs=self.gbs, num_csx=self.num_csx, pbs=pbs,
             candidates=tuple(self._seen[m] for m in sorted(self._seen)), supported=supported,
             best=best, seconds=time.perf_counter() - self._start,
-            capacity=self.spec.memory_bytes, fit_note=self.cost.fit_note,
+            capacity=self.spec.usable_bytes, fit_note=self.cost.fit_note,
             measured=self.timer is not None)
 
     # ------------------------------------------------------------- choosers
@@ -270,7 +270,7 @@ class Selector:
         e = self.estimate(chosen.mbs)
         top_c = self._seen[top]
         why = (f"auto on {self.spec.name}: the largest MBS that fits is {top} (modelled peak "
-               f"{format_bytes(top_c.peak_bytes)} of {format_bytes(self.spec.memory_bytes)}); "
+               f"{format_bytes(top_c.peak_bytes)} of {format_bytes(self.spec.usable_bytes)}); "
                f"the fastest that fits is {best.mbs} (modelled step "
                f"{format_seconds(best.step_s)})")
         if chosen.mbs != best.mbs:
@@ -295,7 +295,7 @@ class Selector:
         why = (f"explore on {self.spec.name}: evaluated all {len(candidates)} supported MBS "
                f"values in [{candidates[0]}, {candidates[-1]}]; the fastest that fits is "
                f"mbs={best.mbs} (modelled step {format_seconds(best.step_s)}, peak "
-               f"{format_bytes(best.peak_bytes)} of {format_bytes(self.spec.memory_bytes)}); "
+               f"{format_bytes(best.peak_bytes)} of {format_bytes(self.spec.usable_bytes)}); "
                f"pin it with mbs={best.mbs}")
         measured = self.exploration.measured_best if self.exploration else None
         if measured is not None and measured != best.mbs:

@@ -53,6 +53,10 @@ __all__ = [
 ]
 
 _GB = 1e9
+_MiB = 2**20
+_TEXT_FIELDS = ("name", "source", "reserved_note", "optimizer_source")
+_OPTIONAL_FIELDS = ("weight_bandwidth", "cache_bandwidth", "devices_per_node",
+                    "inter_node_bandwidth", "inter_node_latency_s")
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,13 @@ class SystemSpec:
       starting backward); ``kernel_overhead_s``: fixed cost of each kernel (launch
       or eager dispatch); both make many small microbatches slower.
     - ``optimizer_bytes_per_param``: optimizer state per trainable parameter
-      (8 for Adam's two fp32 moments, 0 for plain SGD).
+      (8 for Adam's two fp32 moments, 0 for plain SGD); ``compile(optimizer=...)``
+      replaces it with the optimizer's own layout (``planning/optimizer_state.py``) and
+      says so in ``optimizer_source`` (empty: the system's assumption).
+    - ``reserved_bytes``: memory a training step cannot use: the CUDA context and library
+      workspaces, communication buffers (NCCL), the allocator's fragmentation; what is
+      left, ``usable_bytes``, is what the plan must fit in. ``reserved_note`` says what it
+      holds and where the figures come from.
     - ``weight_bandwidth``: ``None`` when weights, gradients and optimizer state
       live in device memory; a rate when they live off-chip and are streamed in
       every microbatch (weight streaming): they then cost time at this rate and
@@ -80,6 +90,12 @@ class SystemSpec:
       inputs and outputs fit in it moves them at the cache's rate instead of
       ``memory_bandwidth`` (0 / None: not modelled).  It is what makes very large
       microbatches slower per sample on a CPU.
+    - ``devices_per_node`` / ``inter_node_bandwidth`` / ``inter_node_latency_s``: the
+      topology. Systems ``0 .. devices_per_node - 1`` share a node and its
+      ``interconnect_bandwidth`` (NVLink); a collective over more systems than one node
+      holds crosses the inter-node links (one direction of one system's share of the
+      node's network), and a ring is as slow as the slowest link it crosses. ``None``:
+      every system is on one node (one kind of link).
     """
 
     name: str
@@ -96,26 +112,60 @@ class SystemSpec:
     cache_bytes: float = 0.0
     cache_bandwidth: float | None = None
     source: str = "user-defined"
+    reserved_bytes: float = 0.0
+    reserved_note: str = ""
+    optimizer_source: str = ""
+    devices_per_node: int | None = None
+    inter_node_bandwidth: float | None = None
+    inter_node_latency_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ArgumentTypeError(f"SystemSpec.name must be a non-empty str, got {self.name!r}")
         for f in fields(self):
-            if f.name in ("name", "source"):
+            if f.name in _TEXT_FIELDS:
                 continue
             value = getattr(self, f.name)
-            if value is None and f.name in ("weight_bandwidth", "cache_bandwidth"):
+            if value is None and f.name in _OPTIONAL_FIELDS:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ArgumentTypeError(
                     f"SystemSpec({self.name!r}).{f.name} must be a number, got {value!r}")
             positive = f.name in ("memory_bytes", "peak_flops", "peak_flops_fp32",
                                   "memory_bandwidth", "interconnect_bandwidth",
-                                  "weight_bandwidth", "cache_bandwidth")
+                                  "weight_bandwidth", "cache_bandwidth", "devices_per_node",
+                                  "inter_node_bandwidth")
             if not math.isfinite(value) or value < 0 or (positive and value == 0):
                 need = "positive" if positive else "non-negative"
                 raise PlanError(f"SystemSpec({self.name!r}).{f.name} must be finite and "
                                 f"{need}, got {value!r}")
+        if self.devices_per_node is not None and not isinstance(self.devices_per_node, int):
+            raise ArgumentTypeError(f"SystemSpec({self.name!r}).devices_per_node must be an "
+                                    f"int, got {self.devices_per_node!r}")
+        if self.reserved_bytes >= self.memory_bytes:
+            raise PlanError(f"SystemSpec({self.name!r}).reserved_bytes "
+                            f"({self.reserved_bytes:.4g}) leaves nothing of memory_bytes "
+                            f"({self.memory_bytes:.4g}): it must be smaller")
+
+    @property
+    def usable_bytes(self) -> float:
+        """Memory a training step may use: ``memory_bytes - reserved_bytes``."""
+        return self.memory_bytes - self.reserved_bytes
+
+    def node_of(self, system: int) -> int:
+        """The node that system ``system`` (0-based) is on (0 when all share one)."""
+        return 0 if self.devices_per_node is None else system // self.devices_per_node
+
+    def ring_link(self, num_csx: int) -> tuple[float, float]:
+        """``(bandwidth, latency)`` of a ring over ``num_csx`` systems: the slowest link it
+        crosses; the inter-node link as soon as the systems span more than one node."""
+        if self.node_of(num_csx - 1) == 0:
+            return self.interconnect_bandwidth, self.interconnect_latency_s
+        inter = self.inter_node_bandwidth or self.interconnect_bandwidth
+        latency = self.inter_node_latency_s
+        return (min(inter, self.interconnect_bandwidth),
+                max(self.interconnect_latency_s,
+                    self.interconnect_latency_s if latency is None else latency))
 
     @property
     def weight_streaming(self) -> bool:
@@ -136,7 +186,17 @@ class SystemSpec:
                 f"{self.peak_flops / 1e12:.3g} TFLOP/s 16-bit / "
                 f"{self.peak_flops_fp32 / 1e12:.3g} fp32, "
                 f"{self.memory_bandwidth / _GB:.0f} GB/s memory, "
-                f"{self.interconnect_bandwidth / _GB:.0f} GB/s link{weights}")
+                f"{self.interconnect_bandwidth / _GB:.0f} GB/s link{weights}{self._topology()}"
+                f"{self._reserved()}")
+
+    def _topology(self) -> str:
+        if self.devices_per_node is None:
+            return ""
+        inter = self.inter_node_bandwidth or self.interconnect_bandwidth
+        return f", {self.devices_per_node} per node, {inter / _GB:.0f} GB/s between nodes"
+
+    def _reserved(self) -> str:
+        return (f", {self.reserved_bytes / _GB:.2f} GB reserved" if self.reserved_bytes else "")
 
 
 # --------------------------------------------------------------------------- #
@@ -150,45 +210,65 @@ _GPU_KERNEL_OVERHEAD_S = 10e-6
 #: One microbatch on a GPU: the Python loop, the split views and starting backward.
 _GPU_MICROBATCH_OVERHEAD_S = 100e-6
 
+#: What a GPU training step cannot use, per device (``SystemSpec.reserved_bytes``):
+#: the CUDA context with its loaded kernels and the cuBLAS/cuDNN workspaces (about
+#: 0.5 GiB with lazy module loading, PyTorch's default since CUDA 11.7);
+_CUDA_CONTEXT_BYTES = 0.5 * 2**30
+#: NCCL's buffers: ``NCCL_BUFFSIZE`` (4 MiB) per channel and peer, up to 32 channels on
+#: NVLink, plus NVLink SHARP's buffers on Hopper: of the order of 1 GiB;
+_NCCL_BUFFER_BYTES = 1.0 * 2**30
+#: and the caching allocator's fragmentation: blocks reserved but not allocated, a few
+#: percent of the device in steady training (5% taken here).
+_FRAGMENTATION = 0.05
+
+
+def _gpu(name: str, mib: int, **figures: Any) -> SystemSpec:
+    """A GPU preset: ``mib`` the memory ``nvidia-smi`` reports; the reserved bytes above."""
+    total = mib * _MiB
+    reserved = _CUDA_CONTEXT_BYTES + _NCCL_BUFFER_BYTES + _FRAGMENTATION * total
+    note = (f"CUDA context and workspaces {_CUDA_CONTEXT_BYTES / _GB:.2f} GB + NCCL buffers "
+            f"{_NCCL_BUFFER_BYTES / _GB:.2f} GB + allocator fragmentation "
+            f"{_FRAGMENTATION:.0%} of {total / _GB:.1f} GB (typical figures, not measured: "
+            "see mbcompile/planning/systems.py)")
+    return SystemSpec(name, memory_bytes=float(total), reserved_bytes=reserved,
+                      reserved_note=note, microbatch_overhead_s=_GPU_MICROBATCH_OVERHEAD_S,
+                      kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S, devices_per_node=8,
+                      interconnect_latency_s=10e-6, inter_node_latency_s=10e-6, **figures)
+
+
 _PRESETS: dict[str, SystemSpec] = {
-    "a100-80gb": SystemSpec(
-        "a100-80gb",
-        memory_bytes=80 * _GB,
+    "a100-80gb": _gpu(
+        "a100-80gb", 81920,
         peak_flops=312e12,  # dense BF16/FP16 Tensor Core
         peak_flops_fp32=19.5e12,  # FP32 (no TF32: PyTorch's default for matmul)
         memory_bandwidth=2039e9,  # HBM2e, SXM
         interconnect_bandwidth=300e9,  # NVLink 3: 600 GB/s total, 300 GB/s each way
-        interconnect_latency_s=10e-6,
-        microbatch_overhead_s=_GPU_MICROBATCH_OVERHEAD_S,
-        kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S,
-        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column); overheads: "
-               "typical eager PyTorch figures, not measured",
+        inter_node_bandwidth=25e9,  # DGX A100: one 200 Gb/s HDR InfiniBand port per GPU
+        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column; memory as nvidia-smi "
+               "reports it, 81920 MiB); 8 per node with a 200 Gb/s NIC each (DGX A100 "
+               "datasheet); overheads: typical eager PyTorch figures, not measured",
     ),
-    "a100-40gb": SystemSpec(
-        "a100-40gb",
-        memory_bytes=40 * _GB,
+    "a100-40gb": _gpu(
+        "a100-40gb", 40536,
         peak_flops=312e12,
         peak_flops_fp32=19.5e12,
         memory_bandwidth=1555e9,  # HBM2, SXM
         interconnect_bandwidth=300e9,
-        interconnect_latency_s=10e-6,
-        microbatch_overhead_s=_GPU_MICROBATCH_OVERHEAD_S,
-        kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S,
-        source="NVIDIA A100 Tensor Core GPU datasheet (40GB SXM column); overheads: "
-               "typical eager PyTorch figures, not measured",
+        inter_node_bandwidth=25e9,
+        source="NVIDIA A100 Tensor Core GPU datasheet (40GB SXM column; memory as nvidia-smi "
+               "reports it, 40536 MiB); 8 per node with a 200 Gb/s NIC each (DGX A100 "
+               "datasheet); overheads: typical eager PyTorch figures, not measured",
     ),
-    "h100-80gb": SystemSpec(
-        "h100-80gb",
-        memory_bytes=80 * _GB,
+    "h100-80gb": _gpu(
+        "h100-80gb", 81559,
         peak_flops=989e12,  # dense BF16 Tensor Core (the datasheet's 1979 is with sparsity)
         peak_flops_fp32=67e12,
         memory_bandwidth=3350e9,  # HBM3, SXM5
         interconnect_bandwidth=450e9,  # NVLink 4: 900 GB/s total
-        interconnect_latency_s=10e-6,
-        microbatch_overhead_s=_GPU_MICROBATCH_OVERHEAD_S,
-        kernel_overhead_s=_GPU_KERNEL_OVERHEAD_S,
-        source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column); overheads: "
-               "typical eager PyTorch figures, not measured",
+        inter_node_bandwidth=50e9,  # DGX H100: one 400 Gb/s NDR InfiniBand port per GPU
+        source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column; memory as nvidia-smi "
+               "reports it, 81559 MiB); 8 per node with a 400 Gb/s NIC each (DGX H100 "
+               "datasheet); overheads: typical eager PyTorch figures, not measured",
     ),
     "wafer-sim": SystemSpec(
         "wafer-sim",
@@ -201,6 +281,7 @@ _PRESETS: dict[str, SystemSpec] = {
         microbatch_overhead_s=1e-3,
         kernel_overhead_s=0.0,
         weight_bandwidth=150e9,
+        reserved_note="none modelled (a model of a dataflow system, no runtime in its memory)",
         source="a MODEL of a wafer-scale system, not a claim about any product: on-chip "
                "memory (40 GB), its bandwidth (20 PB/s) and the I/O (1.2 Tb/s = 150 GB/s) "
                "are of the order of public Cerebras CS-2 figures; weights, gradients and "
@@ -351,6 +432,8 @@ def host_spec() -> SystemSpec:
         kernel_overhead_s=HOST_KERNEL_OVERHEAD_S,
         cache_bytes=_host_cache_bytes(),  # per core: each op runs on all of them
         cache_bandwidth=cores * HOST_CACHE_BANDWIDTH_PER_CORE,
+        reserved_note=("none: MemTotal is the limit, shared with the OS and other processes "
+                       "(a plan that fits may still swap on a busy host)"),
         source=(f"derived for this machine ({platform.machine()}, {cores} cores at "
                 f"{hz / 1e9:.2f} GHz, {_flops_per_cycle(flags)} fp32 FLOP/cycle, MemTotal, "
                 "a core's share of the last-level cache from sysfs); bandwidths "

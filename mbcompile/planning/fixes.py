@@ -1,0 +1,207 @@
+"""What would fit: the fixes a ``DoesNotFitError`` names, each one computed, none that
+cannot help.
+
+One place computes them for both checks that can fail on memory: the static check run
+before any tracing (``static_memory.py``: parameters, gradients and optimizer state alone
+exceed the system) and the MBS selection (``explore.py``: the smallest microbatch does not
+fit). Each fix is a number that was worked out, not a hint:
+
+- the smallest FSDP2 world that holds static memory (sharding divides parameters,
+  gradients and optimizer state by the ranks; gradients accumulated over several
+  microbatches stay unsharded, ``ShardSpec.held``, so that world is given for one
+  microbatch per rank and, when one exists, for accumulation too);
+- a smaller optimizer state (``compile(optimizer="sgd-momentum")``: one buffer in the
+  parameter's dtype; ``"sgd"``: none), named only when static memory then fits;
+- a system with more memory, with the figure it needs.
+
+More systems (``num_csx``) are never named for static memory: each system holds a
+replica, so they shrink the per-system batch, not the model. ``explore.py`` adds the
+fixes that depend on the batch (a smaller MBS, ``outputs="loss"``, more systems when the
+per-system batch is what does not fit), each checked with the cost model.
+
+>>> s = StaticMemory(params=40e9, buffers=0.0, grads=40e9, optimizer=80e9)
+>>> smallest_fsdp_world(s, capacity=79e9)
+3
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from mbcompile.planning.estimates import DoesNotFitError, format_bytes
+from mbcompile.planning.systems import SystemSpec
+
+__all__ = ["StaticMemory", "describe_capacity", "describe_static", "optimizer_source",
+           "smallest_fsdp_world", "static_does_not_fit", "static_fixes", "static_memory_of"]
+
+#: The largest FSDP world a fix names: beyond it, say that sharding does not help.
+MAX_WORLD = 4096
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """What one replica holds whatever the MBS; bytes. ``grads`` are the trainable
+    parameters' bytes (one gradient each); ``optimizer`` the optimizer's state."""
+
+    params: float
+    buffers: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.buffers + self.grads + self.optimizer
+
+    def sharded(self, world: int, accumulating: bool = False) -> float:
+        """One FSDP2 rank's share over ``world`` ranks; ``accumulating``: several
+        microbatches, so FSDP2 holds every gradient unsharded until the last backward."""
+        grads = self.grads if accumulating else self.grads / world
+        return (self.params + self.optimizer) / world + grads + self.buffers
+
+
+def static_memory_of(model: nn.Module, spec: SystemSpec) -> StaticMemory:
+    """``model``'s static memory on ``spec`` (its ``optimizer_bytes_per_param``), counted
+    from shapes and dtypes only: a meta or fake model costs nothing. Tied parameters count
+    once; a weight-streaming system holds only the buffers."""
+    params = trainable = 0.0
+    count = 0
+    for p in model.parameters():  # parameters() skips tied duplicates
+        size = p.numel() * p.element_size()
+        params += size
+        if p.requires_grad:
+            trainable += size
+            count += p.numel()
+    buffers = float(sum(b.numel() * b.element_size() for b in model.buffers()
+                        if isinstance(b, torch.Tensor)))
+    if spec.weight_streaming:
+        return StaticMemory(0.0, buffers, 0.0, 0.0)
+    return StaticMemory(params, buffers, trainable, spec.optimizer_bytes_per_param * count)
+
+
+def smallest_fsdp_world(static: StaticMemory, capacity: float, *, other: float = 0.0,
+                        accumulating: bool = False) -> int | None:
+    """The fewest FSDP2 ranks whose share of ``static`` plus ``other`` (what sharding does
+    not shrink: activations, inputs, gathered units) fits ``capacity``; None when no world
+    up to ``MAX_WORLD`` does."""
+    fixed = static.buffers + other + (static.grads if accumulating else 0.0)
+    shardable = static.params + static.optimizer + (0.0 if accumulating else static.grads)
+    room = capacity - fixed
+    if room <= 0:
+        return None
+    world = max(1, math.ceil(shardable / room))
+    while world <= MAX_WORLD and static.sharded(world, accumulating) + other > capacity:
+        world += 1  # rounding: the share at the ceiling may still be a hair too large
+    return world if world <= MAX_WORLD else None
+
+
+def static_fixes(static: StaticMemory, spec: SystemSpec, *, world: int = 1,
+                 other: float = 0.0, alternatives: dict[str, float] | None = None
+                 ) -> list[str]:
+    """The fixes for static memory that does not fit ``spec`` (``world``: the FSDP2 ranks
+    it is already sharded over, 1 for a replica; ``other``: bytes besides static memory
+    that must fit too), in the order a user would try them.
+
+    ``alternatives``: optimizer state bytes by ``compile(optimizer=...)`` name, when the
+    caller knows them exactly (``optimizer_state.alternatives``); otherwise the exact
+    figures of torch's SGD are used (a momentum buffer in each parameter's dtype, or none).
+    """
+    capacity = spec.usable_bytes
+    fixes: list[str] = []
+    one = smallest_fsdp_world(static, capacity, other=other)
+    if one is not None and one > world:
+        many = smallest_fsdp_world(static, capacity, other=other, accumulating=True)
+        share = static.sharded(one)
+        text = (f"shard parameters, gradients and optimizer state with FSDP2 over at least "
+                f"{one} ranks (fully_shard each block, then compile with "
+                f"backend='torch.distributed' on {one} ranks, num_csx={one}): "
+                f"{format_bytes(share)} of static memory per rank with one microbatch per rank")
+        if many is None:
+            text += (" (accumulating over several microbatches keeps the gradients unsharded, "
+                     f"{format_bytes(static.grads)}, which no world fits: mbs='none')")
+        elif many != one:
+            text += (f"; accumulating over several microbatches keeps the gradients "
+                     f"unsharded, so at least {many} ranks then")
+        fixes.append(text)
+    fixes += _optimizer_fixes(static, capacity, world, other, alternatives)
+    need = static.sharded(world) + other if world > 1 else static.total + other
+    fixes.append(f"a system with at least {format_bytes(need + spec.reserved_bytes)} of "
+                 f"memory ({format_bytes(need)} usable), via system=SystemSpec(...)")
+    return fixes
+
+
+def _optimizer_fixes(static: StaticMemory, capacity: float, world: int, other: float,
+                     alternatives: dict[str, float] | None) -> list[str]:
+    """The largest optimizer state that fits instead of the present one (never one that
+    does not fit, nor one no smaller than the present)."""
+    if static.optimizer <= 0:
+        return []
+    options = alternatives if alternatives is not None else {
+        "sgd-momentum": static.grads, "sgd": 0.0}
+    fitting = []
+    for name, size in sorted(options.items(), key=lambda kv: -kv[1]):
+        if size >= static.optimizer:
+            continue
+        with_it = StaticMemory(static.params, static.buffers, static.grads, size)
+        total = with_it.sharded(world) if world > 1 else with_it.total
+        if total + other <= capacity:
+            fitting.append(f"optimizer={name!r} ({format_bytes(size)} of state, static "
+                           f"memory {format_bytes(total)})")
+    if not fitting:
+        return []
+    return [f"an optimizer with less state than the present {format_bytes(static.optimizer)}: "
+            + " or ".join(fitting[:2])]
+
+
+def describe_static(static: StaticMemory, spec: SystemSpec, world: int = 1) -> str:
+    """``static memory X = parameters ... + gradients ... + optimizer state ...``, with
+    where the optimizer figure came from."""
+    shard = f" (one of {world} FSDP2 ranks' shares)" if world > 1 else ""
+    total = static.sharded(world) if world > 1 else static.total
+    return (f"static memory{shard} {format_bytes(total)} = parameters "
+            f"{format_bytes(static.params / world)} + gradients "
+            f"{format_bytes(static.grads / world)} + optimizer state "
+            f"{format_bytes(static.optimizer / world)} ({optimizer_source(spec)})"
+            + (f" + buffers {format_bytes(static.buffers)}" if static.buffers else ""))
+
+
+def optimizer_source(spec: SystemSpec) -> str:
+    """Where ``spec``'s optimizer figure comes from, in a few words."""
+    return spec.optimizer_source or (
+        f"{spec.optimizer_bytes_per_param:g} B per parameter, the system's assumption; "
+        "compile(optimizer=...) sizes it from the optimizer")
+
+
+def static_does_not_fit(model: nn.Module, spec: SystemSpec, *, world: int = 1
+                        ) -> DoesNotFitError | None:
+    """The error for ``model`` whose static memory alone exceeds ``spec`` (one replica, or
+    one of ``world`` FSDP2 ranks' shares), with the fixes that work; None when it fits.
+    Counts shapes only (meta models included); the alternatives to the optimizer are sized
+    only on failure."""
+    static = static_memory_of(model, spec)
+    total = static.sharded(world) if world > 1 else static.total
+    if total <= spec.usable_bytes:
+        return None
+    from mbcompile.planning.optimizer_state import alternatives
+
+    where = (f"one of {world} FSDP2 ranks" if world > 1 else "each system (a replica: more "
+             "systems, num_csx, do not shrink it)")
+    fixes = static_fixes(static, spec, world=world, alternatives=alternatives(model, spec))
+    message = (f"{type(model).__name__} does not fit system {spec.name!r} whatever the "
+               f"MBS: static memory alone needs {format_bytes(total)} on {where}, and the "
+               f"system has {describe_capacity(spec)}\n"
+               f"  {describe_static(static, spec, world)}\n"
+               "  fix: " + "; or ".join(fixes))
+    return DoesNotFitError(message, mbs=0, needed=total, available=spec.usable_bytes)
+
+
+def describe_capacity(spec: SystemSpec) -> str:
+    """``79.63 GB usable (85.52 GB less 5.89 GB reserved: ...)``."""
+    if not spec.reserved_bytes:
+        return f"{format_bytes(spec.usable_bytes)}"
+    note = spec.reserved_note or "reserved_bytes"
+    return (f"{format_bytes(spec.usable_bytes)} usable ({format_bytes(spec.memory_bytes)} less "
+            f"{format_bytes(spec.reserved_bytes)} reserved: {note})")
