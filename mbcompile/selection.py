@@ -66,7 +66,8 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
     """The plan for ``request`` on ``analysed``'s graph, its estimate and what it evaluated.
 
     A cost model that cannot run is reported through ``Selection.cost_error`` (see
-    ``select_plan``). In ``"unsplit"`` mode only the whole per-system batch is probed and
+    ``select_plan``), except that ``compile_only=True`` with ``mbs="auto"`` raises
+    ``CostModelError``: a compile-only answer is never an MBS unchecked against memory. In ``"unsplit"`` mode only the whole per-system batch is probed and
     checked. ``recompute`` (``"auto"``): activation checkpointing per block is costed only
     when memory stops the MBS from growing. With ``request.cost_model`` False nothing is
     probed: the plan is the arithmetic one (``make_plan``), unchecked against memory.
@@ -80,6 +81,12 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
     if recompute is True and may_recompute and ctx.checkpointed() is not None:
         return _with_recompute(ctx, None)
     cost, error = _cost_model(ctx)
+    if cost is None and request.compile_only and request.policy.mode == "auto":
+        # a compile-only plan is read as an answer: without the cost model nothing says
+        # whether any MBS fits, so there is none to give
+        raise CostModelError(
+            f"compile_only=True with mbs='auto' needs the cost model to check an MBS against "
+            f"{request.system.name}'s memory, and it could not run: {error}")
     timer = HostTimer(analysed.analysis.graph_module, request.values, request.inputs.in_dims,
                       request.measure, analysed.analysis.loss_outputs or None
                       ) if request.measure else None

@@ -34,7 +34,30 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["FakeProbe", "resize_batch"]
+__all__ = ["FakeProbe", "fake_copy", "resize_batch"]
+
+
+def planned_device(t: torch.Tensor) -> torch.device:
+    """The device ``t`` is planned on: its own, or its fake device for a fake tensor; a
+    tensor on the meta device is planned on the CPU, so a model built on the meta device
+    costs what the same model on the CPU does (the kernels, and so the FLOPs and bytes,
+    depend on the device: CPU attention runs its flash kernel, meta its reference maths)."""
+    device = t.fake_device if isinstance(t, FakeTensor) else t.device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def fake_copy(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
+    """``t`` as a fake tensor of ``mode``: itself when it is one already; a copy of its
+    shape, strides, dtype and ``requires_grad`` when it holds no data (a meta tensor, or a
+    fake tensor of another mode: a model built under the user's own ``FakeTensorMode``,
+    which ``mode`` cannot mix with); else ``mode.from_tensor``. No copy reads data."""
+    if isinstance(t, FakeTensor) and t.fake_mode is mode:
+        return t
+    if not (t.is_meta or isinstance(t, FakeTensor)):
+        return mode.from_tensor(t)
+    with mode:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                                   device=planned_device(t), requires_grad=t.requires_grad)
 
 
 def resize_batch(value: Any, dim: int | None, batch: int, mode: FakeTensorMode) -> Any:
@@ -51,12 +74,26 @@ def resize_batch(value: Any, dim: int | None, batch: int, mode: FakeTensorMode) 
         if not isinstance(t, torch.Tensor):
             return t
         if dim is None:
-            return mode.from_tensor(t)
+            return fake_copy(t, mode)
         shape = list(t.shape)
         shape[dim] = batch
         with mode:
-            return torch.zeros(shape, dtype=t.dtype, device=t.device)
+            return torch.zeros(shape, dtype=t.dtype, device=planned_device(t))
     return pytree.tree_map(one, value)
+
+
+_META = torch.device("meta")
+
+
+def _on_planned_device(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """A node's arguments with the meta device replaced by the CPU, where ``planned_device``
+    puts meta tensors: a graph captured from a model on the meta device names it in
+    ``arange(..., device=meta)`` and ``x.to(meta)``."""
+    def one(v: Any) -> Any:
+        return torch.device("cpu") if isinstance(v, torch.device) and v == _META else v
+    if "device" in kwargs and kwargs["device"] in ("meta", _META):
+        kwargs = {**kwargs, "device": torch.device("cpu")}
+    return tuple(one(a) for a in args), kwargs
 
 
 class FakeProbe(fx.Interpreter):
@@ -85,10 +122,12 @@ class FakeProbe(fx.Interpreter):
         return [resize_batch(v, d, batch, self.mode) for v, d in zip(values, in_dims)]
 
     def fake(self, value: Any) -> Any:
-        """The probe's fake copy of a real tensor (the same one every time); else ``value``."""
-        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-            if id(value) not in self._fakes:  # the real tensor is kept: its id stays unique
-                self._fakes[id(value)] = (value, self.mode.from_tensor(value))
+        """The probe's fake copy of a tensor (the same one every time: tied weights stay
+        tied), made by ``fake_copy``; anything else comes back as it is."""
+        if isinstance(value, torch.Tensor) and not (isinstance(value, FakeTensor)
+                                                    and value.fake_mode is self.mode):
+            if id(value) not in self._fakes:  # the tensor is kept: its id stays unique
+                self._fakes[id(value)] = (value, fake_copy(value, self.mode))
             return self._fakes[id(value)][1]
         return value
 
@@ -116,6 +155,12 @@ class FakeProbe(fx.Interpreter):
             return lambda *args, **kwargs: torch.func.functional_call(value, state, args,
                                                                       kwargs)
         return self.fake(value)
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return super().call_function(target, *_on_planned_device(args, kwargs))
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        return super().call_method(target, *_on_planned_device(args, kwargs))
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         module = self.module.get_submodule(target)
