@@ -127,15 +127,16 @@ def test_static_memory_fails_before_tracing_and_names_the_fsdp_world(
     model, x = _big()
     # 10 GB weights + 10 GB gradients + 20 GB of Adam state = 40 GB per system, on 15 GB
     text = _refused(model, x, _system(15), 2, monkeypatch)
-    assert "40.00 GB per system" in text
-    assert "num_csx=3 ranks or more" in text  # ceil(40 / 15)
-    assert "more systems" not in text and "optimizer='sgd'" not in text  # 20 GB: no help
-    assert "replicated on each of 2 systems" in text
+    assert "needs 40.00 GB on each system" in text
+    assert "at least 3 ranks" in text and "num_csx=3" in text  # ceil(40 / 15)
+    assert "optimizer='sgd'" not in text  # 20 GB without any state: no help alone
+    assert "more systems (num_csx) to" not in text
 
 
 def test_static_memory_names_a_smaller_optimizer_state_when_it_fits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = _big()
     text = _refused(model, x, _system(25), 4, monkeypatch)
-    assert "optimizer='sgd'" in text and "20.00 GB per system" in text
-    assert "over its 4 systems (at least 2 are needed): 10.00 GB" in text
+    assert "optimizer='sgd' (0 B of state, static memory 20.00 GB)" in text
+    assert "optimizer='sgd-momentum'" not in text  # 30 GB: does not fit either
+    assert "at least 2 ranks" in text
