@@ -178,6 +178,18 @@ def report_dict(cm: Any) -> dict[str, Any]:
     return d
 
 
+def _provenance(spec: Any, exploration: Any) -> list[str]:
+    """Where each kind of figure of the plan came from: the system, the optimizer, a clock."""
+    from mbcompile.planning.fixes import describe_capacity, optimizer_source
+
+    measured = ("microbatch loops timed on this host (measure=True), beside the model"
+                if exploration is not None and exploration.measured
+                else "nothing: every figure is modelled (measure=True times the candidates)")
+    return [f"  memory: {describe_capacity(spec)}",
+            f"  optimizer state: {optimizer_source(spec)}",
+            f"  measured: {measured}"]
+
+
 def _text(d: dict[str, Any], cm: Any) -> str:
     plan = cm.plan
     selection = getattr(cm, "selection", None)
@@ -200,6 +212,7 @@ def _text(d: dict[str, Any], cm: Any) -> str:
     spec = selection.system
     lines.append(f"system: {spec.describe()}")
     lines.append(f"  source: {spec.source}")
+    lines += _provenance(spec, selection.exploration)
     if d["cost_error"]:
         lines.append(f"cost model: unavailable ({d['cost_error']})")
     e = selection.estimate

@@ -24,6 +24,7 @@ from mbcompile.training.config import (
     Config,
     build_data,
     build_model,
+    build_optimizer,
     compile_options,
     load_config,
 )
@@ -104,6 +105,8 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
     options = compile_options(cfg, compile_only=compile_only, validate_only=validate_only)
     model = build_model(cfg)
     model.train(phase == "train")
+    # the plan holds the state of the optimizer fit would train with, as fit's Trainer does
+    options["optimizer"] = build_optimizer(cfg, model)
     mbs = cfg.flags(phase)["micro_batch_size"] if mbs is None else mbs
     args, kwargs = batch_args(_first_batch(cfg, phase))
     what = "validate-only" if validate_only else "compile-only" if compile_only else "compile"

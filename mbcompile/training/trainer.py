@@ -96,7 +96,7 @@ __all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
 COMPILE_OPTIONS = ("system", "backend", "measure_noise_scale", "capture", "batch_norm",
                    "coupling", "outputs", "torch_compile", "recompute",
                    "reshard_after_forward", "compile_only", "validate_only", "measure",
-                   "cost_model", "batch_sizes")
+                   "cost_model", "batch_sizes", "optimizer")
 
 
 def _mbs_key(mbs: Any) -> str:
@@ -228,6 +228,9 @@ class Trainer:
         # a training step returns only the loss unless a metric reads the outputs: the
         # logits are then never kept per microbatch (and auto sees the larger MBS)
         options.setdefault("outputs", "all" if self.metrics else "loss")
+        # the plan holds the state of the optimizer that trains (a name given in
+        # compile_options, e.g. "adamw-mixed", says what the instance cannot: master weights)
+        options.setdefault("optimizer", self.optimizer)
         if self.system is not None:
             options["system"] = self.system
         if self.backend not in (None, "simulated"):
