@@ -23,12 +23,16 @@ class CostModelError(MbcompileError):
 class DoesNotFitError(PlanError):
     """The chosen (or smallest possible) microbatch does not fit the system's memory.
 
-    ``needed`` and ``available`` are bytes; ``mbs`` the size that was checked.
+    ``needed`` and ``available`` are bytes; ``mbs`` the size that was checked (0: static
+    memory alone, before any MBS); ``fixes`` what would fit, each worked out
+    (``planning/fixes.py``), also in the message.
     """
 
-    def __init__(self, message: str, *, mbs: int, needed: float, available: float) -> None:
+    def __init__(self, message: str, *, mbs: int, needed: float, available: float,
+                 fixes: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.mbs, self.needed, self.available = mbs, needed, available
+        self.fixes = fixes
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from mbcompile.planning.cost import (
     format_seconds,
 )
 from mbcompile.planning.exploration import Candidate, Exploration, Selection
+from mbcompile.planning.fixes import describe_capacity, optimizer_source, step_fixes
 from mbcompile.planning.measure import HostTimer, measure_peak_bytes
 from mbcompile.planning.plan import (
     MbsPolicy,
@@ -316,28 +317,17 @@ class Selector:
                    "does not fit"
         else:
             what = f"mbs={mbs} does not fit"
-        fix: list[str] = []
-        if mbs > 1:
-            top = self.largest_fitting(_supported_upto(pbs, mbs))
-            if top is not None:
-                fix.append(f"use mbs={top} (the largest that fits) or mbs='auto'")
-        if m.static > 0.5 * m.capacity:
-            fix.append("a system with more memory, or a smaller model/optimizer state "
-                       "(static memory alone is "
-                       f"{format_bytes(m.static)})")
-        if m.outputs > 0.25 * m.capacity:
-            fix.append("return fewer per-sample outputs (the model returns "
-                       f"{format_bytes(self.cost.static.output_bytes_per_sample)} per sample, "
-                       "kept for the whole per-system batch)")
-        if pbs > 1 and mbs == 1:
-            fix.append("more systems (num_csx) to shrink the per-system batch")
-        fix.append("a larger system via system=SystemSpec(...)")
+        smaller = self.largest_fitting(_supported_upto(pbs, mbs)) if mbs > 1 else None
+        fixes = step_fixes(self.cost, self.spec, self.gbs, self.num_csx, smaller)
         message = (f"{what} on system {self.spec.name!r} (gbs {self.gbs} over {self.num_csx} "
                    f"system{'s' if self.num_csx != 1 else ''}, pbs {pbs}): it needs "
-                   f"{format_bytes(m.peak)} but the system has {format_bytes(m.capacity)}\n"
+                   f"{format_bytes(m.peak)} but the system has "
+                   f"{describe_capacity(self.spec)}\n"
                    f"  {describe_memory(m)}\n"
-                   f"  fix: " + "; or ".join(dict.fromkeys(fix)))
-        return DoesNotFitError(message, mbs=mbs, needed=m.peak, available=m.capacity)
+                   f"  optimizer state: {optimizer_source(self.spec)}\n"
+                   f"  fix: " + "; or ".join(dict.fromkeys(fixes)))
+        return DoesNotFitError(message, mbs=mbs, needed=m.peak, available=m.capacity,
+                               fixes=tuple(fixes))
 
 
 def _supported_upto(pbs: int, limit: int) -> tuple[int, ...]:

@@ -26,17 +26,23 @@ per-system batch is what does not fit), each checked with the cost model.
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from mbcompile.planning.estimates import DoesNotFitError, format_bytes
+from mbcompile.planning.estimates import CostModelError, DoesNotFitError, format_bytes
 from mbcompile.planning.systems import SystemSpec
 
+if TYPE_CHECKING:
+    from mbcompile.planning.cost import CostModel
+
 __all__ = ["StaticMemory", "describe_capacity", "describe_static", "optimizer_source",
-           "smallest_fsdp_world", "static_does_not_fit", "static_fixes", "static_memory_of"]
+           "smallest_fsdp_world", "static_does_not_fit", "static_fixes", "static_memory_of",
+           "step_fixes", "with_recompute_tried"]
 
 #: The largest FSDP world a fix names: beyond it, say that sharding does not help.
 MAX_WORLD = 4096
@@ -195,7 +201,8 @@ def static_does_not_fit(model: nn.Module, spec: SystemSpec, *, world: int = 1
                f"system has {describe_capacity(spec)}\n"
                f"  {describe_static(static, spec, world)}\n"
                "  fix: " + "; or ".join(fixes))
-    return DoesNotFitError(message, mbs=0, needed=total, available=spec.usable_bytes)
+    return DoesNotFitError(message, mbs=0, needed=total, available=spec.usable_bytes,
+                           fixes=tuple(fixes))
 
 
 def describe_capacity(spec: SystemSpec) -> str:
@@ -205,3 +212,81 @@ def describe_capacity(spec: SystemSpec) -> str:
     note = spec.reserved_note or "reserved_bytes"
     return (f"{format_bytes(spec.usable_bytes)} usable ({format_bytes(spec.memory_bytes)} less "
             f"{format_bytes(spec.reserved_bytes)} reserved: {note})")
+
+
+# --------------------------------------------------------------------------- #
+# The step: what the batch adds to static memory
+# --------------------------------------------------------------------------- #
+
+
+def step_fixes(cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int,
+               smaller_mbs: int | None) -> list[str]:
+    """The fixes when no MBS (or the one asked for) fits, each checked with ``cost``:
+    ``smaller_mbs`` (the largest that fits, found by the caller), ``outputs="loss"``, more
+    systems (only when a smaller per-system batch fits: its inputs and kept outputs
+    shrink, a replica's static memory does not), sharding and a lighter optimizer (when
+    static memory is the problem), and the memory a system would need at mbs 1."""
+    pbs = -(-gbs // num_csx)
+    try:
+        least = cost.memory(pbs, 1, pbs, spec)
+    except CostModelError:  # a graph run unsplit is probed at its one size only
+        least = cost.memory(pbs, pbs, 1, spec)
+    fixes: list[str] = []
+    if smaller_mbs is not None:
+        fixes.append(f"use mbs={smaller_mbs} (the largest that fits) or mbs='auto'")
+    if cost.static.output_bytes_per_sample > 0:
+        bare = copy.copy(cost)
+        bare.static = replace(cost.static, output_bytes_per_sample=0.0)
+        without = bare.memory(pbs, 1, pbs, spec)
+        if without.fits:
+            fixes.append(
+                f"outputs='loss' (a training step then keeps no per-sample outputs: "
+                f"{format_bytes(cost.static.output_bytes_per_sample)} per sample, "
+                f"{format_bytes(least.peak - without.peak)} at the peak now; mbs=1 then needs "
+                f"{format_bytes(without.peak)})")
+    systems = _fewest_systems(cost, spec, gbs, num_csx)
+    if systems is not None:
+        fixes.append(f"num_csx={systems} systems (a per-system batch of {-(-gbs // systems)}: "
+                     "its inputs and kept outputs shrink with it)")
+    world = cost.shard.world if cost.shard is not None else 1
+    static = StaticMemory(least.params * world, least.buffers,
+                          cost.static.trainable_bytes if least.grads else 0.0,
+                          least.optimizer * world)
+    # sharding (or sharding wider) and a lighter optimizer, each only where it fits
+    fixes += [f for f in static_fixes(static, spec, world=world,
+                                      other=least.peak - least.static)
+              if not f.startswith("a system")]
+    fixes.append(f"a system with at least {format_bytes(least.peak + spec.reserved_bytes)} "
+                 f"of memory ({format_bytes(least.peak)} usable: what mbs=1 needs), via "
+                 "system=SystemSpec(...)")
+    return fixes
+
+
+def _fewest_systems(cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int) -> int | None:
+    """The fewest systems (more than ``num_csx``, at most ``gbs``) whose per-system batch
+    fits at mbs 1; None when none does (static memory, or one sample, is the problem)."""
+    def fits(n: int) -> bool:
+        pbs = -(-gbs // n)
+        return cost.memory(pbs, 1, pbs, spec).fits
+
+    if num_csx >= gbs or not fits(gbs):
+        return None
+    lo, hi = num_csx, gbs  # fits(lo) is False (the caller's plan), fits(hi) True
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def with_recompute_tried(plain: DoesNotFitError, checkpointed: DoesNotFitError
+                         ) -> DoesNotFitError:
+    """``plain``'s error (without activation checkpointing), saying that checkpointing per
+    block was tried too and what it needed."""
+    message = (f"{plain}\n  activation checkpointing per block (recompute) was tried too: "
+               f"at mbs {checkpointed.mbs} it needs {format_bytes(checkpointed.needed)} of "
+               f"{format_bytes(checkpointed.available)}")
+    return DoesNotFitError(message, mbs=plain.mbs, needed=plain.needed,
+                           available=plain.available, fixes=plain.fixes)
