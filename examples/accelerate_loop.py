@@ -13,8 +13,9 @@ batch as microbatches and hands back the full batch's gradient.
     cm, opt = accelerator.prepare(cm, opt)
     loss = cm(x, y)[0]; accelerator.backward(loss); opt.step(); opt.zero_grad()
 
-(On several processes, compile with ``backend="torch.distributed"`` instead, which reduces
-the gradients itself; see docs/distributed.md.)
+(On several processes, compile with ``backend="torch.distributed"``, which reduces the
+gradients itself, and prepare with ``mbcompile.integrations.accelerate.prepare``, which
+keeps DistributedDataParallel from reducing them again: examples/accelerate_ranks.py.)
 
 The script trains the tiny GPT for three optimizer steps of gbs 6 over 2 systems (mbs 2),
 in float64, and checks the parameters against three plain full-batch steps.

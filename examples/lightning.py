@@ -10,12 +10,18 @@ microbatches and hands back the full batch's gradient):
     loss = self.model(x, y)[0]                       # in training_step
     pl.Trainer(accumulate_grad_batches=1, ...)       # the default: keep it 1
 
-Validation can use the compiled module too (``validation_step`` below) with batches of
-``gbs`` samples; compile once more for another size.
+Validation stays on the compiled module (``validation_step`` below), with batches of any
+size: a batch of another size than ``gbs`` is planned and compiled once, on first sight,
+with one ``BatchSizeWarning`` per size (here the validation batches have 4 samples).
+
+Keep ``accumulate_grad_batches=1``: with ``k`` Lightning adds up the gradients of ``k``
+global batches, each loss scaled by ``1/k``, a step over ``k * gbs`` samples in which every
+global batch weighs the same however many tokens it has. For a larger batch, compile with
+a larger ``gbs``: one exact step, with one microbatch's memory.
 
 The script trains the tiny GPT for three optimizer steps of gbs 6 over 2 systems (mbs 2),
 in float64, and checks the parameters against three plain full-batch steps with the same
-optimizer.
+optimizer, and the validation loss against the plain model's on the same batch.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from torch.utils.data import DataLoader
 import mbcompile
 from mbcompile.models import make_tiny_gpt
 
-GBS, NUM_CSX, MBS, STEPS, LR = 6, 2, 2, 3, 0.1
+GBS, NUM_CSX, MBS, STEPS, LR, VAL_BATCH = 6, 2, 2, 3, 0.1, 4
 
 
 class Compiled(pl.LightningModule):
@@ -52,7 +58,13 @@ def batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [make_tiny_gpt(GBS, seed=seed + 10 * (i + 1))[1] for i in range(STEPS)]
 
 
-def train_with_lightning(model: torch.nn.Module) -> torch.nn.Module:
+def validation_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Of another size than gbs: the compiled module plans it on first sight."""
+    return make_tiny_gpt(VAL_BATCH, seed=99)[1]
+
+
+def train_with_lightning(model: torch.nn.Module) -> float:
+    """Trains ``model`` through Lightning; returns the last validation loss."""
     data = batches()
     module = Compiled(model, data[0])
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False,
@@ -60,8 +72,8 @@ def train_with_lightning(model: torch.nn.Module) -> torch.nn.Module:
                          enable_model_summary=False, accumulate_grad_batches=1)
     # batch_size=None: each item already is one global batch of gbs samples
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None),
-                val_dataloaders=DataLoader(data[:1], batch_size=None))
-    return model
+                val_dataloaders=DataLoader([validation_batch()], batch_size=None))
+    return float(trainer.callback_metrics["val_loss"])  # after the last step
 
 
 def train_plain(model: torch.nn.Module) -> torch.nn.Module:
@@ -74,17 +86,19 @@ def train_plain(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def max_difference() -> float:
+    """The largest difference of a parameter or of the validation loss from plain steps."""
     model, _ = make_tiny_gpt(GBS, dtype=torch.float64)
     plain = train_plain(copy.deepcopy(model))
-    compiled = train_with_lightning(model)
+    val_loss = train_with_lightning(model)
     with torch.no_grad():
-        return max(float((a - b).abs().max())
-                   for a, b in zip(plain.parameters(), compiled.parameters()))
+        plain_val_loss = float(plain.eval()(*validation_batch())[0])
+        return max([abs(val_loss - plain_val_loss)]
+                   + [float((a - b).abs().max())
+                      for a, b in zip(plain.parameters(), model.parameters())])
 
 
 if __name__ == "__main__":
-
     difference = max_difference()
-    print(f"Lightning + mbcompile vs plain full-batch steps: max parameter difference "
-          f"{difference:.2e}")
+    print(f"Lightning + mbcompile vs plain full-batch steps: max difference of the parameters "
+          f"and the validation loss {difference:.2e}")
     sys.exit(0 if difference <= 1e-10 else 1)
