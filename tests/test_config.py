@@ -191,6 +191,41 @@ def test_system_is_a_preset_or_the_fields_of_a_system_spec(tmp_path):
                                     "  memory_bytes: 1.0e+9\n"))
 
 
+def test_a_system_mapping_states_its_topology_and_reserved_bytes(tmp_path):
+    spec = load_config(write(tmp_path, """
+        model: mlp
+        batch_size: 8
+        system:
+          memory_bytes: 1.0e+9
+          reserved_bytes: 1.0e+8
+          reserved_note: the runtime's context
+          peak_flops: 1.0e+12
+          peak_flops_fp32: 5.0e+11
+          memory_bandwidth: 1.0e+11
+          devices_per_node: 4
+          inter_node_bandwidth: 1.0e+10
+        """)).system
+    assert spec.usable_bytes == 9e8 and spec.reserved_note == "the runtime's context"
+    assert spec.ring_link(8)[0] == 1e10 and spec.ring_link(4)[0] == spec.interconnect_bandwidth
+
+
+def test_mbcompile_compile_plans_the_optimizer_of_the_config(tmp_path):
+    import json
+
+    from mbcompile.training.cli_compile import compile_config
+
+    cfg = load_config(write(tmp_path, """
+        model: mlp
+        batch_size: 8
+        num_csx: 2
+        optimizer: {name: SGD, lr: 0.1, momentum: 0.9}
+        """))
+    compile_config(cfg, tmp_path / "out", mbs=2, compile_only=True)
+    report = json.loads((tmp_path / "out" / "plan.json").read_text())["report"]
+    assert "momentum_buffer" in report["system"]["optimizer_source"]
+    assert report["system"]["optimizer_bytes_per_param"] == 4  # one fp32 buffer (fp32 mlp)
+
+
 USER_MODULE = '''
 import torch
 import torch.nn as nn

@@ -54,6 +54,10 @@ optimizer's temporaries can set the peak.
                     + gradient accumulation (every microbatch but the first)
     step = max over systems of the sum of its microbatches
            + ring all-reduce: 2 (n-1)/n x gradient bytes / link + 2 (n-1) x latency
+             (link: the slowest the ring crosses, the inter-node one once the systems
+             span nodes; SystemSpec.ring_link), less what overlaps the last
+             microbatch's backward: every bucket but the last (the runtime launches
+             each bucket as its gradients become final)
            + optimizer update (parameters, gradients and state read and written once)
 
 The roofline is applied per op (a memory-bound LayerNorm next to a
@@ -108,6 +112,15 @@ __all__ = [
     "format_bytes",
     "format_seconds",
 ]
+
+
+#: The runtime's gradient buckets (``execution/distributed.py``'s ``BUCKET_BYTES``,
+#: ``FIRST_BUCKET_BYTES`` and ``MIN_BUCKETS``, which the planning layer cannot import: the
+#: execution layer imports it). They set how much of the all-reduce is left after the
+#: last backward ends: the last bucket.
+_BUCKET_BYTES = 25 * 2**20
+_FIRST_BUCKET_BYTES = 2**20
+_MIN_BUCKETS = 8
 
 
 def _split_counts(size: int, k: int) -> list[tuple[int, int]]:
@@ -252,14 +265,7 @@ class CostModel:
 
     def probe_seconds(self, p: Probe, spec: SystemSpec) -> tuple[float, float, float, str]:
         """``(total, roofline, overhead, bound)`` of what probe ``p`` ran."""
-        peak = np.where(p.fp32, spec.peak_flops_fp32, spec.peak_flops)
-        moved = p.act_bytes if spec.weight_streaming else p.act_bytes + p.weight_bytes
-        compute = p.flops / peak
-        bandwidth = np.full_like(moved, spec.memory_bandwidth)
-        if spec.cache_bytes > 0 and spec.cache_bandwidth:
-            # an op whose inputs and outputs all fit in the cache moves them at its rate
-            bandwidth[p.act_bytes + p.weight_bytes <= spec.cache_bytes] = spec.cache_bandwidth
-        memory = moved / bandwidth
+        compute, memory = self._op_seconds(p, spec)
         roof = float(np.maximum(compute, memory).sum())
         stream = 0.0
         if spec.weight_bandwidth is not None:
@@ -276,6 +282,25 @@ class CostModel:
             bound = "compute" if compute.sum() >= memory.sum() else "memory"
         return body + overhead, body, overhead, bound
 
+    def backward_seconds(self, m: int, spec: SystemSpec) -> float:
+        """The backward of one microbatch of ``m`` samples (its ops' roofline and kernel
+        overheads): what the gradient all-reduce of the step's last microbatch overlaps."""
+        p = self._at(m)[0]
+        compute, memory = self._op_seconds(p, spec)
+        roof = float(np.maximum(compute, memory)[p.backward].sum())
+        return roof + int((p.kernel & p.backward).sum()) * spec.kernel_overhead_s
+
+    def _op_seconds(self, p: Probe, spec: SystemSpec) -> tuple[np.ndarray, np.ndarray]:
+        """Per op: seconds at the compute rate of its dtype, seconds at the rate of the
+        memory its bytes move through (the cache's when they fit in it)."""
+        peak = np.where(p.fp32, spec.peak_flops_fp32, spec.peak_flops)
+        moved = p.act_bytes if spec.weight_streaming else p.act_bytes + p.weight_bytes
+        bandwidth = np.full_like(moved, spec.memory_bandwidth)
+        if spec.cache_bytes > 0 and spec.cache_bandwidth:
+            # an op whose inputs and outputs all fit in the cache moves them at its rate
+            bandwidth[p.act_bytes + p.weight_bytes <= spec.cache_bytes] = spec.cache_bandwidth
+        return p.flops / peak, moved / bandwidth
+
     def _accumulate_seconds(self, spec: SystemSpec) -> float:
         if spec.weight_streaming or not self.static.training:
             return 0.0
@@ -284,11 +309,24 @@ class CostModel:
             s.num_param_tensors * spec.kernel_overhead_s
 
     def allreduce_seconds(self, num_csx: int, spec: SystemSpec) -> float:
+        """A ring all-reduce of the gradients over ``num_csx`` systems, on the slowest link
+        it crosses (``SystemSpec.ring_link``: the inter-node one once it spans nodes)."""
         if num_csx <= 1 or not self.static.training:
             return 0.0
         n = num_csx
-        return (2 * (n - 1) / n * self.static.trainable_bytes / spec.interconnect_bandwidth
-                + 2 * (n - 1) * spec.interconnect_latency_s)
+        bandwidth, latency = spec.ring_link(n)
+        return 2 * (n - 1) / n * self.static.trainable_bytes / bandwidth + 2 * (n - 1) * latency
+
+    def hidden_seconds(self, reduce: float, last_backward: float) -> float:
+        """How much of the gradient collective (``reduce`` seconds) runs while the step's
+        last backward (``last_backward`` seconds) is still computing: all of it but the
+        last bucket, which holds the first parameters and is final only when the backward
+        ends (the runtime's ``OverlappedReduce``; FSDP2's reduce-scatters likewise)."""
+        total = self.static.trainable_bytes
+        if reduce <= 0 or total <= 0:
+            return 0.0
+        bucket = min(_BUCKET_BYTES, max(_FIRST_BUCKET_BYTES, math.ceil(total / _MIN_BUCKETS)))
+        return min(reduce * max(0.0, 1 - bucket / total), last_backward)
 
     def optimizer_seconds(self, spec: SystemSpec) -> float:
         if spec.weight_streaming or not self.static.training:
@@ -370,18 +408,23 @@ class CostModel:
         if self.shard is not None and self.shard.world > 1:
             w = self.shard.world
             # gradients are reduce-scattered, half a ring all-reduce; units are gathered
-            # in every microbatch (``ShardSpec.gathers_per_microbatch``)
+            # in every microbatch (``ShardSpec.gathers_per_microbatch``), on the same links
             allreduce /= 2
             optimizer /= w
             gathered, gathers = self.shard.gathers_per_microbatch()
-            allgather = k * ((w - 1) / w * gathered / spec.interconnect_bandwidth
-                             + gathers * spec.interconnect_latency_s)
-        step = worst[0] + allreduce + optimizer + allgather
+            bandwidth, latency = spec.ring_link(w)
+            allgather = k * ((w - 1) / w * gathered / bandwidth + gathers * latency)
+        # the last microbatch (the smallest of the largest system) runs its backward while
+        # the first buckets are reduced
+        last = min(size for size, _ in _split_counts(pbs, k))
+        hidden = self.hidden_seconds(allreduce, self.backward_seconds(last, spec)) \
+            if allreduce > 0 else 0.0
+        step = worst[0] + allreduce - hidden + optimizer + allgather
         first = self.microbatch_seconds(mbs, spec)[0]
         bound = max(bound_votes, key=bound_votes.get) if bound_votes else "compute"
         time = TimeEstimate(
             microbatch=first, compute=worst[1], overhead=worst[2], accumulate=worst[3],
-            allreduce=allreduce, optimizer=optimizer, step=step,
+            allreduce=allreduce, optimizer=optimizer, step=step, allreduce_hidden=hidden,
             samples_per_second=gbs / step if step > 0 else math.inf, bound=bound,
             allgather=allgather)
         return Estimate(spec.name, mbs, k, self.memory(pbs, mbs, k, spec), time,

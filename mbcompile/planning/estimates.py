@@ -199,7 +199,7 @@ class TimeEstimate:
     compute: float  # roofline part, summed over the slowest system's microbatches
     overhead: float  # microbatch and kernel overheads, summed
     accumulate: float  # gradient accumulation between microbatches
-    allreduce: float
+    allreduce: float  # the gradient all-reduce on the links it crosses, whole
     optimizer: float
     step: float
     samples_per_second: float
@@ -207,6 +207,7 @@ class TimeEstimate:
     extra_forward: float = 0.0  # two-phase: the per-sample part's forward without grad
     allgather: float = 0.0  # FSDP2: units all-gathered in every microbatch (ShardSpec)
     coupled: float = 0.0  # two-phase: the coupled part, once, on the whole batch
+    allreduce_hidden: float = 0.0  # of ``allreduce``, what overlaps the last backward
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -45,6 +45,7 @@ from mbcompile.errors import ArgumentTypeError, PlanError
 
 __all__ = [
     "PRESETS",
+    "TEXT_FIELDS",
     "SystemSpec",
     "get_system",
     "host_spec",
@@ -54,7 +55,8 @@ __all__ = [
 
 _GB = 1e9
 _MiB = 2**20
-_TEXT_FIELDS = ("name", "source", "reserved_note", "optimizer_source")
+#: The ``SystemSpec`` fields that are words, not figures.
+TEXT_FIELDS = ("name", "source", "reserved_note", "optimizer_source")
 _OPTIONAL_FIELDS = ("weight_bandwidth", "cache_bandwidth", "devices_per_node",
                     "inter_node_bandwidth", "inter_node_latency_s")
 
@@ -123,7 +125,7 @@ class SystemSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ArgumentTypeError(f"SystemSpec.name must be a non-empty str, got {self.name!r}")
         for f in fields(self):
-            if f.name in _TEXT_FIELDS:
+            if f.name in TEXT_FIELDS:
                 continue
             value = getattr(self, f.name)
             if value is None and f.name in _OPTIONAL_FIELDS:

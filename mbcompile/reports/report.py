@@ -229,7 +229,9 @@ def _text(d: dict[str, Any], cm: Any) -> str:
             f"time (modelled step): {format_seconds(t.step)} = microbatches "
             f"{format_seconds(t.compute + t.overhead)} (roofline {format_seconds(t.compute)}"
             f" + overheads {format_seconds(t.overhead)}) + gradient accumulation "
-            f"{format_seconds(t.accumulate)} + all-reduce {format_seconds(t.allreduce)} + "
+            f"{format_seconds(t.accumulate)} + all-reduce {format_seconds(t.allreduce)}"
+            + (f" ({format_seconds(t.allreduce_hidden)} of it behind the last backward)"
+               if t.allreduce_hidden else "") + " + "
             f"optimizer {format_seconds(t.optimizer)}"
             + (f" + FSDP2 all-gathers {format_seconds(t.allgather)}" if t.allgather else "")
             + (f" + two-phase extra forward {format_seconds(t.extra_forward)} + coupled part "

@@ -338,7 +338,7 @@ class _Validator(Checks):
         kwargs = dict(value)
         kwargs.setdefault("name", f"{Path(self.m.file).stem}-system")
         for k, v in kwargs.items():
-            if k not in ("name", "source") and v is not None and (
+            if k not in systems.TEXT_FIELDS and v is not None and (
                     isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise self.fail(path + (k,), f"must be a number, got {type_name(v)} {v!r}")
         try:
