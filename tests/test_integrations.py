@@ -102,3 +102,12 @@ def test_a_loader_must_give_each_process_its_share(gbs, samples, batch_size, dro
     else:
         with pytest.raises(InputError, match=message):
             _check_loader(loader, plan, 2, split)
+
+
+def test_a_plan_sampler_loader_is_left_out_of_prepare():
+    """Its batches already are this rank's share (uneven shares: the recipe for them)."""
+    plan = make_plan(7, 2, 2)
+    loader = DataLoader(TensorDataset(torch.zeros(14, 1)),
+                        batch_sampler=mbcompile.distributed.PlanSampler(14, plan, 0))
+    with pytest.raises(InputError, match="leave it out of prepare"):
+        _check_loader(loader, plan, 2, False)

@@ -34,6 +34,7 @@ from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
 from mbcompile.compiler import CompiledModule
+from mbcompile.execution.rank_shares import PlanSampler
 from mbcompile.passes.errors import InputError
 from mbcompile.planning.plan import MicrobatchPlan
 
@@ -109,7 +110,12 @@ def _check_loader(loader: DataLoader, plan: MicrobatchPlan, world: int,
     """Each process must get exactly its plan share of every global batch, and every global
     batch must be real samples: Accelerate pads an incomplete last round with samples from
     the start of the dataset."""
-    if loader.batch_size is None:  # a batch_sampler: its batches are checked when they come
+    if isinstance(loader.batch_sampler, PlanSampler):
+        raise InputError(
+            "this DataLoader's PlanSampler already gives each process its share of every global "
+            "batch, and Accelerate would split those shares again across the processes: leave "
+            "it out of prepare and move its batches with .to(accelerator.device)")
+    if loader.batch_size is None:  # another batch_sampler: its batches are checked as they come
         return
     sizes = plan.per_system_batch_sizes
     if len(set(sizes)) != 1:
