@@ -136,3 +136,18 @@ def test_bad_optimizers_are_refused_with_the_names() -> None:
 
     with pytest.raises(InputError, match="take one real step"):
         optimizer_state(Custom(model.parameters(), 2.0), model)
+
+
+def test_the_trainer_plans_the_optimizer_it_trains_with(tmp_path) -> None:
+    from mbcompile.models import make_mlp
+
+    model, batch = make_mlp(8)
+    optimizer = torch.optim.AdamW(model.parameters(), amsgrad=True)
+    trainer = mbcompile.Trainer(model, optimizer, gbs=8, num_csx=2, progress=False,
+                                log_dir=tmp_path)
+    cm = trainer.compile("train", batch)
+    assert "max_exp_avg_sq" in cm.system.optimizer_source  # AMSGrad's third buffer
+    assert cm.system.optimizer_bytes_per_param == 3 * batch[0].element_size()
+    named = mbcompile.Trainer(model, optimizer, gbs=8, num_csx=2, progress=False,
+                              log_dir=tmp_path, compile_options={"optimizer": "adamw-mixed"})
+    assert named.compile("train", batch).system.optimizer_source.startswith("adamw-mixed")

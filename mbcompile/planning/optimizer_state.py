@@ -128,14 +128,14 @@ def alternatives(model: nn.Module, spec: SystemSpec) -> dict[str, float]:
 
 
 def _all_names() -> list[str]:
-    return [*NAMES, *(n + MIXED for n in NAMES if n != "sgd")]
+    return [*NAMES, *(n + MIXED for n in NAMES)]
 
 
 def _named(name: str, trainable: list[torch.Tensor], count: int) -> OptimizerState:
     key = name.strip().lower()
     mixed = key.endswith(MIXED)
     base = key[:-len(MIXED)] if mixed else key
-    if base not in NAMES or (mixed and base == "sgd"):
+    if base not in NAMES:
         raise InputError(f"unknown optimizer name {name!r}; names are "
                          f"{', '.join(map(repr, _all_names()))}, or pass the optimizer itself")
     cls, kwargs = NAMES[base]
