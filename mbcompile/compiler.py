@@ -56,6 +56,7 @@ from mbcompile.request import (
     Request,
     batch_size,
     check_layout,
+    for_call,
     input_layout,
     make_request,
     same_value,
@@ -110,7 +111,14 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "backend", request.backend)
         object.__setattr__(self, "noise_scale", request.noise_scale)
         object.__setattr__(self, "_signature", request.signature)
-        object.__setattr__(self, "_face_signature", inspect.signature(request.inner.forward))
+        face = inspect.signature(request.inner.forward)
+        object.__setattr__(self, "_face_signature", face)
+        object.__setattr__(self, "_face_class", type(request.inner))
+        # forward takes **kwargs: the names it has besides, and the keywords the example
+        # passed there (a call with others runs a variant compiled for them: _for_keywords)
+        object.__setattr__(self, "_named", frozenset(face.parameters) if any(
+            p.kind == p.VAR_KEYWORD for p in face.parameters.values()) else None)
+        object.__setattr__(self, "_keywords", request.keywords)
         object.__setattr__(self, "_variants", {})  # batch size -> the module compiled for it
         object.__setattr__(self, "_inputs", request.inputs)
         object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
@@ -122,10 +130,7 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_live_layers", ())  # (name, layer) of those layers
         object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
         object.__setattr__(self, "_warned", False)
-        # state_dict() keys are the model's own ("net.0.weight", not "module.net.0.weight"),
-        # also when this module sits inside a parent: hooks, not overrides, so nesting works
-        self.register_state_dict_post_hook(_strip_module_prefix)
-        self.register_load_state_dict_pre_hook(_add_module_prefix)
+        self._face_state_dict()  # state_dict() keys are the model's own
         self._compiled()  # compile now: errors belong to compile(), not the first call
 
     # -------------------------------------------------------------- compiling
@@ -249,16 +254,14 @@ class CompiledModule(ModelFace, nn.Module):
             unwatch(watched)
 
     def _call(self, compiled: _Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._named is not None:  # forward takes **kwargs: which keywords reach them
+            through = frozenset(k for k in kwargs if k not in self._named)
+            if through != self._keywords:
+                return self._for_keywords(through, args, kwargs)
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
-            through = sorted(set(kwargs) - set(self._signature.parameters))
-            extra = (f"; {', '.join(map(repr, through))} would reach forward's **kwargs, which "
-                     "mbcompile does not map to the graph yet (transformers.Trainer passes "
-                     "num_items_in_batch there): call with the named parameters only"
-                     ) if through and self._takes_var_keyword() else ""
-            raise InputError(f"call does not match forward{self._signature}: {exc}{extra}"
-                             ) from None
+            raise InputError(f"call does not match forward{self._signature}: {exc}") from None
         bound.apply_defaults()
         values = [bound.arguments[n] for n in self._inputs.names]
         for name, expected in self._inputs.concrete.items():
@@ -299,20 +302,36 @@ class CompiledModule(ModelFace, nn.Module):
             flat = flat[:state.n_outputs]
         return compiled.output_spec.rebuild(flat)
 
-    def _takes_var_keyword(self) -> bool:
-        return any(p.kind == p.VAR_KEYWORD for p in self._face_signature.parameters.values())
+    def _for_keywords(self, through: frozenset[str], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """Call the module compiled for calls that pass the keywords ``through`` to forward's
+        ``**kwargs`` (each is a graph input: ``request.for_call``), compiling it once."""
+        variant = self._variants.get(through)
+        if variant is None:
+            def listed(names: frozenset[str]) -> str:
+                return ", ".join(map(repr, sorted(names))) or "none"
+
+            variant = self._variant(
+                through, for_call(self._request, args, kwargs), self.plan.gbs,
+                f"a call passes {listed(through)} to {type(self._inner).__name__}.forward's "
+                f"**kwargs, where the example call passed {listed(self._keywords)}",
+                RecompileWarning, "pass them in example_kwargs to compile them with the model")
+        return variant(*args, **kwargs)
 
     def _for_batch(self, batch: int, arguments: Mapping[str, Any]) -> CompiledModule:
         """The module compiled for batches of ``batch`` samples (see ``_variant``)."""
         return self._variants.get(batch) or self._variant(
             batch, dataclasses.replace(self._request, example=dict(arguments)), batch,
-            f"a batch of {batch} samples, where {type(self.module).__name__} was compiled "
-            f"for gbs={self.plan.gbs}")
+            f"a batch of {_samples(batch)}, where {type(self.module).__name__} was compiled "
+            f"for gbs={self.plan.gbs}", BatchSizeWarning,
+            "compile(..., batch_sizes='fixed') makes another batch size an error")
 
-    def _variant(self, key: Any, request: Request, batch: int, why: str) -> CompiledModule:
+    def _variant(self, key: Any, request: Request, batch: int, why: str,
+                 category: type[Warning], hint: str) -> CompiledModule:
         """Compile ``request`` for ``batch`` samples, once, and keep it under ``key``: the
         same options and MBS policy (an int MBS capped at the new per-system batch; fewer
-        samples than systems leave systems idle), the call as its example."""
+        samples than systems leave systems idle), the call as its example; one warning of
+        ``category`` says ``why`` and what it cost, and ``hint`` how to avoid it."""
         start = time.perf_counter()
         systems = min(request.num_csx, batch)
         policy = request.policy
@@ -324,12 +343,11 @@ class CompiledModule(ModelFace, nn.Module):
         self._variants[key] = compiled
         plan = compiled.plan
         warnings.warn(
-            f"{why}: planned and compiled once for it ({batch} samples on {systems} "
+            f"{why}: planned and compiled once for it ({_samples(batch)} on {systems} "
             f"system{'s' if systems > 1 else ''}, mbs={plan.mbs}, {plan.num_microbatches} "
             f"microbatch{'es' if plan.num_microbatches > 1 else ''} per system) in "
-            f"{time.perf_counter() - start:.1f} s, and kept for later calls like it "
-            "(compile(..., batch_sizes='fixed') makes another batch size an error)",
-            BatchSizeWarning, stacklevel=user_stacklevel())
+            f"{time.perf_counter() - start:.1f} s, and kept for later calls like it ({hint})",
+            category, stacklevel=user_stacklevel())
         return compiled
 
     def _write_state(self, state: StateUpdates, new: Sequence[Any],
@@ -390,17 +408,8 @@ class CompiledModule(ModelFace, nn.Module):
                 + (", compile_only=True" if self.compile_only else ""))
 
 
-def _strip_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                         local_metadata: Any) -> None:
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-
-
-def _add_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                       *args: Any) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+def _samples(n: int) -> str:
+    return f"{n} sample{'s' if n != 1 else ''}"
 
 
 def _output_leaf(spec: OutputSpec, output: Any, index: int) -> Any:
@@ -421,6 +430,11 @@ def _output_leaf(spec: OutputSpec, output: Any, index: int) -> Any:
             return found
     return None
 
+
+EVAL_MODE_NOTE = (
+    "compiled in eval mode (as from_pretrained leaves a model): the first call in training "
+    "mode (after {name}.train(), which Trainer.train() calls) captures and compiles the "
+    "training graph once, with this plan; calls in either mode reuse their graph after that")
 
 PER_MICROBATCH_NOTE = (
     "batch_norm='per_microbatch': BatchNorm in training normalises with each microbatch's "
@@ -577,6 +591,8 @@ def _final_plan(request: Request, selection: Selection) -> MicrobatchPlan:
     unwrapping the model and of per-microbatch BatchNorm statistics)."""
     plan = selection.plan
     notes = plan.warnings + selection.warnings + request.notes
+    if not request.inner.training:
+        notes = (*notes, EVAL_MODE_NOTE.format(name=request.name))
     if (request.batch_norm == "per_microbatch" and plan.num_nonempty_microbatches > 1
             and _has_batch_norm(request.model)):
         warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning,

@@ -11,7 +11,13 @@ its submodule ``module``:
   ``cm.save_pretrained(...)``, ``cm.generate(...)``, which runs the plain model);
 - an attribute the model has and the compiled module does not is written to the model
   (``cm.loss_type = "ForCausalLM"`` changes what the model computes, so it must reach it);
-- ``inspect.signature(cm.forward)`` is the model's forward's.
+- ``inspect.signature(cm.forward)`` is the model's forward's;
+- ``cm.__class__`` is the model's class, so ``isinstance(cm, type(model))`` holds while
+  ``type(cm)`` stays the compiled module's (as ``wrapt.ObjectProxy`` and ``unittest.mock``
+  do). Code that asks what the model is gets the model's answer: the Trainer reads the
+  label names from the class's forward, and saves with ``save_pretrained`` (tied weights,
+  config and all) only for an ``isinstance(model, PreTrainedModel)``. ``repr(cm)``,
+  ``dir(cm)`` and pickling still show and keep the compiled module.
 """
 
 from __future__ import annotations
@@ -25,8 +31,34 @@ __all__ = ["ModelFace", "SignedForward"]
 
 
 class ModelFace:
-    """Mixin for an ``nn.Module`` subclass whose submodule ``module`` is the user's model
-    and whose ``_face_signature`` is the signature of the model's forward (module doc)."""
+    """Mixin for an ``nn.Module`` subclass whose submodule ``module`` is the user's model,
+    whose ``_face_signature`` is the signature of the model's forward and whose
+    ``_face_class`` is the model's class (module doc)."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105 - isinstance(cm, type(model)) (module doc)
+        return self.__dict__.get("_face_class") or type(self)
+
+    def __repr__(self) -> str:
+        text = nn.Module.__repr__(self)  # type: ignore[arg-type]
+        shown = self._get_name()  # type: ignore[attr-defined]  # the model's class name
+        return type(self).__name__ + text[len(shown):] if text.startswith(shown) else text
+
+    def __dir__(self) -> list[str]:
+        model = self.__dict__.get("_modules", {}).get("module")
+        return sorted({*nn.Module.__dir__(self), *dir(type(self)),  # type: ignore[arg-type]
+                       *(dir(model) if model is not None else ())})
+
+    def _face_state_dict(self) -> None:
+        """Make ``state_dict()`` keys the model's own (``net.0.weight``, not
+        ``module.net.0.weight``), also when this module sits inside a parent: hooks, not
+        overrides, so nesting works; ``load_state_dict`` takes the same keys."""
+        self.register_state_dict_post_hook(_strip_module_prefix)  # type: ignore[attr-defined]
+        self.register_load_state_dict_pre_hook(_add_module_prefix)  # type: ignore[attr-defined]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle refuses an object whose __class__ is not its type (copyreg.__newobj__)
+        return _rebuild, (type(self),), self.__getstate__()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -61,6 +93,24 @@ class ModelFace:
         d = self.__dict__
         return (name in d or hasattr(type(self), name) or name in d.get("_parameters", ())
                 or name in d.get("_buffers", ()) or name in d.get("_modules", ()))
+
+
+def _strip_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                         local_metadata: Any) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                       *args: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _rebuild(cls: type) -> Any:
+    """An empty instance of ``cls`` for pickle to fill with ``__setstate__``."""
+    return cls.__new__(cls)
 
 
 class SignedForward:

@@ -11,8 +11,9 @@ forward parameter), so that no stage re-reads or re-checks a raw option.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +33,8 @@ from mbcompile.planning.plan import MbsPolicy, parse_mbs, per_system_batch_sizes
 from mbcompile.planning.systems import SystemSpec, get_system
 
 __all__ = ["BATCH_NORM_MODES", "CAPTURES", "COUPLING_MODES", "OUTPUT_MODES", "Inputs",
-           "BATCH_SIZES", "Request", "batch_size", "check_layout", "input_layout", "leaf_name",
-           "leaves", "make_request", "same_value"]
+           "BATCH_SIZES", "Request", "batch_size", "check_layout", "for_call", "input_layout",
+           "keywords_through", "leaf_name", "leaves", "make_request", "same_value"]
 
 CAPTURES = ("auto", "fx", "export")
 BATCH_SIZES = ("any", "fixed")
@@ -60,7 +61,8 @@ class Request:
     num_csx: int
     policy: MbsPolicy  # mbs, parsed once
     system: SystemSpec
-    signature: inspect.Signature  # forward's, **kwargs left out
+    signature: inspect.Signature  # forward's named parameters, then the example's keywords
+    #                                 that reach its **kwargs (keyword-only), **kwargs left out
     example: Mapping[str, Any] = field(repr=False)  # the example call, by parameter name
     inputs: Inputs = field(repr=False)
     backend: str = "simulated"
@@ -79,6 +81,7 @@ class Request:
     cost_model: bool = True  # False: planned without the cost model's fake-tensor probes
     batch_sizes: str = "any"  # "any": other batch sizes are planned on first sight; "fixed"
     optimizer: Any = None  # what the plan's optimizer state was sized for (system has the bytes)
+    in_dims: Any = 0  # the option as given: a later call's new keywords get its default dim
 
     @property
     def values(self) -> list[Any]:
@@ -97,6 +100,11 @@ class Request:
     @property
     def name(self) -> str:
         return type(self.model).__name__
+
+    @property
+    def keywords(self) -> frozenset[str]:
+        """The example's keywords that reach forward's ``**kwargs`` (``num_items_in_batch``)."""
+        return keywords_through(self.inner, self.signature.parameters)
 
 
 def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
@@ -155,7 +163,30 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         reshard=_check_reshard(reshard_after_forward, bool(units)),
         shard=_shard_spec(units, num_csx), noise_scale=_noise_scale(measure_noise_scale),
         compile_only=compile_only, validate_only=validate_only, measure=_repetitions(measure),
-        cost_model=cost_model, batch_sizes=batch_sizes, optimizer=optimizer)
+        cost_model=cost_model, batch_sizes=batch_sizes, optimizer=optimizer, in_dims=in_dims)
+
+
+def for_call(request: Request, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Request:
+    """``request`` with another call as its example, for a call that passes other keywords
+    through forward's ``**kwargs`` than the example did (the compiled module compiles a
+    variant for it). Inputs the example had keep their batch dim; a new keyword gets the
+    default one (a 0-dim tensor none, a non-tensor is fixed at compile time)."""
+    sig = _with_keywords(inspect.signature(request.inner.forward), kwargs)
+    known = {n: d for n, d in zip(request.inputs.names, request.inputs.in_dims)
+             if n not in request.inputs.concrete and n in sig.parameters}
+    default = request.in_dims if isinstance(request.in_dims, int) else 0
+    signature, values, inputs = _bind(request.inner, args, kwargs, known,
+                                      request.compile_only or request.validate_only, default)
+    return dataclasses.replace(request, signature=signature, example=values, inputs=inputs)
+
+
+def keywords_through(model: nn.Module, names: Iterable[str]) -> frozenset[str]:
+    """Which of ``names`` are not parameters ``model.forward`` names: they reach its
+    ``**kwargs`` (empty when forward takes none, since then a call with them fails)."""
+    params = inspect.signature(model.forward).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return frozenset()
+    return frozenset(n for n in names if n not in params)
 
 
 # --------------------------------------------------------------------------- #
@@ -179,8 +210,10 @@ def _check_module(model: Any, planning_only: bool) -> nn.Module:
 
 
 def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: Any,
-          planning_only: bool = False) -> tuple[inspect.Signature, dict[str, Any], Inputs]:
-    """Bind the example call to forward's signature and resolve ``in_dims`` per parameter."""
+          planning_only: bool = False, fallback: int = 0
+          ) -> tuple[inspect.Signature, dict[str, Any], Inputs]:
+    """Bind the example call to forward's signature and resolve ``in_dims`` per parameter
+    (``fallback``: the dim of an input a tuple or dict ``in_dims`` leaves out)."""
     if example_inputs is None and example_kwargs is None:
         raise InputError(
             "example_inputs (or example_kwargs) are required: mbcompile traces shapes from one "
@@ -195,16 +228,12 @@ def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: A
             f"{type(model).__name__}.forward takes *args; mbcompile needs named "
             "parameters to map inputs to the graph. Wrap the model in a Module whose forward "
             "names its inputs.")
-    variadic = [p for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD]
-    if variadic:  # forward(..., **kwargs), as in HuggingFace models: map the named ones only
-        sig = sig.replace(parameters=[p for p in sig.parameters.values() if p not in variadic])
+    sig = _with_keywords(sig, kwargs)
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as exc:
-        extra = (f"; mbcompile maps inputs to forward's named parameters only, not to "
-                 f"**{variadic[0].name}") if variadic else ""
         raise InputError(f"example inputs do not match {type(model).__name__}.forward{sig}: "
-                         f"{exc}{extra}") from None
+                         f"{exc}") from None
     bound.apply_defaults()
     values = dict(bound.arguments)
     names = tuple(values)
@@ -239,7 +268,7 @@ def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: A
         elif isinstance(in_dims, dict) and name in in_dims:
             d = in_dims[name]
         else:
-            d = in_dims if not isinstance(in_dims, (tuple, list, dict)) else 0
+            d = in_dims if not isinstance(in_dims, (tuple, list, dict)) else fallback
             explicit = False
         if not explicit and isinstance(value, torch.Tensor) and value.dim() == 0:
             d = None  # a scalar (a token count, a temperature) has no batch dim to split
@@ -254,6 +283,25 @@ def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: A
     inputs = Inputs(names, tuple(dims), concrete)
     batch_size(inputs, [values[n] for n in names], check_ndim=True)
     return sig, values, inputs
+
+
+def _with_keywords(sig: inspect.Signature, kwargs: Mapping[str, Any]) -> inspect.Signature:
+    """forward's signature with ``**kwargs`` replaced by the keywords the call passes there.
+
+    ``forward(input_ids, labels=None, **kwargs)`` called with ``num_items_in_batch=n`` binds
+    as ``forward(input_ids, labels=None, *, num_items_in_batch)``: each such keyword is one
+    more graph input, batched or not like any other (transformers.Trainer passes the
+    token count of the whole batch, a 0-dim tensor, to scale the loss).
+    """
+    params = list(sig.parameters.values())
+    variadic = [p for p in params if p.kind == p.VAR_KEYWORD]
+    if not variadic:
+        return sig
+    named = [p for p in params if p not in variadic]
+    taken = {p.name for p in named}
+    through = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in kwargs
+               if k not in taken]
+    return sig.replace(parameters=[*named, *through])
 
 
 def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False) -> int | None:
@@ -343,12 +391,32 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...])
                     "with an example of this one")
         for (path, t), want in zip(found, shapes):
             if _shape(t, d) != want:
-                shown = tuple("B" if s is None else s for s in want or ())
-                raise InputError(
-                    f"input {leaf_name(name, path)} has shape "
-                    f"{tuple(getattr(t, 'shape', ()))} but the example had {shown} (B: the "
-                    "batch dim); shapes other than the batch dim are fixed at compile time: "
-                    "compile again with an example of this shape")
+                raise InputError(_layout_error(leaf_name(name, path), t, d, want))
+
+
+def _layout_error(name: str, t: Any, d: int | None, want: tuple[int | None, ...] | None) -> str:
+    """Why one input leaf does not fit the compiled graph, never two equal shapes side by
+    side: a tensor where the example had none (or the reverse), a scalar, another shape."""
+    fix = "compile again with an example call like this one"
+    if want is None or not isinstance(t, torch.Tensor):
+        was = f"a tensor of shape {_shown(want)}" if want is not None else "no tensor"
+        now = (f"a tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+               else repr(t) if t is None else f"a {type(t).__name__}")
+        return (f"input {name} is {now} where the example passed {was}; the graph was "
+                f"traced for what the example passed: pass the same kind of value, or {fix}")
+    if t.dim() == 0 or not want:
+        scalar = "a scalar (a 0-dim tensor)"
+        now = scalar if t.dim() == 0 else f"a tensor of shape {tuple(t.shape)}"
+        was = scalar if not want else f"a tensor of shape {_shown(want)} (B: the batch dim)"
+        return (f"input {name} is {now} where the example passed {was}; a scalar is "
+                f"passed whole to every microbatch, a batched input split: {fix}")
+    return (f"input {name} has shape {_shown(_shape(t, d))} but the example had "
+            f"{_shown(want)} (B: the batch dim); shapes other than the batch dim are fixed "
+            f"at compile time: {fix}")
+
+
+def _shown(shape: tuple[int | None, ...] | None) -> tuple[int | str, ...]:
+    return tuple("B" if s is None else s for s in shape or ())
 
 
 def same_value(a: Any, b: Any) -> bool:

@@ -65,6 +65,7 @@ from .forward_modes import (
     inference_mode_as_no_grad,
 )
 from .guards import recorded_reads
+from .keyword_view import keyword_view
 from .sources import user_frame
 from .state_updates import has_mutations, mutates
 
@@ -272,7 +273,8 @@ def _read_len_symbolically(model: torch.nn.Module, kwargs: dict[str, Any],
     try:
         with python_state_kept(model), _cache_off(model, example), checked_in_export(name), \
                 torch.enable_grad(), _quiet_dynamo():
-            return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=True)
+            return torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
+                                       dynamic_shapes=dynamic, strict=True)
     except CaptureError:  # a custom Function's check: about the model, reported as it is
         raise
     except Exception:  # noqa: BLE001 - the first trace's error is the one to report
@@ -364,8 +366,8 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                 inference_mode_as_no_grad(), _tensor_hooks_refused(name), \
                 differentiation_refused(name), torch.enable_grad():
             try:
-                program = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic,
-                                              strict=False)
+                program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
+                                              dynamic_shapes=dynamic, strict=False)
             except Exception as exc:
                 # export traced the whole forward before it refused the specialised batch
                 # dim: the recorders above still judge that trace when the block ends

@@ -61,7 +61,7 @@ def test_the_signature_and_state_dict_are_the_models():
 def test_a_batch_of_another_size_is_planned_once_and_exact(size):
     model, _, cm = _compiled()
     _, batch = make_tiny_gpt(size, seed=3, dtype=torch.float64)
-    with pytest.warns(mbcompile.BatchSizeWarning, match=f"a batch of {size} samples"):
+    with pytest.warns(mbcompile.BatchSizeWarning, match=f"a batch of {size} sample"):
         cm(*batch)
     with warnings.catch_warnings():
         warnings.simplefilter("error", mbcompile.BatchSizeWarning)  # once per size
@@ -138,18 +138,76 @@ def test_a_transformers_model_keeps_its_face(tmp_path):
                        model.generate(prompt, max_new_tokens=3, do_sample=False))
 
 
-def test_a_keyword_through_var_kwargs_is_refused_with_the_reason():
-    class Kw(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 3)
+class Kw(nn.Module):
+    """A forward that takes extra keywords through **kwargs, as transformers models do."""
 
-        def forward(self, x, y, **kwargs):
-            return F.mse_loss(self.lin(x), y)
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
 
+    def forward(self, x, y, **kwargs):
+        err = ((self.lin(x) - y) ** 2).sum(1)
+        if "weight" in kwargs:  # per sample: split with the batch
+            err = err * kwargs["weight"]
+        if "num_items_in_batch" in kwargs:  # a 0-dim tensor: passed whole to every microbatch
+            return err.sum() / kwargs["num_items_in_batch"]
+        return err.mean()
+
+
+def test_keywords_through_var_kwargs_are_inputs_split_or_passed_whole():
+    torch.manual_seed(0)
     model = Kw()
-    batch = (torch.randn(GBS, 4), torch.randn(GBS, 3))
-    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
+    ref = copy.deepcopy(model)
+    x, y, weight = torch.randn(GBS, 4), torch.randn(GBS, 3), torch.rand(GBS)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=(x, y), cost_model=False,
+                           example_kwargs={"num_items_in_batch": torch.tensor(7.0)})
     assert "kwargs" in inspect.signature(cm.forward).parameters  # the model's face
-    with pytest.raises(mbcompile.InputError, match="'num_items_in_batch' would reach"):
-        cm(*batch, num_items_in_batch=torch.tensor(12))
+    calls = [{"num_items_in_batch": torch.tensor(9.0)},  # the example's keywords: no compile
+             {"num_items_in_batch": torch.tensor(5.0), "weight": weight},  # a variant, once
+             {}]  # none at all: another variant
+    for i, kwargs in enumerate(calls):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            cm(x, y, **kwargs).backward()
+        recompiled = [w for w in seen if issubclass(w.category, mbcompile.RecompileWarning)]
+        assert len(recompiled) == (i > 0)
+        assert not recompiled or "**kwargs" in str(recompiled[0].message)
+        ref(x, y, **kwargs).backward()
+        assert all(torch.allclose(p.grad, q.grad, rtol=0, atol=1e-14)
+                   for p, q in zip(model.parameters(), ref.parameters()))
+    assert set(cm._variants) == {frozenset({"num_items_in_batch", "weight"}), frozenset()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.RecompileWarning)
+        cm(x, y, **calls[1])  # kept: compiled once
+
+
+def test_the_compiled_module_is_an_instance_of_the_models_class_and_still_itself():
+    import pickle
+
+    model, batch, cm = _compiled()
+    assert isinstance(cm, type(model)) and isinstance(cm, mbcompile.CompiledModule)
+    assert type(cm) is mbcompile.CompiledModule and repr(cm).startswith("CompiledModule(")
+    assert {"plan", "report", "blocks"} <= set(dir(cm))
+    twin = pickle.loads(pickle.dumps(cm))
+    assert type(twin) is mbcompile.CompiledModule and isinstance(twin, type(model))
+    assert torch.equal(twin(*batch)[0], cm(*batch)[0])
+
+
+@pytest.mark.parametrize("temperature, expected", [
+    (torch.tensor([0.5]), r"'temperature' is a tensor of shape \(1,\) where the example passed "
+                          r"a scalar \(a 0-dim tensor\)"),
+    (0.5, r"'temperature' is a float where the example passed a tensor of shape \(\)"),
+])
+def test_a_scalar_input_of_another_kind_says_what_differs(temperature, expected):
+    batch = (torch.randn(GBS, 4), torch.randn(GBS, 3), torch.tensor(2.0))
+    cm = mbcompile.compile(Tempered(), GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
+    with pytest.raises(mbcompile.InputError, match=expected) as info:
+        cm(*batch[:2], temperature)
+    assert "has shape () but the example had ()" not in str(info.value)
+
+
+def test_a_tensor_input_left_out_says_so():
+    model, batch = make_tiny_gpt(GBS, dtype=torch.float64)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
+    with pytest.raises(mbcompile.InputError, match=r"is None where the example passed a tensor"):
+        cm(batch[0], None)
