@@ -153,3 +153,13 @@ def test_the_error_says_that_recompute_was_tried() -> None:
     error = with_recompute_tried(plain, checkpointed)
     assert "recompute) was tried too: at mbs 1 it needs 2.00 MB of 1.00 MB" in str(error)
     assert error.fixes == plain.fixes and error.needed == 3e6
+
+
+def test_a_mixed_precision_optimizer_is_offered_mixed_alternatives() -> None:
+    model = _wide().to(torch.bfloat16)
+    spec = with_optimizer(_spec(1e9), "adamw-mixed", model)
+    static = static_memory_of(model, spec)
+    error = static_does_not_fit(model, replace(spec, memory_bytes=static.total * 0.8))
+    assert error is not None
+    lighter = next(f for f in error.fixes if f.startswith("an optimizer"))
+    assert "optimizer='sgd-momentum-mixed'" in lighter  # the fp32 masters stay

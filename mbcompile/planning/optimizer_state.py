@@ -121,9 +121,10 @@ def optimizer_state(optimizer: Any, model: nn.Module) -> OptimizerState:
 
 
 def alternatives(model: nn.Module, spec: SystemSpec) -> dict[str, float]:
-    """State bytes of the lighter named optimizers for ``model``: what a fix may suggest."""
-    del spec  # the layout depends on the parameters only
-    return {name: optimizer_state(name, model).state_bytes
+    """State bytes of the lighter named optimizers for ``model``: what a fix may suggest
+    (with fp32 master weights when ``spec``'s optimizer keeps them: the precision stays)."""
+    mixed = MIXED if spec.optimizer_source.split(":")[0].endswith(MIXED) else ""
+    return {name + mixed: optimizer_state(name + mixed, model).state_bytes
             for name in ("sgd-momentum", "adafactor", "sgd")}
 
 
