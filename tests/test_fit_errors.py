@@ -22,6 +22,7 @@ from mbcompile.planning.fixes import (
     smallest_fsdp_world,
     static_does_not_fit,
     static_memory_of,
+    with_recompute_fix,
     with_recompute_tried,
 )
 from mbcompile.planning.optimizer_state import with_optimizer
@@ -163,3 +164,12 @@ def test_a_mixed_precision_optimizer_is_offered_mixed_alternatives() -> None:
     assert error is not None
     lighter = next(f for f in error.fixes if f.startswith("an optimizer"))
     assert "optimizer='sgd-momentum-mixed'" in lighter  # the fp32 masters stay
+
+
+def test_recompute_is_named_first_when_it_was_not_tried_and_fits() -> None:
+    plain = DoesNotFitError("mbs=4 does not fit\n  fix: use mbs=2", mbs=4, needed=3e6,
+                            available=1e6, fixes=("use mbs=2",))
+    error = with_recompute_fix(plain, 4, 0.9e6)
+    assert str(error).endswith("fix: recompute=True (activation checkpointing per block): "
+                               "mbs=4 then fits, modelled peak 900.00 kB; or use mbs=2")
+    assert error.fixes[0].startswith("recompute=True") and error.fixes[1:] == plain.fixes

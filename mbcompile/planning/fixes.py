@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StaticMemory", "describe_capacity", "describe_static", "optimizer_source",
            "smallest_fsdp_world", "static_does_not_fit", "static_fixes", "static_memory_of",
-           "step_fixes", "with_recompute_tried"]
+           "step_fixes", "with_recompute_fix", "with_recompute_tried"]
 
 #: The largest FSDP world a fix names: beyond it, say that sharding does not help.
 MAX_WORLD = 4096
@@ -290,3 +290,14 @@ def with_recompute_tried(plain: DoesNotFitError, checkpointed: DoesNotFitError
                f"{format_bytes(checkpointed.available)}")
     return DoesNotFitError(message, mbs=plain.mbs, needed=plain.needed,
                            available=plain.available, fixes=plain.fixes)
+
+
+def with_recompute_fix(plain: DoesNotFitError, mbs: int, peak: float) -> DoesNotFitError:
+    """``plain``'s error (recompute=False: checkpointing not tried), with the fix it would
+    have been: with activation checkpointing per block ``mbs`` fits at ``peak`` bytes."""
+    fix = (f"recompute=True (activation checkpointing per block): mbs={mbs} then fits, "
+           f"modelled peak {format_bytes(peak)}")
+    head, sep, fixes = str(plain).rpartition("  fix: ")
+    message = f"{head}{sep}{fix}; or {fixes}" if sep else f"{plain}\n  fix: {fix}"
+    return DoesNotFitError(message, mbs=plain.mbs, needed=plain.needed,
+                           available=plain.available, fixes=(fix, *plain.fixes))
