@@ -150,10 +150,14 @@ def test_when_static_memory_is_the_problem_no_batch_fix_is_named(gpt) -> None:
 def test_the_error_says_that_recompute_was_tried() -> None:
     plain = DoesNotFitError("even mbs=1 does not fit", mbs=1, needed=3e6, available=1e6,
                             fixes=("a system with at least 3.00 MB",))
-    checkpointed = DoesNotFitError("x", mbs=1, needed=2e6, available=1e6)
+    checkpointed = DoesNotFitError("even mbs=1 does not fit (checkpointed)", mbs=1,
+                                   needed=2e6, available=1e6,
+                                   fixes=("a system with at least 2.00 MB",))
     error = with_recompute_tried(plain, checkpointed)
-    assert "recompute) was tried too: at mbs 1 it needs 2.00 MB of 1.00 MB" in str(error)
-    assert error.fixes == plain.fixes and error.needed == 3e6
+    assert str(error).startswith(str(checkpointed))  # the least memory tried, its fixes
+    assert str(error).endswith("(recompute) was tried: the figures and fixes above are with "
+                               "it; without it mbs 1 needs 3.00 MB")
+    assert error.fixes == checkpointed.fixes and error.needed == 2e6
 
 
 def test_a_mixed_precision_optimizer_is_offered_mixed_alternatives() -> None:

@@ -283,13 +283,14 @@ def _fewest_systems(cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int) -
 
 def with_recompute_tried(plain: DoesNotFitError, checkpointed: DoesNotFitError
                          ) -> DoesNotFitError:
-    """``plain``'s error (without activation checkpointing), saying that checkpointing per
-    block was tried too and what it needed."""
-    message = (f"{plain}\n  activation checkpointing per block (recompute) was tried too: "
-               f"at mbs {checkpointed.mbs} it needs {format_bytes(checkpointed.needed)} of "
-               f"{format_bytes(checkpointed.available)}")
-    return DoesNotFitError(message, mbs=plain.mbs, needed=plain.needed,
-                           available=plain.available, fixes=plain.fixes)
+    """The error of a plan that fits neither without activation checkpointing (``plain``)
+    nor with it (``checkpointed``): the checkpointed figures and fixes (the least memory
+    tried, so the fixes that then fit), and a line that says checkpointing was tried."""
+    message = (f"{checkpointed}\n  activation checkpointing per block (recompute) was "
+               f"tried: the figures and fixes above are with it; without it mbs "
+               f"{plain.mbs} needs {format_bytes(plain.needed)}")
+    return DoesNotFitError(message, mbs=checkpointed.mbs, needed=checkpointed.needed,
+                           available=checkpointed.available, fixes=checkpointed.fixes)
 
 
 def with_recompute_fix(plain: DoesNotFitError, mbs: int, peak: float) -> DoesNotFitError:
