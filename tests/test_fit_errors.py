@@ -177,3 +177,13 @@ def test_recompute_is_named_first_when_it_was_not_tried_and_fits() -> None:
     assert str(error).endswith("fix: recompute=True (activation checkpointing per block): "
                                "mbs=4 then fits, modelled peak 900.00 kB; or use mbs=2")
     assert error.fixes[0].startswith("recompute=True") and error.fixes[1:] == plain.fixes
+
+
+def test_a_sharded_model_is_told_how_many_ranks_and_never_fewer() -> None:
+    model = _wide()
+    static = static_memory_of(model, _spec(1e9))
+    spec = _spec(static.sharded(4) * 1.01)  # 4 ranks hold it, 2 do not
+    assert static_does_not_fit(model, spec, world=4) is None
+    error = static_does_not_fit(model, spec, world=2)
+    assert error is not None
+    assert "more ranks than the present 2: over at least 4 ranks" in error.fixes[0]

@@ -121,7 +121,9 @@ def static_fixes(static: StaticMemory, spec: SystemSpec, *, world: int = 1,
     if one is not None and one > world:
         many = smallest_fsdp_world(static, capacity, other=other, accumulating=True)
         share = static.sharded(one)
-        text = (f"shard parameters, gradients and optimizer state with FSDP2 over at least "
+        how = ("shard parameters, gradients and optimizer state with FSDP2" if world == 1
+               else f"shard over more ranks than the present {world}:")
+        text = (f"{how} over at least "
                 f"{one} ranks (fully_shard each block, then compile with "
                 f"backend='torch.distributed' on {one} ranks, num_csx={one}): "
                 f"{format_bytes(share)} of static memory per rank with one microbatch per rank")
