@@ -16,12 +16,12 @@ usual, no DDP wrapper. Example, on 2 processes with gbs 6 (3 samples each)::
     cm, opt, loader = mbcompile.integrations.accelerate.prepare(accelerator, cm, opt, loader)
 
 Accelerate hands process ``r`` the ``r``-th of each ``num_processes`` consecutive
-batches, which is exactly plan share ``r`` of the global batch (``rank_shares.shard``)
-when the shares are equal. The checks here refuse, before the first step, what would
-otherwise be wrong or hang later: the simulated backend on several processes, a loader
-whose per-process batch is not the plan's share, a dataset whose last global batch
-Accelerate would pad with repeated samples, sharding or tensor/context parallel modes,
-and Accelerate's own gradient accumulation.
+batches, which is exactly plan share ``r`` of the global batch
+(``mbcompile.distributed.shard``) when the shares are equal. The checks here refuse,
+before the first step, what would otherwise be wrong or hang later: the simulated backend
+on several processes, a loader whose per-process batch is not the plan's share, a dataset
+whose last global batch Accelerate would pad with repeated samples, sharding or
+tensor/context parallel modes, and Accelerate's own gradient accumulation.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from mbcompile.planning.plan import MicrobatchPlan
 
 __all__ = ["prepare"]
 
-#: what a plain loop over microbatches on data-parallel processes is: no sharding engine
+#: the kinds without a sharding engine (``multi_device`` covers MULTI_GPU, MULTI_XPU, ...)
 _DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU)
 
 #: where the uneven shares' recipe is spelled out
