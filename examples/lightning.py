@@ -2,6 +2,9 @@
 
     python examples/lightning.py
 
+(It imports ``pytorch_lightning``, which this file's name does not shadow; a script that
+imports the unified ``lightning`` package must be named otherwise.)
+
 The recipe (the LightningModule holds the compiled module; Lightning's own gradient
 accumulation stays off, since the compiled module already runs the global batch as
 microbatches and hands back the full batch's gradient):
