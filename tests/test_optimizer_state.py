@@ -76,7 +76,31 @@ def test_an_instance_is_sized_before_and_after_its_first_step(make) -> None:
     _step(optimizer, model)
     after = optimizer_state(optimizer, model)  # read off its own state
     assert before.state_bytes == after.state_bytes == _real_state_bytes(optimizer)
-    assert "meta" in before.how and "after a step" in after.how
+    assert "meta" in before.how
+
+
+def test_a_parameter_without_state_yet_is_counted_after_a_step() -> None:
+    model = _model(torch.float32)
+    model.append(nn.Linear(4, 4))  # never called: no gradient, no state after a step
+    optimizer = torch.optim.AdamW(model.parameters())
+    _step(optimizer, model[:3])
+    state = optimizer_state(optimizer, model)
+    assert state.state_bytes == 8 * sum(p.numel() for p in _trainable(model))
+    assert state.state_bytes > _real_state_bytes(optimizer)
+
+
+def test_a_class_that_cannot_be_rebuilt_is_read_off_its_own_state() -> None:
+    class Scaled(torch.optim.SGD):  # a required argument its groups do not hold
+        def __init__(self, params, scale):
+            super().__init__(params, lr=0.1 * scale, momentum=0.9)
+
+    model = _model(torch.float32)
+    optimizer = Scaled(model.parameters(), 2.0)
+    with pytest.raises(InputError, match="take one real step"):
+        optimizer_state(optimizer, model)
+    _step(optimizer, model)
+    state = optimizer_state(optimizer, model)
+    assert state.state_bytes == _real_state_bytes(optimizer) and "after a step" in state.how
 
 
 def test_mixed_keeps_fp32_master_weights_and_fp32_state() -> None:

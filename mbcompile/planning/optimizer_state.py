@@ -6,10 +6,12 @@ reads (``optimizer_bytes_per_param``, with ``optimizer_source`` saying where it 
 from). ``optimizer`` is:
 
 - ``None``: the system's own assumption (8 B per parameter: Adam's two fp32 moments);
-- an optimizer instance: its state as it holds it (after a step), or else as one step
-  of the same class, with the same parameter groups, creates it on meta tensors of the
-  parameters' shapes and dtypes (no memory touched, no real step). torch's Adam keeps
-  its moments in each parameter's dtype: bf16 moments for bf16 weights;
+- an optimizer instance: the state one step of its class, with its parameter groups
+  (and their options: AMSGrad, momentum, ...), creates on meta tensors of the
+  parameters' shapes and dtypes (no memory touched, no real step), so a parameter with
+  no state yet counts too. torch's Adam keeps its moments in each parameter's dtype: bf16
+  moments for bf16 weights. A class that cannot be rebuilt so is read off its own state
+  after a step, per element of the parameters that have some;
 - a name, for compile-only planning without building one: ``"sgd"`` (no state),
   ``"sgd-momentum"`` (one buffer), ``"adam"``, ``"adamw"`` (two moments), ``"adagrad"``,
   ``"rmsprop"``, ``"adafactor"`` (factored second moments: a row and a column per
@@ -103,21 +105,24 @@ def optimizer_state(optimizer: Any, model: nn.Module) -> OptimizerState:
             f"optimizer must be a torch.optim.Optimizer, one of the names "
             f"{', '.join(map(repr, _all_names()))}, or None, got {type(optimizer).__name__}")
     name = type(optimizer).__name__
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    held = [optimizer.state[p] for p in params if p in optimizer.state]
-    if held:
-        if len(held) < len([p for p in params if p.requires_grad]):
-            raise InputError(
-                f"{name} holds state for {len(held)} of its {len(params)} parameters (a step "
-                "some parameters had no gradient in?), so its per-parameter state cannot be "
-                "read off it: pass the optimizer before its first step, or its name "
-                f"(optimizer={name.lower()!r})")
-        size, layout = _measure(held)
-        return OptimizerState(name, size, 0.0, count, layout, "its state after a step")
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [p for p in g["params"] if p.requires_grad]}
               for g in optimizer.param_groups]
-    return _dry_run(type(optimizer), groups, {}, count, name, mixed=False)
+    try:  # its class's layout for every parameter, even one with no state yet
+        return _dry_run(type(optimizer), groups, {}, count, name, mixed=False)
+    except InputError:
+        held = [(p, optimizer.state[p]) for g in groups for p in g["params"]
+                if optimizer.state.get(p)]
+        if not held:
+            raise
+    # a class that cannot be rebuilt on meta tensors: its own state, per element, read off
+    # the parameters that have some (a parameter with no gradient yet has none)
+    size, layout = _measure(s for _, s in held)
+    elements = sum(p.numel() for p, _ in held)
+    wanted = sum(p.numel() for g in groups for p in g["params"])
+    how = "its state after a step" + (
+        f", scaled from the {len(held)} parameters that have state" if elements < wanted else "")
+    return OptimizerState(name, size * wanted / elements, 0.0, count, layout, how)
 
 
 def alternatives(model: nn.Module, spec: SystemSpec) -> dict[str, float]:
