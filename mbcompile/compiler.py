@@ -30,7 +30,6 @@ from mbcompile.errors import (
     CaptureError,
     InputError,
     MbcompileError,
-    PerMicrobatchStatisticsWarning,
     RecompileWarning,
     RetainedActivationsWarning,
 )
@@ -41,13 +40,14 @@ from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.step_config import StepConfig
 from mbcompile.face import ModelFace
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
-from mbcompile.passes import ops, rules
+from mbcompile.passes import ops
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.guards import Guard, failed_guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.passes.state_updates import StateUpdates
+from mbcompile.plan_notes import final_plan
 from mbcompile.planning.explore import Selection, compile_only_error
 from mbcompile.planning.plan import MicrobatchPlan, parse_mbs, per_system_batch_sizes
 from mbcompile.planning.static_memory import check_static_memory
@@ -60,7 +60,6 @@ from mbcompile.request import (
     input_layout,
     make_request,
     same_value,
-    tokens_per_sample,
 )
 from mbcompile.selection import select
 
@@ -92,7 +91,9 @@ class CompiledModule(ModelFace, nn.Module):
     (``mbcompile.face``): attributes it does not have are the model's (``cm.config``,
     ``cm.generate(...)``), and ``inspect.signature(cm.forward)`` is the model's forward's.
     A batch of another size than ``gbs`` is planned and compiled on first sight, once per
-    size, with a ``BatchSizeWarning`` (unless compiled with ``batch_sizes="fixed"``).
+    size, with a ``BatchSizeWarning`` (unless compiled with ``batch_sizes="fixed"``); so is
+    a call that passes other keywords through forward's ``**kwargs`` than the example did
+    (``num_items_in_batch``), with a ``RecompileWarning``.
     """
 
     def __init__(self, request: Request, selection: Selection, plan: MicrobatchPlan,
@@ -244,20 +245,28 @@ class CompiledModule(ModelFace, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compile_only:
             raise compile_only_error(self.plan, self.exploration)
-        compiled = self._compiled()
-        watched = watch_new_hooks(self._live_layers, self._hooks_known)
-        if not watched:
-            return self._call(compiled, args, kwargs)
-        try:
-            return self._call(compiled, args, kwargs)
-        finally:
-            unwatch(watched)
-
-    def _call(self, compiled: _Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # a call another variant runs (other keywords through **kwargs, another batch size)
+        # goes there before this module compiles anything for the current mode
         if self._named is not None:  # forward takes **kwargs: which keywords reach them
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:
-                return self._for_keywords(through, args, kwargs)
+                return self._for_keywords(through, args, kwargs)(*args, **kwargs)
+        bound, values, batch = self._checked(args, kwargs)
+        if self.rank is None and batch is not None and batch != self.plan.gbs:
+            return self._for_batch(batch, bound.arguments)(*args, **kwargs)
+        compiled = self._compiled()
+        watched = watch_new_hooks(self._live_layers, self._hooks_known)
+        if not watched:
+            return self._call(compiled, values, bound.arguments)
+        try:
+            return self._call(compiled, values, bound.arguments)
+        finally:
+            unwatch(watched)
+
+    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[inspect.BoundArguments, list[Any], int | None]:
+        """The call bound to the compiled signature, its inputs in placeholder order and its
+        batch size; raises ``InputError`` for a call the graphs cannot run."""
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -280,13 +289,14 @@ class CompiledModule(ModelFace, nn.Module):
                     f"rank {self.rank} was called with {batch} samples but its share of "
                     f"gbs={self.plan.gbs} is {local} (plan.per_system_batch_sizes[{self.rank}]); "
                     "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank)")
-        elif batch is not None and batch != self.plan.gbs:
-            if self._request.batch_sizes == "fixed":
-                raise InputError(
-                    f"the batch has {batch} samples but the module was compiled for "
-                    f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "
-                    f"{self.plan.gbs} samples, or compile with batch_sizes='any'")
-            return self._for_batch(batch, bound.arguments)(*args, **kwargs)
+        elif batch is not None and batch != self.plan.gbs and self._request.batch_sizes == "fixed":
+            raise InputError(
+                f"the batch has {batch} samples but the module was compiled for "
+                f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "
+                f"{self.plan.gbs} samples, or compile with batch_sizes='any'")
+        return bound, values, batch
+
+    def _call(self, compiled: _Compiled, values: list[Any], arguments: dict[str, Any]) -> Any:
         if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned
                 and any(p.requires_grad for p in self.module.parameters())):
             object.__setattr__(self, "_warned", True)
@@ -298,14 +308,14 @@ class CompiledModule(ModelFace, nn.Module):
         flat = compiled.graph_module(*values)
         state = compiled.state
         if state.targets:  # the step succeeded: write the state back once, as eager does
-            self._write_state(state, flat[state.n_outputs:], bound.arguments)
+            self._write_state(state, flat[state.n_outputs:], arguments)
             flat = flat[:state.n_outputs]
         return compiled.output_spec.rebuild(flat)
 
     def _for_keywords(self, through: frozenset[str], args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> Any:
-        """Call the module compiled for calls that pass the keywords ``through`` to forward's
-        ``**kwargs`` (each is a graph input: ``request.for_call``), compiling it once."""
+                      kwargs: dict[str, Any]) -> CompiledModule:
+        """The module compiled for calls that pass the keywords ``through`` to forward's
+        ``**kwargs`` (each is a graph input: ``request.for_call``), compiled once."""
         variant = self._variants.get(through)
         if variant is None:
             def listed(names: frozenset[str]) -> str:
@@ -316,7 +326,7 @@ class CompiledModule(ModelFace, nn.Module):
                 f"a call passes {listed(through)} to {type(self._inner).__name__}.forward's "
                 f"**kwargs, where the example call passed {listed(self._keywords)}",
                 RecompileWarning, "pass them in example_kwargs to compile them with the model")
-        return variant(*args, **kwargs)
+        return variant
 
     def _for_batch(self, batch: int, arguments: Mapping[str, Any]) -> CompiledModule:
         """The module compiled for batches of ``batch`` samples (see ``_variant``)."""
@@ -429,17 +439,6 @@ def _output_leaf(spec: OutputSpec, output: Any, index: int) -> Any:
         if found is not None:
             return found
     return None
-
-
-EVAL_MODE_NOTE = (
-    "compiled in eval mode (as from_pretrained leaves a model): the first call in training "
-    "mode (after {name}.train(), which Trainer.train() calls) captures and compiles the "
-    "training graph once, with this plan; calls in either mode reuse their graph after that")
-
-PER_MICROBATCH_NOTE = (
-    "batch_norm='per_microbatch': BatchNorm in training normalises with each microbatch's "
-    "statistics and updates its running statistics once per microbatch, as a hand-written "
-    "loop does; this is not the full-batch result")
 
 
 def _compile_graph(request: Request, plan: MicrobatchPlan, rank: int | None = None,
@@ -576,37 +575,13 @@ def _compile_request(request: Request) -> CompiledModule:
         if request.noise_scale is not None:
             raise InputError("measure_noise_scale works with the simulated backend only so far; "
                              "measure on one process, then train on ranks")
-    plan = _final_plan(request, selection)
+    plan = final_plan(request, selection)
     try:
         return CompiledModule(request, selection, plan, analysed, rank)
     except MbcompileError:
         raise
     except Exception as exc:  # a pass crashed: say so with the model's name
         raise _crashed(request.model, exc) from exc
-
-
-def _final_plan(request: Request, selection: Selection) -> MicrobatchPlan:
-    """The compiled module's plan, made once: the selection's plan with its reasons and
-    warnings joined in, and what the request adds (tokens per sample, the notes of
-    unwrapping the model and of per-microbatch BatchNorm statistics)."""
-    plan = selection.plan
-    notes = plan.warnings + selection.warnings + request.notes
-    if not request.inner.training:
-        notes = (*notes, EVAL_MODE_NOTE.format(name=request.name))
-    if (request.batch_norm == "per_microbatch" and plan.num_nonempty_microbatches > 1
-            and _has_batch_norm(request.model)):
-        warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning,
-                      stacklevel=user_stacklevel())
-        notes = (*notes, PER_MICROBATCH_NOTE)
-    return dataclasses.replace(plan, reason=selection.reason, warnings=notes,
-                               tokens_per_sample=tokens_per_sample(request.inputs,
-                                                                   request.example))
-
-
-def _has_batch_norm(model: nn.Module) -> bool:
-    """Whether a BatchNorm module of ``model`` is in training mode (uses batch statistics)."""
-    kinds = tuple(op for op in rules.BATCH_NORMS if isinstance(op, type))
-    return any(isinstance(m, kinds) and m.training for m in model.modules())
 
 
 def _crashed(model: nn.Module, exc: Exception) -> CaptureError:

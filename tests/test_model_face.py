@@ -211,3 +211,22 @@ def test_a_tensor_input_left_out_says_so():
     cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
     with pytest.raises(mbcompile.InputError, match=r"is None where the example passed a tensor"):
         cm(batch[0], None)
+
+
+def test_compiled_in_eval_mode_training_compiles_the_training_graph_only_and_says_so():
+    model, batch = make_tiny_gpt(GBS, dtype=torch.float64)
+    cm = mbcompile.compile(model.eval(), GBS, SYSTEMS, MBS, example_inputs=batch,
+                           cost_model=False)
+    assert sum("compiled in eval mode" in note for note in cm.plan.warnings) == 1
+    cm.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.MbcompileWarning)  # a mode switch: silent
+        assert_close_errors(step_errors(model, cm, batch), TOL)
+    assert len(cm._cache) == 2 and not cm._variants  # the eval graph and the training one
+    _, small = make_tiny_gpt(4, seed=3, dtype=torch.float64)
+    with pytest.warns(mbcompile.BatchSizeWarning):
+        cm.eval()(*small)  # another batch size: its variant compiles, this module nothing
+    assert len(cm._cache) == 2 and len(cm._variants[4]._cache) == 1
+    trained = mbcompile.compile(model.train(), GBS, SYSTEMS, MBS, example_inputs=batch,
+                                cost_model=False)
+    assert not any("eval mode" in note for note in trained.plan.warnings)
