@@ -150,11 +150,26 @@ class FakeProbe(fx.Interpreter):
 
     def fetch_attr(self, target: str) -> Any:
         value = super().fetch_attr(target)
-        if isinstance(value, nn.Module):  # a submodule passed as a value (to checkpoint):
-            state = self.state(value)     # called with fake parameters, as call_module is
+        if isinstance(value, fx.GraphModule):  # a block passed as a value (to checkpoint):
+            return self._inner(value)            # run node by node, as this graph is
+        if isinstance(value, nn.Module):  # called with fake parameters, as call_module is
+            state = self.state(value)
             return lambda *args, **kwargs: torch.func.functional_call(value, state, args,
                                                                       kwargs)
         return self.fake(value)
+
+    def _inner(self, gm: fx.GraphModule) -> Any:
+        """``gm`` as a function run by a plain fake probe sharing this one's mode and fake
+        copies: its nodes get the same treatment (meta devices planned on the CPU)."""
+        inner = FakeProbe(gm)
+        inner.mode, inner._fakes, inner.extra_traceback = self.mode, self._fakes, False
+
+        def run(*args: Any) -> Any:
+            try:
+                return fx.Interpreter.run(inner, *args)
+            finally:
+                inner.env, inner.args_iter = {}, iter(())
+        return run
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         return super().call_function(target, *_on_planned_device(args, kwargs))
@@ -164,5 +179,7 @@ class FakeProbe(fx.Interpreter):
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
         module = self.module.get_submodule(target)
+        if target and isinstance(module, fx.GraphModule) and not kwargs:  # a split's part
+            return self._inner(module)(*args)
         return torch.func.functional_call(module, self.state(module), tuple(args),
                                           dict(kwargs))

@@ -14,7 +14,7 @@ import numpy as np
 
 from mbcompile.planning.probe import Probe
 
-__all__ = ["FIT_TOLERANCE", "Fit", "fit", "reproduces"]
+__all__ = ["FIT_TOLERANCE", "Fit", "close", "fit", "reproduces"]
 
 FIT_TOLERANCE = 1e-6
 
@@ -48,7 +48,8 @@ def fit(p: Probe, q: Probe) -> Fit | None:
     return Fit(p, a, b, (p.saved - saved_b * p.m, saved_b), (p.outputs - out_b * p.m, out_b))
 
 
-def _close(x: float | np.ndarray, y: float | np.ndarray) -> bool:
+def close(x: float | np.ndarray, y: float | np.ndarray) -> bool:
+    """Equal to ``FIT_TOLERANCE``, relative to the larger (at least 1)."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     scale = np.maximum(np.maximum(np.abs(x), np.abs(y)), 1.0)
     return bool(np.all(np.abs(x - y) <= FIT_TOLERANCE * scale))
@@ -58,5 +59,5 @@ def reproduces(fit: Fit, exact: Probe) -> bool:
     got = fit.at(exact.m)
     if got.ops != exact.ops or len(got.live) != len(exact.live):
         return False
-    return (all(_close(got.arrays()[k], exact.arrays()[k]) for k in exact.arrays())
-            and _close(got.saved, exact.saved) and _close(got.outputs, exact.outputs))
+    return (all(close(got.arrays()[k], exact.arrays()[k]) for k in exact.arrays())
+            and close(got.saved, exact.saved) and close(got.outputs, exact.outputs))

@@ -78,6 +78,7 @@ class Probe:
     live: np.ndarray  # live activation bytes after the op
     saved: float  # bytes saved for backward (activations only)
     outputs: float  # bytes of the graph's non-scalar tensor outputs
+    tags: np.ndarray | None = None  # per op: the repeated block it ran for (-1: none)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"flops": self.flops, "act_bytes": self.act_bytes,
@@ -96,6 +97,8 @@ class _Recorder(TorchDispatchMode):
         self.counter = counter
         self.param_storages = param_storages
         self.backward = False
+        self.tag = -1  # the repeated block the forward is in (-1: none, or not tracked)
+        self.tags: list[int] = []
         self.ops: list[str] = []
         self.rows: list[tuple[float, float, float, bool, bool, bool]] = []
         self.sizes: list[int] = []  # per storage created here
@@ -153,6 +156,7 @@ class _Recorder(TorchDispatchMode):
         dtypes = [t.dtype for t in (*outs.values(), *ins.values()) if t.is_floating_point()]
         fp32 = not dtypes or dtypes[0] in (torch.float32, torch.float64)
         self.ops.append(str(func))
+        self.tags.append(_autograd_tag() if self.backward else self.tag)
         self.rows.append((float(flops), act, weight, fp32, kernel, self.backward))
         return out
 
@@ -169,6 +173,41 @@ class _Recorder(TorchDispatchMode):
             if died is not None:
                 delta[died] -= size
         return np.cumsum(delta)[:n]
+
+
+#: The key a probe's autograd nodes carry their repeated block under (``Node.metadata``).
+TAG = "mbcompile.block"
+
+
+def _autograd_tag() -> int:
+    """The repeated block the backward op now running belongs to: its autograd node's."""
+    node = torch._C._current_autograd_node()
+    return node.metadata.get(TAG, -1) if node is not None else -1
+
+
+class _TaggingProbe(FakeProbe):
+    """The fake probe, telling the recorder which repeated block each node runs for and
+    marking the autograd nodes a node creates with it, so backward ops are told too."""
+
+    def __init__(self, gm: nn.Module, tags: dict[str, int]) -> None:
+        super().__init__(gm)
+        self.tags = tags
+        self.recorder: _Recorder | None = None
+
+    def run_node(self, n: Any) -> Any:
+        tag = self.tags.get(n.name, -1)
+        if self.recorder is not None:
+            self.recorder.tag = tag
+        out = super().run_node(n)
+        todo = [t.grad_fn for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:  # the new autograd nodes: those not marked yet
+            fn = todo.pop()
+            if fn is None or TAG in fn.metadata:
+                continue
+            fn.metadata[TAG] = tag
+            todo.extend(f for f, _ in fn.next_functions)
+        return out
 
 
 def backward_root(outputs: Sequence[Any], loss_leaves: tuple[int, ...] | None
@@ -199,15 +238,26 @@ class Prober:
     """Probes one graph: the fake probe (one FakeTensorMode, its caches and its fake
     parameters shared by every size) under this module's instrumentation."""
 
+    #: Probe a repeated block once and count it (``block_probe``): tests set it False to
+    #: compare with probing the whole graph.
+    per_block = True
+
     def __init__(self, gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | None],
                  loss_leaves: tuple[int, ...] | None,
-                 kept: frozenset[int] | None = None) -> None:
+                 kept: frozenset[int] | None = None, tags: dict[str, int] | None = None
+                 ) -> None:
         self.gm = gm
         self.kept = kept  # the outputs a training step keeps (None: all)
         self.values = list(values)
         self.in_dims = list(in_dims)
         self.loss_leaves = loss_leaves
-        self.fake_probe = FakeProbe(gm)
+        self.fake_probe = FakeProbe(gm) if tags is None else _TaggingProbe(gm, tags)
+        self.blocks: Any = None  # a BlockProber, when the graph's blocks stack
+        if tags is None and self.per_block and type(self).inputs is Prober.inputs:
+            from mbcompile.planning.block_probe import BlockProber  # it builds Probers
+
+            self.blocks = BlockProber.of(gm, lambda part, tags: Prober(
+                part, values, in_dims, loss_leaves, kept, tags))
         self.fake_probe.extra_traceback = False  # CostModelError words the failure itself
         self.params = {n: self.fake_probe.fake(p) for n, p in gm.named_parameters()}
         self.buffers = {n: self.fake_probe.fake(b) for n, b in gm.named_buffers()}
@@ -219,9 +269,22 @@ class Prober:
         return self.fake_probe.inputs(self.values, self.in_dims, m)
 
     def __call__(self, m: int) -> Probe:
+        """The probe of the whole graph at ``m``: one block's figures counted for every
+        repeat where the blocks allow it (``block_probe``), else probed whole."""
+        if self.blocks is not None:
+            stacked = self.blocks(m)
+            if stacked is not None:
+                return stacked
+            self.blocks = None  # the blocks do not stack: probe whole from now on
+        return self.probe(m)
+
+    def probe(self, m: int) -> Probe:
+        """The probe of the graph at ``m``, run op by op."""
         args = self.inputs(m)
         counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
         recorder = _Recorder(counter, set(self.param_storages))
+        if isinstance(self.fake_probe, _TaggingProbe):
+            self.fake_probe.recorder = recorder
         saved: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -265,4 +328,5 @@ class Prober:
             m=m, ops=tuple(recorder.ops), flops=rows[:, 0], act_bytes=rows[:, 1],
             weight_bytes=rows[:, 2], fp32=rows[:, 3].astype(bool),
             kernel=rows[:, 4].astype(bool), backward=rows[:, 5].astype(bool),
-            live=recorder.live(exclude), saved=saved_bytes, outputs=outputs)
+            live=recorder.live(exclude), saved=saved_bytes, outputs=outputs,
+            tags=np.array(recorder.tags, dtype=int))

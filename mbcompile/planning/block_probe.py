@@ -1,0 +1,127 @@
+"""Probing a repeated block once: a deep model's probe from the graph cut to one and two blocks.
+
+A transformer's N layers are one block repeated (``passes/repeated_blocks.py`` finds them
+and cuts the graph to fewer). Every per-op figure of a probe (FLOPs, bytes, the live bytes
+after the op) is then affine in the number of blocks:
+
+1. probe the graph cut to one block (P1) and to two (P2), each op tagged with the block
+   it ran for (its autograd node's, in backward);
+2. P2's ops are P1's plus the second block's (tag 1). P1's ops grow by what the second
+   block added to them (the head's live bytes hold one more block's saved activations):
+   ``v1 + (N-1) * (v2 - v1)``; the second block's ops are copied N-1 times, copy j
+   ``v + j * (v - v0)``, where ``v0`` is the same op of the first block (block j+2 runs
+   with j more blocks' activations alive than block 2 does);
+3. the result is checked once against an exact probe of the graph cut to three blocks.
+
+The stacked probe lists its ops in another order than a real one (the copies come last),
+which no figure depends on: times are sums over ops, memory the largest live value.
+
+For the 80-layer 70B shape, each microbatch size costs three blocks' probing instead of
+eighty; the figures equal the whole graph's (``tests/test_block_probe.py``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch.fx as fx
+
+from mbcompile.passes.repeated_blocks import Blocks, find_blocks, truncate
+from mbcompile.planning.fit import close
+
+__all__ = ["MIN_BLOCKS", "BlockProber", "stack"]
+
+#: Fewer blocks than this are probed whole: the cut graphs would cost about as much.
+MIN_BLOCKS = 4
+
+_ARRAYS = ("flops", "act_bytes", "weight_bytes", "live")  # live last: compared by its peak
+_FLAGS = ("fp32", "kernel", "backward")
+
+
+class BlockProber:
+    """Probes of a graph with repeated blocks, made from its cuts to one and two blocks.
+
+    ``make(part, tags)`` builds the prober of a cut graph whose ops are tagged with
+    ``tags`` (node name -> block index). Calling it returns the whole graph's probe at
+    ``m``, or None when the blocks do not stack (then probe the graph whole).
+    """
+
+    def __init__(self, gm: fx.GraphModule, blocks: Blocks,
+                 make: Callable[[fx.GraphModule, dict[str, int]], Any]) -> None:
+        self.gm, self.blocks, self.make = gm, blocks, make
+        self.one = make(truncate(gm, blocks, 1), blocks.tags(1))
+        self.two = make(truncate(gm, blocks, 2), blocks.tags(2))
+        self.checked = False
+
+    @classmethod
+    def of(cls, gm: Any, make: Callable[[fx.GraphModule, dict[str, int]], Any]
+           ) -> BlockProber | None:
+        """The block prober of ``gm``, or None when it has fewer than ``MIN_BLOCKS``."""
+        if not isinstance(gm, fx.GraphModule):
+            return None
+        blocks = find_blocks(gm, MIN_BLOCKS)
+        return cls(gm, blocks, make) if blocks is not None else None
+
+    def __call__(self, m: int) -> Any:
+        p1, p2 = self.one.probe(m), self.two.probe(m)
+        stacked = stack(p1, p2, self.blocks.count)
+        if stacked is None:
+            return None
+        if not self.checked:  # once: three blocks, probed, against three stacked
+            three = self.make(truncate(self.gm, self.blocks, 3), {}).probe(m)
+            want = stack(p1, p2, 3)
+            if want is None or not same_figures(want, three):
+                return None
+            self.checked = True
+        return stacked
+
+
+def stack(p1: Any, p2: Any, n: int) -> Any:
+    """The probe of ``n`` blocks from P1 (one block) and P2 (two), or None when P2 is not
+    P1 with a second block like the first."""
+    if p1.tags is None or p2.tags is None:
+        return None
+    second = p2.tags == 1
+    base = np.flatnonzero(~second)
+    if p1.ops != tuple(p2.ops[i] for i in base):
+        return None
+    pairs = []  # (an op of the second block, the same op of the first), forward then backward
+    for phase in (False, True):
+        copy = np.flatnonzero(second & (p2.backward == phase))
+        first = np.flatnonzero((p2.tags == 0) & (p2.backward == phase))
+        if len(copy) != len(first) or any(p2.ops[i] != p2.ops[j] for i, j in zip(copy, first)):
+            return None
+        pairs.append((copy, first))
+    copy = np.concatenate([c for c, _ in pairs])
+    first = np.concatenate([f for _, f in pairs])
+    arrays: dict[str, np.ndarray] = {}
+    for key in _ARRAYS:
+        one, two = getattr(p1, key), getattr(p2, key)
+        grown = one + (n - 1) * (two[base] - one)
+        v, step = two[copy], two[copy] - two[first]
+        arrays[key] = np.concatenate([grown, *(v + j * step for j in range(n - 1))])
+    flags = {key: np.concatenate([getattr(p2, key)[base], *[getattr(p2, key)[copy]] * (n - 1)])
+             for key in _FLAGS}
+    ops = tuple(p2.ops[i] for i in base) + tuple(p2.ops[i] for i in copy) * (n - 1)
+    return replace(p2, ops=ops, tags=None, **arrays, **flags,
+                   saved=p1.saved + (n - 1) * (p2.saved - p1.saved),
+                   outputs=p1.outputs + (n - 1) * (p2.outputs - p1.outputs))
+
+
+def same_figures(a: Any, b: Any) -> bool:
+    """Whether two probes agree on every figure the cost model reads, in any op order:
+    the ops, each op's FLOPs and bytes (sorted), the peak, saved and output bytes. Live
+    bytes count by their peak only (that is all the cost model reads of them): an op
+    between two blocks' backward, such as a residual gradient's add, is told to one or
+    the other, which moves its live value but not the peak."""
+    if Counter(a.ops) != Counter(b.ops):
+        return False
+    if not all(close(np.sort(getattr(a, k)), np.sort(getattr(b, k))) for k in _ARRAYS[:-1]):
+        return False
+    return (close(a.live.max(initial=0.0), b.live.max(initial=0.0))
+            and close(a.saved, b.saved) and close(a.outputs, b.outputs)
+            and all(int(getattr(a, k).sum()) == int(getattr(b, k).sum()) for k in _FLAGS))

@@ -1,0 +1,115 @@
+"""Probing a repeated block once gives the whole graph's figures.
+
+The cost model probes a graph with repeated blocks cut to one and two blocks and counts
+the rest (``planning/block_probe.py``, ``passes/repeated_blocks.py``). Its modelled
+figures (the chosen MBS, every candidate's peak memory and step time) must equal those
+of probing the whole graph (``Prober.per_block = False``) to 1%, for the plain graph and
+the one with activation checkpointing per block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import mbcompile
+from mbcompile.analysis import analyse
+from mbcompile.models import TinyGPT, token_batch
+from mbcompile.passes.recompute import checkpoint_blocks
+from mbcompile.passes.repeated_blocks import find_blocks, truncate
+from mbcompile.planning import probe
+from mbcompile.planning.block_probe import MIN_BLOCKS, BlockProber
+from mbcompile.planning.cost import CostModel, analyse_cost
+from mbcompile.request import make_request
+
+SEQ, VOCAB = 16, 64
+
+
+def _gpt(depth: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    return (TinyGPT(vocab=VOCAB, width=32, depth=depth, heads=2, seq=SEQ),
+            token_batch(4, SEQ, VOCAB, seed=1))
+
+
+def _figures(model: torch.nn.Module, batch: Any, **options: Any) -> dict[str, Any]:
+    cm = mbcompile.compile(model, 24, 2, "explore", example_inputs=batch, compile_only=True,
+                           system="host", **options)
+    x = cm.exploration
+    return {"mbs": cm.plan.mbs, "recompute": cm.plan.recompute,
+            "peak": [c.peak_bytes for c in x.candidates],
+            "step": [c.step_s for c in x.candidates],
+            "probes": cm.selection.cost.probes_run}
+
+
+def _assert_within_1_percent(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert (got["mbs"], got["recompute"]) == (want["mbs"], want["recompute"])
+    for key in ("peak", "step"):
+        assert got[key] == pytest.approx(want[key], rel=0.01), key
+
+
+@pytest.mark.parametrize("depth", [MIN_BLOCKS, 8])  # fewer blocks are probed whole
+@pytest.mark.parametrize("recompute", [False, True])
+def test_per_block_figures_equal_the_whole_graphs(monkeypatch: pytest.MonkeyPatch,
+                                                   depth: int, recompute: bool) -> None:
+    model, batch = _gpt(depth)
+    per_block = _figures(model, batch, recompute=recompute)
+    monkeypatch.setattr(probe.Prober, "per_block", False)
+    whole = _figures(model, batch, recompute=recompute)
+    _assert_within_1_percent(per_block, whole)
+
+
+def test_transformers_llama_per_block_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An export graph: parameters read up front, rotary tables and the mask shared by
+    every layer, the hidden state chained through them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=MIN_BLOCKS,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(4, SEQ, dtype=torch.long, device="meta")
+    request = make_request(model, 24, 2, "auto", example_inputs=(ids,), outputs="loss",
+                           example_kwargs={"labels": ids}, compile_only=True, system="host")
+    analysed = analyse(request)  # captured once (export is the slow part), costed twice
+
+    def cost() -> CostModel:
+        return analyse_cost(analysed.analysis, request.values, request.inputs.in_dims,
+                            pbs=request.pbs, kept_outputs=analysed.kept, fused=analysed.fused)
+
+    per_block = cost()
+    monkeypatch.setattr(probe.Prober, "per_block", False)
+    whole = cost()
+    assert whole.fit_note == per_block.fit_note  # the same fit, from the same sizes
+    for mbs in range(1, request.pbs + 1):
+        got, want = (c.estimate(24, 2, mbs, request.system) for c in (per_block, whole))
+        assert got.memory.peak == pytest.approx(want.memory.peak, rel=0.01)
+        assert got.time.step == pytest.approx(want.time.step, rel=0.01)
+
+
+def test_blocks_stack_or_the_graph_is_probed_whole() -> None:
+    """A deep enough graph is probed by blocks, its stacked probe checked against three
+    blocks probed exactly; a shallow one is probed whole."""
+    model, batch = _gpt(MIN_BLOCKS + 1)
+    cm = mbcompile.compile(model, 8, 2, 2, example_inputs=batch, cost_model=False)
+    gm = cm.analysis.graph_module
+    for graph in (gm, checkpoint_blocks(gm)):
+        blocks = find_blocks(graph)
+        assert blocks is not None and blocks.count == MIN_BLOCKS + 1
+        values, in_dims = list(batch), [0, 0]
+        prober = probe.Prober(graph, values, in_dims, cm.analysis.loss_outputs or None)
+        assert isinstance(prober.blocks, BlockProber)
+        stacked = prober(3)
+        assert prober.blocks is not None and prober.blocks.checked
+        whole = probe.Prober(graph, values, in_dims, cm.analysis.loss_outputs or None,
+                             tags={}).probe(3)
+        assert sorted(stacked.ops) == sorted(whole.ops)
+        assert stacked.flops.sum() == pytest.approx(whole.flops.sum(), rel=1e-9)
+        assert stacked.live.max() == pytest.approx(whole.live.max(), rel=1e-9)
+        assert stacked.saved == pytest.approx(whole.saved, rel=1e-9)
+    cut = truncate(gm, find_blocks(gm), 2)
+    assert find_blocks(cut) is not None and find_blocks(cut).count == 2
+    assert sum(p.numel() for p in cut.parameters()) < sum(p.numel() for p in gm.parameters())
+    shallow = probe.Prober(cut, list(batch), [0, 0], cm.analysis.loss_outputs or None)
+    assert shallow.blocks is None  # two blocks: probed whole
