@@ -202,12 +202,17 @@ def _bound(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     return bound
 
 
-@torch._dynamo.assume_constant_result  # traced as its value: dynamo cannot trace inspect
 def _layout(fn: Callable[..., Any], n_args: int, keys: tuple[str, ...]
             ) -> tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]:
     """The names of ``fn``'s first ``n_args`` parameters, and the defaults of the others
     not in ``keys``; a call that does not fit the signature raises as ``bind`` would."""
     return _layout_of(fn, n_args, keys)
+
+
+# torch.compile traces _layout as its value (dynamo cannot trace inspect): what
+# @torch._dynamo.assume_constant_result sets, without importing dynamo here (1 s of every
+# process's start); tests/test_layering.py checks that the decorator still sets only this.
+_layout._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 @functools.cache  # one call shape per loss call site: bound once, not once per microbatch

@@ -538,3 +538,29 @@ def test_the_cycle_check_fails_on_a_cycle() -> None:
             g.add_edge(module, target, where=[f"{line}: {code}"])
     assert not nx.is_directed_acyclic_graph(g)
     assert "runtime -> mbcompile.execution.distributed" in _cycles(g)
+
+
+def test_importing_the_cli_does_not_import_dynamo() -> None:
+    """Every ``mbcompile`` command, forkserver and rank imports mbcompile: torch._dynamo
+    costs about 1 s of that, and is imported only when something compiles with it."""
+    probe = "import sys, mbcompile.training.cli; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_constant_mark_is_what_dynamo_sets() -> None:
+    """passes/partials.py marks ``_layout`` as dynamo's ``assume_constant_result`` does, by
+    the attribute it sets (importing dynamo to decorate costs every process 1 s)."""
+    import torch._dynamo
+
+    from mbcompile.passes import partials
+
+    def f() -> None:
+        pass
+
+    before = set(vars(f))
+    torch._dynamo.assume_constant_result(f)
+    assert {k: v for k, v in vars(f).items() if k not in before} == \
+        {"_dynamo_marked_constant": True}
+    assert partials._layout._dynamo_marked_constant is True
