@@ -31,7 +31,7 @@ import numpy as np
 import torch.fx as fx
 
 from mbcompile.passes.repeated_blocks import Blocks, find_blocks, truncate
-from mbcompile.planning.fit import close
+from mbcompile.planning.tolerance import close
 
 __all__ = ["MIN_BLOCKS", "BlockProber", "stack"]
 

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from mbcompile.planning.probe import Probe
+from mbcompile.planning.tolerance import FIT_TOLERANCE, close
 
-__all__ = ["FIT_TOLERANCE", "Fit", "close", "fit", "reproduces"]
-
-FIT_TOLERANCE = 1e-6
+__all__ = ["FIT_TOLERANCE", "Fit", "fit", "reproduces"]
 
 
 @dataclass
@@ -46,13 +45,6 @@ def fit(p: Probe, q: Probe) -> Fit | None:
     saved_b = (q.saved - p.saved) / dm
     out_b = (q.outputs - p.outputs) / dm
     return Fit(p, a, b, (p.saved - saved_b * p.m, saved_b), (p.outputs - out_b * p.m, out_b))
-
-
-def close(x: float | np.ndarray, y: float | np.ndarray) -> bool:
-    """Equal to ``FIT_TOLERANCE``, relative to the larger (at least 1)."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    scale = np.maximum(np.maximum(np.abs(x), np.abs(y)), 1.0)
-    return bool(np.all(np.abs(x - y) <= FIT_TOLERANCE * scale))
 
 
 def reproduces(fit: Fit, exact: Probe) -> bool:
