@@ -404,8 +404,7 @@ def test_str_is_a_readable_summary() -> None:
           mbs: requested 2, effective 2
           microbatches per system: 2
             system 0: 2, 2
-            system 1: 2, 1
-            system 2: 2, 1
+            systems 1-2: 2, 1
           reason: requested mbs=2
           warnings: none"""
     )
@@ -416,10 +415,21 @@ def test_str_shows_warnings_empties_and_long_runs_compactly() -> None:
         text = str(make_plan(673, 2, 168))
     assert "warnings:\n    - mbs=168 is not supported" in text
     text = str(make_plan(5, 4, 1))
-    assert "system 1: 1, 0 (1 empty, skipped)" in text
+    assert "systems 1-3: 1, 0 (1 empty, skipped)" in text
     text = str(make_plan(1000, 1, 3))  # 334 microbatches: run-length form
     assert "system 0: 334 x 3" not in text
     assert "system 0: 332 x 3 + 2 x 2" in text
+
+
+def test_a_plan_over_many_systems_prints_one_line_per_schedule() -> None:
+    """64 systems: 17 get 17 samples and 47 get 16; with mbs 4 every system runs 5
+    microbatches, the sizes spread evenly (4, 4, 3, 3, 3 of 17; 4, 3, 3, 3, 3 of 16): two
+    schedule lines, and the per-system sizes in run-length form."""
+    text = str(make_plan(64 * 16 + 17, 64, 4))
+    assert "per-system batch sizes: 17 x 17 + 47 x 16 (pbs 17)" in text
+    assert "    systems 0-16: 4, 4, 3, 3, 3\n    systems 17-63: 4, 3, 3, 3, 3\n" in text
+    assert len(text.splitlines()) == 8
+    assert "    system 0: 2, 1\n    systems 1-2: 1, 1\n" in str(make_plan(7, 3, 2))
 
 
 def test_to_dict_is_json_serialisable_and_complete() -> None:

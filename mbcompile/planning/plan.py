@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from mbcompile.passes.errors import ArgumentTypeError, MbsAdjustedWarning, PlanError
 from mbcompile.passes.sources import user_stacklevel
+
+T = TypeVar("T")
 
 __all__ = [
     "DEFAULT_AUTO_MICROBATCHES",
@@ -352,7 +354,7 @@ class MicrobatchPlan:
         return d
 
     def __str__(self) -> str:
-        sizes = ", ".join(map(str, self.per_system_batch_sizes))
+        sizes = _format_sizes(self.per_system_batch_sizes)
         systems = "system" if self.num_csx == 1 else "systems"
         lines = [
             f"MicrobatchPlan: gbs {self.gbs} over {self.num_csx} {systems}",
@@ -360,15 +362,17 @@ class MicrobatchPlan:
             f"  mbs: requested {self.requested_mbs}, effective {self.mbs}",
             f"  microbatches per system: {self.num_microbatches}",
         ]
-        for i, mb in enumerate(self.microbatch_sizes):
+        # systems with the same schedule share a line: a 64-system plan has two or three
+        for first, last, mb in _same_runs(self.microbatch_sizes):
             empty = mb.count(0)
             note = f" ({empty} empty, skipped)" if empty else ""
-            lines.append(f"    system {i}: {_format_sizes(mb)}{note}")
+            which = f"system {first}" if first == last else f"systems {first}-{last}"
+            lines.append(f"    {which}: {_format_sizes(mb)}{note}")
         if self.tokens_per_sample is not None:
             t = self.tokens_per_sample
+            per_system = _format_sizes(tuple(n * t for n in self.per_system_batch_sizes))
             lines.append(f"  tokens ({t} per sample): global {self.gbs * t}, per system "
-                         f"{', '.join(str(n * t) for n in self.per_system_batch_sizes)}, "
-                         f"per microbatch at most {self.max_microbatch_size * t}")
+                         f"{per_system}, per microbatch at most {self.max_microbatch_size * t}")
         if self.recompute:
             lines.append("  recompute: activation checkpointing per block")
         if self.reshard_after_forward is not None:
@@ -392,17 +396,22 @@ def describe_reshard(reshard_after_forward: bool) -> str:
 
 
 def _format_sizes(sizes: tuple[int, ...], limit: int = 8) -> str:
-    # A plan can have a million microbatches; run-length form keeps the printout
-    # one line per system.  Sizes within a system take at most two values.
+    # A plan can have a million microbatches (or systems); run-length form keeps the
+    # printout one line.  Sizes within a system (or across systems) take at most two values.
     if len(sizes) <= limit:
         return ", ".join(map(str, sizes))
-    runs: list[tuple[int, int]] = []
-    for s in sizes:
-        if runs and runs[-1][0] == s:
-            runs[-1] = (s, runs[-1][1] + 1)
+    return " + ".join(f"{last - first + 1} x {size}" for first, last, size in _same_runs(sizes))
+
+
+def _same_runs(values: Sequence[T]) -> list[tuple[int, int, T]]:
+    """``(first, last, value)`` for each run of equal consecutive ``values``."""
+    runs: list[tuple[int, int, T]] = []
+    for i, v in enumerate(values):
+        if runs and runs[-1][2] == v:
+            runs[-1] = (runs[-1][0], i, v)
         else:
-            runs.append((s, 1))
-    return " + ".join(f"{count} x {size}" for size, count in runs)
+            runs.append((i, i, v))
+    return runs
 
 
 def _warn_user(message: str) -> None:
