@@ -401,7 +401,7 @@ def _layout_error(name: str, t: Any, d: int | None, want: tuple[int | None, ...]
     if want is None or not isinstance(t, torch.Tensor):
         was = f"a tensor of shape {_shown(want)}" if want is not None else "no tensor"
         now = (f"a tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
-               else repr(t) if t is None else f"a {type(t).__name__}")
+               else repr(t) if t is None else f"a Python {type(t).__name__}")
         return (f"input {name} is {now} where the example passed {was}; the graph was "
                 f"traced for what the example passed: pass the same kind of value, or {fix}")
     if t.dim() == 0 or not want:

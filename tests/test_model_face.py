@@ -196,7 +196,7 @@ def test_the_compiled_module_is_an_instance_of_the_models_class_and_still_itself
 @pytest.mark.parametrize("temperature, expected", [
     (torch.tensor([0.5]), r"'temperature' is a tensor of shape \(1,\) where the example passed "
                           r"a scalar \(a 0-dim tensor\)"),
-    (0.5, r"'temperature' is a float where the example passed a tensor of shape \(\)"),
+    (0.5, r"'temperature' is a Python float where the example passed a tensor of shape \(\)"),
 ])
 def test_a_scalar_input_of_another_kind_says_what_differs(temperature, expected):
     batch = (torch.randn(GBS, 4), torch.randn(GBS, 3), torch.tensor(2.0))
