@@ -181,6 +181,18 @@ def test_keywords_through_var_kwargs_are_inputs_split_or_passed_whole():
         cm(x, y, **calls[1])  # kept: compiled once
 
 
+def test_the_keyword_view_names_the_keywords_and_holds_the_models_own_state():
+    from mbcompile.passes.keyword_view import keyword_view
+
+    model = Kw()
+    assert keyword_view(model, ["x", "y"]) is model  # nothing reaches **kwargs
+    view = keyword_view(model, ["x", "y", "num_items_in_batch"])
+    assert list(inspect.signature(view.forward).parameters) == ["x", "y", "num_items_in_batch"]
+    assert dict(view.named_parameters()) == dict(model.named_parameters())  # the same tensors
+    x, y, n = torch.randn(GBS, 4), torch.randn(GBS, 3), torch.tensor(7.0)
+    assert torch.equal(view(x=x, y=y, num_items_in_batch=n), model(x, y, num_items_in_batch=n))
+
+
 def test_the_compiled_module_is_an_instance_of_the_models_class_and_still_itself():
     import pickle
 
