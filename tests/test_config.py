@@ -364,3 +364,51 @@ def test_a_transformers_model_from_its_class_and_config(tmp_path):
     for text, message in mistakes:
         with pytest.raises(ConfigError, match=message):
             load_config(write(tmp_path, text + "batch_size: 8\n"))
+
+
+def test_model_init_meta_plans_what_the_materialised_model_plans(tmp_path):
+    """``model: {..., init: meta}`` builds the model on the meta device, tied weights and
+    all (no memory); ``mbcompile compile --compile-only`` plans it with the figures of the
+    same model built with values; compiling it for real and training it are refused, each
+    naming the way that works."""
+    pytest.importorskip("transformers")
+    import json
+
+    from mbcompile.training.cli_compile import compile_config
+    from mbcompile.training.cli_messages import CommandError
+
+    text = (EXAMPLES / "hf" / "llama.yaml").read_text()
+    sys.path.insert(0, str(EXAMPLES / "hf"))  # hf_tokens, beside the example
+    try:
+        tied = text.replace("  config:\n", "  config:\n    tie_word_embeddings: true\n")
+        meta = load_config(write(tmp_path, tied.replace("  config:\n", "  init: meta\n  config:\n"),
+                                 "meta.yaml"))
+        plain = load_config(write(tmp_path, tied, "plain.yaml"))
+        assert meta.model_init == "meta" and plain.model_init == "random"
+        model = build_model(meta)
+        assert all(p.is_meta for p in model.parameters())
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+        reports = {}
+        for name, cfg in (("meta", meta), ("plain", plain)):
+            compile_config(cfg, tmp_path / name, compile_only=True)
+            reports[name] = json.loads((tmp_path / name / "plan.json").read_text())
+        assert reports["meta"]["plan"] == reports["plain"]["plan"]
+        assert reports["meta"]["report"]["estimate"] == reports["plain"]["report"]["estimate"]
+        with pytest.raises(CommandError, match="add --compile-only"):
+            compile_config(meta, tmp_path / "real")
+        with pytest.raises(ConfigError, match=r"meta.yaml:\d+: model.init: init: meta builds the "
+                                              r"model without values"):
+            build_trainer(meta)
+    finally:
+        sys.path.remove(str(EXAMPLES / "hf"))
+    big = build_model(load_config(EXAMPLES / "hf" / "llama_1b_meta.yaml"))  # no memory
+    c = big.config
+    layer = (2 * c.hidden_size * c.hidden_size  # q and o; k and v are GQA-sized
+             + 2 * c.hidden_size * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+             + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)
+    assert sum(p.numel() for p in big.parameters()) == \
+        c.vocab_size * c.hidden_size + c.num_hidden_layers * layer + c.hidden_size  # tied
+    assert big.lm_head.weight.is_meta and big.lm_head.weight is big.model.embed_tokens.weight
+    with pytest.raises(ConfigError, match=r"model.init: unknown value 'metal' \(did you mean "
+                                          r"'meta'\?\)"):
+        load_config(write(tmp_path, "model: {name: mlp, init: metal}\nbatch_size: 8\n"))

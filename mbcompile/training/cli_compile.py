@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.utils import _pytree as pytree
+
 import mbcompile.compiler as compiler
 from mbcompile.errors import MbcompileError, MixingError
 from mbcompile.planning.plan import parse_mbs
@@ -102,6 +105,10 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
                            f"its ranks only: train it with mbcompile fit {cfg.file} --nproc "
                            f"{cfg.num_csx}, or compile it here with shard: none (the plan and "
                            "graph are the unsharded model's, without FSDP's unit markers)")
+    if cfg.model_init == "meta" and not (compile_only or validate_only):
+        raise CommandError(f"{cfg.file} builds the model on the meta device (model.init: meta), "
+                           "without values to run: add --compile-only (or --validate-only) to "
+                           "plan it")
     options = compile_options(cfg, compile_only=compile_only, validate_only=validate_only)
     model = build_model(cfg)
     model.train(phase == "train")
@@ -109,6 +116,8 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
     options["optimizer"] = build_optimizer(cfg, model)
     mbs = cfg.flags(phase)["micro_batch_size"] if mbs is None else mbs
     args, kwargs = batch_args(_first_batch(cfg, phase))
+    if cfg.model_init == "meta":  # the example's shapes and dtypes, on the model's device
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     what = "validate-only" if validate_only else "compile-only" if compile_only else "compile"
     echo(f"{what}: {cfg.model} ({phase} phase), gbs {cfg.batch_size} over {cfg.num_csx} "
          f"system{'s' if cfg.num_csx != 1 else ''}, mbs={mbs}, outputs={options['outputs']}")

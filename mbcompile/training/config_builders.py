@@ -3,6 +3,7 @@ and the options of a compile; their failures name the config's line as well."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -35,12 +36,16 @@ def _model_path(cfg: Config) -> Path_:
 
 def build_model(cfg: Config) -> nn.Module:
     """The model, with weights drawn from ``cfg.seed``; a transformers model from its
-    config, ``Class(Class.config_class(**cfg.model_config), **cfg.model_kwargs)``."""
+    config, ``Class(Class.config_class(**cfg.model_config), **cfg.model_kwargs)``. With
+    ``model.init: meta`` it is built on the meta device: shapes and tied weights, no
+    values and no memory, for plans only."""
     torch.manual_seed(cfg.seed)
     target = _model_target(cfg)
+    device = torch.device("meta") if cfg.model_init == "meta" else contextlib.nullcontext()
     try:
         config = () if cfg.model_config is None else (target.config_class(**cfg.model_config),)
-        model = target(*config, **cfg.model_kwargs)
+        with device:
+            model = target(*config, **cfg.model_kwargs)
     except Exception as exc:
         raise cfg.error(_model_path(cfg), f"building the model {cfg.model!r} failed: "
                         f"{type(exc).__name__}: {exc}") from exc
@@ -175,6 +180,10 @@ def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
     """
     from mbcompile.training.trainer import Trainer
 
+    if cfg.model_init == "meta" and model is None:
+        raise cfg.error(("model", "init"), "init: meta builds the model without values, which "
+                        "plans it but cannot train it: plan it with mbcompile compile "
+                        "--compile-only, and remove model.init (or set it to random) to train")
     model = build_model(cfg) if model is None else model
     if cfg.shard != "none":  # before the optimizer, which must hold the shards
         shard_model(model, cfg.shard)

@@ -89,7 +89,10 @@ REQUIRED_TOP = ("model", "batch_size")
 FIT_KEYS = {"max_steps": 10, "val_steps": 2, "val_every": None, "log_every": 1,
             "checkpoint_every": None, "keep_checkpoints": 2}
 DATA_KEYS = ("source", "kwargs", "seed", "num_batches")
-MODEL_KEYS = ("name", "class", "kwargs", "config")  # name and class are one key, two spellings
+MODEL_KEYS = ("name", "class", "kwargs", "config", "init")  # name and class: one key, two spellings
+#: ``model.init``: "random" draws the weights from ``seed``; "meta" builds the model on the
+#: meta device (shapes, no values), for compile-only and validate-only plans of large models.
+MODEL_INITS = ("random", "meta")
 #: ``outputs:`` when the config sets none: what ``Trainer`` returns without metrics, so
 #: that ``mbcompile compile`` plans the step ``mbcompile fit`` runs.
 DEFAULT_OUTPUTS = "loss"
@@ -130,6 +133,7 @@ class Config:
     #: ``model.config``: the fields of a transformers model's config, built as
     #: ``model_class.config_class(**model_config)`` and passed first (None: no config).
     model_config: Mapping[str, Any] | None = None
+    model_init: str = "random"  # or "meta": built without values, for plans only (MODEL_INITS)
     outputs: Any = DEFAULT_OUTPUTS  # compile's ``outputs``: "loss", "all" or output names
 
     @property
@@ -164,6 +168,7 @@ def parse_config(data: Any, marks: Marks) -> Config:
     v = _Validator(marks)
     top = v.mapping((), data, TOP_KEYS, REQUIRED_TOP)
     model, model_kwargs, model_config = v.model(top["model"])
+    model_init = v.model_init(top["model"])
     data_source, data_kwargs, data_seed, num_batches = v.data(top.get("data", SYNTHETIC), model)
     batch_size = v.integer(("batch_size",), top["batch_size"], 1)
     num_csx = v.integer(("num_csx",), top.get("num_csx", 1), 1)
@@ -202,6 +207,7 @@ def parse_config(data: Any, marks: Marks) -> Config:
         output_dir=output_dir, compile_only=compile_only, validate_only=validate_only,
         lr_scaling=lr_scaling, checkpoint_every=fit["checkpoint_every"],
         keep_checkpoints=fit["keep_checkpoints"], shard=shard, model_config=model_config,
+        model_init=model_init,
         outputs=outputs, marks=marks)
 
 
@@ -248,6 +254,11 @@ class _Validator(Checks):
         self.signature_kwargs(path + ("kwargs",), target, kwargs,
                               provided=("config",) if config is not None else ())
         return name, kwargs, config
+
+    def model_init(self, value: Any) -> str:
+        if not isinstance(value, Mapping) or "init" not in value:
+            return "random"
+        return self.choice(("model", "init"), value["init"], MODEL_INITS)
 
     def model_config(self, path: Path_, name: str, target: Any, config: dict[str, Any]) -> None:
         """``model.config``: the fields of ``target.config_class`` (a transformers model's),
