@@ -114,7 +114,10 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_signature", request.signature)
         face = inspect.signature(request.inner.forward)
         object.__setattr__(self, "_face_signature", face)
-        object.__setattr__(self, "_face_class", type(request.inner))
+        # isinstance(cm, type(model)) (face.py); not for a GraphModule, which torch.compile
+        # and fx would take for a graph to run in place of this module's forward
+        object.__setattr__(self, "_face_class", None if isinstance(request.inner, fx.GraphModule)
+                           else type(request.inner))
         # forward takes **kwargs: the names it has besides, and the keywords the example
         # passed there (a call with others runs a variant compiled for them: _for_keywords)
         object.__setattr__(self, "_named", frozenset(face.parameters) if any(
