@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from mbcompile.errors import ArgumentTypeError
+from mbcompile.planning.shard_plan import fsdp_blocks
 from mbcompile.training.batches import TrainerError
 
 __all__ = ["is_fsdp", "shard_for_training", "shard_model"]
@@ -24,21 +25,6 @@ def is_fsdp(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks: the children of every ``nn.ModuleList`` that is not inside
-    another block (a block's own lists stay in its unit)."""
-    out: list[nn.Module] = []
-    inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                out.append(child)
-                inside.update(id(m) for m in child.modules())
-    return out
 
 
 def shard_model(model: nn.Module, shard: str = "fsdp") -> nn.Module:
@@ -62,7 +48,7 @@ def shard_model(model: nn.Module, shard: str = "fsdp") -> nn.Module:
                            "torch.distributed.init_process_group first")
     from torch.distributed.fsdp import fully_shard
 
-    for block in _blocks(model):
+    for block in fsdp_blocks(model):  # the units a plan costs (planning.shard_plan)
         fully_shard(block)
     fully_shard(model)
     return model
