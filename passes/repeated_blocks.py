@@ -202,16 +202,15 @@ def _alike(x: Any, y: Any) -> bool:
 
 def truncate(gm: fx.GraphModule, blocks: Blocks, keep: int) -> fx.GraphModule:
     """``gm`` with only its first ``keep`` blocks: what read the last block reads the last
-    block kept. Parameters are ``gm``'s own (shared, not copied)."""
+    block kept. Nodes keep their names and meta; parameters are ``gm``'s own (shared, not
+    copied)."""
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
     graph._codegen = copy.deepcopy(gm.graph._codegen)
-    for last, kept in zip(blocks.nodes[-1], blocks.nodes[keep - 1]):
-        env[last].replace_all_uses_with(env[kept])
-    dropped = {env[n] for block in blocks.nodes[keep:] for n in block}
-    for n in reversed(list(graph.nodes)):
-        if n in dropped:
-            graph.erase_node(n)
+    dropped = {n for block in blocks.nodes[keep:] for n in block}
+    alias = dict(zip(blocks.nodes[-1], blocks.nodes[keep - 1]))
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n not in dropped:
+            env[n] = graph.node_copy(n, lambda a: env[alias.get(a, a)])
     graph.lint()
     return fx.GraphModule(gm, graph, class_name=type(gm).__name__)

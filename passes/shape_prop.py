@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from .facts import SHAPES, InfoTuple, ValueInfo
 from .fake_probe import FakeProbe
+from .repeated_blocks import find_blocks, truncate
 
 __all__ = ["ShapePropagationError", "propagate_shapes"]
 
@@ -149,13 +150,43 @@ def propagate_shapes(
     """Annotate ``gm`` in place with ``ValueInfo``s at batch ``gbs`` and ``gbs + 1``.
 
     ``inputs`` are example values in placeholder order; ``in_dims`` their batch
-    dims (an int, or None for unbatched inputs).
+    dims (an int, or None for unbatched inputs). A graph with a chain of at least
+    ``MIN_BLOCKS`` repeated blocks runs cut to two of them (``repeated_blocks``): when the
+    second block's values have the first's shapes, every later block's are the same, and
+    are copied from the second.
     """
+    blocks = find_blocks(gm, MIN_BLOCKS)
+    if blocks is not None:
+        infos = _run(truncate(gm, blocks, 2), inputs, in_dims, gbs, gm)
+        first, second = blocks.nodes[0], blocks.nodes[1]
+        if all(infos.get(a.name) == infos.get(b.name) for a, b in zip(first, second)):
+            for block in blocks.nodes[2:]:
+                infos.update({n.name: infos.get(b.name) for n, b in zip(block, second)})
+            for node in gm.graph.nodes:
+                node.meta[SHAPES] = infos.get(node.name)
+            return gm
+    infos = _run(gm, inputs, in_dims, gbs, gm)
+    for node in gm.graph.nodes:
+        node.meta[SHAPES] = infos.get(node.name)
+    return gm
+
+
+#: Fewer repeated blocks than this are run whole: the cut graph would cost about as much.
+MIN_BLOCKS = 4
+
+
+def _run(gm: fx.GraphModule, inputs: Sequence[Any], in_dims: Sequence[Any], gbs: int,
+         whole: fx.GraphModule) -> dict[str, Any]:
+    """Each node's merged ``ValueInfo`` by name, from fake runs at ``gbs`` and ``gbs + 1``;
+    a failure names ``whole``'s node (``gm`` may be its cut)."""
     runs = []
     for batch in (gbs, gbs + 1):
         recorder = _Recorder(gm, batch, gbs)
-        recorder.run(*recorder.inputs(inputs, in_dims, batch))
-        runs.append(recorder.infos)
-    for node in gm.graph.nodes:
-        node.meta[SHAPES] = _merge(runs[0].get(node), runs[1].get(node))
-    return gm
+        try:
+            recorder.run(*recorder.inputs(inputs, in_dims, batch))
+        except ShapePropagationError as exc:
+            if gm is not whole:
+                exc.node = next(n for n in whole.graph.nodes if n.name == exc.node.name)
+            raise
+        runs.append({n.name: info for n, info in recorder.infos.items()})
+    return {n.name: _merge(runs[0].get(n.name), runs[1].get(n.name)) for n in gm.graph.nodes}

@@ -17,8 +17,11 @@ import torch
 import mbcompile
 from mbcompile.analysis import analyse
 from mbcompile.models import TinyGPT, token_batch
+from mbcompile.passes import shape_prop
+from mbcompile.passes.facts import SHAPES
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.repeated_blocks import find_blocks, truncate
+from mbcompile.passes.shape_prop import propagate_shapes
 from mbcompile.planning import probe
 from mbcompile.planning.block_probe import MIN_BLOCKS, BlockProber
 from mbcompile.planning.cost import CostModel, analyse_cost
@@ -113,3 +116,22 @@ def test_blocks_stack_or_the_graph_is_probed_whole() -> None:
     assert sum(p.numel() for p in cut.parameters()) < sum(p.numel() for p in gm.parameters())
     shallow = probe.Prober(cut, list(batch), [0, 0], cm.analysis.loss_outputs or None)
     assert shallow.blocks is None  # two blocks: probed whole
+
+
+def test_shape_pass_runs_two_blocks_and_copies_the_rest(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """Every node's shapes at gbs and gbs + 1 as a run of the whole graph finds them."""
+    model, batch = _gpt(6)
+    cm = mbcompile.compile(model, 8, 2, 2, example_inputs=batch, cost_model=False)
+    gm = cm.analysis.graph_module
+    cuts: list[int] = []
+    monkeypatch.setattr(shape_prop, "truncate",
+                        lambda g, b, keep: cuts.append(keep) or truncate(g, b, keep))
+    per_block = {n.name: n.meta[SHAPES] for n in propagate_shapes(gm, batch, [0, 0], 8)
+                 .graph.nodes}
+    assert cuts == [2]  # run cut to two blocks
+    monkeypatch.setattr(shape_prop, "MIN_BLOCKS", 7)  # six blocks: run whole
+    whole = {n.name: n.meta[SHAPES] for n in propagate_shapes(gm, batch, [0, 0], 8)
+             .graph.nodes}
+    assert per_block == whole
+    assert sum(v is not None for v in whole.values()) > 6 * len(find_blocks(gm).nodes[0])
