@@ -37,6 +37,7 @@ from mbcompile.execution import StepChannels, bindings
 from mbcompile.execution.joint import joint_step
 from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_new_hooks
 from mbcompile.execution.noise import NoiseScale
+from mbcompile.execution.rank_shares import check_not_in_ddp
 from mbcompile.execution.step_config import StepConfig
 from mbcompile.face import ModelFace
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
@@ -248,6 +249,8 @@ class CompiledModule(ModelFace, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compile_only:
             raise compile_only_error(self.plan, self.exploration)
+        if self.rank is not None:  # on ranks: never inside DDP, which would reduce again
+            check_not_in_ddp()
         # a call another variant runs (other keywords through **kwargs, another batch size)
         # goes there before this module compiles anything for the current mode
         if self._named is not None:  # forward takes **kwargs: which keywords reach them

@@ -84,7 +84,8 @@ class RetainedActivationsWarning(MbcompileWarning):
 
 class RecompileWarning(MbcompileWarning):
     """Python state the graph was built from changed since compile (an attribute forward
-    reads, a hook, a parameter's ``requires_grad``): the module compiles again for it."""
+    reads, a hook, a parameter's ``requires_grad``), or a call passes other keywords
+    through forward's ``**kwargs`` than the example did: the module compiles again for it."""
 
 
 class BatchSizeWarning(MbcompileWarning):

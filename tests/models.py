@@ -26,9 +26,10 @@ import contextlib
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -91,6 +92,16 @@ def plan_free(mbs: Any, **options: Any) -> dict[str, Any]:
     if asked and not {"system", "measure"} & set(options):
         options.setdefault("cost_model", False)
     return options
+
+def tiered(values: Iterable[Any], fast: Iterable[str],
+           name: Callable[[Any], str] = lambda v: getattr(v, "stem", str(v))) -> list[Any]:
+    """``values`` as ``pytest.param``s, named by ``name``, those not named in ``fast`` in the
+    slow tier (``pytest.mark.slow``): ``python -m pytest`` runs the fast tier,
+    ``-m "slow or not slow"`` both (as ``.ci/run`` does)."""
+    fast = set(fast)
+    return [pytest.param(v, id=name(v), marks=() if name(v) in fast else pytest.mark.slow)
+            for v in values]
+
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed + 1)

@@ -100,7 +100,7 @@ def test_per_microbatch_leaves_the_rule_table_and_eval_mode_alone():
         warnings.simplefilter("error", mbcompile.PerMicrobatchStatisticsWarning)
         cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch,
                                batch_norm="per_microbatch")
-    assert not cm.plan.warnings
+    assert not any("per_microbatch" in w for w in cm.plan.warnings)
     model.train()  # the opt-in holds when the module recompiles for training...
     ref = _hand_loop(model, batch, cm.plan)
     cm(*batch).backward()

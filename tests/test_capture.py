@@ -83,14 +83,14 @@ def test_star_args_forward_is_a_capture_error() -> None:
 
 
 def test_star_kwargs_forward_maps_its_named_parameters() -> None:
-    """forward(x, **extra), the HuggingFace shape: captured through torch.export; keywords
-    that would land in **extra are an InputError that names it."""
+    """forward(x, **extra), the HuggingFace shape: captured through torch.export; a keyword
+    that reaches **extra is one more graph input (issue 27)."""
     x, _ = _xy()
     model = StarKwargs().double()
     cm = mbcompile.compile(model, 10, 2, 1, example_inputs=(x,))
     assert torch.allclose(cm(x), model(x), rtol=1e-12, atol=0)
-    with pytest.raises(InputError, match=r"\*\*extra"):
-        mbcompile.compile(model, 10, 2, 1, example_inputs=(x,), example_kwargs={"z": x})
+    cm = mbcompile.compile(model, 10, 2, 1, example_inputs=(x,), example_kwargs={"z": x})
+    assert torch.allclose(cm(x, z=x), model(x, z=x), rtol=1e-12, atol=0)
     with pytest.raises(CaptureError, match="capture='auto'"):
         mbcompile.compile(model, 10, 2, 1, example_inputs=(x,), capture="fx")
 

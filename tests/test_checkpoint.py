@@ -255,6 +255,7 @@ def kill_stop_resume(tmp_path: Path, here, ranks: bool) -> None:
         assert rows(tmp_path / "run" / "rank1") == rows(tmp_path / "ref" / "rank1")
 
 
+@pytest.mark.slow
 def test_a_killed_then_stopped_run_resumes_exactly(tmp_path, here):
     kill_stop_resume(tmp_path, here, ranks=False)
 

@@ -24,6 +24,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from models import tiered
 
 from mbcompile.training.cli import main, mbs_argument
 
@@ -85,7 +86,7 @@ def test_demo_runs_with_no_files(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no files written
 
 
-@pytest.mark.parametrize("example", EXAMPLE_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("example", tiered(EXAMPLE_FILES, fast=("tiny_gpt",)))
 def test_compile_writes_the_artifacts(tmp_path, example):
     result = run("compile", str(example), "--compile-only", "--out", "art", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -100,7 +101,7 @@ def test_compile_writes_the_artifacts(tmp_path, example):
     assert "artifacts in" in result.stdout and "Graphviz" not in result.stderr
 
 
-@pytest.mark.parametrize("example", EXAMPLE_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("example", tiered(EXAMPLE_FILES, fast=("tiny_gpt",)))
 def test_fit_two_steps(tmp_path, example):
     result = run("fit", str(example), "--max-steps", "2", "--out", "run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -113,6 +114,7 @@ def test_fit_two_steps(tmp_path, example):
     assert (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_fit_on_cpu_ranks_matches_one_process(tmp_path):
     # mlp.yaml: gbs 20 over 3 systems (7, 7, 6); three gloo ranks must train the same model.
     one = run("fit", str(EXAMPLES / "mlp.yaml"), "--max-steps", "2", "--out", "one",
@@ -320,6 +322,7 @@ INF_AT_STEP_3 = """
 """
 
 
+@pytest.mark.slow
 def test_a_failure_in_the_middle_of_fit_keeps_the_metrics(tmp_path):
     # Step 3's last sample is infinite: system 1's second microbatch has a NaN loss.
     (tmp_path / "inf.yaml").write_text(textwrap.dedent(INF_AT_STEP_3))

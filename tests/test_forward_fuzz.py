@@ -1368,6 +1368,7 @@ TORCH_COMPILE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", TORCH_COMPILE_CASES, ids=lambda s: "+".join(s.constructs))
 def test_torch_compile_cases(spec):
     assert_ok(spec)

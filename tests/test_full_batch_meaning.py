@@ -498,6 +498,7 @@ HF_CASES = [pytest.param(name, plan, id=f"{name}-{plan}",
             for name in HF for plan in PLANS if name not in SLOW_HF or plan == "gbs5-csx2-mbs1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "plan"), HF_CASES)
 def test_hf_model_with_batch_size_dependent_ops(tf: Any, name: str, plan: str) -> None:
     """Compiles past its batch-size-dependent ops and matches eager. A rejection at a later

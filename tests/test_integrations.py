@@ -23,7 +23,7 @@ from mbcompile.planning.plan import make_plan
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's notes on workers, logging
-@pytest.mark.parametrize("name", ["lightning", "accelerate_loop"])
+@pytest.mark.parametrize("name", ["lightning", "accelerate_loop", "plain_loop"])
 def test_the_example_trains_like_plain_full_batch_steps(name):
     # lightning: also its validation loss, on a batch of another size than gbs
     assert example(name).max_difference() <= 1e-12
@@ -33,7 +33,8 @@ def test_accelerate_on_two_processes_reduces_once_and_equals_the_full_batch(tmp_
     """examples/accelerate_ranks.py on two forked gloo ranks, ``Accelerator()`` created
     inside their process group: ``prepare`` returns the compiled module itself (no DDP),
     each step all-reduces every gradient element once, and the parameters after three
-    steps are the single-process full batch's."""
+    steps are the single-process full batch's. Wrapped in DDP, as ``accelerator.prepare``
+    would, its first call is refused."""
     _run(accelerate_ranks, 2, str(tmp_path))
     script = example("accelerate_ranks")
     plain = script.train_plain(script.initial_model())
@@ -41,6 +42,7 @@ def test_accelerate_on_two_processes_reduces_once_and_equals_the_full_batch(tmp_
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["prepared"] == "CompiledModule" and got["wraps_model"], rank
+        assert "would all-reduce them a second time" in got["inside_ddp"]
         assert sum(e[1] for e in got["gradient_reduces"]) == script.STEPS * elements
         for name, p in plain.named_parameters():
             assert (got["params"][name] - p.detach()).abs().max() <= TOL, (rank, name)

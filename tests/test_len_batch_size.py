@@ -107,6 +107,7 @@ def test_a_batch_size_baked_into_the_code_is_still_refused(cls):
         mbcompile.compile(cls().double(), 7, 2, 2, example_inputs=_batch())
 
 
+@pytest.mark.slow
 def test_transformers_clip_model_with_its_loss_matches_eager():
     transformers = pytest.importorskip("transformers")
     text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

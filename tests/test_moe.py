@@ -554,6 +554,7 @@ def padded_batch(seed: int = 1) -> dict[str, torch.Tensor]:
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"])
 def test_hf_moe_matches_eager_full_batch(transformers: Any, name: str) -> None:
     torch.manual_seed(0)
@@ -574,6 +575,7 @@ def test_hf_moe_matches_eager_full_batch(transformers: Any, name: str) -> None:
 
 
 # Mixtral's aux loss: test_two_phase.py (RNG, no retained activations).
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"])
 def test_hf_moe_with_router_aux_loss_runs_as_an_exact_two_phase_step(transformers: Any,
                                                                      name: str) -> None:

@@ -355,6 +355,7 @@ def _squares(out):
     return (out ** 2).sum()
 
 
+@pytest.mark.slow
 @BOUNDED
 @given(composition=compositions(mixing=True), plan=plans(), seed=st.integers(0, 3))
 def test_random_models_with_a_mixing_op_run_as_exact_two_phase_steps(composition, plan, seed):

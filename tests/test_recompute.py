@@ -79,6 +79,7 @@ def test_recomputation_replays_dropout():
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.slow
 def test_auto_checkpoints_only_when_nothing_fits_without():
     model, batch = make_tiny_gpt(GBS, dtype=torch.float64, depth=4, seq=32)
     ref = copy.deepcopy(model)
@@ -118,6 +119,7 @@ def _tight_between_full_batches(model, batch):
     return replace(get_system("host"), name="tight", memory_bytes=(full[False] + full[True]) / 2)
 
 
+@pytest.mark.slow
 def test_auto_and_explore_choose_mbs_and_recompute_jointly(tmp_path):
     model, batch = make_tiny_gpt(16, dtype=torch.float64, depth=4, seq=32)
     tight = _tight_between_full_batches(model, batch)

@@ -25,6 +25,7 @@ from models import (
     one_intra_op_thread,
     step_errors,
     tensor_leaves,
+    tiered,
 )
 from torch._dynamo.utils import counters
 
@@ -74,6 +75,7 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_each_shape_compiles_once_and_the_step_is_exact():
     model, batch = make_tiny_gpt(GBS)
     ref = copy.deepcopy(model)
@@ -122,6 +124,7 @@ def test_a_two_phase_step_compiles_body_and_coupled_part():
         assert relative_error(a.grad / 2, b.grad) <= 1e-5
 
 
+@pytest.mark.slow
 def test_freezing_and_unfreezing_between_steps():
     """The loop lists the body's parameters once; which of them train is read every call."""
     model, batch = make_tiny_gpt(GBS)
@@ -139,6 +142,7 @@ def test_freezing_and_unfreezing_between_steps():
                 assert relative_error(a.grad, b.grad) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_failed_step_is_rolled_back():
     model, batch = make_tiny_gpt(GBS)
     cm = mbcompile.compile(model, GBS, 2, 4, example_inputs=batch, torch_compile=AOT)
@@ -171,13 +175,19 @@ JOINT_MODELS = ["tiny_gpt", "mlp", "cnn", "masked_mean_bool", "weighted_ce", "si
                 "dict_out", "dataclass_out", "namedtuple_out"]
 
 
-@pytest.mark.parametrize("plan", [(10, 3, 2), (13, 2, 3)], ids=["gbs10-csx3-mbs2",
-                                                              "gbs13-csx2-mbs3"])
-@pytest.mark.parametrize("name", JOINT_MODELS)
-def test_the_joint_graph_equals_the_eager_full_batch_in_float64(name, plan, joint_calls):
+# the fast tier runs three models on the uneven plan; the slow tier the rest
+JOINT_CASES = tiered([(name, pid, plan) for name in JOINT_MODELS
+                      for pid, plan in (("gbs10-csx3-mbs2", (10, 3, 2)),
+                                        ("gbs13-csx2-mbs3", (13, 2, 3)))],
+                     fast=("mlp-gbs13-csx2-mbs3", "masked_mean_bool-gbs13-csx2-mbs3",
+                           "dict_out-gbs13-csx2-mbs3"), name=lambda case: f"{case[0]}-{case[1]}")
+
+
+@pytest.mark.parametrize("case", JOINT_CASES)
+def test_the_joint_graph_equals_the_eager_full_batch_in_float64(case, joint_calls):
     """Every microbatch of every system through the joint graph (uneven plans: short
     microbatches, systems of different sizes), against one eager full-batch step."""
-    gbs, num_csx, mbs = plan
+    name, _, (gbs, num_csx, mbs) = case
     model, batch = MODELS[name](gbs)
     cm = mbcompile.compile(model, gbs, num_csx, mbs, example_inputs=batch, torch_compile=AOT)
     errors = step_errors(model, cm, batch)
@@ -185,6 +195,7 @@ def test_the_joint_graph_equals_the_eager_full_batch_in_float64(name, plan, join
     assert joint_calls == _sizes(cm)  # the joint graph ran them all, in order
 
 
+@pytest.mark.slow
 def test_outputs_require_grad_as_in_the_autograd_path(joint_calls):
     """The joint graph returns detached values; which of them a gradient may enter (and
     so which come back requiring grad) is what the autograd path gives, frozen layers
@@ -204,6 +215,7 @@ def test_outputs_require_grad_as_in_the_autograd_path(joint_calls):
         per_sample.pow(2).mean().backward()
 
 
+@pytest.mark.slow
 def test_a_parameter_hook_keeps_the_autograd_path(joint_calls):
     """A hook on a parameter fires per microbatch in autograd; the joint graph would skip
     it, so such a step runs the compiled forward and autograd's backward."""
@@ -220,6 +232,7 @@ def test_a_parameter_hook_keeps_the_autograd_path(joint_calls):
     assert joint_calls == _sizes(cm) and not seen
 
 
+@pytest.mark.slow
 def test_a_failing_joint_graph_falls_back_to_autograd_once(joint_calls):
     """The joint graph fails (here: its compiled function raises at the second microbatch);
     the step runs the autograd way, exact, and says so once; later steps run the autograd
@@ -246,6 +259,7 @@ def test_a_failing_joint_graph_falls_back_to_autograd_once(joint_calls):
     assert len(joint_calls) == 2  # not tried again
 
 
+@pytest.mark.slow
 def test_a_model_error_is_the_models_and_keeps_the_joint_graph(joint_calls):
     """A label out of range fails in the joint graph and in autograd alike: the step raises
     the model's error as usual, nothing changes, and the next good step uses the joint graph."""
@@ -269,6 +283,7 @@ def test_a_model_error_is_the_models_and_keeps_the_joint_graph(joint_calls):
     assert joint_calls == _sizes(cm)
 
 
+@pytest.mark.slow
 def test_one_host_read_per_step_through_the_joint_graph(joint_calls):
     model, batch = make_tiny_gpt(16, dtype=torch.float64)
     cm = mbcompile.compile(model, 16, 1, 4, example_inputs=batch, torch_compile=AOT)
@@ -343,6 +358,7 @@ def test_parameters_the_loss_does_not_reach_keep_no_gradient(joint_calls):
     assert torch.equal(model.aux.weight, before)
 
 
+@pytest.mark.slow
 def test_a_sparse_embedding_keeps_the_autograd_path():
     """torch.func.grad would hand a sparse embedding's gradient back dense."""
     model, batch = MODELS["tiny_gpt"](10)
@@ -413,6 +429,7 @@ class _Linear(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.lin(x), y)
 
 
+@pytest.mark.slow
 def test_each_compiled_module_gets_its_own_joint_graphs(joint_calls):
     """Dynamo's cache limit (8) is per code object: were every JointStep's graphs kept on
     one, the ninth compiled module would run its step eagerly. Ten each compile theirs."""

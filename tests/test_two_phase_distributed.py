@@ -63,6 +63,7 @@ def test_one_status_read_per_step(tmp_path):
         assert torch.load(tmp_path / f"rank{rank}.pt")["reads"] == [1, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,gbs,mbs", [(2, 7, 2), (3, 8, 1)])
 def test_every_family_on_ranks(tmp_path, world, gbs, mbs):
     """Every family of tests/coupled_models.py (CLIP, SigLIP, SimCLR, batch-hard triplet,

@@ -61,8 +61,18 @@ REQUIRED = {
 }
 
 
+# The fast tier (``python -m pytest``) keeps at least one entry per family, the quickest;
+# these, each 8-40 s on the 2-core CI machine, run in the slow tier (``-m slow``), which
+# .ci/run runs too.
+SLOW = {"longt5", "funnel", "qwen3_moe", "mbart", "olmoe", "t5", "qwen2_moe", "granitemoe",
+        "bart", "pegasus", "umt5", "swin", "convbert", "blenderbot_small", "mt5", "starcoder2",
+        "mamba", "falcon", "gpt2_classification", "deberta", "gpt_neo", "gemma3", "gemma2",
+        "deberta_v2", "resnet", "phi3", "llama_classification", "stablelm", "phi", "cohere",
+        "mistral", "codegen", "qwen2", "olmo2", "olmo", "gptj"}
+
+
 def _param(entry: ZooModel) -> Any:
-    marks = []
+    marks = [pytest.mark.slow] if entry.name in SLOW else []
     if entry.known_failure is not None:
         marks.append(pytest.mark.xfail(strict=True, raises=MbcompileError,
                                        reason=f"known failure: {entry.known_failure}"))
@@ -119,6 +129,11 @@ def test_lora_model_trains_only_its_adapters() -> None:
     assert trainable and all("lora_" in n for n in trainable)
     case.model(**case.kwargs).loss.backward()
     assert {n for n, p in case.model.named_parameters() if p.grad is not None} == trainable
+
+
+def test_the_fast_tier_has_every_family() -> None:
+    assert SLOW <= {e.name for e in ZOO}
+    assert {e.family for e in ZOO} == {e.family for e in ZOO if e.name not in SLOW}
 
 
 def test_zoo_covers_the_issue() -> None:

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from mbcompile.passes.errors import InputError
 from mbcompile.planning.plan import MicrobatchPlan
 
-__all__ = ["PlanSampler", "check_world", "rank_slice", "shard"]
+__all__ = ["PlanSampler", "check_not_in_ddp", "check_world", "rank_slice", "shard"]
 
 
 def check_world(plan: MicrobatchPlan) -> int:
@@ -34,6 +34,21 @@ def check_world(plan: MicrobatchPlan) -> int:
             f"the process group has {world} ranks but num_csx={plan.num_csx}; each rank is one "
             f"system: compile with num_csx={world} or launch {plan.num_csx} ranks")
     return dist.get_rank()
+
+
+def check_not_in_ddp() -> None:
+    """Refuse a call from inside DistributedDataParallel's forward: a module compiled for
+    ranks all-reduces its gradients itself, once a step, and DDP would do it again."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)()
+    if active is not None:
+        raise InputError(
+            "this module was compiled with backend='torch.distributed' and all-reduces its "
+            "gradients itself, once a step, but it runs inside DistributedDataParallel, which "
+            "would all-reduce them a second time: do not wrap it (with Accelerate, prepare it "
+            "with mbcompile.integrations.accelerate.prepare(accelerator, cm, opt, loader) "
+            "instead of accelerator.prepare)")
 
 
 def rank_slice(plan: MicrobatchPlan, rank: int) -> slice:
