@@ -525,7 +525,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             reshard_after_forward: bool | str = "auto", compile_only: bool = False,
             validate_only: bool = False,
             measure: bool | int = False, cost_model: bool = True,
-            batch_sizes: str = "any", optimizer: Any = None) -> CompiledModule | Validation:
+            batch_sizes: str = "any", optimizer: Any = None,
+            shard: str | None = None) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
     ``mbs`` is ``"auto"``, ``"none"``, an int, or ``"explore"``; ``example_inputs`` /
@@ -543,7 +544,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                            reshard_after_forward=reshard_after_forward,
                            compile_only=compile_only, validate_only=validate_only,
                            measure=measure, cost_model=cost_model, batch_sizes=batch_sizes,
-                           optimizer=optimizer)
+                           optimizer=optimizer, shard=shard)
     if validate_only:
         return _validate(request)
     return _compile_request(request)

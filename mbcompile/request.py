@@ -30,6 +30,7 @@ from mbcompile.planning.cost import ShardSpec
 from mbcompile.planning.explore import check_request, single_microbatch_request
 from mbcompile.planning.optimizer_state import with_optimizer
 from mbcompile.planning.plan import MbsPolicy, parse_mbs, per_system_batch_sizes
+from mbcompile.planning.shard_plan import fsdp_units
 from mbcompile.planning.systems import SystemSpec, get_system
 
 __all__ = ["BATCH_NORM_MODES", "CAPTURES", "COUPLING_MODES", "OUTPUT_MODES", "Inputs",
@@ -116,7 +117,8 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
                  recompute: bool | str = "auto", reshard_after_forward: bool | str = "auto",
                  compile_only: bool = False, validate_only: bool = False,
                  measure: bool | int = False, cost_model: bool = True,
-                 batch_sizes: str = "any", optimizer: Any = None) -> Request:
+                 batch_sizes: str = "any", optimizer: Any = None, shard: str | None = None
+                 ) -> Request:
     """Check every option of ``compile()`` (the same arguments) and bind the example call;
     raises before anything is traced (DESIGN.md invariant 9: fail fast)."""
     planning_only = compile_only or validate_only
@@ -126,7 +128,9 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
     if capture not in CAPTURES:
         raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
     units = fsdp_modules(inner)  # FSDP2 units of a sharded model, or none
-    if units and backend != "torch.distributed":
+    if not units and shard is not None:  # FSDP2 planned in one process, before sharding
+        units = _planned_units(inner, shard, planning_only)
+    if units and backend != "torch.distributed" and shard is None:
         raise InputError(
             f"{type(model).__name__} is sharded with fully_shard, so its parameters live on "
             "several ranks: compile it with backend='torch.distributed' inside the process "
@@ -454,6 +458,22 @@ def _check_recompute(option: Any) -> bool | str:
     if option == "auto" or isinstance(option, bool):
         return option
     raise InputError(f"recompute must be 'auto', True or False, got {option!r}")
+
+
+def _planned_units(model: nn.Module, shard: Any, planning_only: bool
+                   ) -> list[tuple[str, nn.Module]]:
+    """``shard="fsdp"`` on a model not sharded yet: the FSDP2 units ``shard_model`` would
+    make (each repeated block, then the root), costed over ``num_csx`` ranks. Only a plan
+    can be made so: training sharded needs the ranks that hold the shards."""
+    if shard != "fsdp":
+        raise InputError(f"shard must be 'fsdp' or None, got {shard!r}")
+    if not planning_only:
+        raise InputError(
+            "shard='fsdp' plans FSDP2 over num_csx ranks without sharding anything, so it "
+            "needs compile_only=True (or validate_only=True); to train sharded, run on ranks "
+            "with the model sharded (mbcompile.Trainer(..., shard='fsdp'), or mbcompile fit "
+            "with shard: fsdp and --nproc N)")
+    return fsdp_units(model)
 
 
 def _check_reshard(option: Any, sharded: bool) -> bool | str:

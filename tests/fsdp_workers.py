@@ -241,7 +241,8 @@ def cost_view(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
     m, t = cm.estimate.memory, cm.estimate.time
     figures = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                "gathered": m.gathered, "peak": m.peak, "allgather": t.allgather,
-               "allreduce": t.allreduce}
+               "allreduce": t.allreduce, "saved": m.saved, "transient": m.transient,
+               "inputs": m.inputs}
     torch.save({**{k: float(v) for k, v in figures.items()}, "reason": cm.plan.reason,
                 "report": str(cm.report())},
                os.path.join(out_dir, f"rank{rank}.pt"))

@@ -184,6 +184,46 @@ def test_the_cost_model_knows_sharding(tmp_path):
     assert got["allgather"] > 0 and got["allreduce"] == pytest.approx(plain.time.allreduce / 2)
     assert f"sharded with FSDP2 over {world} ranks" in got["reason"]
     assert "gathered parameters" in got["report"] and "FSDP2 all-gathers" in got["report"]
+    # planned in this process, with no process group: the ranks' figures (issue 26 item 4)
+    planned = mbcompile.compile(fsdp_workers.make_net(), gbs, world, mbs, compile_only=True,
+                                example_inputs=fsdp_workers.make_batch(gbs), shard="fsdp",
+                                reshard_after_forward=True).estimate
+    m, t = planned.memory, planned.time
+    figures = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+               "gathered": m.gathered, "allgather": t.allgather, "allreduce": t.allreduce,
+               "saved": m.saved, "inputs": m.inputs}
+    assert {k: (v, got[k]) for k, v in figures.items() if v != pytest.approx(got[k])} == {}
+    # the graph captured through FSDP's hooks on ranks holds one more small temporary
+    # (64 B here): the peak agrees to well within 1%
+    assert m.transient <= got["transient"] and m.peak == pytest.approx(got["peak"], rel=0.01)
+
+
+def test_fsdp_is_planned_without_ranks():
+    """``shard="fsdp"`` with ``compile_only``: the units ``shard_model`` would make (each
+    block, then the root), costed over ``num_csx`` ranks in one process: a rank's shards of
+    the parameters and optimizer state, the root and one unit gathered at a time (FSDP's
+    buffers beside them); only a plan, so running it needs ranks, and says so."""
+    from mbcompile.errors import InputError
+
+    world, gbs, mbs = 4, 8, 2
+    net, batch = fsdp_workers.make_net(), fsdp_workers.make_batch(gbs)
+    plain = mbcompile.compile(net, gbs, world, mbs, compile_only=True, example_inputs=batch)
+    cm = mbcompile.compile(net, gbs, world, mbs, compile_only=True, example_inputs=batch,
+                           shard="fsdp", reshard_after_forward=True)
+    e, p = cm.estimate.memory, plain.estimate.memory
+    blocks = [sum(q.numel() * q.element_size() for q in b.parameters()) for b in net.blocks]
+    root = sum(q.numel() * q.element_size() for q in net.parameters()) - sum(blocks)
+    assert e.params == pytest.approx(p.params / world)
+    assert e.optimizer == pytest.approx(p.optimizer / world)
+    assert e.gathered == pytest.approx(root + max(blocks) + 3 * max(blocks))
+    assert cm.plan.reshard_after_forward is True
+    assert f"sharded with FSDP2 over {world} ranks" in cm.plan.reason
+    assert not any(hasattr(q, "placements") for q in net.parameters())  # nothing sharded
+    with pytest.raises(InputError, match="needs compile_only=True"):
+        mbcompile.compile(net, gbs, world, mbs, example_inputs=batch, shard="fsdp")
+    with pytest.raises(InputError, match="shard must be 'fsdp' or None, got 'zero3'"):
+        mbcompile.compile(net, gbs, world, mbs, compile_only=True, example_inputs=batch,
+                          shard="zero3")
 
 
 @pytest.mark.parametrize("value,message", [

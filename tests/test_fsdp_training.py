@@ -121,7 +121,19 @@ def test_sharding_outside_ranks_is_refused_clearly(tmp_path, capsys, monkeypatch
         "error: shard: fsdp needs ranks: run with --nproc 2, or launch with torchrun "
         "--nproc-per-node 2 -m mbcompile fit")
     assert main(["compile", "run.yaml"]) == 1
-    assert "mbcompile fit run.yaml --nproc 2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "plan it here with --compile-only" in err and "mbcompile fit run.yaml --nproc 2" in err
+
+
+def test_the_sharded_example_is_planned_in_one_process(tmp_path, capsys):
+    """``mbcompile compile examples/fsdp/tiny_gpt.yaml --compile-only``: FSDP2 over the
+    config's 2 ranks, costed with no process group (issue 26 item 4)."""
+    import torch.distributed as dist
+
+    assert main(["compile", str(EXAMPLE), "--compile-only", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "sharded with FSDP2 over 2 ranks" in out and "fsdp: reshard_after_forward=" in out
+    assert not dist.is_initialized()
 
 
 # --------------------------------------------------------------------------- #

@@ -100,16 +100,21 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
                    compile_only: bool = False, validate_only: bool = False) -> int:
     from mbcompile.reports.draw import draw
 
-    if cfg.shard != "none":
+    planning_only = compile_only or validate_only
+    if cfg.shard != "none" and not planning_only:
         raise CommandError(f"{cfg.file} shards the model (shard: {cfg.shard}), which happens on "
-                           f"its ranks only: train it with mbcompile fit {cfg.file} --nproc "
-                           f"{cfg.num_csx}, or compile it here with shard: none (the plan and "
-                           "graph are the unsharded model's, without FSDP's unit markers)")
-    if cfg.model_init == "meta" and not (compile_only or validate_only):
+                           f"its ranks only: plan it here with --compile-only (FSDP2 over "
+                           f"{cfg.num_csx} ranks, costed in this process), or train it with "
+                           f"mbcompile fit {cfg.file} --nproc {cfg.num_csx}")
+    if cfg.model_init == "meta" and not planning_only:
         raise CommandError(f"{cfg.file} builds the model on the meta device (model.init: meta), "
                            "without values to run: add --compile-only (or --validate-only) to "
                            "plan it")
     options = compile_options(cfg, compile_only=compile_only, validate_only=validate_only)
+    if planning_only:  # a plan needs no ranks: the same systems, costed in this process
+        options.pop("backend", None)
+        if cfg.shard != "none":
+            options["shard"] = cfg.shard
     model = build_model(cfg)
     model.train(phase == "train")
     # the plan holds the state of the optimizer fit would train with, as fit's Trainer does
