@@ -26,6 +26,7 @@ import torch.nn as nn
 from mbcompile.errors import CaptureError, InputError, MixingError, UnsupportedOpError
 from mbcompile.passes import rules
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
+from mbcompile.passes.block_capture import capture_by_blocks
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
 from mbcompile.passes.export_capture import export_capture
 from mbcompile.passes.facts import SHAPES, input_fact
@@ -127,6 +128,8 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
 
     A forward that takes ``**kwargs`` (HuggingFace style) goes to torch.export directly:
     fx would turn ``**kwargs`` into one more graph input that no call argument maps to.
+    For a plan (compile-only, validate-only), export traces a model with repeated layers
+    cut to two of them, and the graph is grown to all (``passes/block_capture.py``).
     """
     var_keyword = any(p.kind == p.VAR_KEYWORD
                       for p in inspect.signature(model.forward).parameters.values())
@@ -144,9 +147,19 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
             if request.capture == "fx" or isinstance(model, fx.GraphModule):
                 raise
             fx_error = exc
-    return export_capture(model, dict(request.example),
-                          dict(zip(request.inputs.names, request.inputs.in_dims)),
-                          fx_error=fx_error)
+    dims = dict(zip(request.inputs.names, request.inputs.in_dims))
+
+    def exported(module: nn.Module) -> CaptureResult:
+        return export_capture(module, dict(request.example), dims, fx_error=fx_error)
+
+    if request.compile_only or request.validate_only:  # a plan: its graph never runs
+        try:
+            by_blocks = capture_by_blocks(model, exported)
+        except CaptureError:
+            by_blocks = None  # the model cut to two layers does not export: export it whole
+        if by_blocks is not None:
+            return by_blocks
+    return exported(model)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from .facts import SHAPES
 from .recompute import block_of
 
-__all__ = ["Blocks", "find_blocks", "truncate"]
+__all__ = ["Blocks", "alike", "find_blocks", "truncate"]
 
 
 @dataclass(frozen=True)
@@ -173,13 +173,13 @@ def _same_node(gm: fx.GraphModule, a: fx.Node, b: fx.Node,
     if a.meta.get(SHAPES) != b.meta.get(SHAPES):
         return False
     if a.op == "get_attr":
-        return _alike(_attr(gm, a), _attr(other, b))
+        return alike(_attr(gm, a), _attr(other, b))
     if a.op == "call_module":
-        return _alike(gm.get_submodule(str(a.target)), other.get_submodule(str(b.target)))
+        return alike(gm.get_submodule(str(a.target)), other.get_submodule(str(b.target)))
     return a.target == b.target
 
 
-def _alike(x: Any, y: Any) -> bool:
+def alike(x: Any, y: Any) -> bool:
     """Two tensors of one shape and dtype, or two layers of one class and parameter shapes
     (split-off graphs: node by node the same, up to their attributes' names)."""
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):

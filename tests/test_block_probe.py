@@ -18,8 +18,10 @@ import mbcompile
 from mbcompile.analysis import analyse
 from mbcompile.models import TinyGPT, token_batch
 from mbcompile.passes import shape_prop
+from mbcompile.passes.block_capture import capture_by_blocks
+from mbcompile.passes.export_capture import export_capture
 from mbcompile.passes.facts import SHAPES
-from mbcompile.passes.recompute import checkpoint_blocks
+from mbcompile.passes.recompute import block_of, checkpoint_blocks
 from mbcompile.passes.repeated_blocks import find_blocks, truncate
 from mbcompile.passes.shape_prop import propagate_shapes
 from mbcompile.planning import probe
@@ -75,7 +77,16 @@ def test_transformers_llama_per_block_equals_whole(monkeypatch: pytest.MonkeyPat
     ids = torch.zeros(4, SEQ, dtype=torch.long, device="meta")
     request = make_request(model, 24, 2, "auto", example_inputs=(ids,), outputs="loss",
                            example_kwargs={"labels": ids}, compile_only=True, system="host")
-    analysed = analyse(request)  # captured once (export is the slow part), costed twice
+    dims = dict(zip(request.inputs.names, request.inputs.in_dims))
+
+    def exported(module: torch.nn.Module) -> Any:
+        return export_capture(module, dict(request.example), dims)
+
+    whole_graph = exported(model).graph_module
+    grown = capture_by_blocks(model, exported)  # exported with two layers, grown to four
+    assert grown is not None
+    assert _structure(grown.graph_module) == _structure(whole_graph)
+    analysed = analyse(request)  # captured by blocks, costed twice
 
     def cost() -> CostModel:
         return analyse_cost(analysed.analysis, request.values, request.inputs.in_dims,
@@ -89,6 +100,16 @@ def test_transformers_llama_per_block_equals_whole(monkeypatch: pytest.MonkeyPat
         got, want = (c.estimate(24, 2, mbs, request.system) for c in (per_block, whole))
         assert got.memory.peak == pytest.approx(want.memory.peak, rel=0.01)
         assert got.time.step == pytest.approx(want.time.step, rel=0.01)
+
+
+def _structure(gm: torch.fx.GraphModule) -> list[str]:
+    """Each node's op, target (a parameter's name) and block, with those of the nodes it
+    reads: what must not change when layers are copied instead of traced (export lists
+    the parameters first, the grown graph each copied layer's before it)."""
+    def key(n: torch.fx.Node) -> tuple[str, str, str]:
+        return n.op, str(n.target), block_of(n) or ""
+
+    return sorted(repr((key(n), [key(a) for a in n.all_input_nodes])) for n in gm.graph.nodes)
 
 
 def test_blocks_stack_or_the_graph_is_probed_whole() -> None:
