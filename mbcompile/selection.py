@@ -17,7 +17,12 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
+
 from mbcompile.analysis import Analysed, recompute_option
+from mbcompile.errors import InputError
 from mbcompile.passes.errors import MixingError
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.sources import user_stacklevel
@@ -67,9 +72,10 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
 
     A cost model that cannot run is reported through ``Selection.cost_error`` (see
     ``select_plan``), except that ``compile_only=True`` with ``mbs="auto"`` raises
-    ``CostModelError``: a compile-only answer is never an MBS unchecked against memory. In ``"unsplit"`` mode only the whole per-system batch is probed and
-    checked. ``recompute`` (``"auto"``): activation checkpointing per block is costed only
-    when memory stops the MBS from growing. With ``request.cost_model`` False nothing is
+    ``CostModelError``: a compile-only answer is never an MBS unchecked against memory.
+    In ``"unsplit"`` mode only the whole per-system batch is probed and checked.
+    ``recompute`` (``"auto"``): activation checkpointing per block is costed only when
+    memory stops the MBS from growing. With ``request.cost_model`` False nothing is
     probed: the plan is the arithmetic one (``make_plan``), unchecked against memory.
     """
     ctx = _Context(request, analysed, progress)
@@ -87,6 +93,11 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
         raise CostModelError(
             f"compile_only=True with mbs='auto' needs the cost model to check an MBS against "
             f"{request.system.name}'s memory, and it could not run: {error}")
+    if request.measure and _holds_no_data(request):
+        raise InputError(
+            "measure=True times real forward and backward passes on this host, "
+            f"but {request.name}'s parameters or example inputs hold no data (the meta device, "
+            "or a FakeTensorMode): plan it without measure, or measure the materialised model")
     timer = HostTimer(analysed.analysis.graph_module, request.values, request.inputs.in_dims,
                       request.measure, analysed.analysis.loss_outputs or None
                       ) if request.measure else None
@@ -117,6 +128,13 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
             return selection
         selection = _joint(selection, other, mode)
     return selection
+
+
+def _holds_no_data(request: Request) -> bool:
+    """Whether the model or its example inputs are shapes only (meta or fake tensors)."""
+    tensors = [*request.inner.parameters(), *request.inner.buffers(),
+               *(t for t in pytree.tree_leaves(request.values) if isinstance(t, torch.Tensor))]
+    return any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
 
 
 def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:

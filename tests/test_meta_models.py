@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mbcompile
 from mbcompile import CompileOnlyError, compiler
+from mbcompile.errors import InputError
 from mbcompile.models import TinyGPT, token_batch
 from mbcompile.planning.estimates import CostModelError, DoesNotFitError
 from mbcompile.planning.systems import SystemSpec
@@ -140,3 +141,12 @@ def test_static_memory_names_a_smaller_optimizer_state_when_it_fits(
     assert "optimizer='sgd' (0 B of state, static memory 20.00 GB)" in text
     assert "optimizer='sgd-momentum'" not in text  # 30 GB: does not fit either
     assert "at least 2 ranks" in text
+
+
+def test_measuring_a_model_without_data_is_refused() -> None:
+    with torch.device("meta"):
+        model = TinyGPT(**GPT)
+    ids, labels = (t.to("meta") for t in _gpt_inputs())
+    with pytest.raises(InputError, match="measure=True times real.*hold no data"):
+        mbcompile.compile(model, 8, 2, 2, example_inputs=(ids, labels), compile_only=True,
+                          measure=True)
