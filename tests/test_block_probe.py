@@ -66,27 +66,36 @@ def test_per_block_figures_equal_the_whole_graphs(monkeypatch: pytest.MonkeyPatc
     _assert_within_1_percent(per_block, whole)
 
 
-def test_transformers_llama_per_block_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An export graph: parameters read up front, rotary tables and the mask shared by
-    every layer, the hidden state chained through them."""
-    transformers = pytest.importorskip("transformers")
+def _llama(transformers: Any) -> tuple[torch.nn.Module, Any]:
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=MIN_BLOCKS,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     ids = torch.zeros(4, SEQ, dtype=torch.long, device="meta")
-    request = make_request(model, 24, 2, "auto", example_inputs=(ids,), outputs="loss",
-                           example_kwargs={"labels": ids}, compile_only=True, system="host")
+    return model, make_request(model, 24, 2, "auto", example_inputs=(ids,), outputs="loss",
+                               example_kwargs={"labels": ids}, compile_only=True,
+                               system="host")
+
+
+def test_transformers_llama_captured_by_two_layers_is_the_whole_graph() -> None:
+    """An export graph grown from two layers: parameters read up front, rotary tables and
+    the mask shared by every layer, the hidden state chained through them."""
+    model, request = _llama(pytest.importorskip("transformers"))
     dims = dict(zip(request.inputs.names, request.inputs.in_dims))
 
     def exported(module: torch.nn.Module) -> Any:
         return export_capture(module, dict(request.example), dims)
 
-    whole_graph = exported(model).graph_module
     grown = capture_by_blocks(model, exported)  # exported with two layers, grown to four
     assert grown is not None
-    assert _structure(grown.graph_module) == _structure(whole_graph)
+    assert _structure(grown.graph_module) == _structure(exported(model).graph_module)
+
+
+@pytest.mark.slow
+def test_transformers_llama_per_block_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The figures of an export graph, probed by blocks and whole."""
+    model, request = _llama(pytest.importorskip("transformers"))
     analysed = analyse(request)  # captured by blocks, costed twice
 
     def cost() -> CostModel:
