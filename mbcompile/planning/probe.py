@@ -7,6 +7,10 @@ runs too, under the dispatch mode here. It records, per ATen op: FLOPs (torch's
 and written (parameters apart, so that weights re-read every microbatch are visible);
 the live activation bytes after the op (parameter gradients apart: static memory); and,
 through ``saved_tensors_hooks``, the bytes saved for backward.
+
+A graph with a chain of repeated blocks (transformer layers) is not probed whole: the
+``Prober`` probes it cut to one and two blocks, each op tagged with its block, and
+``block_probe.py`` stacks them to all N, so a 70B-shaped model costs three blocks' probing.
 """
 
 from __future__ import annotations
