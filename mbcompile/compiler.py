@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from mbcompile.analysis import Analysed, analyse
 from mbcompile.errors import (
@@ -248,7 +249,8 @@ class CompiledModule(ModelFace, nn.Module):
     # ---------------------------------------------------------------- calling
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compile_only:
-            raise compile_only_error(self.plan, self.exploration)
+            raise compile_only_error(self.plan, self.exploration, shapes_only=any(
+                p.is_meta or isinstance(p, FakeTensor) for p in self._inner.parameters()))
         if self.rank is not None:  # on ranks: never inside DDP, which would reduce again
             check_not_in_ddp()
         # a call another variant runs (other keywords through **kwargs, another batch size)

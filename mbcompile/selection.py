@@ -35,6 +35,7 @@ from mbcompile.planning.cost import (
     format_seconds,
 )
 from mbcompile.planning.explore import HostTimer, Selection, TwoPhaseWarning, select_sharded
+from mbcompile.planning.fixes import with_recompute_fix, with_recompute_tried
 from mbcompile.planning.plan import make_plan
 from mbcompile.planning.two_phase_cost import (
     COUPLED_SHARE_WARNING,
@@ -111,8 +112,15 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
         if may_recompute and ctx.checkpointed() is not None:  # the other way to save memory
             try:
                 return _with_recompute(ctx, exc)
+            except DoesNotFitError as checkpointed:
+                raise with_recompute_tried(exc, checkpointed) from exc
+        if recompute is False and not (two_phase or unsplit) and ctx.checkpointed() is not None:
+            try:  # not tried because the user said so: name it when it would fit
+                other = _with_recompute(ctx, None)
             except DoesNotFitError:
-                pass
+                raise exc from None
+            assert other.estimate is not None
+            raise with_recompute_fix(exc, other.plan.mbs, other.estimate.memory.peak) from exc
         raise
     if two_phase and isinstance(cost, TwoPhaseCostModel) and selection.estimate is not None:
         selection = _two_phase_selection(selection, cost)

@@ -187,3 +187,28 @@ def test_a_sharded_model_is_told_how_many_ranks_and_never_fewer() -> None:
     error = static_does_not_fit(model, spec, world=2)
     assert error is not None
     assert "more ranks than the present 2: over at least 4 ranks" in error.fixes[0]
+
+
+def test_compile_names_recompute_or_says_it_was_tried(gpt) -> None:
+    """Between the checkpointed and the plain peak at mbs 1: ``recompute=False`` fails and
+    names ``recompute=True`` first, which then fits; below the checkpointed peak, ``auto``
+    tries it and the error says so."""
+    model, batch, _ = gpt
+    peak = {r: mbcompile.compile(model, GBS, 1, 1, example_inputs=batch, outputs="loss",
+                                 compile_only=True, recompute=r).estimate.memory.peak
+            for r in (False, True)}
+    assert peak[True] < peak[False]
+    between = replace(get_system("host"), name="between", reserved_bytes=0.0,
+                      memory_bytes=(peak[True] + peak[False]) / 2)
+    with pytest.raises(DoesNotFitError) as info:
+        mbcompile.compile(model, GBS, 1, "auto", example_inputs=batch, system=between,
+                          compile_only=True, recompute=False, outputs="loss")
+    assert info.value.fixes[0].startswith("recompute=True"), info.value.fixes
+    cm = mbcompile.compile(model, GBS, 1, "auto", example_inputs=batch, system=between,
+                           compile_only=True, recompute=True, outputs="loss")
+    assert cm.plan.recompute and cm.estimate.memory.fits
+    below = replace(between, name="below", memory_bytes=peak[True] * 0.9)
+    with pytest.raises(DoesNotFitError, match=r"activation checkpointing per block "
+                                              r"\(recompute\) was tried"):
+        mbcompile.compile(model, GBS, 1, "auto", example_inputs=batch, system=below,
+                          compile_only=True, outputs="loss")

@@ -58,8 +58,9 @@ def test_meta_model_compiles_only_and_calling_it_says_so() -> None:
     ids, labels = (t.to("meta") for t in _gpt_inputs())
     cm = mbcompile.compile(model, 8, 1, 2, example_inputs=(ids, labels), compile_only=True,
                            cost_model=False)
-    with pytest.raises(CompileOnlyError, match="compile_only=True"):
+    with pytest.raises(CompileOnlyError, match="compile_only=True") as info:
         cm(ids, labels)
+    assert "its parameters hold no data (the meta device" in str(info.value)
     assert all(p.is_meta for p in model.parameters())  # nothing was materialised
     validation = mbcompile.compile(model, 8, 2, 2, example_inputs=(ids, labels),
                                    validate_only=True)

@@ -498,12 +498,18 @@ class TwoPhaseWarning(MbcompileWarning):
     """A two-phase step whose coupled part holds most of the memory: little is saved."""
 
 
-def compile_only_error(plan: MicrobatchPlan, exploration: Exploration | None) -> CompileOnlyError:
-    """The error a compile-only module raises when called."""
+def compile_only_error(plan: MicrobatchPlan, exploration: Exploration | None,
+                       shapes_only: bool = False) -> CompileOnlyError:
+    """The error a compile-only module raises when called (``shapes_only``: its parameters
+    hold no data, so compiling again is not enough)."""
     pin = exploration.best if exploration is not None and exploration.mode == "explore" \
         else plan.mbs
+    weights = ("; its parameters hold no data (the meta device or a FakeTensorMode): build "
+               "it with real weights first (transformers: from_pretrained; "
+               "model.to_empty(device=...) unties tied weights: call model.tie_weights() "
+               "after it, then load the weights)") if shapes_only else ""
     return CompileOnlyError(
         "this module was compiled with compile_only=True: it was traced, analysed, planned "
         f"and estimated (mbs={plan.mbs}), and does not run. Read cm.report() for the plan "
         f"and the estimates; to train, compile again without compile_only, e.g. with "
-        f"mbs={pin}")
+        f"mbs={pin}{weights}")
