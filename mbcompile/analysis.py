@@ -27,7 +27,7 @@ from mbcompile.errors import CaptureError, InputError, MixingError, UnsupportedO
 from mbcompile.passes import rules
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
 from mbcompile.passes.block_capture import capture_by_blocks
-from mbcompile.passes.capture import CaptureResult, OutputSpec, capture
+from mbcompile.passes.capture import CaptureResult, OutputSpec, capture, fsdp_modules
 from mbcompile.passes.export_capture import export_capture
 from mbcompile.passes.facts import SHAPES, input_fact
 from mbcompile.passes.forward_modes import (
@@ -147,6 +147,8 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
             if request.capture == "fx" or isinstance(model, fx.GraphModule):
                 raise
             fx_error = exc
+    if fsdp_modules(model):  # FSDP2's sharded parameters: export cannot trace DTensors
+        raise _sharded_needs_export(model, var_keyword, fx_error)
     dims = dict(zip(request.inputs.names, request.inputs.in_dims))
 
     def exported(module: nn.Module) -> CaptureResult:
@@ -160,6 +162,24 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
         if by_blocks is not None:
             return by_blocks
     return exported(model)
+
+
+def _sharded_needs_export(model: nn.Module, var_keyword: bool,
+                          fx_error: CaptureError | None) -> CaptureError:
+    """A model sharded with ``fully_shard`` that only torch.export could capture: export
+    cannot trace FSDP2's sharded (DTensor) parameters, and says so only as a data-pointer
+    error. The fixes that work: plan it unsharded, or train a model torch.fx traces."""
+    # fully_shard made the class FSDP<Name>: the user knows it by <Name>
+    name = next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+    why = (f"{name}.forward takes **kwargs" if var_keyword else
+           f"torch.fx cannot trace {name} ({str(fx_error).splitlines()[0] if fx_error else ''})")
+    return CaptureError(
+        f"{name} is sharded with fully_shard, and {why}, so it would need torch.export, which "
+        "cannot trace FSDP2's sharded parameters yet. Fix: plan it in one process with "
+        "compile(model, gbs, num_csx, shard='fsdp', compile_only=True) before sharding (a "
+        "meta-device model is enough); to train on ranks, compile it unsharded with "
+        "backend='torch.distributed' (each rank holds a replica), or shard a model whose "
+        "forward torch.fx can trace")
 
 
 @contextlib.contextmanager

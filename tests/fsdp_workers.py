@@ -275,3 +275,30 @@ def reshard_view(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> Non
         pinned[True]["peak"] + pinned[False]["peak"]) / 2)
     torch.save({"pinned": pinned, "roomy": plan("auto"), "tight": plan("auto", between)},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def hf_sharded_refusal(rank: int, world: int, out_dir: str) -> None:
+    """A transformers Llama sharded with fully_shard: compile's error, and the model's
+    parameters after it (still the shards they were)."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mbcompile.errors import CaptureError
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2)).double()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 64, (4, 8))
+    try:
+        mbcompile.compile(model, 8, world, 2, example_kwargs={"input_ids": ids, "labels": ids},
+                          backend="torch.distributed")
+        message = None
+    except CaptureError as exc:
+        message = str(exc)
+    kept = all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
+    torch.save({"message": message, "kept": kept}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -198,6 +198,24 @@ def test_the_cost_model_knows_sharding(tmp_path):
     assert m.transient <= got["transient"] and m.peak == pytest.approx(got["peak"], rel=0.01)
 
 
+@pytest.mark.slow
+def test_a_sharded_transformers_model_is_refused_with_the_fixes_that_work(tmp_path):
+    """A transformers model sharded with fully_shard needs torch.export (forward takes
+    **kwargs), which cannot trace FSDP2's shards: a CaptureError says so and names the
+    fixes (plan with shard='fsdp' in one process; train it replicated), not a data-pointer
+    error about data-dependent Python; the shards are untouched."""
+    pytest.importorskip("transformers")
+    _run(fsdp_workers.hf_sharded_refusal, 2, str(tmp_path))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["message"] is not None and got["kept"]
+        assert got["message"].startswith(
+            "LlamaForCausalLM is sharded with fully_shard, and LlamaForCausalLM.forward takes "
+            "**kwargs, so it would need torch.export")
+        assert "shard='fsdp', compile_only=True" in got["message"]
+        assert "data pointer" not in got["message"]
+
+
 def test_fsdp_is_planned_without_ranks():
     """``shard="fsdp"`` with ``compile_only``: the units ``shard_model`` would make (each
     block, then the root), costed over ``num_csx`` ranks in one process: a rank's shards of
