@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from mbcompile.analysis import Analysed, analyse
 from mbcompile.errors import (
@@ -45,6 +44,7 @@ from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_sub
 from mbcompile.passes import ops
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
+from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.guards import Guard, failed_guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.sources import user_stacklevel
@@ -250,7 +250,7 @@ class CompiledModule(ModelFace, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compile_only:
             raise compile_only_error(self.plan, self.exploration, shapes_only=any(
-                p.is_meta or isinstance(p, FakeTensor) for p in self._inner.parameters()))
+                map(holds_no_data, self._inner.parameters())))
         if self.rank is not None:  # on ranks: never inside DDP, which would reduce again
             check_not_in_ddp()
         # a call another variant runs (other keywords through **kwargs, another batch size)

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from mbcompile.analysis import Analysed, recompute_option
 from mbcompile.errors import InputError
 from mbcompile.passes.errors import MixingError
+from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.planning.cost import (
@@ -142,7 +142,7 @@ def _holds_no_data(request: Request) -> bool:
     """Whether the model or its example inputs are shapes only (meta or fake tensors)."""
     tensors = [*request.inner.parameters(), *request.inner.buffers(),
                *(t for t in pytree.tree_leaves(request.values) if isinstance(t, torch.Tensor))]
-    return any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
+    return any(map(holds_no_data, tensors))
 
 
 def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:

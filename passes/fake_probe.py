@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["FakeProbe", "fake_copy", "resize_batch"]
+__all__ = ["FakeProbe", "fake_copy", "holds_no_data", "resize_batch"]
 
 
 def planned_device(t: torch.Tensor) -> torch.device:
@@ -46,6 +46,11 @@ def planned_device(t: torch.Tensor) -> torch.device:
     return torch.device("cpu") if device.type == "meta" else device
 
 
+def holds_no_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` is shapes only: a meta tensor, or a fake tensor (of any mode)."""
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
 def fake_copy(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
     """``t`` as a fake tensor of ``mode``: itself when it is one already; a copy of its
     shape, strides, dtype and ``requires_grad`` when it holds no data (a meta tensor, or a
@@ -53,7 +58,7 @@ def fake_copy(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
     which ``mode`` cannot mix with); else ``mode.from_tensor``. No copy reads data."""
     if isinstance(t, FakeTensor) and t.fake_mode is mode:
         return t
-    if not (t.is_meta or isinstance(t, FakeTensor)):
+    if not holds_no_data(t):
         return mode.from_tensor(t)
     with mode:
         return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
