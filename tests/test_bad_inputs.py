@@ -242,12 +242,19 @@ def test_in_dims_on_a_zero_dim_tensor():
     batch = (torch.randn(GBS, 4, dtype=DTYPE), torch.randint(0, 3, (GBS,)),
              torch.tensor(2.0, dtype=DTYPE))
     # a batch dim given to it explicitly is refused with a message for scalars
-    _raises(InputError, lambda: _compile(model, batch, in_dims=(0, 0, 0)), "'t'", "scalar",
+    _raises(InputError, lambda: _compile(model, batch, in_dims=(0, 0, 0)), "'t'", "is a scalar",
             "give it None")
     # by default a scalar has no batch dim (issue 27: HF's num_items_in_batch)
+    ref = copy.deepcopy(model)
     cm = _compile(model, batch)
     assert torch.equal(cm(*batch).detach(), model(*batch).detach()) or torch.allclose(
         cm(*batch), model(*batch), rtol=1e-12, atol=0)
+    # passed whole, and read at each call: a new value gives eager's gradients
+    later = (*batch[:2], torch.tensor(0.5, dtype=DTYPE))
+    cm(*later).backward()
+    ref(*later).backward()
+    assert all(torch.allclose(p.grad, q.grad, rtol=0, atol=1e-14)
+               for p, q in zip(model.parameters(), ref.parameters()))
 
 
 def test_in_dims_that_make_batch_sizes_disagree(mlp):

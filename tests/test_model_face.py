@@ -103,22 +103,6 @@ class Tempered(nn.Module):
         return F.mse_loss(self.lin(x) / temperature, y)
 
 
-def test_a_scalar_input_is_not_split_and_a_batch_dim_for_it_is_refused():
-    torch.manual_seed(0)
-    model, ref = Tempered(), None
-    ref = copy.deepcopy(model)
-    batch = (torch.randn(GBS, 4), torch.randn(GBS, 3), torch.tensor(2.0))
-    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
-    later = (*batch[:2], torch.tensor(0.5))  # a new value: read at each call
-    cm(*later).backward()
-    ref(*later).backward()
-    assert all(torch.allclose(p.grad, q.grad, rtol=0, atol=1e-14)
-               for p, q in zip(model.parameters(), ref.parameters()))
-    with pytest.raises(mbcompile.InputError, match="is a scalar"):
-        mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False,
-                          in_dims=(0, 0, 0))
-
-
 def test_a_transformers_model_keeps_its_face(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
