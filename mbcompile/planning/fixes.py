@@ -29,16 +29,12 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-import torch
 import torch.nn as nn
 
+from mbcompile.planning.cost import CostModel, static_figures
 from mbcompile.planning.estimates import CostModelError, DoesNotFitError, format_bytes
 from mbcompile.planning.systems import SystemSpec
-
-if TYPE_CHECKING:
-    from mbcompile.planning.cost import CostModel
 
 __all__ = ["StaticMemory", "describe_capacity", "describe_static", "optimizer_source",
            "smallest_fsdp_world", "static_does_not_fit", "static_fixes", "static_memory_of",
@@ -73,19 +69,11 @@ def static_memory_of(model: nn.Module, spec: SystemSpec) -> StaticMemory:
     """``model``'s static memory on ``spec`` (its ``optimizer_bytes_per_param``), counted
     from shapes and dtypes only: a meta or fake model costs nothing. Tied parameters count
     once; a weight-streaming system holds only the buffers."""
-    params = trainable = 0.0
-    count = 0
-    for p in model.parameters():  # parameters() skips tied duplicates
-        size = p.numel() * p.element_size()
-        params += size
-        if p.requires_grad:
-            trainable += size
-            count += p.numel()
-    buffers = float(sum(b.numel() * b.element_size() for b in model.buffers()
-                        if isinstance(b, torch.Tensor)))
+    s = static_figures(model, (), (), fused=False)  # the cost model's count, inputs apart
     if spec.weight_streaming:
-        return StaticMemory(0.0, buffers, 0.0, 0.0)
-    return StaticMemory(params, buffers, trainable, spec.optimizer_bytes_per_param * count)
+        return StaticMemory(0.0, s.buffer_bytes, 0.0, 0.0)
+    return StaticMemory(s.param_bytes, s.buffer_bytes, s.trainable_bytes,
+                        spec.optimizer_bytes_per_param * s.num_trainable)
 
 
 def smallest_fsdp_world(static: StaticMemory, capacity: float, *, other: float = 0.0,
