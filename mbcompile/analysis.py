@@ -37,6 +37,7 @@ from mbcompile.passes.forward_modes import (
 )
 from mbcompile.passes.microbatch_rewrite import Cut, cut_graph
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
+from mbcompile.passes.sharded_export import sharded_export
 from mbcompile.passes.state_updates import (
     StateUpdates,
     has_mutations,
@@ -147,13 +148,14 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
             if request.capture == "fx" or isinstance(model, fx.GraphModule):
                 raise
             fx_error = exc
-    if fsdp_modules(model):  # FSDP2's sharded parameters: export cannot trace DTensors
-        raise _sharded_needs_export(model, var_keyword, fx_error)
     dims = dict(zip(request.inputs.names, request.inputs.in_dims))
 
     def exported(module: nn.Module) -> CaptureResult:
         return export_capture(module, dict(request.example), dims, fx_error=fx_error)
 
+    units = fsdp_modules(model)
+    if units:  # FSDP2's shards: exported as stand-ins, each unit's call between markers
+        return sharded_export(model, units, exported)
     if request.compile_only or request.validate_only:  # a plan: its graph never runs
         try:
             by_blocks = capture_by_blocks(model, exported)
@@ -162,24 +164,6 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
         if by_blocks is not None:
             return by_blocks
     return exported(model)
-
-
-def _sharded_needs_export(model: nn.Module, var_keyword: bool,
-                          fx_error: CaptureError | None) -> CaptureError:
-    """A model sharded with ``fully_shard`` that only torch.export could capture: export
-    cannot trace FSDP2's sharded (DTensor) parameters, and says so only as a data-pointer
-    error. The fixes that work: plan it unsharded, or train a model torch.fx traces."""
-    # fully_shard made the class FSDP<Name>: the user knows it by <Name>
-    name = next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
-    why = (f"{name}.forward takes **kwargs" if var_keyword else
-           f"torch.fx cannot trace {name} ({str(fx_error).splitlines()[0] if fx_error else ''})")
-    return CaptureError(
-        f"{name} is sharded with fully_shard, and {why}, so it would need torch.export, which "
-        "cannot trace FSDP2's sharded parameters yet. Fix: plan it in one process with "
-        "compile(model, gbs, num_csx, shard='fsdp', compile_only=True) before sharding (a "
-        "meta-device model is enough); to train on ranks, compile it unsharded with "
-        "backend='torch.distributed' (each rank holds a replica), or shard a model whose "
-        "forward torch.fx can trace")
 
 
 @contextlib.contextmanager

@@ -135,9 +135,6 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
             f"{type(model).__name__} is sharded with fully_shard, so its parameters live on "
             "several ranks: compile it with backend='torch.distributed' inside the process "
             "group that sharded it")
-    if units and capture == "export":
-        raise InputError("a model sharded with fully_shard is captured with torch.fx "
-                         "(capture='auto' or 'fx'); torch.export cannot trace FSDP's DTensors")
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if unwrapped.world_size > 1 and backend != "torch.distributed":

@@ -62,7 +62,7 @@ from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
 from .sources import source_line, user_frame
 
 __all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",
-           "fsdp_unit_enter", "fsdp_unit_exit"]
+           "fsdp_unit_enter", "fsdp_unit_exit", "fsdp_view", "stand_in"]
 
 
 @dataclass(frozen=True)
@@ -356,7 +356,7 @@ def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 @contextlib.contextmanager
-def _fsdp_view(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
+def fsdp_view(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
                ) -> Iterator[None]:
     """Trace a sharded model's own computation: FSDP's forward hooks (all-gather, reshard)
     are set aside for the block and every unit holds its shards (no communication)."""
@@ -390,14 +390,18 @@ def _with_stand_ins(model: torch.nn.Module, graph: fx.Graph) -> dict[str, Any]:
         if node.op not in ("get_attr", "call_module"):
             continue
         value = operator.attrgetter(node.target)(model)
-        if isinstance(value, DTensor):
-            zero = torch.zeros((), dtype=value.dtype, device=value.device)
-            stand_in = torch.nn.Parameter(zero.expand(value.shape),
-                                          requires_grad=value.requires_grad)
-            setattr(stand_in, FSDP_PARAM, (model, node.target))
-            value = stand_in
-        attrs[node.target] = value
+        attrs[node.target] = stand_in(value, model, node.target) if isinstance(
+            value, DTensor) else value
     return attrs
+
+
+def stand_in(param: torch.Tensor, model: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    """A parameter of ``param``'s full shape that holds one element (an expanded zero),
+    naming the sharded one: ``model``'s parameter ``name``."""
+    zero = torch.zeros((), dtype=param.dtype, device=param.device)
+    value = torch.nn.Parameter(zero.expand(param.shape), requires_grad=param.requires_grad)
+    setattr(value, FSDP_PARAM, (model, name))
+    return value
 
 
 def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = None
@@ -428,7 +432,7 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
             "Wrap a function in an nn.Module whose forward calls it.")
     name = type(model).__name__
     units = fsdp_modules(model)
-    with _fsdp_view(model, units):
+    with fsdp_view(model, units):
         root_hooks = [k for k in ("_forward_pre_hooks", "_forward_hooks")
                       if getattr(model, k, None)]
         if root_hooks:

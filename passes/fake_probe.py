@@ -34,6 +34,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from .capture import FSDP_PARAM
+
 __all__ = ["FakeProbe", "fake_copy", "holds_no_data", "resize_batch"]
 
 
@@ -55,12 +57,21 @@ def fake_copy(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
     """``t`` as a fake tensor of ``mode``: itself when it is one already; a copy of its
     shape, strides, dtype and ``requires_grad`` when it holds no data (a meta tensor, or a
     fake tensor of another mode: a model built under the user's own ``FakeTensorMode``,
-    which ``mode`` cannot mix with); else ``mode.from_tensor``. No copy reads data."""
+    which ``mode`` cannot mix with); else ``mode.from_tensor``. No copy reads data.
+
+    A sharded parameter's stand-in (``capture.stand_in``: one element, expanded) becomes
+    what it stands for, the gathered parameter, contiguous: with its zero strides, ops
+    that want a contiguous weight would count a copy of it that the step never makes.
+    """
     if isinstance(t, FakeTensor) and t.fake_mode is mode:
         return t
-    if not holds_no_data(t):
+    gathered = getattr(t, FSDP_PARAM, None) is not None
+    if not holds_no_data(t) and not gathered:
         return mode.from_tensor(t)
     with mode:
+        if gathered:
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device=planned_device(t),
+                               requires_grad=t.requires_grad)
         return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
                                    device=planned_device(t), requires_grad=t.requires_grad)
 

@@ -277,28 +277,68 @@ def reshard_view(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> Non
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def hf_sharded_refusal(rank: int, world: int, out_dir: str) -> None:
-    """A transformers Llama sharded with fully_shard: compile's error, and the model's
-    parameters after it (still the shards they were)."""
-    from torch.distributed.fsdp import fully_shard
+def make_llama(layers: int = 2) -> nn.Module:
+    """A tiny transformers Llama in float64 throughout: its RMSNorm and causal-LM loss
+    without their float32 round trips (``test_hf_models``), so sums of partial sums
+    agree to float64 rounding."""
+    from test_hf_models import causal_lm_loss_float64, rms_norm_in_input_dtype
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
 
-    from mbcompile.errors import CaptureError
-
+    modeling_llama.LlamaRMSNorm.forward = rms_norm_in_input_dtype  # this process only
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2)).double()
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2)
+    model = LlamaForCausalLM(config).double()
+    model.loss_function = causal_lm_loss_float64
+    return model
+
+
+def llama_batch(gbs: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Token ids and labels; every third sample's last three labels are padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (gbs, 8), generator=g)
+    labels = ids.clone()
+    labels[::3, -3:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def hf_train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
+                   steps: int = 2) -> None:
+    """``steps`` compiled steps (SGD between them) of a transformers Llama sharded with
+    fully_shard (each decoder layer, then the model) on this rank's share; saves each
+    step's loss, full gradients and collectives, and the captured graph's markers."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mbcompile.passes.ops import fsdp_unit_enter
+
+    model = make_llama()
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
-    ids = torch.randint(0, 64, (4, 8))
-    try:
-        mbcompile.compile(model, 8, world, 2, example_kwargs={"input_ids": ids, "labels": ids},
-                          backend="torch.distributed")
-        message = None
-    except CaptureError as exc:
-        message = str(exc)
-    kept = all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
-    torch.save({"message": message, "kept": kept}, os.path.join(out_dir, f"rank{rank}.pt"))
+    cm = mbcompile.compile(model, gbs, world, mbs, example_kwargs=llama_batch(gbs),
+                           backend="torch.distributed")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    record = []
+    for step in range(steps):
+        batch = mbdist.shard(llama_batch(gbs, seed=1 + step), cm.plan, rank)
+        with Comms() as comms:
+            loss = cm(**batch).loss
+            loss.backward()
+        record.append({"loss": loss.detach(), "counts": comms.counts,
+                       "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+                       "sharded": all(not g.is_unsharded for m in (model, *model.model.layers)
+                                      for g in m._get_fsdp_state()._fsdp_param_groups)})
+        opt.step()
+        opt.zero_grad()
+    graph = cm.original_graph_module.graph
+    m, t = cm.estimate.memory, cm.estimate.time
+    figures = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+               "gathered": m.gathered, "peak": m.peak, "allgather": t.allgather,
+               "allreduce": t.allreduce, "saved": m.saved, "inputs": m.inputs,
+               "transient": m.transient}
+    torch.save({"steps": record, "plan": cm.plan.to_dict(), "figures": figures,
+                "entered": [n.args[0] for n in graph.nodes if n.target is fsdp_unit_enter],
+                "targets": {str(n.target) for n in graph.nodes if n.op == "call_function"}},
+               os.path.join(out_dir, f"rank{rank}.pt"))

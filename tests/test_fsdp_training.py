@@ -25,6 +25,7 @@ from mbcompile.training.trainer import Trainer, TrainerError, shard_model
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLE = TESTS.parent / "examples" / "fsdp" / "tiny_gpt.yaml"
+HF_EXAMPLE = TESTS.parent / "examples" / "hf" / "llama_fsdp.yaml"
 sys.path.insert(0, str(TESTS))
 import fsdp_training_workers  # noqa: E402
 from test_checkpoint import (  # noqa: E402
@@ -181,6 +182,26 @@ def test_the_example_runs_with_nproc_2_and_under_torchrun(tmp_path):
         text=True, timeout=240)
     assert torchrun.returncode == 0, torchrun.stderr
     assert rows(tmp_path / "torchrun") == rows(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_the_sharded_transformers_example_trains_as_the_unsharded_one(tmp_path):
+    """``mbcompile fit examples/hf/llama_fsdp.yaml --nproc 2``: a transformers Llama built
+    from its config, sharded per decoder layer, trains the losses of the same config
+    unsharded (simulated, one process), and checkpoints its shards with DCP."""
+    pytest.importorskip("transformers")
+    sharded = fit(tmp_path, str(HF_EXAMPLE), "--nproc", "2", "--max-steps", "2", "--out", "run")
+    assert sharded.returncode == 0, sharded.stderr
+    assert "sharded with FSDP2 (shard: fsdp)" in sharded.stdout
+    plain = write(tmp_path, HF_EXAMPLE.read_text().replace("shard: fsdp", "backend: simulated"))
+    (tmp_path / "hf_tokens.py").write_text((HF_EXAMPLE.parent / "hf_tokens.py").read_text())
+    replicated = fit(tmp_path, str(plain), "--max-steps", "2", "--out", "plain")
+    assert replicated.returncode == 0, replicated.stderr
+    got, want = rows(tmp_path / "run"), rows(tmp_path / "plain")
+    assert [(r[:3], r[4]) for r in got] == [(r[:3], r[4]) for r in want]  # steps, lr
+    assert [r[3] for r in got] == pytest.approx([r[3] for r in want], rel=1e-6)  # float32
+    last = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in (last / "dcp").iterdir()}
 
 
 @pytest.mark.slow
