@@ -131,6 +131,8 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
     fx would turn ``**kwargs`` into one more graph input that no call argument maps to.
     For a plan (compile-only, validate-only), export traces a model with repeated layers
     cut to two of them, and the graph is grown to all (``passes/block_capture.py``).
+    A model sharded with ``fully_shard`` is exported with stand-ins for its shards and its
+    units' calls marked (``passes/sharded_export.py``), as torch.fx captures one.
     """
     var_keyword = any(p.kind == p.VAR_KEYWORD
                       for p in inspect.signature(model.forward).parameters.values())
