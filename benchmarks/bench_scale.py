@@ -18,8 +18,10 @@ thread; wall time on a shared machine mostly measures the neighbours):
 
 Cases: the 1B (16 layers, tied embeddings) and the 7B (32 layers) on 8 systems, the 7B
 with SGD's state (``optimizer="sgd"``: Adam's does not fit an 80 GB replica), the 70B
-(80 layers, 8 KV heads) replicated on 64 systems, which the static check refuses, and the
-same 70B on a simulated 2 TB system, where it fits, to time the whole path.
+(80 layers, 8 KV heads) replicated on 64 systems, which the static check refuses, the
+same 70B on a simulated 2 TB system, where it fits, to time the whole path, and the 70B
+sharded with FSDP2 over the 64 H100s (``shard="fsdp"``: planned in one process), where
+it fits by reduce-scattering gradients in every microbatch (``gradient_sync``).
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 H100 = PRESETS["h100-80gb"]
 BIG = replace(H100, name="h100-2tb-sim", memory_bytes=2e12)
-#: (shape, systems, system, optimizer)
-CASES = [("1b", 8, H100, None), ("7b", 8, H100, None), ("7b", 8, H100, "sgd"),
-         ("70b", 64, H100, None), ("70b", 64, BIG, None)]
+#: (shape, systems, system, optimizer, shard)
+CASES = [("1b", 8, H100, None, None), ("7b", 8, H100, None, None),
+         ("7b", 8, H100, "sgd", None), ("70b", 64, H100, None, None),
+         ("70b", 64, BIG, None, None), ("70b", 64, H100, None, "fsdp")]
 #: stage -> (module, function name): the functions timed, as compile() calls them
 STAGES = {"static": (compiler, "check_static_memory"), "capture": (analysis, "_capture"),
           "shapes": (analysis, "propagate_shapes"), "batch": (analysis, "analyse_batch"),
@@ -82,8 +85,8 @@ def _model(shape: str) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def compile_one(shape: str, num_csx: int, system: Any, optimizer: str | None
-                ) -> dict[str, Any]:
+def compile_one(shape: str, num_csx: int, system: Any, optimizer: str | None,
+                shard: str | None = None) -> dict[str, Any]:
     """One compile-only of ``shape``: CPU seconds per stage, the MBS and the peak."""
     seconds = dict.fromkeys([*STAGES, "rest", "total"], 0.0)
     model = _model(shape)
@@ -95,8 +98,10 @@ def compile_one(shape: str, num_csx: int, system: Any, optimizer: str | None
     try:
         cm = mbcompile.compile(model, GBS, num_csx, "auto", example_inputs=(ids,),
                                example_kwargs={"labels": ids}, outputs="loss",
-                               system=system, optimizer=optimizer, compile_only=True)
+                               system=system, optimizer=optimizer, compile_only=True,
+                               shard=shard)
         answer = {"mbs": cm.plan.mbs, "recompute": cm.plan.recompute,
+                  "gradient_sync": cm.plan.gradient_sync,
                   "peak": cm.estimate.memory.peak, "step_s": cm.estimate.time.step}
     except MbcompileError as exc:
         answer = {"refused": type(exc).__name__, "why": str(exc).splitlines()[0]}
@@ -106,7 +111,7 @@ def compile_one(shape: str, num_csx: int, system: Any, optimizer: str | None
         for stage, (module, name) in STAGES.items():
             setattr(module, name, saved[stage])
     params = sum(p.numel() for p in model.parameters())
-    return {"shape": shape, "num_csx": num_csx, "system": system.name,
+    return {"shape": shape, "num_csx": num_csx, "system": system.name, "shard": shard,
             "optimizer": optimizer or "adam (system)", "params": params,
             "layers": SHAPES[shape]["num_hidden_layers"], "seconds": seconds, **answer}
 
@@ -133,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
            + " | ".join(stages) + " | answer |",
            "|---|---:|---:|---|---|" + "---:|" * len(stages) + "---|"]
     for r in rows:
-        answer = (f"mbs {r['mbs']}{' + recompute' if r['recompute'] else ''}, peak "
+        sync = (f", gradient_sync {r['gradient_sync']!r}" if r.get("gradient_sync") else "")
+        answer = (f"mbs {r['mbs']}{' + recompute' if r['recompute'] else ''}{sync}, peak "
                   f"{format_bytes(r['peak'])}, step {r['step_s']:.2f} s"
                   if "mbs" in r else f"{r['refused']}: {r['why'][:90]}")
         out.append(f"| {r['shape']} | {r['layers']} | {r['params'] / 1e9:.2f} B | "
-                   f"{r['num_csx']} x {r['system']} | {r['optimizer']} | "
+                   f"{r['num_csx']} x {r['system']}{' (FSDP2)' if r['shard'] else ''} | "
+                   f"{r['optimizer']} | "
                    + " | ".join(f"{r['seconds'][s]:.2f}" for s in stages) + f" | {answer} |")
     out.append("")
     return finish(out, {"rows": rows}, args.markdown, args.json)

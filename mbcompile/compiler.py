@@ -498,7 +498,7 @@ def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
     joint = None
     if request.torch_compile is not None:  # what a training step runs per microbatch
         joint = joint_step(rewritten.body, {"dynamic": False, **request.torch_compile})
-    return StepConfig(plan.reshard_after_forward, template, joint)
+    return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync)
 
 
 def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None:
@@ -524,8 +524,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             capture: str = "auto", batch_norm: str = "full_batch",
             coupling: str = "two_phase", outputs: Any = "all",
             torch_compile: bool | Mapping[str, Any] = False, recompute: bool | str = "auto",
-            reshard_after_forward: bool | str = "auto", compile_only: bool = False,
-            validate_only: bool = False,
+            reshard_after_forward: bool | str = "auto", gradient_sync: str = "auto",
+            compile_only: bool = False, validate_only: bool = False,
             measure: bool | int = False, cost_model: bool = True,
             batch_sizes: str = "any", optimizer: Any = None,
             shard: str | None = None) -> CompiledModule | Validation:
@@ -544,7 +544,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                            capture=capture, batch_norm=batch_norm, coupling=coupling,
                            outputs=outputs, torch_compile=torch_compile, recompute=recompute,
                            reshard_after_forward=reshard_after_forward,
-                           compile_only=compile_only, validate_only=validate_only,
+                           gradient_sync=gradient_sync, compile_only=compile_only,
+                           validate_only=validate_only,
                            measure=measure, cost_model=cost_model, batch_sizes=batch_sizes,
                            optimizer=optimizer, shard=shard)
     if validate_only:

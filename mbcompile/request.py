@@ -74,6 +74,7 @@ class Request:
     torch_compile: Mapping[str, Any] | None = None  # torch.compile kwargs (None: off)
     recompute: bool | str = "auto"  # activation checkpointing per block
     reshard: bool | str = "auto"  # FSDP2's reshard_after_forward
+    gradient_sync: str = "auto"  # FSDP2's gradient reduce-scatter: "step" or "microbatch"
     shard: ShardSpec | None = None  # an FSDP2-sharded model's units (None: not sharded)
     noise_scale: NoiseScale | None = None
     compile_only: bool = False
@@ -115,6 +116,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
                  batch_norm: str = "full_batch", coupling: str = "two_phase",
                  outputs: Any = "all", torch_compile: bool | Mapping[str, Any] = False,
                  recompute: bool | str = "auto", reshard_after_forward: bool | str = "auto",
+                 gradient_sync: str = "auto",
                  compile_only: bool = False, validate_only: bool = False,
                  measure: bool | int = False, cost_model: bool = True,
                  batch_sizes: str = "any", optimizer: Any = None, shard: str | None = None
@@ -162,6 +164,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         outputs=_check_outputs(outputs), torch_compile=_check_torch_compile(torch_compile),
         recompute=_check_recompute(recompute),
         reshard=_check_reshard(reshard_after_forward, bool(units)),
+        gradient_sync=_check_gradient_sync(gradient_sync, bool(units)),
         shard=_shard_spec(units, num_csx), noise_scale=_noise_scale(measure_noise_scale),
         compile_only=compile_only, validate_only=validate_only, measure=_repetitions(measure),
         cost_model=cost_model, batch_sizes=batch_sizes, optimizer=optimizer, in_dims=in_dims)
@@ -479,6 +482,16 @@ def _check_reshard(option: Any, sharded: bool) -> bool | str:
     if option != "auto" and not sharded:
         raise InputError("reshard_after_forward is FSDP2's setting for a model sharded with "
                          "fully_shard; this model is not sharded: leave it at 'auto'")
+    return option
+
+
+def _check_gradient_sync(option: Any, sharded: bool) -> str:
+    if option not in ("auto", "step", "microbatch"):
+        raise InputError(f"gradient_sync must be 'auto', 'step' or 'microbatch', got {option!r}")
+    if option != "auto" and not sharded:
+        raise InputError("gradient_sync is when FSDP2 reduce-scatters the gradients of a model "
+                         "sharded with fully_shard; this model is not sharded: leave it at "
+                         "'auto'")
     return option
 
 

@@ -104,7 +104,8 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
                       ) if request.measure else None
     try:
         selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
-                                   request.system, reshard=request.reshard, timer=timer,
+                                   request.system, reshard=request.reshard,
+                                   sync=request.gradient_sync, timer=timer,
                                    progress=progress, cost_error=error, unsplit=unsplit)
     except DoesNotFitError as exc:
         if two_phase and isinstance(cost, TwoPhaseCostModel):
@@ -183,6 +184,7 @@ def _sharded_selection(selection: Selection) -> Selection:
     if e is None or shard is None:
         return selection
     grads = ("one unit's gradient shard" if e.num_microbatches == 1
+             else "gradients accumulated as shards" if shard.gradient_sync == "microbatch"
              else "gradients accumulated unsharded")
     note = (f"sharded with FSDP2 over {shard.world} ranks: parameters and optimizer "
             f"state are one rank's shards ({format_bytes(e.memory.params)} of parameters), "
@@ -238,7 +240,8 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
                         request.inputs.in_dims, pbs=request.pbs, name=request.name,
                         kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard)
     selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
-                               request.system, reshard=request.reshard, progress=ctx.progress)
+                               request.system, reshard=request.reshard,
+                               sync=request.gradient_sync, progress=ctx.progress)
     why = (f"activation checkpointing per block{' (recompute=True)' if asked else ''}"
            if without is None else
            f"activation checkpointing per block: without it even mbs {without.mbs} needs "

@@ -211,14 +211,14 @@ SLACK = 512 * 1024  # bytes a clean step may leave besides its sharded gradients
 #                     free leaves a whole unit's buffer: 2.1 MB here)
 
 
-def measure(rank: int, world: int, gbs: int, mbs: int, reshard_after_forward: bool
-            ) -> dict[str, Any]:
+def measure(rank: int, world: int, gbs: int, mbs: int, reshard_after_forward: bool,
+            sync: str = "step") -> dict[str, Any]:
     """This rank's measured and modelled peak of one Adam step (after a warm-up step)."""
     net = shard(make_net(), reshard_after_forward)
     example = make_batch(gbs)
     cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=example,
                            backend="torch.distributed",
-                           reshard_after_forward=reshard_after_forward)
+                           reshard_after_forward=reshard_after_forward, gradient_sync=sync)
     opt = torch.optim.Adam(net.parameters(), foreach=False)
     # this rank's share, as its own tensors (not views of the global batch)
     batch = tuple(t.clone() for t in mbdist.shard(make_batch(gbs, seed=2), cm.plan, rank))
@@ -254,7 +254,7 @@ def measure(rank: int, world: int, gbs: int, mbs: int, reshard_after_forward: bo
     root, blocks = unit_bytes(net)
     return {
         "gbs": gbs, "mbs": mbs, "k": k, "world": world,
-        "reshard_after_forward": reshard_after_forward,
+        "reshard_after_forward": reshard_after_forward, "gradient_sync": sync,
         "ran_reshard_after_forward": gathers == 1 + 2 * DEPTH,
         "plan_reshard_after_forward": cm.plan.reshard_after_forward,
         "all_gathers": comms.counts["all_gather"],
@@ -270,8 +270,9 @@ def measure(rank: int, world: int, gbs: int, mbs: int, reshard_after_forward: bo
 
 
 def live_bytes(rank: int, world: int, out_dir: str,
-               configs: list[tuple[int, int, bool]]) -> None:
-    """``measure`` for each ``(gbs, mbs, reshard_after_forward)``; saves the list."""
+               configs: list[tuple[int, int, bool, str]]) -> None:
+    """``measure`` for each ``(gbs, mbs, reshard_after_forward, gradient_sync)``; saves
+    the list."""
     torch.set_num_threads(1)  # two ranks share the cores
-    results = [measure(rank, world, gbs, mbs, reshard) for gbs, mbs, reshard in configs]
+    results = [measure(rank, world, *config) for config in configs]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -102,7 +102,8 @@ class Comms:
 
 
 def train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
-                reshard_after_forward: bool | str = "auto", steps: int = 2) -> None:
+                reshard_after_forward: bool | str = "auto", sync: str = "auto",
+                steps: int = 2) -> None:
     """``steps`` compiled steps (SGD between them) of the sharded model on this rank's
     share, with ``compile(reshard_after_forward=...)`` (the model is sharded with the
     opposite of a pinned setting, so the step must apply it); saves each step's loss, full
@@ -111,7 +112,7 @@ def train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
     batch = make_batch(gbs)
     cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=batch,
                            backend="torch.distributed",
-                           reshard_after_forward=reshard_after_forward)
+                           reshard_after_forward=reshard_after_forward, gradient_sync=sync)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     record = []
     for step in range(steps):
@@ -180,14 +181,15 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
 
 
 def failing_backward(rank: int, world: int, out_dir: str, gbs: int, which: int,
-                     reshard: bool) -> None:
+                     reshard: bool, sync: str = "auto") -> None:
     """Rank 1's backward of its ``which``-th microbatch (1-based) raises halfway, at the
     middle block's weight gradient (a hook on FSDP's gathered parameter), after one good
     step."""
     net = shard(make_net())
     x, y = make_batch(gbs)
     cm = mbcompile.compile(net, gbs, world, 1, example_inputs=(x, y),
-                           backend="torch.distributed", reshard_after_forward=reshard)
+                           backend="torch.distributed", reshard_after_forward=reshard,
+                           gradient_sync=sync)
     share = mbdist.shard((x, y), cm.plan, rank)
     cm(*share).backward()  # a good step: FSDP's gathered parameters exist from now on
     seen = {"n": 0}
@@ -259,21 +261,28 @@ def reshard_view(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> Non
     net = shard(make_net())
     batch = make_batch(gbs)
 
-    def plan(reshard: bool | str, system=None) -> dict:
+    def plan(reshard: bool | str, system=None, sync: str = "step") -> dict:
         cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=batch, system=system,
                                backend="torch.distributed", compile_only=True,
-                               reshard_after_forward=reshard)
+                               reshard_after_forward=reshard, gradient_sync=sync)
         e = cm.estimate
-        return {"value": cm.plan.reshard_after_forward, "peak": e.memory.peak,
+        return {"value": cm.plan.reshard_after_forward, "sync": cm.plan.gradient_sync,
+                "peak": e.memory.peak, "grads": e.memory.grads,
                 "gathered": e.memory.gathered, "step": e.time.step,
-                "allgather": e.time.allgather, "reason": cm.plan.reason,
-                "report": str(cm.report()), "plan": str(cm.plan)}
+                "allgather": e.time.allgather, "allreduce": e.time.allreduce,
+                "reason": cm.plan.reason, "report": str(cm.report()), "plan": str(cm.plan)}
+
+    def between(a: float, b: float) -> Any:
+        return dataclasses.replace(get_system("host"), name="between",
+                                   memory_bytes=(a + b) / 2)
 
     pinned = {value: plan(value) for value in (True, False)}
-    host = get_system("host")
-    between = dataclasses.replace(host, name="between", memory_bytes=(
-        pinned[True]["peak"] + pinned[False]["peak"]) / 2)
-    torch.save({"pinned": pinned, "roomy": plan("auto"), "tight": plan("auto", between)},
+    synced = {when: plan(True, sync=when) for when in ("step", "microbatch")}
+    torch.save({"pinned": pinned, "roomy": plan("auto"),
+                "tight": plan("auto", between(pinned[True]["peak"], pinned[False]["peak"])),
+                "synced": synced, "auto_sync": plan(True, sync="auto"),
+                "tight_sync": plan(True, between(synced["step"]["peak"],
+                                                 synced["microbatch"]["peak"]), sync="auto")},
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 

@@ -21,6 +21,7 @@ from mbcompile.planning.fixes import (
     StaticMemory,
     smallest_fsdp_world,
     static_does_not_fit,
+    static_fixes,
     static_memory_of,
     with_recompute_fix,
     with_recompute_tried,
@@ -62,11 +63,17 @@ def test_the_fsdp_world_named_is_the_smallest_that_holds_static_memory() -> None
         f"a system with at least {format_bytes(static.total + 1e4)} of memory")
 
 
-def test_accumulating_gradients_need_a_larger_world_and_it_is_said() -> None:
+def test_accumulating_gradients_sharded_is_said() -> None:
+    """FSDP2 holding unsharded gradients while accumulating would need more ranks, or no
+    world at all; the fix names the gradient sync that keeps them sharded instead."""
     static = StaticMemory(params=40e9, buffers=0.0, grads=40e9, optimizer=80e9)
     assert smallest_fsdp_world(static, 79e9) == 3  # 160 / 3 = 53 GB
     assert smallest_fsdp_world(static, 79e9, accumulating=True) == 4  # 120 / 4 + 40 = 70
     assert smallest_fsdp_world(static, 39e9, accumulating=True) is None  # the grads alone
+    for capacity, needing in ((79e9, "needing 4 ranks"), (39e9, "which no world fits")):
+        (fix, *_) = static_fixes(static, _spec(capacity))
+        assert "FSDP2 over at least" in fix and needing in fix
+        assert "gradient_sync='microbatch', which 'auto' picks when it must" in fix
 
 
 def test_a_lighter_optimizer_is_named_only_when_static_memory_then_fits() -> None:

@@ -29,15 +29,17 @@ def _reference(gbs: int, steps: int) -> list[tuple[torch.Tensor, dict[str, torch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,gbs,mbs,reshard", [
-    (2, 7, 2, "auto"),  # 4 + 3 samples: microbatches 2, 2 and 2, 1
-    (2, 7, 2, True),    # the same, units resharded after forward (sharded kept gathered)
-    (2, 7, 2, False),   # the same, units kept gathered (sharded resharding)
-    (3, 10, 2, "auto"),  # 4 + 3 + 3 samples
-    (3, 7, 1, "auto"),  # 3 + 2 + 2: ranks 1 and 2 have an empty third microbatch
+@pytest.mark.parametrize("world,gbs,mbs,reshard,sync", [
+    (2, 7, 2, "auto", "auto"),  # 4 + 3 samples: microbatches 2, 2 and 2, 1
+    (2, 7, 2, True, "auto"),    # the same, units resharded after forward (sharded kept gathered)
+    (2, 7, 2, False, "auto"),   # the same, units kept gathered (sharded resharding)
+    (2, 7, 2, True, "microbatch"),  # gradients reduce-scattered in every microbatch
+    (3, 10, 2, "auto", "auto"),  # 4 + 3 + 3 samples
+    (3, 7, 1, "auto", "auto"),  # 3 + 2 + 2: ranks 1 and 2 have an empty third microbatch
+    (3, 7, 1, False, "microbatch"),  # the same, a reduce-scatter round in each forward
 ])
-def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs, reshard):
-    _run(fsdp_workers.train_steps, world, str(tmp_path), gbs, mbs, reshard)
+def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs, reshard, sync):
+    _run(fsdp_workers.train_steps, world, str(tmp_path), gbs, mbs, reshard, sync)
     reference = _reference(gbs, 2)
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
@@ -50,7 +52,10 @@ def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs, reshard
             assert relative_error(step["loss"], loss) <= 1e-10
             for name, g in grads.items():
                 assert relative_error(step["grads"][name], g) <= 1e-10, (rank, name)
-            assert step["counts"]["reduce_scatter"] == UNITS  # one round: each unit once
+            assert got["plan"]["gradient_sync"] == (sync if sync != "auto" else "step")
+            # one round (each unit once) per step, or per forward
+            assert step["counts"]["reduce_scatter"] == UNITS * (
+                rounds if sync == "microbatch" else 1)
             # the root once per forward; each block again in its backward if resharded
             per_forward = 1 + (2 if chosen else 1) * fsdp_workers.DEPTH
             assert step["counts"]["all_gather"] == rounds * per_forward
@@ -60,10 +65,11 @@ def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs, reshard
 
 
 @pytest.mark.slow
-def test_auto_chooses_reshard_after_forward_with_the_mbs(tmp_path):
+def test_auto_chooses_reshard_after_forward_and_gradient_sync_with_the_mbs(tmp_path):
     """Units kept gathered from forward to backward: fewer all-gathers (a faster modelled
     step) and every unit gathered at the peak. ``auto`` keeps them gathered when that
-    fits, reshards when only that fits, and the plan, its reason and the report say so."""
+    fits, reshards when only that fits, and the plan, its reason and the report say so;
+    likewise gradients reduce-scattered once per step or in every microbatch."""
     _run(fsdp_workers.reshard_view, 2, str(tmp_path), 8, 2)
     got = torch.load(tmp_path / "rank0.pt")
     kept, resharded = got["pinned"][False], got["pinned"][True]
@@ -79,12 +85,30 @@ def test_auto_chooses_reshard_after_forward_with_the_mbs(tmp_path):
     assert roomy["value"] is False and tight["value"] is True
     assert roomy["step"] == pytest.approx(kept["step"])
     assert tight["peak"] == pytest.approx(resharded["peak"])
-    assert "kept gathered from forward to backward (reshard_after_forward=False)" \
+    assert ("FSDP2 units kept gathered from forward to backward, gradients reduce-scattered "
+            "once per step (reshard_after_forward=False, gradient_sync='step')") \
         in roomy["reason"]
-    assert "kept gathered to their backward even mbs 2 would need" in tight["reason"]
+    assert "does not fit (mbs 2 would need" in tight["reason"]
     assert "fsdp: reshard_after_forward=False" in roomy["report"]
     assert "fsdp: reshard_after_forward=True" in tight["report"]
     assert "fsdp: reshard_after_forward=True" in resharded["plan"]
+
+    # gradients reduce-scattered in every microbatch accumulate as shards (1/world of them
+    # at the peak), for a round of reduce-scatters per microbatch; auto syncs once per
+    # step when that fits (faster), per microbatch when only that fits
+    once, every = got["synced"]["step"], got["synced"]["microbatch"]
+    total = sum(p.numel() * p.element_size() for p in net.parameters())
+    # 2 microbatches: unsharded but for the unit reduce-scattered first, or one shard of
+    # each and the new shard being added (ShardSpec.held)
+    assert once["grads"] == pytest.approx(total - max(blocks) + max(blocks) / 2)
+    assert every["grads"] == pytest.approx(total / 2 + max(blocks) / 2)
+    assert every["allreduce"] == pytest.approx(2 * once["allreduce"])  # a round each
+    assert every["peak"] < once["peak"] and every["step"] > once["step"]
+    assert got["auto_sync"]["sync"] == "step" and got["tight_sync"]["sync"] == "microbatch"
+    assert got["tight_sync"]["peak"] == pytest.approx(every["peak"])
+    assert "gradient_sync='microbatch' (gradients reduce-scattered in every microbatch" \
+        in got["tight_sync"]["report"]
+    assert "gradients accumulated as shards" in got["tight_sync"]["reason"]
 
 
 @pytest.mark.slow
@@ -95,7 +119,7 @@ def test_one_reduce_scatter_round_whatever_the_mbs(tmp_path):
     for mbs in (1, 4):
         out = tmp_path / str(mbs)
         out.mkdir()
-        _run(fsdp_workers.train_steps, 2, str(out), 8, mbs, True, 1)
+        _run(fsdp_workers.train_steps, 2, str(out), 8, mbs, True, "auto", 1)
         counts[mbs] = [torch.load(out / f"rank{r}.pt")["steps"][0]["counts"] for r in range(2)]
     assert counts[1][0] == counts[1][1] and counts[4][0] == counts[4][1]  # same on each rank
     assert counts[1][0]["reduce_scatter"] == counts[4][0]["reduce_scatter"] == UNITS
@@ -129,13 +153,16 @@ def test_failing_rank_stops_every_rank(tmp_path, where):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which,reshard", [(1, True), (3, True), (3, False)])
-def test_a_failure_inside_the_backward_stops_every_rank(tmp_path, which, reshard):
+@pytest.mark.parametrize("which,reshard,sync", [
+    (1, True, "auto"), (3, True, "auto"), (3, False, "auto"),
+    (2, True, "microbatch"),  # the first microbatch's shards are in .grad already
+])
+def test_a_failure_inside_the_backward_stops_every_rank(tmp_path, which, reshard, sync):
     """Rank 1's backward raises halfway through its first microbatch (two rounds still to
     come) or its last (the reduce-scatters owed): it finishes the units' backward
     collectives and the remaining rounds on zeros, so every rank raises, none hangs,
     nothing changes, and the next step is exact."""
-    _run(fsdp_workers.failing_backward, 2, str(tmp_path), 6, which, reshard)
+    _run(fsdp_workers.failing_backward, 2, str(tmp_path), 6, which, reshard, sync)
     seen = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(2)}
     assert f"injected failure in backward {which} on rank 1" in seen[1]["outcome"]
     assert "rank(s) [1] failed" in seen[0]["outcome"]

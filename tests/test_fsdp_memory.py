@@ -1,6 +1,7 @@
 """The cost model's peak memory of an FSDP2-sharded model against the live bytes measured
 on each of 2 gloo ranks (issue 18: within 20%), with one microbatch per rank and with
-several (gradient accumulation), units resharded after their forward or kept gathered."""
+several (gradient accumulation), units resharded after their forward or kept gathered,
+gradients reduce-scattered once per step or in every microbatch."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ from test_distributed import _run  # spawn gloo ranks, bounded in time
 from mbcompile.planning.cost import format_bytes
 
 WORLD, GBS = 2, 16  # 8 samples (128 tokens) per rank
-CASES = [(1, True), (4, True), (1, False), (4, False)]  # (microbatches per rank, reshard)
+# (microbatches per rank, reshard_after_forward, gradient_sync)
+CASES = [(1, True, "step"), (4, True, "step"), (1, False, "step"), (4, False, "step"),
+         (4, True, "microbatch"), (4, False, "microbatch")]
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict[tuple[int, bool], list[dict]]:
+def measured(tmp_path_factory) -> dict[tuple[int, bool, str], list[dict]]:
     """Every case in one spawn of the ranks (the start-up is most of the time)."""
     out = tmp_path_factory.mktemp("fsdp_memory")
-    configs = [(GBS, GBS // WORLD // k, reshard) for k, reshard in CASES]
+    configs = [(GBS, GBS // WORLD // k, reshard, sync) for k, reshard, sync in CASES]
     _run(workers.live_bytes, WORLD, str(out), configs)
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
     return {case: [results[i] for results in ranks] for i, case in enumerate(CASES)}
@@ -38,13 +41,14 @@ def _breakdown(got: dict) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k,reshard", CASES)
-def test_modelled_peak_matches_live_bytes_per_rank(measured, k, reshard):
-    for rank, got in enumerate(measured[(k, reshard)]):
+@pytest.mark.parametrize("k,reshard,sync", CASES)
+def test_modelled_peak_matches_live_bytes_per_rank(measured, k, reshard, sync):
+    for rank, got in enumerate(measured[(k, reshard, sync)]):
         assert got["k"] == k
         assert got["ran_reshard_after_forward"] == reshard, (
             f"rank {rank} ran reshard_after_forward={not reshard}, not the model's fully_shard "
             f"setting ({reshard}): the case measures the other setting")
         assert got["model"]["peak"] == pytest.approx(got["measured"], rel=0.20), (
-            f"rank {rank}, {k} microbatch(es), reshard_after_forward={reshard}: "
+            f"rank {rank}, {k} microbatch(es), reshard_after_forward={reshard}, "
+            f"gradient_sync={sync!r}: "
             + _breakdown(got))

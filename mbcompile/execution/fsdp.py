@@ -14,7 +14,9 @@ of the full shape, and each sharded block's call is bracketed by the markers
 3. ``ShardedStep.sync(last)``: gradients are reduce-scattered only in the step's
    last backward (``set_requires_gradient_sync``), summed over ranks, not averaged
    (divide factor 1: mbcompile's gradient is the sum of partial sums over the
-   global count), so a step makes one reduce-scatter round whatever the MBS;
+   global count), so a step makes one reduce-scatter round whatever the MBS; with
+   the plan's ``gradient_sync="microbatch"`` in every backward instead (FSDP adds
+   each round's shards into ``.grad``: gradients accumulate sharded);
 4. ``ShardedStep.rounds``: FSDP all-gathers in every forward, so every rank runs
    as many forwards as the rank with the most microbatches; a rank whose share
    left a microbatch empty runs its last one again with weight 0 (its gradient
@@ -125,7 +127,7 @@ class ShardedStep:
     """What one training step of a sharded model does around the runtime's loop."""
 
     def __init__(self, body: fx.GraphModule, root: nn.Module,
-                 reshard: bool | None = None) -> None:
+                 reshard: bool | None = None, every_microbatch: bool = False) -> None:
         self.root = root
         self.count: int | None = None  # forwards per step on every rank (the most on any)
         self.order: list[str] = []  # the units in forward order (the body's markers)
@@ -138,6 +140,8 @@ class ShardedStep:
         # the plan's reshard_after_forward for the units (None: the setting they were sharded
         # with), handed over in the step's StepConfig
         self.reshard = reshard
+        # the plan's gradient_sync: reduce-scatter in every backward, not just the last
+        self.every_microbatch = every_microbatch
 
     def enter(self, unit: str, *values: Any) -> tuple[Any, ...]:
         """FSDP's pre-forward of ``unit`` (all-gather; post-backward hook on the inputs)."""
@@ -253,8 +257,10 @@ class ShardedStep:
         return is_sharded(param)
 
     def sync(self, last: bool) -> None:
-        """Reduce-scatter gradients in the coming backward only if it is the step's last."""
-        self.root.set_requires_gradient_sync(last)
+        """Reduce-scatter gradients in the coming backward if it is the step's last, or in
+        every one (``gradient_sync="microbatch"``: FSDP adds each round's shards into
+        ``.grad``, so they accumulate sharded)."""
+        self.root.set_requires_gradient_sync(last or self.every_microbatch)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

@@ -22,11 +22,14 @@ __all__ = ["StepConfig"]
 @dataclass(frozen=True)
 class StepConfig:
     """Per compiled graph: FSDP2's ``reshard_after_forward`` for the step (None: the units
-    keep the setting they were sharded with), a two-phase step's frontier template (each
-    microbatch's body outputs as ``(shape, dtype, device)``, for a rank whose phase 1
-    fails to join the gather with zeros; None in one process), and the body's
-    ``joint.JointStep`` (None: not compiled with ``torch_compile``)."""
+    keep the setting they were sharded with) and ``gradient_sync``, a two-phase step's
+    frontier template (each microbatch's body outputs as ``(shape, dtype, device)``, for
+    a rank whose phase 1 fails to join the gather with zeros; None in one process), and
+    the body's ``joint.JointStep`` (None: not compiled with ``torch_compile``)."""
 
     reshard_after_forward: bool | None = None
     frontier_template: Sequence[tuple[Any, ...]] | None = None
     joint: Any = None
+    #: FSDP2's gradient reduce-scatter for the step: "step" (the last backward only),
+    #: "microbatch" (every backward), None (the step's last, as "step").
+    gradient_sync: str | None = None

@@ -405,12 +405,14 @@ class CostModel:
         allreduce = self.allreduce_seconds(num_csx, spec)
         optimizer = self.optimizer_seconds(spec)
         allgather = 0.0
+        rounds = 1
         if self.shard is not None and self.shard.world > 1:
             w = self.shard.world
             # gradients are reduce-scattered, half a ring all-reduce; units are gathered
             # in every microbatch (``ShardSpec.gathers_per_microbatch``), on the same links
             allreduce /= 2
             optimizer /= w
+            rounds = self.shard.reduce_scatters(k)
             gathered, gathers = self.shard.gathers_per_microbatch()
             bandwidth, latency = spec.ring_link(w)
             allgather = k * ((w - 1) / w * gathered / bandwidth + gathers * latency)
@@ -419,6 +421,10 @@ class CostModel:
         last = min(size for size, _ in _split_counts(pbs, k))
         hidden = self.hidden_seconds(allreduce, self.backward_seconds(last, spec)) \
             if allreduce > 0 else 0.0
+        if self.shard is not None and self.shard.world > 1 and rounds > 1:
+            # a reduce-scatter round in every microbatch's backward, each hidden alike
+            each = self.hidden_seconds(allreduce, self.backward_seconds(mbs, spec))
+            allreduce, hidden = rounds * allreduce, hidden + (rounds - 1) * each
         step = worst[0] + allreduce - hidden + optimizer + allgather
         first = self.microbatch_seconds(mbs, spec)[0]
         bound = max(bound_votes, key=bound_votes.get) if bound_votes else "compute"

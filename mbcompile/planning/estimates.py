@@ -45,6 +45,10 @@ class ShardSpec:
     #: FSDP2's ``reshard_after_forward`` for every unit but the root (which FSDP keeps
     #: gathered from its forward to its backward either way).
     reshard_after_forward: bool = True
+    #: Gradients reduce-scattered in every microbatch's backward (``"microbatch"``: they
+    #: stay sharded while they accumulate) or only in the step's last (``"step"``: one
+    #: round per step, every gradient held unsharded until then).
+    gradient_sync: str = "step"
 
     @property
     def gathered(self) -> float:
@@ -68,14 +72,28 @@ class ShardSpec:
         unit's. Resharding after forward, the peak comes early in the last backward (a unit
         gathered, the next one prefetched); keeping units gathered, in the last forward at
         the last unit's all-gather, before any gradient of that microbatch exists.
+
+        With ``gradient_sync="microbatch"`` every backward reduce-scatters, so what the
+        earlier microbatches accumulated is one shard of every gradient (``grads /
+        world``) at either peak, plus, resharding after forward, the unit's new shard
+        being added to it.
         """
         root, *others = self.unit_bytes
         largest = max(others, default=0.0)
+        shard = largest / self.world
+        if microbatches > 1 and self.gradient_sync == "microbatch":
+            sharded = grads / self.world
+            if self.reshard_after_forward:
+                return sharded + shard, self.gathered + 3 * largest
+            return sharded, self.gathered + 2 * largest
         if self.reshard_after_forward:
-            shard = largest / self.world
             held = min(grads, shard) if microbatches == 1 else max(grads - largest, 0.0) + shard
             return held, self.gathered + 3 * largest
         return (0.0 if microbatches == 1 else grads), self.gathered + 2 * largest
+
+    def reduce_scatters(self, microbatches: int) -> int:
+        """Rounds of gradient reduce-scatters per step: one, or one per microbatch."""
+        return microbatches if self.gradient_sync == "microbatch" else 1
 
     def gathers_per_microbatch(self) -> tuple[float, int]:
         """Bytes all-gathered and all-gathers per microbatch: every unit in its forward,

@@ -442,56 +442,84 @@ def _with_reason(plan: MicrobatchPlan, reason: str) -> MicrobatchPlan:
 
 
 def select_sharded(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostModel | None,
-                   spec: SystemSpec, *, reshard: bool | str = "auto", **kwargs: Any
-                   ) -> Selection:
+                   spec: SystemSpec, *, reshard: bool | str = "auto", sync: str = "auto",
+                   **kwargs: Any) -> Selection:
     """:func:`select_plan`, and for a model sharded with FSDP2 (``cost.shard``) its
-    ``reshard_after_forward`` chosen with the MBS.
+    ``reshard_after_forward`` and ``gradient_sync`` chosen with the MBS.
 
-    ``reshard``: True or False pins the setting; ``"auto"`` plans both and keeps the
-    faster plan that fits. Keeping units gathered from forward to backward halves their
-    all-gathers but holds every unit's parameters at the peak, which can force a smaller
-    MBS: the two plans are compared whole (MBS and setting jointly). Without a cost model
-    the model runs with the setting it was sharded with (``plan.reshard_after_forward``
-    stays None). Each setting is costed by its own copy of the model (``with_shard``),
-    its probes shared.
+    ``reshard``: True or False pins the setting; ``sync``: ``"step"`` or ``"microbatch"``
+    pins that one; ``"auto"`` plans each value, and the faster plan that fits is kept.
+    Keeping units gathered from forward to backward halves their all-gathers but holds
+    every unit's parameters at the peak; reduce-scattering gradients once per step
+    makes one round of collectives but holds every gradient unsharded while the
+    microbatches accumulate, which a large model cannot (a 70B's bf16 gradients are
+    140 GB per rank). Either can force a smaller MBS, so the plans are compared whole
+    (MBS and settings jointly); on equal time the one with less memory is kept. Without
+    a cost model the model runs with the settings it was sharded with (the plan's
+    fields stay None). Each combination is costed by its own copy of the model
+    (``with_shard``), its probes shared.
     """
     shard = cost.shard if cost is not None else None
     if shard is None:
         return select_plan(gbs, num_csx, mbs, cost, spec, **kwargs)
     assert cost is not None
+    reshards = (reshard,) if isinstance(reshard, bool) else (True, False)
+    syncs = (sync,) if sync in SYNCS else SYNCS
+    # the least memory first: it is the one whose refusal is reported when none fits
+    tried: list[tuple[bool, str, Selection | DoesNotFitError]] = []
+    for value in reshards:
+        for when in reversed(syncs):
+            sharded = cost.with_shard(replace(shard, reshard_after_forward=value,
+                                              gradient_sync=when))
+            try:
+                found: Selection | DoesNotFitError = select_plan(gbs, num_csx, mbs, sharded,
+                                                                 spec, **kwargs)
+            except DoesNotFitError as exc:
+                found = exc
+            tried.append((value, when, found))
+    fitting = [(v, w, f) for v, w, f in tried if isinstance(f, Selection)]
+    if not fitting:
+        raise next(f for _, _, f in tried if isinstance(f, DoesNotFitError))
 
-    def planned(value: bool) -> Selection:
-        sharded = cost.with_shard(replace(shard, reshard_after_forward=value))
-        return select_plan(gbs, num_csx, mbs, sharded, spec, **kwargs)
+    def key(entry: tuple[bool, str, Selection]) -> tuple[float, float, bool]:
+        e = entry[2].estimate
+        assert e is not None
+        return (e.time.step, e.memory.peak, entry[1] != "step")  # one microbatch: a tie
 
-    if isinstance(reshard, bool):
-        selection = planned(reshard)
-        return replace(selection, plan=replace(selection.plan, reshard_after_forward=reshard))
-    resharded = planned(True)  # the least memory
-    try:
-        gathered: Selection | None = planned(False)
-    except DoesNotFitError as exc:
-        gathered, unfit = None, exc
-    a = resharded.estimate
-    assert a is not None
-    if gathered is None:
-        chosen, note = resharded, (
-            f"FSDP2 units resharded after forward: kept gathered to their backward even mbs "
-            f"{unfit.mbs} would need {format_bytes(unfit.needed)} of "
-            f"{format_bytes(unfit.available)}")
-    else:
-        b = gathered.estimate
-        assert b is not None
-        keep = b.time.step < a.time.step
-        chosen = gathered if keep else resharded
-        c, o = (b, a) if keep else (a, b)
-        how = "kept gathered from forward to backward" if keep else "resharded after forward"
-        note = (f"FSDP2 units {how} (reshard_after_forward={not keep}): modelled step "
-                f"{format_seconds(c.time.step)} at mbs {c.mbs} (peak "
-                f"{format_bytes(c.memory.peak)}), against {format_seconds(o.time.step)} at mbs "
-                f"{o.mbs} (peak {format_bytes(o.memory.peak)}) with reshard_after_forward={keep}")
-    plan = replace(chosen.plan, reshard_after_forward=chosen is resharded)
-    return replace(chosen, plan=plan).noted(note)
+    value, when, chosen = min(fitting, key=key)
+    plan = replace(chosen.plan, reshard_after_forward=value, gradient_sync=when)
+    if len(tried) == 1:
+        return replace(chosen, plan=plan)
+    return replace(chosen, plan=plan).noted(_fsdp_note(value, when, chosen, tried))
+
+
+#: FSDP2's gradient reduce-scatter: once per step, or in every microbatch's backward.
+SYNCS = ("step", "microbatch")
+
+
+def _fsdp_note(value: bool, when: str, chosen: Selection,
+               tried: list[tuple[bool, str, Selection | DoesNotFitError]]) -> str:
+    """Why these FSDP2 settings: the chosen plan's modelled step and peak, then each other
+    setting's, or the memory it would need."""
+    def settings(v: bool, w: str) -> str:
+        return f"reshard_after_forward={v}, gradient_sync={w!r}"
+
+    def figures(found: Selection | DoesNotFitError) -> str:
+        if isinstance(found, DoesNotFitError):
+            return (f"does not fit (mbs {found.mbs} would need {format_bytes(found.needed)} "
+                    f"of {format_bytes(found.available)})")
+        e = found.estimate
+        assert e is not None
+        return (f"{format_seconds(e.time.step)} at mbs {e.mbs} "
+                f"(peak {format_bytes(e.memory.peak)})")
+
+    how = "kept gathered from forward to backward" if not value else "resharded after forward"
+    sync = ("gradients reduce-scattered in every microbatch" if when == "microbatch"
+            else "gradients reduce-scattered once per step")
+    others = "; ".join(f"{figures(f)} with {settings(v, w)}" for v, w, f in tried
+                       if (v, w) != (value, when))
+    return (f"FSDP2 units {how}, {sync} ({settings(value, when)}): modelled step "
+            f"{figures(chosen)}, against {others}")
 
 
 class TwoPhaseWarning(MbcompileWarning):

@@ -115,12 +115,13 @@ def static_fixes(static: StaticMemory, spec: SystemSpec, *, world: int = 1,
                 f"{one} ranks (fully_shard each block, then compile with "
                 f"backend='torch.distributed' on {one} ranks, num_csx={one}): "
                 f"{format_bytes(share)} of static memory per rank with one microbatch per rank")
-        if many is None:
-            text += (" (accumulating over several microbatches keeps the gradients unsharded, "
-                     f"{format_bytes(static.grads)}, which no world fits: mbs='none')")
-        elif many != one:
-            text += (f"; accumulating over several microbatches keeps the gradients "
-                     f"unsharded, so at least {many} ranks then")
+        if many != one:  # FSDP2 holds the gradients unsharded unless it syncs each time
+            text += (" (to accumulate over several microbatches on these ranks: "
+                     "gradient_sync='microbatch', which 'auto' picks when it must, "
+                     "reduce-scatters every microbatch's gradients so they stay sharded; "
+                     f"gradient_sync='step' holds them unsharded, {format_bytes(static.grads)}, "
+                     + ("which no world fits" if many is None else f"needing {many} ranks")
+                     + ")")
         fixes.append(text)
     fixes += _optimizer_fixes(static, capacity, world, other, alternatives)
     need = static.sharded(world) + other if world > 1 else static.total + other

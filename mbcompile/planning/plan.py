@@ -41,7 +41,7 @@ __all__ = [
     "MbsPolicy",
     "MicrobatchPlan",
     "closest_supported",
-    "describe_reshard",
+    "describe_fsdp",
     "make_plan",
     "parse_mbs",
     "per_system_batch_sizes",
@@ -304,6 +304,10 @@ class MicrobatchPlan:
     #: FSDP2's ``reshard_after_forward`` for a sharded model's units, chosen with the MBS
     #: (None: the model is not sharded, or runs with the setting it was sharded with).
     reshard_after_forward: bool | None = None
+    #: When a sharded model's gradients are reduce-scattered, chosen with the MBS:
+    #: ``"step"`` (once, in the step's last backward) or ``"microbatch"`` (in every
+    #: backward: they accumulate sharded); None as for ``reshard_after_forward``.
+    gradient_sync: str | None = None
 
     @property
     def pbs(self) -> int:
@@ -376,7 +380,7 @@ class MicrobatchPlan:
         if self.recompute:
             lines.append("  recompute: activation checkpointing per block")
         if self.reshard_after_forward is not None:
-            lines.append(f"  fsdp: {describe_reshard(self.reshard_after_forward)}")
+            lines.append(f"  fsdp: {describe_fsdp(self)}")
         lines.append(f"  reason: {self.reason}")
         if self.warnings:
             lines.append("  warnings:")
@@ -386,13 +390,22 @@ class MicrobatchPlan:
         return "\n".join(lines)
 
 
-def describe_reshard(reshard_after_forward: bool) -> str:
-    """What FSDP2's ``reshard_after_forward`` setting means for a sharded step."""
-    if reshard_after_forward:
-        return ("reshard_after_forward=True (each unit resharded after its forward and "
+def describe_fsdp(plan: MicrobatchPlan) -> str:
+    """What the plan's FSDP2 settings (``reshard_after_forward``, ``gradient_sync``) mean
+    for a sharded step."""
+    if plan.reshard_after_forward:
+        text = ("reshard_after_forward=True (each unit resharded after its forward and "
                 "gathered again for its backward: one unit gathered at a time)")
-    return ("reshard_after_forward=False (each unit kept gathered from its forward to its "
-            "backward: half the all-gathers, every unit gathered at the peak)")
+    else:
+        text = ("reshard_after_forward=False (each unit kept gathered from its forward to its "
+                "backward: half the all-gathers, every unit gathered at the peak)")
+    if plan.gradient_sync == "microbatch":
+        text += ("; gradient_sync='microbatch' (gradients reduce-scattered in every "
+                 "microbatch's backward: they accumulate as shards)")
+    elif plan.gradient_sync == "step":
+        text += ("; gradient_sync='step' (gradients reduce-scattered once, in the step's "
+                 "last backward: held unsharded until then)")
+    return text
 
 
 def _format_sizes(sizes: tuple[int, ...], limit: int = 8) -> str:

@@ -23,7 +23,7 @@ import torch.fx as fx
 from mbcompile.errors import MbcompileError
 from mbcompile.passes.facts import FACT
 from mbcompile.planning.cost import format_bytes, format_seconds
-from mbcompile.planning.plan import describe_reshard
+from mbcompile.planning.plan import describe_fsdp
 from mbcompile.reports.exploration import table
 from mbcompile.version import __version__
 
@@ -205,7 +205,7 @@ def _text(d: dict[str, Any], cm: Any) -> str:
              f"{', ...' if plan.num_csx > 8 else ''})",
              f"  why: {plan.reason}"]
     if plan.reshard_after_forward is not None:
-        lines.append(f"  fsdp: {describe_reshard(plan.reshard_after_forward)}")
+        lines.append(f"  fsdp: {describe_fsdp(plan)}")
     lines += [f"  warning: {w}" for w in plan.warnings]
     if selection is None:
         return "\n".join(lines)
