@@ -14,8 +14,11 @@ class with the same parameter shapes, so their graphs are copies of each other:
    reads the last layer.
 
 Used for plans only (``compile_only`` / ``validate_only``): the graph is analysed and
-costed, never run. A model whose layers differ by index (``config.layer_types`` not all
-alike: sliding-window and full attention taking turns) is captured whole.
+costed, never run. A model whose layers differ by index is captured whole: where
+``config.layer_types`` says so (sliding-window and full attention taking turns), where
+the layers' submodules differ in class, or where a plain value the two-layer trace read
+in the second layer (``self.is_sliding``, ``self.use_rope``: the capture's guards) holds
+another value in a later one, which the copies would silently not see.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import copy
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .capture import CaptureResult
+from .guards import Guard
 from .repeated_blocks import alike, find_blocks
 
 __all__ = ["MIN_LAYERS", "capture_by_blocks", "repeated_layers"]
@@ -78,8 +82,26 @@ def capture_by_blocks(model: nn.Module, capture: Callable[[nn.Module], CaptureRe
         return None
     path, layers = found
     result = capture(_with_layers(model, path, nn.ModuleList(list(layers)[:2])))
+    if not _reads_alike(result.guards, layers):
+        return None
     gm = _expand(result.graph_module, model, path, len(layers))
     return replace(result, graph_module=gm) if gm is not None else None
+
+
+def _reads_alike(guards: Sequence[Guard], layers: nn.ModuleList) -> bool:
+    """Whether every plain value the trace read in the second layer (its guards) holds
+    the same value in each later layer, which is copied from it."""
+    inside = {id(m): name for name, m in layers[1].named_modules()}
+    missing = object()
+    for guard in guards:
+        name = inside.get(id(guard.module))
+        if name is None:
+            continue
+        for layer in list(layers)[2:]:
+            now = layer.get_submodule(name).__dict__.get(guard.name, missing)
+            if type(now) is not type(guard.value) or now != guard.value:
+                return False
+    return True
 
 
 def _renamed(path: str, k: int) -> Callable[[str], str]:

@@ -180,8 +180,9 @@ def _same_node(gm: fx.GraphModule, a: fx.Node, b: fx.Node,
 
 
 def alike(x: Any, y: Any) -> bool:
-    """Two tensors of one shape and dtype, or two layers of one class and parameter shapes
-    (split-off graphs: node by node the same, up to their attributes' names)."""
+    """Two tensors of one shape and dtype, or two layers of one class, submodule classes and
+    parameter shapes (split-off graphs: node by node the same, up to their attributes'
+    names)."""
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
         return (x.shape, x.dtype, x.requires_grad) == (y.shape, y.dtype, y.requires_grad)
     if isinstance(x, nn.Module) and isinstance(y, nn.Module):
@@ -191,6 +192,8 @@ def alike(x: Any, y: Any) -> bool:
         shapes = [[(p.shape, p.dtype, p.requires_grad) for p in m.parameters()] for m in (x, y)]
         if shapes[0] != shapes[1]:
             return False
+        if not graphs and [type(m) for m in x.modules()] != [type(m) for m in y.modules()]:
+            return False  # the same parameters in other layers (a dense MLP, then an MoE)
         if graphs:
             xs, ys = list(x.graph.nodes), list(y.graph.nodes)
             return len(xs) == len(ys) and all(

@@ -176,3 +176,58 @@ def test_deep_model_compiled_with_block_shapes_equals_eager() -> None:
     cm = mbcompile.compile(model, 8, 2, 2, example_inputs=batch, **plan_free(2))
     assert find_blocks(cm.original_graph_module) is not None
     assert_close_errors(step_errors(model, cm, batch), TOL)
+
+
+class _FlagBlock(torch.nn.Module):
+    """The same class and parameters in every layer; a plain flag set by index changes
+    what a layer computes (as ``self.is_sliding`` does in some transformers models)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.square = index >= 2
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(h))
+        return h * h if self.square else h
+
+
+class _FlagNet(torch.nn.Module):
+    def __init__(self, block: type[torch.nn.Module] = _FlagBlock) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(block(i) for i in range(4))
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:  # export captures it
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+class _ActivationBlock(torch.nn.Module):
+    """Layers with the same parameters and different submodules (GELU, then ReLU)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.act = torch.nn.GELU() if index < 2 else torch.nn.ReLU()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(h))
+
+
+@pytest.mark.parametrize("block", [_FlagBlock, _ActivationBlock])
+def test_layers_that_differ_by_index_are_captured_whole(block: type) -> None:
+    """Copying the second layer for the later ones would silently drop what they do
+    differently: a flag the trace read (its guard holds another value there), or another
+    submodule class; such a model is captured whole, and its plan's graph is the whole one."""
+    torch.manual_seed(0)
+    model = _FlagNet(block)
+    x = torch.randn(4, 8)
+
+    def exported(module: torch.nn.Module) -> Any:
+        return export_capture(module, {"x": x}, {"x": 0})
+
+    assert capture_by_blocks(model, exported) is None
+    cm = mbcompile.compile(model, 8, 2, 2, example_inputs=(x,), compile_only=True,
+                           system="host")
+    assert _structure(cm.original_graph_module) == _structure(exported(model).graph_module)
