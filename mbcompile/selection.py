@@ -79,6 +79,25 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
     memory stops the MBS from growing. With ``request.cost_model`` False nothing is
     probed: the plan is the arithmetic one (``make_plan``), unchecked against memory.
     """
+    return _pinned(_select(request, analysed, progress), request)
+
+
+def _pinned(selection: Selection, request: Request) -> Selection:
+    """A sharded model's FSDP2 settings that the user pinned (``reshard_after_forward``,
+    ``gradient_sync``) reach the plan, and so the runtime, also where no cost model chose
+    them (``cost_model=False``, or one that could not run)."""
+    plan = selection.plan
+    if request.shard is None:
+        return selection
+    pins: dict[str, Any] = {}
+    if plan.reshard_after_forward is None and isinstance(request.reshard, bool):
+        pins["reshard_after_forward"] = request.reshard
+    if plan.gradient_sync is None and request.gradient_sync != "auto":
+        pins["gradient_sync"] = request.gradient_sync
+    return replace(selection, plan=replace(plan, **pins)) if pins else selection
+
+
+def _select(request: Request, analysed: Analysed, progress: bool | None) -> Selection:
     ctx = _Context(request, analysed, progress)
     recompute = recompute_option(request, analysed)
     unsplit, two_phase = analysed.mode == "unsplit", analysed.mode == "two_phase"

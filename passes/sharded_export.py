@@ -43,6 +43,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .capture import CaptureResult, fsdp_view, stand_in
+from .errors import CaptureError
 from .ops import fsdp_unit_enter, fsdp_unit_exit
 
 __all__ = ["sharded_export"]
@@ -72,16 +73,27 @@ def _marker_ops() -> dict[Any, Callable[..., Any]]:
             return None, list(grads)
 
         op.register_autograd(backward)
-        ops[torch.ops.mbcompile.__getattr__(marker.__name__).default] = marker
+        ops[getattr(torch.ops.mbcompile, marker.__name__).default] = marker
     return ops
 
 
 def _through(op_name: str, unit: str, value: Any) -> Any:
-    """``value`` with its tensor leaves passed through the marker op ``op_name``."""
+    """``value`` with its tensor leaves passed through the marker op ``op_name``.
+
+    A unit called with no tensor, or returning none, is refused: its marker would read
+    no value and be read by none, so nothing would keep it in the loop's body beside the
+    unit's computation, and its all-gather or reshard would run at the wrong place.
+    """
     leaves, spec = pytree.tree_flatten(value)
     at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     if not at:
-        return value
+        what = "called with no tensor argument" if op_name.endswith("enter") else \
+            "returns no tensor"
+        raise CaptureError(
+            f"{unit!r}, sharded with fully_shard on its own, is {what}; mbcompile runs "
+            "each unit's FSDP all-gather and reshard where its tensors enter and leave it. "
+            "Fix: leave its parameters to the unit around it (do not fully_shard it "
+            "separately), or pass it the tensor it works on")
     op = getattr(torch.ops.mbcompile, op_name)
     out = op(unit, [leaves[i] for i in at])
     for j, i in enumerate(at):
@@ -122,12 +134,15 @@ def _stand_ins(model: nn.Module) -> Iterator[None]:
     from torch.distributed.tensor import DTensor
 
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-    for name, module in model.named_modules():
+    made: dict[int, nn.Parameter] = {}  # a tied parameter has one stand-in, as one tensor
+    for name, module in model.named_modules(remove_duplicate=False):
         for attr, param in list(module._parameters.items()):
             if isinstance(param, DTensor):
                 full = f"{name}.{attr}" if name else attr
                 swapped.append((module, attr, param))
-                module._parameters[attr] = stand_in(param, model, full)
+                if id(param) not in made:
+                    made[id(param)] = stand_in(param, model, full)
+                module._parameters[attr] = made[id(param)]
     try:
         yield
     finally:
@@ -142,21 +157,17 @@ def _as_fx_writes_it(gm: fx.GraphModule) -> None:
     export unlifts them all: the backend reads a sharded one there, inside its unit's
     all-gather (``execution/fsdp.py``)."""
     ops = _marker_ops()
+    # moving a get_attr leaves its users where they are: one order serves every move
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in ops:
             unit, values = node.args
             node.target = ops[node.target]
             node.args = (unit, *values)
         elif node.op == "get_attr" and node.users:
-            first = min(node.users, key=_position(gm.graph))
-            first.prepend(node)
+            min(node.users, key=order.__getitem__).prepend(node)
     gm.graph.lint()
     gm.recompile()
-
-
-def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return order.__getitem__
 
 
 def sharded_export(model: nn.Module, units: Sequence[tuple[str, nn.Module]],

@@ -184,6 +184,8 @@ def profile_step(fn: Callable[[], Any]) -> dict[str, Any]:
     at_peak: dict[int, int] = {}
     peak_time = events[0][0] if events else 0
     for i, (t, ptr, size, _) in enumerate(events):
+        if size > 0 and ptr in live:  # its free went unrecorded (a gloo thread): gone by now
+            total -= events[live[ptr]][2]
         total += size
         if size > 0:
             live[ptr] = i

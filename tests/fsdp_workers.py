@@ -103,7 +103,7 @@ class Comms:
 
 def train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
                 reshard_after_forward: bool | str = "auto", sync: str = "auto",
-                steps: int = 2) -> None:
+                steps: int = 2, cost_model: bool = True) -> None:
     """``steps`` compiled steps (SGD between them) of the sharded model on this rank's
     share, with ``compile(reshard_after_forward=...)`` (the model is sharded with the
     opposite of a pinned setting, so the step must apply it); saves each step's loss, full
@@ -112,7 +112,8 @@ def train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
     batch = make_batch(gbs)
     cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=batch,
                            backend="torch.distributed",
-                           reshard_after_forward=reshard_after_forward, gradient_sync=sync)
+                           reshard_after_forward=reshard_after_forward, gradient_sync=sync,
+                           cost_model=cost_model)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     record = []
     for step in range(steps):
@@ -289,7 +290,7 @@ def reshard_view(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> Non
 def make_llama(layers: int = 2) -> nn.Module:
     """A tiny transformers Llama in float64 throughout: its RMSNorm and causal-LM loss
     without their float32 round trips (``test_hf_models``), so sums of partial sums
-    agree to float64 rounding."""
+    agree to float64 rounding; its embeddings tied to its head, as Llama 3.2's are."""
     from test_hf_models import causal_lm_loss_float64, rms_norm_in_input_dtype
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama import modeling_llama
@@ -298,7 +299,7 @@ def make_llama(layers: int = 2) -> nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2)
+                         num_key_value_heads=2, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).double()
     model.loss_function = causal_lm_loss_float64
     return model
@@ -351,3 +352,51 @@ def hf_train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
                 "entered": [n.args[0] for n in graph.nodes if n.target is fsdp_unit_enter],
                 "targets": {str(n.target) for n in graph.nodes if n.op == "call_function"}},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+class _Positions(nn.Module):
+    """A learned table, called with no argument (``self.pos()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(SEQ, WIDTH, dtype=torch.float64))
+
+    def forward(self) -> torch.Tensor:
+        return self.table * 1.0
+
+
+class _KeywordNet(TokenNet):
+    """TokenNet with a position table sharded on its own, and a forward that takes
+    ``**kwargs`` (only torch.export captures it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = _Positions()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return super().forward(x + self.pos(), y)
+
+
+def unit_without_tensors(rank: int, world: int, out_dir: str) -> None:
+    """A unit called with no tensor, in a model only export captures: compile's error,
+    and whether the shards are as they were."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mbcompile.errors import CaptureError
+
+    torch.manual_seed(0)
+    net = _KeywordNet().double()
+    fully_shard(net.pos)
+    shard(net)
+    before = {n: p.to_local().clone() for n, p in net.named_parameters()}
+    hooks = [list(m._forward_pre_hooks) + list(m._forward_hooks) for m in net.modules()]
+    x, y = make_batch(4)
+    try:
+        mbcompile.compile(net, 4, world, 1, example_kwargs={"x": x, "y": y},
+                          backend="torch.distributed")
+        message = None
+    except CaptureError as exc:
+        message = str(exc)
+    kept = all(torch.equal(p.to_local(), before[n]) for n, p in net.named_parameters()) and \
+        hooks == [list(m._forward_pre_hooks) + list(m._forward_hooks) for m in net.modules()]
+    torch.save({"message": message, "kept": kept}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -29,17 +29,20 @@ def _reference(gbs: int, steps: int) -> list[tuple[torch.Tensor, dict[str, torch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,gbs,mbs,reshard,sync", [
-    (2, 7, 2, "auto", "auto"),  # 4 + 3 samples: microbatches 2, 2 and 2, 1
-    (2, 7, 2, True, "auto"),    # the same, units resharded after forward (sharded kept gathered)
-    (2, 7, 2, False, "auto"),   # the same, units kept gathered (sharded resharding)
-    (2, 7, 2, True, "microbatch"),  # gradients reduce-scattered in every microbatch
-    (3, 10, 2, "auto", "auto"),  # 4 + 3 + 3 samples
-    (3, 7, 1, "auto", "auto"),  # 3 + 2 + 2: ranks 1 and 2 have an empty third microbatch
-    (3, 7, 1, False, "microbatch"),  # the same, a reduce-scatter round in each forward
+@pytest.mark.parametrize("world,gbs,mbs,reshard,sync,cost_model", [
+    (2, 7, 2, "auto", "auto", True),  # 4 + 3 samples: microbatches 2, 2 and 2, 1
+    (2, 7, 2, True, "auto", True),    # units resharded after forward (sharded kept gathered)
+    (2, 7, 2, False, "auto", True),   # units kept gathered (sharded resharding)
+    (2, 7, 2, True, "microbatch", True),  # gradients reduce-scattered in every microbatch
+    (2, 7, 2, False, "microbatch", False),  # the same pinned, with no cost model to choose
+    (3, 10, 2, "auto", "auto", True),  # 4 + 3 + 3 samples
+    (3, 7, 1, "auto", "auto", True),  # 3 + 2 + 2: ranks 1 and 2 have an empty third microbatch
+    (3, 7, 1, False, "microbatch", True),  # the same, a reduce-scatter round in each forward
 ])
-def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs, reshard, sync):
-    _run(fsdp_workers.train_steps, world, str(tmp_path), gbs, mbs, reshard, sync)
+def test_sharded_steps_equal_full_batch_steps(tmp_path, world, gbs, mbs, reshard, sync,
+                                              cost_model):
+    _run(fsdp_workers.train_steps, world, str(tmp_path), gbs, mbs, reshard, sync, 2,
+         cost_model)
     reference = _reference(gbs, 2)
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
@@ -275,6 +278,19 @@ def test_a_sharded_transformers_model_trains_exactly(tmp_path, world, gbs, mbs):
             # the root once per forward, each layer again in its backward if resharded
             assert step["counts"]["all_gather"] == rounds * (1 + (2 if resharded else 1) * 2)
             assert step["sharded"]
+
+
+@pytest.mark.slow
+def test_a_unit_called_with_no_tensor_is_refused_under_export(tmp_path):
+    """torch.export brackets a unit's call by its tensors: a unit given none is refused
+    with a CaptureError that names it and the fix, and the model is left as it was."""
+    _run(fsdp_workers.unit_without_tensors, 2, str(tmp_path))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["kept"]
+        assert got["message"].startswith(
+            "'pos', sharded with fully_shard on its own, is called with no tensor argument")
+        assert "do not fully_shard it separately" in got["message"]
 
 
 def test_fsdp_is_planned_without_ranks():
