@@ -62,7 +62,7 @@ from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
 from .sources import source_line, user_frame
 
 __all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",
-           "fsdp_unit_enter", "fsdp_unit_exit", "fsdp_view", "stand_in"]
+           "fsdp_unit_enter", "fsdp_unit_exit", "fsdp_view", "gathered_dtypes", "stand_in"]
 
 
 @dataclass(frozen=True)
@@ -380,25 +380,43 @@ def fsdp_view(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
             hooks.update(before)
 
 
-def _with_stand_ins(model: torch.nn.Module, graph: fx.Graph) -> dict[str, Any]:
+def _with_stand_ins(model: torch.nn.Module, graph: fx.Graph,
+                    units: list[tuple[str, torch.nn.Module]]) -> dict[str, Any]:
     """The graph's attributes, each sharded parameter replaced by a stand-in: a parameter
     of the full shape that holds one element (an expanded zero), naming the real one."""
     from torch.distributed.tensor import DTensor
 
+    dtypes = gathered_dtypes(units)
     attrs: dict[str, Any] = {}
     for node in graph.nodes:
         if node.op not in ("get_attr", "call_module"):
             continue
         value = operator.attrgetter(node.target)(model)
-        attrs[node.target] = stand_in(value, model, node.target) if isinstance(
-            value, DTensor) else value
+        attrs[node.target] = stand_in(value, model, node.target, dtypes.get(id(value))) \
+            if isinstance(value, DTensor) else value
     return attrs
 
 
-def stand_in(param: torch.Tensor, model: torch.nn.Module, name: str) -> torch.nn.Parameter:
+def gathered_dtypes(units: list[tuple[str, torch.nn.Module]]) -> dict[int, torch.dtype]:
+    """``id`` of each sharded floating parameter whose unit's ``MixedPrecisionPolicy``
+    gathers it in another dtype -> that dtype (what forward computes with)."""
+    dtypes: dict[int, torch.dtype] = {}
+    for _, module in units:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            wanted = group.mp_policy.param_dtype
+            for fsdp_param in group.fsdp_params:
+                param = fsdp_param.sharded_param
+                if wanted is not None and param.dtype.is_floating_point:
+                    dtypes[id(param)] = wanted
+    return dtypes
+
+
+def stand_in(param: torch.Tensor, model: torch.nn.Module, name: str,
+             dtype: torch.dtype | None = None) -> torch.nn.Parameter:
     """A parameter of ``param``'s full shape that holds one element (an expanded zero),
-    naming the sharded one: ``model``'s parameter ``name``."""
-    zero = torch.zeros((), dtype=param.dtype, device=param.device)
+    naming the sharded one: ``model``'s parameter ``name``; in ``dtype``, the one FSDP
+    gathers it in, when that is another (mixed precision)."""
+    zero = torch.zeros((), dtype=dtype or param.dtype, device=param.device)
     value = torch.nn.Parameter(zero.expand(param.shape), requires_grad=param.requires_grad)
     setattr(value, FSDP_PARAM, (model, name))
     return value
@@ -455,7 +473,7 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
-                gm = fx.GraphModule(_with_stand_ins(model, graph) if units else tracer.root,
+                gm = fx.GraphModule(_with_stand_ins(model, graph, units) if units else tracer.root,
                                     graph, name)
         except CaptureError:
             raise

@@ -42,7 +42,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureResult, fsdp_view, stand_in
+from .capture import CaptureResult, fsdp_view, gathered_dtypes, stand_in
 from .errors import CaptureError
 from .ops import fsdp_unit_enter, fsdp_unit_exit
 
@@ -104,15 +104,27 @@ def _through(op_name: str, unit: str, value: Any) -> Any:
 @contextlib.contextmanager
 def _bracketed(units: Sequence[tuple[str, nn.Module]]) -> Iterator[None]:
     """Every unit but the root calls the enter op on its arguments and the exit op on its
-    output, for as long as the block runs (the root's hooks are the runtime's own)."""
+    output, for as long as the block runs (the root's hooks are the runtime's own).
+
+    Each unit's arguments, and the root's, are first cast as FSDP's pre-forward casts them
+    under a ``MixedPrecisionPolicy`` (floating tensors to its ``param_dtype``): export
+    bakes the dtypes it traces into the graph, so it must trace the ones the step sees.
+    """
     _marker_ops()
     handles = []
     for name, module in units:
+        state = module._get_fsdp_state()
         if not name:
+            def cast(_: nn.Module, args: Any, kwargs: Any, state: Any = state) -> Any:
+                return state._cast_forward_inputs(args, kwargs)
+
+            handles.append(module.register_forward_pre_hook(cast, with_kwargs=True,
+                                                            prepend=True))
             continue
 
-        def enter(_: nn.Module, args: Any, kwargs: Any, name: str = name) -> Any:
-            return _through("fsdp_unit_enter", name, (args, kwargs))
+        def enter(_: nn.Module, args: Any, kwargs: Any, name: str = name,
+                  state: Any = state) -> Any:
+            return _through("fsdp_unit_enter", name, state._cast_forward_inputs(args, kwargs))
 
         def leave(_: nn.Module, args: Any, output: Any, name: str = name) -> Any:
             return _through("fsdp_unit_exit", name, output)
@@ -129,10 +141,12 @@ def _bracketed(units: Sequence[tuple[str, nn.Module]]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _stand_ins(model: nn.Module) -> Iterator[None]:
-    """Every sharded parameter swapped for its stand-in while the block runs."""
+def _stand_ins(model: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> Iterator[None]:
+    """Every sharded parameter swapped for its stand-in while the block runs, in the dtype
+    FSDP gathers it in: export bakes dtypes into the graph (``x.to(input_dtype)``)."""
     from torch.distributed.tensor import DTensor
 
+    dtypes = gathered_dtypes(list(units))
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     made: dict[int, nn.Parameter] = {}  # a tied parameter has one stand-in, as one tensor
     for name, module in model.named_modules(remove_duplicate=False):
@@ -141,7 +155,7 @@ def _stand_ins(model: nn.Module) -> Iterator[None]:
                 full = f"{name}.{attr}" if name else attr
                 swapped.append((module, attr, param))
                 if id(param) not in made:
-                    made[id(param)] = stand_in(param, model, full)
+                    made[id(param)] = stand_in(param, model, full, dtypes.get(id(param)))
                 module._parameters[attr] = made[id(param)]
     try:
         yield
@@ -174,7 +188,7 @@ def sharded_export(model: nn.Module, units: Sequence[tuple[str, nn.Module]],
                    export: Callable[[nn.Module], CaptureResult]) -> CaptureResult:
     """``export(model)`` on the sharded ``model`` (its FSDP2 ``units``, the root first):
     a graph of stand-ins and unit markers, as ``capture`` makes for torch.fx."""
-    with fsdp_view(model, units), _stand_ins(model), _bracketed(units):
+    with fsdp_view(model, units), _stand_ins(model, units), _bracketed(units):
         captured = export(model)
     _as_fx_writes_it(captured.graph_module)
     return captured

@@ -400,3 +400,35 @@ def unit_without_tensors(rank: int, world: int, out_dir: str) -> None:
     kept = all(torch.equal(p.to_local(), before[n]) for n, p in net.named_parameters()) and \
         hooks == [list(m._forward_pre_hooks) + list(m._forward_hooks) for m in net.modules()]
     torch.save({"message": message, "kept": kept}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def mixed_precision_step(rank: int, world: int, out_dir: str, kind: str) -> None:
+    """One compiled step of a float64 model sharded with ``MixedPrecisionPolicy(
+    param_dtype=float32, reduce_dtype=float64)``: ``kind`` "llama" (transformers as
+    shipped, float32 casts in its RMSNorm: export) or "tokennet" (torch.fx, float inputs
+    that FSDP casts). Saves the loss and the full gradients."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    if kind == "llama":
+        from transformers.models.llama import modeling_llama
+
+        stock = modeling_llama.LlamaRMSNorm.forward
+        model = make_llama()
+        modeling_llama.LlamaRMSNorm.forward = stock  # its float32 round trip, as shipped
+        blocks, batch = model.model.layers, llama_batch(8)
+    else:
+        model = make_net()
+        x, y = make_batch(8)
+        blocks, batch = model.blocks, {"x": x, "y": y}
+    for block in blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    cm = mbcompile.compile(model, 8, world, 2, example_kwargs=batch,
+                           backend="torch.distributed")
+    out = cm(**mbdist.shard(batch, cm.plan, rank))
+    loss = out.loss if kind == "llama" else out
+    loss.backward()
+    torch.save({"loss": loss.detach(),
+                "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}},
+               os.path.join(out_dir, f"rank{rank}.pt"))

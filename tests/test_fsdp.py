@@ -281,6 +281,37 @@ def test_a_sharded_transformers_model_trains_exactly(tmp_path, world, gbs, mbs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "tokennet"])
+def test_mixed_precision_shards_compute_in_their_param_dtype(tmp_path, kind):
+    """A float64 model sharded with MixedPrecisionPolicy(param_dtype=float32): the step
+    computes in float32 as FSDP's eager step does (export traces the gathered dtype and
+    the cast inputs, so transformers' own float32 round trips fit), and equals the float32
+    model's full-batch step to float32 rounding."""
+    if kind == "llama":
+        pytest.importorskip("transformers")
+        from transformers.models.llama import modeling_llama
+
+        stock = modeling_llama.LlamaRMSNorm.forward
+    _run(fsdp_workers.mixed_precision_step, 2, str(tmp_path), kind)
+    if kind == "llama":
+        model = fsdp_workers.make_llama()
+        modeling_llama.LlamaRMSNorm.forward = stock
+        loss = model.float()(**fsdp_workers.llama_batch(8)).loss
+    else:
+        model = fsdp_workers.make_net().float()
+        x, y = fsdp_workers.make_batch(8)
+        loss = model(x.float(), y)
+    loss.backward()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["loss"].dtype == torch.float32
+        assert relative_error(got["loss"], loss) <= 1e-5
+        errors = {n: relative_error(got["grads"][n], p.grad.double())
+                  for n, p in model.named_parameters()}
+        assert {n: e for n, e in errors.items() if not e <= 1e-5} == {}
+
+
+@pytest.mark.slow
 def test_a_unit_called_with_no_tensor_is_refused_under_export(tmp_path):
     """torch.export brackets a unit's call by its tensors: a unit given none is refused
     with a CaptureError that names it and the fix, and the model is left as it was."""
