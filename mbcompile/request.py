@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from mbcompile.errors import ArgumentTypeError, CaptureError, InputError, PlanError
 from mbcompile.execution import BACKENDS
 from mbcompile.execution.noise import NoiseScale
-from mbcompile.passes.capture import fsdp_modules
+from mbcompile.passes.capture import fsdp_modules, gathered_dtypes
 from mbcompile.passes.unwrap import unwrap
 from mbcompile.planning.cost import ShardSpec
 from mbcompile.planning.explore import check_request, single_microbatch_request
@@ -437,9 +437,12 @@ def same_value(a: Any, b: Any) -> bool:
 
 def _shard_spec(units: Sequence[tuple[str, nn.Module]], world: int) -> ShardSpec | None:
     """A sharded model's FSDP2 ``units`` (``fsdp_modules``, the root first) by the full
-    bytes of the parameters each owns."""
+    bytes of the parameters each owns, gathered (in a ``MixedPrecisionPolicy``'s
+    ``param_dtype`` where it sets one)."""
     if not units:
         return None
+    sharded = hasattr(units[0][1], "_get_fsdp_state")  # not only planned (shard="fsdp")
+    dtypes = gathered_dtypes(list(units)) if sharded else {}
     owner: dict[int, int] = {}
     for i, (_, unit) in enumerate(units):  # the root first: deeper units claim theirs after
         for p in unit.parameters():
@@ -450,7 +453,8 @@ def _shard_spec(units: Sequence[tuple[str, nn.Module]], world: int) -> ShardSpec
         for p in unit.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                sizes[owner[id(p)]] += p.numel() * p.element_size()  # DTensor: global numel
+                size = dtypes[id(p)].itemsize if id(p) in dtypes else p.element_size()
+                sizes[owner[id(p)]] += p.numel() * size  # DTensor: global numel
     return ShardSpec(world, tuple(sizes))
 
 

@@ -429,6 +429,7 @@ def mixed_precision_step(rank: int, world: int, out_dir: str, kind: str) -> None
     out = cm(**mbdist.shard(batch, cm.plan, rank))
     loss = out.loss if kind == "llama" else out
     loss.backward()
-    torch.save({"loss": loss.detach(),
+    torch.save({"loss": loss.detach(), "gathered": cm.estimate.memory.gathered,
+                "reshard": cm.plan.reshard_after_forward,
                 "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}},
                os.path.join(out_dir, f"rank{rank}.pt"))

@@ -286,7 +286,7 @@ def test_mixed_precision_shards_compute_in_their_param_dtype(tmp_path, kind):
     """A float64 model sharded with MixedPrecisionPolicy(param_dtype=float32): the step
     computes in float32 as FSDP's eager step does (export traces the gathered dtype and
     the cast inputs, so transformers' own float32 round trips fit), and equals the float32
-    model's full-batch step to float32 rounding."""
+    model's full-batch step to float32 rounding; its units are costed gathered in float32."""
     if kind == "llama":
         pytest.importorskip("transformers")
         from transformers.models.llama import modeling_llama
@@ -309,6 +309,11 @@ def test_mixed_precision_shards_compute_in_their_param_dtype(tmp_path, kind):
         errors = {n: relative_error(got["grads"][n], p.grad.double())
                   for n, p in model.named_parameters()}
         assert {n: e for n, e in errors.items() if not e <= 1e-5} == {}
+    if kind == "tokennet":  # the float32 model planned in one process gathers as much
+        planned = mbcompile.compile(fsdp_workers.make_net().float(), 8, 2, 2,
+                                    example_inputs=(x.float(), y), compile_only=True,
+                                    shard="fsdp", reshard_after_forward=got["reshard"])
+        assert got["gathered"] == pytest.approx(planned.estimate.memory.gathered)
 
 
 @pytest.mark.slow
