@@ -103,7 +103,8 @@ class Comms:
 
 def train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
                 reshard_after_forward: bool | str = "auto", sync: str = "auto",
-                steps: int = 2, cost_model: bool = True) -> None:
+                steps: int = 2, cost_model: bool = True, recompute: bool | str = "auto"
+                ) -> None:
     """``steps`` compiled steps (SGD between them) of the sharded model on this rank's
     share, with ``compile(reshard_after_forward=...)`` (the model is sharded with the
     opposite of a pinned setting, so the step must apply it); saves each step's loss, full
@@ -113,7 +114,7 @@ def train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
     cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=batch,
                            backend="torch.distributed",
                            reshard_after_forward=reshard_after_forward, gradient_sync=sync,
-                           cost_model=cost_model)
+                           cost_model=cost_model, recompute=recompute)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     record = []
     for step in range(steps):
@@ -315,7 +316,7 @@ def llama_batch(gbs: int, seed: int = 1) -> dict[str, torch.Tensor]:
 
 
 def hf_train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
-                   steps: int = 2) -> None:
+                   steps: int = 2, recompute: bool | str = "auto") -> None:
     """``steps`` compiled steps (SGD between them) of a transformers Llama sharded with
     fully_shard (each decoder layer, then the model) on this rank's share; saves each
     step's loss, full gradients and collectives, and the captured graph's markers."""
@@ -328,7 +329,7 @@ def hf_train_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
         fully_shard(layer)
     fully_shard(model)
     cm = mbcompile.compile(model, gbs, world, mbs, example_kwargs=llama_batch(gbs),
-                           backend="torch.distributed")
+                           backend="torch.distributed", recompute=recompute)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     record = []
     for step in range(steps):

@@ -83,35 +83,110 @@ def bind_units(body: fx.GraphModule, root: nn.Module, step: ShardedStep
     """``body`` with FSDP at work: stand-ins read ``root``'s current parameters, markers
     call ``step.enter`` / ``step.exit`` (the units' hooks). The result holds ``root``
     itself, so its parameters (the shards) are the ones the training step
-    differentiates."""
+    differentiates.
+
+    A part split off into a graph of its own (a block under activation checkpointing,
+    ``passes/recompute.py``: ``checkpoint(self.submod_1, x, blocks_0_ff_weight, ...)``)
+    is bound the same way, and the stand-ins it is passed are read inside it instead, at
+    their first use: after its unit's all-gather in forward, and after FSDP's
+    pre-backward all-gather when the checkpoint recomputes it.
+    """
+    return _bind(body, root, step, [None] * _arity(body))
+
+
+def _arity(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def _stand_in_name(gm: fx.GraphModule, node: Any) -> str | None:
+    """The sharded parameter a ``get_attr`` node of ``gm`` stands in for, if any."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    found = getattr(operator.attrgetter(node.target)(gm), FSDP_PARAM, None)
+    return None if found is None else found[1]
+
+
+def _bind(gm: fx.GraphModule, root: nn.Module, step: ShardedStep,
+          passed: list[str | None]) -> fx.GraphModule:
+    """``gm`` bound (``bind_units``); ``passed[i]`` names the sharded parameter whose
+    stand-in the caller passes as placeholder ``i``: read here instead, where first used."""
     bound_markers = {fsdp_unit_enter: step.enter, fsdp_unit_exit: step.exit}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    root_node = None
-    for node in body.graph.nodes:
+    root_node: fx.Node | None = None
+    attrs: dict[str, Any] = {_ROOT: root}
+    inputs = iter(passed)
+    lifted: dict[fx.Node, str] = {}  # placeholders read here instead, by the parameter
+
+    def value(a: fx.Node) -> fx.Node:
+        if a in lifted and a not in env:  # the first use: read the current parameter now
+            env[a] = graph.call_function(current_param, (root_node, lifted[a]))
+            env[a].meta = dict(a.meta)
+        return env[a]
+
+    for node in gm.graph.nodes:
         if root_node is None and node.op != "placeholder":
             root_node = graph.get_attr(_ROOT)
-        if node.op == "get_attr":
-            stand_in = getattr(operator.attrgetter(node.target)(body), FSDP_PARAM, None)
-            if stand_in is not None:
-                env[node] = graph.call_function(current_param, (root_node, stand_in[1]))
-                env[node].meta = dict(node.meta)
+        if node.op == "placeholder":
+            name = next(inputs, None)
+            if name is not None:
+                lifted[node] = name
                 continue
-        if node.op == "call_function" and node.target in bound_markers:
+        elif node.op == "get_attr" and _stand_in_name(gm, node) is not None:
+            env[node] = graph.call_function(current_param, (root_node, _stand_in_name(gm, node)))
+            env[node].meta = dict(node.meta)
+            continue
+        elif node.op == "call_function" and node.target in bound_markers:
             env[node] = graph.call_function(bound_markers[node.target],
-                                            fx.node.map_arg(node.args, lambda n: env[n]))
+                                            fx.node.map_arg(node.args, value))
             if node.target is fsdp_unit_enter:
                 step.order.append(node.args[0])
             env[node].meta = dict(node.meta)
             continue
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    attrs: dict[str, Any] = {_ROOT: root}
-    for node in graph.nodes:
-        if node.op in ("get_attr", "call_module") and node.target != _ROOT:
-            attrs[node.target] = operator.attrgetter(node.target)(body)
-    bound = fx.GraphModule(attrs, graph, type(body).__name__)
-    bound.train(body.training)
+        elif _calls_graph(gm, node):  # a split-off part: bound, given no stand-in
+            env[node] = _bind_call(gm, node, graph, value, attrs, root, step)
+            continue
+        env[node] = graph.node_copy(node, value)
+    for node in list(graph.nodes):
+        if node.target is current_param and not node.users:
+            graph.erase_node(node)  # passed to a part, which now reads it itself
+        elif node.op in ("get_attr", "call_module") and node.target not in attrs:
+            attrs[node.target] = operator.attrgetter(node.target)(gm)
+    bound = fx.GraphModule(attrs, graph, type(gm).__name__)
+    bound.train(gm.training)
     return bound
+
+
+def _calls_graph(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A call of a split-off graph: ``self.submod_0(...)``, or ``checkpoint(submod, ...)``
+    (and the generator-replaying checkpoint) whose first argument reads one."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), fx.GraphModule)
+    first = node.args[0] if node.op == "call_function" and node.args else None
+    return isinstance(first, fx.Node) and first.op == "get_attr" and isinstance(
+        operator.attrgetter(str(first.target))(gm), fx.GraphModule)
+
+
+def _bind_call(gm: fx.GraphModule, node: fx.Node, graph: fx.Graph, value: Any,
+               attrs: dict[str, Any], root: nn.Module, step: ShardedStep) -> fx.Node:
+    """``node``, a call of a split-off graph, calling it bound: the stand-ins it passed
+    are read inside it, so they are dropped from the call."""
+    direct = node.op == "call_module"
+    target = str(node.target if direct else node.args[0].target)  # type: ignore[union-attr]
+    args = list(node.args if direct else node.args[1:])
+    names = [_stand_in_name(gm, a) for a in args]
+    part = _bind(operator.attrgetter(target)(gm), root, step, names)
+    name = f"{target.replace('.', '_')}_bound"
+    attrs[name] = part
+    kept = tuple(value(a) if isinstance(a, fx.Node) else a
+                 for a, n in zip(args, names) if n is None)
+    if direct:
+        call = graph.call_module(name, kept, dict(node.kwargs))
+    else:
+        call = graph.call_function(node.target, (graph.get_attr(name), *kept),
+                                   dict(node.kwargs))
+    call.meta = dict(node.meta)
+    return call
 
 
 def _zero_missing_grads(group: Any) -> None:
