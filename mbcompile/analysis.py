@@ -108,6 +108,8 @@ def analyse(request: Request, *, single: bool | None = None, validating: bool = 
     elif single:
         mode = "unsplit"
     elif found.refused(request.coupling) is None:
+        if request.shard is not None:
+            raise _sharded_two_phase(found.rejected)
         mode = "two_phase"
     else:
         raise found.rejected
@@ -117,6 +119,18 @@ def analyse(request: Request, *, single: bool | None = None, validating: bool = 
                         found.state) if model.training else None
     return replace(found, mode=mode, training=model.training, kept=kept,
                    cut=cut_graph(found.analysis, kept) if mode != "unsplit" else None)
+
+
+def _sharded_two_phase(rejected: MixingError) -> MixingError:
+    """A loss that couples samples, on a model sharded with FSDP2: refused, not run. Its
+    two-phase step runs the forward twice and differentiates the coupled part by hand,
+    which FSDP's hooks (an all-gather per forward, a reduce-scatter per backward) do not
+    follow yet, so the step would silently differ."""
+    return MixingError(
+        f"{rejected}\n  mbcompile runs such a loss exactly as a two-phase step on one "
+        "process or on replicated ranks, but not yet on a model sharded with FSDP2 "
+        "(fully_shard, or shard='fsdp'). Fix: train it replicated on ranks (backend="
+        "'torch.distributed', without fully_shard), or change the loss as above")
 
 
 def recompute_option(request: Request, analysed: Analysed) -> bool | str:
