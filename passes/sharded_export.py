@@ -8,14 +8,17 @@ for torch.fx (``passes/capture.py``):
 
 1. FSDP's forward hooks are set aside (``capture.fsdp_view``);
 2. each sharded parameter is swapped, for the trace, for a stand-in of its full shape
-   that holds one element (``capture.stand_in``, naming the real one): export sees the
-   shapes of the gathered model and nothing of its size is allocated;
+   that holds one element (``capture.stand_in``, naming the real one; one per tied
+   parameter, in the dtype a ``MixedPrecisionPolicy`` gathers it in): export sees the
+   gathered model and nothing of its size is allocated;
 3. each sharded submodule's call is bracketed by the custom ops
-   ``mbcompile::fsdp_unit_enter`` / ``fsdp_unit_exit`` (forward hooks on the unit),
-   which export records as it records any op;
+   ``mbcompile::fsdp_unit_enter`` / ``fsdp_unit_exit`` (forward hooks on the unit, which
+   first cast the arguments as FSDP's pre-forward does), which export records as it
+   records any op; a unit called with no tensor, or returning none, is refused;
 4. after export, each such op becomes the Python marker ``fsdp_unit_enter(unit, *values)``
-   the fx path writes, so every later pass, and the torch.distributed backend that runs
-   FSDP's pre- and post-forward in their place (``execution/fsdp.py``), sees one form.
+   the fx path writes, and each parameter is read where first used, so every later
+   pass, and the torch.distributed backend that runs FSDP's pre- and post-forward in
+   their place (``execution/fsdp.py``), sees one form.
 
 Before (``fully_shard`` on each ``LlamaDecoderLayer`` and on the model)::
 
