@@ -60,7 +60,8 @@ class StaticMemory:
 
     def sharded(self, world: int, accumulating: bool = False) -> float:
         """One FSDP2 rank's share over ``world`` ranks; ``accumulating``: several
-        microbatches, so FSDP2 holds every gradient unsharded until the last backward."""
+        microbatches with ``gradient_sync="step"``, so FSDP2 holds every gradient
+        unsharded until the last backward (``"microbatch"`` keeps them sharded)."""
         grads = self.grads if accumulating else self.grads / world
         return (self.params + self.optimizer) / world + grads + self.buffers
 
