@@ -3,7 +3,7 @@
     python benchmarks/bench_fsdp.py                 # 20 rounds
     python benchmarks/bench_fsdp.py --rounds 40
 
-Three contenders train the same small GPT, sharded the usual way (``fully_shard`` on
+Five contenders train the same small GPT, sharded the usual way (``fully_shard`` on
 each block, then on the root), on the same global batch with the same MBS:
 
 - the hand-written loop, the FSDP2 idiom for gradient accumulation:
@@ -14,7 +14,11 @@ each block, then on the root), on the same global batch with the same MBS:
   default);
 - mbcompile with ``reshard_after_forward=True``: like for like with the hand loop;
 - mbcompile with ``reshard_after_forward="auto"``: as a user gets it (the cost model
-  chooses the setting with the MBS; the output says which).
+  chooses the settings with the MBS; the output says which);
+- the hand loop that syncs in every microbatch (FSDP2's default, torchtitan's: the
+  gradients accumulate sharded), and mbcompile with ``gradient_sync="microbatch"``
+  (units resharded after forward): like for like for models whose full gradients do
+  not fit one device.
 
 They alternate round by round (the order rotates), each step starts from a barrier,
 and the ratio is the median of the per-round ratios of rank 0's wall time.
@@ -84,8 +88,9 @@ def _shard(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _hand_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-               sizes: tuple[int, ...], world: int) -> torch.Tensor:
-    """An FSDP2 user's exact step: gradient sync on the last microbatch only."""
+               sizes: tuple[int, ...], world: int, every: bool = False) -> torch.Tensor:
+    """An FSDP2 user's exact step: gradient sync on the last microbatch only (``every``:
+    in each microbatch)."""
     ids, labels = batch
     bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     slices = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
@@ -94,7 +99,7 @@ def _hand_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     dist.all_reduce(total)  # the global count, as the compiled step's packed sums
     loss = torch.zeros(())
     for k, ((a, b), count) in enumerate(zip(slices, counts)):
-        model.set_requires_gradient_sync(k == len(slices) - 1)
+        model.set_requires_gradient_sync(every or k == len(slices) - 1)
         mean, _ = model(ids[a:b], labels[a:b])
         part = mean * (count * world / total)
         part.backward()
@@ -105,19 +110,25 @@ def _hand_step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
 PINNED = "mbcompile, reshard_after_forward=True"
 AUTO = "mbcompile, reshard_after_forward='auto'"
 HAND = "FSDP2 + set_requires_gradient_sync"
+EVERY = "mbcompile, gradient_sync='microbatch'"
+HAND_EVERY = "FSDP2, gradient sync in every microbatch"
 
 
 def _rank(rank: int, world: int, out: str, rounds: int) -> None:
     torch.set_num_threads(1)
     model, batch = make_tiny_gpt(GBS, **CONFIG)
     twin = _shard(copy.deepcopy(model))  # the hand loop's, resharded after forward (default)
+    twin_every = _shard(copy.deepcopy(model))
     auto_model = _shard(copy.deepcopy(model))
+    every_model = _shard(copy.deepcopy(model))
     model = _shard(model)
 
-    def compiled_step(module: torch.nn.Module, reshard: bool | str) -> tuple[object, object]:
+    def compiled_step(module: torch.nn.Module, reshard: bool | str, sync: str = "step"
+                      ) -> tuple[object, object]:
         cm = mbcompile.compile(module, GBS, world, MBS, example_inputs=batch,
                                backend="torch.distributed", outputs="loss",
-                               reshard_after_forward=reshard)
+                               reshard_after_forward=reshard,
+                               gradient_sync=sync if reshard != "auto" else "auto")
 
         def step() -> object:
             loss, _ = cm(*local)
@@ -127,14 +138,18 @@ def _rank(rank: int, world: int, out: str, rounds: int) -> None:
 
     cm, pinned = compiled_step(model, True)  # like for like: the hand loop's setting
     auto_cm, auto = compiled_step(auto_model, "auto")  # as a user gets it
+    _, every = compiled_step(every_model, True, "microbatch")
     local = mbdist.shard(batch, cm.plan, rank)  # the steps read it when they run
     sizes = cm.plan.microbatch_sizes[rank]
 
     def hand() -> object:
-        loss = _hand_step(twin, local, sizes, world)
-        return loss
+        return _hand_step(twin, local, sizes, world)
 
-    contenders = {PINNED: (model, pinned), AUTO: (auto_model, auto), HAND: (twin, hand)}
+    def hand_every() -> object:
+        return _hand_step(twin_every, local, sizes, world, every=True)
+
+    contenders = {PINNED: (model, pinned), AUTO: (auto_model, auto), HAND: (twin, hand),
+                  EVERY: (every_model, every), HAND_EVERY: (twin_every, hand_every)}
     names = list(contenders)
 
     def before() -> None:  # untimed: all start from no gradients and from a barrier
@@ -153,12 +168,13 @@ def _rank(rank: int, world: int, out: str, rounds: int) -> None:
         grads[name] = [p.grad.full_tensor() for p in module.parameters()]
     ref = grads[HAND]
     diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-               for name in (PINNED, AUTO) for a, b in zip(grads[name], ref))
+               for name in (PINNED, AUTO, EVERY, HAND_EVERY) for a, b in zip(grads[name], ref))
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times": times, "cpu": cpu, "grad_diff": diff, "counts": counts,
                        "microbatches": len([s for s in sizes if s]),
-                       "auto_chose": auto_cm.plan.reshard_after_forward}, f)
+                       "auto_chose": auto_cm.plan.reshard_after_forward,
+                       "auto_sync": auto_cm.plan.gradient_sync}, f)
 
 
 def versus_hand(rounds: int) -> None:
@@ -175,9 +191,10 @@ def versus_hand(rounds: int) -> None:
     print(f"{'contender':40s} {'median ms':>9s} {'/ hand':>6s} {'quartiles':>13s} "
           f"{'CPU ms':>7s} {'CPU / hand':>10s} {'RS':>3s} {'AG':>3s} {'AR':>3s}")
     for name, ts in times.items():
-        ratios = sorted(t / h for t, h in zip(ts, times[hand]))
+        base = HAND_EVERY if name == EVERY else hand  # like for like
+        ratios = sorted(t / h for t, h in zip(ts, times[base]))
         q1, q3 = ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]
-        cpu_ratio = statistics.median(c / h for c, h in zip(cpu[name], cpu[hand]))
+        cpu_ratio = statistics.median(c / h for c, h in zip(cpu[name], cpu[base]))
         c = got["counts"][name]
         print(f"{name:40s} {statistics.median(ts) * 1e3:9.1f} {statistics.median(ratios):6.3f} "
               f"{q1:6.3f}-{q3:.3f} {statistics.median(cpu[name]) * 1e3:7.1f} {cpu_ratio:10.3f} "
@@ -186,7 +203,9 @@ def versus_hand(rounds: int) -> None:
           f"Gradients (full_tensor()): mbcompile against the hand loop, largest difference "
           f"relative to the tensor's largest element {got['grad_diff']:.1e} (float32). "
           f"The hand loop reshards after forward (FSDP2's default), as the pinned mbcompile "
-          f"does; 'auto' chose reshard_after_forward={got['auto_chose']}")
+          f"does; 'auto' chose reshard_after_forward={got['auto_chose']}, gradient_sync="
+          f"{got['auto_sync']!r}. The gradient_sync='microbatch' row's ratios are against "
+          f"the hand loop that syncs in every microbatch")
 
 
 def main() -> None:
