@@ -456,8 +456,9 @@ def select_sharded(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostMo
     140 GB per rank). Either can force a smaller MBS, so the plans are compared whole
     (MBS and settings jointly); on equal time the one with less memory is kept. Without
     a cost model the model runs with the settings it was sharded with (the plan's
-    fields stay None). Each combination is costed by its own copy of the model
-    (``with_shard``), its probes shared.
+    fields stay None here; ``selection`` writes in the values the user pinned). Each
+    combination is costed by its own copy of the model (``with_shard``), its probes
+    shared.
     """
     shard = cost.shard if cost is not None else None
     if shard is None:
