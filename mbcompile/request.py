@@ -442,7 +442,7 @@ def _shard_spec(units: Sequence[tuple[str, nn.Module]], world: int) -> ShardSpec
     if not units:
         return None
     sharded = hasattr(units[0][1], "_get_fsdp_state")  # not only planned (shard="fsdp")
-    dtypes = gathered_dtypes(list(units)) if sharded else {}
+    dtypes = gathered_dtypes(units) if sharded else {}
     owner: dict[int, int] = {}
     for i, (_, unit) in enumerate(units):  # the root first: deeper units claim theirs after
         for p in unit.parameters():

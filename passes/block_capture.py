@@ -92,16 +92,9 @@ def _reads_alike(guards: Sequence[Guard], layers: nn.ModuleList) -> bool:
     """Whether every plain value the trace read in the second layer (its guards) holds
     the same value in each later layer, which is copied from it."""
     inside = {id(m): name for name, m in layers[1].named_modules()}
-    missing = object()
-    for guard in guards:
-        name = inside.get(id(guard.module))
-        if name is None:
-            continue
-        for layer in list(layers)[2:]:
-            now = layer.get_submodule(name).__dict__.get(guard.name, missing)
-            if type(now) is not type(guard.value) or now != guard.value:
-                return False
-    return True
+    return all(replace(guard, module=layer.get_submodule(inside[id(guard.module)])).holds()
+               for guard in guards if id(guard.module) in inside
+               for layer in list(layers)[2:])
 
 
 def _renamed(path: str, k: int) -> Callable[[str], str]:

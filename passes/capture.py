@@ -37,7 +37,7 @@ import operator
 import os
 import re
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,8 @@ from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
 from .sources import source_line, user_frame
 
 __all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",
-           "fsdp_unit_enter", "fsdp_unit_exit", "fsdp_view", "gathered_dtypes", "stand_in"]
+           "fsdp_unit_enter", "fsdp_unit_exit", "fsdp_view", "gathered_dtypes", "stand_in",
+           "through_leaves"]
 
 
 @dataclass(frozen=True)
@@ -200,12 +201,8 @@ class _FlatOutputTracer(fx.Tracer):
 
     def _marked(self, marker: Callable[..., Any], name: str, value: Any) -> Any:
         """``value`` with its proxies passed through one ``marker(name, *proxies)`` node."""
-        leaves, spec = pytree.tree_flatten(value)
-        at = [i for i, v in enumerate(leaves) if isinstance(v, fx.Proxy)]
-        out = self.create_proxy("call_function", marker, (name, *(leaves[i] for i in at)), {})
-        for j, i in enumerate(at):
-            leaves[i] = out[j]
-        return pytree.tree_unflatten(leaves, spec)
+        return through_leaves(value, fx.Proxy, lambda proxies: self.create_proxy(
+            "call_function", marker, (name, *proxies), {}))
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
         # Non-tensor arguments are substituted here rather than handed to fx as
@@ -328,6 +325,19 @@ def _user_stack(stack_trace: str) -> str:
 
 # --------------------------------------------------------------------------- FSDP2
 
+
+def through_leaves(value: Any, kind: type, call: Callable[[list[Any]], Any]) -> Any:
+    """``value`` with its leaves of type ``kind`` replaced by ``call(those leaves)``'s
+    items, in order: one marker call for all of a unit's values (``call`` sees the list
+    even when it is empty)."""
+    leaves, spec = pytree.tree_flatten(value)
+    at = [i for i, v in enumerate(leaves) if isinstance(v, kind)]
+    out = call([leaves[i] for i in at])
+    for j, i in enumerate(at):
+        leaves[i] = out[j]
+    return pytree.tree_unflatten(leaves, spec)
+
+
 #: Attribute of a stand-in parameter: ``(root model, qualified name)`` of the sharded one.
 FSDP_PARAM = "_mbcompile_fsdp_param"
 
@@ -381,7 +391,7 @@ def fsdp_view(model: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
 
 
 def _with_stand_ins(model: torch.nn.Module, graph: fx.Graph,
-                    units: list[tuple[str, torch.nn.Module]]) -> dict[str, Any]:
+                    units: Sequence[tuple[str, torch.nn.Module]]) -> dict[str, Any]:
     """The graph's attributes, each sharded parameter replaced by a stand-in: a parameter
     of the full shape that holds one element (an expanded zero), naming the real one."""
     from torch.distributed.tensor import DTensor
@@ -397,7 +407,7 @@ def _with_stand_ins(model: torch.nn.Module, graph: fx.Graph,
     return attrs
 
 
-def gathered_dtypes(units: list[tuple[str, torch.nn.Module]]) -> dict[int, torch.dtype]:
+def gathered_dtypes(units: Sequence[tuple[str, torch.nn.Module]]) -> dict[int, torch.dtype]:
     """``id`` of each sharded floating parameter whose unit's ``MixedPrecisionPolicy``
     gathers it in another dtype -> that dtype (what forward computes with)."""
     dtypes: dict[int, torch.dtype] = {}

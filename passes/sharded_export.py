@@ -43,9 +43,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
-from .capture import CaptureResult, fsdp_view, gathered_dtypes, stand_in
+from .capture import CaptureResult, fsdp_view, gathered_dtypes, stand_in, through_leaves
 from .errors import CaptureError
 from .ops import fsdp_unit_enter, fsdp_unit_exit
 
@@ -87,21 +86,18 @@ def _through(op_name: str, unit: str, value: Any) -> Any:
     no value and be read by none, so nothing would keep it in the loop's body beside the
     unit's computation, and its all-gather or reshard would run at the wrong place.
     """
-    leaves, spec = pytree.tree_flatten(value)
-    at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    if not at:
-        what = "called with no tensor argument" if op_name.endswith("enter") else \
-            "returns no tensor"
-        raise CaptureError(
-            f"{unit!r}, sharded with fully_shard on its own, is {what}; mbcompile runs "
-            "each unit's FSDP all-gather and reshard where its tensors enter and leave it. "
-            "Fix: leave its parameters to the unit around it (do not fully_shard it "
-            "separately), or pass it the tensor it works on")
-    op = getattr(torch.ops.mbcompile, op_name)
-    out = op(unit, [leaves[i] for i in at])
-    for j, i in enumerate(at):
-        leaves[i] = out[j]
-    return pytree.tree_unflatten(leaves, spec)
+    def call(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not tensors:
+            what = "called with no tensor argument" if op_name.endswith("enter") else \
+                "returns no tensor"
+            raise CaptureError(
+                f"{unit!r}, sharded with fully_shard on its own, is {what}; mbcompile runs "
+                "each unit's FSDP all-gather and reshard where its tensors enter and leave "
+                "it. Fix: leave its parameters to the unit around it (do not fully_shard it "
+                "separately), or pass it the tensor it works on")
+        return getattr(torch.ops.mbcompile, op_name)(unit, tensors)
+
+    return through_leaves(value, torch.Tensor, call)
 
 
 @contextlib.contextmanager
@@ -149,7 +145,7 @@ def _stand_ins(model: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> Iter
     FSDP gathers it in: export bakes dtypes into the graph (``x.to(input_dtype)``)."""
     from torch.distributed.tensor import DTensor
 
-    dtypes = gathered_dtypes(list(units))
+    dtypes = gathered_dtypes(units)
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     made: dict[int, nn.Parameter] = {}  # a tied parameter has one stand-in, as one tensor
     for name, module in model.named_modules(remove_duplicate=False):

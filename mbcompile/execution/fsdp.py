@@ -132,8 +132,8 @@ def _bind(gm: fx.GraphModule, root: nn.Module, step: ShardedStep,
             if name is not None:
                 lifted[node] = name
                 continue
-        elif node.op == "get_attr" and _stand_in_name(gm, node) is not None:
-            env[node] = graph.call_function(current_param, (root_node, _stand_in_name(gm, node)))
+        elif (param := _stand_in_name(gm, node)) is not None:
+            env[node] = graph.call_function(current_param, (root_node, param))
             env[node].meta = dict(node.meta)
             continue
         elif node.op == "call_function" and node.target in bound_markers:
