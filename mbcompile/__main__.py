@@ -2,7 +2,7 @@
 
 import sys
 
-from mbcompile.training.cli import main
+from mbcompile.training.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -35,7 +35,7 @@ from mbcompile.training.checkpoint import (
     read_checkpoint,
     read_dcp_metadata,
 )
-from mbcompile.training.cli import main
+from mbcompile.training.cli.main import main
 from mbcompile.training.config import ConfigError, load_config
 from mbcompile.training.flags import Callback, GlobalFlags
 from mbcompile.training.monitors import NoiseScaleMonitor

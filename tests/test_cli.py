@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from models import tiered
 
-from mbcompile.training.cli import main, mbs_argument
+from mbcompile.training.cli.main import main, mbs_argument
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
@@ -285,7 +285,7 @@ def test_artifacts_take_the_report_and_the_exploration_plot(tmp_path):
     (``to_dict``); its ``exploration.plot(path)`` draws the explore plot."""
     import mbcompile
     from mbcompile.models import make_mlp
-    from mbcompile.training.cli_compile import write_artifacts
+    from mbcompile.training.cli.compile import write_artifacts
 
     class Exploration:
         def plot(self, path):

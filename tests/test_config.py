@@ -212,7 +212,7 @@ def test_a_system_mapping_states_its_topology_and_reserved_bytes(tmp_path):
 def test_mbcompile_compile_plans_the_optimizer_of_the_config(tmp_path):
     import json
 
-    from mbcompile.training.cli_compile import compile_config
+    from mbcompile.training.cli.compile import compile_config
 
     cfg = load_config(write(tmp_path, """
         model: mlp
@@ -374,8 +374,8 @@ def test_model_init_meta_plans_what_the_materialised_model_plans(tmp_path):
     pytest.importorskip("transformers")
     import json
 
-    from mbcompile.training.cli_compile import compile_config
-    from mbcompile.training.cli_messages import CommandError
+    from mbcompile.training.cli.compile import compile_config
+    from mbcompile.training.cli.messages import CommandError
 
     text = (EXAMPLES / "hf" / "llama.yaml").read_text()
     sys.path.insert(0, str(EXAMPLES / "hf"))  # hf_tokens, beside the example

@@ -19,7 +19,7 @@ import torch
 from mbcompile.check import relative_error
 from mbcompile.execution.launcher import free_port
 from mbcompile.training.checkpoint import latest_checkpoint, read_checkpoint
-from mbcompile.training.cli import main
+from mbcompile.training.cli.main import main
 from mbcompile.training.config import ConfigError, build_trainer, load_config
 from mbcompile.training.trainer import Trainer, TrainerError, shard_model
 

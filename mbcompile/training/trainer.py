@@ -32,13 +32,12 @@ What one ``fit`` does:
 
 The pieces it runs on have a file each: the batch forms and the loss in an output
 (``batches``), the position in the data (``data_cursor``), the logged rows
-(``metrics``), FSDP2 sharding (``sharding``), checkpoints (``checkpoint``, ``rng``,
-``signals``).
+(``metrics``), the progress display (``progress``), FSDP2 sharding (``sharding``),
+checkpoints (``trainer_checkpoints``, on ``checkpoint``, ``rng``, ``signals``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -50,13 +49,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress
 
 import mbcompile.compiler as compiler
 from mbcompile.compiler import CompiledModule
@@ -69,22 +62,16 @@ from mbcompile.training.batches import (
     batch_layout,
     same_layout,
 )
-from mbcompile.training.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    CheckpointStore,
-    TrainingInterrupted,
-    control_group,
-)
+from mbcompile.training.checkpoint import CheckpointError, CheckpointStore, TrainingInterrupted
 from mbcompile.training.data_cursor import DataCursor, batches, length
-from mbcompile.training.elastic import check_run, warn_config
 from mbcompile.training.flags import Callback, Flags
 from mbcompile.training.lr_scaling import LRScaling
 from mbcompile.training.metrics import COLUMNS, Metric, MetricsLog, make_row
-from mbcompile.training.rng import broadcast_rng_state, preserved_rng, rng_state, set_rng_state
+from mbcompile.training.progress import ProgressMixin
+from mbcompile.training.rng import broadcast_rng_state, preserved_rng
 from mbcompile.training.sharding import is_fsdp, shard_for_training, shard_model
 from mbcompile.training.signals import StopSignals, describe_signal
-from mbcompile.version import __version__
+from mbcompile.training.trainer_checkpoints import CheckpointingMixin
 
 __all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
            "TrainingInterrupted", "batch_args", "shard_model"]
@@ -112,7 +99,7 @@ def _check_steps(name: str, value: Any, allow_none: bool = True) -> None:
         raise TrainerError(f"{name} must be at least 1, got {value}")
 
 
-class Trainer:
+class Trainer(CheckpointingMixin, ProgressMixin):
     """Train and validate ``model`` microbatched over ``num_csx`` simulated systems.
 
     ``callbacks`` take ``GlobalFlags``, ``ScopedTrainFlags``, ``ScopedValidateFlags``
@@ -295,33 +282,6 @@ class Trainer:
                     for m, training in modes:
                         m.training = training
 
-    @contextmanager
-    def _task(self, description: str, total: int | None, completed: int = 0
-              ) -> Iterator[Any]:
-        if not self.progress:
-            yield None
-            return
-        outer = self._live is None
-        if outer:  # one live display for nested phases (validation inside fit)
-            self._live = Progress(TextColumn("{task.description}"), BarColumn(),
-                                  MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                                  TimeElapsedColumn(), console=self.console)
-            self._live.start()
-        live = self._live
-        task = live.add_task(description, total=total, completed=completed, loss="-")
-        try:
-            yield task
-        finally:
-            if outer:
-                live.stop()
-                self._live = None
-            else:
-                live.remove_task(task)
-
-    def _print(self, message: str) -> None:
-        console = self._live.console if self._live is not None else self.console
-        console.print(message, markup=False, highlight=False)
-
     # ------------------------------------------------------------------ steps
     def _row(self, phase: str, step: int, cm: CompiledModule, loss: torch.Tensor, output: Any,
              batch: Any, seconds: float) -> dict[str, Any]:
@@ -376,119 +336,6 @@ class Trainer:
         self._record(row, task, total)
         self._call("on_train_step_end", row)
         return row
-
-    # ------------------------------------------------------------ checkpoints
-    def _ranks(self) -> tuple[int, int]:
-        if self.backend == "torch.distributed":
-            import torch.distributed as dist
-
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
-
-    def _noise(self) -> NoiseScale | None:
-        noise = self.compile_options.get("measure_noise_scale")
-        return noise if isinstance(noise, NoiseScale) else None
-
-    def _save(self, step: int, cursor: DataCursor, fit_start: int, reason: str) -> Path:
-        """A checkpoint after training step ``step`` of this fit (every rank calls it)."""
-        assert self.checkpoints is not None
-        noise = self._noise()
-        trainer = {
-            "step": step, "global_step": self.global_step, "reason": reason,
-            "data": cursor.position(),
-            "metrics_rows": self.log.rows if self.log is not None else len(self.history),
-            "fit_first_row": fit_start,
-            "run": self._run_shape(),
-            "lr_scaling": dataclasses.asdict(self.lr_scaling) if self.lr_scaling else None,
-            "noise_scale": noise.state_dict() if noise is not None else None,
-            "config": self.config,
-            "versions": {"torch": torch.__version__, "mbcompile": __version__},
-        }
-        with preserved_rng():
-            path = self.checkpoints.save(self.global_step, self._state(), trainer,
-                                         {"rng": rng_state(), "pass_rng": cursor.pass_rng})
-        self.last_checkpoint = path
-        if self.progress:
-            self._print(f"checkpoint after step {step} ({reason}): {path}")
-        return path
-
-    def _state(self) -> dict[str, Any]:
-        """The model's and optimizer's state dicts; sharded, each rank's shards (DTensors)
-        with the optimizer's state keyed by parameter name, as DCP wants them."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            model, optimizer = get_state_dict(self.model, self.optimizer)
-            return {"model": model, "optimizer": optimizer}
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def _restore(self, cursor: DataCursor) -> Checkpoint | None:
-        """Load the newest good checkpoint into the model, optimizer and trainer, and put
-        ``cursor`` where it was; RNG states last, so nothing here draws from them."""
-        assert self.checkpoints is not None
-        changed: list[str | None] = [None]
-
-        def check(path: Path, trainer: Mapping[str, Any]) -> None:
-            # before any state is read: another gbs or model is refused, systems may change
-            changed[0] = check_run(path, trainer["run"], self._run_shape())
-
-        # sharded: DCP reads each rank's shards into the current state's DTensors (only
-        # once a checkpoint is chosen: get_state_dict gives a fresh optimizer its state)
-        ck = self.checkpoints.load_newest(
-            check=check, targets=(lambda *_: self._state()) if self.sharded else None)
-        if ck is None:
-            self._print(f"resume: no checkpoint in {self.checkpoints.folder}; starting from "
-                        "step 0")
-            return None
-        t = ck.trainer
-        if changed[0] is not None:
-            self._print(f"resume: checkpoint {ck.path} was {changed[0]}")
-        if self._ranks()[0] == 0:  # one warning, not one per rank
-            warn_config(ck.path, t.get("config"), self.config)
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
-            set_state_dict(self.model, self.optimizer, model_state_dict=ck.state["model"],
-                           optim_state_dict=ck.state["optimizer"])
-        else:
-            self.model.load_state_dict(ck.state["model"])
-            self.optimizer.load_state_dict(ck.state["optimizer"])
-        self.global_step = int(t["global_step"])
-        if t.get("lr_scaling") is not None and self.lr_scaling is not None:
-            state = dict(t["lr_scaling"])
-            self.lr_scaling = LRScaling(**{**state, "base_lrs": tuple(state["base_lrs"])})
-        noise = self._noise()
-        if noise is not None and t.get("noise_scale") is not None:
-            noise.load_state_dict(t["noise_scale"])
-        if self.log is not None:  # a rank the checkpoint's world lacked has no rows to keep
-            ours = self._ranks()[0] < ck.world_size
-            self.history = self.log.resume(int(t["metrics_rows"]) if ours else 0)
-        cursor.seek(t["data"], ck.rank.get("pass_rng"))
-        set_rng_state(ck.rank["rng"])
-        self.last_checkpoint = ck.path
-        self._print(f"resumed from {ck.path}: step {t['step']}, global step "
-                    f"{self.global_step}")
-        return ck
-
-    def _run_shape(self) -> dict[str, Any]:
-        """The run's shape, checked on resume (``elastic.check_run``): the systems and
-        ranks may change, the rest may not."""
-        return {"gbs": self.gbs, "num_csx": self.num_csx, "world_size": self._ranks()[1],
-                "shard": "fsdp" if self.sharded else None,
-                "model": type(self.model).__name__, "optimizer": type(self.optimizer).__name__}
-
-    def _interrupted(self, signum: int, step: int, saved: Path | None) -> TrainingInterrupted:
-        if self.progress:
-            self._print(f"stopped by {describe_signal(signum)} after step {step}"
-                        + (f": checkpoint {saved}" if saved is not None else ""))
-        return TrainingInterrupted(signum, step, saved)
-
-    def _control_group(self) -> Any:
-        if self.backend == "torch.distributed" and self._group is None:
-            self._group = control_group()
-        if self.checkpoints is not None:
-            self.checkpoints.group = self._group
-        return self._group
 
     # ------------------------------------------------------------- public API
     def fit(self, train_data: Iterable[Any], val_data: Iterable[Any] | None = None, *,

@@ -3,7 +3,7 @@
 ``parse_config(data, marks)`` checks every section of a loaded document (types,
 required and unknown keys, flag keys and values, import paths, an int MBS against
 the per-system batch) and returns a ``Config``; each problem is a ``ConfigError``
-at the file and line of the value (see ``config_loader``).
+at the file and line of the value (see ``loader``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from mbcompile.errors import MbcompileError
 from mbcompile.planning import systems
 from mbcompile.planning.plan import make_plan
 from mbcompile.request import OUTPUT_MODES
-from mbcompile.training.config_checks import (
+from mbcompile.training.config.checks import (
     Checks,
     optimizer_classes,
     signature_names,
     suggest_from,
     type_name,
 )
-from mbcompile.training.config_loader import ConfigError, Marks, Path_
+from mbcompile.training.config.loader import ConfigError, Marks, Path_
 from mbcompile.training.flags import (
     FLAGS,
     Callback,

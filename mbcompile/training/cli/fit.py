@@ -25,8 +25,8 @@ from mbcompile.training.checkpoint import (
     TrainingInterrupted,
     latest_checkpoint,
 )
-from mbcompile.training.cli_compile import compile_config
-from mbcompile.training.cli_messages import (
+from mbcompile.training.cli.compile import compile_config
+from mbcompile.training.cli.messages import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,

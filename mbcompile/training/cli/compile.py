@@ -22,7 +22,7 @@ from mbcompile.errors import MbcompileError, MixingError
 from mbcompile.planning.plan import parse_mbs
 from mbcompile.reports.exploration import plot
 from mbcompile.training.batches import batch_args
-from mbcompile.training.cli_messages import EXIT_OK, CommandError, echo
+from mbcompile.training.cli.messages import EXIT_OK, CommandError, echo
 from mbcompile.training.config import (
     Config,
     build_data,

@@ -25,7 +25,7 @@ first. On stderr the error comes first, then the warnings the command raised
 warnings as they happen instead.
 
 This module parses the command line and runs a command; each command has its own
-module (``cli_demo``, ``cli_compile``, ``cli_fit``), and ``cli_messages`` holds the
+module in this package (``demo``, ``compile``, ``fit``), and ``messages`` holds the
 exit codes and the one-paragraph error.
 """
 
@@ -42,10 +42,10 @@ from typing import Any
 from mbcompile.errors import MbcompileError
 from mbcompile.planning.plan import parse_mbs
 from mbcompile.training.checkpoint import TrainingInterrupted
-from mbcompile.training.cli_compile import run_compile
-from mbcompile.training.cli_demo import run_demo
-from mbcompile.training.cli_fit import run_fit, run_validate
-from mbcompile.training.cli_messages import (
+from mbcompile.training.cli.compile import run_compile
+from mbcompile.training.cli.demo import run_demo
+from mbcompile.training.cli.fit import run_fit, run_validate
+from mbcompile.training.cli.messages import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,

@@ -1,6 +1,6 @@
 """Located checks of YAML values: each failure names the file, the line and the key.
 
-``Checks`` holds the checks every section of the schema (``config_schema``) is built
+``Checks`` holds the checks every section of the schema (``schema``) is built
 from: mappings with their allowed and required keys ("did you mean", from difflib),
 ints, booleans, strings, choices, keyword arguments, import paths (imported now) and
 keyword arguments checked against a user callable's signature. The callables it
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mbcompile.training.config_loader import ConfigError, Marks, Path_, dotted
+from mbcompile.training.config.loader import ConfigError, Marks, Path_, dotted
 from mbcompile.training.flags import suggest
 
 __all__ = ["Checks", "import_object", "optimizer_classes", "signature_names", "suggest_from",

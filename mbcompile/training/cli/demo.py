@@ -17,7 +17,7 @@ from mbcompile.check import relative_error
 from mbcompile.models import make_tiny_gpt, token_batch
 from mbcompile.planning.plan import make_plan
 from mbcompile.planning.systems import SystemSpec, get_system
-from mbcompile.training.cli_messages import EXIT_OK, CommandError, echo
+from mbcompile.training.cli.messages import EXIT_OK, CommandError, echo
 from mbcompile.training.flags import GlobalFlags
 from mbcompile.training.trainer import Trainer
 

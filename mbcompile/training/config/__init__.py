@@ -29,8 +29,8 @@ How a file becomes a run:
 3. ``build_model``, ``build_data``, ``build_optimizer``, ``build_callbacks`` and
    ``build_trainer`` make the objects; their failures name the line as well.
 
-Each step has its module: ``config_loader`` (YAML with lines), ``config_checks`` and
-``config_schema`` (the checks and the sections), ``config_builders`` (the objects);
+Each step has its module: ``loader`` (YAML with lines), ``checks`` and ``schema`` (the
+checks and the sections), ``builders`` (the objects);
 this one reads a file through them, and is where their public names are imported from.
 
 ``1e-3`` is a float here (YAML 1.2), not the string YAML 1.1 makes of it.
@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mbcompile.training.config_builders import (
+from mbcompile.training.config.builders import (
     build_callbacks,
     build_data,
     build_model,
@@ -50,9 +50,9 @@ from mbcompile.training.config_builders import (
     compile_options,
     synthetic_batches,
 )
-from mbcompile.training.config_checks import import_object
-from mbcompile.training.config_loader import ConfigError, load_yaml
-from mbcompile.training.config_schema import (
+from mbcompile.training.config.checks import import_object
+from mbcompile.training.config.loader import ConfigError, load_yaml
+from mbcompile.training.config.schema import (
     BACKENDS,
     BUILTIN_MODELS,
     CALLBACKS,
