@@ -25,7 +25,7 @@ A rejection reads (``MixingError``)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -33,7 +33,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import token_dispatch
 from .errors import MixingError, UnsupportedOpError
 from .facts import (
     FACT,
@@ -49,13 +48,17 @@ from .facts import (
     Reduced,
     ValueInfo,
 )
+from .graph_walks import ancestors
 from .rules import (
     MBS_NONE,
+    NoRule,
     RuleContext,
     apply_rule,
     is_aten,
+    is_dispatch_fact,
     lookup_rule,
     node_name,
+    output_reason,
 )
 from .rules import Rejected as _Rejected
 from .sources import source_line
@@ -191,7 +194,7 @@ _NO_VALUES = frozenset({"detach", "detach_", "zeros_like", "ones_like", "empty_l
 def _is_batch_related(fact: Fact) -> bool:
     if isinstance(fact, Container):
         return any(_is_batch_related(f) for _, f in fact.items)
-    return isinstance(fact, (Batched, BatchSize, Reduced)) or token_dispatch.is_dispatch_fact(fact)
+    return isinstance(fact, (Batched, BatchSize, Reduced)) or is_dispatch_fact(fact)
 
 
 def _unused_in_place(node: fx.Node) -> bool:
@@ -249,7 +252,7 @@ def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
         return BatchAnalysis(gm, rejected=exc)
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaves = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    needed = _needed(x for x in leaves if isinstance(x, fx.Node))
+    needed = ancestors(x for x in leaves if isinstance(x, fx.Node))
     reductions = tuple(n for n in gm.graph.nodes if REDUCTION in n.meta and n in needed)
     losses = tuple(i for i, x in enumerate(leaves)
                    if isinstance(x, fx.Node) and isinstance(x.meta.get(FACT), (Reduced, Coupled))
@@ -262,8 +265,8 @@ def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
         return BatchAnalysis(gm, coupling, reductions, None, losses, two_phase=True,
                              coupled_loss=one)
     # what a gradient can reach from the outputs: not through detach (state updates)
-    differentiable = _needed((x for x in leaves if isinstance(x, fx.Node)),
-                             through=lambda n: not _is_detach(n))
+    differentiable = ancestors((x for x in leaves if isinstance(x, fx.Node)),
+                               through=lambda n: not _is_detach(n))
     trained = [n for n in reductions if n.meta.get(PARAMS) and n in differentiable]
     scalar = len(trained) == 1 and _is_scalar(trained[0])
     losses = tuple(i for i in losses if isinstance(leaves[i].meta.get(FACT), Reduced))
@@ -278,21 +281,6 @@ def _is_scalar(node: fx.Node) -> bool:
 def _is_detach(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and node.target in (
         torch.ops.aten.detach.default, torch.detach, torch.Tensor.detach, "detach")
-
-
-def _needed(roots: Iterable[fx.Node],
-            through: Callable[[fx.Node], bool] = lambda n: True) -> set[fx.Node]:
-    """Every node the ``roots`` are computed from (not looking past nodes ``through`` refuses)."""
-    seen: set[fx.Node] = set()
-    todo = list(roots)
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            if not through(n):
-                continue
-            todo.extend(n.all_input_nodes)
-    return seen
 
 
 def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
@@ -331,19 +319,15 @@ def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
                         "x = torch.where(mask, v, x)")
                 rule = lookup_rule(node, module)
                 ctx = RuleContext(node, facts, gbs, module, tuple(node.args), dict(node.kwargs))
-                try:  # a token dispatch (MoE routing) first: its sort is not a rule's business
-                    dispatched = token_dispatch.dispatch_fact(ctx, rule, source_line)
-                    if dispatched is not None:
-                        fact = dispatched
-                    elif rule is None:
+                try:
+                    if rule is None:
                         raise _unsupported(node, gm, module)
-                    else:
-                        fact = apply_rule(rule, ctx)
+                    fact = apply_rule(rule, ctx)
                 except _Rejected as rejected:
                     node.meta.pop(REDUCTION, None)
                     first = first or mixing_error(node, gm, rejected.reason, rejected.fixes)
                     fact = Coupled(rejected.reason)
-                except token_dispatch.NoRule:
+                except NoRule:
                     raise _unsupported(node, gm, module) from None
         facts[node] = fact
         node.meta[FACT] = fact
@@ -357,7 +341,7 @@ def _is_coupled(fact: Fact) -> bool:
 
 
 def _check_output(leaf: fx.Node, fact: Fact, gm: fx.GraphModule) -> None:
-    dispatched = token_dispatch.output_reason(fact)
+    dispatched = output_reason(fact)
     if dispatched is not None:
         raise mixing_error(leaf, gm, dispatched, "undo the permutation before returning the "
                            "rows (index them with the inverse permutation, or index_add them "

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .facts import FACT, REDUCTION, SHAPES, Batched, BatchSize, Coupled, Free, ValueInfo
+from .graph_walks import ancestors, descendants
 
 __all__ = ["Partition", "partition"]
 
@@ -76,7 +77,7 @@ def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
     if roots is None:
         roots = next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes
     part = Partition()
-    samples = _reads_samples()
+    samples = _reads_samples(graph)
     seen: set[fx.Node] = set()
     in_tail: set[fx.Node] = set()
     todo = [*roots, *extra_roots]
@@ -105,30 +106,13 @@ def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
     return part
 
 
-def _reads_samples() -> Callable[[fx.Node], bool]:
-    """Whether a node's value is computed from a batched input's data (memoised)."""
-    memo: dict[fx.Node, bool] = {}
-
-    def reads(n: fx.Node) -> bool:
-        todo = [n]
-        while todo:  # iterative post-order: graphs are deep
-            m = todo[-1]
-            if m in memo:
-                todo.pop()
-                continue
-            if m.op == "placeholder" or isinstance(m.meta.get(FACT), BatchSize):
-                memo[m] = isinstance(m.meta.get(FACT), Batched)  # a size carries no data
-                todo.pop()
-                continue
-            missing = [i for i in m.all_input_nodes if i not in memo]
-            if missing:
-                todo.extend(missing)
-                continue
-            memo[m] = any(memo[i] for i in m.all_input_nodes)
-            todo.pop()
-        return memo[n]
-
-    return reads
+def _reads_samples(graph: fx.Graph) -> Callable[[fx.Node], bool]:
+    """Whether a node's value is computed from a batched input's data: reached from one,
+    not through a batch size (a size carries no data)."""
+    sources = [n for n in graph.nodes
+               if n.op == "placeholder" and isinstance(n.meta.get(FACT), Batched)]
+    reached = descendants(sources, through=lambda n: not isinstance(n.meta.get(FACT), BatchSize))
+    return lambda n: n in reached and not isinstance(n.meta.get(FACT), BatchSize)
 
 
 def _shape_number(n: fx.Node) -> bool:
@@ -142,16 +126,9 @@ def _shape_number(n: fx.Node) -> bool:
 
 
 def _reads_batched(nodes: Sequence[fx.Node]) -> bool:
-    todo, seen = list(nodes), set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if isinstance(n.meta.get(FACT), (Batched, Coupled)):
-            return True
+    def through(n: fx.Node) -> bool:  # sizes and shape tuples, not tensors
         info = n.meta.get(SHAPES)
-        if isinstance(n.meta.get(FACT), Free) and not (isinstance(info, ValueInfo)
-                                                       and info.is_tensor):
-            todo.extend(n.all_input_nodes)  # through sizes and shape tuples, not tensors
-    return False
+        return isinstance(n.meta.get(FACT), Free) and not (isinstance(info, ValueInfo)
+                                                           and info.is_tensor)
+    return any(isinstance(n.meta.get(FACT), (Batched, Coupled))
+               for n in ancestors(nodes, through))

@@ -43,94 +43,10 @@ from . import ops, partials
 from .batch_analysis import BatchAnalysis
 from .coupling import Partition, partition
 from .facts import FACT, REDUCTION, ReductionSpec
+from .graph_walks import ancestors
 from .recompute import checkpoint_blocks
 
 __all__ = ["Cut", "cut_graph", "microbatch_rewrite", "two_phase_parts"]
-
-
-def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
-    """Nodes needed to compute ``roots``, not looking past the ``stop`` nodes."""
-    seen: set[fx.Node] = set()
-    todo = list(roots)
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n not in stop:
-            todo.extend(n.all_input_nodes)
-    return seen
-
-
-def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, int]],
-                       systems: Sequence[int], in_dims: Mapping[str, Any],
-                       keep: Collection[int] | None = None,
-                       recompute: bool = False, cut: Cut | None = None) -> fx.GraphModule:
-    """Return the microbatched ``GraphModule`` (with the body as submodule ``body``).
-
-    ``slices`` are the non-empty microbatches' (start, stop) in the batch the
-    module is called with (one process's share), ``systems`` how many of them each
-    system of this process runs. The partial sums go through ``all_reduce_sums``
-    (the sum over processes; a backend binds it) before anything reads them.
-
-    A graph whose analysis found ops that mix samples (``analysis.two_phase``) gets a
-    second submodule, ``coupled``: the tail, run once on the whole batch by
-    ``two_phase_step`` (see ``coupling.py``) instead of after the loop.
-
-    ``keep``: the output leaves to return (None: all); the others come back as None and
-    are neither computed after the loop nor kept per microbatch (a training step's
-    logits that nobody reads). ``recompute``: the body's repeated blocks run under
-    activation checkpointing (``recompute.py``). ``cut``: the graph already cut for ``keep``
-    (``cut_graph``), as the analysis hands it to the cost model too.
-    """
-    parts = cut if cut is not None else cut_graph(analysis, keep)
-    gm, placeholders, leaves = parts.gm, parts.placeholders, parts.leaves
-    part, frontier, slots, specs = parts.part, parts.frontier, parts.slots, parts.specs
-    names, source, body = parts.names, parts.source, parts.body
-    if recompute:
-        body = checkpoint_blocks(body) or body
-
-    # 2. The top graph: split -> loop -> accumulate -> tail, or split -> two-phase step.
-    top = fx.Graph()
-    top_env: dict[fx.Node, fx.Node] = {p: top.node_copy(p) for p in placeholders}
-    mbs = _call(top, ops.split, tuple(top_env[p] for p in placeholders),
-                {"slices": tuple(slices),
-                 "in_dims": tuple(in_dims.get(p.target) for p in placeholders)}, "microbatches")
-    body_ref = top.get_attr("body")
-    root: dict[str, Any] = {"body": body}
-    sizes = tuple(b - a for a, b in slices)
-    if analysis.two_phase:
-        assert parts.coupled is not None
-        root["coupled"] = parts.coupled
-        free = parts.free
-        step = _call(top, ops.two_phase_step,
-                     (body_ref, top.get_attr("coupled"), mbs, *(top_env[p] for p in free)),
-                     {"outputs": tuple((o.kind, o.dim) for o in specs),
-                      "loss_index": analysis.coupled_loss, "systems": tuple(systems),
-                      "sizes": sizes}, "two_phase")
-        results = [_call(top, operator.getitem, (step, i), {}, x.name, x)
-                   if isinstance(x, fx.Node) else x for i, x in enumerate(leaves)]
-        top.output(tuple(results))
-    else:
-        loss = analysis.trained_loss
-        fused = slots[loss][0] if loss is not None else None
-        count_index = slots[loss][1] if loss is not None and len(slots[loss]) == 2 else None
-        loop = _call(top, ops.microbatch_loop, (body_ref, mbs),
-                     {"fused_index": fused, "count_index": count_index,
-                      "systems": tuple(systems), "sizes": sizes}, "loop")
-        acc = _accumulated(top, loop, specs, names, source, systems)
-        _emit_tail(top, top_env, part, frontier, slots, acc)
-        top.output(tuple(top_env[x] if isinstance(x, fx.Node) else x for x in leaves))
-    for n in top.nodes:
-        if n.op in ("get_attr", "call_module") and n.target not in root:
-            root[n.target] = _fetch(gm, n.target)
-    rewritten = fx.GraphModule(root, top, "Microbatched" + type(gm).__name__)
-    # sizes whose users became constants (1 / x.size(0) -> 1 / 7); owned graphs only, since
-    # fx asks the owning module whether a call_module is impure
-    if rewritten.graph.eliminate_dead_code():
-        rewritten.recompile()
-    rewritten.graph.lint()
-    return rewritten
 
 
 @dataclass(frozen=True)
@@ -217,9 +133,81 @@ def two_phase_parts(analysis: BatchAnalysis, cut: Cut | None = None
     return parts.body, parts.coupled, parts.part, parts.free
 
 
+def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, int]],
+                       systems: Sequence[int], in_dims: Mapping[str, Any],
+                       keep: Collection[int] | None = None,
+                       recompute: bool = False, cut: Cut | None = None) -> fx.GraphModule:
+    """Return the microbatched ``GraphModule`` (with the body as submodule ``body``).
+
+    ``slices`` are the non-empty microbatches' (start, stop) in the batch the
+    module is called with (one process's share), ``systems`` how many of them each
+    system of this process runs. The partial sums go through ``all_reduce_sums``
+    (the sum over processes; a backend binds it) before anything reads them.
+
+    A graph whose analysis found ops that mix samples (``analysis.two_phase``) gets a
+    second submodule, ``coupled``: the tail, run once on the whole batch by
+    ``two_phase_step`` (see ``coupling.py``) instead of after the loop.
+
+    ``keep``: the output leaves to return (None: all); the others come back as None and
+    are neither computed after the loop nor kept per microbatch (a training step's
+    logits that nobody reads). ``recompute``: the body's repeated blocks run under
+    activation checkpointing (``recompute.py``). ``cut``: the graph already cut for ``keep``
+    (``cut_graph``), as the analysis hands it to the cost model too.
+    """
+    parts = cut if cut is not None else cut_graph(analysis, keep)
+    gm, placeholders, leaves = parts.gm, parts.placeholders, parts.leaves
+    part, frontier, slots, specs = parts.part, parts.frontier, parts.slots, parts.specs
+    names, source, body = parts.names, parts.source, parts.body
+    if recompute:
+        body = checkpoint_blocks(body) or body
+
+    # 2. The top graph: split -> loop -> accumulate -> tail, or split -> two-phase step.
+    top = fx.Graph()
+    top_env: dict[fx.Node, fx.Node] = {p: top.node_copy(p) for p in placeholders}
+    mbs = _call(top, ops.split, tuple(top_env[p] for p in placeholders),
+                {"slices": tuple(slices),
+                 "in_dims": tuple(in_dims.get(p.target) for p in placeholders)}, "microbatches")
+    body_ref = top.get_attr("body")
+    root: dict[str, Any] = {"body": body}
+    sizes = tuple(b - a for a, b in slices)
+    if analysis.two_phase:
+        assert parts.coupled is not None
+        root["coupled"] = parts.coupled
+        free = parts.free
+        step = _call(top, ops.two_phase_step,
+                     (body_ref, top.get_attr("coupled"), mbs, *(top_env[p] for p in free)),
+                     {"outputs": tuple((o.kind, o.dim) for o in specs),
+                      "loss_index": analysis.coupled_loss, "systems": tuple(systems),
+                      "sizes": sizes}, "two_phase")
+        results = [_call(top, operator.getitem, (step, i), {}, x.name, x)
+                   if isinstance(x, fx.Node) else x for i, x in enumerate(leaves)]
+        top.output(tuple(results))
+    else:
+        loss = analysis.trained_loss
+        fused = slots[loss][0] if loss is not None else None
+        count_index = slots[loss][1] if loss is not None and len(slots[loss]) == 2 else None
+        loop = _call(top, ops.microbatch_loop, (body_ref, mbs),
+                     {"fused_index": fused, "count_index": count_index,
+                      "systems": tuple(systems), "sizes": sizes}, "loop")
+        acc = _accumulated(top, loop, specs, names, source, systems)
+        _emit_tail(top, top_env, part, frontier, slots, acc)
+        top.output(tuple(top_env[x] if isinstance(x, fx.Node) else x for x in leaves))
+    for n in top.nodes:
+        if n.op in ("get_attr", "call_module") and n.target not in root:
+            root[n.target] = _fetch(gm, n.target)
+    rewritten = fx.GraphModule(root, top, "Microbatched" + type(gm).__name__)
+    # sizes whose users became constants (1 / x.size(0) -> 1 / 7); owned graphs only, since
+    # fx asks the owning module whether a call_module is impure
+    if rewritten.graph.eliminate_dead_code():
+        rewritten.recompile()
+    rewritten.graph.lint()
+    return rewritten
+
+
 def _body_nodes(part: Partition, placeholders: list[fx.Node]) -> set[fx.Node]:
-    return _ancestors(part.frontier + [a for r in part.reductions for a in r.all_input_nodes],
-                      set(placeholders))
+    stop = set(placeholders)
+    return ancestors(part.frontier + [a for r in part.reductions for a in r.all_input_nodes],
+                     through=lambda n: n not in stop)
 
 
 def _accumulated(graph: fx.Graph, loop: fx.Node, specs: Sequence[ops.BodyOutput],
