@@ -122,7 +122,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
                  batch_sizes: str = "any", optimizer: Any = None, shard: str | None = None
                  ) -> Request:
     """Check every option of ``compile()`` (the same arguments) and bind the example call;
-    raises before anything is traced (DESIGN.md invariant 9: fail fast)."""
+    raises before anything is traced (docs/mbs.md, "When it does not fit": fail fast)."""
     planning_only = compile_only or validate_only
     model = _check_module(model, planning_only)
     unwrapped = unwrap(model)  # DDP, torch.compile, peft: bind and capture what they call

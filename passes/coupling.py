@@ -15,7 +15,7 @@ When the batch analysis found ops that mix samples (``Coupled`` facts, see
 on the whole batch, and the frontier F is what flows from P into C. A two-phase step
 runs P without grad per microbatch, C with grad on the joined F (the loss, C's own
 gradients and dL/dF), then P again per microbatch with grad, backpropagating its
-slice of dL/dF (DESIGN.md "Two-phase steps"; GradCache, Gao et al. 2021, by hand).
+slice of dL/dF (docs/concepts.md, "Losses that couple samples"; GradCache, by hand).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class Case:
     adjusted_to: int | None = None
 
 
-# Each plan exercises one rule of DESIGN.md's plan arithmetic.
+# Each plan exercises one rule of the plan arithmetic (docs/mbs.md, "Plan rules").
 PLANS = {
     "gbs10-csx3-mbs2-uneven-systems": Case(10, 3, 2),
     "gbs13-csx2-mbs3-pbs-not-multiple": Case(13, 2, 3),

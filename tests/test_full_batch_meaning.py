@@ -429,7 +429,7 @@ WIDTH, SEQ = 32, 8
 HF_MINE = ("squeeze", "new_ones", "new_zeros", "new_full", "pad", "full", "expand", "arange")
 # Funnel runs attention scores in float32 (attn_score.float()), LongT5 its layer norm
 # variance and softmax: their gradients agree to that precision's rounding, amplified by
-# backward (DESIGN.md, Exactness; measured up to 4e-5); their losses and logits are exact.
+# backward (docs/limits.md: lower precision; measured up to 4e-5); losses and logits are exact.
 FLOAT32_GRAD_TOL = 1e-4
 
 

@@ -4,7 +4,7 @@
 >>> channels = StepChannels(noise=None, config=config)   # bound into the loop ops
 
 The runtime reads run-time options from here, never from attributes set on the
-body (DESIGN.md: "what the runtime needs from compile time travels in the loop op's
+body (docs/architecture.md: "what the runtime needs from compile time travels in the loop op's
 arguments or one typed step configuration"). The compiler builds one per rewritten
 graph, and the backend binds it into that graph's loop and two-phase step through
 ``StepChannels``, the object it already binds.

@@ -28,7 +28,7 @@ rebuilt from ``m = 2, pbs``, checked at ``m = 3``, and ``m = 1`` keeps its own p
 when no fit holds every size is probed exactly.  Peak memory stays exact under
 the fit: the peak is the max over ops of affine functions, evaluated at ``m``.
 
-**Memory** (per system; DESIGN.md "Memory and time model")::
+**Memory** (per system; docs/mbs.md, "The cost model")::
 
     static      = parameters + buffers + gradients + optimizer state
                   (only buffers on device for weight-streaming systems)
@@ -41,7 +41,7 @@ the fit: the peak is the max over ops of affine functions, evaluated at ``m``.
                     2 x outputs                  (joining the microbatches' pieces)
                     outputs + 2 x largest parameter   (an Adam-like update)
 
-The outputs and update terms are additions to DESIGN.md's formula: a model that
+The outputs and update terms are in docs/mbs.md's formula because a model that
 returns logits keeps ``pbs * seq * vocab`` floats alive whatever the MBS (on a
 GPT-sized vocabulary as much as the activations), and for a small model the
 optimizer's temporaries can set the peak.
@@ -61,7 +61,7 @@ optimizer's temporaries can set the peak.
            + optimizer update (parameters, gradients and state read and written once)
 
 The roofline is applied per op (a memory-bound LayerNorm next to a
-compute-bound matmul), a refinement of DESIGN.md's whole-step roofline; the
+compute-bound matmul; docs/mbs.md, "The cost model"), not to the whole step; the
 per-op ``bytes`` include the parameters each op reads, so weights are re-read
 every microbatch.  ``bandwidth`` is the cache's for an op whose inputs and
 outputs fit in the system's modelled cache (the host's), else memory's: that

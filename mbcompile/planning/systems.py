@@ -27,7 +27,7 @@ system is just another instance::
 :func:`measure_host` times a matmul, a copy and a small op on this machine and
 returns the measured spec; it is how the ``"host"`` calibration constants below
 were obtained, and is never called by ``compile()``: a plan must not depend on
-timing (DESIGN.md, "Plan arithmetic"), so every preset is pure data.
+timing (docs/mbs.md, its opening lines), so every preset is pure data.
 """
 
 from __future__ import annotations
