@@ -33,7 +33,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import token_dispatch
 from .errors import MixingError, UnsupportedOpError
 from .facts import (
     FACT,
@@ -51,11 +50,14 @@ from .facts import (
 )
 from .rules import (
     MBS_NONE,
+    NoRule,
     RuleContext,
     apply_rule,
     is_aten,
+    is_dispatch_fact,
     lookup_rule,
     node_name,
+    output_reason,
 )
 from .rules import Rejected as _Rejected
 from .sources import source_line
@@ -191,7 +193,7 @@ _NO_VALUES = frozenset({"detach", "detach_", "zeros_like", "ones_like", "empty_l
 def _is_batch_related(fact: Fact) -> bool:
     if isinstance(fact, Container):
         return any(_is_batch_related(f) for _, f in fact.items)
-    return isinstance(fact, (Batched, BatchSize, Reduced)) or token_dispatch.is_dispatch_fact(fact)
+    return isinstance(fact, (Batched, BatchSize, Reduced)) or is_dispatch_fact(fact)
 
 
 def _unused_in_place(node: fx.Node) -> bool:
@@ -331,19 +333,15 @@ def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
                         "x = torch.where(mask, v, x)")
                 rule = lookup_rule(node, module)
                 ctx = RuleContext(node, facts, gbs, module, tuple(node.args), dict(node.kwargs))
-                try:  # a token dispatch (MoE routing) first: its sort is not a rule's business
-                    dispatched = token_dispatch.dispatch_fact(ctx, rule, source_line)
-                    if dispatched is not None:
-                        fact = dispatched
-                    elif rule is None:
-                        raise _unsupported(node, gm, module)
-                    else:
-                        fact = apply_rule(rule, ctx)
+                if rule is None:
+                    raise _unsupported(node, gm, module)
+                try:
+                    fact = apply_rule(rule, ctx)
                 except _Rejected as rejected:
                     node.meta.pop(REDUCTION, None)
                     first = first or mixing_error(node, gm, rejected.reason, rejected.fixes)
                     fact = Coupled(rejected.reason)
-                except token_dispatch.NoRule:
+                except NoRule:
                     raise _unsupported(node, gm, module) from None
         facts[node] = fact
         node.meta[FACT] = fact
@@ -357,7 +355,7 @@ def _is_coupled(fact: Fact) -> bool:
 
 
 def _check_output(leaf: fx.Node, fact: Fact, gm: fx.GraphModule) -> None:
-    dispatched = token_dispatch.output_reason(fact)
+    dispatched = output_reason(fact)
     if dispatched is not None:
         raise mixing_error(leaf, gm, dispatched, "undo the permutation before returning the "
                            "rows (index them with the inverse permutation, or index_add them "
