@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 import mbcompile
 from mbcompile.execution import distributed as mbdist
 from mbcompile.models import IGNORE_INDEX, make_tiny_gpt
+from mbcompile.planning import buckets
 
 CONFIG = dict(vocab=1000, width=256, depth=4, heads=4, seq=128)
 GBS, MBS, STEPS, WARMUP = 16, 4, 6, 2
@@ -108,9 +109,9 @@ def _versus_ddp(rank: int, world: int, out: str, rounds: int) -> None:
     local = mbdist.shard(batch, cm.plan, rank)
     sizes = cm.plan.microbatch_sizes[rank]
 
-    def compiled(overlap: bool, min_buckets: int = mbdist.MIN_BUCKETS) -> Callable[[], object]:
+    def compiled(overlap: bool, min_buckets: int = buckets.MIN_BUCKETS) -> Callable[[], object]:
         def step() -> object:
-            mbdist.OVERLAP, mbdist.MIN_BUCKETS = overlap, min_buckets
+            mbdist.OVERLAP, buckets.MIN_BUCKETS = overlap, min_buckets
             loss, _ = cm(*local)
             loss.backward()
             return loss

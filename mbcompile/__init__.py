@@ -59,6 +59,7 @@ _MODULES = {
     "check": "mbcompile.check",
     "errors": "mbcompile.errors",
     "models": "mbcompile.models",
+    "buckets": "mbcompile.planning.buckets",
     "distributed": "mbcompile.execution.distributed",
     "systems": "mbcompile.planning.systems",
 }

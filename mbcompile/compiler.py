@@ -569,7 +569,7 @@ def _validate(request: Request) -> Validation:
 def _compile_request(request: Request) -> CompiledModule:
     """The chain after the request: analysis, selection, the compiled module."""
     # before any tracing: a model whose parameters alone cannot fit fails in milliseconds
-    check_static_memory(request.inner, request.system, request.num_csx, request.shard)
+    check_static_memory(request.inner, request.system, request.shard)
     try:
         analysed = analyse(request)
         selection = select(request, analysed)

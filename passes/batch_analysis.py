@@ -319,9 +319,9 @@ def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
                         "x = torch.where(mask, v, x)")
                 rule = lookup_rule(node, module)
                 ctx = RuleContext(node, facts, gbs, module, tuple(node.args), dict(node.kwargs))
+                if rule is None:
+                    raise _unsupported(node, gm, module)
                 try:
-                    if rule is None:
-                        raise _unsupported(node, gm, module)
                     fact = apply_rule(rule, ctx)
                 except _Rejected as rejected:
                     node.meta.pop(REDUCTION, None)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import mbcompile
 from mbcompile.execution import distributed as mbdist
 from mbcompile.models import make_tiny_gpt
+from mbcompile.planning import buckets
 
 
 class Collectives:
@@ -68,7 +69,7 @@ def train_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
                bucket_bytes: int) -> None:
     """One compiled training step on this rank's share, then the same step reduced the old
     way (``OVERLAP = False``); saves loss, both gradients, the collectives in order."""
-    mbdist.BUCKET_BYTES = bucket_bytes
+    buckets.BUCKET_BYTES = bucket_bytes
     with Collectives() as log:
         model, cm, loss, logits = _step(gbs, world, mbs, rank, log)
     mbdist.OVERLAP = False
@@ -90,7 +91,7 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
     backward (after some are), ``"nan"`` makes its last microbatch's loss NaN.
     """
     model, batch = make_tiny_gpt(gbs, dtype=torch.float64)
-    mbdist.BUCKET_BYTES = 16 * 1024  # several buckets, so some start before the failure
+    buckets.BUCKET_BYTES = 16 * 1024  # several buckets, so some start before the failure
     forwards = {"n": 0, "armed": False}
     log = Collectives()
     last = 0  # rank 1's last microbatch (microbatches of 1), known once compiled

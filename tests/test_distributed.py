@@ -18,6 +18,7 @@ from mbcompile.check import relative_error
 from mbcompile.execution import distributed as mbdist
 from mbcompile.execution import launcher
 from mbcompile.models import make_tiny_gpt
+from mbcompile.planning import buckets as sizes
 
 TIMEOUT_S = 90
 
@@ -148,9 +149,9 @@ def test_bucket_layout_follows_the_backward_and_keeps_buckets_small():
     buckets = mbdist.OverlappedReduce(params).buckets
     nbytes = [sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets]
     assert [i for b in buckets for i in b] == list(reversed(range(len(params))))
-    assert nbytes[0] <= mbdist.FIRST_BUCKET_BYTES
-    assert len(buckets) >= mbdist.MIN_BUCKETS - 1  # the ceiling can leave one short
-    assert max(nbytes) <= -(-sum(nbytes) // mbdist.MIN_BUCKETS)
+    assert nbytes[0] <= sizes.FIRST_BUCKET_BYTES
+    assert len(buckets) >= sizes.MIN_BUCKETS - 1  # the ceiling can leave one short
+    assert max(nbytes) <= -(-sum(nbytes) // sizes.MIN_BUCKETS)
     assert buckets[-1][-1] == 0  # the token embedding
 
     big = [torch.empty(1 << 21, device="meta") for _ in range(100)]  # 100 x 8 MiB

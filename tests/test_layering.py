@@ -94,7 +94,7 @@ def test_the_passes_package_has_the_expected_modules() -> None:
     """pkgutil sees the installed package (not a stray bare ``passes``), with every pass."""
     assert PASSES_DIR.name == "passes", PASSES_DIR
     short = {m.rsplit(".", 1)[1] for m in MODULES}
-    assert {"capture", "shape_prop", "batch_analysis", "batch_rules", "microbatch_rewrite",
+    assert {"capture", "shape_prop", "batch_analysis", "rules", "microbatch_rewrite",
             "ops", "facts", "errors"} <= short, MODULES
 
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mbcompile.execution import distributed
 from mbcompile.execution.distributed import OverlappedReduce
 from mbcompile.models import make_mlp
-from mbcompile.planning import cost as cost_module
+from mbcompile.planning import buckets
 from mbcompile.planning.cost import analyse_cost
 from mbcompile.planning.systems import SystemSpec, get_system
 
@@ -58,13 +57,6 @@ def test_gpu_presets_are_eight_per_node_with_a_nic_each(mlp) -> None:
     assert "8 per node" in h100.describe()
 
 
-def test_the_cost_model_mirrors_the_runtime_buckets() -> None:
-    assert (cost_module._BUCKET_BYTES, cost_module._FIRST_BUCKET_BYTES,
-            cost_module._MIN_BUCKETS) == (distributed.BUCKET_BYTES,
-                                          distributed.FIRST_BUCKET_BYTES,
-                                          distributed.MIN_BUCKETS)
-
-
 @pytest.mark.parametrize("width", [64, 700])
 def test_the_hidden_share_is_all_but_the_runtimes_last_bucket(width: int) -> None:
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(4)))
@@ -75,15 +67,39 @@ def test_the_hidden_share_is_all_but_the_runtimes_last_bucket(width: int) -> Non
     cost = analyse_cost(nn.Sequential(model), (torch.randn(4, width),), (0,), pbs=4)
     hidden = cost.hidden_seconds(1.0, last_backward=10.0)  # a backward longer than it
     # the model's last bucket is the runtime's cap; the runtime's holds whole tensors
-    assert hidden == pytest.approx(1 - min(1.0, _cap(total) / total))
+    assert hidden == pytest.approx(1 - min(1.0, buckets.bucket_cap(total) / total))
     assert abs(hidden - (1 - last / total)) <= max(p.numel() * 4 for p in params) / total
     if width == 64:  # a gradient under 1 MiB is one bucket, sent when the backward ends
         assert len(reduce.buckets) == 1 and hidden == 0
 
 
-def _cap(total: int) -> int:
-    return min(distributed.BUCKET_BYTES,
-               max(distributed.FIRST_BUCKET_BYTES, -(-total // distributed.MIN_BUCKETS)))
+#: bucket settings a user may choose (``mbcompile.buckets``), and the hidden share each gives
+#: 16 layers of 256 KiB weights (4.2 MB of gradients): by default 1 MiB buckets hide 3/4.
+SETTINGS = {
+    "default": ({}, 0.75),
+    "two-buckets": ({"MIN_BUCKETS": 2}, 0.5),
+    "half-mib-cap": ({"BUCKET_BYTES": 2**19, "FIRST_BUCKET_BYTES": 2**18}, 0.875),
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_changed_bucket_settings_reach_the_plan_and_the_run_alike(monkeypatch, setting) -> None:
+    """The plan is made after the user sets ``mbcompile.buckets``: its hidden share of the
+    all-reduce is the one the runtime's layout leaves, under every setting."""
+    changes, share = SETTINGS[setting]
+    for name, value in changes.items():
+        monkeypatch.setattr(buckets, name, value)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(16)))
+    params = list(model.parameters())
+    reduce = OverlappedReduce(params)
+    total = sum(p.numel() * p.element_size() for p in params)
+    sizes = [sum(params[i].numel() * params[i].element_size() for i in b)
+             for b in reduce.buckets[1:]]  # after the small first one: cut at the cap
+    hidden = analyse_cost(model, (torch.randn(4, 256),), (0,), pbs=4).hidden_seconds(
+        1.0, last_backward=10.0)
+    assert hidden == pytest.approx(share, abs=0.01)  # the setting took effect in the plan
+    cap = (1 - hidden) * total  # the bucket the plan prices as the last one
+    assert cap - 256 * 257 * 4 < max(sizes) <= cap + 1  # the run's cap, to one tensor
 
 
 def test_the_step_pays_only_the_all_reduce_the_last_backward_does_not_hide(mlp) -> None:

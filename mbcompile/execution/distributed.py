@@ -18,8 +18,9 @@ Everything here is a no-op for the simulated backend, which sums systems in
 process (``passes.ops.accumulate_sum``). The loop that issues them is ``runtime.py``,
 which imports this module (never the other way round); the backend's bindings are
 ``ranks.py``.
-The knobs (``BUCKET_BYTES``, ``OVERLAP``, ...) live here, where they are read, so
-setting ``mbcompile.distributed.BUCKET_BYTES`` takes effect. Users reach the rank
+``OVERLAP`` lives here, where it is read, so setting ``mbcompile.distributed.OVERLAP``
+takes effect; the bucket sizes are ``mbcompile.buckets``' (``planning/buckets.py``),
+which the cost model reads too. Users reach the rank
 helpers they call with the collectives from here too: ``shard``, ``PlanSampler``,
 ``check_world`` and ``rank_slice`` (``rank_shares.py``) and ``launch``
 (``launcher.py``).
@@ -37,11 +38,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from mbcompile.execution.launcher import free_port, launch
 from mbcompile.execution.rank_shares import PlanSampler, check_world, rank_slice, shard
 from mbcompile.passes.errors import MicrobatchError
+from mbcompile.planning import buckets
 
 __all__ = [
-    "BUCKET_BYTES",
-    "FIRST_BUCKET_BYTES",
-    "MIN_BUCKETS",
     "OVERLAP",
     "OverlappedReduce",
     "PlanSampler",
@@ -57,15 +56,6 @@ __all__ = [
     "step_status",
 ]
 
-#: Gradient bucket size, DDP's default: big enough to amortise each call's latency.
-BUCKET_BYTES = 25 * 1024 * 1024
-#: The first bucket launched (the last parameters' gradients), DDP's default: small, so
-#: that the wire is busy early in the last backward.
-FIRST_BUCKET_BYTES = 1024 * 1024
-#: Overlapped buckets are smaller than ``BUCKET_BYTES`` where the gradient is small (but
-#: at least ``FIRST_BUCKET_BYTES``): at least this many, so that only the last one (the
-#: embedding's, final when the backward ends) is sent after it, not most of the model.
-MIN_BUCKETS = 8
 #: False: all-reduce the step's gradient in ``loss.backward()``, after every microbatch's
 #: backward, bucket by bucket (``all_reduce_gradients``; the path before the overlap,
 #: kept as the reference the tests compare the overlapped gradients with bit for bit).
@@ -135,7 +125,7 @@ def all_reduce_gradients(grads: Sequence[torch.Tensor | None],
     """Sum gradients over ranks in place, in buckets; returns the number of calls made."""
     present = [g for g in grads if g is not None]
     calls = 0
-    for bucket in gradient_buckets(present, bucket_bytes or BUCKET_BYTES):
+    for bucket in gradient_buckets(present, bucket_bytes or buckets.BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
         dist.all_reduce(flat)
         for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
@@ -173,7 +163,7 @@ class OverlappedReduce:
     The layout is DDP's Reducer's at its first iteration: parameters in reverse
     order (roughly the order backward makes their gradients final), cut into
     buckets, the first one small; unlike DDP's, a small model's gradient is cut into
-    ``MIN_BUCKETS`` (a 14 MiB one into 8, not one of 1 MiB and one of 13). ``arm()``
+    ``buckets.MIN_BUCKETS`` (a 14 MiB one into 8, not one of 1 MiB and one of 13). ``arm()``
     before the last microbatch's backward puts a post-accumulate-grad hook on every
     parameter; when the last gradient of bucket k is final and buckets 0..k-1 are
     launched, bucket k is flattened and ``all_reduce(async_op=True)`` starts on it. ``wait()`` (in
@@ -200,11 +190,11 @@ class OverlappedReduce:
     def __init__(self, params: Sequence[torch.Tensor], cap: int | None = None,
                  first_cap: int | None = None) -> None:
         total = sum(p.numel() * p.element_size() for p in params)
-        cap = cap or min(BUCKET_BYTES, max(FIRST_BUCKET_BYTES, -(-total // MIN_BUCKETS)))
+        cap = cap or buckets.bucket_cap(total)
         order = list(reversed(range(len(params))))
         self.params = params
         self.buckets = [[order[i] for i in b] for b in bucket_indices(
-            [params[i] for i in order], cap, min(cap, first_cap or FIRST_BUCKET_BYTES))]
+            [params[i] for i in order], cap, min(cap, first_cap or buckets.FIRST_BUCKET_BYTES))]
         self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
         self.pending = [len(b) for b in self.buckets]
         self.launched: list[tuple[Any, torch.Tensor, list[torch.Tensor | None]]] = []

@@ -82,6 +82,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from mbcompile.passes.batch_analysis import BatchAnalysis
+from mbcompile.planning import buckets
 from mbcompile.planning.estimates import (
     CostModelError,
     DoesNotFitError,
@@ -112,15 +113,6 @@ __all__ = [
     "format_bytes",
     "format_seconds",
 ]
-
-
-#: The runtime's gradient buckets (``execution/distributed.py``'s ``BUCKET_BYTES``,
-#: ``FIRST_BUCKET_BYTES`` and ``MIN_BUCKETS``, which the planning layer cannot import: the
-#: execution layer imports it). They set how much of the all-reduce is left after the
-#: last backward ends: the last bucket.
-_BUCKET_BYTES = 25 * 2**20
-_FIRST_BUCKET_BYTES = 2**20
-_MIN_BUCKETS = 8
 
 
 def _split_counts(size: int, k: int) -> list[tuple[int, int]]:
@@ -325,7 +317,7 @@ class CostModel:
         total = self.static.trainable_bytes
         if reduce <= 0 or total <= 0:
             return 0.0
-        bucket = min(_BUCKET_BYTES, max(_FIRST_BUCKET_BYTES, math.ceil(total / _MIN_BUCKETS)))
+        bucket = buckets.bucket_cap(total)  # the runtime's, read when the plan is made
         return min(reduce * max(0.0, 1 - bucket / total), last_backward)
 
     def optimizer_seconds(self, spec: SystemSpec) -> float:

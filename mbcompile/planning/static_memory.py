@@ -19,11 +19,15 @@ from mbcompile.planning.systems import SystemSpec
 __all__ = ["check_static_memory"]
 
 
-def check_static_memory(model: nn.Module, system: SystemSpec, num_csx: int,
+def check_static_memory(model: nn.Module, system: SystemSpec,
                         shard: ShardSpec | None = None) -> None:
     """Raise ``DoesNotFitError`` when ``model``'s static memory alone exceeds ``system``'s
-    usable memory: one replica on each of ``num_csx`` systems, or one rank's share when
-    ``shard`` (its FSDP2 sharding) spreads it over ``shard.world`` ranks."""
+    usable memory: a whole replica (each system holds one, however many there are), or
+    one rank's share when ``shard`` (its FSDP2 sharding) spreads it over ``shard.world``
+    ranks.
+
+    >>> check_static_memory(nn.Linear(4, 4), get_system("host"))   # fits: returns None
+    """
     error = static_does_not_fit(model, system, world=shard.world if shard is not None else 1)
     if error is not None:
         raise error

@@ -118,7 +118,7 @@ def check_batch_not_in(ctx: RuleContext, value: Any, dims: Sequence[int], what: 
     ndim = ctx.ndim(value)
     if ndim and fact.dim in {d % ndim for d in dims}:
         ctx.mix(f"it {what} along dim {fact.dim}, which is the batch dim",
-                *(fixes or (f"make it {what} along a non-batch dim",)))
+                *(fixes or (f"change the call so that it {what} along a non-batch dim",)))
 
 
 def along(get_dims: Callable[[RuleContext], Sequence[int]], what: str, *fixes: str,
