@@ -44,10 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_output_args, alternate, finish, machine  # noqa: E402
 
 import mbcompile  # noqa: E402
+from mbcompile.errors import DoesNotFitError  # noqa: E402
 from mbcompile.models import CNN, MLP, TinyGPT, token_batch  # noqa: E402
-from mbcompile.planning.cost import DoesNotFitError, format_bytes, format_seconds  # noqa: E402
-from mbcompile.planning.explore import Selector, measure_peak_bytes  # noqa: E402
+from mbcompile.planning.cost import format_bytes, format_seconds  # noqa: E402
+from mbcompile.planning.measure import measure_peak_bytes  # noqa: E402
 from mbcompile.planning.plan import make_plan  # noqa: E402
+from mbcompile.planning.search import Selector  # noqa: E402
 from mbcompile.planning.systems import get_system, system_names  # noqa: E402
 from mbcompile.reports import exploration as shown  # noqa: E402
 

@@ -19,16 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 #: public name -> the module that defines it
 _NAMES = {
-    "CompiledModule": "mbcompile.compiler",
+    "CompiledModule": "mbcompile.compiled_module",
     "compile": "mbcompile.compiler",
     "ConfigError": "mbcompile.training.config",
     "load_config": "mbcompile.training.config",
-    "CostModelError": "mbcompile.planning.cost",
-    "DoesNotFitError": "mbcompile.planning.cost",
     "draw": "mbcompile.reports.draw",
-    "CompileOnlyError": "mbcompile.planning.explore",
-    "CostModelWarning": "mbcompile.planning.explore",
-    "TwoPhaseWarning": "mbcompile.planning.explore",
     "Callback": "mbcompile.training.flags",
     "GlobalFlags": "mbcompile.training.flags",
     "ScopedTrainFlags": "mbcompile.training.flags",
@@ -53,6 +48,9 @@ _NAMES = {
         "PerMicrobatchStatisticsWarning", "MicrobatchOutOfMemoryError", "MixingError",
         "PlanError", "RecompileWarning", "RetainedActivationsWarning",
         "UnsupportedOpError")},
+    **{name: "mbcompile.errors" for name in (
+        "CompileOnlyError", "CostModelError", "CostModelWarning", "DoesNotFitError",
+        "TwoPhaseWarning")},
 }
 #: modules users reach as ``mbcompile.<name>`` (``mbcompile.distributed.shard``, ...)
 _MODULES = {
@@ -85,16 +83,18 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run time
-    from mbcompile.compiler import CompiledModule, compile  # noqa: F401
+    from mbcompile.compiled_module import CompiledModule  # noqa: F401
+    from mbcompile.compiler import compile  # noqa: F401
+    from mbcompile.errors import (  # noqa: F401
+        CompileOnlyError,
+        CostModelError,
+        CostModelWarning,
+        DoesNotFitError,
+        TwoPhaseWarning,
+    )
     from mbcompile.execution.noise import NoiseScale  # noqa: F401
     from mbcompile.passes.errors import *  # noqa: F401,F403
     from mbcompile.passes.rules import register_batch_rule, trust_module  # noqa: F401
-    from mbcompile.planning.cost import CostModelError, DoesNotFitError  # noqa: F401
-    from mbcompile.planning.explore import (  # noqa: F401
-        CompileOnlyError,
-        CostModelWarning,
-        TwoPhaseWarning,
-    )
     from mbcompile.planning.plan import MicrobatchPlan, make_plan  # noqa: F401
     from mbcompile.planning.systems import SystemSpec, get_system  # noqa: F401
     from mbcompile.reports.draw import draw  # noqa: F401

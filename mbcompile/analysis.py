@@ -44,6 +44,7 @@ from mbcompile.passes.state_updates import (
     lift_state_updates,
     mutates,
 )
+from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.request import Request
 
 __all__ = ["MODES", "Analysed", "analyse", "kept_outputs"]
@@ -82,27 +83,34 @@ class Analysed:
             return None
         return self.analysis.rejected
 
-    def unsplit(self) -> Analysed:
-        """The same analysis for a plan that turned out to run one microbatch per system
-        (``mbs="auto"`` on one system may choose the whole batch): a graph the batch
-        analysis rejected then runs as it is."""
-        if self.rejected is None or self.mode == "unsplit":
+    def for_plan(self, plan: MicrobatchPlan) -> Analysed:
+        """The same analysis for the plan ``select`` made: when it runs one microbatch in
+        all (``mbs="auto"`` on one system may choose the whole batch), a graph the batch
+        analysis rejected runs as it is (``"unsplit"``)."""
+        if (not _runs_one_microbatch(plan) or self.rejected is None
+                or self.mode == "unsplit"):
             return self
         return replace(self, mode="unsplit", cut=None)
 
 
-def analyse(request: Request, *, single: bool | None = None, validating: bool = False
-            ) -> Analysed:
+def _runs_one_microbatch(plan: MicrobatchPlan) -> bool:
+    return plan.num_nonempty_microbatches <= 1
+
+
+def analyse(request: Request, *, plan: MicrobatchPlan | None = None,
+            validating: bool = False) -> Analysed:
     """Analyse ``request.inner`` in its current train/eval mode, and decide once.
 
-    ``single``: the plan runs one microbatch on one system (default: the request can
-    mean nothing else). Raises the analysis's ``MixingError`` when a split is needed and
-    neither a plain split nor a two-phase step is exact. ``validating``
+    ``plan``: the plan a graph is analysed again for (after a train/eval change; default:
+    none yet, so a split is needed unless the request can mean nothing but one system
+    running one microbatch). Raises the analysis's ``MixingError`` when a split is needed
+    and neither a plain split nor a two-phase step is exact. ``validating``
     (``compile(validate_only=True)``): the facts and the mode only, nothing for a plan.
+    This module is the one place that decides ``"unsplit"``.
     """
     model = request.inner
     found = _analyse(model, request)
-    single = request.single if single is None else single
+    single = request.single if plan is None else _runs_one_microbatch(plan)
     if found.rejected is None:
         mode = "split"
     elif single:
@@ -117,8 +125,9 @@ def analyse(request: Request, *, single: bool | None = None, validating: bool = 
         return replace(found, mode=mode, training=model.training)
     kept = kept_outputs(request.outputs, found.captured.output_spec, found.analysis,
                         found.state) if model.training else None
-    return replace(found, mode=mode, training=model.training, kept=kept,
-                   cut=cut_graph(found.analysis, kept) if mode != "unsplit" else None)
+    analysed = replace(found, mode=mode, training=model.training, kept=kept,
+                       cut=cut_graph(found.analysis, kept) if mode != "unsplit" else None)
+    return analysed if plan is None else analysed.for_plan(plan)
 
 
 def _sharded_two_phase(rejected: MixingError) -> MixingError:

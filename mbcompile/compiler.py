@@ -1,520 +1,37 @@
-"""``mbcompile.compile``: capture -> shapes -> batch analysis -> plan -> rewrite.
+"""``mbcompile.compile``: the chain of stages, each a frozen result computed once.
 
 >>> cm = mbcompile.compile(model, gbs=10, num_csx=3, mbs=2, example_inputs=(ids, labels))
 >>> print(cm.plan)                  # systems get 4, 3, 3 samples; 2 microbatches each
 >>> loss = cm(ids, labels)          # same call and output structure as model(ids, labels)
->>> loss.backward()                 # param.grad == the full-batch gradient, to rounding
 
-The module compiles once per combination of its submodules' ``training`` flags
-(``cm.train()`` and ``cm.eval()`` can change what is safe: BatchNorm mixes
-samples only in training), and reuses the result on every call.
+request (``request.py``) -> static memory -> analysis (``analysis.py``: capture, shapes,
+batch facts) -> selection (``selection.py``: cost model, MBS search, the one plan) ->
+lowering (``lowering.py``: rewrite and bind) -> the compiled module
+(``compiled_module.py``), which runs what it is given and sends what compile() did not
+see (a train/eval change, another batch size or keyword set) back through this chain.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
+import contextlib
+import functools
 import time
-import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-import torch
-import torch.fx as fx
 import torch.nn as nn
 
-from mbcompile.analysis import Analysed, analyse
-from mbcompile.errors import (
-    BatchSizeWarning,
-    CaptureError,
-    InputError,
-    MbcompileError,
-    RecompileWarning,
-    RetainedActivationsWarning,
-)
-from mbcompile.execution import StepChannels, bindings
-from mbcompile.execution.joint import joint_step
-from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_new_hooks
+from mbcompile.analysis import analyse
+from mbcompile.compiled_module import CompiledModule, Recompile
+from mbcompile.errors import CaptureError, MbcompileError
 from mbcompile.execution.noise import NoiseScale
-from mbcompile.execution.rank_shares import check_not_in_ddp
-from mbcompile.execution.step_config import StepConfig
-from mbcompile.face import ModelFace
-from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
-from mbcompile.passes import ops
-from mbcompile.passes.batch_analysis import BatchAnalysis
-from mbcompile.passes.capture import OutputSpec
-from mbcompile.passes.fake_probe import holds_no_data
-from mbcompile.passes.guards import Guard, failed_guard
-from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
-from mbcompile.passes.sources import user_stacklevel
-from mbcompile.passes.state_updates import StateUpdates
-from mbcompile.plan_notes import final_plan
-from mbcompile.planning.explore import Selection, compile_only_error
-from mbcompile.planning.plan import MicrobatchPlan, parse_mbs, per_system_batch_sizes
+from mbcompile.lowering import Lowered, lower
 from mbcompile.planning.static_memory import check_static_memory
-from mbcompile.reports.report import Validation, render, validation_of
-from mbcompile.request import (
-    Request,
-    batch_size,
-    check_layout,
-    for_call,
-    input_layout,
-    make_request,
-    same_value,
-)
-from mbcompile.selection import select
+from mbcompile.reports.report import Validation, validation_of
+from mbcompile.request import Request, make_request
+from mbcompile.selection import Selection, select
 
-__all__ = ["CompiledModule", "compile"]
-
-
-@dataclass(frozen=True)
-class _Compiled:
-    graph_module: fx.GraphModule  # rewritten, its loop ops bound to the backend
-    original_graph_module: fx.GraphModule
-    output_spec: OutputSpec
-    retains_activations: bool  # training keeps several microbatches' activations alive
-    channels: StepChannels  # what its loop reports: noise scale, last counts
-    analysis: BatchAnalysis  # what the batch analysis decided for this graph
-    state: StateUpdates  # which graph outputs are state to write back, and where
-    guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
-
-
-class CompiledModule(ModelFace, nn.Module):
-    """A model compiled for microbatching: call it like the model.
-
-    Attributes: ``plan`` (a ``MicrobatchPlan``), ``graph_module`` (the rewritten
-    ``fx.GraphModule``: split -> loop over ``graph_module.body`` -> accumulate),
-    ``original_graph_module`` (the captured graph, annotated with batch facts),
-    ``estimate`` (modelled memory and step time of the plan on ``system``) and
-    ``exploration`` (the MBS values the choice evaluated); ``report()`` says it all.
-    Parameters are the model's own (shared, not copied); ``state_dict()`` is the
-    model's, so it loads into the original and back. It looks like the model
-    (``mbcompile.face``): attributes it does not have are the model's (``cm.config``,
-    ``cm.generate(...)``), and ``inspect.signature(cm.forward)`` is the model's forward's.
-    A batch of another size than ``gbs`` is planned and compiled on first sight, once per
-    size, with a ``BatchSizeWarning`` (unless compiled with ``batch_sizes="fixed"``); so is
-    a call that passes other keywords through forward's ``**kwargs`` than the example did
-    (``num_items_in_batch``), with a ``RecompileWarning``.
-    """
-
-    def __init__(self, request: Request, selection: Selection, plan: MicrobatchPlan,
-                 analysed: Analysed | None = None, rank: int | None = None) -> None:
-        super().__init__()
-        self.module = request.model  # the user's model, wrapper and all: its state_dict() keys
-        # what the graphs were captured from (model, or the module a wrapper forwards to);
-        # not a registered submodule, so nothing is listed twice
-        object.__setattr__(self, "_inner", request.inner)
-        object.__setattr__(self, "_request", request)
-        object.__setattr__(self, "plan", plan)
-        object.__setattr__(self, "selection", selection)
-        object.__setattr__(self, "compile_only", request.compile_only)
-        object.__setattr__(self, "_analysed", analysed)  # compile()'s analysis, used once
-        object.__setattr__(self, "rank", rank)
-        object.__setattr__(self, "backend", request.backend)
-        object.__setattr__(self, "noise_scale", request.noise_scale)
-        object.__setattr__(self, "_signature", request.signature)
-        face = inspect.signature(request.inner.forward)
-        object.__setattr__(self, "_face_signature", face)
-        # isinstance(cm, type(model)) (face.py); not for a GraphModule, which torch.compile
-        # and fx would take for a graph to run in place of this module's forward
-        object.__setattr__(self, "_face_class", None if isinstance(request.inner, fx.GraphModule)
-                           else type(request.inner))
-        # forward takes **kwargs: the names it has besides, and the keywords the example
-        # passed there (a call with others runs a variant compiled for them: _for_keywords)
-        object.__setattr__(self, "_named", frozenset(face.parameters) if any(
-            p.kind == p.VAR_KEYWORD for p in face.parameters.values()) else None)
-        object.__setattr__(self, "_keywords", request.keywords)
-        object.__setattr__(self, "_variants", {})  # batch size -> the module compiled for it
-        object.__setattr__(self, "_inputs", request.inputs)
-        object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
-        object.__setattr__(self, "_cache", {})
-        object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
-        object.__setattr__(self, "_slots_seen", None)
-        object.__setattr__(self, "_hooks_seen", None)  # _hooks_by_module at the last compile
-        object.__setattr__(self, "_live_hooks", frozenset())  # layers whose hooks run live
-        object.__setattr__(self, "_live_layers", ())  # (name, layer) of those layers
-        object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
-        object.__setattr__(self, "_warned", False)
-        self._face_state_dict()  # state_dict() keys are the model's own
-        self._compiled()  # compile now: errors belong to compile(), not the first call
-
-    # -------------------------------------------------------------- compiling
-    def _mode_key(self) -> tuple[Any, ...]:
-        """(every module's training flag, the identity of every parameter, buffer and
-        submodule slot, the keys of every hook): the graphs hold the model's Parameter and
-        buffer objects (get_attr copies the reference), so replacing one
-        (``load_state_dict(assign=True)``, a new head) recompiles, and so does a change of
-        train/eval mode or of the hooks the graphs were traced through. A parameter's
-        ``requires_grad`` is read live on every call: nothing compiled depends on it.
-
-        Read on every call, so it walks a module list kept from the last call (a module
-        walk costs more than the rest of the call's checks together); a replaced submodule
-        shows in its parent's slots, and then the list is walked afresh.
-        """
-        modules = self._modules_seen
-        filled = slots(modules)
-        if filled != self._slots_seen:
-            modules = tuple(self.module.modules())
-            filled = slots(modules)
-            object.__setattr__(self, "_modules_seen", modules)
-            object.__setattr__(self, "_slots_seen", filled)
-        return tuple(m.training for m in modules), filled, hooks_key(modules, self._live_hooks)
-
-    def _compiled(self) -> _Compiled:
-        key = self._mode_key()
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            failed = failed_guard(compiled.guards)
-            if failed is None:
-                return compiled
-            self._recompiling(f"{failed.describe(self._names())}, which forward reads")
-            del self._cache[key]
-        elif self._cache:
-            changed = hooks_changed(self.module, self._hooks_seen, self._live_hooks)
-            if changed:
-                self._recompiling(changed)
-        for stale in [k for k in self._cache if k[1] != key[1]]:
-            del self._cache[stale]  # they keep replaced parameters alive
-        analysed, self._analysed = self._analysed, None
-        compiled = _compile_graph(self._request, self.plan, self.rank, analysed)
-        # the key as the next call computes it: without the forward hooks of the layers it
-        # calls live; those present now were checked (check_layer_hooks), later ones watched
-        live = self._layers_called_live(compiled)
-        object.__setattr__(self, "_live_layers", live)
-        object.__setattr__(self, "_live_hooks", frozenset(id(m) for _, m in live))
-        object.__setattr__(self, "_hooks_known", self._hooks_known | hook_keys(live))
-        object.__setattr__(self, "_hooks_seen", hooks_by_module(self.module, self._live_hooks))
-        self._cache[self._mode_key()] = compiled
-        return compiled
-
-    def _layers_called_live(self, compiled: _Compiled) -> tuple[tuple[str, nn.Module], ...]:
-        """The layers an fx graph calls as single nodes (``nn.Linear``, ...), by name: they
-        run their own forward hooks at each call, so adding or removing one needs no
-        recompile (``live_hooks`` watches the added ones). A body compiled with
-        ``torch_compile`` has dynamo trace them in: every hook counts."""
-        if self._request.torch_compile is not None:
-            return ()
-        names = dict.fromkeys(str(n.target) for n in compiled.original_graph_module.graph.nodes
-                              if n.op == "call_module" and is_submodule(self._inner,
-                                                                         str(n.target)))
-        return tuple((name, self._inner.get_submodule(name)) for name in names)
-
-    def _names(self) -> dict[int, str]:
-        return {id(m): name for name, m in self.module.named_modules()}
-
-    def _recompiling(self, what: str) -> None:
-        warnings.warn(f"{what}: compiling {type(self.module).__name__} again for the new "
-                      "state (once per state; values that change every step are better kept "
-                      "in a buffer or passed as an argument)", RecompileWarning,
-                      stacklevel=user_stacklevel())
-
-    @property
-    def graph_module(self) -> fx.GraphModule:
-        """The rewritten graph for the module's current train/eval mode."""
-        return self._compiled().graph_module
-
-    @property
-    def original_graph_module(self) -> fx.GraphModule:
-        """The captured graph, with ``node.meta['mbcompile.fact']`` on every node."""
-        return self._compiled().original_graph_module
-
-    @property
-    def analysis(self) -> BatchAnalysis:
-        """The batch analysis of the captured graph: facts, trained loss, rejection."""
-        return self._compiled().analysis
-
-    @property
-    def system(self) -> Any:
-        """The ``SystemSpec`` the plan was made for."""
-        return self.selection.system if self.selection is not None else None
-
-    @property
-    def estimate(self) -> Any:
-        """Modelled memory and step time of the plan (``mbcompile.planning.cost.Estimate``)."""
-        return self.selection.estimate if self.selection is not None else None
-
-    @property
-    def exploration(self) -> Any:
-        """The MBS values evaluated and the answer (``mbcompile.planning.explore.Exploration``)."""
-        return self.selection.exploration if self.selection is not None else None
-
-    def report(self, fmt: str = "text") -> str:
-        """Plan, why, modelled memory and time, candidates: text, or ``fmt="json"``.
-
-        The text is a ``mbcompile.reports.report.Report`` (a ``str``); ``to_dict()`` is the data.
-        """
-        return render(self, fmt)
-
-    # ---------------------------------------------------------------- calling
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.compile_only:
-            raise compile_only_error(self.plan, self.exploration, shapes_only=any(
-                map(holds_no_data, self._inner.parameters())))
-        if self.rank is not None:  # on ranks: never inside DDP, which would reduce again
-            check_not_in_ddp()
-        # a call another variant runs (other keywords through **kwargs, another batch size)
-        # goes there before this module compiles anything for the current mode
-        if self._named is not None:  # forward takes **kwargs: which keywords reach them
-            through = frozenset(k for k in kwargs if k not in self._named)
-            if through != self._keywords:
-                return self._for_keywords(through, args, kwargs)(*args, **kwargs)
-        bound, values, batch = self._checked(args, kwargs)
-        if self.rank is None and batch is not None and batch != self.plan.gbs:
-            return self._for_batch(batch, bound.arguments)(*args, **kwargs)
-        compiled = self._compiled()
-        watched = watch_new_hooks(self._live_layers, self._hooks_known)
-        if not watched:
-            return self._call(compiled, values, bound.arguments)
-        try:
-            return self._call(compiled, values, bound.arguments)
-        finally:
-            unwatch(watched)
-
-    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> tuple[inspect.BoundArguments, list[Any], int | None]:
-        """The call bound to the compiled signature, its inputs in placeholder order and its
-        batch size; raises ``InputError`` for a call the graphs cannot run."""
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise InputError(f"call does not match forward{self._signature}: {exc}") from None
-        bound.apply_defaults()
-        values = [bound.arguments[n] for n in self._inputs.names]
-        for name, expected in self._inputs.concrete.items():
-            got = bound.arguments[name]
-            if got is not expected and not same_value(got, expected):
-                raise InputError(
-                    f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "
-                    "non-tensor arguments are fixed when compiling: compile again with the "
-                    "new value")
-        batch = batch_size(self._inputs, values)
-        check_layout(self._inputs, values, self._layout)
-        if self.rank is not None:
-            local = self.plan.per_system_batch_sizes[self.rank]
-            if batch is not None and batch != local:
-                raise InputError(
-                    f"rank {self.rank} was called with {batch} samples but its share of "
-                    f"gbs={self.plan.gbs} is {local} (plan.per_system_batch_sizes[{self.rank}]); "
-                    "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank)")
-        elif batch is not None and batch != self.plan.gbs and self._request.batch_sizes == "fixed":
-            raise InputError(
-                f"the batch has {batch} samples but the module was compiled for "
-                f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "
-                f"{self.plan.gbs} samples, or compile with batch_sizes='any'")
-        return bound, values, batch
-
-    def _call(self, compiled: _Compiled, values: list[Any], arguments: dict[str, Any]) -> Any:
-        if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned
-                and any(p.requires_grad for p in self.module.parameters())):
-            object.__setattr__(self, "_warned", True)
-            warnings.warn(
-                "training without a single scalar loss inside the model: the loop keeps every "
-                "microbatch's activations alive until backward (same numbers, more memory). "
-                "Return the loss from forward to get one microbatch's memory.",
-                RetainedActivationsWarning, stacklevel=user_stacklevel())
-        flat = compiled.graph_module(*values)
-        state = compiled.state
-        if state.targets:  # the step succeeded: write the state back once, as eager does
-            self._write_state(state, flat[state.n_outputs:], arguments)
-            flat = flat[:state.n_outputs]
-        return compiled.output_spec.rebuild(flat)
-
-    def _for_keywords(self, through: frozenset[str], args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> CompiledModule:
-        """The module compiled for calls that pass the keywords ``through`` to forward's
-        ``**kwargs`` (each is a graph input: ``request.for_call``), compiled once."""
-        variant = self._variants.get(through)
-        if variant is None:
-            def listed(names: frozenset[str]) -> str:
-                return ", ".join(map(repr, sorted(names))) or "none"
-
-            variant = self._variant(
-                through, for_call(self._request, args, kwargs), self.plan.gbs,
-                f"a call passes {listed(through)} to {type(self._inner).__name__}.forward's "
-                f"**kwargs, where the example call passed {listed(self._keywords)}",
-                RecompileWarning, "pass them in example_kwargs to compile them with the model")
-        return variant
-
-    def _for_batch(self, batch: int, arguments: Mapping[str, Any]) -> CompiledModule:
-        """The module compiled for batches of ``batch`` samples (see ``_variant``)."""
-        return self._variants.get(batch) or self._variant(
-            batch, dataclasses.replace(self._request, example=dict(arguments)), batch,
-            f"a batch of {_samples(batch)}, where {type(self.module).__name__} was compiled "
-            f"for gbs={self.plan.gbs}", BatchSizeWarning,
-            "compile(..., batch_sizes='fixed') makes another batch size an error")
-
-    def _variant(self, key: Any, request: Request, batch: int, why: str,
-                 category: type[Warning], hint: str) -> CompiledModule:
-        """Compile ``request`` for ``batch`` samples, once, and keep it under ``key``: the
-        same options and MBS policy (an int MBS capped at the new per-system batch; fewer
-        samples than systems leave systems idle), the call as its example; one warning of
-        ``category`` says ``why`` and what it cost, and ``hint`` how to avoid it."""
-        start = time.perf_counter()
-        systems = min(request.num_csx, batch)
-        policy = request.policy
-        pbs = per_system_batch_sizes(batch, systems)[0]
-        if policy.mode == "int" and (policy.value or 0) > pbs:
-            policy = parse_mbs(pbs)
-        compiled = _compile_request(dataclasses.replace(
-            request, gbs=batch, num_csx=systems, policy=policy))
-        self._variants[key] = compiled
-        plan = compiled.plan
-        warnings.warn(
-            f"{why}: planned and compiled once for it ({_samples(batch)} on {systems} "
-            f"system{'s' if systems > 1 else ''}, mbs={plan.mbs}, {plan.num_microbatches} "
-            f"microbatch{'es' if plan.num_microbatches > 1 else ''} per system) in "
-            f"{time.perf_counter() - start:.1f} s, and kept for later calls like it ({hint})",
-            category, stacklevel=user_stacklevel())
-        return compiled
-
-    def _write_state(self, state: StateUpdates, new: Sequence[Any],
-                     arguments: Mapping[str, Any]) -> None:
-        with torch.no_grad():
-            for target, value in zip(state.targets, new):
-                if target.kind == "buffer":
-                    self._inner.get_buffer(target.name).copy_(value)
-                elif target.kind == "parameter":  # under no_grad: it stays a leaf
-                    self._inner.get_parameter(target.name).copy_(value)
-                else:
-                    arguments[target.name].copy_(value)
-
-    def loss_of(self, output: Any) -> torch.Tensor:
-        """The trained loss in ``output`` (what this module returned): the output leaf the
-        batch analysis found to be the loss, the one rule the cost model and the rewrite
-        follow too. Raises ``InputError`` when the model computes no loss inside."""
-        compiled = self._compiled()
-        for index in compiled.analysis.loss_outputs:
-            found = _output_leaf(compiled.output_spec, output, index)
-            if isinstance(found, torch.Tensor):
-                return found
-        raise InputError(
-            f"{type(self.module).__name__} returns no trained loss (a scalar computed inside "
-            "forward that depends on the parameters); compute the loss inside forward, so "
-            "backward can run per microbatch, and return it")
-
-    def token_counts(self) -> dict[str, Any] | None:
-        """What the loss's mean counted in the last call: non-padding tokens for a token
-        loss (targets not equal to ``ignore_index``), elements for an MSE, ...
-
-        ``{"global": n, "per_system": [...], "per_microbatch": [[...], ...]}``; None
-        before the first call or when the loss is not a mean.
-        """
-        counts = self._compiled().channels.last_counts
-        if counts is None:
-            return None
-        values = iter([float(c) for c in counts])
-        per_mb = [[next(values) if n else 0.0 for n in sizes]
-                  for sizes in (self.plan.microbatch_sizes if self.rank is None
-                                else self.plan.microbatch_sizes[self.rank:self.rank + 1])]
-        return {"global": sum(map(sum, per_mb)), "per_system": [sum(m) for m in per_mb],
-                "per_microbatch": per_mb}
-
-    # --------------------------------------------------------------- pickling
-    def __getstate__(self) -> dict[str, Any]:
-        # fx pickles a GraphModule by re-tracing its code, which would trace into the
-        # runtime's loop; drop the graphs and recompile from the model on first use.
-        state = self.__dict__.copy()
-        state["_cache"] = {}
-        state["_modules_seen"], state["_slots_seen"] = (), None  # ids mean nothing after a copy
-        return state
-
-    def extra_repr(self) -> str:
-        p = self.plan
-        return (f"gbs={p.gbs}, num_csx={p.num_csx}, mbs={p.mbs}, "
-                f"num_microbatches={p.num_microbatches}"
-                + (", compile_only=True" if self.compile_only else ""))
-
-
-def _samples(n: int) -> str:
-    return f"{n} sample{'s' if n != 1 else ''}"
-
-
-def _output_leaf(spec: OutputSpec, output: Any, index: int) -> Any:
-    """The leaf numbered ``index`` of ``output``, an object shaped like ``spec``."""
-    if spec.kind == "leaf":
-        return output if spec.index == index else None
-    if spec.kind in ("tuple", "list"):
-        parts: list[Any] = list(output)
-    elif spec.kind == "dataclass":
-        parts = [getattr(output, k) for k in spec.keys]
-    elif spec.kind == "dict":
-        parts = [output[k] for k in spec.keys]
-    else:
-        return None
-    for child, part in zip(spec.children, parts):
-        found = _output_leaf(child, part, index)
-        if found is not None:
-            return found
-    return None
-
-
-def _compile_graph(request: Request, plan: MicrobatchPlan, rank: int | None = None,
-                   analysed: Analysed | None = None) -> _Compiled:
-    """The rewritten graph of ``request``'s model in its current train/eval mode, bound to
-    the backend: compile()'s analysis the first time, a fresh one after a mode change."""
-    splits = plan.num_nonempty_microbatches > 1
-    analysed = analysed or analyse(request, single=not splits)
-    if not splits:
-        analysed = analysed.unsplit()
-    captured = analysed.captured
-    gm = captured.graph_module
-    if analysed.mode == "unsplit":
-        # one system, one microbatch: nothing is split, so nothing can mix; the captured
-        # graph runs as it is
-        return _Compiled(gm, gm, captured.output_spec, False,
-                         StepChannels(noise=request.noise_scale), analysed.analysis,
-                         analysed.state, captured.guards)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
-    offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
-    slices = [(a - offset, b - offset) for system in systems for a, b in system if b > a]
-    in_dims = request.inputs.in_dims
-    rewritten = microbatch_rewrite(
-        analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
-        in_dims={p.target: d for p, d in zip(placeholders, in_dims)}, keep=analysed.kept,
-        recompute=plan.recompute and analysed.training, cut=analysed.cut)
-    channels = StepChannels(noise=request.noise_scale,
-                            config=_step_config(request, plan, analysed, rewritten, slices))
-    bound = ops.bind(rewritten, bindings(request.backend, channels, plan.per_system_batch_sizes))
-    if request.torch_compile is not None:
-        _torch_compile_parts(bound, request.torch_compile)
-    return _Compiled(bound, gm, captured.output_spec,
-                     splits and not analysed.analysis.fused, channels,
-                     analysed.analysis, analysed.state, captured.guards)
-
-
-def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
-                 rewritten: fx.GraphModule, slices: Sequence[tuple[int, int]]) -> StepConfig:
-    """What the runtime needs from compile time for this graph: FSDP2 units' setting (the
-    plan's choice), a two-phase step's frontier shapes on ranks (a rank whose phase 1 fails
-    still joins the gather, with zeros this shape), the body's joint training step."""
-    template = None
-    if analysed.mode == "two_phase" and request.backend == "torch.distributed":
-        from mbcompile.execution.two_phase import frontier_template
-
-        template = frontier_template(rewritten.body, request.values, request.inputs.in_dims,
-                                     [b - a for a, b in slices])
-    joint = None
-    if request.torch_compile is not None:  # what a training step runs per microbatch
-        joint = joint_step(rewritten.body, {"dynamic": False, **request.torch_compile})
-    return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync)
-
-
-def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None:
-    """Compile the parts that run per microbatch (the body) and once (the coupled part).
-
-    The plan holds at most two microbatch sizes per system, each known now, so every
-    part is compiled for static shapes (``dynamic=False``): one graph per size (and per
-    grad mode, for a two-phase body), compiled on the first step and never again. A hand
-    loop over ``torch.compile(model)`` with a short last microbatch recompiles, or goes
-    dynamic, instead.
-    """
-    kwargs = {"dynamic": False, **options}
-    for name in ("body", "coupled"):
-        part = getattr(gm, name, None)
-        if isinstance(part, fx.GraphModule):
-            setattr(gm, name, torch.compile(part, **kwargs))
+__all__ = ["compile"]
 
 
 def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
@@ -553,47 +70,42 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
     return _compile_request(request)
 
 
+def _compile_request(request: Request) -> CompiledModule:
+    """The chain after the request: analysis, selection, lowering, the compiled module;
+    also what the module calls for a variant (a request derived from this one)."""
+    # before any tracing: a model whose parameters alone cannot fit fails in milliseconds
+    check_static_memory(request.inner, request.system, request.shard)
+    with _crash_named(request.model):
+        analysed = analyse(request)
+        selection = select(request, analysed)
+        lowered = lower(request, analysed, selection)
+    return CompiledModule(request, selection, lowered, Recompile(
+        functools.partial(_relower, request, selection), _compile_request))
+
+
+def _relower(request: Request, selection: Selection) -> Lowered:
+    """The request's graph in the model's current train/eval mode and Python state,
+    analysed and lowered again for the same selection."""
+    return lower(request, analyse(request, plan=selection.plan), selection)
+
+
 def _validate(request: Request) -> Validation:
     start = time.perf_counter()
-    try:
+    with _crash_named(request.model):
         analysed = analyse(request, validating=True)
-    except MbcompileError:
-        raise
-    except Exception as exc:  # a pass crashed: say so with the model's name
-        raise _crashed(request.model, exc) from exc
     return validation_of(request.name, request.gbs, request.num_csx,
                          analysed.captured.graph_module, time.perf_counter() - start,
                          analysed.rejected, two_phase=analysed.mode == "two_phase")
 
 
-def _compile_request(request: Request) -> CompiledModule:
-    """The chain after the request: analysis, selection, the compiled module."""
-    # before any tracing: a model whose parameters alone cannot fit fails in milliseconds
-    check_static_memory(request.inner, request.system, request.shard)
+@contextlib.contextmanager
+def _crash_named(model: nn.Module) -> Iterator[None]:
+    """A pass that crashed (not an error of ours): say so with the model's name."""
     try:
-        analysed = analyse(request)
-        selection = select(request, analysed)
+        yield
     except MbcompileError:
         raise
-    except Exception as exc:  # a pass crashed: say so with the model's name
-        raise _crashed(request.model, exc) from exc
-    rank = None
-    if request.backend == "torch.distributed":
-        from mbcompile.execution.distributed import check_world
-
-        rank = check_world(selection.plan)
-        if request.noise_scale is not None:
-            raise InputError("measure_noise_scale works with the simulated backend only so far; "
-                             "measure on one process, then train on ranks")
-    plan = final_plan(request, selection)
-    try:
-        return CompiledModule(request, selection, plan, analysed, rank)
-    except MbcompileError:
-        raise
-    except Exception as exc:  # a pass crashed: say so with the model's name
-        raise _crashed(request.model, exc) from exc
-
-
-def _crashed(model: nn.Module, exc: Exception) -> CaptureError:
-    return CaptureError(f"compiling {type(model).__name__} failed in mbcompile itself: "
-                        f"{type(exc).__name__}: {exc}. Please report this with the model.")
+    except Exception as exc:
+        raise CaptureError(
+            f"compiling {type(model).__name__} failed in mbcompile itself: "
+            f"{type(exc).__name__}: {exc}. Please report this with the model.") from exc

@@ -1,11 +1,11 @@
-"""The compiled module's plan: the selection's, with what compile() adds beside it.
+"""The one plan of a selection: the search's choice, with what compile() adds beside it.
 
->>> plan = final_plan(request, selection)
+>>> plan = final_plan(request, choice)
 >>> plan.warnings   # the selection's, the unwrapped wrappers', eval mode, BatchNorm
 ('compiled in eval mode (as from_pretrained leaves a model): ...',)
 
-Made once per compile (a variant for another batch size or keywords makes its own), so
-that ``cm.plan`` says everything compile() decided or noticed in one place.
+Made once per compile, by ``select`` (a variant for another batch size or keywords makes
+its own), so that ``cm.plan`` says everything compile() decided or noticed in one place.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import warnings
 import torch.nn as nn
 
 from mbcompile.errors import PerMicrobatchStatisticsWarning
+from mbcompile.inputs import tokens_per_sample
 from mbcompile.passes import rules
 from mbcompile.passes.sources import user_stacklevel
-from mbcompile.planning.explore import Selection
+from mbcompile.planning.exploration import Choice
 from mbcompile.planning.plan import MicrobatchPlan
-from mbcompile.request import Request, tokens_per_sample
+from mbcompile.request import Request
 
 __all__ = ["EVAL_MODE_NOTE", "PER_MICROBATCH_NOTE", "final_plan"]
 
@@ -35,13 +36,13 @@ PER_MICROBATCH_NOTE = (
     "loop does; this is not the full-batch result")
 
 
-def final_plan(request: Request, selection: Selection) -> MicrobatchPlan:
-    """The compiled module's plan, made once: the selection's plan with its reasons and
+def final_plan(request: Request, choice: Choice) -> MicrobatchPlan:
+    """The compiled module's plan, made once: the search's plan with its reasons and
     warnings joined in, and what the request adds (tokens per sample, the notes of
     unwrapping the model, of a model compiled in eval mode and of per-microbatch
     BatchNorm statistics)."""
-    plan = selection.plan
-    notes = plan.warnings + selection.warnings + request.notes
+    plan = choice.plan
+    notes = plan.warnings + choice.warnings + request.notes
     if not request.inner.training:
         notes = (*notes, EVAL_MODE_NOTE.format(name=request.name))
     if (request.batch_norm == "per_microbatch" and plan.num_nonempty_microbatches > 1
@@ -49,7 +50,7 @@ def final_plan(request: Request, selection: Selection) -> MicrobatchPlan:
         warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning,
                       stacklevel=user_stacklevel())
         notes = (*notes, PER_MICROBATCH_NOTE)
-    return dataclasses.replace(plan, reason=selection.reason, warnings=notes,
+    return dataclasses.replace(plan, reason=choice.reason, warnings=notes,
                                tokens_per_sample=tokens_per_sample(request.inputs,
                                                                    request.example))
 

@@ -13,42 +13,34 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
-from mbcompile.errors import ArgumentTypeError, CaptureError, InputError, PlanError
+from mbcompile.errors import ArgumentTypeError, InputError, PlanError
 from mbcompile.execution import BACKENDS
 from mbcompile.execution.noise import NoiseScale
+from mbcompile.inputs import Inputs, bind_example, keywords_through, with_keywords
 from mbcompile.passes.capture import fsdp_modules, gathered_dtypes
 from mbcompile.passes.unwrap import unwrap
 from mbcompile.planning.cost import ShardSpec
-from mbcompile.planning.explore import check_request, single_microbatch_request
+from mbcompile.planning.mbs_policy import MbsPolicy, parse_mbs
 from mbcompile.planning.optimizer_state import with_optimizer
-from mbcompile.planning.plan import MbsPolicy, parse_mbs, per_system_batch_sizes
+from mbcompile.planning.plan import check_policy, per_system_batch_sizes, single_microbatch
 from mbcompile.planning.shard_plan import fsdp_units
 from mbcompile.planning.systems import SystemSpec, get_system
 
-__all__ = ["BATCH_NORM_MODES", "CAPTURES", "COUPLING_MODES", "OUTPUT_MODES", "Inputs",
-           "BATCH_SIZES", "Request", "batch_size", "check_layout", "for_call", "input_layout",
-           "keywords_through", "leaf_name", "leaves", "make_request", "same_value"]
+__all__ = ["BATCH_NORM_MODES", "BATCH_SIZES", "CAPTURES", "COUPLING_MODES", "OUTPUT_MODES",
+           "Request", "make_request"]
 
 CAPTURES = ("auto", "fx", "export")
 BATCH_SIZES = ("any", "fixed")
 BATCH_NORM_MODES = ("full_batch", "per_microbatch")
 COUPLING_MODES = ("two_phase", "reject")
 OUTPUT_MODES = ("all", "loss")
-@dataclass(frozen=True)
-class Inputs:
-    """How a call's arguments map onto the graph's placeholders."""
-
-    names: tuple[str, ...]  # forward's parameters, in order
-    in_dims: tuple[int | None, ...]  # batch dim per parameter (None: unbatched)
-    concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
 
 
 @dataclass(frozen=True)
@@ -60,6 +52,7 @@ class Request:
     notes: tuple[str, ...]  # what unwrapping the model did, for plan.warnings
     gbs: int
     num_csx: int
+    per_system_batch_sizes: tuple[int, ...]  # split once: balanced, larger first
     policy: MbsPolicy  # mbs, parsed once
     system: SystemSpec
     signature: inspect.Signature  # forward's named parameters, then the example's keywords
@@ -92,12 +85,13 @@ class Request:
 
     @property
     def pbs(self) -> int:
-        return per_system_batch_sizes(self.gbs, self.num_csx)[0]
+        """The per-system batch size: the largest system's share."""
+        return self.per_system_batch_sizes[0]
 
     @property
     def single(self) -> bool:
         """Whatever is chosen, one system runs one microbatch: nothing is split."""
-        return single_microbatch_request(self.gbs, self.num_csx, self.policy)
+        return single_microbatch(self.per_system_batch_sizes, self.policy)
 
     @property
     def name(self) -> str:
@@ -107,6 +101,30 @@ class Request:
     def keywords(self) -> frozenset[str]:
         """The example's keywords that reach forward's ``**kwargs`` (``num_items_in_batch``)."""
         return keywords_through(self.inner, self.signature.parameters)
+
+    def for_batch(self, batch: int, example: Mapping[str, Any]) -> Request:
+        """This request for calls of ``batch`` samples, ``example`` (a call of that size, by
+        parameter name) its example: the same options and MBS policy, planned afresh
+        for the new size. Fewer samples than systems leave systems idle; an int MBS
+        above the new per-system batch is capped at it (``MbsPolicy.at_most``)."""
+        systems = min(self.num_csx, batch)
+        sizes = per_system_batch_sizes(batch, systems)
+        return dataclasses.replace(self, gbs=batch, num_csx=systems, per_system_batch_sizes=sizes,
+                                   policy=self.policy.at_most(sizes[0]), example=dict(example))
+
+    def for_call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Request:
+        """This request with another call as its example, for a call that passes other
+        keywords through forward's ``**kwargs`` than the example did. Inputs the example
+        had keep their batch dim; a new keyword gets the default one (a 0-dim tensor
+        none, a non-tensor is fixed at compile time)."""
+        sig = with_keywords(inspect.signature(self.inner.forward), kwargs)
+        known = {n: d for n, d in zip(self.inputs.names, self.inputs.in_dims)
+                 if n not in self.inputs.concrete and n in sig.parameters}
+        default = self.in_dims if isinstance(self.in_dims, int) else 0
+        signature, values, inputs = bind_example(self.inner, args, kwargs, known,
+                                                 self.compile_only or self.validate_only,
+                                                 default)
+        return dataclasses.replace(self, signature=signature, example=values, inputs=inputs)
 
 
 def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
@@ -153,13 +171,15 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         raise InputError(f"batch_sizes must be one of {BATCH_SIZES}, got {batch_sizes!r}")
     spec = with_optimizer(get_system(system), optimizer, model)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
-    check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
+    sizes = per_system_batch_sizes(gbs, num_csx)  # split once, here
+    check_policy(sizes, policy, planning_only)  # before any tracing
     _check_cost_model(cost_model, policy, system, measure)
-    signature, values, inputs = _bind(inner, example_inputs, example_kwargs, in_dims,
-                                      planning_only)
+    signature, values, inputs = bind_example(inner, example_inputs, example_kwargs, in_dims,
+                                             planning_only)
     return Request(
-        model=model, inner=inner, notes=tuple(unwrapped.notes), gbs=gbs, num_csx=num_csx,
-        policy=policy, system=spec, signature=signature, example=values, inputs=inputs,
+        model=model, inner=inner, notes=tuple(unwrapped.notes), gbs=int(gbs),
+        num_csx=int(num_csx), per_system_batch_sizes=sizes, policy=policy, system=spec,
+        signature=signature, example=values, inputs=inputs,
         backend=backend, capture=capture, batch_norm=batch_norm, coupling=coupling,
         outputs=_check_outputs(outputs), torch_compile=_check_torch_compile(torch_compile),
         recompute=_check_recompute(recompute),
@@ -168,29 +188,6 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         shard=_shard_spec(units, num_csx), noise_scale=_noise_scale(measure_noise_scale),
         compile_only=compile_only, validate_only=validate_only, measure=_repetitions(measure),
         cost_model=cost_model, batch_sizes=batch_sizes, optimizer=optimizer, in_dims=in_dims)
-
-
-def for_call(request: Request, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Request:
-    """``request`` with another call as its example, for a call that passes other keywords
-    through forward's ``**kwargs`` than the example did (the compiled module compiles a
-    variant for it). Inputs the example had keep their batch dim; a new keyword gets the
-    default one (a 0-dim tensor none, a non-tensor is fixed at compile time)."""
-    sig = _with_keywords(inspect.signature(request.inner.forward), kwargs)
-    known = {n: d for n, d in zip(request.inputs.names, request.inputs.in_dims)
-             if n not in request.inputs.concrete and n in sig.parameters}
-    default = request.in_dims if isinstance(request.in_dims, int) else 0
-    signature, values, inputs = _bind(request.inner, args, kwargs, known,
-                                      request.compile_only or request.validate_only, default)
-    return dataclasses.replace(request, signature=signature, example=values, inputs=inputs)
-
-
-def keywords_through(model: nn.Module, names: Iterable[str]) -> frozenset[str]:
-    """Which of ``names`` are not parameters ``model.forward`` names: they reach its
-    ``**kwargs`` (empty when forward takes none, since then a call with them fails)."""
-    params = inspect.signature(model.forward).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return frozenset()
-    return frozenset(n for n in names if n not in params)
 
 
 # --------------------------------------------------------------------------- #
@@ -211,223 +208,6 @@ def _check_module(model: Any, planning_only: bool) -> nn.Module:
             "plan it, or materialise it first (model.to_empty(device='cpu'), then "
             "model.tie_weights() for a transformers model, and load weights)")
     return model
-
-
-def _bind(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: Any,
-          planning_only: bool = False, fallback: int = 0
-          ) -> tuple[inspect.Signature, dict[str, Any], Inputs]:
-    """Bind the example call to forward's signature and resolve ``in_dims`` per parameter
-    (``fallback``: the dim of an input a tuple or dict ``in_dims`` leaves out)."""
-    if example_inputs is None and example_kwargs is None:
-        raise InputError(
-            "example_inputs (or example_kwargs) are required: mbcompile traces shapes from one "
-            "example call, e.g. compile(model, gbs, num_csx, example_inputs=(x, y))")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    args = tuple(example_inputs or ())
-    kwargs = dict(example_kwargs or {})
-    sig = inspect.signature(model.forward)
-    if any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
-        raise CaptureError(
-            f"{type(model).__name__}.forward takes *args; mbcompile needs named "
-            "parameters to map inputs to the graph. Wrap the model in a Module whose forward "
-            "names its inputs.")
-    sig = _with_keywords(sig, kwargs)
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise InputError(f"example inputs do not match {type(model).__name__}.forward{sig}: "
-                         f"{exc}") from None
-    bound.apply_defaults()
-    values = dict(bound.arguments)
-    names = tuple(values)
-    positional = list(sig.parameters)[:len(args)]
-    meta = [n for n in names if any(isinstance(t, torch.Tensor) and t.is_meta
-                                    for t in pytree.tree_leaves(values[n]))]
-    if meta and not planning_only:
-        raise InputError(
-            f"example_inputs hold tensors on the meta device (input {meta[0]!r}), which have no "
-            "values to run the model on; pass real tensors (any batch size) on the model's "
-            "device, or compile with compile_only=True (or validate_only=True) to plan only")
-    if isinstance(in_dims, dict) and set(in_dims) - set(names):
-        unknown = sorted(set(in_dims) - set(names))
-        raise InputError(
-            f"in_dims names {', '.join(map(repr, unknown))}, which "
-            f"{'is' if len(unknown) == 1 else 'are'} not a parameter of "
-            f"{type(model).__name__}.forward{sig}; use the forward's parameter names as keys")
-    if isinstance(in_dims, bool) or not isinstance(in_dims, (int, tuple, list, dict, type(None))):
-        raise ArgumentTypeError(
-            f"in_dims must be an int, a tuple per positional input, or a dict per keyword, "
-            f"got {in_dims!r}")
-    if isinstance(in_dims, (tuple, list)) and len(in_dims) != len(args):
-        raise InputError(
-            f"in_dims has {len(in_dims)} entries but there are {len(args)} positional example "
-            f"inputs; give one entry per positional input (None for unbatched ones)")
-    dims: list[int | None] = []
-    for name in names:
-        value = values[name]
-        explicit = True
-        if isinstance(in_dims, (tuple, list)) and name in positional:
-            d = in_dims[positional.index(name)]
-        elif isinstance(in_dims, dict) and name in in_dims:
-            d = in_dims[name]
-        else:
-            d = in_dims if not isinstance(in_dims, (tuple, list, dict)) else fallback
-            explicit = False
-        if not explicit and isinstance(value, torch.Tensor) and value.dim() == 0:
-            d = None  # a scalar (a token count, a temperature) has no batch dim to split
-        has_tensor = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
-        if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
-            raise ArgumentTypeError(f"in_dims for input {name!r} must be an int or None, "
-                                    f"got {d!r}")
-        dims.append(d if has_tensor else None)
-    concrete = {n: values[n] for n, d in zip(names, dims)
-                if d is None and not any(isinstance(t, torch.Tensor)
-                                         for t in pytree.tree_leaves(values[n]))}
-    inputs = Inputs(names, tuple(dims), concrete)
-    batch_size(inputs, [values[n] for n in names], check_ndim=True)
-    return sig, values, inputs
-
-
-def _with_keywords(sig: inspect.Signature, kwargs: Mapping[str, Any]) -> inspect.Signature:
-    """forward's signature with ``**kwargs`` replaced by the keywords the call passes there.
-
-    ``forward(input_ids, labels=None, **kwargs)`` called with ``num_items_in_batch=n`` binds
-    as ``forward(input_ids, labels=None, *, num_items_in_batch)``: each such keyword is one
-    more graph input, batched or not like any other (transformers.Trainer passes the
-    token count of the whole batch, a 0-dim tensor, to scale the loss).
-    """
-    params = list(sig.parameters.values())
-    variadic = [p for p in params if p.kind == p.VAR_KEYWORD]
-    if not variadic:
-        return sig
-    named = [p for p in params if p not in variadic]
-    taken = {p.name for p in named}
-    through = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in kwargs
-               if k not in taken]
-    return sig.replace(parameters=[*named, *through])
-
-
-def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False) -> int | None:
-    """The common batch size of the batched inputs; raises if they disagree."""
-    seen: dict[int, tuple[str, Any]] = {}
-    for name, value, d in zip(inputs.names, values, inputs.in_dims):
-        if d is None:
-            continue
-        for path, t in leaves(value):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if d < 0:
-                raise InputError(
-                    f"in_dims gives input {leaf_name(name, path)} batch dim {d}: negative "
-                    f"dims are not supported; count from the front (in_dims={t.dim() + d} here)")
-            if t.dim() == 0:
-                raise InputError(
-                    f"input {leaf_name(name, path)} is a scalar (a 0-dim tensor), which has no "
-                    f"batch dim, but in_dims gives it {d}; give it None")
-            if t.dim() <= d:
-                raise InputError(
-                    f"in_dims gives input {leaf_name(name, path)} batch dim {d}, but it has "
-                    f"{t.dim()} dims; pass in_dims=None for unbatched inputs or the right dim")
-            seen.setdefault(t.shape[d], (name, path))
-    if len(seen) > 1:
-        detail = ", ".join(f"{leaf_name(*n)} has {b}" for b, n in seen.items())
-        raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
-                         "input must have the same number of samples along its in_dims dim")
-    return next(iter(seen), None)
-
-
-def leaves(value: Any) -> list[tuple[Any, Any]]:
-    """``(path, leaf)`` of every leaf of an input; a bare tensor (the usual input, checked on
-    every call) without a pytree walk."""
-    if isinstance(value, torch.Tensor):
-        return [((), value)]
-    return pytree.tree_flatten_with_path(value)[0]
-
-
-def leaf_name(name: str, path: Any) -> str:
-    """How an error names one leaf of an input: ``'x'``, or ``batch['y']``."""
-    return repr(name) if not path else f"{name}{pytree.keystr(path)}"
-
-
-def tokens_per_sample(inputs: Inputs, values: Mapping[str, Any]) -> int | None:
-    """The sequence length of token-id inputs ((B, T) integer tensors), if there are any."""
-    for name, d in zip(inputs.names, inputs.in_dims):
-        value = values[name]
-        if (d is not None and isinstance(value, torch.Tensor) and not value.is_floating_point()
-                and value.dim() == 2):
-            return int(value.shape[1 - d])
-    return None
-
-
-def input_layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
-    """Per input: its pytree structure and its tensors' shapes, the batch dim left out."""
-    out = []
-    for value, d in zip(values, inputs.in_dims):
-        leaves, spec = pytree.tree_flatten(value)
-        out.append((spec, tuple(_shape(t, d) for t in leaves)))
-    return tuple(out)
-
-
-def _shape(t: Any, d: int | None) -> tuple[int | None, ...] | None:
-    if not isinstance(t, torch.Tensor):
-        return None
-    return tuple(None if i == d else s for i, s in enumerate(t.shape))
-
-
-def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
-    """Raise ``InputError`` unless every input is nested and shaped like the example.
-
-    Shapes other than the batch dim are fixed at compile time: the rewritten graph
-    holds sizes computed from them (``x.size(0) * x.size(1)`` after the loop).
-    """
-    for name, value, d, (spec, shapes) in zip(inputs.names, values, inputs.in_dims, layout):
-        if name in inputs.concrete:
-            continue  # compared by value already
-        if isinstance(value, torch.Tensor) and spec.is_leaf():  # the usual input: no walk
-            found = leaves(value)
-        else:
-            found, got = pytree.tree_flatten_with_path(value)
-            if got != spec:
-                raise InputError(
-                    f"input {name!r} is nested differently from the example ({got} instead "
-                    f"of {spec}); pass the same structure (keys, lengths) or compile again "
-                    "with an example of this one")
-        for (path, t), want in zip(found, shapes):
-            if _shape(t, d) != want:
-                raise InputError(_layout_error(leaf_name(name, path), t, d, want))
-
-
-def _layout_error(name: str, t: Any, d: int | None, want: tuple[int | None, ...] | None) -> str:
-    """Why one input leaf does not fit the compiled graph, never two equal shapes side by
-    side: a tensor where the example had none (or the reverse), a scalar, another shape."""
-    fix = "compile again with an example call like this one"
-    if want is None or not isinstance(t, torch.Tensor):
-        was = f"a tensor of shape {_shown(want)}" if want is not None else "no tensor"
-        now = (f"a tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
-               else repr(t) if t is None else f"a Python {type(t).__name__}")
-        return (f"input {name} is {now} where the example passed {was}; the graph was "
-                f"traced for what the example passed: pass the same kind of value, or {fix}")
-    if t.dim() == 0 or not want:
-        scalar = "a scalar (a 0-dim tensor)"
-        now = scalar if t.dim() == 0 else f"a tensor of shape {tuple(t.shape)}"
-        was = scalar if not want else f"a tensor of shape {_shown(want)} (B: the batch dim)"
-        return (f"input {name} is {now} where the example passed {was}; a scalar is "
-                f"passed whole to every microbatch, a batched input split: {fix}")
-    return (f"input {name} has shape {_shown(_shape(t, d))} but the example had "
-            f"{_shown(want)} (B: the batch dim); shapes other than the batch dim are fixed "
-            f"at compile time: {fix}")
-
-
-def _shown(shape: tuple[int | None, ...] | None) -> tuple[int | str, ...]:
-    return tuple("B" if s is None else s for s in shape or ())
-
-
-def same_value(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # values without a truthy == are compared by identity only
-        return False
 
 
 # --------------------------------------------------------------------------- #

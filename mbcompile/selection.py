@@ -6,9 +6,11 @@
 ``compile()``'s third stage. It reads the request (``mbs``, the system, the FSDP2
 sharding, ``recompute``) and the analysis (mode, kept outputs, the cut) and builds
 one cost model per graph that may run: plain, as a two-phase step, or with activation
-checkpointing per block, each only when it is needed. The arithmetic of choosing is
-``planning/explore.py``'s; what is decided here is which graph is costed and which of
-the plans is kept.
+checkpointing per block, each only when it is needed. The search is
+``planning/search.py``'s (its ``Choice``); what is decided here is which graph is
+costed and which of the plans is kept, and then the one plan of the ``Selection``:
+the choice's reasons and warnings joined in with what the request adds
+(``plan_notes.py``), and on ranks which system of it this process runs.
 """
 
 from __future__ import annotations
@@ -21,22 +23,25 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mbcompile.analysis import Analysed, recompute_option
-from mbcompile.errors import InputError
-from mbcompile.passes.errors import MixingError
+from mbcompile.errors import (
+    CostModelError,
+    DoesNotFitError,
+    InputError,
+    MixingError,
+    TwoPhaseWarning,
+)
 from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.sources import user_stacklevel
-from mbcompile.planning.cost import (
-    CostModel,
-    CostModelError,
-    DoesNotFitError,
-    analyse_cost,
-    format_bytes,
-    format_seconds,
-)
-from mbcompile.planning.explore import HostTimer, Selection, TwoPhaseWarning, select_sharded
+from mbcompile.plan_notes import final_plan
+from mbcompile.planning.cost import CostModel, analyse_cost, format_bytes, format_seconds
+from mbcompile.planning.estimates import Estimate
+from mbcompile.planning.exploration import Choice, Exploration
 from mbcompile.planning.fixes import with_recompute_fix, with_recompute_tried
-from mbcompile.planning.plan import make_plan
+from mbcompile.planning.measure import HostTimer
+from mbcompile.planning.plan import MicrobatchPlan, num_microbatches, plan_for
+from mbcompile.planning.search import select_sharded
+from mbcompile.planning.systems import SystemSpec
 from mbcompile.planning.two_phase_cost import (
     COUPLED_SHARE_WARNING,
     TwoPhaseCostModel,
@@ -45,10 +50,29 @@ from mbcompile.planning.two_phase_cost import (
 )
 from mbcompile.request import Request
 
-__all__ = ["select"]
+__all__ = ["Selection", "select"]
 
 #: ``Selection.cost_error`` when the request asked for no cost model.
 NO_COST_MODEL = "cost_model=False: planned without the memory model"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What ``select`` decided: the one plan, with every reason and warning in it, the
+    estimate it was chosen by and what the search evaluated.
+
+    ``plan`` is what the compiled module runs and shows (``cm.plan``); ``rank`` is the
+    system of it this process runs on ``backend="torch.distributed"`` (None: one process
+    runs them all).
+    """
+
+    plan: MicrobatchPlan
+    system: SystemSpec
+    estimate: Estimate | None
+    exploration: Exploration | None
+    cost: CostModel | None = field(repr=False, default=None)
+    cost_error: str | None = None
+    rank: int | None = None
 
 
 @dataclass
@@ -71,6 +95,8 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
            ) -> Selection:
     """The plan for ``request`` on ``analysed``'s graph, its estimate and what it evaluated.
 
+    On ranks the process group is checked against the plan first (``check_world``).
+
     A cost model that cannot run is reported through ``Selection.cost_error`` (see
     ``select_plan``), except that ``compile_only=True`` with ``mbs="auto"`` raises
     ``CostModelError``: a compile-only answer is never an MBS unchecked against memory.
@@ -79,10 +105,20 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
     memory stops the MBS from growing. With ``request.cost_model`` False nothing is
     probed: the plan is the arithmetic one (``make_plan``), unchecked against memory.
     """
-    return _pinned(_select(request, analysed, progress), request)
+    choice = _pinned(_select(request, analysed, progress), request)
+    rank = None
+    if request.backend == "torch.distributed":
+        from mbcompile.execution.distributed import check_world
+
+        rank = check_world(choice.plan)
+        if request.noise_scale is not None:
+            raise InputError("measure_noise_scale works with the simulated backend only so far; "
+                             "measure on one process, then train on ranks")
+    return Selection(final_plan(request, choice), request.system, choice.estimate,
+                     choice.exploration, choice.cost, choice.cost_error, rank)
 
 
-def _pinned(selection: Selection, request: Request) -> Selection:
+def _pinned(selection: Choice, request: Request) -> Choice:
     """A sharded model's FSDP2 settings that the user pinned (``reshard_after_forward``,
     ``gradient_sync``) reach the plan, and so the runtime, also where no cost model chose
     them (``cost_model=False``, or one that could not run)."""
@@ -97,7 +133,7 @@ def _pinned(selection: Selection, request: Request) -> Selection:
     return replace(selection, plan=replace(plan, **pins)) if pins else selection
 
 
-def _select(request: Request, analysed: Analysed, progress: bool | None) -> Selection:
+def _select(request: Request, analysed: Analysed, progress: bool | None) -> Choice:
     ctx = _Context(request, analysed, progress)
     recompute = recompute_option(request, analysed)
     unsplit, two_phase = analysed.mode == "unsplit", analysed.mode == "two_phase"
@@ -182,13 +218,13 @@ def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
         return None, str(exc)
 
 
-def _without_cost_model(ctx: _Context, recompute: bool) -> Selection:
+def _without_cost_model(ctx: _Context, recompute: bool) -> Choice:
     """``cost_model=False``: the plan as asked (an int or ``"none"``), nothing probed."""
     request = ctx.request
-    plan = make_plan(request.gbs, request.num_csx, request.policy)
+    plan = plan_for(request.per_system_batch_sizes, request.policy)
     if recompute and ctx.checkpointed() is not None:
         plan = replace(plan, recompute=True)
-    selection = Selection(plan, request.system, None, None, None, NO_COST_MODEL)
+    selection = Choice(plan, None, None, None, NO_COST_MODEL)
     if plan.recompute:
         selection = selection.noted("activation checkpointing per block (recompute=True)")
     if ctx.analysed.mode == "two_phase":
@@ -197,7 +233,7 @@ def _without_cost_model(ctx: _Context, recompute: bool) -> Selection:
     return selection
 
 
-def _sharded_selection(selection: Selection) -> Selection:
+def _sharded_selection(selection: Choice) -> Choice:
     """The plan says what sharding costs and saves per rank (unsharded: as it is)."""
     e, shard = selection.estimate, getattr(selection.cost, "shard", None)
     if e is None or shard is None:
@@ -216,7 +252,7 @@ def _sharded_selection(selection: Selection) -> Selection:
     return selection.noted(note)
 
 
-def _may_gain(selection: Selection, mode: str) -> bool:
+def _may_gain(selection: Choice, mode: str) -> bool:
     """Whether activation checkpointing could give a faster plan: ``explore`` shows both;
     ``auto`` only when memory, not the batch, stopped the MBS from growing (at the same
     MBS, recomputing only costs time)."""
@@ -226,7 +262,7 @@ def _may_gain(selection: Selection, mode: str) -> bool:
     return mode == "explore" or not x.candidate(max(c.mbs for c in x.candidates)).fits
 
 
-def _joint(plain: Selection, ticked: Selection, mode: str) -> Selection:
+def _joint(plain: Choice, ticked: Choice, mode: str) -> Choice:
     """One selection over (MBS, recompute): the faster plan, and every candidate seen."""
     px, tx = plain.exploration, ticked.exploration
     assert px is not None and tx is not None and plain.estimate is not None \
@@ -249,7 +285,7 @@ def _joint(plain: Selection, ticked: Selection, mode: str) -> Selection:
 
 
 def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
-                    asked: bool = True) -> Selection:
+                    asked: bool = True) -> Choice:
     """The plan with activation checkpointing per block, its cost probed as it runs
     (``asked``: recompute=True; else chosen beside the plan without it)."""
     request, analysed = ctx.request, ctx.analysed
@@ -271,7 +307,7 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
         f"{why}; with it the modelled peak is {format_bytes(peak)}"))
 
 
-def _two_phase_selection(selection: Selection, cost: TwoPhaseCostModel) -> Selection:
+def _two_phase_selection(selection: Choice, cost: TwoPhaseCostModel) -> Choice:
     """The plan says it is two-phase, and warns when the coupled part holds most memory."""
     share = cost.coupled_share(selection.plan.mbs)
     warning = None
@@ -294,11 +330,11 @@ def _two_phase_too_big(ctx: _Context, cost: TwoPhaseCostModel, exc: DoesNotFitEr
             plain = analyse_cost(analysis.graph_module, values, in_dims, pbs=m, fit=False)
         except CostModelError:
             continue
-        plain_peak = plain.memory(pbs, m, -(-pbs // m), system).peak
+        plain_peak = plain.memory(pbs, m, num_microbatches(pbs, m), system).peak
         plain_text = (f"; one microbatch of {m} in a plain split would need "
                       f"{format_bytes(plain_peak)}")
         break
-    mem = cost.memory(pbs, exc.mbs, -(-pbs // exc.mbs), system)
+    mem = cost.memory(pbs, exc.mbs, num_microbatches(pbs, exc.mbs), system)
     message = (f"{rejected}\n  a two-phase step would run it exactly, but does not fit "
                f"{system.name}: it needs {format_bytes(exc.needed)} at mbs {exc.mbs} (frontier "
                f"and its gradient {format_bytes(mem.frontier)}, the coupled part at the whole "

@@ -732,7 +732,7 @@ def one_intra_op_thread() -> Iterator[None]:
 def allocator_peak(cm: Any, model: nn.Module, batch: tuple[Any, ...]) -> float:
     """Peak bytes of one Adam training step of ``cm`` as the allocator counts them: what
     is live before the step (parameters, batch, optimizer state) plus the step's peak."""
-    from mbcompile.planning.explore import measure_peak_bytes
+    from mbcompile.planning.measure import measure_peak_bytes
 
     opt = torch.optim.Adam(model.parameters(), foreach=False)
 

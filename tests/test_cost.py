@@ -18,13 +18,9 @@ from models import allocator_peak
 from torch.utils.flop_counter import FlopCounterMode
 
 import mbcompile
+from mbcompile.errors import CostModelError
 from mbcompile.models import CNN, MLP, TinyGPT, make_cnn, make_mlp, make_tiny_gpt, token_batch
-from mbcompile.planning.cost import (
-    CostModel,
-    CostModelError,
-    analyse_cost,
-    format_bytes,
-)
+from mbcompile.planning.cost import CostModel, analyse_cost, format_bytes
 from mbcompile.planning.probe import EXTRA_FLOPS
 from mbcompile.planning.systems import get_system, system_names
 

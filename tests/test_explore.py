@@ -16,20 +16,25 @@ import torch
 import torch.nn as nn
 
 import mbcompile
-from mbcompile.errors import PlanError
-from mbcompile.models import make_cnn, make_mlp, make_tiny_gpt
-from mbcompile.planning.cost import CostModel, CostModelError, DoesNotFitError, analyse_cost
-from mbcompile.planning.explore import (
-    AUTO_TIME_TOLERANCE,
+from mbcompile.errors import (
     CompileOnlyError,
+    CostModelError,
     CostModelWarning,
-    HostTimer,
-    Selector,
-    check_request,
-    select_plan,
-    single_microbatch_request,
+    DoesNotFitError,
+    PlanError,
 )
-from mbcompile.planning.plan import make_plan, supported_mbs
+from mbcompile.models import make_cnn, make_mlp, make_tiny_gpt
+from mbcompile.planning.cost import CostModel, analyse_cost
+from mbcompile.planning.mbs_policy import parse_mbs
+from mbcompile.planning.measure import HostTimer
+from mbcompile.planning.plan import (
+    check_policy,
+    make_plan,
+    per_system_batch_sizes,
+    single_microbatch,
+    supported_mbs,
+)
+from mbcompile.planning.search import AUTO_TIME_TOLERANCE, Selector, select_plan
 from mbcompile.planning.systems import SystemSpec, get_system
 from mbcompile.reports.exploration import plot, table
 from mbcompile.reports.report import Report, Validation
@@ -128,7 +133,7 @@ def test_none_that_does_not_fit_fails_with_the_numbers(costs) -> None:
     cost, _, _ = costs["cnn"]
     spec = tight(cost, 64, 1, 8)
     with pytest.raises(DoesNotFitError) as info:
-        select_plan(64, 1, "none", cost, spec)
+        select_plan(64, 1, parse_mbs("none"), cost, spec)
     message = str(info.value)
     for word in ("mbs='none'", "does not fit", "tight-8", "needs", "but the system has",
                  "parameters", "activations", "use mbs=8"):
@@ -140,9 +145,9 @@ def test_none_that_does_not_fit_fails_with_the_numbers(costs) -> None:
 def test_an_int_that_does_not_fit_fails_and_names_the_largest_that_does(costs) -> None:
     cost, _, _ = costs["cnn"]
     with pytest.raises(DoesNotFitError) as info:
-        select_plan(64, 1, 16, cost, tight(cost, 64, 1, 8))
+        select_plan(64, 1, parse_mbs(16), cost, tight(cost, 64, 1, 8))
     assert "mbs=16 does not fit" in str(info.value) and "use mbs=8" in str(info.value)
-    assert select_plan(64, 1, 8, cost, tight(cost, 64, 1, 8)).plan.mbs == 8
+    assert select_plan(64, 1, parse_mbs(8), cost, tight(cost, 64, 1, 8)).plan.mbs == 8
 
 
 @pytest.mark.parametrize("mbs", ["auto", "explore", {"explore": {"min": 2}}, 4, "none"])
@@ -151,7 +156,7 @@ def test_every_mode_fails_with_the_numbers_when_mbs_1_does_not_fit(costs, mbs) -
     small = SystemSpec("tiny-card", memory_bytes=1e5, peak_flops=1e12, peak_flops_fp32=1e12,
                        memory_bandwidth=1e11)
     with pytest.raises(DoesNotFitError) as info:
-        select_plan(32, 2, mbs, cost, small)
+        select_plan(32, 2, parse_mbs(mbs), cost, small)
     message = str(info.value)
     assert "even mbs=1 does not fit" in message and "tiny-card" in message
     assert "100.00 kB" in message and "optimizer state" in message
@@ -165,7 +170,7 @@ def test_auto_and_explore_never_pick_what_does_not_fit(costs) -> None:
     for fraction in (0.0, 0.01, 0.1, 0.3, 0.7, 0.99):
         spec = replace(host, memory_bytes=low + fraction * (high - low))
         for mbs in ("auto", "explore"):
-            selection = select_plan(100, 1, mbs, cost, spec)
+            selection = select_plan(100, 1, parse_mbs(mbs), cost, spec)
             assert selection.estimate.memory.fits
             assert selection.estimate.memory.peak <= spec.memory_bytes
 
@@ -173,7 +178,7 @@ def test_auto_and_explore_never_pick_what_does_not_fit(costs) -> None:
 def test_an_explore_range_where_nothing_fits_says_so(costs) -> None:
     cost, _, _ = costs["cnn"]
     with pytest.raises(DoesNotFitError, match="no MBS in the explore range fits"):
-        select_plan(64, 1, {"explore": {"min": 16}}, cost, tight(cost, 64, 1, 8))
+        select_plan(64, 1, parse_mbs({"explore": {"min": 16}}), cost, tight(cost, 64, 1, 8))
 
 
 # --------------------------------------------------------------------------- #
@@ -183,24 +188,27 @@ def test_an_explore_range_where_nothing_fits_says_so(costs) -> None:
 
 def test_explore_needs_compile_only_and_says_how_to_pin() -> None:
     with pytest.raises(PlanError) as info:
-        check_request(64, 2, "explore", compile_only=False)
+        check_policy(per_system_batch_sizes(64, 2), parse_mbs("explore"), False)
     for word in ("compile_only=True", "pin", "mbs=<that value>"):
         assert word in str(info.value)
-    check_request(64, 2, "explore", compile_only=True)
+    check_policy(per_system_batch_sizes(64, 2), parse_mbs("explore"), True)
     with pytest.raises(PlanError, match="explore range"):  # the range is checked first
-        check_request(64, 2, {"explore": {"min": 20, "max": 21}}, compile_only=False)
+        check_policy(per_system_batch_sizes(64, 2), parse_mbs({"explore": {"min": 20, "max": 21}}),
+                     False)
     with pytest.raises(PlanError, match="at most the per-system batch size 32"):
-        check_request(64, 2, 33, compile_only=False)
+        check_policy(per_system_batch_sizes(64, 2), parse_mbs(33), False)
 
 
 def test_single_microbatch_requests() -> None:
-    assert single_microbatch_request(10, 1, "none")
-    assert single_microbatch_request(10, 1, 10)
-    assert single_microbatch_request(10, 1, 9)  # closest supported value is 10
-    assert not single_microbatch_request(10, 2, "none")
-    assert not single_microbatch_request(10, 1, 5)
-    assert not single_microbatch_request(10, 1, "auto")
-    assert single_microbatch_request(1, 1, "auto")  # one sample: nothing to split
+    assert single_microbatch(per_system_batch_sizes(10, 1), parse_mbs("none"))
+    assert single_microbatch(per_system_batch_sizes(10, 1), parse_mbs(10))
+    # the closest supported value to 9 is 10
+    assert single_microbatch(per_system_batch_sizes(10, 1), parse_mbs(9))
+    assert not single_microbatch(per_system_batch_sizes(10, 2), parse_mbs("none"))
+    assert not single_microbatch(per_system_batch_sizes(10, 1), parse_mbs(5))
+    assert not single_microbatch(per_system_batch_sizes(10, 1), parse_mbs("auto"))
+    # one sample: nothing to split
+    assert single_microbatch(per_system_batch_sizes(1, 1), parse_mbs("auto"))
 
 
 def test_exploration_reports_a_table_json_and_a_plot(costs, tmp_path) -> None:
@@ -271,13 +279,13 @@ def test_measured_best_is_what_the_clock_says_and_the_plan_what_the_model_says(
 def test_without_a_cost_model_auto_warns_and_explore_fails(costs) -> None:
     host = get_system("host")
     with pytest.warns(CostModelWarning, match="could not run"):
-        s = select_plan(32, 2, "auto", None, host, cost_error="boom")
+        s = select_plan(32, 2, parse_mbs("auto"), None, host, cost_error="boom")
     assert s.plan.num_microbatches == 4 and "boom" in s.plan.reason
     with pytest.raises(CostModelError, match="boom"):
-        select_plan(32, 2, "explore", None, host, cost_error="boom")
+        select_plan(32, 2, parse_mbs("explore"), None, host, cost_error="boom")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert select_plan(32, 2, 4, None, host, cost_error="boom").estimate is None
+        assert select_plan(32, 2, parse_mbs(4), None, host, cost_error="boom").estimate is None
 
 
 # --------------------------------------------------------------------------- #

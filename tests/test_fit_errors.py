@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 import mbcompile
-from mbcompile.errors import PlanError
+from mbcompile.errors import DoesNotFitError, PlanError
 from mbcompile.models import make_tiny_gpt
-from mbcompile.planning.estimates import DoesNotFitError, format_bytes
+from mbcompile.planning.estimates import format_bytes
 from mbcompile.planning.fixes import (
     StaticMemory,
     smallest_fsdp_world,

@@ -18,9 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mbcompile
 from mbcompile import CompileOnlyError, compiler
-from mbcompile.errors import InputError
+from mbcompile.errors import CostModelError, DoesNotFitError, InputError
 from mbcompile.models import TinyGPT, token_batch
-from mbcompile.planning.estimates import CostModelError, DoesNotFitError
 from mbcompile.planning.systems import SystemSpec
 
 GPT = dict(vocab=64, width=32, depth=2, heads=2, seq=16)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import mbcompile
 from mbcompile.check import relative_error
-from mbcompile.planning.explore import TwoPhaseWarning
+from mbcompile.errors import TwoPhaseWarning
 from mbcompile.planning.systems import get_system
 
 GBS = 64

@@ -25,14 +25,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from mbcompile.passes.errors import CaptureError
+from mbcompile.errors import UncheckedHookError
 
 __all__ = ["UncheckedHookError", "WatchedHook", "hook_keys", "in_step", "unwatch",
            "watch_new_hooks"]
-
-
-class UncheckedHookError(CaptureError):
-    """A forward hook registered after compile changed what a live layer computes."""
 
 
 class _Steps:

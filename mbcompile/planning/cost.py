@@ -81,11 +81,10 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from mbcompile.errors import CostModelError
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.planning import buckets
 from mbcompile.planning.estimates import (
-    CostModelError,
-    DoesNotFitError,
     Estimate,
     MemoryEstimate,
     MicrobatchFigures,
@@ -96,13 +95,12 @@ from mbcompile.planning.estimates import (
     format_seconds,
 )
 from mbcompile.planning.fit import FIT_TOLERANCE, Fit, fit, reproduces
+from mbcompile.planning.plan import num_microbatches
 from mbcompile.planning.probe import Probe, Prober, nbytes
 from mbcompile.planning.systems import SystemSpec
 
 __all__ = [
     "CostModel",
-    "CostModelError",
-    "DoesNotFitError",
     "Estimate",
     "MemoryEstimate",
     "MicrobatchFigures",
@@ -375,7 +373,7 @@ class CostModel:
         q, r = divmod(gbs, num_csx)
         systems = [(q + 1, r), (q, num_csx - r)]
         pbs = q + (1 if r else 0)
-        k = -(-pbs // mbs)
+        k = num_microbatches(pbs, mbs)
         accumulate = self._accumulate_seconds(spec)
         worst = (0.0, 0.0, 0.0, 0.0)
         bound_votes: dict[str, float] = {}

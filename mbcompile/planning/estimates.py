@@ -1,7 +1,8 @@
-"""What the cost model answers: per-MBS figures, memory and time estimates, and its errors.
+"""What the cost model answers: per-MBS figures, memory and time estimates.
 
 The vocabulary shared by the probe (``probe.py``), the fit (``fit.py``), the model
-(``cost.py``) and the selection (``explore.py``); see ``cost.py`` for the formulas.
+(``cost.py``) and the MBS search (``search.py``); see ``cost.py`` for the formulas; its
+errors are ``mbcompile.errors``'s.
 """
 
 from __future__ import annotations
@@ -9,30 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mbcompile.errors import MbcompileError, PlanError
-
-__all__ = ["CostModelError", "DoesNotFitError", "Estimate", "MemoryEstimate",
-           "MicrobatchFigures", "ShardSpec", "StaticFigures", "TimeEstimate", "format_bytes",
-           "format_seconds"]
-
-
-class CostModelError(MbcompileError):
-    """The graph could not be run on fake tensors to measure its cost."""
-
-
-class DoesNotFitError(PlanError):
-    """The chosen (or smallest possible) microbatch does not fit the system's memory.
-
-    ``needed`` and ``available`` are bytes; ``mbs`` the size that was checked (0: static
-    memory alone, before any MBS); ``fixes`` what would fit, each worked out
-    (``planning/fixes.py``), also in the message.
-    """
-
-    def __init__(self, message: str, *, mbs: int, needed: float, available: float,
-                 fixes: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
-        self.mbs, self.needed, self.available = mbs, needed, available
-        self.fixes = fixes
+__all__ = ["Estimate", "MemoryEstimate", "MicrobatchFigures", "ShardSpec", "StaticFigures",
+           "TimeEstimate", "format_bytes", "format_seconds"]
 
 
 @dataclass(frozen=True)

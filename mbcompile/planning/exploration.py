@@ -1,7 +1,8 @@
-"""What one MBS selection evaluated and decided: its candidates, the plan, the estimate.
+"""What one MBS search evaluated and chose: its candidates, the plan, the estimate.
 
-``mbcompile.reports.exploration`` shows the candidates (a table, a plot); the selection
-itself is ``explore.py``'s (``"auto"``, ``"explore"``) and ``mbcompile/selection.py``'s.
+``mbcompile.reports.exploration`` shows the candidates (a table, a plot); the search
+itself is ``search.py``'s (``"auto"``, ``"explore"``), and ``mbcompile/selection.py``
+turns its ``Choice`` into compile()'s ``Selection``.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from typing import Any
 from mbcompile.planning.cost import CostModel
 from mbcompile.planning.estimates import Estimate
 from mbcompile.planning.plan import MicrobatchPlan
-from mbcompile.planning.systems import SystemSpec
 
-__all__ = ["Candidate", "Exploration", "Selection"]
+__all__ = ["Candidate", "Choice", "Exploration"]
 
 
 @dataclass(frozen=True)
@@ -85,18 +85,18 @@ class Exploration:
 
 
 @dataclass(frozen=True)
-class Selection:
-    """What :func:`select_plan` decided: the plan, its estimate, what it evaluated.
+class Choice:
+    """What the MBS search (``search.py``'s ``select_plan``) chose: the plan, its estimate,
+    what it evaluated.
 
-    ``plan`` is the arithmetic's answer (``make_plan``, with the knobs the selection
+    ``plan`` is the arithmetic's answer (``plan_for``, with the knobs the selection
     turned: ``recompute``, ``reshard_after_forward``); what the later steps of the
     selection say of it (a two-phase step's memory, FSDP2 sharding, checkpointing) is
-    kept beside it, in ``notes`` and ``warnings``, and joined once into the compiled
-    module's plan (``reason``).
+    kept beside it, in ``notes`` and ``warnings``, and joined once into the plan of
+    compile()'s ``Selection`` (``mbcompile/selection.py``).
     """
 
     plan: MicrobatchPlan
-    system: SystemSpec
     estimate: Estimate | None
     exploration: Exploration | None
     cost: CostModel | None = field(repr=False, default=None)
@@ -104,7 +104,7 @@ class Selection:
     notes: tuple[str, ...] = ()  # why, beyond the MBS: each later step's word, in order
     warnings: tuple[str, ...] = ()  # what the user should know of the plan (also warned)
 
-    def noted(self, note: str, warning: str | None = None) -> Selection:
+    def noted(self, note: str, warning: str | None = None) -> Choice:
         """This selection with one more note (and warning) beside its plan."""
         return replace(self, notes=(*self.notes, note),
                        warnings=self.warnings if warning is None else (*self.warnings, warning))

@@ -32,13 +32,15 @@ from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
+from mbcompile.errors import CostModelError, DoesNotFitError
 from mbcompile.planning.cost import CostModel, static_figures
-from mbcompile.planning.estimates import CostModelError, DoesNotFitError, format_bytes
+from mbcompile.planning.estimates import MemoryEstimate, format_bytes
+from mbcompile.planning.plan import per_system_batch_sizes
 from mbcompile.planning.systems import SystemSpec
 
-__all__ = ["StaticMemory", "describe_capacity", "describe_static", "optimizer_source",
-           "smallest_fsdp_world", "static_does_not_fit", "static_fixes", "static_memory_of",
-           "step_fixes", "with_recompute_fix", "with_recompute_tried"]
+__all__ = ["StaticMemory", "describe_capacity", "describe_memory", "describe_static",
+           "optimizer_source", "smallest_fsdp_world", "static_does_not_fit", "static_fixes",
+           "static_memory_of", "step_fixes", "with_recompute_fix", "with_recompute_tried"]
 
 #: The largest FSDP world a fix names: beyond it, say that sharding does not help.
 MAX_WORLD = 4096
@@ -197,6 +199,25 @@ def static_does_not_fit(model: nn.Module, spec: SystemSpec, *, world: int = 1
                            fixes=tuple(fixes))
 
 
+def describe_memory(m: MemoryEstimate) -> str:
+    """``peak = static ... + inputs ... + ...`` on one line."""
+    parts = [f"parameters {format_bytes(m.params)}", f"gradients {format_bytes(m.grads)}",
+             f"optimizer state {format_bytes(m.optimizer)}"]
+    if m.buffers:
+        parts.append(f"buffers {format_bytes(m.buffers)}")
+    parts += [f"inputs {format_bytes(m.inputs)}", f"outputs {format_bytes(m.outputs)}",
+              f"activations {format_bytes(m.activations)} (saved for backward "
+              f"{format_bytes(m.saved)} + largest transient {format_bytes(m.transient)})"]
+    if m.update:
+        parts.append(f"optimizer update temporaries {format_bytes(m.update)}")
+    if m.gathered:  # FSDP2: the units alive unsharded at the peak
+        parts.append(f"gathered parameters and FSDP buffers {format_bytes(m.gathered)}")
+    if m.frontier or m.coupled:  # a two-phase step's whole-batch terms
+        parts += [f"frontier and its gradient {format_bytes(m.frontier)}",
+                  f"coupled part at the whole batch {format_bytes(m.coupled)}"]
+    return f"peak {format_bytes(m.peak)} ({m.phase}) = " + " + ".join(parts)
+
+
 def describe_capacity(spec: SystemSpec) -> str:
     """``79.63 GB usable (85.52 GB less 5.89 GB reserved: ...)``."""
     if not spec.reserved_bytes:
@@ -218,7 +239,7 @@ def step_fixes(cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int,
     systems (only when a smaller per-system batch fits: its inputs and kept outputs
     shrink, a replica's static memory does not), sharding and a lighter optimizer (when
     static memory is the problem), and the memory a system would need at mbs 1."""
-    pbs = -(-gbs // num_csx)
+    pbs = per_system_batch_sizes(gbs, num_csx)[0]
     try:
         least = cost.memory(pbs, 1, pbs, spec)
     except CostModelError:  # a graph run unsplit is probed at its one size only
@@ -238,8 +259,9 @@ def step_fixes(cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int,
                 f"{format_bytes(without.peak)})")
     systems = _fewest_systems(cost, spec, gbs, num_csx)
     if systems is not None:
-        fixes.append(f"num_csx={systems} systems (a per-system batch of {-(-gbs // systems)}: "
-                     "its inputs and kept outputs shrink with it)")
+        fixes.append(f"num_csx={systems} systems (a per-system batch of "
+                     f"{per_system_batch_sizes(gbs, systems)[0]}: its inputs and kept outputs "
+                     "shrink with it)")
     world = cost.shard.world if cost.shard is not None else 1
     static = StaticMemory(least.params * world, least.buffers,
                           cost.static.trainable_bytes if least.grads else 0.0,
@@ -258,7 +280,7 @@ def _fewest_systems(cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int) -
     """The fewest systems (more than ``num_csx``, at most ``gbs``) whose per-system batch
     fits at mbs 1; None when none does (static memory, or one sample, is the problem)."""
     def fits(n: int) -> bool:
-        pbs = -(-gbs // n)
+        pbs = per_system_batch_sizes(gbs, n)[0]
         return cost.memory(pbs, 1, pbs, spec).fits
 
     if num_csx >= gbs or not fits(gbs):

@@ -24,27 +24,35 @@ The rules, walked through one running example (gbs 10 over 3 systems, mbs 2):
 
 from __future__ import annotations
 
-import numbers
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, TypeVar, cast
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, cast
 
-from mbcompile.passes.errors import ArgumentTypeError, MbsAdjustedWarning, PlanError
+from mbcompile.passes.errors import MbsAdjustedWarning, PlanError
 from mbcompile.passes.sources import user_stacklevel
-
-T = TypeVar("T")
+from mbcompile.planning.mbs_policy import (
+    MbsPolicy,
+    check_int,
+    is_int,
+    parse_mbs,
+    requested_form,
+)
+from mbcompile.planning.plan_text import format_plan
 
 __all__ = [
     "DEFAULT_AUTO_MICROBATCHES",
     "AutoChooser",
     "MbsPolicy",
     "MicrobatchPlan",
+    "check_policy",
     "closest_supported",
-    "describe_fsdp",
     "make_plan",
+    "num_microbatches",
     "parse_mbs",
     "per_system_batch_sizes",
+    "plan_for",
+    "single_microbatch",
     "split_evenly",
     "supported_mbs",
 ]
@@ -57,32 +65,6 @@ AutoChooser = Callable[[int, tuple[int, ...]], tuple[int, str]]
 #: enough to cut activation memory about fourfold, few enough that the fixed
 #: per-microbatch cost stays small.
 DEFAULT_AUTO_MICROBATCHES = 4
-
-_MODES = ("auto", "explore", "none")
-_EXPLORE_FORM = "{'explore': {'min': a, 'max': b}} (both optional ints >= 1, a <= b)"
-
-
-# --------------------------------------------------------------------------- #
-# Argument checking
-# --------------------------------------------------------------------------- #
-
-
-def _is_int(value: object) -> bool:
-    # bool is an int subclass, but ``gbs=True`` is always a mistake; numbers.Integral
-    # lets numpy integers through, which configs loaded by numpy-aware code produce.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, minimum: int | None = None) -> int:
-    if not _is_int(value):
-        raise ArgumentTypeError(
-            f"{name} must be an int, got {value!r} of type {type(value).__name__}"
-        )
-    value = int(value)  # type: ignore[call-overload]
-    if minimum is not None and value < minimum:
-        raise PlanError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
 
 # --------------------------------------------------------------------------- #
 # The arithmetic
@@ -99,8 +81,8 @@ def split_evenly(n: int, parts: int) -> tuple[int, ...]:
     >>> split_evenly(1, 2)
     (1, 0)
     """
-    n = _check_int("n", n, 0)
-    parts = _check_int("parts", parts, 1)
+    n = check_int("n", n, 0)
+    parts = check_int("parts", parts, 1)
     q, r = divmod(n, parts)
     # Larger first so that system 0 / microbatch 0 is always the biggest: the
     # first one to run is then the one that sets peak memory.
@@ -113,14 +95,24 @@ def per_system_batch_sizes(gbs: int, num_csx: int) -> tuple[int, ...]:
     >>> per_system_batch_sizes(10, 3)
     (4, 3, 3)
     """
-    gbs = _check_int("gbs", gbs, 1)
-    num_csx = _check_int("num_csx", num_csx, 1)
+    gbs = check_int("gbs", gbs, 1)
+    num_csx = check_int("num_csx", num_csx, 1)
     if gbs < num_csx:
         raise PlanError(
             f"gbs={gbs} is smaller than num_csx={num_csx}: each system needs at "
             f"least one sample; use gbs >= {num_csx} or num_csx <= {gbs}"
         )
     return split_evenly(gbs, num_csx)
+
+
+def num_microbatches(pbs: int, mbs: int) -> int:
+    """Microbatches per system at MBS ``mbs``: ``ceil(pbs / mbs)``, the same on every
+    system (they run in lock step; smaller systems' microbatches are smaller).
+
+    >>> num_microbatches(10, 4)
+    3
+    """
+    return -(-pbs // mbs)
 
 
 def supported_mbs(pbs: int) -> tuple[int, ...]:
@@ -131,7 +123,7 @@ def supported_mbs(pbs: int) -> tuple[int, ...]:
     >>> supported_mbs(10)  # k = 1, 2, 3, 4, 5..9, 10
     (1, 2, 3, 4, 5, 10)
     """
-    pbs = _check_int("pbs", pbs, 1)
+    pbs = check_int("pbs", pbs, 1)
     # ceil(pbs/k) == (pbs-1)//k + 1, and floor(m/k) takes O(sqrt m) distinct
     # values, constant on blocks of k: for quotient q = m//k the block ends at
     # k = m//q.  Jumping block to block visits each distinct value once.
@@ -153,7 +145,7 @@ def closest_supported(mbs: int, supported: tuple[int, ...]) -> int:
     >>> closest_supported(4, supported_mbs(9))  # (1, 2, 3, 5, 9): 3 and 5 tie
     3
     """
-    mbs = _check_int("mbs", mbs)
+    mbs = check_int("mbs", mbs)
     if not supported:
         raise PlanError("closest_supported needs at least one supported value")
     return min(supported, key=lambda s: (abs(s - mbs), s))
@@ -164,109 +156,6 @@ def _nearby(value: int, supported: tuple[int, ...], count: int = 2) -> tuple[int
     below = [s for s in supported if s < value][-count:]
     above = [s for s in supported if s >= value][:count]
     return tuple(below + above)
-
-
-# --------------------------------------------------------------------------- #
-# The user's request
-# --------------------------------------------------------------------------- #
-
-
-@dataclass(frozen=True)
-class MbsPolicy:
-    """A parsed ``mbs`` argument.
-
-    ``mode`` is ``"auto"``, ``"explore"``, ``"none"`` or ``"int"``; ``value`` is set
-    for ``"int"``; ``explore_min`` / ``explore_max`` bound an explore range (``None``
-    means unbounded on that side).
-
-    >>> parse_mbs({"explore": {"min": 2}})
-    MbsPolicy(mode='explore', value=None, explore_min=2, explore_max=None)
-    """
-
-    mode: str
-    value: int | None = None
-    explore_min: int | None = None
-    explore_max: int | None = None
-    #: what the user wrote, for messages (``mbs='explore'``); not part of the policy
-    request: Any = field(default=None, compare=False, repr=False)
-
-
-def parse_mbs(mbs: object) -> MbsPolicy:
-    """Parse the user's ``mbs``: a positive int, ``"auto"``, ``"explore"``,
-    ``"none"``, or ``{"explore": {"min": a, "max": b}}``.
-
-    >>> parse_mbs(8)
-    MbsPolicy(mode='int', value=8, explore_min=None, explore_max=None)
-    >>> parse_mbs("none").mode
-    'none'
-
-    ``compile()`` parses once and hands the policy on; a policy parses to itself.
-    """
-    if isinstance(mbs, MbsPolicy):
-        return mbs
-    return replace(_parse(mbs), request=mbs)
-
-
-def _parse(mbs: object) -> MbsPolicy:
-    if _is_int(mbs):
-        value = int(mbs)  # type: ignore[call-overload]
-        if value < 1:
-            raise PlanError(
-                f"mbs must be a positive int, got {value}; use an int >= 1, "
-                f"or one of {', '.join(repr(m) for m in _MODES)}"
-            )
-        return MbsPolicy("int", value)
-    if isinstance(mbs, str):
-        if mbs in _MODES:
-            return MbsPolicy(mbs)
-        hint = f" (did you mean {mbs.lower()!r}?)" if mbs.lower() in _MODES else ""
-        raise PlanError(
-            f"unknown mbs {mbs!r}{hint}; valid strings are "
-            f"{', '.join(repr(m) for m in _MODES)}, or pass a positive int or "
-            f"{_EXPLORE_FORM}"
-        )
-    if isinstance(mbs, Mapping):
-        return _parse_explore_mapping(mbs)
-    raise ArgumentTypeError(
-        f"mbs must be a positive int, 'auto', 'explore', 'none' or "
-        f"{_EXPLORE_FORM}; got {mbs!r} of type {type(mbs).__name__}"
-    )
-
-
-def _parse_explore_mapping(mbs: Mapping[Any, Any]) -> MbsPolicy:
-    def bad(what: str) -> PlanError:
-        return PlanError(f"malformed mbs {mbs!r}: {what}; the valid form is {_EXPLORE_FORM}")
-
-    if set(mbs) != {"explore"}:
-        raise bad(f"expected the single key 'explore', got keys {sorted(map(repr, mbs))}")
-    bounds = mbs["explore"]
-    if not isinstance(bounds, Mapping):
-        raise bad(f"mbs['explore'] must be a mapping, got {type(bounds).__name__}")
-    unknown = set(bounds) - {"min", "max"}
-    if unknown:
-        raise bad(f"unknown key(s) {sorted(map(repr, unknown))} in mbs['explore']")
-    parsed: dict[str, int | None] = {}
-    for key in ("min", "max"):
-        value = bounds.get(key)
-        if value is None:
-            parsed[key] = None
-        elif not _is_int(value):
-            raise bad(f"{key} must be an int, got {value!r} of type {type(value).__name__}")
-        elif value < 1:
-            raise bad(f"{key} must be at least 1, got {value}")
-        else:
-            parsed[key] = int(value)
-    lo, hi = parsed["min"], parsed["max"]
-    if lo is not None and hi is not None and lo > hi:
-        raise bad(f"min {lo} is larger than max {hi}")
-    return MbsPolicy("explore", explore_min=lo, explore_max=hi)
-
-
-def _requested_form(mbs: object) -> int | str:
-    # Plans are frozen and hashable, and a dict is neither; its repr prints the same.
-    if _is_int(mbs):
-        return int(mbs)  # type: ignore[call-overload]
-    return mbs if isinstance(mbs, str) else repr(mbs)
 
 
 # --------------------------------------------------------------------------- #
@@ -358,73 +247,7 @@ class MicrobatchPlan:
         return d
 
     def __str__(self) -> str:
-        sizes = _format_sizes(self.per_system_batch_sizes)
-        systems = "system" if self.num_csx == 1 else "systems"
-        lines = [
-            f"MicrobatchPlan: gbs {self.gbs} over {self.num_csx} {systems}",
-            f"  per-system batch sizes: {sizes} (pbs {self.pbs})",
-            f"  mbs: requested {self.requested_mbs}, effective {self.mbs}",
-            f"  microbatches per system: {self.num_microbatches}",
-        ]
-        # systems with the same schedule share a line: a 64-system plan has two or three
-        for first, last, mb in _same_runs(self.microbatch_sizes):
-            empty = mb.count(0)
-            note = f" ({empty} empty, skipped)" if empty else ""
-            which = f"system {first}" if first == last else f"systems {first}-{last}"
-            lines.append(f"    {which}: {_format_sizes(mb)}{note}")
-        if self.tokens_per_sample is not None:
-            t = self.tokens_per_sample
-            per_system = _format_sizes(tuple(n * t for n in self.per_system_batch_sizes))
-            lines.append(f"  tokens ({t} per sample): global {self.gbs * t}, per system "
-                         f"{per_system}, per microbatch at most {self.max_microbatch_size * t}")
-        if self.recompute:
-            lines.append("  recompute: activation checkpointing per block")
-        if self.reshard_after_forward is not None:
-            lines.append(f"  fsdp: {describe_fsdp(self)}")
-        lines.append(f"  reason: {self.reason}")
-        if self.warnings:
-            lines.append("  warnings:")
-            lines.extend(f"    - {w}" for w in self.warnings)
-        else:
-            lines.append("  warnings: none")
-        return "\n".join(lines)
-
-
-def describe_fsdp(plan: MicrobatchPlan) -> str:
-    """What the plan's FSDP2 settings (``reshard_after_forward``, ``gradient_sync``) mean
-    for a sharded step."""
-    if plan.reshard_after_forward:
-        text = ("reshard_after_forward=True (each unit resharded after its forward and "
-                "gathered again for its backward: one unit gathered at a time)")
-    else:
-        text = ("reshard_after_forward=False (each unit kept gathered from its forward to its "
-                "backward: half the all-gathers, every unit gathered at the peak)")
-    if plan.gradient_sync == "microbatch":
-        text += ("; gradient_sync='microbatch' (gradients reduce-scattered in every "
-                 "microbatch's backward: they accumulate as shards)")
-    elif plan.gradient_sync == "step":
-        text += ("; gradient_sync='step' (gradients reduce-scattered once, in the step's "
-                 "last backward: held unsharded until then)")
-    return text
-
-
-def _format_sizes(sizes: tuple[int, ...], limit: int = 8) -> str:
-    # A plan can have a million microbatches (or systems); run-length form keeps the
-    # printout one line.  Sizes within a system (or across systems) take at most two values.
-    if len(sizes) <= limit:
-        return ", ".join(map(str, sizes))
-    return " + ".join(f"{last - first + 1} x {size}" for first, last, size in _same_runs(sizes))
-
-
-def _same_runs(values: Sequence[T]) -> list[tuple[int, int, T]]:
-    """``(first, last, value)`` for each run of equal consecutive ``values``."""
-    runs: list[tuple[int, int, T]] = []
-    for i, v in enumerate(values):
-        if runs and runs[-1][2] == v:
-            runs[-1] = (runs[-1][0], i, v)
-        else:
-            runs.append((i, i, v))
-    return runs
+        return format_plan(self)
 
 
 def _warn_user(message: str) -> None:
@@ -448,7 +271,7 @@ def _call_chooser(
     # A chooser is our own cost model, but a wrong answer from it must not turn
     # into a silently different plan: reject anything outside the candidates.
     mbs, reason = chooser(pbs, candidates)
-    if not _is_int(mbs) or int(mbs) not in candidates:
+    if not is_int(mbs) or int(mbs) not in candidates:
         raise PlanError(
             f"the {name} returned mbs={mbs!r}, which is not one of the "
             f"{len(candidates)} candidate values ({candidates[0]}..{candidates[-1]}, "
@@ -475,9 +298,24 @@ def make_plan(
     >>> p.per_system_batch_sizes, p.num_microbatches, p.microbatch_sizes
     ((4, 3, 3), 2, ((2, 2), (2, 1), (2, 1)))
     """
-    policy = parse_mbs(mbs)
-    system_sizes = per_system_batch_sizes(gbs, num_csx)
-    gbs, num_csx = int(gbs), int(num_csx)  # type: ignore[call-overload]
+    return plan_for(per_system_batch_sizes(gbs, num_csx), parse_mbs(mbs), chooser=chooser,
+                    explorer=explorer)
+
+
+def plan_for(
+    system_sizes: tuple[int, ...],
+    policy: MbsPolicy,
+    *,
+    chooser: AutoChooser | None = None,
+    explorer: AutoChooser | None = None,
+) -> MicrobatchPlan:
+    """:func:`make_plan` for per-system batch sizes already split (``Request``'s) and an
+    ``mbs`` already parsed: what ``compile()``'s stages call.
+
+    >>> plan_for((4, 3, 3), parse_mbs(2)).microbatch_sizes
+    ((2, 2), (2, 1), (2, 1))
+    """
+    gbs, num_csx = sum(system_sizes), len(system_sizes)
     pbs = system_sizes[0]  # larger first, so this is ceil(gbs / num_csx)
     supported = supported_mbs(pbs)
     where = f"gbs {gbs} over {num_csx} system{'s' if num_csx != 1 else ''}"
@@ -517,23 +355,23 @@ def make_plan(
         candidates = _explore_candidates(policy, pbs, supported, where, notes)
         if explorer is None:
             raise PlanError(
-                f"mbs={_requested_form(mbs)!r} needs the cost model to compare MBS "
+                f"mbs={requested_form(policy.request)!r} needs the cost model to compare MBS "
                 f"values, and no explorer was given; run it through compile_only "
                 f"(which reports the best mbs to pin), or pass mbs='auto' or an int"
             )
         effective, reason = _call_chooser("explorer", explorer, pbs, candidates)
 
-    num_microbatches = -(-pbs // effective)
+    count = num_microbatches(pbs, effective)
     # Every system runs the same count (lock step for the all-reduce); smaller
     # systems spread their fewer samples over it, possibly leaving empties.
-    microbatch_sizes = tuple(split_evenly(size, num_microbatches) for size in system_sizes)
+    microbatch_sizes = tuple(split_evenly(size, count) for size in system_sizes)
     return MicrobatchPlan(
         gbs=gbs,
         num_csx=num_csx,
         per_system_batch_sizes=system_sizes,
-        requested_mbs=_requested_form(policy.request),
+        requested_mbs=requested_form(policy.request),
         mbs=effective,
-        num_microbatches=num_microbatches,
+        num_microbatches=count,
         microbatch_sizes=microbatch_sizes,
         supported_mbs=supported,
         warnings=tuple(notes),
@@ -564,3 +402,40 @@ def _explore_candidates(
             f"{', '.join(map(str, _nearby(clamped_lo, supported)))}; widen the range"
         )
     return candidates
+
+
+def check_policy(system_sizes: tuple[int, ...], policy: MbsPolicy, planning_only: bool) -> None:
+    """Fail fast, before any tracing, on what the arguments alone rule out: an int MBS
+    above the per-system batch size, an explore range with no supported value in it,
+    and ``"explore"`` without ``compile_only=True`` (``planning_only``)."""
+    if policy.mode == "int" and (policy.value or 0) > system_sizes[0]:
+        plan_for(system_sizes, policy)  # raises the plan's own "must be at most" error
+    if policy.mode == "explore":
+        with warnings.catch_warnings():  # a clamped range warns once, when it is planned
+            warnings.simplefilter("ignore")
+            plan_for(system_sizes, policy, explorer=lambda _, c: (c[0], ""))  # range errors
+    if policy.mode == "explore" and not planning_only:
+        raise PlanError(
+            f"mbs={policy.request!r} explores MBS values and reports the best one to pin; it does "
+            "not build a module to train with. Run it once with compile_only=True, read "
+            "cm.report() (or cm.plan.mbs), then compile again with mbs=<that value>: "
+            f"compile(model, gbs, num_csx, mbs={policy.request!r}, compile_only=True, ...)")
+
+
+def single_microbatch(system_sizes: tuple[int, ...], policy: MbsPolicy) -> bool:
+    """True when the request can only mean one system running one microbatch.
+
+    Such a plan splits nothing, so a graph the batch analysis rejects still runs
+    (the fix its errors suggest: ``num_csx=1, mbs='none'``).
+
+    >>> single_microbatch((10,), parse_mbs(9))  # the closest supported value is 10
+    True
+    """
+    if len(system_sizes) != 1:
+        return False
+    pbs = system_sizes[0]
+    if policy.mode == "none" or pbs == 1:
+        return True
+    if policy.mode == "int":
+        return closest_supported(min(policy.value or 1, pbs), supported_mbs(pbs)) == pbs
+    return False

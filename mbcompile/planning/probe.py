@@ -31,9 +31,8 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from mbcompile.errors import MbcompileError
+from mbcompile.errors import CostModelError, MbcompileError
 from mbcompile.passes.fake_probe import FakeProbe
-from mbcompile.planning.estimates import CostModelError
 
 __all__ = ["EXTRA_FLOPS", "Probe", "Prober", "backward_root", "nbytes"]
 

@@ -23,7 +23,7 @@ import torch.fx as fx
 from mbcompile.errors import MbcompileError
 from mbcompile.passes.facts import FACT
 from mbcompile.planning.cost import format_bytes, format_seconds
-from mbcompile.planning.plan import describe_fsdp
+from mbcompile.planning.plan_text import describe_fsdp
 from mbcompile.reports.exploration import table
 from mbcompile.version import __version__
 
@@ -140,7 +140,7 @@ def validation_of(model_name: str, gbs: int, num_csx: int, gm: fx.GraphModule,
 def report_dict(cm: Any) -> dict[str, Any]:
     """Everything the report says, as JSON-ready data.
 
-    Reads ``cm.plan``, ``cm.selection`` (a :class:`~mbcompile.planning.explore.Selection`,
+    Reads ``cm.plan``, ``cm.selection`` (a :class:`~mbcompile.selection.Selection`,
     may be None), ``cm.compile_only`` and ``cm.module``.
     """
     plan = cm.plan
@@ -218,7 +218,7 @@ def _text(d: dict[str, Any], cm: Any) -> str:
     e = selection.estimate
     if e is not None:
         m, t = e.memory, e.time
-        from mbcompile.planning.explore import describe_memory
+        from mbcompile.planning.fixes import describe_memory
 
         state = (f"fits, {format_bytes(m.headroom)} free" if m.fits
                  else f"DOES NOT FIT by {format_bytes(-m.headroom)}")

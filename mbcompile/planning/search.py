@@ -1,13 +1,17 @@
-"""Choosing the MBS: ``"auto"``, ``"explore"`` and the memory checks (the search).
+"""The MBS search: ``"auto"`` and ``"explore"`` on the cost model, and the memory checks.
+
+>>> choice = select_plan(gbs=64, num_csx=2, policy=parse_mbs("auto"), cost=cost, spec=host)
+>>> choice.plan.mbs, choice.estimate.memory.peak
 
 What a search evaluated and chose is ``exploration.py``'s (``Candidate``,
-``Exploration``, ``Selection``, re-exported here); real timing is ``measure.py``'s.
+``Exploration``, ``Choice``); real timing is ``measure.py``'s; the memory errors' text
+and fixes are ``fixes.py``'s.
 
 Everything here works on a :class:`~mbcompile.planning.cost.CostModel` and a
-:class:`~mbcompile.planning.systems.SystemSpec`.  ``compile()`` calls :func:`check_request`
-before tracing and ``mbcompile.selection.select`` after the batch analysis; that builds
-the cost model and calls :func:`select_plan`, which hands
-:func:`~mbcompile.planning.plan.make_plan` a chooser (``"auto"``) or an explorer
+:class:`~mbcompile.planning.systems.SystemSpec`.  ``compile()``'s selection stage
+(``mbcompile/selection.py``) builds the cost model and calls :func:`select_sharded`
+(:func:`select_plan`, and a sharded model's FSDP2 settings), which hands
+:func:`~mbcompile.planning.plan.plan_for` a chooser (``"auto"``) or an explorer
 (``"explore"``) and then checks that the plan fits.
 
 ``"auto"`` evaluates a few candidates only, O(log n) of the n supported values
@@ -48,47 +52,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from mbcompile.errors import MbcompileError, MbcompileWarning, PlanError
+from mbcompile.errors import CostModelError, CostModelWarning, DoesNotFitError
 from mbcompile.passes.sources import user_stacklevel
-from mbcompile.planning.cost import (
-    CostModel,
-    CostModelError,
-    DoesNotFitError,
-    Estimate,
-    MemoryEstimate,
-    format_bytes,
-    format_seconds,
+from mbcompile.planning.cost import CostModel, Estimate, format_bytes, format_seconds
+from mbcompile.planning.exploration import Candidate, Choice, Exploration
+from mbcompile.planning.fixes import (
+    describe_capacity,
+    describe_memory,
+    optimizer_source,
+    step_fixes,
 )
-from mbcompile.planning.exploration import Candidate, Exploration, Selection
-from mbcompile.planning.fixes import describe_capacity, optimizer_source, step_fixes
-from mbcompile.planning.measure import HostTimer, measure_peak_bytes
 from mbcompile.planning.plan import (
     MbsPolicy,
-    MicrobatchPlan,
-    closest_supported,
-    make_plan,
-    parse_mbs,
+    num_microbatches,
     per_system_batch_sizes,
+    plan_for,
+    split_evenly,
     supported_mbs,
 )
 from mbcompile.planning.systems import SystemSpec
 
-__all__ = [
-    "AUTO_TIME_TOLERANCE",
-    "Candidate",
-    "CompileOnlyError",
-    "CostModelWarning",
-    "Exploration",
-    "HostTimer",
-    "Selection",
-    "Selector",
-    "check_request",
-    "compile_only_error",
-    "describe_memory",
-    "measure_peak_bytes",
-    "select_plan",
-    "single_microbatch_request",
-]
+__all__ = ["AUTO_TIME_TOLERANCE", "SYNCS", "Selector", "select_plan", "select_sharded"]
 
 #: ``"auto"`` takes the smallest MBS whose modelled step time is within this
 #: fraction of the best it evaluated.
@@ -97,19 +81,6 @@ _INV_PHI = (5**0.5 - 1) / 2
 #: Show a progress bar (on a terminal) when more than this many candidates need
 #: real measurement or an exact probe each.
 PROGRESS_THRESHOLD = 4
-
-
-class CompileOnlyError(MbcompileError, RuntimeError):
-    """A module compiled with ``compile_only=True`` (or ``mbs="explore"``) was called."""
-
-
-class CostModelWarning(MbcompileWarning):
-    """The cost model could not run; the plan was made without it."""
-
-
-# --------------------------------------------------------------------------- #
-# Selecting
-# --------------------------------------------------------------------------- #
 
 
 def _progress(total: int, show: bool | None) -> Any:
@@ -141,7 +112,8 @@ class Selector:
     """Evaluates candidate MBS values of one (model, gbs, num_csx, system).
 
     ``auto`` and ``explore`` have :data:`mbcompile.planning.plan.AutoChooser`'s signature,
-    so they plug into ``make_plan(chooser=..., explorer=...)``.
+    so they plug into ``plan_for(chooser=..., explorer=...)``. The per-system batch
+    sizes are split once, here.
     """
 
     def __init__(self, cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int, *,
@@ -150,6 +122,8 @@ class Selector:
         self.cost = cost
         self.spec = spec
         self.gbs, self.num_csx = gbs, num_csx
+        self.sizes = per_system_batch_sizes(gbs, num_csx)
+        self.pbs = self.sizes[0]
         self.timer = timer
         self.progress = progress
         self._seen: dict[int, Candidate] = {}
@@ -167,14 +141,8 @@ class Selector:
         """The largest system's microbatches, each size timed on this host."""
         if self.timer is None:
             return None
-        pbs = -(-self.gbs // self.num_csx)
-        k = -(-pbs // mbs)
-        q, r = divmod(pbs, k)
-        total = 0.0
-        for size, count in ((q + 1, r), (q, k - r)):
-            if size > 0 and count > 0:
-                total += count * self.timer(size)
-        return total
+        sizes = split_evenly(self.pbs, num_microbatches(self.pbs, mbs))
+        return sum(sizes.count(size) * self.timer(size) for size in set(sizes) if size > 0)
 
     def evaluate(self, mbs: int) -> Candidate:
         if mbs not in self._seen:
@@ -212,9 +180,9 @@ class Selector:
                 hi = mid - 1
         return candidates[lo]
 
-    def _record(self, mode: str, pbs: int, supported: int, best: int | None) -> None:
+    def _record(self, mode: str, supported: int, best: int | None) -> None:
         self.exploration = Exploration(
-            mode=mode, system=self.spec.name, gbs=self.gbs, num_csx=self.num_csx, pbs=pbs,
+            mode=mode, system=self.spec.name, gbs=self.gbs, num_csx=self.num_csx, pbs=self.pbs,
             candidates=tuple(self._seen[m] for m in sorted(self._seen)), supported=supported,
             best=best, seconds=time.perf_counter() - self._start,
             capacity=self.spec.usable_bytes, fit_note=self.cost.fit_note,
@@ -267,7 +235,7 @@ class Selector:
             else:
                 lo = mid
         chosen = self._seen[upto[hi]]
-        self._record("auto", pbs, len(candidates), chosen.mbs)
+        self._record("auto", len(candidates), chosen.mbs)
         e = self.estimate(chosen.mbs)
         top_c = self._seen[top]
         why = (f"auto on {self.spec.name}: the largest MBS that fits is {top} (modelled peak "
@@ -289,10 +257,10 @@ class Selector:
         fitting = [c for c in rows if c.fits]
         if not fitting:
             smallest = self.evaluate(candidates[0])
-            self._record("explore", pbs, len(supported_mbs(pbs)), None)
+            self._record("explore", len(supported_mbs(pbs)), None)
             raise self.does_not_fit(smallest.mbs, "explore")
         best = min(fitting, key=lambda c: (c.step_s, c.peak_bytes))
-        self._record("explore", pbs, len(supported_mbs(pbs)), best.mbs)
+        self._record("explore", len(supported_mbs(pbs)), best.mbs)
         why = (f"explore on {self.spec.name}: evaluated all {len(candidates)} supported MBS "
                f"values in [{candidates[0]}, {candidates[-1]}]; the fastest that fits is "
                f"mbs={best.mbs} (modelled step {format_seconds(best.step_s)}, peak "
@@ -307,7 +275,7 @@ class Selector:
     def does_not_fit(self, mbs: int, mode: str) -> DoesNotFitError:
         e = self.estimate(mbs)
         m = e.memory
-        pbs = -(-self.gbs // self.num_csx)
+        pbs = self.pbs
         if mbs == 1:
             what = "even mbs=1 does not fit"
         elif mode == "explore":
@@ -334,85 +302,20 @@ def _supported_upto(pbs: int, limit: int) -> tuple[int, ...]:
     return tuple(m for m in supported_mbs(pbs) if m <= limit)
 
 
-def describe_memory(m: MemoryEstimate) -> str:
-    """``peak = static ... + inputs ... + ...`` on one line."""
-    parts = [f"parameters {format_bytes(m.params)}", f"gradients {format_bytes(m.grads)}",
-             f"optimizer state {format_bytes(m.optimizer)}"]
-    if m.buffers:
-        parts.append(f"buffers {format_bytes(m.buffers)}")
-    parts += [f"inputs {format_bytes(m.inputs)}", f"outputs {format_bytes(m.outputs)}",
-              f"activations {format_bytes(m.activations)} (saved for backward "
-              f"{format_bytes(m.saved)} + largest transient {format_bytes(m.transient)})"]
-    if m.update:
-        parts.append(f"optimizer update temporaries {format_bytes(m.update)}")
-    if m.gathered:  # FSDP2: the units alive unsharded at the peak
-        parts.append(f"gathered parameters and FSDP buffers {format_bytes(m.gathered)}")
-    if m.frontier or m.coupled:  # a two-phase step's whole-batch terms
-        parts += [f"frontier and its gradient {format_bytes(m.frontier)}",
-                  f"coupled part at the whole batch {format_bytes(m.coupled)}"]
-    return f"peak {format_bytes(m.peak)} ({m.phase}) = " + " + ".join(parts)
-
-
-# --------------------------------------------------------------------------- #
-# compile()'s entry points
-# --------------------------------------------------------------------------- #
-
-
-def check_request(gbs: int, num_csx: int, mbs: MbsPolicy | object, compile_only: bool) -> None:
-    """Fail fast, before any tracing, on what the arguments alone rule out.
-
-    Bad ``gbs``/``num_csx``/``mbs`` values, an int ``mbs`` above the per-system
-    batch size, and ``"explore"`` without ``compile_only=True``.
-    """
-    policy = parse_mbs(mbs)  # a policy already parsed by compile() is returned as it is
-    pbs = per_system_batch_sizes(gbs, num_csx)[0]
-    if policy.mode == "int" and (policy.value or 0) > pbs:
-        make_plan(gbs, num_csx, mbs)  # raises the plan's own "must be at most" error
-    if policy.mode == "explore":
-        with warnings.catch_warnings():  # a clamped range warns once, when it is planned
-            warnings.simplefilter("ignore")
-            make_plan(gbs, num_csx, mbs, explorer=lambda _, c: (c[0], ""))  # range errors
-    if policy.mode == "explore" and not compile_only:
-        raise PlanError(
-            f"mbs={policy.request!r} explores MBS values and reports the best one to pin; it does "
-            "not build a module to train with. Run it once with compile_only=True, read "
-            "cm.report() (or cm.plan.mbs), then compile again with mbs=<that value>: "
-            f"compile(model, gbs, num_csx, mbs={policy.request!r}, compile_only=True, ...)")
-
-
-def single_microbatch_request(gbs: int, num_csx: int, mbs: MbsPolicy | object) -> bool:
-    """True when the request can only mean one system running one microbatch.
-
-    Such a plan splits nothing, so a graph the batch analysis rejects still runs
-    (the fix its errors suggest: ``num_csx=1, mbs='none'``).
-    """
-    if num_csx != 1:
-        return False
-    policy = parse_mbs(mbs)  # a policy already parsed by compile() is returned as it is
-    pbs = per_system_batch_sizes(gbs, num_csx)[0]
-    if policy.mode == "none" or pbs == 1:
-        return True
-    if policy.mode == "int":
-        return closest_supported(min(policy.value or 1, pbs), supported_mbs(pbs)) == pbs
-    return False
-
-
-def select_plan(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostModel | None,
+def select_plan(gbs: int, num_csx: int, policy: MbsPolicy, cost: CostModel | None,
                 spec: SystemSpec, *, timer: Callable[[int], float] | None = None,
                 progress: bool | None = None, cost_error: str | None = None,
-                unsplit: bool = False) -> Selection:
-    """Plan ``(gbs, num_csx, mbs)`` with the cost model, and check that it fits.
+                unsplit: bool = False) -> Choice:
+    """Plan ``(gbs, num_csx, policy)`` with the cost model, and check that it fits.
 
     ``cost=None`` (the model could not run; ``cost_error`` says why): ints and
     ``"none"`` are planned as asked, ``"auto"`` falls back to the plan's default
     with a :class:`CostModelWarning`, ``"explore"`` fails.  Otherwise every mode
     raises :class:`DoesNotFitError` with the numbers when even MBS 1 does not fit,
     and ints and ``"none"`` when their MBS does not fit.  ``unsplit``: the request
-    runs the whole per-system batch as one microbatch (see
-    :func:`single_microbatch_request`), so only that size is checked.
+    runs the whole per-system batch as one microbatch (the analysis's ``"unsplit"``
+    mode), so only that size is checked.
     """
-    policy = parse_mbs(mbs)  # a policy already parsed by compile() is returned as it is
-    pbs = per_system_batch_sizes(gbs, num_csx)[0]
     if cost is None:
         if policy.mode == "explore":
             raise CostModelError(f"mbs={policy.request!r} needs the cost model, which failed: "
@@ -422,28 +325,24 @@ def select_plan(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostModel
                           "default of about 4 microbatches per system, unchecked against "
                           "memory. Pass an int mbs to silence this.", CostModelWarning,
                           stacklevel=user_stacklevel())
-        plan = make_plan(gbs, num_csx, mbs)
+        plan = plan_for(per_system_batch_sizes(gbs, num_csx), policy)
         if policy.mode == "auto":
-            plan = _with_reason(plan, f"{plan.reason} (cost model unavailable: {cost_error})")
-        return Selection(plan, spec, None, None, None, cost_error)
+            plan = replace(plan, reason=f"{plan.reason} (cost model unavailable: {cost_error})")
+        return Choice(plan, None, None, None, cost_error)
     selector = Selector(cost, spec, gbs, num_csx, timer=timer, progress=progress)
     if not unsplit and not selector.evaluate(1).fits:  # whatever was asked, nothing runs
         raise selector.does_not_fit(1, policy.mode)
-    plan = make_plan(gbs, num_csx, mbs, chooser=selector.auto, explorer=selector.explore)
+    plan = plan_for(selector.sizes, policy, chooser=selector.auto, explorer=selector.explore)
     if not selector.evaluate(plan.mbs).fits:
         raise selector.does_not_fit(plan.mbs, policy.mode)
     if selector.exploration is None:  # an int or "none": record what was checked
-        selector._record(policy.mode, pbs, len(plan.supported_mbs), plan.mbs)
-    return Selection(plan, spec, selector.estimate(plan.mbs), selector.exploration, cost)
+        selector._record(policy.mode, len(plan.supported_mbs), plan.mbs)
+    return Choice(plan, selector.estimate(plan.mbs), selector.exploration, cost)
 
 
-def _with_reason(plan: MicrobatchPlan, reason: str) -> MicrobatchPlan:
-    return replace(plan, reason=reason)
-
-
-def select_sharded(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostModel | None,
+def select_sharded(gbs: int, num_csx: int, policy: MbsPolicy, cost: CostModel | None,
                    spec: SystemSpec, *, reshard: bool | str = "auto", sync: str = "auto",
-                   **kwargs: Any) -> Selection:
+                   **kwargs: Any) -> Choice:
     """:func:`select_plan`, and for a model sharded with FSDP2 (``cost.shard``) its
     ``reshard_after_forward`` and ``gradient_sync`` chosen with the MBS.
 
@@ -456,33 +355,33 @@ def select_sharded(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostMo
     140 GB per rank). Either can force a smaller MBS, so the plans are compared whole
     (MBS and settings jointly); on equal time the one with less memory is kept. Without
     a cost model the model runs with the settings it was sharded with (the plan's
-    fields stay None here; ``selection`` writes in the values the user pinned). Each
+    fields stay None here; ``mbcompile/selection.py`` writes in the values the user pinned). Each
     combination is costed by its own copy of the model (``with_shard``), its probes
     shared.
     """
     shard = cost.shard if cost is not None else None
     if shard is None:
-        return select_plan(gbs, num_csx, mbs, cost, spec, **kwargs)
+        return select_plan(gbs, num_csx, policy, cost, spec, **kwargs)
     assert cost is not None
     reshards = (reshard,) if isinstance(reshard, bool) else (True, False)
     syncs = (sync,) if sync in SYNCS else SYNCS
     # the least memory first: it is the one whose refusal is reported when none fits
-    tried: list[tuple[bool, str, Selection | DoesNotFitError]] = []
+    tried: list[tuple[bool, str, Choice | DoesNotFitError]] = []
     for value in reshards:
         for when in reversed(syncs):
             sharded = cost.with_shard(replace(shard, reshard_after_forward=value,
                                               gradient_sync=when))
             try:
-                found: Selection | DoesNotFitError = select_plan(gbs, num_csx, mbs, sharded,
-                                                                 spec, **kwargs)
+                found: Choice | DoesNotFitError = select_plan(gbs, num_csx, policy, sharded,
+                                                              spec, **kwargs)
             except DoesNotFitError as exc:
                 found = exc
             tried.append((value, when, found))
-    fitting = [(v, w, f) for v, w, f in tried if isinstance(f, Selection)]
+    fitting = [(v, w, f) for v, w, f in tried if isinstance(f, Choice)]
     if not fitting:
         raise next(f for _, _, f in tried if isinstance(f, DoesNotFitError))
 
-    def key(entry: tuple[bool, str, Selection]) -> tuple[float, float, bool]:
+    def key(entry: tuple[bool, str, Choice]) -> tuple[float, float, bool]:
         e = entry[2].estimate
         assert e is not None
         return (e.time.step, e.memory.peak, entry[1] != "step")  # one microbatch: a tie
@@ -498,14 +397,14 @@ def select_sharded(gbs: int, num_csx: int, mbs: MbsPolicy | object, cost: CostMo
 SYNCS = ("step", "microbatch")
 
 
-def _fsdp_note(value: bool, when: str, chosen: Selection,
-               tried: list[tuple[bool, str, Selection | DoesNotFitError]]) -> str:
+def _fsdp_note(value: bool, when: str, chosen: Choice,
+               tried: list[tuple[bool, str, Choice | DoesNotFitError]]) -> str:
     """Why these FSDP2 settings: the chosen plan's modelled step and peak, then each other
     setting's, or the memory it would need."""
     def settings(v: bool, w: str) -> str:
         return f"reshard_after_forward={v}, gradient_sync={w!r}"
 
-    def figures(found: Selection | DoesNotFitError) -> str:
+    def figures(found: Choice | DoesNotFitError) -> str:
         if isinstance(found, DoesNotFitError):
             return (f"does not fit (mbs {found.mbs} would need {format_bytes(found.needed)} "
                     f"of {format_bytes(found.available)})")
@@ -523,22 +422,3 @@ def _fsdp_note(value: bool, when: str, chosen: Selection,
             f"{figures(chosen)}, against {others}")
 
 
-class TwoPhaseWarning(MbcompileWarning):
-    """A two-phase step whose coupled part holds most of the memory: little is saved."""
-
-
-def compile_only_error(plan: MicrobatchPlan, exploration: Exploration | None,
-                       shapes_only: bool = False) -> CompileOnlyError:
-    """The error a compile-only module raises when called (``shapes_only``: its parameters
-    hold no data, so compiling again is not enough)."""
-    pin = exploration.best if exploration is not None and exploration.mode == "explore" \
-        else plan.mbs
-    weights = ("; its parameters hold no data (the meta device or a FakeTensorMode): build "
-               "it with real weights first (transformers: from_pretrained; "
-               "model.to_empty(device=...) unties tied weights: call model.tie_weights() "
-               "after it, then load the weights)") if shapes_only else ""
-    return CompileOnlyError(
-        "this module was compiled with compile_only=True: it was traced, analysed, planned "
-        f"and estimated (mbs={plan.mbs}), and does not run. Read cm.report() for the plan "
-        f"and the estimates; to train, compile again without compile_only, e.g. with "
-        f"mbs={pin}{weights}")

@@ -1,0 +1,435 @@
+"""The compiled module: what ``compile()`` returns, called like the model.
+
+>>> cm = mbcompile.compile(model, gbs=10, num_csx=3, mbs=2, example_inputs=(ids, labels))
+>>> loss = cm(ids, labels)          # same call and output structure as model(ids, labels)
+>>> loss.backward()                 # param.grad == the full-batch gradient, to rounding
+
+It only runs what it is given (torch.compile's ``OptimizedModule`` is the model): the
+``Selection`` (the one plan) and the ``Lowered`` graph of compile()'s chain. What
+compile() did not see goes back through the chain, handed in as ``Recompile``: the
+module never imports the compiler. A train/eval change (``cm.train()``, ``cm.eval()``
+can change what is safe: BatchNorm mixes samples only in training), a replaced
+parameter or a changed guard lowers again with the same plan, once per state; another
+batch size (``Request.for_batch``) or keyword set (``Request.for_call``) is a request
+derived from the first, compiled once and kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from mbcompile.errors import (
+    BatchSizeWarning,
+    CompileOnlyError,
+    InputError,
+    RecompileWarning,
+    RetainedActivationsWarning,
+)
+from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_new_hooks
+from mbcompile.execution.rank_shares import check_not_in_ddp
+from mbcompile.face import ModelFace
+from mbcompile.inputs import batch_size, check_layout, input_layout, same_value
+from mbcompile.lowering import Lowered
+from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
+from mbcompile.passes.batch_analysis import BatchAnalysis
+from mbcompile.passes.capture import OutputSpec
+from mbcompile.passes.fake_probe import holds_no_data
+from mbcompile.passes.guards import failed_guard
+from mbcompile.passes.sources import user_stacklevel
+from mbcompile.passes.state_updates import StateUpdates
+from mbcompile.planning.plan import MicrobatchPlan
+from mbcompile.reports.report import render
+from mbcompile.request import Request
+from mbcompile.selection import Selection
+
+__all__ = ["CompiledModule", "Recompile"]
+
+
+@dataclass(frozen=True)
+class Recompile:
+    """compile()'s chain, for what the module meets after compile(); picklable (module-level
+    functions and ``functools.partial``s of them), like the module."""
+
+    #: the first request's graph again, in the model's current train/eval mode and Python
+    #: state: analysis and lowering, for the same selection (the plan does not change)
+    relower: Callable[[], Lowered]
+    #: a request derived from the first (``for_batch``, ``for_call``) through the whole chain
+    variant: Callable[[Request], CompiledModule]
+
+
+class CompiledModule(ModelFace, nn.Module):
+    """A model compiled for microbatching: call it like the model.
+
+    Attributes: ``plan`` (a ``MicrobatchPlan``), ``graph_module`` (the rewritten
+    ``fx.GraphModule``: split -> loop over ``graph_module.body`` -> accumulate),
+    ``original_graph_module`` (the captured graph, annotated with batch facts),
+    ``estimate`` (modelled memory and step time of the plan on ``system``) and
+    ``exploration`` (the MBS values the choice evaluated); ``report()`` says it all.
+    Parameters are the model's own (shared, not copied); ``state_dict()`` is the
+    model's, so it loads into the original and back. It looks like the model
+    (``mbcompile.face``): attributes it does not have are the model's (``cm.config``,
+    ``cm.generate(...)``), and ``inspect.signature(cm.forward)`` is the model's forward's.
+    A batch of another size than ``gbs`` is planned and compiled on first sight, once per
+    size, with a ``BatchSizeWarning`` (unless compiled with ``batch_sizes="fixed"``); so is
+    a call that passes other keywords through forward's ``**kwargs`` than the example did
+    (``num_items_in_batch``), with a ``RecompileWarning``.
+    """
+
+    def __init__(self, request: Request, selection: Selection, lowered: Lowered,
+                 recompile: Recompile) -> None:
+        super().__init__()
+        self.module = request.model  # the user's model, wrapper and all: its state_dict() keys
+        # what the graphs were captured from (model, or the module a wrapper forwards to);
+        # not a registered submodule, so nothing is listed twice
+        object.__setattr__(self, "_inner", request.inner)
+        object.__setattr__(self, "_request", request)
+        object.__setattr__(self, "selection", selection)
+        object.__setattr__(self, "_recompile", recompile)
+        object.__setattr__(self, "compile_only", request.compile_only)
+        object.__setattr__(self, "rank", selection.rank)
+        object.__setattr__(self, "backend", request.backend)
+        object.__setattr__(self, "noise_scale", request.noise_scale)
+        object.__setattr__(self, "_signature", request.signature)
+        face = inspect.signature(request.inner.forward)
+        object.__setattr__(self, "_face_signature", face)
+        # isinstance(cm, type(model)) (face.py); not for a GraphModule, which torch.compile
+        # and fx would take for a graph to run in place of this module's forward
+        object.__setattr__(self, "_face_class", None if isinstance(request.inner, fx.GraphModule)
+                           else type(request.inner))
+        # forward takes **kwargs: the names it has besides, and the keywords the example
+        # passed there (a call with others runs a variant compiled for them: _for_keywords)
+        object.__setattr__(self, "_named", frozenset(face.parameters) if any(
+            p.kind == p.VAR_KEYWORD for p in face.parameters.values()) else None)
+        object.__setattr__(self, "_keywords", request.keywords)
+        object.__setattr__(self, "_variants", {})  # batch size -> the module compiled for it
+        object.__setattr__(self, "_inputs", request.inputs)
+        object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
+        object.__setattr__(self, "_cache", {})
+        object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
+        object.__setattr__(self, "_slots_seen", None)
+        object.__setattr__(self, "_hooks_seen", None)  # _hooks_by_module at the last compile
+        object.__setattr__(self, "_live_hooks", frozenset())  # layers whose hooks run live
+        object.__setattr__(self, "_live_layers", ())  # (name, layer) of those layers
+        object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
+        object.__setattr__(self, "_warned", False)
+        self._face_state_dict()  # state_dict() keys are the model's own
+        self._keep(lowered)
+
+    @property
+    def plan(self) -> MicrobatchPlan:
+        """The plan (``MicrobatchPlan``): per-system batches, MBS, microbatches, and why."""
+        return self.selection.plan
+
+    # -------------------------------------------------------------- compiling
+    def _mode_key(self) -> tuple[Any, ...]:
+        """(every module's training flag, the identity of every parameter, buffer and
+        submodule slot, the keys of every hook): the graphs hold the model's Parameter and
+        buffer objects (get_attr copies the reference), so replacing one
+        (``load_state_dict(assign=True)``, a new head) recompiles, and so does a change of
+        train/eval mode or of the hooks the graphs were traced through. A parameter's
+        ``requires_grad`` is read live on every call: nothing compiled depends on it.
+
+        Read on every call, so it walks a module list kept from the last call (a module
+        walk costs more than the rest of the call's checks together); a replaced submodule
+        shows in its parent's slots, and then the list is walked afresh.
+        """
+        modules = self._modules_seen
+        filled = slots(modules)
+        if filled != self._slots_seen:
+            modules = tuple(self.module.modules())
+            filled = slots(modules)
+            object.__setattr__(self, "_modules_seen", modules)
+            object.__setattr__(self, "_slots_seen", filled)
+        return tuple(m.training for m in modules), filled, hooks_key(modules, self._live_hooks)
+
+    def _compiled(self) -> Lowered:
+        key = self._mode_key()
+        compiled = self._cache.get(key)
+        if compiled is not None:
+            failed = failed_guard(compiled.guards)
+            if failed is None:
+                return compiled
+            self._recompiling(f"{failed.describe(self._names())}, which forward reads")
+            del self._cache[key]
+        elif self._cache:
+            changed = hooks_changed(self.module, self._hooks_seen, self._live_hooks)
+            if changed:
+                self._recompiling(changed)
+        for stale in [k for k in self._cache if k[1] != key[1]]:
+            del self._cache[stale]  # they keep replaced parameters alive
+        return self._keep(self._recompile.relower())
+
+    def _keep(self, compiled: Lowered) -> Lowered:
+        """Cache ``compiled`` under the key the next call computes: without the forward
+        hooks of the layers it calls live; those present now were checked
+        (``check_layer_hooks``), later ones are watched."""
+        live = self._layers_called_live(compiled)
+        object.__setattr__(self, "_live_layers", live)
+        object.__setattr__(self, "_live_hooks", frozenset(id(m) for _, m in live))
+        object.__setattr__(self, "_hooks_known", self._hooks_known | hook_keys(live))
+        object.__setattr__(self, "_hooks_seen", hooks_by_module(self.module, self._live_hooks))
+        self._cache[self._mode_key()] = compiled
+        return compiled
+
+    def _layers_called_live(self, compiled: Lowered) -> tuple[tuple[str, nn.Module], ...]:
+        """The layers an fx graph calls as single nodes (``nn.Linear``, ...), by name: they
+        run their own forward hooks at each call, so adding or removing one needs no
+        recompile (``live_hooks`` watches the added ones). A body compiled with
+        ``torch_compile`` has dynamo trace them in: every hook counts."""
+        if self._request.torch_compile is not None:
+            return ()
+        names = dict.fromkeys(str(n.target) for n in compiled.original_graph_module.graph.nodes
+                              if n.op == "call_module" and is_submodule(self._inner,
+                                                                         str(n.target)))
+        return tuple((name, self._inner.get_submodule(name)) for name in names)
+
+    def _names(self) -> dict[int, str]:
+        return {id(m): name for name, m in self.module.named_modules()}
+
+    def _recompiling(self, what: str) -> None:
+        warnings.warn(f"{what}: compiling {type(self.module).__name__} again for the new "
+                      "state (once per state; values that change every step are better kept "
+                      "in a buffer or passed as an argument)", RecompileWarning,
+                      stacklevel=user_stacklevel())
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The rewritten graph for the module's current train/eval mode."""
+        return self._compiled().graph_module
+
+    @property
+    def original_graph_module(self) -> fx.GraphModule:
+        """The captured graph, with ``node.meta['mbcompile.fact']`` on every node."""
+        return self._compiled().original_graph_module
+
+    @property
+    def analysis(self) -> BatchAnalysis:
+        """The batch analysis of the captured graph: facts, trained loss, rejection."""
+        return self._compiled().analysis
+
+    @property
+    def system(self) -> Any:
+        """The ``SystemSpec`` the plan was made for."""
+        return self.selection.system
+
+    @property
+    def estimate(self) -> Any:
+        """Modelled memory and step time of the plan (``mbcompile.planning.cost.Estimate``)."""
+        return self.selection.estimate
+
+    @property
+    def exploration(self) -> Any:
+        """The MBS values evaluated and the answer (``planning.exploration.Exploration``)."""
+        return self.selection.exploration
+
+    def report(self, fmt: str = "text") -> str:
+        """Plan, why, modelled memory and time, candidates: text, or ``fmt="json"``.
+
+        The text is a ``mbcompile.reports.report.Report`` (a ``str``); ``to_dict()`` is the data.
+        """
+        return render(self, fmt)
+
+    # ---------------------------------------------------------------- calling
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compile_only:
+            raise CompileOnlyError.of(self.plan.mbs, self.exploration, shapes_only=any(
+                map(holds_no_data, self._inner.parameters())))
+        if self.rank is not None:  # on ranks: never inside DDP, which would reduce again
+            check_not_in_ddp()
+        # a call another variant runs (other keywords through **kwargs, another batch size)
+        # goes there before this module compiles anything for the current mode
+        if self._named is not None:  # forward takes **kwargs: which keywords reach them
+            through = frozenset(k for k in kwargs if k not in self._named)
+            if through != self._keywords:
+                return self._for_keywords(through, args, kwargs)(*args, **kwargs)
+        bound, values, batch = self._checked(args, kwargs)
+        if self.rank is None and batch is not None and batch != self.plan.gbs:
+            return self._for_batch(batch, bound.arguments)(*args, **kwargs)
+        compiled = self._compiled()
+        watched = watch_new_hooks(self._live_layers, self._hooks_known)
+        if not watched:
+            return self._call(compiled, values, bound.arguments)
+        try:
+            return self._call(compiled, values, bound.arguments)
+        finally:
+            unwatch(watched)
+
+    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[inspect.BoundArguments, list[Any], int | None]:
+        """The call bound to the compiled signature, its inputs in placeholder order and its
+        batch size; raises ``InputError`` for a call the graphs cannot run."""
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InputError(f"call does not match forward{self._signature}: {exc}") from None
+        bound.apply_defaults()
+        values = [bound.arguments[n] for n in self._inputs.names]
+        for name, expected in self._inputs.concrete.items():
+            got = bound.arguments[name]
+            if got is not expected and not same_value(got, expected):
+                raise InputError(
+                    f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "
+                    "non-tensor arguments are fixed when compiling: compile again with the "
+                    "new value")
+        batch = batch_size(self._inputs, values)
+        check_layout(self._inputs, values, self._layout)
+        if self.rank is not None:
+            local = self.plan.per_system_batch_sizes[self.rank]
+            if batch is not None and batch != local:
+                raise InputError(
+                    f"rank {self.rank} was called with {batch} samples but its share of "
+                    f"gbs={self.plan.gbs} is {local} (plan.per_system_batch_sizes[{self.rank}]); "
+                    "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank)")
+        elif batch is not None and batch != self.plan.gbs and self._request.batch_sizes == "fixed":
+            raise InputError(
+                f"the batch has {batch} samples but the module was compiled for "
+                f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "
+                f"{self.plan.gbs} samples, or compile with batch_sizes='any'")
+        return bound, values, batch
+
+    def _call(self, compiled: Lowered, values: list[Any], arguments: dict[str, Any]) -> Any:
+        if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned
+                and any(p.requires_grad for p in self.module.parameters())):
+            object.__setattr__(self, "_warned", True)
+            warnings.warn(
+                "training without a single scalar loss inside the model: the loop keeps every "
+                "microbatch's activations alive until backward (same numbers, more memory). "
+                "Return the loss from forward to get one microbatch's memory.",
+                RetainedActivationsWarning, stacklevel=user_stacklevel())
+        flat = compiled.graph_module(*values)
+        state = compiled.state
+        if state.targets:  # the step succeeded: write the state back once, as eager does
+            self._write_state(state, flat[state.n_outputs:], arguments)
+            flat = flat[:state.n_outputs]
+        return compiled.output_spec.rebuild(flat)
+
+    def _for_keywords(self, through: frozenset[str], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> CompiledModule:
+        """The module compiled for calls that pass the keywords ``through`` to forward's
+        ``**kwargs`` (each is a graph input: ``request.for_call``), compiled once."""
+        variant = self._variants.get(through)
+        if variant is None:
+            def listed(names: frozenset[str]) -> str:
+                return ", ".join(map(repr, sorted(names))) or "none"
+
+            variant = self._variant(
+                through, self._request.for_call(args, kwargs),
+                f"a call passes {listed(through)} to {type(self._inner).__name__}.forward's "
+                f"**kwargs, where the example call passed {listed(self._keywords)}",
+                RecompileWarning, "pass them in example_kwargs to compile them with the model")
+        return variant
+
+    def _for_batch(self, batch: int, arguments: Mapping[str, Any]) -> CompiledModule:
+        """The module compiled for batches of ``batch`` samples (see ``_variant``)."""
+        return self._variants.get(batch) or self._variant(
+            batch, self._request.for_batch(batch, arguments),
+            f"a batch of {_samples(batch)}, where {type(self.module).__name__} was compiled "
+            f"for gbs={self.plan.gbs}", BatchSizeWarning,
+            "compile(..., batch_sizes='fixed') makes another batch size an error")
+
+    def _variant(self, key: Any, request: Request, why: str, category: type[Warning],
+                 hint: str) -> CompiledModule:
+        """Compile ``request`` (derived from the first: ``for_batch``, ``for_call``) through
+        compile()'s chain, once, and keep it under ``key``; one warning of ``category`` says
+        ``why`` and what it cost, and ``hint`` how to avoid it."""
+        start = time.perf_counter()
+        compiled = self._recompile.variant(request)
+        self._variants[key] = compiled
+        plan = compiled.plan
+        systems = plan.num_csx
+        warnings.warn(
+            f"{why}: planned and compiled once for it ({_samples(plan.gbs)} on {systems} "
+            f"system{'s' if systems > 1 else ''}, mbs={plan.mbs}, {plan.num_microbatches} "
+            f"microbatch{'es' if plan.num_microbatches > 1 else ''} per system) in "
+            f"{time.perf_counter() - start:.1f} s, and kept for later calls like it ({hint})",
+            category, stacklevel=user_stacklevel())
+        return compiled
+
+    def _write_state(self, state: StateUpdates, new: Sequence[Any],
+                     arguments: Mapping[str, Any]) -> None:
+        with torch.no_grad():
+            for target, value in zip(state.targets, new):
+                if target.kind == "buffer":
+                    self._inner.get_buffer(target.name).copy_(value)
+                elif target.kind == "parameter":  # under no_grad: it stays a leaf
+                    self._inner.get_parameter(target.name).copy_(value)
+                else:
+                    arguments[target.name].copy_(value)
+
+    def loss_of(self, output: Any) -> torch.Tensor:
+        """The trained loss in ``output`` (what this module returned): the output leaf the
+        batch analysis found to be the loss, the one rule the cost model and the rewrite
+        follow too. Raises ``InputError`` when the model computes no loss inside."""
+        compiled = self._compiled()
+        for index in compiled.analysis.loss_outputs:
+            found = _output_leaf(compiled.output_spec, output, index)
+            if isinstance(found, torch.Tensor):
+                return found
+        raise InputError(
+            f"{type(self.module).__name__} returns no trained loss (a scalar computed inside "
+            "forward that depends on the parameters); compute the loss inside forward, so "
+            "backward can run per microbatch, and return it")
+
+    def token_counts(self) -> dict[str, Any] | None:
+        """What the loss's mean counted in the last call: non-padding tokens for a token
+        loss (targets not equal to ``ignore_index``), elements for an MSE, ...
+
+        ``{"global": n, "per_system": [...], "per_microbatch": [[...], ...]}``; None
+        before the first call or when the loss is not a mean.
+        """
+        counts = self._compiled().channels.last_counts
+        if counts is None:
+            return None
+        values = iter([float(c) for c in counts])
+        per_mb = [[next(values) if n else 0.0 for n in sizes]
+                  for sizes in (self.plan.microbatch_sizes if self.rank is None
+                                else self.plan.microbatch_sizes[self.rank:self.rank + 1])]
+        return {"global": sum(map(sum, per_mb)), "per_system": [sum(m) for m in per_mb],
+                "per_microbatch": per_mb}
+
+    # --------------------------------------------------------------- pickling
+    def __getstate__(self) -> dict[str, Any]:
+        # fx pickles a GraphModule by re-tracing its code, which would trace into the
+        # runtime's loop; drop the graphs and recompile from the model on first use.
+        state = self.__dict__.copy()
+        state["_cache"] = {}
+        state["_modules_seen"], state["_slots_seen"] = (), None  # ids mean nothing after a copy
+        return state
+
+    def extra_repr(self) -> str:
+        p = self.plan
+        return (f"gbs={p.gbs}, num_csx={p.num_csx}, mbs={p.mbs}, "
+                f"num_microbatches={p.num_microbatches}"
+                + (", compile_only=True" if self.compile_only else ""))
+
+
+def _samples(n: int) -> str:
+    return f"{n} sample{'s' if n != 1 else ''}"
+
+
+def _output_leaf(spec: OutputSpec, output: Any, index: int) -> Any:
+    """The leaf numbered ``index`` of ``output``, an object shaped like ``spec``."""
+    if spec.kind == "leaf":
+        return output if spec.index == index else None
+    if spec.kind in ("tuple", "list"):
+        parts: list[Any] = list(output)
+    elif spec.kind == "dataclass":
+        parts = [getattr(output, k) for k in spec.keys]
+    elif spec.kind == "dict":
+        parts = [output[k] for k in spec.keys]
+    else:
+        return None
+    for child, part in zip(spec.children, parts):
+        found = _output_leaf(child, part, index)
+        if found is not None:
+            return found
+    return None

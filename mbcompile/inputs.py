@@ -1,0 +1,264 @@
+"""The example call and later calls: how a call's arguments map onto the graph's inputs.
+
+>>> signature, values, inputs = bind_example(model, (ids, labels), None, in_dims=0)
+>>> inputs.names, inputs.in_dims
+(('input_ids', 'labels'), (0, 0))
+
+``make_request`` binds the example call once (each forward parameter's batch dim,
+the non-tensor values fixed at compile time); the compiled module checks every later
+call against it (``batch_size``, ``check_layout``) before anything runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from mbcompile.errors import ArgumentTypeError, CaptureError, InputError
+
+__all__ = ["Inputs", "batch_size", "bind_example", "check_layout", "input_layout",
+           "keywords_through", "leaf_name", "leaves", "same_value", "tokens_per_sample",
+           "with_keywords"]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """How a call's arguments map onto the graph's placeholders."""
+
+    names: tuple[str, ...]  # forward's parameters, in order
+    in_dims: tuple[int | None, ...]  # batch dim per parameter (None: unbatched)
+    concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
+
+
+
+
+def keywords_through(model: nn.Module, names: Iterable[str]) -> frozenset[str]:
+    """Which of ``names`` are not parameters ``model.forward`` names: they reach its
+    ``**kwargs`` (empty when forward takes none, since then a call with them fails)."""
+    params = inspect.signature(model.forward).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return frozenset()
+    return frozenset(n for n in names if n not in params)
+
+
+def bind_example(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_dims: Any,
+          planning_only: bool = False, fallback: int = 0
+          ) -> tuple[inspect.Signature, dict[str, Any], Inputs]:
+    """Bind the example call to forward's signature and resolve ``in_dims`` per parameter
+    (``fallback``: the dim of an input a tuple or dict ``in_dims`` leaves out)."""
+    if example_inputs is None and example_kwargs is None:
+        raise InputError(
+            "example_inputs (or example_kwargs) are required: mbcompile traces shapes from one "
+            "example call, e.g. compile(model, gbs, num_csx, example_inputs=(x, y))")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    args = tuple(example_inputs or ())
+    kwargs = dict(example_kwargs or {})
+    sig = inspect.signature(model.forward)
+    if any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values()):
+        raise CaptureError(
+            f"{type(model).__name__}.forward takes *args; mbcompile needs named "
+            "parameters to map inputs to the graph. Wrap the model in a Module whose forward "
+            "names its inputs.")
+    sig = with_keywords(sig, kwargs)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise InputError(f"example inputs do not match {type(model).__name__}.forward{sig}: "
+                         f"{exc}") from None
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    names = tuple(values)
+    positional = list(sig.parameters)[:len(args)]
+    meta = [n for n in names if any(isinstance(t, torch.Tensor) and t.is_meta
+                                    for t in pytree.tree_leaves(values[n]))]
+    if meta and not planning_only:
+        raise InputError(
+            f"example_inputs hold tensors on the meta device (input {meta[0]!r}), which have no "
+            "values to run the model on; pass real tensors (any batch size) on the model's "
+            "device, or compile with compile_only=True (or validate_only=True) to plan only")
+    if isinstance(in_dims, dict) and set(in_dims) - set(names):
+        unknown = sorted(set(in_dims) - set(names))
+        raise InputError(
+            f"in_dims names {', '.join(map(repr, unknown))}, which "
+            f"{'is' if len(unknown) == 1 else 'are'} not a parameter of "
+            f"{type(model).__name__}.forward{sig}; use the forward's parameter names as keys")
+    if isinstance(in_dims, bool) or not isinstance(in_dims, (int, tuple, list, dict, type(None))):
+        raise ArgumentTypeError(
+            f"in_dims must be an int, a tuple per positional input, or a dict per keyword, "
+            f"got {in_dims!r}")
+    if isinstance(in_dims, (tuple, list)) and len(in_dims) != len(args):
+        raise InputError(
+            f"in_dims has {len(in_dims)} entries but there are {len(args)} positional example "
+            f"inputs; give one entry per positional input (None for unbatched ones)")
+    dims: list[int | None] = []
+    for name in names:
+        value = values[name]
+        explicit = True
+        if isinstance(in_dims, (tuple, list)) and name in positional:
+            d = in_dims[positional.index(name)]
+        elif isinstance(in_dims, dict) and name in in_dims:
+            d = in_dims[name]
+        else:
+            d = in_dims if not isinstance(in_dims, (tuple, list, dict)) else fallback
+            explicit = False
+        if not explicit and isinstance(value, torch.Tensor) and value.dim() == 0:
+            d = None  # a scalar (a token count, a temperature) has no batch dim to split
+        has_tensor = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+            raise ArgumentTypeError(f"in_dims for input {name!r} must be an int or None, "
+                                    f"got {d!r}")
+        dims.append(d if has_tensor else None)
+    concrete = {n: values[n] for n, d in zip(names, dims)
+                if d is None and not any(isinstance(t, torch.Tensor)
+                                         for t in pytree.tree_leaves(values[n]))}
+    inputs = Inputs(names, tuple(dims), concrete)
+    batch_size(inputs, [values[n] for n in names], check_ndim=True)
+    return sig, values, inputs
+
+
+def with_keywords(sig: inspect.Signature, kwargs: Mapping[str, Any]) -> inspect.Signature:
+    """forward's signature with ``**kwargs`` replaced by the keywords the call passes there.
+
+    ``forward(input_ids, labels=None, **kwargs)`` called with ``num_items_in_batch=n`` binds
+    as ``forward(input_ids, labels=None, *, num_items_in_batch)``: each such keyword is one
+    more graph input, batched or not like any other (transformers.Trainer passes the
+    token count of the whole batch, a 0-dim tensor, to scale the loss).
+    """
+    params = list(sig.parameters.values())
+    variadic = [p for p in params if p.kind == p.VAR_KEYWORD]
+    if not variadic:
+        return sig
+    named = [p for p in params if p not in variadic]
+    taken = {p.name for p in named}
+    through = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in kwargs
+               if k not in taken]
+    return sig.replace(parameters=[*named, *through])
+
+
+def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False) -> int | None:
+    """The common batch size of the batched inputs; raises if they disagree."""
+    seen: dict[int, tuple[str, Any]] = {}
+    for name, value, d in zip(inputs.names, values, inputs.in_dims):
+        if d is None:
+            continue
+        for path, t in leaves(value):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if d < 0:
+                raise InputError(
+                    f"in_dims gives input {leaf_name(name, path)} batch dim {d}: negative "
+                    f"dims are not supported; count from the front (in_dims={t.dim() + d} here)")
+            if t.dim() == 0:
+                raise InputError(
+                    f"input {leaf_name(name, path)} is a scalar (a 0-dim tensor), which has no "
+                    f"batch dim, but in_dims gives it {d}; give it None")
+            if t.dim() <= d:
+                raise InputError(
+                    f"in_dims gives input {leaf_name(name, path)} batch dim {d}, but it has "
+                    f"{t.dim()} dims; pass in_dims=None for unbatched inputs or the right dim")
+            seen.setdefault(t.shape[d], (name, path))
+    if len(seen) > 1:
+        detail = ", ".join(f"{leaf_name(*n)} has {b}" for b, n in seen.items())
+        raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
+                         "input must have the same number of samples along its in_dims dim")
+    return next(iter(seen), None)
+
+
+def leaves(value: Any) -> list[tuple[Any, Any]]:
+    """``(path, leaf)`` of every leaf of an input; a bare tensor (the usual input, checked on
+    every call) without a pytree walk."""
+    if isinstance(value, torch.Tensor):
+        return [((), value)]
+    return pytree.tree_flatten_with_path(value)[0]
+
+
+def leaf_name(name: str, path: Any) -> str:
+    """How an error names one leaf of an input: ``'x'``, or ``batch['y']``."""
+    return repr(name) if not path else f"{name}{pytree.keystr(path)}"
+
+
+def tokens_per_sample(inputs: Inputs, values: Mapping[str, Any]) -> int | None:
+    """The sequence length of token-id inputs ((B, T) integer tensors), if there are any."""
+    for name, d in zip(inputs.names, inputs.in_dims):
+        value = values[name]
+        if (d is not None and isinstance(value, torch.Tensor) and not value.is_floating_point()
+                and value.dim() == 2):
+            return int(value.shape[1 - d])
+    return None
+
+
+def input_layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
+    """Per input: its pytree structure and its tensors' shapes, the batch dim left out."""
+    out = []
+    for value, d in zip(values, inputs.in_dims):
+        leaves, spec = pytree.tree_flatten(value)
+        out.append((spec, tuple(_shape(t, d) for t in leaves)))
+    return tuple(out)
+
+
+def _shape(t: Any, d: int | None) -> tuple[int | None, ...] | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return tuple(None if i == d else s for i, s in enumerate(t.shape))
+
+
+def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
+    """Raise ``InputError`` unless every input is nested and shaped like the example.
+
+    Shapes other than the batch dim are fixed at compile time: the rewritten graph
+    holds sizes computed from them (``x.size(0) * x.size(1)`` after the loop).
+    """
+    for name, value, d, (spec, shapes) in zip(inputs.names, values, inputs.in_dims, layout):
+        if name in inputs.concrete:
+            continue  # compared by value already
+        if isinstance(value, torch.Tensor) and spec.is_leaf():  # the usual input: no walk
+            found = leaves(value)
+        else:
+            found, got = pytree.tree_flatten_with_path(value)
+            if got != spec:
+                raise InputError(
+                    f"input {name!r} is nested differently from the example ({got} instead "
+                    f"of {spec}); pass the same structure (keys, lengths) or compile again "
+                    "with an example of this one")
+        for (path, t), want in zip(found, shapes):
+            if _shape(t, d) != want:
+                raise InputError(_layout_error(leaf_name(name, path), t, d, want))
+
+
+def _layout_error(name: str, t: Any, d: int | None, want: tuple[int | None, ...] | None) -> str:
+    """Why one input leaf does not fit the compiled graph, never two equal shapes side by
+    side: a tensor where the example had none (or the reverse), a scalar, another shape."""
+    fix = "compile again with an example call like this one"
+    if want is None or not isinstance(t, torch.Tensor):
+        was = f"a tensor of shape {_shown(want)}" if want is not None else "no tensor"
+        now = (f"a tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+               else repr(t) if t is None else f"a Python {type(t).__name__}")
+        return (f"input {name} is {now} where the example passed {was}; the graph was "
+                f"traced for what the example passed: pass the same kind of value, or {fix}")
+    if t.dim() == 0 or not want:
+        scalar = "a scalar (a 0-dim tensor)"
+        now = scalar if t.dim() == 0 else f"a tensor of shape {tuple(t.shape)}"
+        was = scalar if not want else f"a tensor of shape {_shown(want)} (B: the batch dim)"
+        return (f"input {name} is {now} where the example passed {was}; a scalar is "
+                f"passed whole to every microbatch, a batched input split: {fix}")
+    return (f"input {name} has shape {_shown(_shape(t, d))} but the example had "
+            f"{_shown(want)} (B: the batch dim); shapes other than the batch dim are fixed "
+            f"at compile time: {fix}")
+
+
+def _shown(shape: tuple[int | None, ...] | None) -> tuple[int | str, ...]:
+    return tuple("B" if s is None else s for s in shape or ())
+
+
+def same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # values without a truthy == are compared by identity only
+        return False

@@ -1,0 +1,119 @@
+"""The lowering: the analysed graph rewritten for the selected plan and bound to a backend.
+
+>>> lowered = lower(request, analysed, selection)
+>>> lowered.graph_module.print_readable()   # split -> loop(body) -> accumulate, bound
+
+``compile()``'s fourth stage, a function of the three results before it: the
+microbatch rewrite (``passes/microbatch_rewrite.py``) cuts the batch into the plan's
+slices (on ranks, this process's system only), the backend binds the loop and
+collective ops (``execution/``), and what the runtime needs from compile time travels
+in one typed ``StepConfig``. A graph whose plan runs one microbatch, and that the
+analysis marks ``"unsplit"``, runs as it was captured. The compiled module
+(``compiled_module.py``) only calls the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from mbcompile.analysis import Analysed
+from mbcompile.execution import StepChannels, bindings
+from mbcompile.execution.joint import joint_step
+from mbcompile.execution.step_config import StepConfig
+from mbcompile.passes import ops
+from mbcompile.passes.batch_analysis import BatchAnalysis
+from mbcompile.passes.capture import OutputSpec
+from mbcompile.passes.guards import Guard
+from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
+from mbcompile.passes.state_updates import StateUpdates
+from mbcompile.planning.plan import MicrobatchPlan
+from mbcompile.request import Request
+from mbcompile.selection import Selection
+
+__all__ = ["Lowered", "lower"]
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """One graph ready to run: what the compiled module calls for one train/eval mode."""
+
+    graph_module: fx.GraphModule  # rewritten, its loop ops bound to the backend
+    original_graph_module: fx.GraphModule
+    output_spec: OutputSpec
+    retains_activations: bool  # training keeps several microbatches' activations alive
+    channels: StepChannels  # what its loop reports: noise scale, last counts
+    analysis: BatchAnalysis  # what the batch analysis decided for this graph
+    state: StateUpdates  # which graph outputs are state to write back, and where
+    guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
+
+
+def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered:
+    """``analysed``'s graph rewritten into split -> loop -> accumulate for
+    ``selection.plan`` (the slices of ``selection.rank``'s system on ranks, of every
+    system otherwise) and bound to ``request``'s backend; the captured graph as it is
+    when the plan runs one microbatch and the analysis rejected a split."""
+    plan, rank = selection.plan, selection.rank
+    analysed = analysed.for_plan(plan)
+    captured = analysed.captured
+    gm = captured.graph_module
+    if analysed.mode == "unsplit":
+        # one system, one microbatch: nothing is split, so nothing can mix; the captured
+        # graph runs as it is
+        return Lowered(gm, gm, captured.output_spec, False,
+                       StepChannels(noise=request.noise_scale), analysed.analysis,
+                       analysed.state, captured.guards)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
+    offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
+    slices = [(a - offset, b - offset) for system in systems for a, b in system if b > a]
+    in_dims = request.inputs.in_dims
+    rewritten = microbatch_rewrite(
+        analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
+        in_dims={p.target: d for p, d in zip(placeholders, in_dims)}, keep=analysed.kept,
+        recompute=plan.recompute and analysed.training, cut=analysed.cut)
+    channels = StepChannels(noise=request.noise_scale,
+                            config=_step_config(request, plan, analysed, rewritten, slices))
+    bound = ops.bind(rewritten, bindings(request.backend, channels, plan.per_system_batch_sizes))
+    if request.torch_compile is not None:
+        _torch_compile_parts(bound, request.torch_compile)
+    splits = plan.num_nonempty_microbatches > 1
+    return Lowered(bound, gm, captured.output_spec, splits and not analysed.analysis.fused,
+                   channels, analysed.analysis, analysed.state, captured.guards)
+
+
+def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
+                 rewritten: fx.GraphModule, slices: Sequence[tuple[int, int]]) -> StepConfig:
+    """What the runtime needs from compile time for this graph: FSDP2 units' setting (the
+    plan's choice), a two-phase step's frontier shapes on ranks (a rank whose phase 1 fails
+    still joins the gather, with zeros this shape), the body's joint training step."""
+    template = None
+    if analysed.mode == "two_phase" and request.backend == "torch.distributed":
+        from mbcompile.execution.two_phase import frontier_template
+
+        template = frontier_template(rewritten.body, request.values, request.inputs.in_dims,
+                                     [b - a for a, b in slices])
+    joint = None
+    if request.torch_compile is not None:  # what a training step runs per microbatch
+        joint = joint_step(rewritten.body, {"dynamic": False, **request.torch_compile})
+    return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync)
+
+
+def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None:
+    """Compile the parts that run per microbatch (the body) and once (the coupled part).
+
+    The plan holds at most two microbatch sizes per system, each known now, so every
+    part is compiled for static shapes (``dynamic=False``): one graph per size (and per
+    grad mode, for a two-phase body), compiled on the first step and never again. A hand
+    loop over ``torch.compile(model)`` with a short last microbatch recompiles, or goes
+    dynamic, instead.
+    """
+    kwargs = {"dynamic": False, **options}
+    for name in ("body", "coupled"):
+        part = getattr(gm, name, None)
+        if isinstance(part, fx.GraphModule):
+            setattr(gm, name, torch.compile(part, **kwargs))
