@@ -47,6 +47,7 @@ from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.guards import Guard, failed_guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
+from mbcompile.passes.side_effects import NO_EFFECTS, Effects, replay
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.passes.state_updates import StateUpdates
 from mbcompile.plan_notes import final_plan
@@ -78,6 +79,7 @@ class _Compiled:
     analysis: BatchAnalysis  # what the batch analysis decided for this graph
     state: StateUpdates  # which graph outputs are state to write back, and where
     guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
+    effects: Effects = NO_EFFECTS  # side effects: replayed after each step (issue 35)
 
 
 class CompiledModule(ModelFace, nn.Module):
@@ -318,6 +320,7 @@ class CompiledModule(ModelFace, nn.Module):
         if state.targets:  # the step succeeded: write the state back once, as eager does
             self._write_state(state, flat[state.n_outputs:], arguments)
             flat = flat[:state.n_outputs]
+        replay(compiled.effects, flat)  # forward's side effects, once per step (issue 35)
         return compiled.output_spec.rebuild(flat)
 
     def _for_keywords(self, through: frozenset[str], args: tuple[Any, ...],
@@ -464,7 +467,7 @@ def _compile_graph(request: Request, plan: MicrobatchPlan, rank: int | None = No
         # graph runs as it is
         return _Compiled(gm, gm, captured.output_spec, False,
                          StepChannels(noise=request.noise_scale), analysed.analysis,
-                         analysed.state, captured.guards)
+                         analysed.state, captured.guards, captured.effects)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
@@ -481,7 +484,7 @@ def _compile_graph(request: Request, plan: MicrobatchPlan, rank: int | None = No
         _torch_compile_parts(bound, request.torch_compile)
     return _Compiled(bound, gm, captured.output_spec,
                      splits and not analysed.analysis.fused, channels,
-                     analysed.analysis, analysed.state, captured.guards)
+                     analysed.analysis, analysed.state, captured.guards, captured.effects)
 
 
 def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
