@@ -284,8 +284,9 @@ def kept_outputs(option: Any, spec: OutputSpec, analysis: BatchAnalysis,
     """
     if option == "all":
         return None
-    keep = set(analysis.loss_outputs) | set(range(state.n_outputs, state.n_outputs
-                                                 + len(state.targets)))
+    # after the model's own leaves: side effects' values (issue 35), then the state
+    keep = set(analysis.loss_outputs) | set(range(spec.leaf_count(),
+                                                 state.n_outputs + len(state.targets)))
     if option == "loss":
         if not analysis.loss_outputs:
             raise InputError("outputs='loss' needs a loss computed inside the model (a scalar "

@@ -44,6 +44,7 @@ from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.guards import failed_guard
+from mbcompile.passes.side_effects import replay
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.passes.state_updates import StateUpdates
 from mbcompile.planning.plan import MicrobatchPlan
@@ -310,6 +311,7 @@ class CompiledModule(ModelFace, nn.Module):
         if state.targets:  # the step succeeded: write the state back once, as eager does
             self._write_state(state, flat[state.n_outputs:], arguments)
             flat = flat[:state.n_outputs]
+        replay(compiled.effects, flat)  # forward's side effects, once per step
         return compiled.output_spec.rebuild(flat)
 
     def _for_keywords(self, through: frozenset[str], args: tuple[Any, ...],

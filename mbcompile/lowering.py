@@ -30,6 +30,7 @@ from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.guards import Guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
+from mbcompile.passes.side_effects import NO_EFFECTS, Effects
 from mbcompile.passes.state_updates import StateUpdates
 from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.request import Request
@@ -50,6 +51,7 @@ class Lowered:
     analysis: BatchAnalysis  # what the batch analysis decided for this graph
     state: StateUpdates  # which graph outputs are state to write back, and where
     guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
+    effects: Effects = NO_EFFECTS  # forward's side effects: replayed after each step
 
 
 def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered:
@@ -66,7 +68,7 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
         # graph runs as it is
         return Lowered(gm, gm, captured.output_spec, False,
                        StepChannels(noise=request.noise_scale), analysed.analysis,
-                       analysed.state, captured.guards)
+                       analysed.state, captured.guards, captured.effects)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
@@ -83,7 +85,7 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
         _torch_compile_parts(bound, request.torch_compile)
     splits = plan.num_nonempty_microbatches > 1
     return Lowered(bound, gm, captured.output_spec, splits and not analysed.analysis.fused,
-                   channels, analysed.analysis, analysed.state, captured.guards)
+                   channels, analysed.analysis, analysed.state, captured.guards, captured.effects)
 
 
 def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,

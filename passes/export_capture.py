@@ -56,7 +56,7 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from .capture import CaptureResult, flatten_output, python_state_kept
+from .capture import CaptureResult
 from .custom_functions import checked_in_export
 from .errors import CaptureError
 from .forward_modes import (
@@ -66,6 +66,9 @@ from .forward_modes import (
 )
 from .guards import recorded_reads
 from .keyword_view import keyword_view
+from .output_spec import flatten_output
+from .python_state import python_state_kept
+from .side_effects import prints_recorded, record_effects, refuse_tensors
 from .sources import user_frame
 from .state_updates import has_mutations, mutates
 
@@ -361,19 +364,25 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     specialised: BaseException | None = None
     try:
         name = type(model).__name__
-        with python_state_kept(model), _cache_off(model, example), \
-                recorded_reads(model, name) as guards, checked_in_export(name), \
-                inference_mode_as_no_grad(), _tensor_hooks_refused(name), \
-                differentiation_refused(name), torch.enable_grad():
-            try:
-                program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
-                                              dynamic_shapes=dynamic, strict=False)
-            except Exception as exc:
-                # export traced the whole forward before it refused the specialised batch
-                # dim: the recorders above still judge that trace when the block ends
-                if not _SPECIALISED.search(str(exc)):
-                    raise
-                specialised = exc
+        concrete = {n: v for n, v in example.items() if not _has_tensor(v)}
+        # what forward wrote is read after the inner block has put back its own switches
+        with python_state_kept(model, concrete) as snapshot, prints_recorded() as prints:
+            with _cache_off(model, example), recorded_reads(model, name) as guards, \
+                    checked_in_export(name), inference_mode_as_no_grad(), \
+                    _tensor_hooks_refused(name), differentiation_refused(name), \
+                    torch.enable_grad():
+                try:
+                    program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
+                                                  dynamic_shapes=dynamic, strict=False)
+                except Exception as exc:
+                    # export traced the whole forward before it refused the specialised
+                    # batch dim: the recorders above still judge that trace when it ends
+                    if not _SPECIALISED.search(str(exc)):
+                        raise
+                    specialised = exc
+            changes = snapshot.changes()
+        refuse_tensors(changes, prints, name)  # plain values are replayed as they are
+        effects = record_effects(changes, prints, name)
         if specialised is not None:
             program = _read_len_symbolically(model, kwargs, dynamic, example, name)
             if program is None:
@@ -451,5 +460,4 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     graph.eliminate_dead_code(is_impure_node=_changes_state)
     graph.lint()
     gm = fx.GraphModule(root, graph, type(model).__name__)
-    concrete = {n: v for n, v in example.items() if not _has_tensor(v)}
-    return CaptureResult(gm, spec, concrete, "export", tuple(guards))
+    return CaptureResult(gm, spec, concrete, "export", (*guards, *effects.guards), effects)

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from .errors import CaptureError
 
-__all__ = ["Guard", "failed_guard", "recorded_reads"]
+__all__ = ["MISSING", "Guard", "failed_guard", "plain", "recorded_reads", "written_guard"]
 
 _MISSING = object()
 _LOCAL = threading.local()  # .sink: the reads of the capture in progress on this thread
@@ -41,21 +41,42 @@ _RECORDING: dict[type, type] = {}  # a module class -> its recording subclass
 
 @dataclass(frozen=True)
 class Guard:
-    """``module.<name>`` held ``value`` when the graph was captured."""
+    """``module.<name>`` held ``value`` when the graph was captured; with ``item``,
+    ``module[name]`` (a dict's key), and ``module`` any object; ``where`` names it."""
 
-    module: nn.Module
-    name: str
+    module: Any
+    name: Any
     value: Any
+    item: bool = False
+    where: str = ""
+
+    def now(self) -> Any:
+        if self.item:
+            return self.module.get(self.name, _MISSING)
+        return vars(self.module).get(self.name, _MISSING)
 
     def holds(self) -> bool:
-        now = self.module.__dict__.get(self.name, _MISSING)
+        now = self.now()
         return type(now) is type(self.value) and now == self.value
 
     def describe(self, names: dict[int, str]) -> str:
-        owner = names.get(id(self.module), type(self.module).__name__)
-        now = self.module.__dict__.get(self.name, _MISSING)
+        now = self.now()
         shown = "deleted" if now is _MISSING else repr(now)
-        return f"{'.'.join(filter(None, (owner, self.name)))} was {self.value!r}, now {shown}"
+        before = "missing" if self.value is _MISSING else repr(self.value)
+        if self.where:
+            return f"{self.where} was {before}, now {shown}"
+        owner = names.get(id(self.module), type(self.module).__name__)
+        return f"{'.'.join(filter(None, (owner, self.name)))} was {before}, now {shown}"
+
+
+def written_guard(owner: Any, key: Any, before: Any, item: bool, where: str) -> Guard:
+    """A guard on a location forward wrote a plain value to (``self.stats["n"] = ... + 1``):
+    the value written may depend on the one it replaced, which the trace saw as
+    ``before`` (``MISSING`` when absent), so a replay is exact only while that holds."""
+    return Guard(owner, key, before, item, where)
+
+
+MISSING = _MISSING
 
 
 def failed_guard(guards: Sequence[Guard]) -> Guard | None:
@@ -66,9 +87,9 @@ def failed_guard(guards: Sequence[Guard]) -> Guard | None:
     return None
 
 
-def _plain(value: Any) -> bool:
+def plain(value: Any) -> bool:
     if isinstance(value, tuple):
-        return all(_plain(v) for v in value)
+        return all(plain(v) for v in value)
     return value is None or isinstance(value, (bool, int, float, str))
 
 
@@ -81,7 +102,7 @@ def _recording(cls: type) -> type:
         def __getattribute__(self: Any, name: str) -> Any:
             value = super(sub, self).__getattribute__(name)
             sink = getattr(_LOCAL, "sink", None)
-            if sink is not None and not name.startswith("__") and _plain(value):
+            if sink is not None and not name.startswith("__") and plain(value):
                 own = object.__getattribute__(self, "__dict__")
                 key = (id(self), name)
                 if name in own and own[name] is value and key not in _LOCAL.written:
@@ -90,12 +111,11 @@ def _recording(cls: type) -> type:
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
             writes = getattr(_LOCAL, "writes", None)
-            if writes is not None and _plain(value):
+            if writes is not None and plain(value):
                 key = (id(self), name)
                 # read before it is written (self.calls += 1): state carried across calls;
                 # written first (self.seq_len = x.size(1)): set afresh by every call
-                if key in _LOCAL.sink and not name.startswith("_") and \
-                        _LOCAL.sink[key].value != value:
+                if key in _LOCAL.sink and _LOCAL.sink[key].value != value:
                     writes.append((self, name))
                 _LOCAL.written.add(key)
             super(sub, self).__setattr__(name, value)

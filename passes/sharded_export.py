@@ -44,9 +44,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .capture import CaptureResult, fsdp_view, gathered_dtypes, stand_in, through_leaves
+from .capture import CaptureResult, fsdp_view, gathered_dtypes, stand_in
 from .errors import CaptureError
 from .ops import fsdp_unit_enter, fsdp_unit_exit
+from .output_spec import through_leaves
 
 __all__ = ["sharded_export"]
 

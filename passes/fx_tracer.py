@@ -1,0 +1,226 @@
+"""The fx tracer of the capture pass: source lines, flat outputs, and what fx would miss.
+
+``FlatOutputTracer`` records every node's stack (fx's printouts then show the user's
+line), flattens forward's output into leaves (``output_spec``), stamps grad-mode and
+autocast state on each node, keeps a tensor hook forward registers as a
+``tensor_hook`` node, traces into layers whose call runs more than forward (hooks,
+parametrizations) and brackets the calls of FSDP2 units. ``StateAsProxies`` makes a
+node of a call fx would not see because no proxy flows in: a random draw, or a write
+into the model's own parameters or buffers.
+
+>>> tracer = FlatOutputTracer(model_name="Net")
+>>> graph = tracer.trace(net)          # returns a tuple of leaves; tracer.output_spec
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm as _LegacyWeightNorm
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from .errors import CaptureError
+from .forward_modes import autocast_state, differentiation_error, stamp_modes
+from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
+from .output_spec import OutputSpec, flatten_output, through_leaves
+from .sources import source_line
+
+__all__ = ["FlatOutputTracer", "StateAsProxies", "hooks_see_every_use", "user_stack"]
+
+
+class FlatOutputTracer(fx.Tracer):
+    """A tracer that records source lines and flattens the traced function's output.
+
+    ``units``: the sharded submodules of an FSDP2 model (then every module is traced
+    into, and each unit's call is bracketed by the enter/exit markers).
+    """
+
+    def __init__(self, units: Mapping[int, torch.nn.Module] | None = None,
+                 model_name: str = "") -> None:
+        super().__init__()
+        self.model_name = model_name
+        self.record_stack_traces = True
+        self.output_spec: OutputSpec | None = None
+        self.units = units
+        self.ambient_autocast = autocast_state()
+
+    def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], *rest: Any, **more: Any) -> fx.Proxy:
+        if kind == "call_method" and target == "register_hook":  # h.register_hook(fn)
+            if len(args) != 2 or kwargs or not callable(args[1]):
+                raise CaptureError("Tensor.register_hook in forward takes one hook function")
+            node = self.create_node("call_function", TensorHook(args[1]), (args[0].node,), {})
+            return _HookHandle(node, self)
+        if target in _DIFFERENTIATIONS or (kind == "call_method" and target == "backward"):
+            raise differentiation_error(self.model_name)
+        return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        # the grad mode and autocast state forward's own regions set (passes/forward_modes.py)
+        node = super().create_node(*args, **kwargs)
+        stamp_modes(node, self.ambient_autocast)
+        return node
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        # modules the user trusts as per-sample (mbcompile.trust_module) stay single nodes
+        from .rules import TRUSTED_MODULES
+
+        if isinstance(m, tuple(TRUSTED_MODULES)):
+            if not torch.is_grad_enabled():
+                raise CaptureError(
+                    f"{type(m).__name__} {module_qualified_name!r}, trusted with "
+                    "mbcompile.trust_module, is called inside a no-grad region of forward; a "
+                    "trusted module runs as one opaque call, so its parameters would get "
+                    "gradients. Fix: call it outside the no-grad region and detach its output")
+            return True
+        if not torch.is_grad_enabled():
+            return False  # traced into, so that its parameters are read (and detached) here
+        if _runs_more_than_forward(m):
+            return False  # its hooks and parametrizations are part of the step: traced too
+        # a sharded model holds DTensor shards: its layers become functions of stand-ins
+        return self.units is None and super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: torch.nn.Module, forward: Callable[..., Any],
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.units is None or id(m) not in self.units:
+            return super().call_module(m, forward, args, kwargs)
+        name = self.path_of_module(m)
+
+        def bracketed(*a: Any, **k: Any) -> Any:
+            a, k = self._marked(fsdp_unit_enter, name, (a, k))
+            return self._marked(fsdp_unit_exit, name, forward(*a, **k))
+
+        return super().call_module(m, bracketed, args, kwargs)
+
+    def _marked(self, marker: Callable[..., Any], name: str, value: Any) -> Any:
+        """``value`` with its proxies passed through one ``marker(name, *proxies)`` node."""
+        return through_leaves(value, fx.Proxy, lambda proxies: self.create_proxy(
+            "call_function", marker, (name, *proxies), {}))
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):  # type: ignore[override]
+        # Non-tensor arguments are substituted here rather than handed to fx as
+        # concrete_args: fx flattens containers ((0, 1), {"a": 1}) into extra
+        # placeholders and emits invalid code for parameters with defaults. Every
+        # parameter keeps one placeholder; CompiledModule.forward checks the values.
+        concrete = dict(concrete_args or {})
+        fn, args = super().create_args_for_root(root_fn, is_module, None)
+        names = list(inspect.signature(root_fn).parameters)
+        fixed = {i: concrete[n] for i, n in enumerate(names) if n in concrete}
+
+        def flat_fn(*a: Any) -> tuple[Any, ...]:
+            a = tuple(fixed.get(i, v) for i, v in enumerate(a))
+            leaves: list[Any] = []
+            self.output_spec = flatten_output(fn(*a), leaves, lambda v: isinstance(v, fx.Proxy))
+            return tuple(leaves)
+
+        return flat_fn, args
+
+
+class StateAsProxies(TorchFunctionMode):
+    """While fx traces: a call without any proxy argument that fx would not see becomes a
+    node when it writes into the model's own state (``for p in self.teacher.parameters():
+    p.mul_(0.9)``: the parameters enter as ``get_attr`` nodes) or draws random numbers
+    (``torch.randn(4, generator=self.g)``).
+
+    Without this such a call runs on real tensors at trace time: the EMA updates the
+    teacher once, at compile; the draw advances the generator once, and its noise is a
+    constant of every step. (A state tensor used together with a proxy is fx's own
+    business: it becomes a ``get_attr``.)
+    """
+
+    def __init__(self, tracer: fx.Tracer, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.tracer = tracer
+        self.state = {id(t): name for name, t in (*model.named_parameters(),
+                                                  *model.named_buffers())}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        if not any(isinstance(v, fx.Proxy) for v in leaves):  # fx would not see the call
+            if func in _RANDOM_FACTORIES:
+                return self.tracer.create_proxy("call_function", func, tuple(args), kwargs)
+            if _in_place(func) and args and isinstance(args[0], torch.Tensor) \
+                    and id(args[0]) in self.state:  # a write into the model's state
+                args, kwargs = pytree.tree_map(self._as_proxy, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _as_proxy(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and id(value) in self.state:
+            return self.tracer.create_proxy("get_attr", self.state[id(value)], (), {})
+        return value
+
+
+_RANDOM_FACTORIES = frozenset({torch.randn, torch.rand, torch.randint, torch.randperm,
+                               torch.normal})
+
+
+def _in_place(func: Any) -> bool:
+    """``Tensor.mul_``, ``Tensor.copy_``, ``Tensor.__iadd__``: a call that writes its first
+    argument (``__get__`` of a property, ``Tensor.grad_fn``, is not one)."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("_")) or (
+        name.startswith("__i") and name.endswith("__") and name != "__init__")
+
+
+class _HookHandle(fx.Proxy):
+    """What ``h.register_hook(fn)`` returns while tracing: a handle forward may not use."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise CaptureError(
+            f"forward uses the handle of a tensor hook it registered (.{name}) at "
+            f"{source_line(self.node)}; the compiled graph keeps the hook for the whole step. "
+            "Fix: keep the hook registered, or register it outside forward")
+
+
+def hooks_see_every_use(graph: fx.Graph) -> None:
+    """Each ``tensor_hook(h)`` node stands for ``h`` in every use, earlier ones too: in eager
+    the hook sees the gradient of ``h`` from all its uses, whenever it was registered."""
+    for node in list(graph.nodes):
+        if isinstance(node.target, TensorHook):
+            (h,) = node.args
+            h.replace_all_uses_with(node, delete_user_cb=lambda user, hook=node: user is not hook)
+            h.append(node)
+
+
+def _runs_more_than_forward(m: torch.nn.Module) -> bool:
+    """A layer whose call recomputes its weight: a parametrization (spectral norm's power
+    iteration also updates buffers), or the pre-hook of legacy ``spectral_norm`` /
+    ``weight_norm``. Kept as one node, that work would run once per microbatch instead of
+    once per step, so it is traced. (Other hooks of a layer run at its call, once per
+    microbatch: a hook of the user's that keeps state belongs on a module of their own,
+    whose hooks are traced.)"""
+    return (parametrize.is_parametrized(m)
+            or type(m).__module__.startswith("torch.nn.utils.parametriz")
+            or any(isinstance(h, _WEIGHT_HOOKS) for h in m._forward_pre_hooks.values()))
+
+
+_WEIGHT_HOOKS = (_LegacySpectralNorm, _LegacyWeightNorm)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DIFFERENTIATIONS = (torch.autograd.grad, torch.autograd.backward)
+_FRAME = re.compile(r'  File "([^"]+)", line \d+, in [^\n]*\n(?:    [^\n]*\n?)?')
+
+
+def _tracer_frame(path: str) -> bool:
+    """torch's own frames, and this module's tracer (its call_module override)."""
+    return path.startswith(_TORCH_DIR) or path == os.path.abspath(__file__)
+
+
+def user_stack(stack_trace: str) -> str:
+    """The recorded stack without torch's own frames (fx's printouts then show the user's line)."""
+    frames = [m.group(0) for m in _FRAME.finditer("  " + stack_trace.lstrip())]
+    kept = [f for f in frames if not _tracer_frame(os.path.abspath(_FRAME.match(f).group(1)))]
+    return "".join(kept).rstrip("\n") if kept else stack_trace
+

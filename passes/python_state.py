@@ -1,0 +1,238 @@
+"""The Python state a traced forward can touch: taken before tracing, put back after.
+
+Tracing runs forward once on symbolic or fake values, so whatever forward writes into
+Python objects (``self.last = loss.detach()``, ``self.stats["loss"] = ...``,
+``self.history.append(...)``, ``self.cfg.seen = n``, legacy ``spectral_norm`` setting
+``module.weight``) would leave a proxy or fake tensor in the user's objects. A
+``Snapshot`` records, before the trace, every module's attributes, parameter, buffer and
+submodule slots and hook dictionaries, and the contents of every plain container
+(dict, list, set, deque; tuples are looked into) and plain object (a dataclass, a
+config) reachable from them, each by identity; ``changes`` lists what differs after the
+trace, and ``restore`` puts everything back as it was, in place, whatever happened.
+
+Before (forward ran ``self.history.append(o.detach())`` under fx)::
+
+    model.history == [Proxy(detach)]
+
+After ``restore``::
+
+    model.history == []        # the same list object; ``changes`` said: appended (detach,)
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["DELETED", "MODULE_INTERNALS", "Change", "Snapshot", "python_state_kept"]
+
+_MISSING = object()
+#: ``nn.Module``'s own bookkeeping (slots, hooks, flags): compared by ``Snapshot`` itself
+MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}
+_LIMIT = 100_000  # objects looked into at most: a vocabulary list is not walked item by item
+_OPAQUE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType,
+           types.MethodType, types.BuiltinFunctionType, torch.Generator)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One difference a trace left: ``kind`` is ``"attr"`` (``owner.key = value``, or deleted:
+    ``value is DELETED``), ``"item"`` (``owner[key] = value`` or deleted), ``"extend"``
+    (``owner`` a list that grew by ``value``, a tuple) or ``"other"`` (``owner`` changed some
+    other way: a list reordered, a set or deque written). ``where`` names it for messages."""
+
+    kind: str
+    owner: Any
+    key: Any
+    value: Any
+    where: str
+    before: Any = None  # the value it replaced ("attr", "item"; DELETED: there was none)
+
+
+DELETED = object()
+
+
+def _plain_object(value: Any) -> bool:
+    """A user's object whose attributes are state (a dataclass, a namespace, a config)."""
+    return (hasattr(value, "__dict__") and not isinstance(value, _OPAQUE)
+            and not callable(value) and not type(value).__module__.startswith("torch"))
+
+
+@dataclass
+class Snapshot:
+    """Everything reachable from ``roots`` (name -> object), recorded by identity."""
+
+    roots: Mapping[str, Any]
+    modules: list[tuple[nn.Module, str, dict[str, Any], tuple[dict[str, Any], ...]]] = \
+        field(default_factory=list)
+    hooks: list[tuple[dict[Any, Any], dict[Any, Any]]] = field(default_factory=list)
+    saved: dict[int, tuple[Any, str, Any]] = field(default_factory=dict)  # id -> obj, path, copy
+
+    def __post_init__(self) -> None:
+        for root, obj in self.roots.items():
+            if isinstance(obj, nn.Module):
+                for name, mod in obj.named_modules(remove_duplicate=True):
+                    self._module(mod, ".".join(filter(None, (root, name))))
+            else:
+                self._visit(obj, root)
+
+    def _module(self, mod: nn.Module, path: str) -> None:
+        own = dict(mod.__dict__)
+        self.modules.append((mod, path, own, tuple(dict(s) for s in _slots_of(mod))))
+        self.hooks.extend((t, dict(t)) for t in _hook_tables(mod))
+        for key, value in own.items():
+            if key not in MODULE_INTERNALS:
+                self._visit(value, ".".join(filter(None, (path, key))))
+
+    def _visit(self, value: Any, path: str) -> None:
+        if id(value) in self.saved or len(self.saved) >= _LIMIT:
+            return
+        if isinstance(value, tuple):  # immutable itself; what it holds may not be
+            for i, item in enumerate(value):
+                self._visit(item, f"{path}[{i}]")
+            return
+        if isinstance(value, dict):
+            copy: Any = dict(value)
+            items = ((f"{path}[{k!r}]", v) for k, v in copy.items())
+        elif isinstance(value, (list, collections.deque)):
+            copy = list(value)
+            items = ((f"{path}[{i}]", v) for i, v in enumerate(copy))
+        elif isinstance(value, (set, frozenset)):
+            copy, items = set(value), iter(())
+        elif _plain_object(value):
+            copy = dict(vars(value))
+            items = ((f"{path}.{k}", v) for k, v in copy.items())
+        else:
+            return
+        self.saved[id(value)] = (value, path, copy)
+        for where, item in items:
+            self._visit(item, where)
+
+    # ------------------------------------------------------------------ comparing
+    def changes(self) -> list[Change]:
+        """What differs now from the snapshot, attributes first, in a fixed order."""
+        found: list[Change] = []
+        for mod, path, own, _ in self.modules:
+            found.extend(_mapping_changes("attr", mod, mod.__dict__, own, path,
+                                          skip=MODULE_INTERNALS))
+        for obj, path, copy in self.saved.values():
+            if isinstance(obj, dict):
+                found.extend(_mapping_changes("item", obj, obj, copy, path))
+            elif isinstance(obj, list):
+                now = list(obj)
+                if len(now) >= len(copy) and all(a is b for a, b in zip(now, copy)):
+                    if len(now) > len(copy):
+                        found.append(Change("extend", obj, None, tuple(now[len(copy):]), path))
+                else:
+                    found.append(Change("other", obj, None, None, path))
+            elif isinstance(obj, collections.deque):
+                if len(obj) != len(copy) or any(a is not b for a, b in zip(obj, copy)):
+                    found.append(Change("other", obj, None, None, path))
+            elif isinstance(obj, set):
+                if obj != copy:
+                    found.append(Change("other", obj, None, None, path))
+            elif not isinstance(obj, frozenset):
+                found.extend(_mapping_changes("attr", obj, vars(obj), copy, path))
+        return found
+
+    def rebound_slots(self) -> list[str]:
+        """Parameter, buffer and submodule slots forward assigned (``self.seen = seen + n``
+        on a buffer): qualified names."""
+        rebound: list[str] = []
+        for mod, path, _, slot_copies in self.modules:
+            for slots, before in zip(_slots_of(mod), slot_copies):
+                rebound.extend(".".join(filter(None, (path, k))) for k in slots
+                               if slots[k] is not before.get(k, _MISSING))
+                rebound.extend(".".join(filter(None, (path, k))) for k in before
+                               if k not in slots)
+        return rebound
+
+    # ------------------------------------------------------------------ restoring
+    def restore(self) -> None:
+        """Put every recorded object back as it was, in place (identities kept)."""
+        for mod, _, own, slot_copies in self.modules:
+            for slots, before in zip(_slots_of(mod), slot_copies):
+                _put_back(slots, before)
+            _put_back(mod.__dict__, own)
+        for table, before in self.hooks:  # hooks a library installs on its first call
+            if table.keys() != before.keys():
+                table.clear()
+                table.update(before)
+        for obj, _, copy in self.saved.values():
+            if isinstance(obj, dict):
+                if not _same_items(obj, copy):
+                    obj.clear()
+                    obj.update(copy)
+            elif isinstance(obj, (list, collections.deque)):
+                if len(obj) != len(copy) or any(a is not b for a, b in zip(obj, copy)):
+                    obj.clear()
+                    obj.extend(copy)
+            elif isinstance(obj, set):
+                if obj != copy:
+                    obj.clear()
+                    obj.update(copy)
+            elif not isinstance(obj, frozenset):
+                _put_back(vars(obj), copy)
+
+
+def _same_items(now: dict[Any, Any], before: dict[Any, Any]) -> bool:
+    """Whether a dict holds the same keys, in order, with the same values by identity."""
+    return len(now) == len(before) and all(
+        k1 is k2 or k1 == k2 for k1, k2 in zip(now, before)) and all(
+        now[k] is v for k, v in before.items())
+
+
+def _mapping_changes(kind: str, owner: Any, now: Mapping[Any, Any], before: Mapping[Any, Any],
+                     path: str, skip: frozenset[str] = frozenset()) -> Iterator[Change]:
+    def where(key: Any) -> str:
+        if kind == "item":
+            return f"{path}[{key!r}]"
+        return ".".join(filter(None, (path, str(key))))
+
+    for key, value in now.items():
+        if key not in skip and before.get(key, _MISSING) is not value:
+            yield Change(kind, owner, key, value, where(key), before.get(key, DELETED))
+    for key in before:
+        if key not in skip and key not in now:
+            yield Change(kind, owner, key, DELETED, where(key), before[key])
+
+
+def _put_back(live: dict[Any, Any], before: dict[Any, Any]) -> None:
+    """``live`` holds ``before``'s items again; only keys that differ are touched."""
+    for key in [k for k in live if k not in before]:
+        del live[key]
+    for key, value in before.items():
+        if live.get(key, _MISSING) is not value:
+            live[key] = value
+
+
+def _slots_of(mod: nn.Module) -> tuple[dict[str, Any], ...]:
+    return mod._parameters, mod._buffers, mod._modules
+
+
+def _hook_tables(mod: nn.Module) -> list[dict[Any, Any]]:
+    """Every dict of hooks (and hook flags) a module keeps, as ``Module.__init__`` makes them."""
+    return [v for k, v in vars(mod).items() if "hook" in k and isinstance(v, dict)]
+
+
+@contextlib.contextmanager
+def python_state_kept(model: nn.Module, inputs: Mapping[str, Any] | None = None
+                      ) -> Iterator[Snapshot]:
+    """Record the Python state reachable from ``model`` (and from ``inputs``, the call's
+    non-tensor arguments, by name) for the block, and put it back when the block ends,
+    on success or error. The snapshot yielded says what the block changed (``changes``,
+    ``rebound_slots``): ask it before the block ends.
+    """
+    snapshot = Snapshot({"": model, **{f"<argument {k!r}>": v for k, v in
+                                       (inputs or {}).items()}})
+    try:
+        yield snapshot
+    finally:
+        snapshot.restore()

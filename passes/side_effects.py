@@ -1,0 +1,336 @@
+"""Side effects of forward on Python objects: recorded at capture, replayed once per step.
+
+Tracing runs forward once, on proxies; the Python state it wrote is put back
+(``python_state.Snapshot``) and compared with what it was, and each difference becomes a
+record: an attribute assigned or deleted, a dict key set or deleted, a list appended to or
+extended; a ``print`` is recorded where it is called (it prints nothing while tracing). A
+traced value held by an effect (``loss.detach()``) becomes one more output of the
+captured graph, after the model's own, so the microbatch rewrite combines it like any
+output: a per-sample tensor concatenated in order, a loss from the global sums. After a
+successful step the compiled module calls ``replay``: each effect happens once, with the
+full batch's values, as in eager (dynamo's ``SideEffects`` does the same after its graph).
+
+Before::
+
+    def forward(self, x, y):
+        loss = F.mse_loss(self.lin(x), y)
+        self.stats["loss"] = loss.detach()
+        self.history.append(x.mean().detach())
+        print("loss", loss.detach())
+        return loss
+
+Recorded (``Effects``)::
+
+    SetItem(stats, 'loss', Held(_Out(1)))     # graph outputs: (loss, detach, detach_1)
+    Extend(history, Held((_Out(2),)))
+    Print(Held(('loss', _Out(1))), {})
+
+What cannot be made exact is refused at capture, before anything changes: a Python
+number read off a traced value (``loss.item()``), a traced value inside an object that
+is not a plain container, a list changed other than by appending, a set or deque
+written, the call's own arguments written.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .errors import CaptureError
+from .guards import MISSING, Guard, written_guard
+from .python_state import DELETED, Change
+from .sources import source_line, user_frame
+
+__all__ = ["NO_EFFECTS", "Effects", "Extend", "Held", "Print", "SetAttr", "SetItem",
+           "prints_recorded", "record_effects", "refuse_tensors", "replay"]
+
+#: ``item()`` and its kind: a Python number read off a tensor, which a graph output cannot be
+_HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "numpy"})
+
+
+@dataclass(frozen=True)
+class _Out:
+    """Stands for flat output ``index`` of the compiled call inside a held value."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Held:
+    """A value an effect writes: ``value`` as forward built it, with each traced value
+    replaced by an ``_Out`` (lists, tuples and dicts are rebuilt on every replay, so no
+    two steps share one; a value without traced parts is kept as it is, by identity)."""
+
+    value: Any
+    traced: bool = False
+
+    def rebuild(self, flat: Sequence[Any]) -> Any:
+        return _map(self.value, lambda o: flat[o.index], _Out) if self.traced else self.value
+
+
+@dataclass(frozen=True)
+class SetAttr:
+    """``owner.name = value`` (``value is None`` with ``delete``: ``del owner.name``)."""
+
+    owner: Any
+    name: str
+    value: Held | None
+    where: str
+
+    def apply(self, flat: Sequence[Any]) -> None:
+        if self.value is None:
+            if self.name in vars(self.owner):
+                delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.value.rebuild(flat))
+
+
+@dataclass(frozen=True)
+class SetItem:
+    """``owner[key] = value`` (``value is None``: ``del owner[key]``)."""
+
+    owner: Any
+    key: Any
+    value: Held | None
+    where: str
+
+    def apply(self, flat: Sequence[Any]) -> None:
+        if self.value is None:
+            self.owner.pop(self.key, None)
+        else:
+            self.owner[self.key] = self.value.rebuild(flat)
+
+
+@dataclass(frozen=True)
+class Extend:
+    """``owner.extend(values)``: what forward appended to a list."""
+
+    owner: list[Any]
+    values: Held
+    where: str
+
+    def apply(self, flat: Sequence[Any]) -> None:
+        self.owner.extend(self.values.rebuild(flat))
+
+
+@dataclass(frozen=True)
+class Print:
+    """``print(*args, **kwargs)`` as forward called it."""
+
+    args: Held
+    kwargs: Held
+    where: str
+
+    def apply(self, flat: Sequence[Any]) -> None:
+        builtins.print(*self.args.rebuild(flat), **self.kwargs.rebuild(flat))
+
+
+Effect = SetAttr | SetItem | Extend | Print
+
+
+@dataclass(frozen=True)
+class Effects:
+    """A capture's effects, in the order they are replayed; ``outputs``: the traced values
+    they hold, appended to the graph's outputs (``_Out`` indices count from the first)."""
+
+    records: tuple[Effect, ...] = ()
+    outputs: tuple[fx.Node, ...] = field(default=(), compare=False)
+    guards: tuple[Guard, ...] = ()  # plain values written over others: see ``written_guard``
+
+    def __bool__(self) -> bool:
+        return bool(self.records)
+
+
+NO_EFFECTS = Effects()
+
+
+def replay(effects: Effects, flat: Sequence[Any]) -> None:
+    """Apply ``effects`` once, with ``flat`` (the compiled call's flat outputs, extras
+    included): called after a successful step, after the state write-back."""
+    for effect in effects.records:
+        effect.apply(flat)
+
+
+# --------------------------------------------------------------------------- recording
+
+
+@dataclass(frozen=True)
+class _PrintCall:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    where: str
+
+
+@contextlib.contextmanager
+def prints_recorded() -> Iterator[list[_PrintCall]]:
+    """While the block traces: ``print`` records its call instead of printing."""
+    calls: list[_PrintCall] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> None:
+        calls.append(_PrintCall(args, kwargs, user_frame(traceback.extract_stack()[:-1])))
+
+    builtins.print = recorded
+    try:
+        yield calls
+    finally:
+        builtins.print = _PRINT
+
+
+_PRINT = builtins.print
+
+
+def _map(value: Any, fn: Callable[[Any], Any], kind: type) -> Any:
+    """``value`` with every leaf of type ``kind`` replaced by ``fn(leaf)``, through tuples
+    (named ones too), lists and dicts."""
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, tuple):
+        items = [_map(v, fn, kind) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return type(value)(_map(v, fn, kind) for v in value)
+    if isinstance(value, dict):
+        out = value.copy()
+        for k, v in value.items():
+            out[k] = _map(v, fn, kind)
+        return out
+    return value
+
+
+class _Recorder:
+    """Turns changes and prints into effect records, numbering the traced values."""
+
+    def __init__(self, model_name: str, first_output: int, returned: dict[fx.Node, int]
+                 ) -> None:
+        self.model_name = model_name
+        self.first = first_output
+        self.outputs: list[fx.Node] = []
+        self.index: dict[fx.Node, int] = dict(returned)
+
+    def held(self, value: Any, what: str) -> Held:
+        traced = False
+
+        def out(proxy: fx.Proxy) -> _Out:
+            nonlocal traced
+            traced = True
+            node = proxy.node
+            _check_exact(node, what, self.model_name)
+            if node not in self.index:
+                self.index[node] = self.first + len(self.outputs)
+                self.outputs.append(node)
+            return _Out(self.index[node])
+
+        mapped = _map(value, out, fx.Proxy)
+        if not traced:
+            return Held(value)
+        _check_no_hidden_proxy(mapped, what, self.model_name)
+        return Held(mapped, True)
+
+
+def _check_exact(node: fx.Node, what: str, model_name: str) -> None:
+    """A traced Python number (``loss.item()``) has no value a graph output can carry."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_method" and n.target in _HOST_READS:
+            raise CaptureError(
+                f"{model_name}.forward writes {what} a Python number read off a tensor "
+                f"({source_line(n)}: .{n.target}()); the compiled step computes the full "
+                "batch's value as a tensor and cannot make it a Python number without "
+                "waiting for the device. Fix: store the tensor (loss.detach()) and call "
+                ".item() outside forward")
+        if n.op == "call_function" and n.target in (int, float, bool):
+            todo.extend(n.all_input_nodes)
+
+
+def _check_no_hidden_proxy(value: Any, what: str, model_name: str) -> None:
+    """A traced value inside an object that is not a tuple, list or dict."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            _check_no_hidden_proxy(v, what, model_name)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_no_hidden_proxy(v, what, model_name)
+    elif hasattr(value, "__dict__") and any(isinstance(v, fx.Proxy)
+                                            for v in vars(value).values()):
+        raise CaptureError(
+            f"{model_name}.forward writes {what} a {type(value).__name__} that holds a traced "
+            "tensor; mbcompile replays a write of tensors held in tuples, lists and dicts "
+            "only. Fix: store the tensor itself, or a dict of tensors")
+
+
+def record_effects(changes: Sequence[Change], prints: Sequence[_PrintCall], model_name: str,
+                   first_output: int = 0, returned: Mapping[fx.Node, int] | None = None
+                   ) -> Effects:
+    """The effects of one trace: ``changes`` (``Snapshot.changes``) and ``prints``. Traced
+    values become outputs numbered from ``first_output``, except those forward returns
+    (``returned``: node -> its output index). Raises ``CaptureError`` for a change that
+    cannot be replayed exactly, naming it and the fix."""
+    rec = _Recorder(model_name, first_output, dict(returned or {}))
+    records: list[Effect] = []
+    guards: list[Guard] = []
+    for change in changes:
+        what = f"self.{change.where}" if not change.where.startswith("<") else change.where
+        if change.where.startswith("<argument"):
+            raise CaptureError(
+                f"{model_name}.forward writes into {change.where}, an object the caller "
+                "passed; the compiled module would write into the example's object, once. "
+                "Fix: return the value from forward and store it in the caller")
+        if change.kind == "other":
+            raise CaptureError(
+                f"{model_name}.forward changes {what} other than by appending to a list, "
+                "setting a dict key or assigning an attribute (an insert, a pop, a sort, "
+                "writing a set or deque); the trace ran it once, on traced values, and "
+                "mbcompile cannot replay it exactly. Fix: append to a list (or set a dict "
+                "key) in forward, or change the container outside forward")
+        value = None if change.value is DELETED else rec.held(change.value, f"to {what}")
+        if (value is None or not value.traced) and not isinstance(change.owner, nn.Module):
+            # a plain value written into a container or object may be computed from the one
+            # it replaces (a counter in a dict): exact only while that one is as traced
+            guards.append(written_guard(change.owner, change.key,
+                                        MISSING if change.before is DELETED else change.before,
+                                        change.kind == "item", what))
+        if change.kind == "attr":
+            records.append(SetAttr(change.owner, change.key, value, what))
+        elif change.kind == "item":
+            records.append(SetItem(change.owner, change.key, value, what))
+        else:
+            assert value is not None
+            records.append(Extend(change.owner, value, what))
+    for call in prints:
+        if any(isinstance(a, str) and "Proxy(" in a for a in (*call.args, *call.kwargs.values())):
+            raise CaptureError(
+                f"{model_name}.forward formats a traced tensor into a string it prints at "
+                f"{call.where}; the string holds no value to print at each step. Fix: pass "
+                "the tensor to print as its own argument (print('loss', loss.detach()))")
+        records.append(Print(rec.held(call.args, f"to print at {call.where}"),
+                             rec.held(call.kwargs, f"to print at {call.where}"), call.where))
+    return Effects(tuple(records), tuple(rec.outputs), tuple(guards))
+
+
+def refuse_tensors(changes: Sequence[Change], prints: Sequence[_PrintCall], model_name: str
+                   ) -> None:
+    """Under torch.export: an effect that holds a tensor is refused (export traces fake
+    tensors, and mbcompile does not map them to graph outputs yet)."""
+    held = [(c.where, c.value) for c in changes] + [
+        (f"print at {p.where}", (p.args, p.kwargs)) for p in prints]
+    for where, value in held:
+        found: list[Any] = []
+        _map(value, found.append, torch.Tensor)
+        if found:
+            raise CaptureError(
+                f"{model_name}.forward writes a tensor to {where}; under torch.export mbcompile "
+                "cannot replay that write once per step with the full batch's value. Fix: "
+                "compile with capture='fx' (it replays such writes), or return the value "
+                "from forward and store it outside")

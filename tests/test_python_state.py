@@ -1,0 +1,271 @@
+"""Python state in forward, exact or refused (issue 35): side effects, counters, guards.
+
+Each model is a few lines of the kind research code writes: it logs into a dict, appends
+to a list, keeps the last loss, prints, counts its calls. Each is compiled on an uneven
+plan (gbs 7 over 2 systems, mbs 2: microbatches 2, 2 | 2, 1) in float64 and run for three
+steps with SGD against eager on a deep copy: the loss, every output, every ``.grad``, the
+parameters after the optimizer step, the buffers and the Python state (the dicts, lists,
+attributes and counters; the printed text) must match. What cannot be exact is refused
+with the project's own error, naming the thing and the fix, and the model, its
+containers included, is left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from coupled_models import RMSENet
+from models import TOL, plan_free, rel_err, tensor_leaves
+
+import mbcompile
+
+GBS, SYSTEMS, MBS = 7, 2, 2
+COMPILED = {"backend": "aot_eager"}  # torch_compile without a C++ toolchain's inductor
+
+
+@pytest.fixture(autouse=True)
+def _float64() -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def _batch(n: int = GBS) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _compile(model: nn.Module, batch: tuple[Any, ...], **kw: Any) -> mbcompile.CompiledModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+        return mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch,
+                                 **plan_free(MBS, **kw))
+
+
+def _same(got: Any, want: Any, where: str) -> None:
+    """Python state equal: tensors to ``TOL`` (relative), everything else ==, recursively."""
+    assert type(got) is type(want), f"{where}: {type(got).__name__} vs {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert got.shape == want.shape, f"{where}: shape {got.shape} vs {want.shape}"
+        assert rel_err(got, want) <= TOL, f"{where}: {got} vs {want}"
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: {len(got)} items vs {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"{where}[{i}]")
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{where}: keys {list(got)} vs {list(want)}"
+        for k in want:
+            _same(got[k], want[k], f"{where}[{k!r}]")
+    else:
+        assert got == want, f"{where}: {got!r} vs {want!r}"
+
+
+def _three_steps(model: nn.Module, state: Callable[[nn.Module], Any], capsys: Any,
+                 batch: tuple[Any, ...] | None = None, **kw: Any) -> mbcompile.CompiledModule:
+    """Compile ``model``, then three SGD steps of it and of an eager deep copy (taken before
+    compile), compared after each: outputs, grads, parameters, buffers, ``state(model)``
+    and what each step printed."""
+    batch = batch or _batch()
+    ref = copy.deepcopy(model)
+    cm = _compile(model, batch, **kw)
+    assert capsys.readouterr().out == "", "compile printed"
+    _same(state(model), state(ref), "state after compile")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for step in range(3):
+        results = []
+        for module, call, opt in ((model, cm, opts[0]), (ref, ref, opts[1])):
+            opt.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+                out = call(*batch)
+            printed = capsys.readouterr().out
+            leaves = tensor_leaves(out)
+            leaves[0][1].backward()
+            grads = {n: p.grad for n, p in module.named_parameters()}
+            opt.step()
+            results.append((leaves, grads, printed))
+        (got, got_grads, got_text), (want, want_grads, want_text) = results
+        where = f"step {step + 1}"
+        assert got_text == want_text, f"{where}: printed {got_text!r}, eager {want_text!r}"
+        _same([v.detach() for _, v in got], [v.detach() for _, v in want], f"{where} outputs")
+        for name, g in want_grads.items():
+            assert (got_grads[name] is None) == (g is None), f"{where}: grad {name}"
+            if g is not None:
+                _same(got_grads[name], g, f"{where}: grad {name}")
+        _same([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+              f"{where} parameters")
+        _same(list(model.buffers()), list(ref.buffers()), f"{where} buffers")
+        _same(state(model), state(ref), f"{where} Python state")
+    return cm
+
+
+# --------------------------------------------------------------------------- side effects
+
+
+class Logging(nn.Module):
+    """Every logging habit of issue 35 in one forward."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.kind = nn.Linear(4, 3), kind
+        self.stats: dict[str, Any] = {"seen": []}
+        self.history: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.a(x)
+        loss = F.mse_loss(o, y)
+        if self.kind in ("dict", "all"):
+            self.stats["loss"] = loss.detach()
+            self.stats["seen"].append(o.detach().mean(0))  # a list inside a dict
+        if self.kind in ("list", "all"):
+            self.history.append(o.detach())  # per-sample: the full batch's rows, in order
+        if self.kind in ("attr", "all"):
+            self.last = loss.detach()
+            self.returned = loss  # the very tensor forward returns
+        if self.kind in ("print", "all"):
+            print("loss", loss.detach(), "rows", o.detach()[:2])
+        return loss, o
+
+
+def _logged(m: nn.Module) -> Any:
+    return m.stats, m.history, m.last, vars(m).get("returned", None)
+
+
+@pytest.mark.parametrize("kind", ["dict", "list", "attr", "print", "all"])
+def test_logging_in_forward_is_replayed_once_per_step_with_full_batch_values(kind, capsys):
+    torch.manual_seed(0)
+    model = Logging(kind)
+    cm = _three_steps(model, _logged, capsys)
+    if kind == "attr":
+        out = cm(*_batch())
+        assert model.returned is out[0]  # the returned tensor itself, as in eager
+
+
+@pytest.mark.parametrize("kw", [{"recompute": True}, {"torch_compile": COMPILED},
+                                {"outputs": "loss"}], ids=["recompute", "compiled", "loss_only"])
+def test_logging_with_recompute_torch_compile_and_loss_only_outputs(kw, capsys):
+    torch.manual_seed(0)
+    model = Logging("all")
+    if "outputs" in kw:  # the logged per-sample rows are kept although the logits are not
+        ref = copy.deepcopy(model)
+        cm = _compile(model, _batch(), **kw)
+        cm(*_batch())
+        ref(*_batch())
+        capsys.readouterr()
+        _same(_logged(model)[:3], _logged(ref)[:3], "after one step")
+        return
+    _three_steps(model, _logged, capsys, **kw)
+
+
+class CoupledLogging(RMSENet):
+    """A loss that couples samples (``mse.sqrt()``): a two-phase step; forward logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: dict[str, Any] = {}
+        self.feats: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        z = self.encoder(x)
+        loss = F.mse_loss(z, target).sqrt()
+        self.log["rmse"] = loss.detach()
+        self.feats.append(z.detach())
+        return loss
+
+
+def test_logging_in_a_two_phase_step(capsys):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(GBS, 6, generator=g), torch.randn(GBS, 2, generator=g))
+    model = CoupledLogging().double()
+    cm = _three_steps(model, lambda m: (m.log, m.feats), capsys, batch=batch)
+    assert cm.analysis.two_phase
+
+
+class DictCounter(nn.Module):
+    """A counter kept in a dict: read and written as a Python number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.stats: dict[str, Any] = {}
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.stats["calls"] = self.stats.get("calls", 0) + 1
+        self.stats["mode"] = "train"
+        return F.mse_loss(self.a(x), y)
+
+
+def test_a_counter_in_a_dict_moves_once_per_step(capsys):
+    torch.manual_seed(0)
+    model = DictCounter()
+    _three_steps(model, lambda m: m.stats, capsys)
+    assert model.stats == {"calls": 3, "mode": "train"}
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _picture(model: nn.Module) -> Any:
+    """The model's Python state, deep, by value, and the identity of its containers."""
+    own = {k: v for k, v in vars(model).items() if not k.startswith("_") and k != "training"}
+    return copy.deepcopy(own), {k: id(v) for k, v in own.items()}
+
+
+class Refused(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.kind = nn.Linear(4, 3), kind
+        self.history: list[Any] = [1.0]
+        self.queue: list[Any] = [1, 2]
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, opts: dict | None = None
+                ) -> torch.Tensor:
+        loss = F.mse_loss(self.a(x), y)
+        if self.kind == "item":
+            self.history.append(loss.item())
+        elif self.kind == "pop":
+            self.queue.pop(0)
+            self.history.append(loss.detach())
+        elif self.kind == "fstring":
+            print(f"loss {loss.detach()}")
+        elif self.kind == "argument":
+            opts["loss"] = loss.detach()
+        return loss
+
+
+@pytest.mark.parametrize("kind, names", [
+    ("item", ["self.history", ".item()", "loss.detach()"]),
+    ("pop", ["self.queue", "append"]),
+    ("fstring", ["print", "its own argument"]),
+    ("argument", ["'opts'", "return the value"]),
+])
+def test_a_side_effect_that_cannot_be_exact_is_refused_and_changes_nothing(kind, names):
+    torch.manual_seed(0)
+    model = Refused(kind)
+    before, ids = _picture(model)
+    opts: dict[str, Any] = {}
+    batch = (*_batch(), opts) if kind == "argument" else _batch()
+    with pytest.raises(mbcompile.MbcompileError) as err:
+        _compile(model, batch, capture="fx")
+    for name in names:
+        assert name in str(err.value), (name, str(err.value))
+    after, after_ids = _picture(model)
+    assert after_ids == ids and after == before and opts == {}
+
+
+def test_a_side_effect_holding_a_tensor_under_export_is_refused():
+    torch.manual_seed(0)
+    model = Logging("list")
+    with pytest.raises(mbcompile.CaptureError, match="history.*capture='fx'"):
+        _compile(model, _batch(), capture="export")
+    assert model.history == [] and model.last is None
