@@ -96,6 +96,7 @@ from mbcompile.planning.estimates import (
 )
 from mbcompile.planning.fit import FIT_TOLERANCE, Fit, fit, reproduces
 from mbcompile.planning.plan import num_microbatches
+from mbcompile.planning.precision import Precision, probe_precision
 from mbcompile.planning.probe import Probe, Prober, nbytes
 from mbcompile.planning.systems import SystemSpec
 
@@ -128,8 +129,11 @@ class CostModel:
     """
 
     def __init__(self, prober: Callable[[int], Probe] | None, static: StaticFigures,
-                 name: str = "model", shard: ShardSpec | None = None) -> None:
+                 name: str = "model", shard: ShardSpec | None = None,
+                 precision: Precision | None = None) -> None:
         self._prober = prober
+        # the autocast every probe runs under (None: whatever is in force when it runs)
+        self.precision = precision
         self.static = static
         self.name = name
         self._exact: dict[int, Probe] = {}
@@ -155,7 +159,8 @@ class CostModel:
                     f"this cost model was copied or unpickled without its graph, so it cannot "
                     f"probe microbatch size {m}; its fit and earlier probes still answer. "
                     "Compile again for a new configuration")
-            self._exact[m] = self._prober(m)
+            with probe_precision(self.precision, self._prober):
+                self._exact[m] = self._prober(m)
             self.probes_run += 1
         return self._exact[m]
 
@@ -482,7 +487,8 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
                  in_dims: Sequence[int | None], *, pbs: int | None = None,
                  name: str | None = None, fit: bool = True,
                  kept_outputs: frozenset[int] | None = None, fused: bool | None = None,
-                 shard: ShardSpec | None = None) -> CostModel:
+                 shard: ShardSpec | None = None, precision: Precision | None = None
+                 ) -> CostModel:
     """Build the cost model of ``gm``: best the batch analysis of the captured graph
     (it says which outputs are trained losses and whether backward runs per
     microbatch), or any module (assumed to return one scalar loss first).
@@ -511,7 +517,7 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
         loss_leaves, found = None, True
     static = static_figures(gm, values, in_dims, found if fused is None else fused)
     model = CostModel(Prober(gm, values, in_dims, loss_leaves, kept_outputs), static,
-                      name or type(gm).__name__, shard)
+                      name or type(gm).__name__, shard, precision)
     if fit:
         model.build_fit(4 if pbs is None else pbs)
     else:

@@ -271,6 +271,13 @@ class Prober:
         """Fake inputs at microbatch size ``m``."""
         return self.fake_probe.inputs(self.values, self.in_dims, m)
 
+    @property
+    def device_type(self) -> str:
+        """Where the probed graph's tensors live: the device an autocast must name."""
+        tensors = [*self.params.values(), *(v for v in self.values
+                                            if isinstance(v, torch.Tensor))]
+        return tensors[0].device.type if tensors else "cpu"
+
     def __call__(self, m: int) -> Probe:
         """The probe of the whole graph at ``m``: one block's figures counted for every
         repeat where the blocks allow it (``block_probe``), else probed whole."""

@@ -37,6 +37,7 @@ from mbcompile.planning.cost import (
     format_bytes,
     static_figures,
 )
+from mbcompile.planning.precision import Precision, probe_precision
 from mbcompile.planning.systems import SystemSpec
 
 __all__ = ["TwoPhaseCostModel", "analyse_two_phase_cost"]
@@ -64,6 +65,10 @@ class _CoupledProber(Prober):
                 else:
                     self.shapes.append(((), torch.float64))  # a count kept as a number
 
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
     def inputs(self, m: int) -> list[Any]:
         with self.fake_probe.mode:
             joined = [torch.zeros(shape, dtype=dtype, device=self.device)
@@ -76,7 +81,8 @@ class TwoPhaseCostModel(CostModel):
 
     def __init__(self, p_model: CostModel, coupled: Probe, frontier_bytes: float,
                  static: Any) -> None:
-        super().__init__(p_model._prober, static, p_model.name, p_model.shard)
+        super().__init__(p_model._prober, static, p_model.name, p_model.shard,
+                         p_model.precision)
         self.__dict__.update({k: v for k, v in p_model.__dict__.items()
                               if k in ("_exact", "_fit", "_fit_from", "fit_note", "probes_run")})
         self.coupled_probe = coupled
@@ -121,13 +127,15 @@ class TwoPhaseCostModel(CostModel):
 def analyse_two_phase_cost(analysis: BatchAnalysis, values: Sequence[Any],
                            in_dims: Sequence[int | None], *, pbs: int,
                            name: str | None = None, cut: Cut | None = None,
-                           shard: ShardSpec | None = None) -> TwoPhaseCostModel:
+                           shard: ShardSpec | None = None, precision: Precision | None = None
+                           ) -> TwoPhaseCostModel:
     """The cost model of ``analysis``'s graph run as a two-phase step (``cut``: the graph
     cut as the rewrite runs it, when the analysis made it already)."""
     from mbcompile.planning.cost import analyse_cost
 
     body, coupled, part, free_nodes = two_phase_parts(analysis, cut)
-    p_model = analyse_cost(body, values, in_dims, pbs=pbs, name=name, shard=shard)
+    p_model = analyse_cost(body, values, in_dims, pbs=pbs, name=name, shard=shard,
+                           precision=precision)
     placeholders = [n for n in analysis.graph_module.graph.nodes if n.op == "placeholder"]
     by_name = {p.name: v for p, v in zip(placeholders, values)}
     free = [by_name[n.name] for n in free_nodes]
@@ -136,7 +144,9 @@ def analyse_two_phase_cost(analysis: BatchAnalysis, values: Sequence[Any],
     prober = _CoupledProber(coupled, free_nodes, free, device, analysis.coupled_loss)
     static = static_figures(analysis.graph_module, values, in_dims, analysis.fused)
     static = replace(static, output_bytes_per_sample=p_model.static.output_bytes_per_sample)
-    return TwoPhaseCostModel(p_model, prober(1), part.frontier_bytes(), static)
+    with probe_precision(precision, prober):
+        coupled_probe = prober(1)
+    return TwoPhaseCostModel(p_model, coupled_probe, part.frontier_bytes(), static)
 
 
 def two_phase_reason(model: TwoPhaseCostModel, est: Estimate) -> str:
