@@ -115,7 +115,7 @@ def analyse(request: Request, *, plan: MicrobatchPlan | None = None,
         mode = "split"
     elif single:
         mode = "unsplit"
-    elif found.refused(request.coupling) is None:
+    elif found.refused(request.options.coupling) is None:
         if request.shard is not None:
             raise _sharded_two_phase(found.rejected)
         mode = "two_phase"
@@ -123,7 +123,7 @@ def analyse(request: Request, *, plan: MicrobatchPlan | None = None,
         raise found.rejected
     if validating:
         return replace(found, mode=mode, training=model.training)
-    kept = kept_outputs(request.outputs, found.captured.output_spec, found.analysis,
+    kept = kept_outputs(request.options.outputs, found.captured.output_spec, found.analysis,
                         found.state) if model.training else None
     analysed = replace(found, mode=mode, training=model.training, kept=kept,
                        cut=cut_graph(found.analysis, kept) if mode != "unsplit" else None)
@@ -144,7 +144,7 @@ def _sharded_two_phase(rejected: MixingError) -> MixingError:
 
 def recompute_option(request: Request, analysed: Analysed) -> bool | str:
     """``recompute`` as the model allows (False in eval mode: nothing is trained)."""
-    return _recompute(request.recompute, analysed) if analysed.training else False
+    return _recompute(request.options.recompute, analysed) if analysed.training else False
 
 
 def _capture(model: nn.Module, request: Request) -> CaptureResult:
@@ -159,18 +159,18 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
     """
     var_keyword = any(p.kind == p.VAR_KEYWORD
                       for p in inspect.signature(model.forward).parameters.values())
-    if request.capture == "fx" and var_keyword and not isinstance(model, fx.GraphModule):
+    if request.options.capture == "fx" and var_keyword and not isinstance(model, fx.GraphModule):
         raise CaptureError(
             f"{type(model).__name__}.forward takes **kwargs, which torch.fx turns into an "
             "extra graph input; compile with capture='auto' or capture='export' (torch.export "
             "maps the named parameters), or wrap the model in a Module whose forward names "
             "its inputs.")
     fx_error = None
-    if request.capture == "fx" or (request.capture == "auto" and not var_keyword):
+    if request.options.capture == "fx" or (request.options.capture == "auto" and not var_keyword):
         try:
             return capture(model, request.inputs.concrete)
         except CaptureError as exc:
-            if request.capture == "fx" or isinstance(model, fx.GraphModule):
+            if request.options.capture == "fx" or isinstance(model, fx.GraphModule):
                 raise
             fx_error = exc
     dims = dict(zip(request.inputs.names, request.inputs.in_dims))
@@ -181,7 +181,7 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
     units = fsdp_modules(model)
     if units:  # FSDP2's shards: exported as stand-ins, each unit's call between markers
         return sharded_export(model, units, exported)
-    if request.compile_only or request.validate_only:  # a plan: its graph never runs
+    if request.options.planning_only:  # a plan: its graph never runs
         try:
             by_blocks = capture_by_blocks(model, exported)
         except CaptureError:
@@ -206,7 +206,7 @@ def _batch_norm_rules(mode: str) -> Iterator[None]:
 
 
 def _analyse(model: nn.Module, request: Request) -> Analysed:
-    with _batch_norm_rules(request.batch_norm):
+    with _batch_norm_rules(request.options.batch_norm):
         return _analyse_in_scope(model, request)
 
 
@@ -219,7 +219,7 @@ def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
     inside such calls; the export graph is kept when the analysis accepts it.
     """
     captured = _capture(model, request)
-    may_export = (request.capture == "auto" and captured.method != "export"
+    may_export = (request.options.capture == "auto" and captured.method != "export"
                   and not isinstance(model, fx.GraphModule))
     if may_export and has_mutations(captured.graph_module):
         exported = _export_instead(model, request)
@@ -235,7 +235,7 @@ def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
         exported = _export_instead(model, request)
         if isinstance(exported, CaptureResult):
             second = _analyse_captured(exported, request)
-            if second.refused(request.coupling) is None:
+            if second.refused(request.options.coupling) is None:
                 return second
     return analysed
 

@@ -95,9 +95,9 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_request", request)
         object.__setattr__(self, "selection", selection)
         object.__setattr__(self, "_recompile", recompile)
-        object.__setattr__(self, "compile_only", request.compile_only)
+        object.__setattr__(self, "compile_only", request.options.compile_only)
         object.__setattr__(self, "rank", selection.rank)
-        object.__setattr__(self, "backend", request.backend)
+        object.__setattr__(self, "backend", request.options.backend)
         object.__setattr__(self, "noise_scale", request.noise_scale)
         object.__setattr__(self, "_signature", request.signature)
         face = inspect.signature(request.inner.forward)
@@ -290,7 +290,8 @@ class CompiledModule(ModelFace, nn.Module):
                     f"rank {self.rank} was called with {batch} samples but its share of "
                     f"gbs={self.plan.gbs} is {local} (plan.per_system_batch_sizes[{self.rank}]); "
                     "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank)")
-        elif batch is not None and batch != self.plan.gbs and self._request.batch_sizes == "fixed":
+        elif (batch is not None and batch != self.plan.gbs
+              and self._request.options.batch_sizes == "fixed"):
             raise InputError(
                 f"the batch has {batch} samples but the module was compiled for "
                 f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "

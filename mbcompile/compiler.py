@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch.nn as nn
@@ -24,8 +24,8 @@ import torch.nn as nn
 from mbcompile.analysis import analyse
 from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.errors import CaptureError, MbcompileError
-from mbcompile.execution.noise import NoiseScale
 from mbcompile.lowering import Lowered, lower
+from mbcompile.options import signature_with_options
 from mbcompile.planning.static_memory import check_static_memory
 from mbcompile.reports.report import Validation, validation_of
 from mbcompile.request import Request, make_request
@@ -34,40 +34,26 @@ from mbcompile.selection import Selection, select
 __all__ = ["compile"]
 
 
-def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
-            example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
-            in_dims: Any = 0, system: Any = None, backend: str = "simulated",
-            measure_noise_scale: bool | NoiseScale = False,
-            capture: str = "auto", batch_norm: str = "full_batch",
-            coupling: str = "two_phase", outputs: Any = "all",
-            torch_compile: bool | Mapping[str, Any] = False, recompute: bool | str = "auto",
-            reshard_after_forward: bool | str = "auto", gradient_sync: str = "auto",
-            compile_only: bool = False, validate_only: bool = False,
-            measure: bool | int = False, cost_model: bool = True,
-            batch_sizes: str = "any", optimizer: Any = None,
-            shard: str | None = None) -> CompiledModule | Validation:
+def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto",
+            **options: Any) -> CompiledModule | Validation:
     """Compile ``model`` to run a global batch of ``gbs`` over ``num_csx`` systems.
 
-    ``mbs`` is ``"auto"``, ``"none"``, an int, or ``"explore"``; ``example_inputs`` /
-    ``example_kwargs`` are one example call (any batch size). Returns a ``CompiledModule``
-    (a ``Validation`` with ``validate_only=True``). Raises ``MixingError`` when splitting
-    the batch would change the result and no two-phase step fits, and
-    ``DoesNotFitError`` when the plan exceeds the system's memory. Every parameter is
-    described once, in docs/api.md.
+    ``mbs`` is ``"auto"``, ``"none"``, an int, or ``"explore"``; ``options`` are
+    ``CompileOptions``'s (``mbcompile/options.py``: ``example_inputs`` /
+    ``example_kwargs``, one example call of any batch size, and the rest), which
+    ``inspect.signature(compile)`` lists with their defaults. Returns a
+    ``CompiledModule`` (a ``Validation`` with ``validate_only=True``). Raises
+    ``MixingError`` when splitting the batch would change the result and no two-phase
+    step fits, and ``DoesNotFitError`` when the plan exceeds the system's memory. Every
+    parameter is described once, in docs/api.md.
     """
-    request = make_request(model, gbs, num_csx, mbs, example_inputs=example_inputs,
-                           example_kwargs=example_kwargs, in_dims=in_dims, system=system,
-                           backend=backend, measure_noise_scale=measure_noise_scale,
-                           capture=capture, batch_norm=batch_norm, coupling=coupling,
-                           outputs=outputs, torch_compile=torch_compile, recompute=recompute,
-                           reshard_after_forward=reshard_after_forward,
-                           gradient_sync=gradient_sync, compile_only=compile_only,
-                           validate_only=validate_only,
-                           measure=measure, cost_model=cost_model, batch_sizes=batch_sizes,
-                           optimizer=optimizer, shard=shard)
-    if validate_only:
+    request = make_request(model, gbs, num_csx, mbs, **options)
+    if request.options.validate_only:
         return _validate(request)
     return _compile_request(request)
+
+
+compile.__signature__ = signature_with_options(compile)  # type: ignore[attr-defined]
 
 
 def _compile_request(request: Request) -> CompiledModule:

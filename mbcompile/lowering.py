@@ -80,7 +80,8 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
         recompute=plan.recompute and analysed.training, cut=analysed.cut)
     channels = StepChannels(noise=request.noise_scale,
                             config=_step_config(request, plan, analysed, rewritten, slices))
-    bound = ops.bind(rewritten, bindings(request.backend, channels, plan.per_system_batch_sizes))
+    bound = ops.bind(rewritten, bindings(request.options.backend, channels,
+                                         plan.per_system_batch_sizes))
     if request.torch_compile is not None:
         _torch_compile_parts(bound, request.torch_compile)
     splits = plan.num_nonempty_microbatches > 1
@@ -94,7 +95,7 @@ def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
     plan's choice), a two-phase step's frontier shapes on ranks (a rank whose phase 1 fails
     still joins the gather, with zeros this shape), the body's joint training step."""
     template = None
-    if analysed.mode == "two_phase" and request.backend == "torch.distributed":
+    if analysed.mode == "two_phase" and request.options.backend == "torch.distributed":
         from mbcompile.execution.two_phase import frontier_template
 
         template = frontier_template(rewritten.body, request.values, request.inputs.in_dims,

@@ -45,7 +45,7 @@ def final_plan(request: Request, choice: Choice) -> MicrobatchPlan:
     notes = plan.warnings + choice.warnings + request.notes
     if not request.inner.training:
         notes = (*notes, EVAL_MODE_NOTE.format(name=request.name))
-    if (request.batch_norm == "per_microbatch" and plan.num_nonempty_microbatches > 1
+    if (request.options.batch_norm == "per_microbatch" and plan.num_nonempty_microbatches > 1
             and _has_batch_norm(request.model)):
         warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning,
                       stacklevel=user_stacklevel())

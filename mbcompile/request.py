@@ -24,6 +24,7 @@ from mbcompile.errors import ArgumentTypeError, InputError, PlanError
 from mbcompile.execution import BACKENDS
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.inputs import Inputs, bind_example, keywords_through, with_keywords
+from mbcompile.options import CompileOptions
 from mbcompile.passes.capture import fsdp_modules, gathered_dtypes
 from mbcompile.passes.unwrap import unwrap
 from mbcompile.planning.cost import ShardSpec
@@ -59,24 +60,14 @@ class Request:
     #                                 that reach its **kwargs (keyword-only), **kwargs left out
     example: Mapping[str, Any] = field(repr=False)  # the example call, by parameter name
     inputs: Inputs = field(repr=False)
-    backend: str = "simulated"
-    capture: str = "auto"  # "auto" (fx, then torch.export if fx fails), "fx" or "export"
-    batch_norm: str = "full_batch"  # or "per_microbatch": BatchNorm statistics per microbatch
-    coupling: str = "two_phase"  # or "reject": ops that mix samples raise MixingError
-    outputs: Any = "all"  # "all", "loss", or output names: what a training step returns
+    #: the options as checked (``outputs`` as a tuple when names were given); the example
+    #: call is ``example``/``inputs``, ``in_dims`` kept for the keywords of a later call
+    options: CompileOptions = field(repr=False, default=CompileOptions())
+    # what the options mean, worked out once: ...
     torch_compile: Mapping[str, Any] | None = None  # torch.compile kwargs (None: off)
-    recompute: bool | str = "auto"  # activation checkpointing per block
-    reshard: bool | str = "auto"  # FSDP2's reshard_after_forward
-    gradient_sync: str = "auto"  # FSDP2's gradient reduce-scatter: "step" or "microbatch"
     shard: ShardSpec | None = None  # an FSDP2-sharded model's units (None: not sharded)
-    noise_scale: NoiseScale | None = None
-    compile_only: bool = False
-    validate_only: bool = False
+    noise_scale: NoiseScale | None = None  # measure_noise_scale's monitor (None: off)
     measure: int = 0  # repetitions of real timing per candidate (0: none)
-    cost_model: bool = True  # False: planned without the cost model's fake-tensor probes
-    batch_sizes: str = "any"  # "any": other batch sizes are planned on first sight; "fixed"
-    optimizer: Any = None  # what the plan's optimizer state was sized for (system has the bytes)
-    in_dims: Any = 0  # the option as given: a later call's new keywords get its default dim
 
     @property
     def values(self) -> list[Any]:
@@ -120,74 +111,65 @@ class Request:
         sig = with_keywords(inspect.signature(self.inner.forward), kwargs)
         known = {n: d for n, d in zip(self.inputs.names, self.inputs.in_dims)
                  if n not in self.inputs.concrete and n in sig.parameters}
-        default = self.in_dims if isinstance(self.in_dims, int) else 0
+        in_dims = self.options.in_dims
+        default = in_dims if isinstance(in_dims, int) else 0
         signature, values, inputs = bind_example(self.inner, args, kwargs, known,
-                                                 self.compile_only or self.validate_only,
-                                                 default)
+                                                 self.options.planning_only, default)
         return dataclasses.replace(self, signature=signature, example=values, inputs=inputs)
 
 
-def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
-                 example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
-                 in_dims: Any = 0, system: Any = None, backend: str = "simulated",
-                 measure_noise_scale: bool | NoiseScale = False, capture: str = "auto",
-                 batch_norm: str = "full_batch", coupling: str = "two_phase",
-                 outputs: Any = "all", torch_compile: bool | Mapping[str, Any] = False,
-                 recompute: bool | str = "auto", reshard_after_forward: bool | str = "auto",
-                 gradient_sync: str = "auto",
-                 compile_only: bool = False, validate_only: bool = False,
-                 measure: bool | int = False, cost_model: bool = True,
-                 batch_sizes: str = "any", optimizer: Any = None, shard: str | None = None
+def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **options: Any
                  ) -> Request:
-    """Check every option of ``compile()`` (the same arguments) and bind the example call;
-    raises before anything is traced (docs/mbs.md, "When it does not fit": fail fast)."""
-    planning_only = compile_only or validate_only
+    """Check every option of ``compile()`` (the same arguments; ``CompileOptions`` names
+    them) and bind the example call; raises before anything is traced (docs/mbs.md, "When
+    it does not fit": fail fast)."""
+    o = CompileOptions.of(options)
+    planning_only = o.planning_only
     model = _check_module(model, planning_only)
     unwrapped = unwrap(model)  # DDP, torch.compile, peft: bind and capture what they call
     inner = unwrapped.module
-    if capture not in CAPTURES:
-        raise InputError(f"capture must be one of {CAPTURES}, got {capture!r}")
+    if o.capture not in CAPTURES:
+        raise InputError(f"capture must be one of {CAPTURES}, got {o.capture!r}")
     units = fsdp_modules(inner)  # FSDP2 units of a sharded model, or none
-    if not units and shard is not None:  # FSDP2 planned in one process, before sharding
-        units = _planned_units(inner, shard, planning_only)
-    if units and backend != "torch.distributed" and shard is None:
+    if not units and o.shard is not None:  # FSDP2 planned in one process, before sharding
+        units = _planned_units(inner, o.shard, planning_only)
+    if units and o.backend != "torch.distributed" and o.shard is None:
         raise InputError(
             f"{type(model).__name__} is sharded with fully_shard, so its parameters live on "
             "several ranks: compile it with backend='torch.distributed' inside the process "
             "group that sharded it")
-    if backend not in BACKENDS:
-        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if unwrapped.world_size > 1 and backend != "torch.distributed":
+    if o.backend not in BACKENDS:
+        raise InputError(f"backend must be one of {BACKENDS}, got {o.backend!r}")
+    if unwrapped.world_size > 1 and o.backend != "torch.distributed":
         raise InputError(
             f"{type(model).__name__} all-reduces gradients over {unwrapped.world_size} "
             "processes, and mbcompile compiles the module it wraps, without that all-reduce; "
             "compile with backend='torch.distributed' (mbcompile all-reduces the gradients "
             "itself), or compile the wrapped module on one process")
-    if batch_norm not in BATCH_NORM_MODES:
-        raise InputError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {batch_norm!r}")
-    if coupling not in COUPLING_MODES:
-        raise InputError(f"coupling must be one of {COUPLING_MODES}, got {coupling!r}")
-    if batch_sizes not in BATCH_SIZES:
-        raise InputError(f"batch_sizes must be one of {BATCH_SIZES}, got {batch_sizes!r}")
-    spec = with_optimizer(get_system(system), optimizer, model)
+    if o.batch_norm not in BATCH_NORM_MODES:
+        raise InputError(f"batch_norm must be one of {BATCH_NORM_MODES}, got {o.batch_norm!r}")
+    if o.coupling not in COUPLING_MODES:
+        raise InputError(f"coupling must be one of {COUPLING_MODES}, got {o.coupling!r}")
+    if o.batch_sizes not in BATCH_SIZES:
+        raise InputError(f"batch_sizes must be one of {BATCH_SIZES}, got {o.batch_sizes!r}")
+    spec = with_optimizer(get_system(o.system), o.optimizer, model)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
     sizes = per_system_batch_sizes(gbs, num_csx)  # split once, here
     check_policy(sizes, policy, planning_only)  # before any tracing
-    _check_cost_model(cost_model, policy, system, measure)
-    signature, values, inputs = bind_example(inner, example_inputs, example_kwargs, in_dims,
-                                             planning_only)
+    _check_cost_model(o.cost_model, policy, o.system, o.measure)
+    signature, values, inputs = bind_example(inner, o.example_inputs, o.example_kwargs,
+                                             o.in_dims, planning_only)
+    outputs, torch_compile = _check_outputs(o.outputs), _check_torch_compile(o.torch_compile)
+    checked = dataclasses.replace(o, outputs=outputs, recompute=_check_recompute(o.recompute),
+                                  example_inputs=None, example_kwargs=None)  # bound: example
+    _check_reshard(o.reshard_after_forward, bool(units))
+    _check_gradient_sync(o.gradient_sync, bool(units))
     return Request(
         model=model, inner=inner, notes=tuple(unwrapped.notes), gbs=int(gbs),
         num_csx=int(num_csx), per_system_batch_sizes=sizes, policy=policy, system=spec,
-        signature=signature, example=values, inputs=inputs,
-        backend=backend, capture=capture, batch_norm=batch_norm, coupling=coupling,
-        outputs=_check_outputs(outputs), torch_compile=_check_torch_compile(torch_compile),
-        recompute=_check_recompute(recompute),
-        reshard=_check_reshard(reshard_after_forward, bool(units)),
-        gradient_sync=_check_gradient_sync(gradient_sync, bool(units)),
-        shard=_shard_spec(units, num_csx), noise_scale=_noise_scale(measure_noise_scale),
-        compile_only=compile_only, validate_only=validate_only, measure=_repetitions(measure),
-        cost_model=cost_model, batch_sizes=batch_sizes, optimizer=optimizer, in_dims=in_dims)
+        signature=signature, example=values, inputs=inputs, options=checked,
+        torch_compile=torch_compile, shard=_shard_spec(units, num_csx),
+        noise_scale=_noise_scale(o.measure_noise_scale), measure=_repetitions(o.measure))
 
 
 # --------------------------------------------------------------------------- #

@@ -102,12 +102,12 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
     ``CostModelError``: a compile-only answer is never an MBS unchecked against memory.
     In ``"unsplit"`` mode only the whole per-system batch is probed and checked.
     ``recompute`` (``"auto"``): activation checkpointing per block is costed only when
-    memory stops the MBS from growing. With ``request.cost_model`` False nothing is
+    memory stops the MBS from growing. With ``request.options.cost_model`` False nothing is
     probed: the plan is the arithmetic one (``make_plan``), unchecked against memory.
     """
     choice = _pinned(_select(request, analysed, progress), request)
     rank = None
-    if request.backend == "torch.distributed":
+    if request.options.backend == "torch.distributed":
         from mbcompile.execution.distributed import check_world
 
         rank = check_world(choice.plan)
@@ -126,10 +126,11 @@ def _pinned(selection: Choice, request: Request) -> Choice:
     if request.shard is None:
         return selection
     pins: dict[str, Any] = {}
-    if plan.reshard_after_forward is None and isinstance(request.reshard, bool):
-        pins["reshard_after_forward"] = request.reshard
-    if plan.gradient_sync is None and request.gradient_sync != "auto":
-        pins["gradient_sync"] = request.gradient_sync
+    reshard = request.options.reshard_after_forward
+    if plan.reshard_after_forward is None and isinstance(reshard, bool):
+        pins["reshard_after_forward"] = reshard
+    if plan.gradient_sync is None and request.options.gradient_sync != "auto":
+        pins["gradient_sync"] = request.options.gradient_sync
     return replace(selection, plan=replace(plan, **pins)) if pins else selection
 
 
@@ -138,12 +139,12 @@ def _select(request: Request, analysed: Analysed, progress: bool | None) -> Choi
     recompute = recompute_option(request, analysed)
     unsplit, two_phase = analysed.mode == "unsplit", analysed.mode == "two_phase"
     may_recompute = not (two_phase or unsplit or recompute is False)
-    if not request.cost_model:
+    if not request.options.cost_model:
         return _without_cost_model(ctx, recompute is True and may_recompute)
     if recompute is True and may_recompute and ctx.checkpointed() is not None:
         return _with_recompute(ctx, None)
     cost, error = _cost_model(ctx)
-    if cost is None and request.compile_only and request.policy.mode == "auto":
+    if cost is None and request.options.compile_only and request.policy.mode == "auto":
         # a compile-only plan is read as an answer: without the cost model nothing says
         # whether any MBS fits, so there is none to give
         raise CostModelError(
@@ -159,8 +160,8 @@ def _select(request: Request, analysed: Analysed, progress: bool | None) -> Choi
                       ) if request.measure else None
     try:
         selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
-                                   request.system, reshard=request.reshard,
-                                   sync=request.gradient_sync, timer=timer,
+                                   request.system, reshard=request.options.reshard_after_forward,
+                                   sync=request.options.gradient_sync, timer=timer,
                                    progress=progress, cost_error=error, unsplit=unsplit)
     except DoesNotFitError as exc:
         if two_phase and isinstance(cost, TwoPhaseCostModel):
@@ -295,8 +296,8 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
                         request.inputs.in_dims, pbs=request.pbs, name=request.name,
                         kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard)
     selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
-                               request.system, reshard=request.reshard,
-                               sync=request.gradient_sync, progress=ctx.progress)
+                               request.system, reshard=request.options.reshard_after_forward,
+                               sync=request.options.gradient_sync, progress=ctx.progress)
     why = (f"activation checkpointing per block{' (recompute=True)' if asked else ''}"
            if without is None else
            f"activation checkpointing per block: without it even mbs {without.mbs} needs "
