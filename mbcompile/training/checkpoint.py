@@ -1,6 +1,7 @@
 """Checkpoints of a training run: written atomically, verified, read back safely.
 
-The RNG states they hold are ``mbcompile.training.rng``'s; the signals that stop a run
+The RNG states they hold are ``mbcompile.training.rng``'s, their tensors on ranks go through
+``mbcompile.training.checkpoint_dcp``; the signals that stop a run
 and have it write one are ``mbcompile.training.signals``'.
 
 A checkpoint is one folder under the run's output folder; its name is the global
@@ -49,13 +50,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -64,6 +63,13 @@ from typing import IO, Any
 import torch
 
 from mbcompile.errors import MbcompileError
+from mbcompile.training.checkpoint_dcp import (
+    DCP,
+    Damaged,
+    dcp_load,
+    read_dcp_metadata,
+    split_tensors,
+)
 from mbcompile.training.signals import TrainingInterrupted
 
 __all__ = [
@@ -80,9 +86,7 @@ MANIFEST = "MANIFEST.json"
 TRAINER = "trainer.json"
 STATE = "state.pt"  # one process
 STRUCTURE = "structure.pt"  # ranks: the state_dicts, tensors replaced by their key in dcp/
-DCP = "dcp"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_TENSOR_REF = "__dcp_tensor__"  # {"__dcp_tensor__": key}: a tensor stored in dcp/ under key
 #: ``targets(checkpoint folder, trainer.json)``: the state a sharded run loads into.
 Targets = Callable[[Path, Mapping[str, Any]], Any]
 
@@ -100,10 +104,6 @@ def _rng_file(rank: int) -> str:
 
 class CheckpointError(MbcompileError):
     """A checkpoint cannot be used to resume: written by another run shape, or unreadable."""
-
-
-class _Damaged(Exception):
-    """A checkpoint folder whose files are not what its manifest says."""
 
 
 # --------------------------------------------------------------------------- #
@@ -144,149 +144,32 @@ def _digest(path: Path) -> dict[str, Any]:
 
 
 def _verify(folder: Path) -> None:
-    """Raise ``_Damaged`` unless every file the manifest lists is there, whole and unchanged."""
+    """Raise ``Damaged`` unless every file the manifest lists is there, whole and unchanged."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         files = manifest["files"]
     except FileNotFoundError:
-        raise _Damaged(f"it has no {MANIFEST}") from None
+        raise Damaged(f"it has no {MANIFEST}") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise _Damaged(f"its {MANIFEST} does not parse: {exc}") from None
+        raise Damaged(f"its {MANIFEST} does not parse: {exc}") from None
     for name in (TRAINER, _rng_file(0)):
         if name not in files:
-            raise _Damaged(f"its manifest does not list {name}")
+            raise Damaged(f"its manifest does not list {name}")
     for name, want in files.items():
         path = folder / name
         if not path.is_file():
-            raise _Damaged(f"{name} is missing")
+            raise Damaged(f"{name} is missing")
         size = path.stat().st_size
         if size != want["bytes"]:
-            raise _Damaged(f"{name} has {size} bytes, the manifest says {want['bytes']} "
+            raise Damaged(f"{name} has {size} bytes, the manifest says {want['bytes']} "
                            "(truncated?)")
         if _digest(path)["sha256"] != want["sha256"]:
-            raise _Damaged(f"{name} does not match its SHA-256 in the manifest (corrupt)")
+            raise Damaged(f"{name} does not match its SHA-256 in the manifest (corrupt)")
 
 
 def _load_torch(path: Path) -> Any:
     # weights_only=True: tensors, plain containers and scalars; never arbitrary objects.
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-# --------------------------------------------------------------------------- #
-# torch.distributed.checkpoint: tensors only, metadata read with an allowlist
-# --------------------------------------------------------------------------- #
-
-_DCP_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePath",
-                                      "PurePosixPath", "PureWindowsPath")),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` with only its own classes, dtypes, ``Size`` and paths admitted."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DCP_METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"{module}.{name} is not allowed in a checkpoint's metadata (only tensors are "
-            "stored with torch.distributed.checkpoint)")
-
-
-def read_dcp_metadata(path: Path) -> Any:
-    """The ``Metadata`` of the DCP folder ``path``, read with the allowlist."""
-    with open(path / ".metadata", "rb") as f:
-        return _MetadataUnpickler(f).load()
-
-
-def _safe_reader(path: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_dcp_metadata(Path(self.path))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(path)
-
-
-def _split(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """``value`` with each tensor moved to ``tensors`` and replaced by a reference to it."""
-    if isinstance(value, torch.Tensor):
-        tensors[key] = value
-        return {_TENSOR_REF: key}
-    if isinstance(value, Mapping):
-        return {k: _split(v, f"{key}/{k}", tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_split(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]
-        return items if isinstance(value, list) else tuple(items)
-    return value
-
-
-def _join(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """The inverse of ``_split``."""
-    if isinstance(value, dict):
-        if set(value) == {_TENSOR_REF}:
-            return tensors[value[_TENSOR_REF]]
-        return {k: _join(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_join(v, tensors) for v in value]
-        return items if isinstance(value, list) else tuple(items)
-    return value
-
-
-def _refs(value: Any) -> Iterator[str]:
-    if isinstance(value, dict):
-        if set(value) == {_TENSOR_REF}:
-            yield value[_TENSOR_REF]
-            return
-        for v in value.values():
-            yield from _refs(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _refs(v)
-
-
-def _dcp_load(folder: Path, structure: Any, group: Any,
-              targets: Callable[[], Any] | None = None) -> Any:
-    """The state ``structure`` describes, its tensors read from ``folder``. Each tensor is
-    read whole, or, where ``targets()`` (the current state, like the saved one) has a
-    tensor of that key and shape (a sharded run's DTensors), into it: this rank's shard."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = read_dcp_metadata(folder)
-    given: dict[str, torch.Tensor] = {}
-    if targets is not None:
-        _split(targets(), "", given)
-    tensors: dict[str, torch.Tensor] = {}
-    for key in _refs(structure):
-        md = metadata.state_dict_metadata.get(key)
-        if md is None or not hasattr(md, "size"):
-            raise _Damaged(f"{DCP}/ has no tensor {key!r}")
-        target = given.get(key)
-        if target is not None and target.shape == md.size \
-                and target.dtype == md.properties.dtype:
-            tensors[key] = target
-        else:
-            tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    with warnings.catch_warnings():
-        if group is None:  # reading ranks' checkpoint in one process is what was asked
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=_safe_reader(folder), process_group=group,
-                 no_dist=group is None)
-    return _join(structure, tensors)
 
 
 def control_group() -> Any:
@@ -355,7 +238,7 @@ def _read(path: Path, rank: int = 0, world: int = 1, group: Any = None,
         state = _load_torch(path / STATE)
     else:
         into = None if targets is None else lambda: targets(path, trainer)
-        state = _dcp_load(path / DCP, _load_torch(path / STRUCTURE), group, into)
+        state = dcp_load(path / DCP, _load_torch(path / STRUCTURE), group, into)
     return Checkpoint(path, int(trainer["global_step"]), state, trainer, rank_state, written)
 
 
@@ -441,7 +324,7 @@ class CheckpointStore:
             import torch.distributed.checkpoint as dcp
 
             tensors: dict[str, torch.Tensor] = {}
-            structure = _split(dict(state), "", tensors)
+            structure = split_tensors(dict(state), "", tensors)
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp / DCP),
                      process_group=self.group)
             mine += [f"{DCP}/{p.name}" for p in sorted((tmp / DCP).glob(f"__{rank}_*"))]

@@ -32,7 +32,7 @@ What one ``fit`` does:
 
 The pieces it runs on have a file each: the batch forms and the loss in an output
 (``batches``), the position in the data (``data_cursor``), the logged rows
-(``metrics``), the progress display (``progress``), FSDP2 sharding (``sharding``),
+(``metrics``), the rows kept and shown (``progress``), FSDP2 sharding (``sharding``),
 checkpoints (``trainer_checkpoints``, on ``checkpoint``, ``rng``, ``signals``).
 """
 
@@ -288,20 +288,6 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         lr = self.optimizer.param_groups[0].get("lr") if phase == "train" else None
         return make_row(phase, step, self.global_step, cm.plan, loss, seconds, lr, self.metrics,
                         output, batch)
-
-    def _record(self, row: dict[str, Any], task: Any, total: int | None) -> None:
-        self.history.append(row)
-        if self.log is not None:
-            self.log.write(row)
-        if task is not None:
-            self._live.update(task, advance=1, loss=f"{row['loss']:.4f}")
-            if row["step"] % self.log_every == 0 or row["step"] == total:
-                extra = "".join(f" {k} {row[k]:.4g}" if isinstance(row[k], float) else
-                                f" {k} {row[k]}" for k in self.metrics)
-                of = f"/{total}" if total else ""
-                self._print(f"{row['phase']} step {row['step']}{of}: loss {row['loss']:.4f}"
-                            f"{extra}  mbs {row['mbs']}  {row['samples_per_s'] or 0:.0f} "
-                            "samples/s")
 
     def _local(self, batch: Any, cm: CompiledModule) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The call's arguments: the whole batch, or this rank's share of it."""

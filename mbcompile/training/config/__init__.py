@@ -30,7 +30,7 @@ How a file becomes a run:
    ``build_trainer`` make the objects; their failures name the line as well.
 
 Each step has its module: ``loader`` (YAML with lines), ``checks`` and ``schema`` (the
-checks and the sections), ``builders`` (the objects);
+checks and the sections), ``parse`` (the ``Config`` they make), ``builders`` (the objects);
 this one reads a file through them, and is where their public names are imported from.
 
 ``1e-3`` is a float here (YAML 1.2), not the string YAML 1.1 makes of it.
@@ -52,14 +52,8 @@ from mbcompile.training.config.builders import (
 )
 from mbcompile.training.config.checks import import_object
 from mbcompile.training.config.loader import ConfigError, load_yaml
-from mbcompile.training.config.schema import (
-    BACKENDS,
-    BUILTIN_MODELS,
-    CALLBACKS,
-    SHARDS,
-    Config,
-    parse_config,
-)
+from mbcompile.training.config.parse import Config, parse_config
+from mbcompile.training.config.schema import BACKENDS, BUILTIN_MODELS, CALLBACKS, SHARDS
 
 __all__ = [
     "BACKENDS",

@@ -15,7 +15,8 @@ import torch.nn as nn
 import mbcompile.models as models
 from mbcompile.training.config.checks import import_object, optimizer_classes, signature_names
 from mbcompile.training.config.loader import Path_
-from mbcompile.training.config.schema import BUILTIN_MODELS, CALLBACKS, SYNTHETIC, Config
+from mbcompile.training.config.parse import Config
+from mbcompile.training.config.schema import BUILTIN_MODELS, CALLBACKS, SYNTHETIC
 from mbcompile.training.flags import Callback, GlobalFlags
 from mbcompile.training.sharding import shard_model
 
