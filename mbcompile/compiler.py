@@ -38,6 +38,7 @@ from mbcompile.execution.joint import joint_step
 from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_new_hooks
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.rank_shares import check_not_in_ddp
+from mbcompile.execution.seeding import step_seed
 from mbcompile.execution.step_config import StepConfig
 from mbcompile.face import ModelFace
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
@@ -314,6 +315,8 @@ class CompiledModule(ModelFace, nn.Module):
                 "Return the loss from forward to get one microbatch's memory.",
                 RetainedActivationsWarning, stacklevel=user_stacklevel())
         flat = compiled.graph_module(*values)
+        if compiled.channels.config.seed is not None:  # the gradient the loss gets: next guess
+            compiled.channels.config.seed.watch(flat)
         state = compiled.state
         if state.targets:  # the step succeeded: write the state back once, as eager does
             self._write_state(state, flat[state.n_outputs:], arguments)
@@ -498,7 +501,8 @@ def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
     joint = None
     if request.torch_compile is not None:  # what a training step runs per microbatch
         joint = joint_step(rewritten.body, {"dynamic": False, **request.torch_compile})
-    return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync)
+    return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync,
+                      step_seed(rewritten, analysed.analysis.loss_outputs), request.nonfinite)
 
 
 def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None:
@@ -525,7 +529,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             coupling: str = "two_phase", outputs: Any = "all",
             torch_compile: bool | Mapping[str, Any] = False, recompute: bool | str = "auto",
             reshard_after_forward: bool | str = "auto", gradient_sync: str = "auto",
-            compile_only: bool = False, validate_only: bool = False,
+            nonfinite: str = "return", compile_only: bool = False, validate_only: bool = False,
             measure: bool | int = False, cost_model: bool = True,
             batch_sizes: str = "any", optimizer: Any = None,
             shard: str | None = None) -> CompiledModule | Validation:
@@ -544,7 +548,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
                            capture=capture, batch_norm=batch_norm, coupling=coupling,
                            outputs=outputs, torch_compile=torch_compile, recompute=recompute,
                            reshard_after_forward=reshard_after_forward,
-                           gradient_sync=gradient_sync, compile_only=compile_only,
+                           gradient_sync=gradient_sync, nonfinite=nonfinite,
+                           compile_only=compile_only,
                            validate_only=validate_only,
                            measure=measure, cost_model=cost_model, batch_sizes=batch_sizes,
                            optimizer=optimizer, shard=shard)

@@ -75,6 +75,7 @@ class Request:
     recompute: bool | str = "auto"  # activation checkpointing per block
     reshard: bool | str = "auto"  # FSDP2's reshard_after_forward
     gradient_sync: str = "auto"  # FSDP2's gradient reduce-scatter: "step" or "microbatch"
+    nonfinite: str = "return"  # a non-finite loss: "return" it (as eager) or "raise"
     shard: ShardSpec | None = None  # an FSDP2-sharded model's units (None: not sharded)
     noise_scale: NoiseScale | None = None
     compile_only: bool = False
@@ -116,7 +117,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
                  batch_norm: str = "full_batch", coupling: str = "two_phase",
                  outputs: Any = "all", torch_compile: bool | Mapping[str, Any] = False,
                  recompute: bool | str = "auto", reshard_after_forward: bool | str = "auto",
-                 gradient_sync: str = "auto",
+                 gradient_sync: str = "auto", nonfinite: str = "return",
                  compile_only: bool = False, validate_only: bool = False,
                  measure: bool | int = False, cost_model: bool = True,
                  batch_sizes: str = "any", optimizer: Any = None, shard: str | None = None
@@ -151,6 +152,8 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         raise InputError(f"coupling must be one of {COUPLING_MODES}, got {coupling!r}")
     if batch_sizes not in BATCH_SIZES:
         raise InputError(f"batch_sizes must be one of {BATCH_SIZES}, got {batch_sizes!r}")
+    if nonfinite not in ("return", "raise"):
+        raise InputError(f"nonfinite must be 'return' or 'raise', got {nonfinite!r}")
     spec = with_optimizer(get_system(system), optimizer, model)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
     check_request(gbs, num_csx, policy, compile_only or validate_only)  # before any tracing
@@ -164,7 +167,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
         outputs=_check_outputs(outputs), torch_compile=_check_torch_compile(torch_compile),
         recompute=_check_recompute(recompute),
         reshard=_check_reshard(reshard_after_forward, bool(units)),
-        gradient_sync=_check_gradient_sync(gradient_sync, bool(units)),
+        gradient_sync=_check_gradient_sync(gradient_sync, bool(units)), nonfinite=nonfinite,
         shard=_shard_spec(units, num_csx), noise_scale=_noise_scale(measure_noise_scale),
         compile_only=compile_only, validate_only=validate_only, measure=_repetitions(measure),
         cost_model=cost_model, batch_sizes=batch_sizes, optimizer=optimizer, in_dims=in_dims)
