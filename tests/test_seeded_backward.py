@@ -208,3 +208,35 @@ def test_post_accumulate_grad_hooks_of_a_two_phase_step_fire_once():
     assert calls[0] == ref_calls[0] == 3 * len(list(model.parameters()))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------ HF Trainer, 40 steps
+@pytest.mark.slow  # 80 Trainer steps
+def test_the_hf_trainer_trains_a_float64_gpt2_as_its_own_loop_for_40_steps(tmp_path):
+    """transformers computes the causal-LM loss in float32 and divides it by the
+    Trainer's ``num_items_in_batch``: each microbatch's backward gets that float32 seed,
+    so 40 AdamW steps stay where ``Trainer(model=model)`` goes (issue 36: 1e-9)."""
+    transformers = pytest.importorskip("transformers")
+    from integration_workers import example
+
+    script = example("hf_trainer")
+    plain = script.make_model("gpt2")
+    model = copy.deepcopy(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+        cm = script.compile_for_trainer(model, cost_model=False)
+    steps = 40
+    for m, out in ((plain, "plain"), (cm, "compiled")):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), per_device_train_batch_size=script.GBS,
+            num_train_epochs=1, learning_rate=1e-2, seed=0, use_cpu=True, report_to=[],
+            save_strategy="no", disable_tqdm=True, logging_strategy="no")
+        trainer = transformers.Trainer(model=m, args=args,
+                                       train_dataset=script.Tokens(steps * script.GBS, 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        assert trainer.state.global_step == steps
+    errors = {k: float((v - plain.state_dict()[k]).abs().max())
+              for k, v in model.state_dict().items()}
+    assert max(errors.values()) <= 1e-9, errors
