@@ -308,6 +308,8 @@ class CompiledModule(ModelFace, nn.Module):
                 "Return the loss from forward to get one microbatch's memory.",
                 RetainedActivationsWarning, stacklevel=user_stacklevel())
         flat = compiled.graph_module(*values)
+        if compiled.channels.config.seed is not None:  # the gradient the loss gets: next guess
+            compiled.channels.config.seed.watch(flat)
         state = compiled.state
         if state.targets:  # the step succeeded: write the state back once, as eager does
             self._write_state(state, flat[state.n_outputs:], arguments)

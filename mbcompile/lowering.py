@@ -24,6 +24,7 @@ import torch.fx as fx
 from mbcompile.analysis import Analysed
 from mbcompile.execution import StepChannels, bindings
 from mbcompile.execution.joint import joint_step
+from mbcompile.execution.seeding import step_seed
 from mbcompile.execution.step_config import StepConfig
 from mbcompile.passes import ops
 from mbcompile.passes.batch_analysis import BatchAnalysis
@@ -103,7 +104,9 @@ def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
     joint = None
     if request.torch_compile is not None:  # what a training step runs per microbatch
         joint = joint_step(rewritten.body, {"dynamic": False, **request.torch_compile})
-    return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync)
+    return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync,
+                      step_seed(rewritten, analysed.analysis.loss_outputs),
+                      request.options.nonfinite)
 
 
 def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None:

@@ -62,6 +62,9 @@ class CompileOptions:
                                                         "model: 'auto', True or False")
     gradient_sync: str = _option("auto", "when FSDP2 reduce-scatters gradients: 'auto', "
                                          "'step' or 'microbatch'")
+    nonfinite: str = _option("return", "a non-finite loss: 'return' it with its gradients, "
+                                       "as eager does (GradScaler skips the step), or "
+                                       "'raise' and roll the step back")
     compile_only: bool = _option(False, "trace, analyse, plan and estimate; the module does "
                                         "not run")
     validate_only: bool = _option(False, "stop after capture and batch analysis: a "

@@ -152,6 +152,8 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
         raise InputError(f"coupling must be one of {COUPLING_MODES}, got {o.coupling!r}")
     if o.batch_sizes not in BATCH_SIZES:
         raise InputError(f"batch_sizes must be one of {BATCH_SIZES}, got {o.batch_sizes!r}")
+    if o.nonfinite not in ("return", "raise"):
+        raise InputError(f"nonfinite must be 'return' or 'raise', got {o.nonfinite!r}")
     spec = with_optimizer(get_system(o.system), o.optimizer, model)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
     sizes = per_system_batch_sizes(gbs, num_csx)  # split once, here

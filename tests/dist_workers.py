@@ -120,7 +120,7 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
     model.head.register_forward_hook(poison)
     model.blocks[0].qkv.weight.register_hook(explode)  # late in the backward
     cm = mbcompile.compile(model, gbs, world, 1, example_inputs=batch,
-                           backend="torch.distributed")
+                           backend="torch.distributed", nonfinite="raise")
     last = cm.plan.per_system_batch_sizes[rank]
     forwards["armed"] = True
     for p in model.parameters():  # the user's gradients, which a failed step leaves alone

@@ -250,7 +250,7 @@ def _setup(name: str, plan_args: tuple[int, int, int], grads: str, **compile_kw:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
         cm = mbcompile.compile(case.model, gbs, num_csx, mbs, example_inputs=case.batch,
-                               **compile_kw)
+                               **{"nonfinite": "raise", **compile_kw})
     opt = torch.optim.Adam(case.model.parameters(), lr=1e-2)
     # one real step, so Adam holds moments and a step count
     with warnings.catch_warnings():

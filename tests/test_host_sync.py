@@ -21,10 +21,11 @@ from mbcompile.models import make_mlp, make_tiny_gpt
 MAKERS = {"tiny_gpt": make_tiny_gpt, "mlp": make_mlp}
 
 
-def _reads_per_step(name: str, microbatches: int, noise: bool) -> HostReads:
+def _reads_per_step(name: str, microbatches: int, noise: bool, nonfinite: str = "raise"
+                    ) -> HostReads:
     model, batch = MAKERS[name](16, dtype=torch.float64)
     cm = mbcompile.compile(model, 16, 1, 16 // microbatches, example_inputs=batch,
-                           measure_noise_scale=noise)
+                           measure_noise_scale=noise, nonfinite=nonfinite)
     assert cm.plan.num_microbatches == microbatches
     loss, _ = cm(*batch)  # warm: the first call may compile
     loss.backward()
@@ -41,6 +42,14 @@ def test_one_host_read_per_training_step(name, noise):
         reads = _reads_per_step(name, microbatches, noise)
         assert reads.total == 1, (microbatches, dict(reads.ops))
         assert reads.ops["mbcompile.execution.runtime.read_host"] == 1
+
+
+@pytest.mark.parametrize("noise", [False, True], ids=["plain", "noise_scale"])
+def test_a_step_that_returns_a_non_finite_loss_reads_only_the_noise_scale(noise):
+    """By default (``nonfinite="return"``) nothing in the step needs the host: no read at
+    all, unless the noise scale's norms are measured (one read, as before)."""
+    reads = _reads_per_step("mlp", 4, noise, "return")
+    assert reads.total == int(noise), dict(reads.ops)
 
 
 def test_noise_scale_is_read_when_asked_for_not_in_the_step():
@@ -77,7 +86,7 @@ def test_the_counter_sees_a_hand_loop_that_reads_every_microbatch():
 
 def test_a_non_finite_loss_is_still_found_and_named_after_the_one_read():
     model, (x, y) = make_mlp(16, dtype=torch.float64)
-    cm = mbcompile.compile(model, 16, 2, 2, example_inputs=(x, y))
+    cm = mbcompile.compile(model, 16, 2, 2, example_inputs=(x, y), nonfinite="raise")
     y = y.clone()
     y[13] = float("nan")  # system 1 holds rows 8..15 in microbatches of 2: row 13 is its third
     with pytest.raises(mbcompile.MicrobatchError, match="system 1, microbatch 2 is nan"):

@@ -23,7 +23,7 @@ from mbcompile.errors import ArgumentTypeError
 from mbcompile.models import make_mlp
 from mbcompile.options import CompileOptions, option_names
 from mbcompile.request import make_request
-from mbcompile.training.config_schema import TOP_KEYS
+from mbcompile.training.config.schema import TOP_KEYS
 from mbcompile.training.trainer import COMPILE_OPTIONS
 
 API = Path(__file__).resolve().parent.parent / "docs" / "api.md"

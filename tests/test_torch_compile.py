@@ -59,9 +59,9 @@ def joint_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = joint.JointStep.__call__
 
-    def counted(self, names, params, grads, fused_index, mb):
+    def counted(self, names, params, grads, fused_index, mb, seed):
         calls.append(next(t.shape[0] for t in mb if isinstance(t, torch.Tensor)))
-        return real(self, names, params, grads, fused_index, mb)
+        return real(self, names, params, grads, fused_index, mb, seed)
 
     monkeypatch.setattr(joint.JointStep, "__call__", counted)
     return calls
@@ -145,7 +145,8 @@ def test_freezing_and_unfreezing_between_steps():
 @pytest.mark.slow
 def test_a_failed_step_is_rolled_back():
     model, batch = make_tiny_gpt(GBS)
-    cm = mbcompile.compile(model, GBS, 2, 4, example_inputs=batch, torch_compile=AOT)
+    cm = mbcompile.compile(model, GBS, 2, 4, example_inputs=batch, torch_compile=AOT,
+                           nonfinite="raise")
     for p in model.parameters():
         p.grad = torch.full_like(p, 0.5)
     before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
@@ -286,7 +287,8 @@ def test_a_model_error_is_the_models_and_keeps_the_joint_graph(joint_calls):
 @pytest.mark.slow
 def test_one_host_read_per_step_through_the_joint_graph(joint_calls):
     model, batch = make_tiny_gpt(16, dtype=torch.float64)
-    cm = mbcompile.compile(model, 16, 1, 4, example_inputs=batch, torch_compile=AOT)
+    cm = mbcompile.compile(model, 16, 1, 4, example_inputs=batch, torch_compile=AOT,
+                           nonfinite="raise")  # the default reads nothing (test_host_sync)
     cm(*batch)[0].backward()  # the first step compiles
     joint_calls.clear()
     with HostReads() as reads:
@@ -415,7 +417,8 @@ def test_a_failed_joint_graph_leaves_saved_tensor_hooks_on():
     step = joint.JointStep(body, {"dynamic": False, **AOT})
     params = list(model.parameters())
     with torch.no_grad(), pytest.raises(Exception, match="saved tensor hooks"):
-        step(step.names(params), params, None, 0, (batch[0][:2], batch[1][:2]))
+        step(step.names(params), params, None, 0, (batch[0][:2], batch[1][:2]),
+             torch.ones(()))
     assert torch._C._autograd._saved_tensors_hooks_is_enabled()
     assert_close_errors(step_errors(model, cm, batch), 1e-10)  # checkpointing still works
 

@@ -10,7 +10,7 @@ microbatch, and the step's accumulation (``acc += g``) done inside the graph::
 
     grads = zeros_like(params)                    # once per step
     for mb in microbatches:
-        outs = step(body, params, grads, mb)      # grads += d partial(mb) / d params
+        outs = step(body, params, grads, mb, seed)  # grads += seed * d partial(mb) / d params
 
 A hand loop over ``torch.compile(model)`` cannot do this: its backward runs through
 ``loss.backward()``. The gradients are the same sums in the same order (0 + g_0,
@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
+from mbcompile.execution.step_checks import StepChecks
 from mbcompile.passes.generators import checkpoint_replaying
 from mbcompile.passes.ops import as_tuple
 
@@ -92,16 +93,45 @@ class JointStep:
         return any(m._backward_hooks or m._backward_pre_hooks for m in self._modules) or any(
             m.training and m.track_running_stats for m in self._norms)
 
+    def run(self, loop: Any, names: tuple[str, ...], facts: MetaFacts,
+            params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+        """Every microbatch of ``loop`` (a ``runtime._Loop``) through the joint graph: the
+        step's gradient is built in the graph's own tensors, never in ``.grad``, so the
+        user's gradients are not touched; a parameter the loss does not reach is left out,
+        and its gradient stays None. Each backward is seeded as eager's (a tensor, also
+        when it is 1: one graph whatever the guess)."""
+        trained = [p for p, r in zip(params, facts.reached) if r]
+        names = tuple(n for n, r in zip(names, facts.reached) if r)
+        microbatches, index = loop.microbatches, loop.fused_index
+        checks = loop.checks = StepChecks(len(microbatches), params[0].device, False)
+        stand_in = torch.zeros((), dtype=facts.loss_dtype, device=params[0].device)
+        seed = None
+        if loop.seeding is not None:
+            count = loop.seeding.global_count(microbatches, loop.systems, loop.distributed)
+            seed = loop.seeding.seed(stand_in, count, microbatches[0])
+        loop.seed_value = seed = torch.ones_like(stand_in) if seed is None else seed
+        grads, results = None, []
+        for i, mb in enumerate(microbatches):
+            grads, out = self(names, trained, grads, index, mb, seed)
+            checks.finite(i, out[index])  # read once, at the end of the step
+            results.append(out)
+        loop.no_grad_outputs = [isinstance(o, torch.Tensor) and not f
+                                for o, f in zip(results[0], facts.outputs)]
+        found = iter(grads)
+        loop.step_grads = [next(found) if r else None for r in facts.reached]
+        return results
+
     def __call__(self, names: tuple[str, ...], params: list[torch.Tensor],
-                 grads: list[torch.Tensor] | None, fused_index: int, mb: tuple[Any, ...]
-                 ) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
+                 grads: list[torch.Tensor] | None, fused_index: int, mb: tuple[Any, ...],
+                 seed: torch.Tensor) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
         """(the step's gradients so far, this microbatch's outputs); ``grads`` None: the
-        first microbatch (the step's gradients start at zero), else added to in place."""
+        first microbatch (the step's gradients start at zero), else added to in place;
+        ``seed``: what the partial's backward is seeded with (``seeding.py``)."""
         if grads is None:
             grads = [torch.zeros_like(p) for p in params]
         hooks = torch._C._autograd._saved_tensors_hooks_is_enabled()
         try:
-            return grads, self._step(names, params, grads, fused_index, mb)
+            return grads, self._step(names, params, grads, fused_index, mb, seed)
         except BaseException:
             # torch.func.grad switches saved-tensor hooks off while it runs and, failing
             # inside a compiled frame, may leave them off: autograd's checkpointing (the
@@ -111,15 +141,16 @@ class JointStep:
             raise
 
     def _step_impl(self, names: tuple[str, ...], params: list[torch.Tensor],
-                   acc: list[torch.Tensor], fused_index: int, mb: tuple[Any, ...]
-                   ) -> tuple[Any, ...]:
+                   acc: list[torch.Tensor], fused_index: int, mb: tuple[Any, ...],
+                   seed: torch.Tensor) -> tuple[Any, ...]:
         others: list[tuple[int, Any]] = []  # non-tensor outputs (counts as Python ints)
 
         def loss(trained: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
             outs = as_tuple(functional_call(self.body, trained, mb))
             # grad's aux holds tensors only: the rest leave through ``others``
             others.extend((i, o) for i, o in enumerate(outs) if not isinstance(o, torch.Tensor))
-            return outs[fused_index], [o for o in outs if isinstance(o, torch.Tensor)]
+            # seeded: (partial * seed)'s backward hands the partial ``seed`` exactly
+            return outs[fused_index] * seed, [o for o in outs if isinstance(o, torch.Tensor)]
 
         grads, (_, tensors) = grad_and_value(loss, has_aux=True)(dict(zip(names, params)))
         torch._foreach_add_(acc, [grads[n] for n in names])
@@ -159,10 +190,12 @@ _COPIES = itertools.count()
 class MetaFacts:
     """``outputs``: per body output, would it require grad; ``reached``: per trained
     parameter, does the loss reach it (one that it does not keeps ``.grad`` None, as in
-    autograd, never a zero gradient that weight decay or momentum would act on)."""
+    autograd, never a zero gradient that weight decay or momentum would act on);
+    ``loss_dtype``: the loss partial's dtype (its seed's)."""
 
     outputs: tuple[bool, ...]
     reached: tuple[bool, ...]
+    loss_dtype: torch.dtype = torch.float32
 
 
 def _meta_facts(body: fx.GraphModule, names: tuple[str, ...], params: Sequence[torch.Tensor],
@@ -182,4 +215,4 @@ def _meta_facts(body: fx.GraphModule, names: tuple[str, ...], params: Sequence[t
     except Exception:  # noqa: BLE001  (any failure: the autograd path, which needs no meta run)
         return None
     return MetaFacts(tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs),
-                     tuple(g is not None for g in grads))
+                     tuple(g is not None for g in grads), loss.dtype)

@@ -3,7 +3,7 @@
 Under ``torch.no_grad``, or when nothing is trained, the loop just collects every
 microbatch's outputs. When training with a loss inside the model it runs each
 microbatch's forward *and* backward at once, so only one microbatch's activations
-are alive, through ``_FusedStep`` below: the step's gradient is built in fresh
+are alive, through ``handover.FusedStep``: the step's gradient is built in fresh
 ``.grad`` slots, checked once at the end of the step (one device read), and handed
 to the user's ``loss.backward()``.
 
@@ -15,7 +15,6 @@ backend binds into the loop, never as attributes of a module.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,8 +24,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from mbcompile.execution.handover import FusedStep, hand_over, hooks_aside
 from mbcompile.execution.live_hooks import UncheckedHookError, in_step
-from mbcompile.execution.noise import NoiseScale, estimate_noise_scale
+from mbcompile.execution.noise import NoiseScale
+from mbcompile.execution.seeding import Seed
+from mbcompile.execution.step_checks import StepChecks, read_host
 from mbcompile.execution.step_config import StepConfig
 from mbcompile.passes.errors import (
     InputError,
@@ -39,7 +41,7 @@ from mbcompile.passes.sources import user_stacklevel
 
 T = TypeVar("T")
 
-__all__ = ["StepChannels", "hand_over", "make_loop", "read_host"]
+__all__ = ["StepChannels", "hand_over", "make_loop", "read_host"]  # re-exported: two_phase.py
 
 
 @dataclass
@@ -63,8 +65,8 @@ class _Loop:
     def __init__(self, body: fx.GraphModule, microbatches: list[tuple[Any, ...]],
                  fused_index: int | None, systems: Sequence[int], distributed: bool,
                  count_index: int | None = None, sizes: Sequence[int] = (),
-                 noise: NoiseScale | None = None, sharded: Any = None, joint: Any = None
-                 ) -> None:
+                 noise: NoiseScale | None = None, sharded: Any = None, joint: Any = None,
+                 seeding: Seed | None = None, nonfinite: str = "return") -> None:
         # ``joint.JointStep``: a body compiled with torch.compile runs each training
         # microbatch as one forward-backward graph (None: forward, then autograd)
         self.joint = joint
@@ -82,7 +84,11 @@ class _Loop:
         self.small_sq: list[float] = []
         self.counts: list[float] = []
         self.big_sq = 0.0
-        self.checks: _StepChecks | None = None
+        self.checks: StepChecks | None = None
+        # how each backward is seeded (``seeding.py``; None: with 1), and the seed it used
+        self.seeding = seeding
+        self.seed_value: torch.Tensor | None = None
+        self.nonfinite = nonfinite  # "return": a non-finite loss is the caller's; "raise"
         self.no_grad_outputs: list[bool] = []
         self.step_grads: list[torch.Tensor | None] | None = None
         # On ranks: the gradient all-reduce the last microbatch's backward starts
@@ -149,14 +155,16 @@ class _Loop:
 
     def _agreed(self, fn: Callable[[], T], checks: Callable[[], torch.Tensor] | None = None
                 ) -> T:
-        """Run the local loop, then read its device-side checks once (``_StepChecks``).
+        """Run the local loop, then read its device-side checks once (``StepChecks``).
 
         On real ranks the read is the status all-reduce: every rank learns whether
-        any rank failed, raised or saw a non-finite loss, in the same one read.
+        any rank failed or raised (or, with ``nonfinite="raise"``, saw a non-finite
+        loss), in the same one read. In one process a step that has nothing to act on
+        (a non-finite loss is returned, no noise scale) reads nothing at all.
         """
         if not self.distributed:
             result = fn()
-            if checks is not None:
+            if checks is not None and (self.nonfinite == "raise" or self.noise is not None):
                 self._settle(read_host(checks()))
             return result
         from mbcompile.execution.distributed import step_status
@@ -172,8 +180,9 @@ class _Loop:
             raise
         try:
             local = checks() if checks is not None else None
-            values = step_status(None, local,
-                                 self.checks.failed() if checks is not None else None,
+            failed = self.checks.failed() if checks is not None and self.nonfinite == "raise" \
+                else None
+            values = step_status(None, local, failed,
                                  read=read_host)  # looked up now: the tests count its calls
             if values is not None:
                 self._settle(values)
@@ -206,7 +215,7 @@ class _Loop:
         if facts is None or not any(facts.reached):
             return self._run_autograd(params)
         try:
-            return self._run_joint(joint, names, facts, params)
+            return joint.run(self, names, facts, params)
         except Exception as exc:  # noqa: BLE001  (the autograd path says what is wrong)
             # only its text: the exception's frames hold the failed attempt's tensors
             failed = f"{type(exc).__name__}: {exc}"
@@ -229,48 +238,36 @@ class _Loop:
         gradient norms), the overlapped all-reduce (it starts in the last backward), a
         parameter or module with backward hooks of its own (they fire per microbatch in
         autograd), a norm layer updating running statistics per microbatch, nor inside a
-        ``saved_tensors_hooks`` context (torch.func refuses those two)."""
+        ``saved_tensors_hooks`` context (torch.func refuses those two). Post-accumulate-grad
+        hooks are no reason: they fire in the caller's backward, on the step's gradient."""
         joint = self.joint
         if (joint is None or joint.broken is not None or self.sharded is not None
                 or self.noise is not None or self.reducer is not None
-                or any(p._backward_hooks or p._post_accumulate_grad_hooks for p in params)
+                or any(p._backward_hooks for p in params)
                 or joint.needs_autograd()
                 or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
             return None
         return joint
 
-    def _run_joint(self, joint: Any, names: tuple[str, ...], facts: Any,
-                   params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
-        """Every microbatch through the joint graph: the step's gradient is built in the
-        graph's own tensors, never in ``.grad``, so the user's gradients are not touched;
-        a parameter the loss does not reach is left out, and its gradient stays None."""
-        trained = [p for p, r in zip(params, facts.reached) if r]
-        names = tuple(n for n, r in zip(names, facts.reached) if r)
-        checks = self.checks = _StepChecks(len(self.microbatches), params[0].device, False)
-        grads, results = None, []
-        for i, mb in enumerate(self.microbatches):
-            grads, out = joint(names, trained, grads, self.fused_index, mb)
-            checks.finite(i, out[self.fused_index])  # read once, at the end of the step
-            results.append(out)
-        self.no_grad_outputs = [isinstance(o, torch.Tensor) and not f
-                                for o, f in zip(results[0], facts.outputs)]
-        found = iter(grads)
-        self.step_grads = [next(found) if r else None for r in facts.reached]
-        return results
-
     def _run_autograd(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         # Set the user's gradients aside so autograd's own accumulation builds this
         # step's gradient in fresh .grad slots; put them back whatever happens.
+        # The user's post-accumulate-grad hooks wait for the caller's backward (handover.py).
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
-        checks = self.checks = _StepChecks(len(self.microbatches), params[0].device,
-                                           self.noise is not None)
+        checks = self.checks = StepChecks(len(self.microbatches), params[0].device,
+                                          self.noise is not None)
         hooks = [p.register_hook(checks.add_square) for p in params] if checks.noise else []
+        seeding, self.seed_value = self.seeding, None
+        # N before the first forward: on ranks its all-reduce comes before anything can fail
+        count = None if seeding is None else seeding.global_count(
+            self.microbatches, self.systems, self.distributed)
         try:
             results = []
             schedule = self._schedule()
-            with torch.enable_grad(), self._step():
+            aside = hooks_aside(params) if self.sharded is None else contextlib.nullcontext()
+            with torch.enable_grad(), self._step(), aside:
                 for k, i, real in schedule:
                     checks.current = i
                     last = k == len(schedule) - 1
@@ -282,13 +279,18 @@ class _Loop:
                         self._drain(k, len(schedule))
                         raise
                     partial = out[self.fused_index]
+                    if k == 0 and seeding is not None:  # eager's seed, guessed (seeding.py)
+                        if count is None and self.count_index is not None:
+                            count = seeding.guess_count(out[self.count_index], self.sizes,
+                                                        self.distributed)
+                        self.seed_value = seeding.seed(partial, count, self.microbatches[0])
                     if self.reducer is not None and last:
                         self.reducer.arm()  # gradients final in this backward start reducing
                     if real:
                         checks.finite(i, partial)  # read once, at the end of the step
                     try:  # a round kept for FSDP's collectives (not real) adds exact zeros
-                        self._in_microbatch(i, (partial if real else partial * 0).backward,
-                                            "backward")
+                        self._in_microbatch(i, lambda p=partial if real else partial * 0:
+                                            p.backward(self.seed_value), "backward")
                     except Exception:
                         self._drain(k, len(schedule), in_backward=True)
                         raise
@@ -321,9 +323,10 @@ class _Loop:
                                in_backward=in_backward)
 
     def _settle(self, values: list[float]) -> None:
-        """Act on the step's one read: raise for a non-finite loss, keep the noise figures."""
+        """Act on the step's one read: raise for a non-finite loss (``nonfinite="raise"``;
+        by default it is returned, as eager returns it), keep the noise figures."""
         bad = self.checks.first_nonfinite(values)
-        if bad is not None:
+        if bad is not None and self.nonfinite == "raise":
             self.step_grads = None  # never handed over: the step is rolled back
             system, local = self.where(bad)
             raise MicrobatchError(
@@ -334,184 +337,8 @@ class _Loop:
             self.small_sq, self.counts, self.big_sq = self.checks.noise_figures(values)
 
 
-class _StepChecks:
-    """What a training step checks, kept on the device and read once per step.
-
-    Per microbatch: the loss partial (is it finite?) and, when measuring the noise
-    scale, ``|g_m|^2`` and the count; for the step: ``|Σ g_m|^2``. ``packed()`` is
-    one vector ``[loss partials..., |g_m|^2..., counts..., |G|^2]``, so the whole step
-    costs one device-to-host read, not one ``.item()`` per microbatch. The partials
-    are kept as they come (detached) and stacked once, in ``packed()``, rather than
-    copied one by one into a device vector (three dispatched ops per microbatch).
-    """
-
-    def __init__(self, n: int, device: torch.device, noise: bool) -> None:
-        self.n, self.noise, self.current, self.device = n, noise, 0, device
-        self.partials: list[torch.Tensor | None] = [None] * n
-        self._losses: torch.Tensor | None = None
-        if noise:
-            self.squares = torch.zeros(n, dtype=torch.float64, device=device)
-            self.counts = torch.zeros(n, dtype=torch.float64, device=device)
-            self.big = torch.zeros(1, dtype=torch.float64, device=device)
-
-    def finite(self, i: int, partial: torch.Tensor) -> None:
-        self.partials[i] = partial.detach()  # read once, at the end of the step
-
-    def add_square(self, g: torch.Tensor) -> None:  # a tensor hook: the gradient is unchanged
-        self.squares[self.current].add_(torch.linalg.vector_norm(g.detach()).double().square())
-
-    def count(self, i: int, count: Any) -> None:
-        self.counts[i] = count.detach() if isinstance(count, torch.Tensor) else float(count)
-
-    def step_square(self, grads: Sequence[torch.Tensor | None]) -> None:
-        for g in grads:
-            if g is not None:
-                self.big.add_(torch.linalg.vector_norm(g.detach()).double().square())
-
-    def losses(self) -> torch.Tensor:
-        """Every microbatch's loss partial, in float64 (one stack; a partial that is not
-        0-dim is summed: a scalar loss's partial only needs its shape fixed)."""
-        if self._losses is None and not self.n:
-            self._losses = torch.zeros(0, dtype=torch.float64, device=self.device)
-        elif self._losses is None:
-            parts = [p if p.dim() == 0 else p.sum() for p in self.partials]
-            self._losses = torch.stack(parts).double()
-        return self._losses
-
-    def packed(self) -> torch.Tensor:
-        if not self.noise:
-            return self.losses()
-        return torch.cat([self.losses(), self.squares, self.counts, self.big])
-
-    def failed(self) -> torch.Tensor:
-        """A device bool: some microbatch's loss is not finite."""
-        return ~torch.isfinite(self.losses()).all()
-
-    def first_nonfinite(self, values: Sequence[float]) -> int | None:
-        return next((i for i, v in enumerate(values[:self.n]) if not math.isfinite(v)), None)
-
-    def noise_figures(self, values: Sequence[float]) -> tuple[list[float], list[float], float]:
-        n = self.n
-        return list(values[n:2 * n]), list(values[2 * n:3 * n]), values[3 * n]
-
-
-def read_host(t: torch.Tensor) -> list[float]:
-    """The step's one device-to-host read (every check of the step, packed in ``t``)."""
-    return t.detach().cpu().tolist()
-
-
 def _detach(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-class _FusedStep(torch.autograd.Function):
-    """Forward runs every microbatch's forward and backward; backward hands over grads.
-
-    Outputs are the microbatch outputs (flattened). The gradient arriving for the
-    loss's partial sums is the same scalar ``g`` for every microbatch (the loss is
-    their sum, maybe divided by a count), so the parameters' gradient is
-    ``g * Σ_m ∂partial_m/∂θ``, which the forward already accumulated.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, loop: _Loop, n_params: int, *params: Any) -> Any:
-        results = loop.run_fused(params)
-        ctx.loop, ctx.n_params = loop, n_params
-        ctx.set_materialize_grads(False)
-        flat = [o for out in results for o in out if isinstance(o, torch.Tensor)]
-        loop.layout = [[isinstance(o, torch.Tensor) for o in out] for out in results]
-        # only the non-tensors: ctx holds the loop until backward, and tensors kept here
-        # (every microbatch's logits) would outlive the step's join of them
-        loop.constants = [[None if t else o for o, t in zip(out, layout)]
-                          for out, layout in zip(results, loop.layout)]
-        ctx.mark_non_differentiable(*(o for out in results for o, skip in
-                                      zip(out, loop.no_grad_outputs) if skip))
-        return tuple(flat)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        loop: _Loop = ctx.loop
-        width = sum(loop.layout[0])
-        loss_pos = sum(loop.layout[0][:loop.fused_index])  # among a microbatch's tensors
-        return hand_over(loop, grads, [m * width + loss_pos for m in range(len(loop.layout))],
-                         ctx.n_params, lambda step: _reduce(loop, step),
-                         None if loop.noise is None else lambda g: _measure_noise(loop, g))
-
-
-def _reduce(loop: _Loop, step: list[torch.Tensor | None]) -> None:
-    """The step's gradients summed over ranks: the all-reduce the last microbatch's backward
-    started, or one bucketed all-reduce per step, never per microbatch."""
-    if loop.reducer is not None:  # launched during the last microbatch's backward
-        loop.reducer.wait()
-        loop.reducer = None
-    elif loop.distributed:
-        from mbcompile.execution.distributed import all_reduce_gradients
-
-        all_reduce_gradients([s for s, r in zip(step, loop.reduced or [True] * len(step))
-                              if r])
-
-
-def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n_params: int,
-              reduce: Callable[[list[torch.Tensor | None]], None],
-              noise: Callable[[torch.Tensor], None] | None = None) -> tuple[Any, ...]:
-    """The backward of a training step, fused (``_FusedStep``) or two-phase
-    (``two_phase._TwoPhaseStep``): hand the gradients its forward built
-    (``owner.step_grads``) to the caller's ``loss.backward()``.
-
-    ``grads`` arrive for the step's tensor outputs, ``loss_positions`` being the loss's
-    partial sums among them. One policy for a gradient arriving at any other output: the
-    step's backward already ran, for the loss only, so a nonzero one would be lost; it is
-    refused (all checked in one device read, and only when some arrive). The gradients
-    are handed over once, summed over ranks by ``reduce``, and scaled in place by the
-    loss's incoming gradient ``g``, the same for every partial sum (the loss is their
-    sum, maybe divided by a count): ``g * Σ_m ∂partial_m/∂θ``.
-    """
-    losses = set(loss_positions)
-    extra = [g for i, g in enumerate(grads) if i not in losses and g is not None]
-    if extra and bool(torch.stack([x.ne(0).any() for x in extra]).any()):
-        raise MicrobatchError(
-            "a gradient flows into an output of the compiled module other than its loss (a "
-            "per-sample output), but the step's backward already ran, for the loss only; "
-            "compute everything you backpropagate through inside the model (return it in "
-            "the loss), or call the module under torch.no_grad() for outputs you only read")
-    if owner.step_grads is None:
-        raise MicrobatchError(
-            "backward through a compiled module's step ran twice; each call's gradients "
-            "are handed over once (retain_graph is not supported across its loop)")
-    step, owner.step_grads = owner.step_grads, None
-    reduce(step)
-    loss_grads = [grads[i] for i in loss_positions]
-    if all(g is None for g in loss_grads):
-        return (None, None) + (None,) * n_params
-    g = next(x for x in loss_grads if x is not None)
-    others = [x for x in loss_grads if x is not g]  # the sum's backward hands one tensor
-    if any(x is None for x in others) or (
-            others and not bool(torch.stack([x.eq(g).all() for x in others]).all())):
-        raise MicrobatchError("microbatch losses received different gradients; only the "
-                              "combined loss can be differentiated")
-    if noise is not None:
-        noise(g)
-    # Scale in place, no second buffer, and unconditionally: testing ``g == 1`` would
-    # read the device every step, and x * 1.0 is exactly x. One foreach call: the same
-    # products as a mul_ per parameter, without a Python dispatch for each.
-    scaled = [s for s in step if s is not None]
-    if scaled:
-        torch._foreach_mul_(scaled, g)
-    return (None, None, *step)
-
-
-def _measure_noise(loop: _Loop, g: torch.Tensor) -> None:
-    """Add this step's microbatch and step squared norms to the noise-scale averages.
-
-    The norms were taken of the loss's partial sums; ``g * N`` is the factor from
-    those to the per-sample loss (``L = g * S`` with ``g = 1/N`` for a plain mean),
-    so tr(Σ) and |G|^2 come out in the loss's own units. ``g`` stays a device tensor:
-    the noise scale reads it when somebody reads the noise scale, not in the step.
-    """
-    total = sum(loop.counts)
-    scale = (g.detach().double() * total).square()
-    loop.noise.update(estimate_noise_scale(loop.small_sq, loop.counts, loop.big_sq, total),
-                      scale=scale)
 
 
 def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[..., Any]:
@@ -526,8 +353,9 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
                         count_index: int | None = None, sizes: Sequence[int] = ()
                         ) -> list[tuple[Any, ...]]:
         sharded, params, joint = known(body)
+        config = channels.config
         loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes,
-                     channels.noise, sharded, joint)
+                     channels.noise, sharded, joint, config.seed, config.nonfinite)
         results = _run(loop, params)
         if count_index is not None:  # kept for reports (token counts); no copy, no sync
             channels.last_counts = tuple(r[count_index] for r in results)
@@ -578,7 +406,7 @@ def _run(loop: _Loop, params: Sequence[torch.Tensor] | None = None) -> list[tupl
                 "per step from the per-microbatch backward. Return the loss from forward, or "
                 "wrap the model in DistributedDataParallel and use the simulated backend")
         return loop.run()
-    flat = iter(_FusedStep.apply(loop, len(params), *params))
+    flat = iter(FusedStep.apply(loop, len(params), *params))
     return [tuple(next(flat) if is_t else c for is_t, c in zip(layout, consts))
             for layout, consts in zip(loop.layout, loop.constants)]
 

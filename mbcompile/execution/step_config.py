@@ -33,3 +33,8 @@ class StepConfig:
     #: FSDP2's gradient reduce-scatter for the step: "step" (the last backward only),
     #: "microbatch" (every backward), None (the step's last, as "step").
     gradient_sync: str | None = None
+    #: How each backward is seeded as eager's (``seeding.Seed``; None: with 1, scaled after).
+    seed: Any = None
+    #: A non-finite loss: "return" it (and its gradients) as eager does, or "raise"
+    #: ``MicrobatchError`` with the step rolled back.
+    nonfinite: str = "return"

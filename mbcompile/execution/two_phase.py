@@ -26,15 +26,16 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils.checkpoint as checkpoint
 
 from mbcompile.execution import runtime
-from mbcompile.execution.runtime import StepChannels, _Loop, hand_over, read_host
+from mbcompile.execution.handover import hand_over, hooks_aside
+from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
+from mbcompile.execution.runtime import StepChannels, _Loop, read_host
 from mbcompile.passes import ops
 from mbcompile.passes.errors import InputError, MicrobatchError
 from mbcompile.passes.facts import PARAMS
 from mbcompile.passes.fake_probe import FakeProbe
-from mbcompile.passes.generators import GeneratorStates, generators_of
+from mbcompile.passes.generators import generators_of
 from mbcompile.passes.ops import as_tuple
 
 __all__ = ["Gather", "frontier_template", "make_two_phase", "rank_gather"]
@@ -47,51 +48,6 @@ _PHASES = ("forward without grad (phase 1 of 3)", "forward again with grad (phas
            "backward of its slice of dL/dF (phase 3 of 3)")
 
 
-class _RngStates:
-    """The CPU generator's state, those of the devices the inputs live on, and those of the
-    model's own generators the body draws from (``passes/generators.py``)."""
-
-    def __init__(self, tensors: Sequence[Any], generators: Sequence[torch.Generator]) -> None:
-        self.cpu = torch.get_rng_state()
-        self.devices, self.states = checkpoint.get_device_states(*tensors)
-        self.own = GeneratorStates(generators)
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.devices:
-            checkpoint.set_device_states(self.devices, self.states)
-        self.own.restore()
-
-
-def _fingerprint(value: torch.Tensor) -> torch.Tensor:
-    """Two numbers that change when a frontier piece's values change (on the device)."""
-    v = value.detach().double()
-    return torch.stack([v.sum(), v.abs().sum()])
-
-
-def _same_values(again: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    """Whether phase 3 recomputed a piece phase 1 computed (rounding allowed, for kernels
-    that are not bitwise deterministic), as a device bool: no host read."""
-    return ((again - before).abs() <= 1e-6 * before[1] + 1e-300).all()
-
-
-class _RunningStatistics:
-    """The running statistics of the norm layers a body updates in place (BatchNorm with
-    ``batch_norm="per_microbatch"``), as phase 1 left them: phase 3 runs each microbatch
-    again and would update them a second time."""
-
-    def __init__(self, body: torch.nn.Module) -> None:
-        self.saved = [(b, b.clone()) for m in body.modules()
-                      if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-                      and m.training and m.track_running_stats
-                      for b in m.buffers(recurse=False)]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for buffer, value in self.saved:
-                buffer.copy_(value)
-
-
 class _Step:
     """One call's two-phase step: the three phases, and what backward hands over."""
 
@@ -100,7 +56,8 @@ class _Step:
                  outputs: Sequence[tuple[str, int]], loss_index: int | None,
                  systems: Sequence[int], sizes: Sequence[int], gather: Gather | None,
                  sums: Callable[..., tuple[Any, ...]], keep_coupled_grads: bool,
-                 template: Sequence[tuple[Any, ...]] | None = None) -> None:
+                 template: Sequence[tuple[Any, ...]] | None = None,
+                 seeding: Any = None, nonfinite: str = "return") -> None:
         self.body, self.coupled = body, coupled
         self.template = template  # the frontier's shapes, for a failing rank (StepConfig)
         self.microbatches, self.free = microbatches, free
@@ -117,6 +74,8 @@ class _Step:
         self.frozen = _without_gradient(body)  # F pieces that carry no gradient (detached)
         self.generators = generators_of(body)  # the model's own, replayed with torch's
         self.replayed: torch.Tensor | None = None  # phase 3 recomputed phase 1's frontier
+        # the loss's backward is seeded with the gradient it got last step (seeding.py)
+        self.seeding, self.seed_value, self.nonfinite = seeding, None, nonfinite
 
     # ------------------------------------------------------------ helpers
     def _join(self, results: list[tuple[Any, ...]]) -> tuple[list[Any], list[int]]:
@@ -151,7 +110,7 @@ class _Step:
                 "and gradients are as they were before the call (the original error is the "
                 "__cause__ of this one)") from exc
 
-    def _per_microbatch(self, states: list[_RngStates] | None = None, what: str = "forward"
+    def _per_microbatch(self, states: list[RngStates] | None = None, what: str = "forward"
                         ) -> tuple[list[tuple[Any, ...]], Exception | None]:
         """P on every microbatch (keeping each one's RNG state in ``states``), and the
         failure, if any. On ranks F is gathered next, and every rank must issue the same
@@ -161,7 +120,7 @@ class _Step:
         try:
             for i, mb in enumerate(self.microbatches):
                 if states is not None:
-                    states.append(_RngStates(mb, self.generators))
+                    states.append(RngStates(mb, self.generators))
                 results.append(self.loop._in_microbatch(
                     i, lambda mb=mb: as_tuple(self.body(*mb)), what))
         except Exception as exc:
@@ -193,7 +152,8 @@ class _Step:
         for p in params:
             p.grad = None
         try:
-            outs, loss = self._three_phases(params)
+            with hooks_aside(params):  # post-accumulate-grad hooks fire in loss.backward()
+                outs, loss = self._three_phases(params)
         finally:
             for p, g in zip(params, saved):
                 p.grad = g
@@ -202,12 +162,12 @@ class _Step:
 
     def _three_phases(self, params: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], Any]:
         # 1. P per microbatch, no grad: F's pieces, and the RNG state each started from
-        states: list[_RngStates] = []
+        states: list[RngStates] = []
         with torch.no_grad():
             results, failure = self._per_microbatch(states, _PHASES[0])
         pieces = [[r[i].shape[dim] if kind == "cat" else 0 for r in results]
                   for i, (kind, dim) in enumerate(self.outputs)]
-        prints = [[_fingerprint(r[i]) for i, (kind, _) in enumerate(self.outputs)
+        prints = [[fingerprint(r[i]) for i, (kind, _) in enumerate(self.outputs)
                    if kind == "cat" and _differentiable(r[i])] for r in results]
         joined, offsets = self._join(results)
         del results
@@ -219,8 +179,10 @@ class _Step:
         with torch.enable_grad():
             outs = self._coupled(leaves)
             loss = outs[self.loss_index]
+            if self.seeding is not None:
+                self.seed_value = self.seeding.seed(loss, None, ())
             try:
-                loss.backward()
+                loss.backward(self.seed_value)
             except Exception as exc:
                 raise MicrobatchError(
                     f"the backward of the two-phase step's coupled part failed: "
@@ -232,8 +194,8 @@ class _Step:
         grads = [leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
                  for leaf in leaves]
         del leaves, joined
-        after = _RngStates(self.microbatches[0], self.generators)
-        statistics = _RunningStatistics(self.body)  # updated in phase 1, once per microbatch
+        after = RngStates(self.microbatches[0], self.generators)
+        statistics = RunningStatistics(self.body)  # updated in phase 1, once per microbatch
         same: list[torch.Tensor] = []
         # 3. P again per microbatch, with grad, from the same RNG state; backpropagate its
         # slice of dL/dF (a partial sum's gradient is the total's, the same for every piece)
@@ -246,7 +208,7 @@ class _Step:
                     again = self.loop._in_microbatch(
                         m, lambda mb=mb: as_tuple(self.body(*mb)), _PHASES[1])
                     # randomness phase 3 did not replay (a generator not found) shows here
-                    same.extend(_same_values(_fingerprint(again[i]), before) for i, before
+                    same.extend(same_values(fingerprint(again[i]), before) for i, before
                                 in zip((i for i in cats if _differentiable(again[i])), prints[m]))
                     pairs = [(again[i], grads[i] if kind == "sum"
                               else grads[i].narrow(dim, starts[i][m], pieces[i][m]))
@@ -278,6 +240,9 @@ class _Step:
         """The step's one device read: the loss is finite (on ranks: every rank's is)."""
         finite = torch.isfinite(loss.detach()).all()
         replayed = finite if self.replayed is None else self.replayed.to(finite.device)
+        if self.nonfinite == "return":  # a non-finite loss is returned, as eager returns it
+            finite = torch.ones_like(finite)
+            replayed = replayed if self.replayed is not None else finite
         checks = torch.stack([finite, replayed]).double()
         if self.gather is None:
             values = read_host(checks)
@@ -430,8 +395,10 @@ def make_two_phase(channels: StepChannels, gather: Gather | None = None,
         if channels.noise is not None:
             raise InputError("measure_noise_scale does not support a two-phase step (a loss "
                              "that couples samples) yet; compile without it")
+        config = channels.config
         step = _Step(body, coupled, microbatches, free, outputs, loss_index, systems, sizes,
-                     gather, sums, keep_coupled_grads, channels.config.frontier_template)
+                     gather, sums, keep_coupled_grads, config.frontier_template, config.seed,
+                     config.nonfinite)
         params = list(dict.fromkeys(
             p for m in (body, coupled) for p in m.parameters() if p.requires_grad))
         if not params or not torch.is_grad_enabled() or loss_index is None:

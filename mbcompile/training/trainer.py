@@ -82,8 +82,8 @@ __all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
 #: are the Trainer's own arguments as well; given there, they win.
 COMPILE_OPTIONS = ("system", "backend", "measure_noise_scale", "capture", "batch_norm",
                    "coupling", "outputs", "torch_compile", "recompute",
-                   "reshard_after_forward", "gradient_sync", "compile_only", "validate_only",
-                   "measure", "cost_model", "batch_sizes", "optimizer")
+                   "reshard_after_forward", "gradient_sync", "nonfinite", "compile_only",
+                   "validate_only", "measure", "cost_model", "batch_sizes", "optimizer")
 
 
 def _mbs_key(mbs: Any) -> str:

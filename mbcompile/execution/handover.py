@@ -1,0 +1,178 @@
+"""The backward of a training step: the step's gradients handed to ``loss.backward()``.
+
+The fused step (``FusedStep`` below, over ``runtime._Loop``) and the two-phase step
+(``two_phase._TwoPhaseStep``) build the step's gradient inside the call, in ``.grad``
+slots set aside from the user's, with every backward seeded by a guess of the
+gradient their loss will receive (``seeding.py``). Their backward is one function::
+
+    loss.backward()  ->  hand_over(...)  ->  grads * factor  ->  AccumulateGrad into .grad
+                                             (factor: exactly 1.0 when the guess was right)
+
+Post-accumulate-grad hooks (``p.register_post_accumulate_grad_hook``, an optimizer
+stepping in backward) are set aside while the step's own backwards run
+(``hooks_aside``): they fire once per step, on the full gradient, when autograd
+accumulates the handed-over gradient into ``.grad``, as in eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from mbcompile.execution.noise import estimate_noise_scale
+from mbcompile.passes.errors import MicrobatchError
+
+__all__ = ["FusedStep", "hand_over", "hooks_aside"]
+
+
+def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n_params: int,
+              reduce: Callable[[list[torch.Tensor | None]], None],
+              noise: Callable[[torch.Tensor], None] | None = None) -> tuple[Any, ...]:
+    """Hand the gradients ``owner``'s forward built (``owner.step_grads``, seeded with
+    ``owner.seed_value``) to the caller's ``loss.backward()``.
+
+    ``grads`` arrive for the step's tensor outputs, ``loss_positions`` being the loss's
+    partial sums among them. One policy for a gradient arriving at any other output: the
+    step's backward already ran, for the loss only, so a nonzero one would be lost; it is
+    refused (all checked in one device read, and only when some arrive). The gradients
+    are handed over once, summed over ranks by ``reduce``, and multiplied in place by
+    ``owner.seeding.factor(g, seed)``: the gradient ``g`` that arrived at the partial
+    sums (the same for each: the loss is their sum, maybe scaled) over the seed their
+    backwards ran with, exactly 1.0 when the seed was ``g``.
+    """
+    losses = set(loss_positions)
+    extra = [g for i, g in enumerate(grads) if i not in losses and g is not None]
+    if extra and bool(torch.stack([x.ne(0).any() for x in extra]).any()):
+        raise MicrobatchError(
+            "a gradient flows into an output of the compiled module other than its loss (a "
+            "per-sample output), but the step's backward already ran, for the loss only; "
+            "compute everything you backpropagate through inside the model (return it in "
+            "the loss), or call the module under torch.no_grad() for outputs you only read")
+    if owner.step_grads is None:
+        raise MicrobatchError(
+            "backward through a compiled module's step ran twice; each call's gradients "
+            "are handed over once (retain_graph is not supported across its loop)")
+    step, owner.step_grads = owner.step_grads, None
+    reduce(step)
+    loss_grads = [grads[i] for i in loss_positions]
+    if all(g is None for g in loss_grads):
+        return (None, None) + (None,) * n_params
+    g = next(x for x in loss_grads if x is not None)
+    others = [x for x in loss_grads if x is not g]  # the sum's backward hands one tensor
+    if any(x is None for x in others) or (
+            others and not bool(torch.stack([x.eq(g).all() for x in others]).all())):
+        raise MicrobatchError("microbatch losses received different gradients; only the "
+                              "combined loss can be differentiated")
+    seeding = owner.seeding
+    factor = g if seeding is None else seeding.factor(g, owner.seed_value)
+    if noise is not None:
+        noise(factor)
+    scaled = [s for s in step if s is not None]
+    if scaled:
+        overflow = _scale(scaled, factor)
+        if seeding is not None and overflow is not None:
+            seeding.overflowed(overflow)
+    return (None, None, *step)
+
+
+def _scale(grads: list[torch.Tensor], factor: torch.Tensor) -> torch.Tensor | None:
+    """``grads *= factor`` in place, no second buffer, and unconditionally: testing
+    ``factor == 1`` would read the device every step, and x * 1.0 is exactly x. One
+    foreach call: the same products as a mul_ per parameter, without a Python dispatch
+    for each. A float32 factor goes through GradScaler's own unscale kernel, the same
+    products, which also says on the device whether a gradient is not finite (returned:
+    the next step's guess follows a GradScaler's back-off); None where it was not asked."""
+    if factor.dtype == torch.float32 and factor.numel() == 1 and all(
+            g.device == factor.device for g in grads):
+        found = torch.zeros(1, device=factor.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor.reshape(1))
+        return found
+    torch._foreach_mul_(grads, factor)
+    return None
+
+
+@contextlib.contextmanager
+def hooks_aside(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The user's post-accumulate-grad hooks of ``params``, set aside (each hook dict
+    emptied in place: autograd holds the dict) and put back in their order after the
+    hooks mbcompile adds meanwhile and has not removed (``OverlappedReduce``'s)."""
+    saved = []
+    for p in params:
+        hooks = p._post_accumulate_grad_hooks
+        if hooks:
+            saved.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, user in saved:
+            added = dict(hooks)
+            hooks.clear()
+            hooks.update(user)
+            hooks.update(added)
+
+
+class FusedStep(torch.autograd.Function):
+    """Forward runs every microbatch's forward and backward; backward hands over grads.
+
+    Outputs are the microbatch outputs (flattened). The gradient arriving for the
+    loss's partial sums is the same scalar ``g`` for every microbatch (the loss is
+    their sum, maybe divided by a count), so the parameters' gradient is
+    ``g * Σ_m ∂partial_m/∂θ``, which the forward already accumulated as
+    ``Σ_m seed * ∂partial_m/∂θ`` (``seed``: its guess of ``g``, ``seeding.py``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, loop: Any, n_params: int, *params: Any) -> Any:
+        results = loop.run_fused(params)
+        ctx.loop, ctx.n_params = loop, n_params
+        ctx.set_materialize_grads(False)
+        flat = [o for out in results for o in out if isinstance(o, torch.Tensor)]
+        loop.layout = [[isinstance(o, torch.Tensor) for o in out] for out in results]
+        # only the non-tensors: ctx holds the loop until backward, and tensors kept here
+        # (every microbatch's logits) would outlive the step's join of them
+        loop.constants = [[None if t else o for o, t in zip(out, layout)]
+                          for out, layout in zip(results, loop.layout)]
+        ctx.mark_non_differentiable(*(o for out in results for o, skip in
+                                      zip(out, loop.no_grad_outputs) if skip))
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        loop: Any = ctx.loop
+        width = sum(loop.layout[0])
+        loss_pos = sum(loop.layout[0][:loop.fused_index])  # among a microbatch's tensors
+        return hand_over(loop, grads, [m * width + loss_pos for m in range(len(loop.layout))],
+                         ctx.n_params, lambda step: _reduce(loop, step),
+                         None if loop.noise is None else lambda g: _measure_noise(loop, g))
+
+
+def _reduce(loop: Any, step: list[torch.Tensor | None]) -> None:
+    """The step's gradients summed over ranks: the all-reduce the last microbatch's backward
+    started, or one bucketed all-reduce per step, never per microbatch."""
+    if loop.reducer is not None:  # launched during the last microbatch's backward
+        loop.reducer.wait()
+        loop.reducer = None
+    elif loop.distributed:
+        from mbcompile.execution.distributed import all_reduce_gradients
+
+        all_reduce_gradients([s for s, r in zip(step, loop.reduced or [True] * len(step))
+                              if r])
+
+
+def _measure_noise(loop: Any, g: torch.Tensor) -> None:
+    """Add this step's microbatch and step squared norms to the noise-scale averages.
+
+    The norms were taken of the loss's partial sums' gradients as seeded; ``g``, the
+    factor from those to the loss's (``hand_over``), times ``N`` is the factor to the
+    per-sample loss (``L = S / N``: ``g = 1/N`` over a seed of 1), so tr(Σ) and |G|^2
+    come out in the loss's own units. ``g`` stays a device tensor:
+    the noise scale reads it when somebody reads the noise scale, not in the step.
+    """
+    total = sum(loop.counts)
+    scale = (g.detach().double() * total).square()
+    loop.noise.update(estimate_noise_scale(loop.small_sq, loop.counts, loop.big_sq, total),
+                      scale=scale)

@@ -1,0 +1,210 @@
+"""Each microbatch's backward seeded as eager's full-batch backward seeds it.
+
+Eager backpropagates the normalised loss: ``L = w * Σ_i l_i / N`` hands every
+sample's loss the gradient ``g * w / N`` (``g``: the gradient the caller sends into
+``L``, 1 for ``loss.backward()``, a GradScaler's scale, a weight). The training step
+runs each microbatch's backward inside the call, before the caller's backward, so it
+seeds them with the same value from two things it knows in time:
+
+1. ``N``, the global count, from a count pre-pass over every microbatch before the
+   first backward (``passes/loss_counts.py``; a count the shapes fix is read off the
+   first microbatch), summed over systems (and ranks) in the tail's own order;
+2. ``g``, speculated to be the gradient the caller sent into ``L`` at the previous step
+   (1 at the first): a GradScaler's scale changes rarely, ``loss * w`` not at all.
+
+``tail`` is the graph from the loss's global partial sum to ``L`` (the division by
+``N``, any scaling), so the seed is autograd's own ``dL/dS`` for ``g``, bit for bit::
+
+    seed = grad(tail(S, N, *inputs), S, g_guess)     # g_guess / N for a plain mean
+    for mb in microbatches: partial(mb).backward(seed)
+    # in loss.backward(): the real dL/dS arrives; the gradients are multiplied by
+    factor = where(dL/dS == seed, 1, dL/dS / seed)     # a device op, no read
+
+A right guess makes the factor exactly 1.0, and the gradients are eager's rounding; a
+wrong one (the scale just changed, a loss whose tail cannot be replayed) gives the
+same gradient rounded as a backward of the raw sums scaled once, never another value.
+Where nothing can be replayed the guess is the previous step's ``dL/dS`` itself
+(right whenever ``N`` does not change between steps). After a step whose gradients
+were not finite the guess is halved, as a GradScaler halves its scale; a scale that
+grows (every 2000 finite steps by default) is guessed one step late.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from mbcompile.passes import ops
+from mbcompile.passes.graph_walks import ancestors
+from mbcompile.passes.loss_counts import count_graph
+
+__all__ = ["Seed", "step_seed"]
+
+
+class Seed:
+    """One compiled graph's seeding: the tail to replay, the count pre-pass, and the
+    gradients seen at the last step (the guesses for the next)."""
+
+    def __init__(self, tail: fx.GraphModule | None = None, loss_pos: int | None = None,
+                 free: Sequence[int] = (), counted: bool = False,
+                 counts: fx.GraphModule | None = None) -> None:
+        self.tail = tail  # (S, [N], *free inputs) -> L; None: not replayable
+        self.loss_pos = loss_pos  # L among the graph's outputs (watched for its gradient)
+        self.free = tuple(free)  # the inputs the tail reads, by place in a microbatch
+        self.counted = counted  # the tail divides by the loss's global count
+        self.counts = counts  # inputs -> a microbatch's count (None: read off the body)
+        self.outer: torch.Tensor | None = None  # the gradient L received last (None: 1)
+        self.last: torch.Tensor | None = None  # the gradient dL/dS was last (no tail)
+
+    def watch(self, flat: Sequence[Any]) -> None:
+        """Record the gradient the caller sends into ``L`` this step, for the next."""
+        if self.loss_pos is None:
+            return
+        loss = flat[self.loss_pos]
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            loss.register_hook(self.record)
+
+    def record(self, g: torch.Tensor) -> None:
+        """Keep ``g`` as the next guess (a zero or non-finite one guesses 1 instead: a seed
+        of 0 would leave nothing to rescale). Device ops only."""
+        self.outer = _usable(g.detach())
+
+    def global_count(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int],
+                     distributed: bool) -> Any:
+        """``N`` before the first forward: the count graph on every microbatch, summed as
+        the tail sums it (None: no count graph, or it cannot run on these inputs)."""
+        if not self.counted or self.counts is None:
+            return None
+        try:
+            with torch.no_grad():
+                counts = [(self.counts(*mb),) for mb in microbatches]
+        except Exception:  # noqa: BLE001  (soft targets: the shapes need the model; no guess)
+            counts = None
+        if distributed:  # every rank joins, whatever its inputs gave (a guess is only a guess)
+            from mbcompile.execution.distributed import all_reduce_sums
+
+            local = ops.accumulate_sum(counts, 0, systems) if counts is not None else 0
+            return all_reduce_sums(local)[0]
+        return None if counts is None else ops.accumulate_sum(counts, 0, systems)
+
+    def guess_count(self, first: Any, sizes: Sequence[int], distributed: bool) -> Any:
+        """``N`` from the first microbatch when the shapes fix it (a Python int): the
+        elements per sample times the samples (checked by the factor, like every guess)."""
+        if not self.counted or distributed or not isinstance(first, int) or not sizes:
+            return None
+        per_sample, rest = divmod(first, sizes[0])
+        return per_sample * sum(sizes) if not rest else None
+
+    def seed(self, partial: torch.Tensor, count: Any, first: tuple[Any, ...]
+             ) -> torch.Tensor | None:
+        """The seed of every microbatch's backward (None: seed with 1, as a plain
+        ``backward()``): the tail's ``dL/dS`` for the guessed gradient of ``L``."""
+        if self.tail is None or (self.counted and count is None):
+            return self.last if self.last is not None and self.last.dtype == partial.dtype \
+                else None
+        try:
+            with torch.enable_grad():
+                s = partial.detach().new_zeros(partial.shape).requires_grad_()
+                loss = self.tail(s, *((count,) if self.counted else ()),
+                                 *(first[i] for i in self.free))
+                g = self.outer if self.outer is not None else torch.ones_like(loss)
+                (seed,) = torch.autograd.grad(loss, s, g.to(loss.dtype).expand_as(loss))
+        except Exception:  # noqa: BLE001  (a tail that cannot be replayed: seed with 1)
+            return None
+        return _usable(seed)
+
+    def overflowed(self, found: torch.Tensor) -> None:
+        """The step's gradients were not finite (``found`` > 0, on the device): a
+        GradScaler lowers its scale by half before the next step, so the next guesses
+        are half the last gradients (a wrong guess of a power of two rescales exactly)."""
+        half = found.to(torch.bool).reshape(())
+        if self.outer is not None:
+            self.outer = torch.where(half.to(self.outer.device), self.outer * 0.5, self.outer)
+        if self.last is not None:
+            self.last = torch.where(half.to(self.last.device), self.last * 0.5, self.last)
+
+    def factor(self, g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
+        """What the gradients seeded with ``seed`` are multiplied by, given the ``dL/dS``
+        that arrived: exactly 1.0 when the guess was right."""
+        g = g.detach()
+        self.last = _usable(g)
+        if seed is None:
+            return g
+        return torch.where(g == seed, torch.ones_like(g), g / seed)
+
+
+def _usable(g: torch.Tensor) -> torch.Tensor:
+    """``g`` as a seed or guess: a zero or non-finite one is 1 instead (a backward seeded
+    with 0 would leave nothing for the factor to rescale)."""
+    return torch.where(torch.isfinite(g) & (g != 0), g, torch.ones_like(g))
+
+
+def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
+    """The ``Seed`` of a rewritten graph (before it is bound): the tail from the loop's
+    trained partial sum to the one output that is the loss, or a bare ``Seed`` (guess the
+    last ``dL/dS``; a two-phase step's loss is the output itself) where there is none."""
+    nodes = list(top.graph.nodes)
+    if any(n.target is ops.two_phase_step for n in nodes):
+        return Seed()
+    loop = next((n for n in nodes if n.target is ops.microbatch_loop), None)
+    if loop is None or loop.kwargs.get("fused_index") is None:
+        return None
+    split = next(n for n in nodes if n.target is ops.split)
+    fused, count = loop.kwargs["fused_index"], loop.kwargs.get("count_index")
+    body = operator.attrgetter(loop.args[0].target)(top)
+    counts = None if count is None else count_graph(body, count)
+    totals = {}  # body output index -> its global value (after all_reduce_sums)
+    acc = {n: n.args[1] for n in nodes if n.target is ops.accumulate_sum and n.args[0] is loop}
+    for n in nodes:
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
+                and n.args[0].target is ops.all_reduce_sums:
+            totals[acc.get(n.args[0].args[n.args[1]])] = n
+    total, denominator = totals.get(fused), totals.get(count)
+    out = nodes[-1]
+    leaves = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    losses = [i for i in loss_outputs if isinstance(leaves[i], fx.Node)]
+    bare = Seed(counted=count is not None, counts=counts)
+    if total is None or len(losses) != 1:
+        return bare
+    tail = _tail(top, leaves[losses[0]], total, denominator, split)
+    if tail is None:
+        return bare
+    graph, free = tail
+    return Seed(graph, losses[0], free, denominator is not None, counts)
+
+
+def _tail(top: fx.GraphModule, loss: fx.Node, total: fx.Node, count: fx.Node | None,
+          split: fx.Node) -> tuple[fx.GraphModule, list[int]] | None:
+    """``(S, [N], *inputs) -> L`` copied from ``top``; None when ``L`` reads anything
+    else the loop computes (another partial sum, a per-sample output) or a batched input."""
+    stops = {total} | ({count} if count is not None else set())
+    needed = ancestors([loss], through=lambda n: n not in stops)
+    if total not in needed:
+        return None
+    placeholders = [n for n in top.graph.nodes if n.op == "placeholder"]
+    in_dims = split.kwargs["in_dims"]
+    graph = fx.Graph()
+    env = {total: graph.placeholder("total")}
+    if count is not None:
+        env[count] = graph.placeholder("count")
+    free = []
+    for n in top.graph.nodes:
+        if n not in needed or n in stops:
+            continue
+        if n.op == "placeholder":
+            place = placeholders.index(n)
+            if in_dims[place] is not None:
+                return None  # a batched input: its value is not one microbatch's
+            free.append(place)
+            env[n] = graph.placeholder(n.name)
+        elif n.target in (ops.split, ops.microbatch_loop, ops.accumulate_cat,
+                          ops.accumulate_sum, ops.all_reduce_sums) or n.op == "output":
+            return None
+        else:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[loss])
+    return fx.GraphModule(top, graph, "LossTail"), free

@@ -1,0 +1,146 @@
+"""Mixed precision as people train in it (issue 36): the compiled step rounds as eager.
+
+Every microbatch's backward is seeded with eager's ``g / N`` (``execution/seeding.py``),
+so in bf16 and fp16 regions the compiled gradients sit as close to the full-batch step's
+as a hand-written accumulation loop's (``loss_m * n_m / N`` per microbatch, ``N`` the
+global token count) do, and a ``torch.amp.GradScaler`` skips the same steps and ends at
+the same scale as eager. CPU autocast runs float16 in torch 2.13, so fp16 is tested on
+the CPU as on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import mbcompile
+from mbcompile.models import IGNORE_INDEX, make_mlp, make_tiny_gpt
+
+GBS, MBS = 8, 2
+
+
+def _flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    g = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return g
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def _tiny_gpt() -> tuple[torch.nn.Module, dict[str, torch.Tensor], Callable[..., Any]]:
+    model, (ids, labels) = make_tiny_gpt(GBS)
+    return model, {"ids": ids, "labels": labels}, lambda out: out[0]
+
+
+def _tiny_llama() -> tuple[torch.nn.Module, dict[str, torch.Tensor], Callable[..., Any]]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=16,
+        bos_token_id=0, eos_token_id=0)
+    model = transformers.LlamaForCausalLM(config).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 64, (GBS, 12), generator=g)
+    labels = ids.clone()
+    labels[::3, 7:] = IGNORE_INDEX  # samples with different numbers of counted tokens
+    return model, {"input_ids": ids, "labels": labels}, lambda out: out.loss
+
+
+def _hand_loop(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+               loss_of: Callable[..., Any]) -> None:
+    """Gradient accumulation as people write it: each microbatch's mean loss weighted by
+    its share of the global count of counted tokens."""
+    labels = batch["labels"]
+    total = (labels[:, 1:] != IGNORE_INDEX).sum() if "input_ids" in batch \
+        else (labels != IGNORE_INDEX).sum()
+    for start in range(0, GBS, MBS):
+        part = {k: v[start:start + MBS] for k, v in batch.items()}
+        counted = part["labels"][:, 1:] if "input_ids" in batch else part["labels"]
+        (loss_of(model(**part)) * (counted != IGNORE_INDEX).sum() / total).backward()
+
+
+@pytest.mark.parametrize("make", [_tiny_gpt, _tiny_llama], ids=["tiny_gpt", "tiny_llama"])
+def test_bf16_autocast_gradients_are_as_close_to_eager_as_a_hand_loops(make):
+    model, batch, loss_of = make()
+    ref, hand = copy.deepcopy(model), copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, 1, MBS, example_kwargs=batch)  # outside autocast
+    for _ in range(2):  # the second step too: the guess of the outer gradient holds
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_of(cm(**batch)).backward()
+            loss_of(ref(**batch)).backward()
+            _hand_loop(hand, batch, loss_of)
+        want = _flat_grad(ref)
+        compiled, by_hand = _distance(_flat_grad(model), want), _distance(_flat_grad(hand), want)
+        assert 0 < by_hand < 1e-1
+        assert compiled <= 1.1 * by_hand, (compiled, by_hand)
+
+
+def test_a_bf16_model_trains_like_a_hand_loop():
+    model, (ids, labels) = make_tiny_gpt(GBS)
+    model = model.to(torch.bfloat16)
+    ref, hand = copy.deepcopy(model), copy.deepcopy(model)
+    batch = {"ids": ids, "labels": labels}
+    cm = mbcompile.compile(model, GBS, 2, MBS, example_kwargs=batch)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref, hand)]
+    for _ in range(3):
+        cm(**batch)[0].backward()
+        ref(**batch)[0].backward()
+        _hand_loop(hand, batch, lambda out: out[0])
+        grads = [torch.cat([p.grad.double().flatten() for p in m.parameters()])
+                 for m in (model, ref, hand)]
+        assert _distance(grads[0], grads[1]) <= 1.1 * _distance(grads[2], grads[1])
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    moved = [torch.cat([p.double().flatten() for p in m.parameters()]) for m in (model, ref, hand)]
+    assert _distance(moved[0], moved[1]) <= 1.1 * _distance(moved[2], moved[1]) + 1e-3
+
+
+def _fp16_run(model: torch.nn.Module, call: Callable[..., Any], batch: tuple[torch.Tensor, ...],
+              steps: int, hand: bool = False) -> tuple[list[float], list[torch.Tensor]]:
+    """``steps`` SGD steps under fp16 autocast with a GradScaler; every 6th step's inputs
+    overflow float16. The scale after each step and each step's unscaled gradient."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=4)
+    scales, grads = [], []
+    x, y = batch
+    for step in range(steps):
+        xs = x * 1e5 if step % 6 == 5 else x
+        with torch.autocast("cpu", dtype=torch.float16):
+            if hand:
+                for start in range(0, GBS, MBS):
+                    part = call(xs[start:start + MBS], y[start:start + MBS])[0]
+                    scaler.scale(part * MBS / GBS).backward()
+            else:
+                scaler.scale(call(xs, y)[0]).backward()
+        scaler.unscale_(opt)
+        grads.append(torch.cat([p.grad.double().flatten() for p in model.parameters()]))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        scales.append(scaler.get_scale())
+    return scales, grads
+
+
+def test_fp16_with_a_grad_scaler_skips_the_steps_eager_skips():
+    model, batch = make_mlp(GBS)
+    ref, hand = copy.deepcopy(model), copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, 2, MBS, example_inputs=batch)
+    steps = 50
+    scales, grads = _fp16_run(model, cm, batch, steps)
+    want_scales, want = _fp16_run(ref, ref, batch, steps)
+    hand_scales, by_hand = _fp16_run(hand, hand, batch, steps, hand=True)
+    assert scales == want_scales == hand_scales  # the same skipped steps, the same scale
+    assert want_scales[5] < want_scales[4]  # the forced overflow was skipped
+    finite = [i for i, g in enumerate(want) if g.isfinite().all()]
+    assert len(finite) >= steps - steps // 6
+    ours = max(_distance(grads[i], want[i]) for i in finite)
+    theirs = max(_distance(by_hand[i], want[i]) for i in finite)
+    assert ours <= 1.1 * theirs, (ours, theirs)
