@@ -37,13 +37,14 @@ from mbcompile.errors import (
 from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_new_hooks
 from mbcompile.execution.rank_shares import check_not_in_ddp
 from mbcompile.face import ModelFace
+from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import batch_size, check_layout, input_layout, same_value
 from mbcompile.lowering import Lowered
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.fake_probe import holds_no_data
-from mbcompile.passes.guards import failed_guard
+from mbcompile.passes.guards import numbers_as_inputs
 from mbcompile.passes.side_effects import replay
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.passes.state_updates import StateUpdates
@@ -114,7 +115,7 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_variants", {})  # batch size -> the module compiled for it
         object.__setattr__(self, "_inputs", request.inputs)
         object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
-        object.__setattr__(self, "_cache", {})
+        object.__setattr__(self, "_cache", GuardCache())
         object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
         object.__setattr__(self, "_slots_seen", None)
         object.__setattr__(self, "_hooks_seen", None)  # _hooks_by_module at the last compile
@@ -154,20 +155,19 @@ class CompiledModule(ModelFace, nn.Module):
 
     def _compiled(self) -> Lowered:
         key = self._mode_key()
-        compiled = self._cache.get(key)
+        compiled, failed = self._cache.find(key)  # several guarded states (guard_cache.py)
         if compiled is not None:
-            failed = failed_guard(compiled.guards)
-            if failed is None:
-                return compiled
+            return compiled
+        if failed is not None:
             self._recompiling(f"{failed.describe(self._names())}, which forward reads")
-            del self._cache[key]
         elif self._cache:
             changed = hooks_changed(self.module, self._hooks_seen, self._live_hooks)
             if changed:
                 self._recompiling(changed)
         for stale in [k for k in self._cache if k[1] != key[1]]:
             del self._cache[stale]  # they keep replaced parameters alive
-        return self._keep(self._recompile.relower())
+        with numbers_as_inputs(self._cache.changing()):  # numbers that change every call
+            return self._keep(self._recompile.relower())
 
     def _keep(self, compiled: Lowered) -> Lowered:
         """Cache ``compiled`` under the key the next call computes: without the forward
@@ -178,7 +178,7 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_live_hooks", frozenset(id(m) for _, m in live))
         object.__setattr__(self, "_hooks_known", self._hooks_known | hook_keys(live))
         object.__setattr__(self, "_hooks_seen", hooks_by_module(self.module, self._live_hooks))
-        self._cache[self._mode_key()] = compiled
+        self._cache.put(self._mode_key(), compiled)
         return compiled
 
     def _layers_called_live(self, compiled: Lowered) -> tuple[tuple[str, nn.Module], ...]:
@@ -406,7 +406,7 @@ class CompiledModule(ModelFace, nn.Module):
         # fx pickles a GraphModule by re-tracing its code, which would trace into the
         # runtime's loop; drop the graphs and recompile from the model on first use.
         state = self.__dict__.copy()
-        state["_cache"] = {}
+        state["_cache"] = GuardCache()
         state["_modules_seen"], state["_slots_seen"] = (), None  # ids mean nothing after a copy
         return state
 

@@ -44,7 +44,15 @@ from .custom_functions import refused_in_fx
 from .errors import CaptureError
 from .forward_modes import autocast_regions
 from .fx_tracer import FlatOutputTracer, StateAsProxies, hooks_see_every_use, user_stack
-from .guards import Guard, recorded_reads
+from .guards import (
+    Guard,
+    NumberInput,
+    inputs_wanted,
+    numbers_as_inputs,
+    read_number,
+    recorded_reads,
+    unwritten,
+)
 from .output_spec import OutputSpec, flatten_output
 from .python_state import Change, python_state_kept
 from .side_effects import NO_EFFECTS, Effects, prints_recorded, record_effects
@@ -186,6 +194,18 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
         raise CaptureError(
             f"mbcompile.compile expects a torch.nn.Module, got {type(model).__name__}. "
             "Wrap a function in an nn.Module whose forward calls it.")
+    wanted = inputs_wanted()
+    if wanted:  # numbers that change on every call, as graph inputs (guards.py)
+        try:
+            return _traced(model, concrete_args, wanted)
+        except CaptureError:  # Python control flow on one of them: keep guarding it
+            pass
+    return _traced(model, concrete_args, frozenset())
+
+
+def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
+            wanted: frozenset[tuple[int, Any]]) -> CaptureResult:
+    """``capture``'s trace of a module; ``wanted``: the numbers read as graph inputs."""
     name = type(model).__name__
     units = fsdp_modules(model)
     with fsdp_view(model, units):
@@ -205,17 +225,21 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
                                    name)
         try:
             # a training forward is traced: no-grad regions are forward's own, not the caller's
+            numbers: dict[str, NumberInput] = {}
             with python_state_kept(model, concrete_args) as snapshot, prints_recorded() as \
-                    prints, recorded_reads(model, name) as guards, refused_in_fx(name), \
-                    torch.enable_grad(), \
+                    prints, numbers_as_inputs(wanted), recorded_reads(
+                        model, name, lambda h: _number_input(tracer, numbers, h)) as guards, \
+                    refused_in_fx(name), torch.enable_grad(), \
                     (contextlib.nullcontext() if units else StateAsProxies(tracer, model)):
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
-                rebound = snapshot.rebound_slots()
-                effects = _effects_as_outputs(graph, snapshot.changes(), prints, name)
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
                 gm = fx.GraphModule(_with_stand_ins(model, graph, units) if units else tracer.root,
                                     graph, name)
+                for attr in numbers:
+                    del model.__dict__[attr]
+                rebound = snapshot.rebound_slots()
+                effects = _effects_as_outputs(graph, snapshot.changes(), prints, name)
         except CaptureError:
             raise
         except Exception as exc:  # any tracing failure becomes one clear error
@@ -260,7 +284,20 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
             node.stack_trace = user_stack(node.stack_trace)
     gm.recompile()
     return CaptureResult(gm, tracer.output_spec, concrete_args,
-                         guards=(*guards, *effects.guards), effects=effects)
+                         guards=(*unwritten(guards, effects.written), *effects.guards),
+                         effects=effects)
+
+
+def _number_input(tracer: fx.Tracer, numbers: dict[str, NumberInput], holder: NumberInput
+                  ) -> fx.Proxy:
+    """What forward reads for a number that is a graph input: ``read_number(holder)``, the
+    holder an attribute of the graph (set on the root for the trace, removed after)."""
+    attr = next((a for a, h in numbers.items() if h is holder), f"_mbcompile_number_{len(numbers)}")
+    if attr not in numbers:
+        numbers[attr] = holder
+        object.__setattr__(tracer.root, attr, holder)
+    return tracer.create_proxy("call_function", read_number,
+                               (tracer.create_proxy("get_attr", attr, (), {}),), {})
 
 
 def _effects_as_outputs(graph: fx.Graph, changes: Sequence[Change], prints: Sequence[Any],

@@ -64,7 +64,7 @@ from .forward_modes import (
     differentiation_refused,
     inference_mode_as_no_grad,
 )
-from .guards import recorded_reads
+from .guards import recorded_reads, unwritten
 from .keyword_view import keyword_view
 from .output_spec import flatten_output
 from .python_state import python_state_kept
@@ -460,4 +460,5 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     graph.eliminate_dead_code(is_impure_node=_changes_state)
     graph.lint()
     gm = fx.GraphModule(root, graph, type(model).__name__)
-    return CaptureResult(gm, spec, concrete, "export", (*guards, *effects.guards), effects)
+    guards = (*unwritten(guards, effects.written), *effects.guards)
+    return CaptureResult(gm, spec, concrete, "export", guards, effects)

@@ -15,24 +15,32 @@ Before::
 Recorded (``recorded_reads(model)``): ``Guard(module=<Net>, name="beta", value=1.0)``;
 ``model.beta = 0.5`` later makes ``failed_guard(guards)`` return it.
 
-Only instance attributes holding plain values (bools, numbers, strings, None and
-tuples of them) are guards: tensors are read live from the graph, and submodules,
-parameters and buffers are checked by identity elsewhere (``CompiledModule``).
+Instance attributes of any name holding plain values (bools, numbers, strings, None
+and tuples of them) are guarded by value, a tensor kept in a plain attribute by
+identity (fx holds it as a constant); submodules, parameters and buffers are checked
+by identity elsewhere (``CompiledModule``). A plain value forward reads and then
+assigns (``self.calls += 1``) is guarded too: the capture's side effects replay the
+write (``side_effects.py``), exact while the value read is the one traced, and the
+next call, which reads the new value, compiles again for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
-from .errors import CaptureError
+from .guard_values import ATOMS, fingerprint, forward_globals, plain_object, shadowable_methods
+from .python_state import MODULE_INTERNALS
 
-__all__ = ["MISSING", "Guard", "failed_guard", "plain", "recorded_reads", "written_guard"]
+__all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
+           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "unwritten",
+           "written_guard"]
 
 _MISSING = object()
 _LOCAL = threading.local()  # .sink: the reads of the capture in progress on this thread
@@ -49,6 +57,11 @@ class Guard:
     value: Any
     item: bool = False
     where: str = ""
+    identity: bool = False  # the same object (a tensor), not an equal value
+    feeds: NumberInput | None = None  # a graph input: any number of the type, fed each call
+    contents: Any = None  # a container or object: its fingerprint (guard_values.py)
+    reached: frozenset[int] = frozenset()  # the containers and objects that fingerprint read
+
 
     def now(self) -> Any:
         if self.item:
@@ -56,7 +69,17 @@ class Guard:
         return vars(self.module).get(self.name, _MISSING)
 
     def holds(self) -> bool:
-        now = self.now()
+        now = self.module.get(self.name, _MISSING) if self.item else \
+            self.module.__dict__.get(self.name, _MISSING)  # self.now(), inlined: every call
+        if self.feeds is not None:  # checked on every call, before the graph runs: feed it
+            if type(now) is not type(self.value):
+                return False
+            self.feeds.value = now
+            return True
+        if self.identity:
+            return now is self.value
+        if self.contents is not None:
+            return fingerprint(now)[0] == self.contents
         return type(now) is type(self.value) and now == self.value
 
     def describe(self, names: dict[int, str]) -> str:
@@ -79,6 +102,42 @@ def written_guard(owner: Any, key: Any, before: Any, item: bool, where: str) -> 
 MISSING = _MISSING
 
 
+class NumberInput:
+    """A module attribute's number read by the graph at run time (``read_number``): the
+    graph holds this object, its guard sets ``value`` from the attribute on every call."""
+
+    __slots__ = ("value",)  # not a plain object: never guarded itself
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"NumberInput({self.value!r})"
+
+
+def read_number(holder: NumberInput) -> float:
+    """The number a graph input holds now (a Python number, as eager reads it)."""
+    return holder.value
+
+
+@contextlib.contextmanager
+def numbers_as_inputs(keys: frozenset[tuple[int, Any]]) -> Iterator[None]:
+    """Captures in the block read the numbers at ``(id(module), name)`` as graph inputs
+    (``recorded_reads``' ``as_input``) instead of constants: a value that changes on every
+    call then costs no compile (``mbcompile/guard_cache.py`` says which)."""
+    outer = getattr(_LOCAL, "as_inputs", frozenset())
+    _LOCAL.as_inputs = keys
+    try:
+        yield
+    finally:
+        _LOCAL.as_inputs = outer
+
+
+def inputs_wanted() -> frozenset[tuple[int, Any]]:
+    """The keys of the ``numbers_as_inputs`` block in progress (empty outside one)."""
+    return getattr(_LOCAL, "as_inputs", frozenset())
+
+
 def failed_guard(guards: Sequence[Guard]) -> Guard | None:
     """The first guard that no longer holds, or None."""
     for guard in guards:
@@ -90,7 +149,7 @@ def failed_guard(guards: Sequence[Guard]) -> Guard | None:
 def plain(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
+    return isinstance(value, ATOMS)
 
 
 def _recording(cls: type) -> type:
@@ -102,22 +161,34 @@ def _recording(cls: type) -> type:
         def __getattribute__(self: Any, name: str) -> Any:
             value = super(sub, self).__getattribute__(name)
             sink = getattr(_LOCAL, "sink", None)
-            if sink is not None and not name.startswith("__") and plain(value):
+            if sink is not None and not name.startswith("__") and name not in MODULE_INTERNALS:
                 own = object.__getattribute__(self, "__dict__")
                 key = (id(self), name)
                 if name in own and own[name] is value and key not in _LOCAL.written:
-                    sink.setdefault(key, Guard(self, name, value))
+                    make = _LOCAL.as_input
+                    if make is not None and key in inputs_wanted() and \
+                            type(value) in (int, float):
+                        guard = sink.setdefault(key, Guard(self, name, value,
+                                                           feeds=NumberInput(value)))
+                        return make(guard.feeds)
+                    if plain(value):
+                        sink.setdefault(key, Guard(self, name, value))
+                    elif isinstance(value, (dict, list, tuple, set, frozenset)) or \
+                            plain_object(value):  # a dict of flags, a config object
+                        image, reached = fingerprint(value)
+                        sink.setdefault(key, Guard(self, name, value, contents=image,
+                                                   reached=reached))
+                    elif isinstance(value, torch.Tensor):  # a tensor kept in a plain attribute:
+                        # fx holds it as a constant, so a new one (a replayed write) recompiles
+                        sink.setdefault(key, Guard(self, name, value, identity=True))
             return value
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
-            writes = getattr(_LOCAL, "writes", None)
-            if writes is not None and plain(value):
-                key = (id(self), name)
-                # read before it is written (self.calls += 1): state carried across calls;
-                # written first (self.seq_len = x.size(1)): set afresh by every call
-                if key in _LOCAL.sink and _LOCAL.sink[key].value != value:
-                    writes.append((self, name))
-                _LOCAL.written.add(key)
+            # written before it is read (self.seq_len = x.size(1)): set afresh by every call,
+            # so later reads see forward's own value and are not guarded; read first
+            # (self.calls += 1): the read's guard makes the replayed write exact
+            if getattr(_LOCAL, "written", None) is not None:
+                _LOCAL.written.add((id(self), name))
             super(sub, self).__setattr__(name, value)
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
@@ -129,40 +200,45 @@ def _recording(cls: type) -> type:
 
 
 @contextlib.contextmanager
-def recorded_reads(model: nn.Module, model_name: str) -> Iterator[list[Guard]]:
+def recorded_reads(model: nn.Module, model_name: str = "",
+                   as_input: Callable[[NumberInput], Any] | None = None
+                   ) -> Iterator[list[Guard]]:
     """While the block traces ``model``: record the plain attributes read from its modules.
 
     The list yielded is filled when the block ends, first read first. Each module's class
     is a recording subclass for the duration (same name and module), then its own again.
-    A public number, string or flag that forward reads and then assigns a new value
-    (``self.calls += 1``) is state the compiled module would never update: ``CaptureError``.
-    One that forward assigns before reading it (``self.seq_len = x.size(1)``) is set afresh
-    by every call: neither refused nor guarded. (The capture undoes every assignment itself,
-    ``capture.python_state_kept``.)
+    An attribute forward assigns before reading it (``self.seq_len = x.size(1)``) is set
+    afresh by every call: its later reads are not guarded. (The capture undoes every
+    assignment itself, ``python_state.python_state_kept``, and replays it per step.)
+    ``as_input``: makes what forward reads instead of a number ``numbers_as_inputs`` names
+    (the tracer's proxy of ``read_number(holder)``); each such read is guarded by type.
     """
     modules = list(model.modules())
     classes = [type(m) for m in modules]
     sink: dict[tuple[int, str], Guard] = {}
-    writes: list[tuple[nn.Module, str]] = []
-    outer = (getattr(_LOCAL, "sink", None), getattr(_LOCAL, "writes", None),
-             getattr(_LOCAL, "written", None))
+    outer = (getattr(_LOCAL, "sink", None), getattr(_LOCAL, "written", None),
+             getattr(_LOCAL, "as_input", None))
     guards: list[Guard] = []
     for m, cls in zip(modules, classes):
         m.__class__ = _recording(cls)
-    _LOCAL.sink, _LOCAL.writes, _LOCAL.written = sink, writes, set()
+    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = sink, set(), as_input
     try:
         yield guards
     finally:
-        _LOCAL.sink, _LOCAL.writes, _LOCAL.written = outer
+        _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = outer
         for m, cls in zip(modules, classes):
             m.__class__ = cls
         guards.extend(sink.values())
-    if writes:
-        module, name = writes[0]
-        owner = next((n for n, m in model.named_modules() if m is module), "")
-        raise CaptureError(
-            f"{model_name}.forward assigns the Python attribute "
-            f"{'.'.join(filter(None, (owner, name)))!r}; tracing ran that assignment once, "
-            "at compile time, and the compiled module would never repeat it. Fix: keep the "
-            "value in a buffer (register_buffer) and update it in place, or update it "
-            "outside forward")
+        # what forward reads besides its modules' attributes: module-level constants, and the
+        # methods it calls on self (an instance attribute assigned later would shadow one)
+        guards.extend(Guard(space, n, v, item=True, where=f"the global {n}")
+                      for space, n, v in forward_globals(model))
+        guards.extend(Guard(m, n, _MISSING, identity=True, where=f"{type(m).__name__}.{n}")
+                      for m, n in shadowable_methods(model))
+
+
+def unwritten(guards: Sequence[Guard], written: set[int]) -> tuple[Guard, ...]:
+    """``guards`` without those on containers that forward itself writes (``written``: their
+    ids): their new contents come from forward, replayed each step (``side_effects.py``),
+    and a key it reads there is guarded where it is written (``written_guard``)."""
+    return tuple(g for g in guards if not g.reached & written)

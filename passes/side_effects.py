@@ -3,10 +3,11 @@
 Tracing runs forward once, on proxies; the Python state it wrote is put back
 (``python_state.Snapshot``) and compared with what it was, and each difference becomes a
 record: an attribute assigned or deleted, a dict key set or deleted, a list appended to or
-extended; a ``print`` is recorded where it is called (it prints nothing while tracing). A
-traced value held by an effect (``loss.detach()``) becomes one more output of the
-captured graph, after the model's own, so the microbatch rewrite combines it like any
-output: a per-sample tensor concatenated in order, a loss from the global sums. After a
+extended; a ``print`` or a ``logging`` call is recorded where it is made (nothing is
+printed or logged while tracing). A traced value held by an effect (``loss.detach()``)
+becomes one more output of the captured graph, after the model's own, so the microbatch
+rewrite combines it like any output: a per-sample tensor concatenated in order, a loss
+from the global sums. After a
 successful step the compiled module calls ``replay``: each effect happens once, with the
 full batch's values, as in eager (dynamo's ``SideEffects`` does the same after its graph).
 
@@ -23,7 +24,7 @@ Recorded (``Effects``)::
 
     SetItem(stats, 'loss', Held(_Out(1)))     # graph outputs: (loss, detach, detach_1)
     Extend(history, Held((_Out(2),)))
-    Print(Held(('loss', _Out(1))), {})
+    Print(print, Held(('loss', _Out(1))), Held({}))
 
 What cannot be made exact is refused at capture, before anything changes: a Python
 number read off a traced value (``loss.item()``), a traced value inside an object that
@@ -35,6 +36,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
+import logging
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -123,14 +126,16 @@ class Extend:
 
 @dataclass(frozen=True)
 class Print:
-    """``print(*args, **kwargs)`` as forward called it."""
+    """A call forward made to ``print`` (``target``: the real one) or to a logger's
+    ``_log`` (``target``: it, bound to the logger and level), with its arguments."""
 
+    target: Callable[..., Any]
     args: Held
     kwargs: Held
     where: str
 
     def apply(self, flat: Sequence[Any]) -> None:
-        builtins.print(*self.args.rebuild(flat), **self.kwargs.rebuild(flat))
+        self.target(*self.args.rebuild(flat), **self.kwargs.rebuild(flat))
 
 
 Effect = SetAttr | SetItem | Extend | Print
@@ -144,6 +149,8 @@ class Effects:
     records: tuple[Effect, ...] = ()
     outputs: tuple[fx.Node, ...] = field(default=(), compare=False)
     guards: tuple[Guard, ...] = ()  # plain values written over others: see ``written_guard``
+    written: frozenset[int] = frozenset()  # ids of the containers and objects written
+
 
     def __bool__(self) -> bool:
         return bool(self.records)
@@ -164,6 +171,7 @@ def replay(effects: Effects, flat: Sequence[Any]) -> None:
 
 @dataclass(frozen=True)
 class _PrintCall:
+    target: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     where: str
@@ -171,20 +179,32 @@ class _PrintCall:
 
 @contextlib.contextmanager
 def prints_recorded() -> Iterator[list[_PrintCall]]:
-    """While the block traces: ``print`` records its call instead of printing."""
+    """While the block traces: ``print`` and the ``logging`` calls a logger would emit
+    record their call instead of printing or logging."""
     calls: list[_PrintCall] = []
 
-    def recorded(*args: Any, **kwargs: Any) -> None:
-        calls.append(_PrintCall(args, kwargs, user_frame(traceback.extract_stack()[:-1])))
+    def where() -> str:  # the caller's line (not logging's own frames)
+        return user_frame([f for f in traceback.extract_stack()[:-2]
+                           if f.filename != logging.__file__])
 
-    builtins.print = recorded
+    def printed(*args: Any, **kwargs: Any) -> None:
+        calls.append(_PrintCall(_PRINT, args, kwargs, where()))
+
+    def logged(self: logging.Logger, level: int, msg: Any, args: Any, **kwargs: Any) -> None:
+        calls.append(_PrintCall(functools.partial(_LOG, self, level), (msg, args), kwargs,
+                                where()))
+
+    builtins.print = printed
+    logging.Logger._log = logged  # type: ignore[method-assign]
     try:
         yield calls
     finally:
         builtins.print = _PRINT
+        logging.Logger._log = _LOG  # type: ignore[method-assign]
 
 
 _PRINT = builtins.print
+_LOG = logging.Logger._log
 
 
 def _map(value: Any, fn: Callable[[Any], Any], kind: type) -> Any:
@@ -314,9 +334,10 @@ def record_effects(changes: Sequence[Change], prints: Sequence[_PrintCall], mode
                 f"{model_name}.forward formats a traced tensor into a string it prints at "
                 f"{call.where}; the string holds no value to print at each step. Fix: pass "
                 "the tensor to print as its own argument (print('loss', loss.detach()))")
-        records.append(Print(rec.held(call.args, f"to print at {call.where}"),
+        records.append(Print(call.target, rec.held(call.args, f"to print at {call.where}"),
                              rec.held(call.kwargs, f"to print at {call.where}"), call.where))
-    return Effects(tuple(records), tuple(rec.outputs), tuple(guards))
+    return Effects(tuple(records), tuple(rec.outputs), tuple(guards),
+                   frozenset(id(c.owner) for c in changes))
 
 
 def refuse_tensors(changes: Sequence[Change], prints: Sequence[_PrintCall], model_name: str

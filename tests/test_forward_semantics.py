@@ -367,7 +367,9 @@ def test_a_buffer_counter_and_a_returned_size_compile_and_match(kw):
     _assert_exact(model, cm, batch)
 
 
-def test_a_python_counter_in_forward_is_refused_and_the_model_is_left_alone():
+def test_a_python_counter_in_forward_moves_once_per_step():
+    """Compiling leaves it alone; each step moves it by one, as eager does (the read is
+    guarded, the write replayed: tests/test_python_state.py has the other forms)."""
     class Calls(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -378,9 +380,13 @@ def test_a_python_counter_in_forward_is_refused_and_the_model_is_left_alone():
             return F.mse_loss(self.a(x), y)
 
     model = Calls()
-    with pytest.raises(mbcompile.CaptureError, match="'calls'"):
-        _compile(model, _batch())
+    cm = _compile(model, _batch())
     assert model.calls == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.RecompileWarning)
+        for step in range(1, 3):
+            cm(*_batch())
+            assert model.calls == step
 
 
 def test_a_gradient_penalty_is_refused_at_compile_time_with_the_reason():
@@ -625,7 +631,7 @@ def test_guards_add_no_host_read_per_step():
     cm(*batch)[0].backward()  # warm
     with HostReads() as reads:
         cm(*batch)[0].backward()
-    assert reads.total == 1
+    assert reads.total == 0  # a step reads the host not at all (nonfinite="return")
 
 
 # --------------------------------------------------------------------------- generators

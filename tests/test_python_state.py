@@ -13,6 +13,9 @@ containers included, is left as it was.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import enum
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -269,3 +272,208 @@ def test_a_side_effect_holding_a_tensor_under_export_is_refused():
     with pytest.raises(mbcompile.CaptureError, match="history.*capture='fx'"):
         _compile(model, _batch(), capture="export")
     assert model.history == [] and model.last is None
+
+
+# --------------------------------------------------------------------------- counters
+
+
+class Counters(nn.Module):
+    """Counters of any name, a schedule read from one, a running mean kept as a number
+    that becomes a tensor after the first call."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.kind = nn.Linear(4, 3), kind
+        self._step, self.calls, self.ema = 0, 0, 0.0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.a(x), y)
+        if self.kind == "private":
+            self._step += 1
+        elif self.kind == "public":
+            self.calls = self.calls + 1
+        elif self.kind == "schedule":  # a warm-up read from the counter
+            loss = loss * min(1.0, (self._step + 1) / 2)
+            self._step += 1
+        elif self.kind == "ema":
+            self.ema = 0.5 * self.ema + 0.5 * loss.detach()
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["private", "public", "schedule", "ema"])
+def test_a_counter_moves_once_per_step_as_in_eager(kind, capsys):
+    torch.manual_seed(0)
+    model = Counters(kind)
+    _three_steps(model, lambda m: (m._step, m.calls, m.ema), capsys)
+    if kind in ("private", "public", "schedule"):
+        assert model._step + model.calls == 3
+
+
+# --------------------------------------------------------------------------- guard cache
+
+
+class Annealed(nn.Module):
+    """A temperature the training loop anneals every step, and a flag read in a branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.temp, self.hard = 1.0, False
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.a(x) / self.temp
+        if self.hard:
+            o = o.clamp(-0.5, 0.5)
+        return F.mse_loss(o, y) * self.temp, o
+
+
+def _compiles(cm: mbcompile.CompiledModule) -> int:
+    return sum(len(entries) for entries in cm._cache.values())
+
+
+def test_a_number_changed_every_step_becomes_a_graph_input(capsys):
+    """20 steps of an annealed temperature: at most 3 compiles, each step exact."""
+    torch.manual_seed(0)
+    model = Annealed()
+    ref = copy.deepcopy(model)
+    cm = _compile(model, _batch())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", mbcompile.RecompileWarning)
+        for step in range(20):
+            model.temp = ref.temp = 1.0 - 0.04 * step
+            got, want = cm(*_batch()), ref(*_batch())
+            _same([t.detach() for t in got], [t.detach() for t in want], f"step {step}")
+    recompiles = [w for w in caught if issubclass(w.category, mbcompile.RecompileWarning)]
+    assert len(recompiles) == 2 and "temp was" in str(recompiles[0].message)
+    assert _compiles(cm) == 3
+
+
+def test_going_back_to_an_earlier_value_costs_no_compile():
+    torch.manual_seed(0)
+    model = Annealed()
+    ref = copy.deepcopy(model)
+    cm = _compile(model, _batch())
+    with pytest.warns(mbcompile.RecompileWarning, match="hard was False, now True"):
+        model.hard = True
+        cm(*_batch())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.RecompileWarning)
+        for hard in (False, True, False):
+            model.hard = ref.hard = hard
+            _same([t.detach() for t in cm(*_batch())], [t.detach() for t in ref(*_batch())],
+                  f"hard={hard}")
+    assert _compiles(cm) == 2
+
+
+def test_a_number_used_in_python_control_flow_stays_guarded():
+    """A value read in an ``if`` cannot be a graph input: each value compiles once."""
+
+    class Branchy(Annealed):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            o = self.a(x)
+            if self.temp < 0.5:
+                o = o * 2
+            return F.mse_loss(o, y)
+
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    cm = _compile(model, _batch())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.RecompileWarning)
+        for temp in (0.9, 0.8, 0.3, 0.2, 0.9):
+            model.temp = ref.temp = temp
+            _same(cm(*_batch()).detach(), ref(*_batch()).detach(), f"temp={temp}")
+
+
+# --------------------------------------------------------------------------- what guards see
+
+
+SHIFT = 0.0  # a module-level constant forward reads
+
+
+class Kind(enum.Enum):
+    SOFT = "soft"
+    HARD = "hard"
+
+
+@dataclasses.dataclass
+class Cfg:
+    beta: float = 1.0
+
+
+class ReadsEverything(nn.Module):
+    """A flag in a dict, an enum, a config object's field, a private number, a global and a
+    helper method: each baked into the graph by the trace, each changed after compile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.flags = {"hard": False}
+        self.kind, self.cfg, self._gain = Kind.SOFT, Cfg(), 1.0
+
+    def head(self, o: torch.Tensor) -> torch.Tensor:
+        return o
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        o = self.head(self.a(x)) * self._gain + SHIFT
+        if self.flags["hard"] or self.kind is Kind.HARD:
+            o = o.clamp(-0.2, 0.2)
+        return F.mse_loss(o, y) * self.cfg.beta
+
+
+def _set_shift(value: float) -> None:
+    global SHIFT
+    SHIFT = value
+
+
+CHANGES: dict[str, Callable[[nn.Module], None]] = {
+    "dict item": lambda m: m.flags.__setitem__("hard", True),
+    "enum": lambda m: setattr(m, "kind", Kind.HARD),
+    "object attribute": lambda m: setattr(m.cfg, "beta", 0.25),
+    "private number": lambda m: setattr(m, "_gain", 3.0),
+    "global": lambda m: _set_shift(0.5),
+    "method": lambda m: setattr(m, "head", lambda o: o * 2),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_every_python_value_forward_reads_is_guarded(change):
+    torch.manual_seed(0)
+    model = ReadsEverything()
+    cm = _compile(model, _batch(), capture="fx")
+    try:
+        CHANGES[change](model)
+        with pytest.warns(mbcompile.RecompileWarning, match="which forward reads"):
+            got = cm(*_batch())
+        _same(got.detach(), model(*_batch()).detach(), change)
+    finally:
+        _set_shift(0.0)
+
+
+class Logged(nn.Module):
+    """Logs through ``logging``, with a traced value as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.a(x), y)
+        LOGGER.info("loss %.6f on %d rows", loss.detach(), x.shape[0])
+        return loss
+
+
+LOGGER = logging.getLogger("mbcompile.tests.python_state")
+
+
+def test_a_logging_call_in_forward_logs_once_per_step(capsys, caplog):
+    torch.manual_seed(0)
+    model = Logged()
+    with caplog.at_level(logging.INFO, logger=LOGGER.name):
+        cm = _compile(model, _batch())
+        assert not caplog.records, "compile logged"
+        for call in (cm, copy.deepcopy(model)):
+            call(*_batch())
+    got, want = (r.getMessage() for r in caplog.records)
+    assert got == want and "on 7 rows" in got
