@@ -1301,14 +1301,7 @@ CASES = [(name, combination) for name in CONSTRUCTS for combination in COMBINATI
 
 #: What this fuzzer found that is still open (issue 25), each a strict xfail: it must start
 #: passing when fixed, and then its line goes. The random combinations leave these out.
-OPEN = {
-    "generator_noise": "S5: a per-sample draw from a model-owned generator is drawn per "
-                       "microbatch, like dropout (DESIGN.md's one exception); exact draws "
-                       "would hoist the draw out of the loop",
-    "generator_shared": "S6: a batch-free draw from a model-owned generator is drawn per "
-                        "microbatch (it was a constant frozen at trace time), where eager "
-                        "draws once per step",
-}
+OPEN: dict[str, str] = {}
 OPEN_CASES: dict[tuple[str, str], str] = {}
 
 
