@@ -257,6 +257,25 @@ def _chunk_split_cat_stack(s, x, mask, y, tok, img):
     return torch.cat([c, d, b], dim=-1) + torch.stack([a, b], dim=2).sum(2).repeat(1, 1, 2)
 
 
+def _split_sizes(s, x, mask, y, tok, img):
+    a, b, c = torch.split(s.lin(x), [2, 4, 2], dim=-1)
+    return torch.cat([c, a, b.tanh()], dim=-1)
+
+
+class _Schedule(nn.Module):
+    """A diffusion model's noise schedule: ``alphas_cumprod`` as a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("alphas_cumprod", torch.linspace(0.99, 0.1, 10).cumprod(0))
+
+
+def _schedule_at_timestep(s, x, mask, y, tok, img):
+    t = y * 2 + 1  # a per-sample timestep
+    a = s.layers.sched.alphas_cumprod[t]  # a buffer indexed by a per-sample tensor
+    return s.lin(x) * a.sqrt()[:, None, None] + (1 - a)[:, None, None]
+
+
 def _masked_mean_stat(s, x, mask, y, tok, img):
     h = torch.tanh(s.lin(x))
     m = mask.unsqueeze(-1).to(h.dtype)
@@ -579,6 +598,8 @@ ACCEPT: dict[str, Entry] = {
                              export=True),
     "last-token-by-arange": Entry(_hidden_from_arange, export=True),
     "sum-over-batch-size": Entry(_sum_over_batch_size, export=True),
+    "split-with-sizes": Entry(_split_sizes, export=True),  # torch.split(h, [2, 4, 2], -1)
+    "schedule-at-timestep": Entry(_schedule_at_timestep, {"sched": _Schedule}, export=True),
 }
 
 REJECT: dict[str, Entry] = {
@@ -1027,3 +1048,15 @@ def test_write_rule_on_aten_graph(name: str) -> None:
         assert out.meta[FACT] == Batched(0)
     else:
         assert result.rejected is not None and reason in str(result.rejected), result.rejected
+
+
+def test_cumulative_batch_norm_is_refused_for_its_own_reason():
+    """``BatchNorm(momentum=None)`` reads ``1 / num_batches_tracked`` as a Python number: the
+    refusal says so and how to fix it, not that a shape depends on values."""
+    model = Entry(_r_batchnorm_train, {"bn": lambda: nn.BatchNorm1d(HID, momentum=None)}).build()
+    with pytest.raises(MixingError, match="momentum=None keeps a cumulative average") as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(),
+                              **plan_free(MBS))
+    assert "give it a momentum" in str(info.value)
