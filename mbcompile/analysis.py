@@ -35,6 +35,7 @@ from mbcompile.passes.forward_modes import (
     check_tensor_hooks,
     detach_grad_free_inputs,
 )
+from mbcompile.passes.generators import seeding_refused
 from mbcompile.passes.microbatch_rewrite import Cut, cut_graph
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
 from mbcompile.passes.sharded_export import sharded_export
@@ -218,7 +219,8 @@ def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
     is captured again with torch.export, which functionalizes in-place writes and looks
     inside such calls; the export graph is kept when the analysis accepts it.
     """
-    captured = _capture(model, request)
+    with seeding_refused(model):  # a seed set in forward would be set once, at compile
+        captured = _capture(model, request)
     may_export = (request.options.capture == "auto" and captured.method != "export"
                   and not isinstance(model, fx.GraphModule))
     if may_export and has_mutations(captured.graph_module):

@@ -157,8 +157,8 @@ def _carries_gradient(node: fx.Node, gm: fx.GraphModule) -> bool:
     Integer and boolean values (argmax, comparisons, counts) carry no gradient,
     so accuracy counts next to a loss do not count as a second trained output.
     """
-    if node.op == "get_attr":
-        return True
+    if node.op == "get_attr":  # a parameter or buffer; a generator carries no values
+        return not isinstance(_attribute(gm, node.target), torch.Generator)
     name = node_name(node) if node.op != "call_module" else ""
     if name in _NO_VALUES:
         return False
@@ -173,12 +173,20 @@ def _carries_gradient(node: fx.Node, gm: fx.GraphModule) -> bool:
     if not found:
         return False
     info = node.meta.get(SHAPES)
-    if isinstance(info, ValueInfo) and not info.is_tensor:
-        return False  # sizes and other Python numbers
+    if isinstance(info, ValueInfo) and not info.is_tensor or isinstance(info, tuple) and not any(
+            isinstance(i, ValueInfo) and i.is_tensor for i in info):
+        return False  # sizes, shapes and other Python numbers
     if getattr(info, "is_tensor", False) and info.dtype is not None and not (
             info.dtype.is_floating_point or info.dtype.is_complex):
         return False
     return True
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> object:
+    value: object = gm
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    return value
 
 
 # Ops whose other arguments give only a dtype, device or shape (x.to(y), x.view_as(y)),
@@ -188,7 +196,8 @@ _FIRST_ARG_VALUES = frozenset({"to", "type_as", "view_as", "reshape_as", "expand
 _NO_VALUES = frozenset({"detach", "detach_", "zeros_like", "ones_like", "empty_like",
                         "full_like", "rand_like", "randn_like", "randint_like", "new_zeros",
                         "new_ones", "new_empty", "new_full", "size", "sym_size", "dim",
-                        "numel", "sym_numel", "argmax", "argmin"})
+                        "numel", "sym_numel", "argmax", "argmin", "rand", "randn", "randint",
+                        "randperm"})
 
 
 def _is_batch_related(fact: Fact) -> bool:

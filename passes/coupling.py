@@ -21,7 +21,7 @@ slice of dL/dF (docs/concepts.md, "Losses that couple samples"; GradCache, by ha
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -63,7 +63,8 @@ class Partition:
 
 
 def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
-              roots: Iterable[fx.Node] | None = None) -> Partition:
+              roots: Iterable[fx.Node] | None = None,
+              inputs: Collection[fx.Node] = ()) -> Partition:
     """Walk back from the outputs (``roots``: those kept; default all) and ``extra_roots``
     to the values the loop provides.
 
@@ -73,6 +74,10 @@ def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
     further up, at the full batch. So is one made from the batch size alone, not from
     the samples (``torch.randperm(B)``, ``torch.zeros(B, d)``): its pieces would be
     made per microbatch (a permutation of each microbatch, not of the batch).
+
+    ``inputs``: nodes computed before the loop and handed in like the graph's inputs (the
+    random draws of ``draws.py``): a per-sample one is a frontier value (the tail reads the
+    very numbers the body read, joined from its pieces), any other one the tail reads whole.
     """
     if roots is None:
         roots = next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes
@@ -89,10 +94,10 @@ def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
         fact = n.meta.get(FACT)
         if REDUCTION in n.meta:
             part.reductions.append(n)
-        elif isinstance(fact, Batched) and (n.op == "placeholder" or (
+        elif isinstance(fact, Batched) and (n.op == "placeholder" or n in inputs or (
                 fact.major and not fact.positions and samples(n))):
             part.frontier.append(n)
-        elif n.op == "placeholder":
+        elif n.op == "placeholder" or n in inputs:
             continue  # an unbatched input: the tail reads it as it is
         elif isinstance(fact, BatchSize) or _shape_number(n):
             part.constants[n] = n.meta[SHAPES].int_a

@@ -35,8 +35,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from .capture import FSDP_PARAM
+from .facts import FACT, SHAPES, Batched
 
-__all__ = ["FakeProbe", "fake_copy", "holds_no_data", "resize_batch"]
+__all__ = ["FakeProbe", "fake_copy", "holds_no_data", "resize_batch", "shaped_like"]
 
 
 def planned_device(t: torch.Tensor) -> torch.device:
@@ -76,7 +77,14 @@ def fake_copy(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
                                    device=planned_device(t), requires_grad=t.requires_grad)
 
 
-def resize_batch(value: Any, dim: int | None, batch: int, mode: FakeTensorMode) -> Any:
+def shaped_like(node: fx.Node) -> torch.Tensor:
+    """A meta tensor of the shape and dtype the shape pass recorded for ``node``'s value."""
+    info = node.meta[SHAPES]
+    return torch.empty(info.shape_a, dtype=info.dtype, device="meta")
+
+
+def resize_batch(value: Any, dim: int | None, batch: int, mode: FakeTensorMode,
+                 device: torch.device | None = None) -> Any:
     """A fake copy of ``value`` whose tensors have size ``batch`` along ``dim``.
 
     ``value`` may nest tensors in tuples, lists and dicts: they all share the one
@@ -89,12 +97,15 @@ def resize_batch(value: Any, dim: int | None, batch: int, mode: FakeTensorMode) 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
+        if dim is None and device is not None:
+            with mode:
+                return torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
         if dim is None:
             return fake_copy(t, mode)
         shape = list(t.shape)
         shape[dim] = batch
         with mode:
-            return torch.zeros(shape, dtype=t.dtype, device=planned_device(t))
+            return torch.zeros(shape, dtype=t.dtype, device=device or planned_device(t))
     return pytree.tree_map(one, value)
 
 
@@ -134,8 +145,17 @@ class FakeProbe(fx.Interpreter):
 
     def inputs(self, values: Sequence[Any], in_dims: Sequence[int | None], batch: int
                ) -> list[Any]:
-        """Fake inputs for :meth:`run`: ``values`` resized to ``batch`` along ``in_dims``."""
-        return [resize_batch(v, d, batch, self.mode) for v, d in zip(values, in_dims)]
+        """Fake inputs for :meth:`run`: ``values`` resized to ``batch`` along ``in_dims``;
+        placeholders past them (a body's draws made before the loop, ``draws.py``) get
+        fakes of their recorded shape, on the first input's device."""
+        args = [resize_batch(v, d, batch, self.mode) for v, d in zip(values, in_dims)]
+        extra = [n for n in self.graph.nodes if n.op == "placeholder"][len(args):]
+        if extra:
+            device = next((planned_device(t) for t in pytree.tree_leaves(args)
+                           if isinstance(t, torch.Tensor)), torch.device("cpu"))
+            args += [resize_batch(shaped_like(n), n.meta[FACT].dim if isinstance(
+                n.meta.get(FACT), Batched) else None, batch, self.mode, device) for n in extra]
+        return args
 
     def fake(self, value: Any) -> Any:
         """The probe's fake copy of a tensor (the same one every time: tied weights stay

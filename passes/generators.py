@@ -20,15 +20,23 @@ draw the same noise.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
+import sysconfig
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
-__all__ = ["GeneratorStates", "checkpoint_replaying", "generators_of"]
+from .errors import CaptureError
+from .sources import is_library, user_frame
+
+__all__ = ["GeneratorStates", "checkpoint_replaying", "generators_of", "seeding_refused"]
 
 
 def generators_of(gm: torch.nn.Module) -> tuple[torch.Generator, ...]:
@@ -97,3 +105,63 @@ class checkpoint_replaying:  # noqa: N801 (an op of the graph, named like a func
 
     def __repr__(self) -> str:
         return f"checkpoint_replaying({len(self.generators)} generators)"
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+#: the functions that seed or replace the state of torch's own generators
+_SEEDING = ("torch.manual_seed", "torch.random.manual_seed", "torch.seed", "torch.random.seed",
+            "torch.set_rng_state", "torch.random.set_rng_state", "torch.random.fork_rng",
+            "torch.cuda.manual_seed", "torch.cuda.manual_seed_all", "torch.cuda.set_rng_state")
+
+
+@contextlib.contextmanager
+def seeding_refused(model: torch.nn.Module) -> Iterator[None]:
+    """While ``model``'s forward is captured: a call that seeds a generator (``torch.manual_seed``,
+    ``torch.random.fork_rng``, ``self.g.manual_seed(0)``) is refused with a ``CaptureError``
+    naming its line, after the capture, with every generator as it was.
+
+    Capture runs forward once, at compile time: the seed would be set then, changing the
+    caller's RNG, and never again in a step, where eager seeds on every call. Seeding
+    functions are skipped while capturing (so nothing changes); a model's own generator is
+    found reseeded by its state.
+
+    >>> with seeding_refused(model):
+    ...     gm = capture(model)   # forward calls torch.manual_seed(0): CaptureError
+    """
+    calls: list[str] = []
+    owned = [v for m in model.modules() for v in vars(m).values()
+             if isinstance(v, torch.Generator)]
+    before = GeneratorStates(owned)
+    cpu = torch.get_rng_state()
+
+    def skipped(name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if is_library(caller) or caller.startswith(_STDLIB):  # torch's or ours: let be
+                return original(*args, **kwargs)
+            calls.append(f"{name} at {user_frame(traceback.extract_stack()[:-1])}")
+            return contextlib.nullcontext() if name.endswith("fork_rng") else None
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for name in _SEEDING:
+            module, attr = name.rsplit(".", 1)
+            original = getattr(importlib.import_module(module), attr)
+            stack.enter_context(mock.patch(name, skipped(name, original)))
+        try:
+            yield
+        finally:
+            reseeded = [g for g, state in zip(owned, before.states)
+                        if not torch.equal(g.get_state(), state)]
+            before.restore()
+            torch.set_rng_state(cpu)
+    if reseeded and not calls:
+        calls.append("manual_seed of a torch.Generator the model holds")
+    if calls:
+        raise CaptureError(
+            f"{type(model).__name__}.forward seeds a random generator ({calls[0]}); capture "
+            "runs forward once, at compile time, so the seed would be set once, there, while "
+            "eager seeds it on every call, and the compiled steps would draw other numbers. "
+            "Fix: seed outside forward (before each step, in your training loop), or pass "
+            "the noise in as an input; nothing was changed")

@@ -42,7 +42,8 @@ import torch.fx as fx
 from . import ops, partials
 from .batch_analysis import BatchAnalysis
 from .coupling import Partition, partition
-from .facts import FACT, REDUCTION, ReductionSpec
+from .draws import emit_draws, hoisted_draws
+from .facts import FACT, REDUCTION, Batched, ReductionSpec
 from .graph_walks import ancestors
 from .recompute import checkpoint_blocks
 
@@ -65,6 +66,8 @@ class Cut:
     source: dict[int, fx.Node]  # body output index -> the node whose source line it is
     coupled: fx.GraphModule | None = None  # a two-phase step's coupled part (C)
     free: tuple[fx.Node, ...] = ()  # the graph inputs C reads besides the frontier
+    draws: tuple[fx.Node, ...] = ()  # random draws made once, before the loop (draws.py)
+    body_draws: tuple[fx.Node, ...] = ()  # those the body reads, after the graph's inputs
 
 
 def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> Cut:
@@ -79,14 +82,15 @@ def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> C
     # outputs not kept are never computed after the loop, nor kept per microbatch
     leaves = [x if keep is None or i in keep else None for i, x in enumerate(out_node.args[0])]
     roots = [x for x in leaves if isinstance(x, fx.Node)]
-    part = partition(gm.graph, roots=roots)
-    in_body = _body_nodes(part, placeholders)
+    draws = hoisted_draws(gm.graph)
+    part = partition(gm.graph, roots=roots, inputs=draws)
+    in_body = _body_nodes(part, [*placeholders, *draws])
     # fx's asserts on fixed arguments run once, after the loop
     checks = [n for n in nodes if n.op not in ("placeholder", "output") and n.is_impure()
               and n not in in_body]
     if checks:
-        part = partition(gm.graph, checks, roots)
-        in_body = _body_nodes(part, placeholders)
+        part = partition(gm.graph, checks, roots, draws)
+        in_body = _body_nodes(part, [*placeholders, *draws])
     # output leaves first, in their order, then what only the tail reads (graph order)
     frontier = list(dict.fromkeys([x for x in leaves if x in part.frontier] + part.frontier))
     reductions = part.reductions
@@ -96,11 +100,14 @@ def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> C
     env: dict[fx.Node, fx.Node] = {}
     for p in placeholders:
         env[p] = body_graph.node_copy(p)
+    body_draws = tuple(d for d in draws if d in in_body)
+    for d in body_draws:  # drawn before the loop: the body reads its rows like an input
+        env[d] = _input_like(body_graph, d)
     body_outputs: list[fx.Node] = []
     specs: list[ops.BodyOutput] = []
     slots: dict[fx.Node, list[int]] = {}  # reduction or frontier value -> body output indices
     for n in nodes:
-        if n in in_body and n.op != "placeholder":
+        if n in in_body and n not in env:
             env[n] = body_graph.node_copy(n, lambda a: env[a])
         elif n in reductions:
             slots[n] = _emit_partial(n, body_graph, env, body_outputs, specs, gm)
@@ -116,10 +123,10 @@ def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> C
         names.update(zip(slots[n], (f"{n.name}_sum", f"{n.name}_count")))
         source.update((i, n) for i in slots[n])
 
-    coupled, free = _coupled_module(gm, part, frontier, slots, specs, names, source, leaves) \
-        if analysis.two_phase else (None, ())
+    coupled, free = _coupled_module(gm, part, frontier, slots, specs, names, source, leaves,
+                                    draws) if analysis.two_phase else (None, ())
     return Cut(gm, placeholders, leaves, part, frontier, body, specs, slots, names, source,
-               coupled, free)
+               coupled, free, tuple(draws), body_draws)
 
 
 def two_phase_parts(analysis: BatchAnalysis, cut: Cut | None = None
@@ -163,10 +170,12 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
 
     # 2. The top graph: split -> loop -> accumulate -> tail, or split -> two-phase step.
     top = fx.Graph()
-    top_env: dict[fx.Node, fx.Node] = {p: top.node_copy(p) for p in placeholders}
-    mbs = _call(top, ops.split, tuple(top_env[p] for p in placeholders),
-                {"slices": tuple(slices),
-                 "in_dims": tuple(in_dims.get(p.target) for p in placeholders)}, "microbatches")
+    top_env: dict[fx.Node, Any] = {p: top.node_copy(p) for p in placeholders}
+    emit_draws(top, top_env, parts.draws, batch=sum(b - a for a, b in slices))
+    dims = [in_dims.get(p.target) for p in placeholders] + [
+        d.meta[FACT].dim if isinstance(d.meta[FACT], Batched) else None for d in parts.body_draws]
+    mbs = _call(top, ops.split, tuple(top_env[p] for p in (*placeholders, *parts.body_draws)),
+                {"slices": tuple(slices), "in_dims": tuple(dims)}, "microbatches")
     body_ref = top.get_attr("body")
     root: dict[str, Any] = {"body": body}
     sizes = tuple(b - a for a, b in slices)
@@ -204,8 +213,8 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     return rewritten
 
 
-def _body_nodes(part: Partition, placeholders: list[fx.Node]) -> set[fx.Node]:
-    stop = set(placeholders)
+def _body_nodes(part: Partition, inputs: list[fx.Node]) -> set[fx.Node]:
+    stop = set(inputs)
     return ancestors(part.frontier + [a for r in part.reductions for a in r.all_input_nodes],
                      through=lambda n: n not in stop)
 
@@ -258,7 +267,8 @@ def _emit_tail(graph: fx.Graph, env: dict[fx.Node, fx.Node], part: Partition,
 def _coupled_module(gm: fx.GraphModule, part: Partition, frontier: Sequence[fx.Node],
                     slots: Mapping[fx.Node, list[int]], specs: Sequence[ops.BodyOutput],
                     names: Mapping[int, str], source: Mapping[int, fx.Node],
-                    leaves: Sequence[Any]) -> tuple[fx.GraphModule, tuple[fx.Node, ...]]:
+                    leaves: Sequence[Any], draws: Collection[fx.Node] = ()
+                    ) -> tuple[fx.GraphModule, tuple[fx.Node, ...]]:
     """The coupled part C as a module: the joined body outputs (per-sample values and
     global partial sums, in body output order), then the unbatched inputs it reads (the
     graph's placeholders, returned beside it: the top graph passes them in)."""
@@ -270,13 +280,22 @@ def _coupled_module(gm: fx.GraphModule, part: Partition, frontier: Sequence[fx.N
         joined.append(ph)
     read = {a for t in part.tail for a in t.all_input_nodes}
     free_inputs = [n for n in gm.graph.nodes
-                   if n.op == "placeholder" and n in read and n not in frontier]
+                   if (n.op == "placeholder" or n in draws) and n in read and n not in frontier]
     env: dict[fx.Node, fx.Node] = {}
     for p in free_inputs:
-        env[p] = graph.node_copy(p)
+        env[p] = _input_like(graph, p)
     _emit_tail(graph, env, part, frontier, slots, joined)
     graph.output(tuple(env[x] if isinstance(x, fx.Node) else x for x in leaves))
     return fx.GraphModule(gm, graph, "CoupledPart"), tuple(free_inputs)
+
+
+def _input_like(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """A placeholder standing for ``node`` (a graph input, or a draw made before the loop)."""
+    if node.op == "placeholder":
+        return graph.node_copy(node)
+    ph = graph.placeholder(node.name)
+    ph.meta = dict(node.meta)
+    return ph
 
 
 def _call(graph: fx.Graph, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

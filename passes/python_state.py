@@ -121,7 +121,7 @@ class Snapshot:
         found: list[Change] = []
         for mod, path, own, _ in self.modules:
             found.extend(_mapping_changes("attr", mod, mod.__dict__, own, path,
-                                          skip=MODULE_INTERNALS))
+                                          skip=MODULE_INTERNALS | _torch_caches(mod)))
         for obj, path, copy in self.saved.values():
             if isinstance(obj, dict):
                 found.extend(_mapping_changes("item", obj, obj, copy, path))
@@ -187,6 +187,15 @@ def _same_items(now: dict[Any, Any], before: dict[Any, Any]) -> bool:
     return len(now) == len(before) and all(
         k1 is k2 or k1 == k2 for k1, k2 in zip(now, before)) and all(
         now[k] is v for k, v in before.items())
+
+
+def _torch_caches(mod: nn.Module) -> frozenset[str]:
+    """The private attributes of a layer torch itself defines: caches its forward rebuilds
+    from the parameters (``nn.RNNBase._flat_weights`` under export), never user state; the
+    snapshot still puts them back."""
+    if not type(mod).__module__.startswith("torch."):
+        return frozenset()
+    return frozenset(k for k in vars(mod) if k.startswith("_"))
 
 
 def _mapping_changes(kind: str, owner: Any, now: Mapping[Any, Any], before: Mapping[Any, Any],

@@ -246,6 +246,25 @@ def _chunk_split_cat_stack(s, x, mask, y, tok, img):
     return torch.cat([c, d, b], dim=-1) + torch.stack([a, b], dim=2).sum(2).repeat(1, 1, 2)
 
 
+def _split_sizes(s, x, mask, y, tok, img):
+    a, b, c = torch.split(s.lin(x), [2, 4, 2], dim=-1)
+    return torch.cat([c, a, b.tanh()], dim=-1)
+
+
+class _Schedule(nn.Module):
+    """A diffusion model's noise schedule: ``alphas_cumprod`` as a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("alphas_cumprod", torch.linspace(0.99, 0.1, 10).cumprod(0))
+
+
+def _schedule_at_timestep(s, x, mask, y, tok, img):
+    t = y * 2 + 1  # a per-sample timestep
+    a = s.layers.sched.alphas_cumprod[t]  # a buffer indexed by a per-sample tensor
+    return s.lin(x) * a.sqrt()[:, None, None] + (1 - a)[:, None, None]
+
+
 def _masked_mean_stat(s, x, mask, y, tok, img):
     h = torch.tanh(s.lin(x))
     m = mask.unsqueeze(-1).to(h.dtype)
@@ -568,6 +587,8 @@ ACCEPT: dict[str, Entry] = {
                              export=True),
     "last-token-by-arange": Entry(_hidden_from_arange, export=True),
     "sum-over-batch-size": Entry(_sum_over_batch_size, export=True),
+    "split-with-sizes": Entry(_split_sizes, export=True),  # torch.split(h, [2, 4, 2], -1)
+    "schedule-at-timestep": Entry(_schedule_at_timestep, {"sched": _Schedule}, export=True),
 }
 
 REJECT: dict[str, Entry] = {

@@ -1,6 +1,6 @@
 """A differential fuzz of forward-time constructs (issue 25 item 7).
 
-A forward does more than its ops (docs/concepts.md, "What a forward does around its ops"):
+A forward does more than its ops (DESIGN.md, "Forward-time semantics and guards"):
 it switches grad mode, enters autocast regions, registers tensor hooks, runs module
 hooks and parametrizations, reads Python attributes and flags, draws from
 generators and writes state. Each generated model here is a small float64
@@ -1301,14 +1301,7 @@ CASES = [(name, combination) for name in CONSTRUCTS for combination in COMBINATI
 
 #: What this fuzzer found that is still open (issue 25), each a strict xfail: it must start
 #: passing when fixed, and then its line goes. The random combinations leave these out.
-OPEN = {
-    "generator_noise": "S5: a per-sample draw from a model-owned generator is drawn per "
-                       "microbatch, like dropout (docs/limits.md's first item); exact draws "
-                       "would hoist the draw out of the loop",
-    "generator_shared": "S6: a batch-free draw from a model-owned generator is drawn per "
-                        "microbatch (it was a constant frozen at trace time), where eager "
-                        "draws once per step",
-}
+OPEN: dict[str, str] = {}
 OPEN_CASES: dict[tuple[str, str], str] = {}
 
 
@@ -1377,7 +1370,7 @@ def test_torch_compile_cases(spec):
 #: the random combinations draw from every construct but the open ones (their cases above),
 #: and the dropouts: S8, once export captures them (fx fails on another construct), dropout
 #: is aten.native_dropout, which draws a mask even at p=0 or 1 where eager draws none:
-#: equal values, another global RNG stream (docs/limits.md: random draws differ)
+#: equal values, another global RNG stream (DESIGN.md's exception for random draws)
 RANDOM_CONSTRUCTS = [n for n in CONSTRUCTS if n not in OPEN and not n.startswith("dropout")]
 
 

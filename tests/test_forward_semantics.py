@@ -714,7 +714,9 @@ def _against_hand_split(model: nn.Module, cm: Any, batch: tuple[torch.Tensor, to
 
 
 @pytest.mark.parametrize("case", ["two_phase", "two_phase_compiled", "recompute"])
-def test_a_model_owned_generator_is_replayed(case):
+def test_a_model_owned_generator_draws_as_eager_does(case):
+    """Drawn once, at the full batch, before the loop (passes/draws.py): the eager step's
+    noise and generator state (tests/test_rng.py has the three-step checks)."""
     torch.manual_seed(0)
     model = NoisyBlocks() if case == "recompute" else Noisy(coupled=True)
     batch = _batch(out=4 if case == "recompute" else 3)
@@ -722,12 +724,17 @@ def test_a_model_owned_generator_is_replayed(case):
           {"torch_compile": COMPILED} if case == "two_phase_compiled" else {})
     cm = _compile(model, batch, **kw)
     if case == "recompute":
-        assert cm.plan.recompute and "checkpoint_replaying" in cm.graph_module.body.code
+        assert cm.plan.recompute and "checkpoint" in cm.graph_module.body.code
     else:
         assert cm.analysis.two_phase
+    assert "generator" in cm.graph_module.code  # drawn in the top graph, not per microbatch
     model.g.manual_seed(5)
-    ref = _against_hand_split(model, cm, batch)
-    assert torch.equal(model.g.get_state(), ref.g.get_state())  # one draw per microbatch
+    ref = copy.deepcopy(model)
+    cm(*batch)[0].backward()
+    ref(*batch)[0].backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert torch.equal(model.g.get_state(), ref.g.get_state())  # one draw per step
 
 
 _HIDDEN = torch.Generator().manual_seed(9)  # a generator no module holds

@@ -36,11 +36,13 @@ from catalogue import (
     REJECT,
     REJECT_EXPORT,
     Entry,
+    _r_batchnorm_train,
     batch,
     check_exact,
     check_split,
     compile_pattern,
     offending_line,
+    plan_free,
 )
 from models import TOL, assert_close_errors, rel_err, step_errors
 
@@ -227,3 +229,15 @@ def test_user_rule_for_a_wrapped_function() -> None:
         BATCH_RULES.pop(scaled_rows, None)
 
 
+
+
+def test_cumulative_batch_norm_is_refused_for_its_own_reason():
+    """``BatchNorm(momentum=None)`` reads ``1 / num_batches_tracked`` as a Python number: the
+    refusal says so and how to fix it, not that a shape depends on values."""
+    model = Entry(_r_batchnorm_train, {"bn": lambda: nn.BatchNorm1d(HID, momentum=None)}).build()
+    with pytest.raises(MixingError, match="momentum=None keeps a cumulative average") as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(),
+                              **plan_free(MBS))
+    assert "give it a momentum" in str(info.value)

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.facts import SHAPES, ValueInfo
+from mbcompile.passes.fake_probe import shaped_like
 from mbcompile.passes.microbatch_rewrite import Cut, two_phase_parts
 from mbcompile.planning.cost import (
     CostModel,
@@ -138,7 +139,7 @@ def analyse_two_phase_cost(analysis: BatchAnalysis, values: Sequence[Any],
                            precision=precision)
     placeholders = [n for n in analysis.graph_module.graph.nodes if n.op == "placeholder"]
     by_name = {p.name: v for p, v in zip(placeholders, values)}
-    free = [by_name[n.name] for n in free_nodes]
+    free = [by_name[n.name] if n.name in by_name else shaped_like(n) for n in free_nodes]  # draws
     tensors = [t for v in values for t in ([v] if isinstance(v, torch.Tensor) else [])]
     device = tensors[0].device if tensors else torch.device("cpu")
     prober = _CoupledProber(coupled, free_nodes, free, device, analysis.coupled_loss)

@@ -147,7 +147,8 @@ CREATIONS = [
     *spellings("zeros", "ones", "empty", "rand", "randn", "randint", "zeros_like", "ones_like",
                "empty_like", "rand_like", "randn_like", "randint_like", "empty_strided", "eye",
                "bernoulli", "normal", "randperm", "linspace", "logspace", "empty_permuted",
-               "zero", "triu_indices", "tril_indices", method=False)]
+               "zero", "triu_indices", "tril_indices", method=False),
+    *aten("normal_functional")]
 NEW_CREATIONS = spellings("new_zeros", "new_ones", "new_empty", "new_empty_strided",
                           torch_ns=False, functional=False)
 FULLS = [*spellings("full", method=False), torch.full_like, *aten("full_like"), "fill_",

@@ -267,7 +267,7 @@ TABLE.add(UNFOLDS, along(unfold_dims, "makes sliding windows"))  # x.unfold(dim,
 TABLE.add(SPLITS, chunk_rule, keeps_positions=True)  # pieces along a non-batch dim
 TABLE.add(JOINS, cat_rule, keeps_positions=True)  # join along a feature dim
 # --- Python-level access: tuple items, shapes, attributes, values ------------------------
-TABLE.add([operator.getitem], getitem_rule)  # x[..., :k] keeps the batch; tuples pick
+TABLE.add([operator.getitem, "__getitem__"], getitem_rule)  # x[..., :k] keeps the batch; table[t]
 TABLE.add([getattr], getattr_rule)  # x.shape, x.dtype, result.values
 TABLE.add(SIZES, size_rule)  # x.size(0): ints that are multiples of the batch size, or free
 TABLE.add(NUMBERS, size_rule)  # Python numbers computed from sizes (fx, export's SymInt math)
