@@ -93,12 +93,17 @@ def _twins(second: nn.Module, later: nn.Module) -> bool:
 
 
 def _equal(x: Any, y: Any) -> bool:
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return x is y or (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-                          and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y))
+    """``x`` and ``y`` hold the same: tensors of one shape, dtype, device and values (a meta
+    tensor has no values to differ), other objects equal."""
+    if x is y:
+        return True
+    tensors = [isinstance(v, torch.Tensor) for v in (x, y)]
     try:
-        return x is y or bool(x == y)
-    except Exception:  # an object that does not compare: only itself is equal
+        if all(tensors):
+            return (x.shape, x.dtype, x.device) == (y.shape, y.dtype, y.device) and (
+                x.device.type == "meta" or bool(torch.equal(x, y)))
+        return not any(tensors) and bool(x == y)
+    except Exception:  # an object that does not compare, a fake tensor: not known equal
         return False
 
 
