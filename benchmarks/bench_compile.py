@@ -1,6 +1,7 @@
 """Compile time against model depth and against the number of microbatches.
 
     python benchmarks/bench_compile.py [--depths 2 4 8 12 16 24] [--repeats 3]
+    python benchmarks/bench_compile.py --only transformers [--hf-depths 4 8 16]
 
 ``mbcompile.compile`` on the GPT of issue 7 (width 256, sequence 128,
 vocabulary 1000) at gbs 32 over 2 systems, MBS 4:
@@ -14,6 +15,12 @@ vocabulary 1000) at gbs 32 over 2 systems, MBS 4:
 2. against the number of microbatches: depth 4, gbs 128 over 2 systems, MBS
    from 64 (2 microbatches) to 1 (128 microbatches). The plan is arithmetic and
    the loop runs one body, so compile time should not grow.
+3. a trainable compile of a transformers GPT-2 (width 32, sequence 16, ``--hf-depths``
+   layers; gbs 8 over 2 systems, MBS 2, loss inside the model): torch.export of every
+   layer ("before", the whole model exported) against the repeated block exported once
+   and its graph copied for the alike layers ("after", ``passes/export_blocks.py``),
+   side by side in one run. The time per layer is the slope of a line through the
+   depths; the target is at most ``PER_LAYER_MS`` after.
 
 The first compile of a process pays for imports and torch's lazy set-up; it is
 reported apart and a warm-up round runs before the timed ones (so torch's
@@ -25,6 +32,7 @@ median of ``--repeats`` rounds, in CPU seconds (one torch thread).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -45,6 +53,7 @@ from common import (  # noqa: E402
 )
 
 import mbcompile  # noqa: E402
+from mbcompile import analysis  # noqa: E402
 from mbcompile.planning.block_probe import MIN_BLOCKS  # noqa: E402
 
 MBS = 4
@@ -136,16 +145,86 @@ def run(depths: list[int], mbs_list: list[int], repeats: int, out: list[str]
             "microbatch_growth": growth, "flat_in_microbatches": flat}
 
 
+def _gpt2(depth: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    config = tf.GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=depth, n_head=4,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                           eos_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (4, 16))
+    return tf.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
+
+
+@contextlib.contextmanager
+def _every_layer_exported():
+    """The capture before block capture for training: torch.export of the whole model."""
+    by_blocks = analysis.capture_once_per_block
+    analysis.capture_once_per_block = lambda model, capture: None
+    try:
+        yield
+    finally:
+        analysis.capture_once_per_block = by_blocks
+
+
+def run_transformers(depths: list[int], repeats: int, out: list[str]) -> dict[str, float]:
+    models = {d: _gpt2(d) for d in depths}
+
+    def compile_fn(depth: int, before: bool):
+        model, batch = models[depth]
+
+        def go() -> None:
+            with _every_layer_exported() if before else contextlib.nullcontext():
+                mbcompile.compile(model, 8, SYSTEMS, 2, example_kwargs=batch)
+        return go
+
+    points = {(d, b): compile_fn(d, b) for d in depths for b in (True, False)}
+    t = alternate(points, repeats, warmup=1)
+    cpu = {k: median(t.cpu[k]) for k in points}
+    slope = {b: fit([float(d) for d in depths], [cpu[d, b] for d in depths])[1] * 1e3
+             for b in (True, False)}
+    rows = [f"| {d} | {cpu[d, True]:.3f} | {cpu[d, False]:.3f} | "
+            f"{cpu[d, True] / cpu[d, False]:.2f} |" for d in depths]
+    within = slope[False] <= PER_LAYER_MS
+    out += [
+        "### Compile time of a trained transformers model",
+        "",
+        f"`mbcompile.compile` of a transformers GPT-2 (width 32, sequence 16) for training "
+        f"(gbs 8 over {SYSTEMS} systems, MBS 2); median of {repeats} rounds in CPU seconds, "
+        "the points in turn, after a warm-up round. Before: every layer exported; after: "
+        "the repeated block exported once and copied (`passes/export_blocks.py`).",
+        "",
+        "| layers | before CPU s | after CPU s | before / after |",
+        "|---:|---:|---:|---:|",
+        *rows,
+        "",
+        f"Per layer (slope through {', '.join(map(str, depths))} layers): before "
+        f"**{slope[True]:.1f} ms**, after **{slope[False]:.1f} ms**: "
+        f"{'within' if within else 'ABOVE'} {PER_LAYER_MS:.0f} ms per layer.",
+        "",
+    ]
+    return {"hf_ms_per_layer_before": slope[True], "hf_ms_per_layer_after": slope[False],
+            "hf_within_per_layer": within}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 12, 16, 24])
     parser.add_argument("--mbs", type=int, nargs="+", default=[64, 16, 4, 1])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hf-depths", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--hf-repeats", type=int, default=3)
+    parser.add_argument("--only", choices=["all", "tiny", "transformers"], default="all")
     add_output_args(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     out: list[str] = []
-    figures = run(args.depths, args.mbs, args.repeats, out)
+    figures: dict[str, float] = {}
+    if args.only != "transformers":
+        figures |= run(args.depths, args.mbs, args.repeats, out)
+    if args.only != "tiny":
+        figures |= run_transformers(args.hf_depths, args.hf_repeats, out)
     return finish(out, figures, args.markdown, args.json)
 
 

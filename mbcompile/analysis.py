@@ -26,8 +26,8 @@ import torch.nn as nn
 from mbcompile.errors import CaptureError, InputError, MixingError, UnsupportedOpError
 from mbcompile.passes import rules
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing_error
-from mbcompile.passes.block_capture import capture_by_blocks
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture, fsdp_modules
+from mbcompile.passes.export_blocks import capture_once_per_block
 from mbcompile.passes.export_capture import export_capture
 from mbcompile.passes.facts import SHAPES, input_fact
 from mbcompile.passes.forward_modes import (
@@ -153,8 +153,8 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
 
     A forward that takes ``**kwargs`` (HuggingFace style) goes to torch.export directly:
     fx would turn ``**kwargs`` into one more graph input that no call argument maps to.
-    For a plan (compile-only, validate-only), export traces a model with repeated layers
-    cut to two of them, and the graph is grown to all (``passes/block_capture.py``).
+    Export traces a model with repeated layers cut to two of them, and the graph is grown
+    to all, where the copies compute what each layer does (``passes/export_blocks.py``).
     A model sharded with ``fully_shard`` is exported with stand-ins for its shards and its
     units' calls marked (``passes/sharded_export.py``), as torch.fx captures one.
     """
@@ -182,14 +182,11 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
     units = fsdp_modules(model)
     if units:  # FSDP2's shards: exported as stand-ins, each unit's call between markers
         return sharded_export(model, units, exported)
-    if request.options.planning_only:  # a plan: its graph never runs
-        try:
-            by_blocks = capture_by_blocks(model, exported)
-        except CaptureError:
-            by_blocks = None  # the model cut to two layers does not export: export it whole
-        if by_blocks is not None:
-            return by_blocks
-    return exported(model)
+    try:
+        by_blocks = capture_once_per_block(model, exported)
+    except CaptureError:
+        by_blocks = None  # the model cut to two layers does not export: export it whole
+    return by_blocks if by_blocks is not None else exported(model)
 
 
 @contextlib.contextmanager

@@ -206,11 +206,20 @@ def _mapping_changes(kind: str, owner: Any, now: Mapping[Any, Any], before: Mapp
         return ".".join(filter(None, (path, str(key))))
 
     for key, value in now.items():
-        if key not in skip and before.get(key, _MISSING) is not value:
+        if key not in skip and not _same(before.get(key, _MISSING), value):
             yield Change(kind, owner, key, value, where(key), before.get(key, DELETED))
     for key in before:
         if key not in skip and key not in now:
             yield Change(kind, owner, key, DELETED, where(key), before[key])
+
+
+def _same(old: Any, new: Any) -> bool:
+    """``new`` is ``old``, or a tuple rebuilt of the very same items (torch.export's
+    non-strict tracing rebinds a module's tuples of tensors to copies of the tuple)."""
+    if old is new:
+        return True
+    return (type(old) is tuple and type(new) is tuple and len(old) == len(new)
+            and all(_same(a, b) for a, b in zip(old, new)))
 
 
 def _put_back(live: dict[Any, Any], before: dict[Any, Any]) -> None:
