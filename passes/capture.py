@@ -13,7 +13,11 @@ After (``capture(net, ...)``)::
 
 Outputs are flattened (tuples, lists, dicts, dataclasses, ``ModelOutput``-like
 objects) so that later passes see one fact per output leaf; ``OutputSpec`` puts
-the structure back after the call. An ``fx.GraphModule`` is taken as it is.
+the structure back after the call (``output_spec.py``). An ``fx.GraphModule`` is
+taken as it is. The tracer is ``fx_tracer.py``'s; the Python state forward touches is
+put back after the trace (``python_state.py``), what it wrote becomes side effects
+replayed per step, their traced values extra outputs after the model's own
+(``side_effects.py``), and what it read becomes guards (``guards.py``).
 
 A model sharded with FSDP2 (``fully_shard``) is captured as its own computation:
 FSDP's forward hooks are set aside while tracing, every module is traced into

@@ -36,36 +36,60 @@ def fingerprint(value: Any) -> tuple[Any, frozenset[int]]:
     return _image(value, reached, _DEPTH, budget), frozenset(reached)
 
 
-_ATOM_TYPES = frozenset({bool, int, float, str, type(None)})
-
-
 def _image(value: Any, reached: set[int], depth: int, budget: list[int]) -> Any:
-    if type(value) in _ATOM_TYPES:  # the common case first: this runs on every call
+    kind = _KINDS.get(type(value)) or _kind(type(value))  # by type: no __class__ lookups
+    if kind == "atom":  # the common case first: this runs on every call
         return value
     budget[0] -= 1
-    if isinstance(value, ATOMS):
-        return value
-    if depth == 0 or budget[0] <= 0 or id(value) in reached:
-        return ("id", id(value))
-    if isinstance(value, (dict, list, tuple, set, frozenset)) or plain_object(value):
-        reached.add(id(value))
-    if isinstance(value, dict):
+    if kind == "id" or depth == 0 or budget[0] <= 0 or id(value) in reached:
+        return ("id", id(value))  # a tensor, a module, a function: by identity
+    reached.add(id(value))
+    if kind == "dict":
         return tuple((_image(k, reached, depth - 1, budget), _image(v, reached, depth - 1, budget))
                      for k, v in value.items())
-    if isinstance(value, (list, tuple)):
+    if kind == "seq":
         return (type(value).__name__,
                 tuple(_image(v, reached, depth - 1, budget) for v in value))
-    if isinstance(value, (set, frozenset)):
+    if kind == "set":
         return frozenset(_image(v, reached, depth - 1, budget) for v in value)
-    if plain_object(value):
-        return (type(value), _image(vars(value), reached, depth, budget))
-    return ("id", id(value))  # a tensor, a module, a function: by identity
+    return (type(value), _image(object.__getattribute__(value, "__dict__"), reached, depth,
+                                budget))
+
+
+_KINDS: dict[type, str] = {}
+
+
+def _kind(t: type) -> str:
+    """How ``_image`` reads a value of type ``t`` (worked out once per type)."""
+    if issubclass(t, ATOMS):
+        kind = "atom"
+    elif issubclass(t, dict):
+        kind = "dict"
+    elif issubclass(t, (list, tuple)):
+        kind = "seq"
+    elif issubclass(t, (set, frozenset)):
+        kind = "set"
+    elif _plain_type(t):
+        kind = "object"
+    else:
+        kind = "id"
+    _KINDS[t] = kind
+    return kind
+
+
+def _plain_type(t: type) -> bool:
+    return (t.__dictoffset__ != 0 and not issubclass(t, _OPAQUE)
+            and not any("__call__" in vars(c) for c in t.__mro__ if c is not object)
+            and not t.__module__.startswith("torch"))
+
+
+_OPAQUE = (nn.Module, torch.Tensor, types.ModuleType, type, types.FunctionType,
+           types.MethodType, types.BuiltinFunctionType)
 
 
 def plain_object(value: Any) -> bool:
-    return (hasattr(value, "__dict__") and not callable(value)
-            and not isinstance(value, (nn.Module, torch.Tensor, types.ModuleType, type))
-            and not type(value).__module__.startswith("torch"))
+    """A user's object whose attributes are state (a dataclass, a namespace, a config)."""
+    return (_KINDS.get(type(value)) or _kind(type(value))) == "object"
 
 
 def _forwards(model: nn.Module) -> Iterator[types.FunctionType]:

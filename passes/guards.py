@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -175,9 +175,9 @@ def _recording(cls: type) -> type:
                         sink.setdefault(key, Guard(self, name, value))
                     elif isinstance(value, (dict, list, tuple, set, frozenset)) or \
                             plain_object(value):  # a dict of flags, a config object
-                        image, reached = fingerprint(value)
-                        sink.setdefault(key, Guard(self, name, value, contents=image,
-                                                   reached=reached))
+                        # fingerprinted once the capture has put back what it switched
+                        # for the trace (export's use_cache=False): ``unwritten``
+                        sink.setdefault(key, Guard(self, name, value, contents=_PENDING))
                     elif isinstance(value, torch.Tensor):  # a tensor kept in a plain attribute:
                         # fx holds it as a constant, so a new one (a replayed write) recompiles
                         sink.setdefault(key, Guard(self, name, value, identity=True))
@@ -228,7 +228,13 @@ def recorded_reads(model: nn.Module, model_name: str = "",
         _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = outer
         for m, cls in zip(modules, classes):
             m.__class__ = cls
-        guards.extend(sink.values())
+        fingerprinted: set[int] = set()  # a config read by every layer: fingerprinted once
+        for guard in sink.values():
+            if guard.contents is not None and id(guard.value) in fingerprinted:
+                guard = replace(guard, contents=None, reached=frozenset(), identity=True)
+            elif guard.contents is not None:
+                fingerprinted.add(id(guard.value))
+            guards.append(guard)
         # what forward reads besides its modules' attributes: module-level constants, and the
         # methods it calls on self (an instance attribute assigned later would shadow one)
         guards.extend(Guard(space, n, v, item=True, where=f"the global {n}")
@@ -237,8 +243,21 @@ def recorded_reads(model: nn.Module, model_name: str = "",
                       for m, n in shadowable_methods(model))
 
 
-def unwritten(guards: Sequence[Guard], written: set[int]) -> tuple[Guard, ...]:
-    """``guards`` without those on containers that forward itself writes (``written``: their
-    ids): their new contents come from forward, replayed each step (``side_effects.py``),
-    and a key it reads there is guarded where it is written (``written_guard``)."""
-    return tuple(g for g in guards if not g.reached & written)
+def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, ...]:
+    """``guards`` with the containers and objects forward read fingerprinted as the user
+    holds them (called after the capture put back its state), without those forward
+    itself writes (``written``: their ids): their new contents come from forward, replayed
+    each step (``side_effects.py``), and a key it reads there is guarded where it is
+    written (``written_guard``)."""
+    done = []
+    for guard in guards:
+        if guard.contents is _PENDING:
+            image, reached = fingerprint(guard.value)
+            if reached & written:
+                continue
+            guard = replace(guard, contents=image, reached=reached)
+        done.append(guard)
+    return tuple(done)
+
+
+_PENDING = object()  # a fingerprint to take once the capture is over

@@ -38,6 +38,7 @@ import builtins
 import contextlib
 import functools
 import logging
+import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ import torch.nn as nn
 from .errors import CaptureError
 from .guards import MISSING, Guard, written_guard
 from .python_state import DELETED, Change
-from .sources import source_line, user_frame
+from .sources import is_library, source_line, user_frame
 
 __all__ = ["NO_EFFECTS", "Effects", "Extend", "Held", "Print", "SetAttr", "SetItem",
            "prints_recorded", "record_effects", "refuse_tensors", "replay"]
@@ -191,6 +192,12 @@ def prints_recorded() -> Iterator[list[_PrintCall]]:
         calls.append(_PrintCall(_PRINT, args, kwargs, where()))
 
     def logged(self: logging.Logger, level: int, msg: Any, args: Any, **kwargs: Any) -> None:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename == logging.__file__:
+            frame = frame.f_back
+        if frame is None or is_library(frame.f_code.co_filename):  # torch's own logs
+            _LOG(self, level, msg, args, **kwargs)
+            return
         calls.append(_PrintCall(functools.partial(_LOG, self, level), (msg, args), kwargs,
                                 where()))
 

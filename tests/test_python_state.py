@@ -258,7 +258,7 @@ def test_a_side_effect_that_cannot_be_exact_is_refused_and_changes_nothing(kind,
     before, ids = _picture(model)
     opts: dict[str, Any] = {}
     batch = (*_batch(), opts) if kind == "argument" else _batch()
-    with pytest.raises(mbcompile.MbcompileError) as err:
+    with pytest.raises(mbcompile.CaptureError) as err:
         _compile(model, batch, capture="fx")
     for name in names:
         assert name in str(err.value), (name, str(err.value))
