@@ -241,3 +241,29 @@ def test_cumulative_batch_norm_is_refused_for_its_own_reason():
             mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(),
                               **plan_free(MBS))
     assert "give it a momentum" in str(info.value)
+
+
+class _GradientPenalty(nn.Module):
+    """WGAN-GP's penalty: ``torch.autograd.grad(..., create_graph=True)`` inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(FEAT, HID), nn.Tanh(), nn.Linear(HID, 1))
+
+    def forward(self, x, mask, y, tok, img):
+        x = x.detach().requires_grad_(True)
+        out = self.critic(x)
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)  # offending
+        return out.mean() + 10 * ((g.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
+
+
+def test_a_gradient_penalty_in_forward_is_refused_at_its_line():
+    """The step runs each microbatch's backward itself and cannot keep a differentiation
+    nested in forward: refused at capture, naming the line, with the model unchanged."""
+    torch.manual_seed(0)
+    model = _GradientPenalty().double()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(mbcompile.CaptureError, match="differentiates inside forward") as info:
+        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(), **plan_free(MBS))
+    assert "# offending" in str(info.value)
+    assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))

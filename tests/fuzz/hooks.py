@@ -1,0 +1,203 @@
+"""Constructs: module hooks (forward, pre, backward; on leaves, traced submodules and the
+root; present at compile or added after)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .base import (
+    Construct,
+    _center_output,
+    _double_input,
+    _halve_output,
+    _halve_root_x,
+    _lin,
+    _scale_root_loss,
+    _shift_input,
+)
+
+# ----- module hooks ------------------------------------------------------------- #
+
+
+class _Inner(nn.Module):
+    """A non-leaf submodule (fx traces into it, hooks and all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+class ForwardHookLeaf(Construct):
+    """A forward hook on a leaf ``nn.Linear``, present at compile; mutate removes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.handle = self.lin.register_forward_hook(_halve_output)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        self.handle.remove()
+
+
+class ForwardPreHookLeaf(Construct):
+    """A forward pre-hook on a leaf ``nn.Linear``, present at compile; mutate adds another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.lin.register_forward_pre_hook(_double_input)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        self.lin.register_forward_pre_hook(_shift_input)
+
+
+class ForwardHookInner(Construct):
+    """A forward hook on a non-leaf submodule, present at compile; mutate removes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+        self.handle = self.inner.register_forward_hook(_halve_output)
+
+    def forward(self, h, x):
+        return h + self.inner(h), None, None
+
+    def mutate(self, root):
+        self.handle.remove()
+
+
+class HookAddedLeaf(Construct):
+    """No hook at compile; mutate adds a forward hook to a leaf ``nn.Linear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        self.lin.register_forward_hook(_halve_output)
+
+
+class ReadingHookAddedLeaf(Construct):
+    """No hook at compile; mutate adds a hook to a leaf ``nn.Linear`` that only records
+    (returns None): it runs per microbatch, and the step is unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.seen: list[int] = []
+
+    mutation_only_observes = True
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        self.lin.register_forward_hook(lambda m, args, out: self.seen.append(out.shape[0]))
+
+
+def _halve_grad_input(module: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+    return tuple(None if g is None else g * 0.5 for g in grad_input)
+
+
+def _center_grad_input(module: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+    return tuple(None if g is None else g - g.mean(0) for g in grad_input)  # mixes samples
+
+
+class BackwardHookLeaf(Construct):
+    """A full backward hook on a leaf ``nn.Linear`` halving the gradient it passes back,
+    present at compile; mutate removes it (a live layer's backward hooks recompile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.handle = self.lin.register_full_backward_hook(_halve_grad_input)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        self.handle.remove()
+
+
+class BackwardHookMixing(Construct):
+    """A full backward hook centring the gradient over the batch: couples samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.lin.register_full_backward_hook(_center_grad_input)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+
+class HookAddedInner(Construct):
+    """No hook at compile; mutate adds a forward pre-hook to a non-leaf submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, h, x):
+        return h + self.inner(h), None, None
+
+    def mutate(self, root):
+        self.inner.register_forward_pre_hook(_double_input)
+
+
+class ForwardHookMixing(Construct):
+    """A forward hook that centres a Linear's output over the batch (``out - out.mean(0)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.lin.register_forward_hook(_center_output)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+
+class RootForwardHook(Construct):
+    """A forward hook on the model itself, doubling the loss; mutate removes it."""
+
+    def forward(self, h, x):
+        return h, None, None
+
+    def install(self, root):
+        self.handle = root.register_forward_hook(_scale_root_loss)
+
+    def mutate(self, root):
+        self.handle.remove()
+
+
+class RootPreHook(Construct):
+    """A forward pre-hook on the model itself, halving its input ``x``."""
+
+    def forward(self, h, x):
+        return h, None, None
+
+    def install(self, root):
+        root.register_forward_pre_hook(_halve_root_x)
+
+
+class RootHookAdded(Construct):
+    """No hook at compile; mutate adds a forward hook on the model itself."""
+
+    def forward(self, h, x):
+        return h, None, None
+
+    def mutate(self, root):
+        root.register_forward_hook(_scale_root_loss)
