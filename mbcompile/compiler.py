@@ -519,7 +519,7 @@ def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None
 
 def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto", *,
             example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
-            in_dims: Any = 0, system: Any = None, backend: str = "simulated",
+            in_dims: Any = 0, system: Any = None, backend: str = "auto",
             measure_noise_scale: bool | NoiseScale = False,
             capture: str = "auto", batch_norm: str = "full_batch",
             coupling: str = "two_phase", outputs: Any = "all",

@@ -22,8 +22,8 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import ArgumentTypeError, CaptureError, InputError, PlanError
-from mbcompile.execution import BACKENDS
 from mbcompile.execution.noise import NoiseScale
+from mbcompile.execution.world import resolve_backend
 from mbcompile.passes.capture import fsdp_modules, gathered_dtypes
 from mbcompile.passes.unwrap import unwrap
 from mbcompile.planning.cost import ShardSpec
@@ -111,7 +111,7 @@ class Request:
 
 def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
                  example_inputs: Any = None, example_kwargs: Mapping[str, Any] | None = None,
-                 in_dims: Any = 0, system: Any = None, backend: str = "simulated",
+                 in_dims: Any = 0, system: Any = None, backend: str = "auto",
                  measure_noise_scale: bool | NoiseScale = False, capture: str = "auto",
                  batch_norm: str = "full_batch", coupling: str = "two_phase",
                  outputs: Any = "all", torch_compile: bool | Mapping[str, Any] = False,
@@ -124,6 +124,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
     """Check every option of ``compile()`` (the same arguments) and bind the example call;
     raises before anything is traced (DESIGN.md invariant 9: fail fast)."""
     planning_only = compile_only or validate_only
+    backend = resolve_backend(backend, num_csx)  # "auto" -> what the launcher's world runs
     model = _check_module(model, planning_only)
     unwrapped = unwrap(model)  # DDP, torch.compile, peft: bind and capture what they call
     inner = unwrapped.module
@@ -137,8 +138,6 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", *,
             f"{type(model).__name__} is sharded with fully_shard, so its parameters live on "
             "several ranks: compile it with backend='torch.distributed' inside the process "
             "group that sharded it")
-    if backend not in BACKENDS:
-        raise InputError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if unwrapped.world_size > 1 and backend != "torch.distributed":
         raise InputError(
             f"{type(model).__name__} all-reduces gradients over {unwrapped.world_size} "
