@@ -43,8 +43,9 @@ class CompileOptions:
     in_dims: Any = _option(0, "the batch dim of the inputs: an int, a tuple per positional "
                               "input, a dict per keyword (None: unbatched)")
     system: Any = _option(None, "a system preset name or a SystemSpec (None: 'host')")
-    backend: str = _option("simulated", "'simulated' (every system in this process) or "
-                                        "'torch.distributed' (one rank per system)")
+    backend: str = _option("auto", "'auto' (an initialised process group of more than one "
+                                   "rank: 'torch.distributed', else 'simulated'), "
+                                   "'simulated' or 'torch.distributed'")
     measure_noise_scale: bool | NoiseScale = _option(
         False, "True or a NoiseScale: the gradient noise scale every training step")
     capture: str = _option("auto", "'auto', 'fx' or 'export'")

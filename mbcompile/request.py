@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from mbcompile.errors import ArgumentTypeError, InputError, PlanError
-from mbcompile.execution import BACKENDS
 from mbcompile.execution.noise import NoiseScale
+from mbcompile.execution.world import resolve_backend
 from mbcompile.inputs import Inputs, bind_example, keywords_through, with_keywords
 from mbcompile.options import CompileOptions
 from mbcompile.passes.capture import fsdp_modules, gathered_dtypes
@@ -124,6 +124,8 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
     them) and bind the example call; raises before anything is traced (docs/mbs.md, "When
     it does not fit": fail fast)."""
     o = CompileOptions.of(options)
+    # "auto" -> what the launcher's world runs (execution/world.py); checked once, here
+    o = dataclasses.replace(o, backend=resolve_backend(o.backend, num_csx))
     planning_only = o.planning_only
     model = _check_module(model, planning_only)
     unwrapped = unwrap(model)  # DDP, torch.compile, peft: bind and capture what they call
@@ -138,8 +140,6 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
             f"{type(model).__name__} is sharded with fully_shard, so its parameters live on "
             "several ranks: compile it with backend='torch.distributed' inside the process "
             "group that sharded it")
-    if o.backend not in BACKENDS:
-        raise InputError(f"backend must be one of {BACKENDS}, got {o.backend!r}")
     if unwrapped.world_size > 1 and o.backend != "torch.distributed":
         raise InputError(
             f"{type(model).__name__} all-reduces gradients over {unwrapped.world_size} "

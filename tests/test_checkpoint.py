@@ -252,7 +252,7 @@ def kill_stop_resume(tmp_path: Path, here, ranks: bool) -> None:
         dcp_files = {p.name for p in (latest_checkpoint(tmp_path / "run" / "checkpoints")
                                       / "dcp").iterdir()}
         assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= dcp_files
-        assert rows(tmp_path / "run" / "rank1") == rows(tmp_path / "ref" / "rank1")
+        assert not (tmp_path / "run" / "rank1").exists()  # rank 0 alone writes the metrics
 
 
 @pytest.mark.slow

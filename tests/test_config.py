@@ -53,7 +53,7 @@ def test_examples_load_and_build(path):
 def test_the_tiny_gpt_example_reads_as_written():
     cfg = load_config(EXAMPLES / "tiny_gpt.yaml")
     assert (cfg.model, cfg.batch_size, cfg.num_csx, cfg.backend) == ("tiny_gpt", 16, 4,
-                                                                     "simulated")
+                                                                     "auto")
     assert cfg.model_kwargs["width"] == 32
     assert cfg.optimizer == "AdamW" and cfg.optimizer_kwargs["lr"] == 3e-3  # a float, not '3.0e-3'
     assert cfg.flags() == {"micro_batch_size": "auto"}  # the path key, read as the short one

@@ -147,10 +147,7 @@ def test_ranks_resume_on_another_number(tmp_path, here, before, after, shard):  
            f"{after}" in " ".join(out.split())  # wrapped at the console's width
     assert "config differs" not in err and "fewer than" not in err, err  # num_csx may change
     assert_same_run(logged(tmp_path / "run"), logged(tmp_path / "ref"))
-    assert_same_run(logged(tmp_path / "run" / "rank1"), logged(tmp_path / "ref"))
-    if after > before:  # a new rank logs from the checkpoint on
-        new = logged(tmp_path / "run" / f"rank{before}")
-        assert [r["step"] for r in new if r["phase"] == "train"] == [4, 5, 6]
+    assert not list((tmp_path / "run").glob("rank*"))  # rank 0 alone writes the metrics
     assert max_difference(final_model(tmp_path / "run"), final_model(tmp_path / "ref")) <= TOL
     # another global batch is refused by every rank, and the command is not suggested again
     code, _, err = here("fit", config(tmp_path, after, gbs=12, shard=shard), "--out", "run",

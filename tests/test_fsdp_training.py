@@ -75,7 +75,7 @@ def test_shard_fsdp_makes_the_backend_torch_distributed(tmp_path):
     assert cfg.shard == "fsdp" and cfg.backend == "torch.distributed"
     assert cfg.to_plain()["shard"] == "fsdp"  # stored in each checkpoint's config
     plain = load_config(write(tmp_path, CONFIG.replace("shard: fsdp", "shard: none")))
-    assert plain.shard == "none" and plain.backend == "simulated"
+    assert plain.shard == "none" and plain.backend == "auto"
     assert load_config(EXAMPLE).shard == "fsdp"
 
 
@@ -210,7 +210,7 @@ def test_a_sharded_run_stopped_by_sigterm_resumes_exactly(tmp_path):
     assert f"resumed from run/checkpoints/step-{STOP_AT + 1:08d}" in resumed.stdout
     assert_one_row_per_step(rows(tmp_path / "run"), MAX_STEPS)
     assert rows(tmp_path / "run") == rows(tmp_path / "ref")
-    assert rows(tmp_path / "run" / "rank1") == rows(tmp_path / "ref" / "rank1")
+    assert not (tmp_path / "run" / "rank1").exists()  # rank 0 alone writes the metrics
     final = {name: read_checkpoint(latest_checkpoint(tmp_path / name / "checkpoints")).state
              for name in ("ref", "run")}
     for part in ("model", "optimizer"):

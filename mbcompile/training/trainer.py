@@ -55,6 +55,7 @@ import mbcompile.compiler as compiler
 from mbcompile.compiler import CompiledModule
 from mbcompile.errors import ArgumentTypeError
 from mbcompile.execution.noise import NoiseScale
+from mbcompile.execution.world import resolve_backend
 from mbcompile.planning.plan import parse_mbs
 from mbcompile.training.batches import (
     TrainerError,
@@ -100,7 +101,9 @@ def _check_steps(name: str, value: Any, allow_none: bool = True) -> None:
 
 
 class Trainer(CheckpointingMixin, ProgressMixin):
-    """Train and validate ``model`` microbatched over ``num_csx`` simulated systems.
+    """Train and validate ``model`` microbatched over ``num_csx`` systems: simulated in
+    this process, or one per rank under a launcher's process group (``backend="auto"``,
+    see ``mbcompile.execution.world``).
 
     ``callbacks`` take ``GlobalFlags``, ``ScopedTrainFlags``, ``ScopedValidateFlags``
     (the MBS per phase) and any ``mbcompile.training.flags.Callback``. ``system`` and
@@ -121,7 +124,7 @@ class Trainer(CheckpointingMixin, ProgressMixin):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, gbs: int,
                  num_csx: int, callbacks: Sequence[Callback] = (), system: Any = None,
-                 backend: str | None = None, in_dims: Any = 0,
+                 backend: str = "auto", in_dims: Any = 0,
                  metrics: Mapping[str, Metric] | None = None,
                  log_dir: str | Path | None = None, log_every: int = 1,
                  progress: bool = True, console: Console | None = None,
@@ -148,6 +151,10 @@ class Trainer(CheckpointingMixin, ProgressMixin):
                 raise ArgumentTypeError(
                     f"callbacks must be mbcompile callbacks (GlobalFlags, ScopedTrainFlags, "
                     f"ScopedValidateFlags or a Callback subclass), got {type(cb).__name__}")
+        if backend == "auto":  # a backend in compile_options counts as the Trainer's own
+            backend = dict(compile_options or {}).get("backend", backend)
+        # resolved once: the compiles, the batch shards and the checkpoints follow it
+        backend = resolve_backend(backend, num_csx)
         shard_for_training(model, optimizer, shard, backend, num_csx)
         self.model = model
         self.optimizer = optimizer
@@ -220,8 +227,7 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         options.setdefault("optimizer", self.optimizer)
         if self.system is not None:
             options["system"] = self.system
-        if self.backend not in (None, "simulated"):
-            options["backend"] = self.backend
+        options["backend"] = self.backend
         return options
 
     def compile(self, phase: str, batch: Any) -> CompiledModule:

@@ -47,7 +47,7 @@ class CheckpointingMixin:
     sharded: bool
     gbs: int
     num_csx: int
-    backend: str
+    backend: str  # resolved: "simulated" or "torch.distributed"
     compile_options: dict[str, Any]
     history: list[dict[str, Any]]
     global_step: int

@@ -21,13 +21,22 @@ from mbcompile.training.cli.messages import EXIT_OK, CommandError, echo
 from mbcompile.training.flags import GlobalFlags
 from mbcompile.training.trainer import Trainer
 
-__all__ = ["DEMO_OUTPUTS", "DEMO_TOLERANCE", "run_demo"]
+__all__ = ["DEMO_OUTPUTS", "DEMO_TOLERANCE", "next_config", "run_demo"]
 
 #: The demo's max relative difference above which it fails (float32 rounding is ~1e-7).
 DEMO_TOLERANCE = 1e-4
 #: What the demo's compiled step returns: the loss only, as the Trainer's step in part 4
 #: does, so that both compiles see the same memory and make the same plan.
 DEMO_OUTPUTS = "loss"
+
+
+def next_config(gbs: int, num_csx: int, mbs: Any) -> str:
+    """The config the demo ends with: its own run as YAML, for ``mbcompile fit`` (printed,
+    not a file of the repository, so the hint works wherever mbcompile is installed)."""
+    return (f"model: tiny_gpt\nbatch_size: {gbs}\nnum_csx: {num_csx}\n"
+            "optimizer: {name: AdamW, lr: 3.0e-3}\n"
+            f"callbacks: [{{GlobalFlags: {{micro_batch_size: {mbs}}}}}]\n"
+            "fit: {max_steps: 20, checkpoint_every: 10}\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +147,10 @@ def run_demo(args: argparse.Namespace) -> int:
                       compile_options={"outputs": DEMO_OUTPUTS})
     rows = trainer.fit(batches, max_steps=args.steps)
     echo()
-    echo(f"done: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} over {len(rows)} steps. "
-         "Next: mbcompile fit examples/tiny_gpt.yaml")
+    echo(f"done: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} over {len(rows)} steps.")
+    echo()
+    echo("Next, train from a config: save these lines as run.yaml and run `mbcompile fit "
+         "run.yaml` (`mbcompile --help` says where it writes metrics and checkpoints):")
+    echo("".join(f"  {line}\n" for line in next_config(gbs, num_csx, args.mbs).splitlines())
+         .rstrip())
     return EXIT_OK

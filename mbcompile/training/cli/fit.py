@@ -1,15 +1,17 @@
 """``mbcompile fit`` and ``mbcompile validate``: a config's run through the Trainer.
 
 ``fit`` trains in this process, on ``--nproc N`` CPU ranks it launches, or on the
-ranks torchrun started; it writes checkpoints to ``<output_dir>/checkpoints/`` and,
-when stopped, says what it kept and the command that resumes it.
+ranks a launcher started (torchrun, ``accelerate launch``: ``RANK`` and ``WORLD_SIZE``
+in the environment), which it joins and never launches again. Rank 0 alone writes the
+metrics; the checkpoints, one set, go to ``<output_dir>/checkpoints/`` (on ranks each
+writes its part of it). When stopped, it says what it kept and the command that
+resumes it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import os
 import shlex
@@ -20,6 +22,13 @@ from typing import Any
 
 from rich.console import Console
 
+from mbcompile.errors import InputError
+from mbcompile.execution.world import (
+    join_launcher_group,
+    launcher_world_size,
+    resolve_backend,
+    under_launcher,
+)
 from mbcompile.training.checkpoint import (
     CheckpointError,
     TrainingInterrupted,
@@ -49,11 +58,22 @@ def run_fit(args: argparse.Namespace) -> int:
         return compile_config(cfg, out, mbs=args.mbs, compile_only=cfg.compile_only,
                               validate_only=cfg.validate_only)
     if getattr(args, "nproc", None):
+        if under_launcher():
+            raise CommandError(
+                f"--nproc {args.nproc} launches ranks, but this process is already rank "
+                f"{os.environ.get('RANK', '?')} of {launcher_world_size()} that a launcher "
+                "started (RANK and WORLD_SIZE are set, by torchrun or accelerate launch): "
+                "drop --nproc, and the launcher's ranks run the systems, one each")
+        if cfg.backend == "simulated":
+            raise cfg.error(("backend",), f"--nproc {args.nproc} launches ranks, one per "
+                            "system, but backend: simulated runs every system in each rank, "
+                            "so each would train its own model: set backend: auto (or remove "
+                            "the key), or drop --nproc")
         if args.nproc != cfg.num_csx:
             raise CommandError(f"--nproc {args.nproc} launches one rank per system, but "
                                f"{cfg.file} has num_csx {cfg.num_csx}: make them equal")
         return _launch_ranks(args, out)
-    if cfg.backend == "torch.distributed":
+    if cfg.backend == "torch.distributed" or launcher_world_size() > 1:
         _init_from_environment(cfg)
     return _fit(cfg, args, out, _rank())
 
@@ -97,16 +117,19 @@ def _rank() -> int:
 
 
 def _init_from_environment(cfg: Config) -> None:
-    """Join the process group torchrun describes in the environment, if not joined yet."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            what = f"shard: {cfg.shard}" if cfg.shard != "none" else "backend torch.distributed"
-            raise CommandError(f"{what} needs ranks: run with --nproc {cfg.num_csx}, or launch "
-                               f"with torchrun --nproc-per-node {cfg.num_csx} -m mbcompile "
-                               "fit ...")
-        dist.init_process_group("gloo")
+    """Join the process group the launcher describes in the environment, if not joined
+    yet, and check that the config runs on it: one system per rank."""
+    if not under_launcher():
+        what = f"shard: {cfg.shard}" if cfg.shard != "none" else "backend torch.distributed"
+        raise CommandError(f"{what} needs ranks: run with --nproc {cfg.num_csx}, or launch "
+                           f"with torchrun --nproc-per-node {cfg.num_csx} -m mbcompile "
+                           "fit ...")
+    try:  # before joining and building anything: the error names the config's line
+        resolve_backend(cfg.backend, cfg.num_csx, launcher_world_size())
+    except InputError as exc:
+        raise cfg.error(("backend",) if cfg.backend == "simulated" else ("num_csx",),
+                        str(exc)) from None
+    join_launcher_group()
 
 
 def _fit_rank(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -117,7 +140,7 @@ def _fit_rank(rank: int, world: int, args: argparse.Namespace) -> None:
     """
     import torch.distributed as dist
 
-    cfg = dataclasses.replace(load_config(args.config), backend="torch.distributed")
+    cfg = load_config(args.config)  # backend auto or torch.distributed: this rank's group
     try:
         _fit(cfg, args, Path(args.out or cfg.output_dir), rank)
     except CheckpointError as exc:  # every rank refuses the same checkpoint: rank 0 says why
@@ -137,12 +160,14 @@ def _fit_rank(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def _fit(cfg: Config, args: argparse.Namespace, out: Path, rank: int = 0) -> int:
-    """Train as ``cfg`` says: rank 0 logs to ``out``, rank r to ``out/rank<r>``; the
-    checkpoints of every rank go to ``out/checkpoints``."""
+    """Train as ``cfg`` says: rank 0 writes the metrics to ``out`` (every rank logs the
+    same global loss, so the others write none); the checkpoints, one set that every
+    rank writes its part of, go to ``out/checkpoints``."""
     quiet = bool(rank)
     say = (lambda *_: None) if quiet else echo
-    log_dir = out if not rank else out / f"rank{rank}"
-    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(log_dir), progress=not quiet,
+    log_dir = out
+    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(log_dir), write_metrics=not rank,
+                            progress=not quiet,
                             console=Console(soft_wrap=True, quiet=quiet),
                             checkpoint_dir=out / "checkpoints")
     train = build_data(cfg, "train")
@@ -204,11 +229,17 @@ def _kept(done: int, out: Path) -> str:
 def run_validate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     out = Path(args.out or cfg.output_dir)
-    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(out), console=Console(soft_wrap=True))
+    if launcher_world_size() > 1:  # a launcher's ranks: validate on them
+        _init_from_environment(cfg)
+    rank = _rank()  # on ranks, rank 0 alone prints and writes the metrics
+    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(out), write_metrics=not rank,
+                            progress=not rank,
+                            console=Console(soft_wrap=True, quiet=bool(rank)))
     steps = args.steps or cfg.val_steps or None
     summary = trainer.validate(build_data(cfg, "validate"), max_steps=steps)
     if summary["loss"] is None or not math.isfinite(summary["loss"]):
         raise CommandError(f"validation loss is {summary['loss']}")
-    echo(f"validated {summary['steps']} steps: mean loss {summary['loss']:.4f} "
-         f"(mbs {summary['mbs']}); metrics: {out / 'metrics.csv'}")
+    if not rank:
+        echo(f"validated {summary['steps']} steps: mean loss {summary['loss']:.4f} "
+             f"(mbs {summary['mbs']}); metrics: {out / 'metrics.csv'}")
     return EXIT_OK

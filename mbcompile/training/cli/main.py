@@ -26,12 +26,16 @@ warnings as they happen instead.
 
 This module parses the command line and runs a command; each command has its own
 module in this package (``demo``, ``compile``, ``fit``), and ``messages`` holds the
-exit codes and the one-paragraph error.
+exit codes and the one-paragraph error. Parsing imports no torch: a command's module
+(and torch and the compiler with it) is imported when the command runs, so
+``mbcompile --help`` and a usage error answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import os
 import sys
 import traceback
@@ -39,12 +43,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from mbcompile.errors import MbcompileError
-from mbcompile.planning.plan import parse_mbs
-from mbcompile.training.checkpoint import TrainingInterrupted
-from mbcompile.training.cli.compile import run_compile
-from mbcompile.training.cli.demo import run_demo
-from mbcompile.training.cli.fit import run_fit, run_validate
+from mbcompile.passes.errors import MbcompileError  # torch-free, unlike mbcompile.errors
+from mbcompile.planning.plan import parse_mbs  # plan arithmetic: pure Python
 from mbcompile.training.cli.messages import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -52,7 +52,34 @@ from mbcompile.training.cli.messages import (
     paragraph,
 )
 
-__all__ = ["main", "mbs_argument"]
+__all__ = ["OUTPUTS", "main", "mbs_argument"]
+
+#: Where the commands write (the end of ``mbcompile --help``).
+OUTPUTS = """\
+outputs:
+  fit, validate  metrics.csv and metrics.jsonl (one row per step) in the output folder:
+                 --out DIR, else the config's output_dir, else mbcompile-artifacts/<config
+                 name>; on ranks, rank 0 writes them
+  fit            checkpoints in <output folder>/checkpoints/step-NNNNNNNN/ (every
+                 fit.checkpoint_every steps, at the end, and on SIGINT/SIGTERM)
+  compile        plan.txt, plan.json, graph.py, original_graph.py, graph.dot, graph.svg
+                 (and explore.png when exploring) in the output folder
+  demo           prints only; writes no files"""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    """``mbcompile.training.cli.<module>.<name>``, imported when the command runs: the
+    commands import torch and the compiler, which parsing (and ``--help``) never needs.
+    A plain dataclass, so that ``fit --nproc`` can pickle the parsed arguments to its
+    ranks."""
+
+    module: str
+    name: str
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        command = importlib.import_module(f"mbcompile.training.cli.{self.module}")
+        return getattr(command, self.name)(args)
 
 
 def mbs_argument(text: str) -> Any:
@@ -88,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mbcompile", parents=[common],
         description="Automatic microbatching for PyTorch: compile a model into a microbatch "
                     "loop over simulated systems, train and validate it from a YAML config.",
-        epilog="Start with `mbcompile demo`; `mbcompile COMMAND --help` describes each command.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Start with `mbcompile demo`; `mbcompile COMMAND --help` describes each "
+               "command.\n\n" + OUTPUTS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -102,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="simulated systems (default 4)")
     demo.add_argument("--mbs", type=mbs_argument, default="auto",
                       help="micro batch size: an int, auto (default) or none")
-    demo.set_defaults(run=run_demo)
+    demo.set_defaults(run=_Command("demo", "run_demo"))
 
     def config_command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_text, description=description)
@@ -128,14 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue from the newest good checkpoint in the output folder's "
                           "checkpoints/ (from step 0 if there is none); the later steps "
                           "equal an uninterrupted run's")
-    fit.set_defaults(run=run_fit)
+    fit.set_defaults(run=_Command("fit", "run_fit"))
 
     val = config_command("validate", "run the validation phase only",
                          "Run the configured model in eval mode on the validation data "
                          "(ScopedValidateFlags apply) and report the mean loss.")
     val.add_argument("--steps", type=_positive, default=None,
                      help="validation steps (default: fit.val_steps, or data.num_batches)")
-    val.set_defaults(run=run_validate)
+    val.set_defaults(run=_Command("fit", "run_validate"))
 
     comp = config_command("compile", "compile and write the plan, code and graph drawings",
                           "Compile the configured model (the train phase's flags unless "
@@ -149,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="stop after capture and batch analysis")
     comp.add_argument("--phase", choices=("train", "validate"), default="train",
                       help="whose flags and train/eval mode to compile with (default train)")
-    comp.set_defaults(run=run_compile)
+    comp.set_defaults(run=_Command("compile", "run_compile"))
     return parser
 
 
@@ -161,7 +190,8 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
     except KeyboardInterrupt as exc:  # also TrainingInterrupted: SIGINT or SIGTERM in a fit
         sys.stdout.flush()
         print(paragraph(exc), file=sys.stderr, flush=True)
-        return exc.exit_code if isinstance(exc, TrainingInterrupted) else EXIT_INTERRUPTED
+        # TrainingInterrupted (SIGINT or SIGTERM in a fit) carries its own code, 130 or 143
+        return int(getattr(exc, "exit_code", EXIT_INTERRUPTED))
     except BrokenPipeError:  # `mbcompile ... | head`: the reader left; stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILURE

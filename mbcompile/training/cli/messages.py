@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import signal
 
-from mbcompile.errors import MbcompileError
-from mbcompile.training.signals import TrainingInterrupted
+from mbcompile.passes.errors import MbcompileError  # torch-free: `mbcompile --help` loads this
 
 __all__ = ["EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CommandError",
            "add_note", "echo", "paragraph"]
@@ -33,8 +32,9 @@ def add_note(exc: BaseException, note: str) -> None:
 
 def paragraph(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, TrainingInterrupted) and exc.signum != signal.SIGINT:
-        text = f"interrupted by {signal.Signals(exc.signum).name}"
+    signum = getattr(exc, "signum", signal.SIGINT)  # a TrainingInterrupted's signal
+    if isinstance(exc, KeyboardInterrupt) and signum != signal.SIGINT:
+        text = f"interrupted by {signal.Signals(signum).name}"
     elif isinstance(exc, KeyboardInterrupt):
         text = "interrupted"
     elif isinstance(exc, MbcompileError):

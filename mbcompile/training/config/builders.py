@@ -161,7 +161,7 @@ def compile_options(cfg: Config, *, compile_only: bool = False,
     options: dict[str, Any] = {"in_dims": cfg.in_dims, "outputs": cfg.outputs}
     if cfg.system is not None:
         options["system"] = cfg.system
-    if cfg.backend != "simulated":
+    if cfg.backend != "auto":
         options["backend"] = cfg.backend
     if compile_only:
         options["compile_only"] = True
@@ -173,11 +173,13 @@ def compile_options(cfg: Config, *, compile_only: bool = False,
 def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
                   progress: bool = True, console: Any = None, model: nn.Module | None = None,
                   compile_options: Mapping[str, Any] | None = None,
-                  checkpoint_dir: str | os.PathLike[str] | None = None) -> Any:
+                  checkpoint_dir: str | os.PathLike[str] | None = None,
+                  write_metrics: bool = True) -> Any:
     """A ``Trainer`` for ``cfg`` (model, optimizer, callbacks, logging to ``output_dir``).
 
     Checkpoints go to ``checkpoint_dir`` (default ``<log_dir>/checkpoints``) every
-    ``fit.checkpoint_every`` steps and at the end; each holds ``cfg``.
+    ``fit.checkpoint_every`` steps and at the end; each holds ``cfg``. With
+    ``write_metrics=False`` (ranks other than 0) no ``metrics.csv`` is written.
     """
     from mbcompile.training.trainer import Trainer
 
@@ -191,8 +193,8 @@ def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
     log_dir = log_dir or cfg.output_dir
     return Trainer(model, build_optimizer(cfg, model), gbs=cfg.batch_size, num_csx=cfg.num_csx,
                    callbacks=build_callbacks(cfg, mbs), system=cfg.system,
-                   backend=None if cfg.backend == "simulated" else cfg.backend,
-                   in_dims=cfg.in_dims, log_dir=log_dir,
+                   backend=cfg.backend,
+                   in_dims=cfg.in_dims, log_dir=log_dir if write_metrics else None,
                    log_every=cfg.log_every, progress=progress, console=console,
                    compile_options={"outputs": cfg.outputs, **(compile_options or {})},
                    checkpoint_dir=checkpoint_dir or os.path.join(log_dir, "checkpoints"),

@@ -6,7 +6,7 @@ loaded document in order and builds one.
 >>> data, marks = load_yaml("model: mlp\\nbatch_size: 8\\nnum_csx: 2\\n", "run.yaml")
 >>> cfg = parse_config(data, marks)
 >>> cfg.model, cfg.batch_size, cfg.num_csx, cfg.backend, cfg.output_dir
-('mlp', 8, 2, 'simulated', 'mbcompile-artifacts/run')
+('mlp', 8, 2, 'auto', 'mbcompile-artifacts/run')
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def parse_config(data: Any, marks: Marks) -> Config:
         raise marks.error(("batch_size",), f"the global batch size {batch_size} is smaller than "
                           f"num_csx={num_csx}: each system needs at least one sample")
     system = v.system(top.get("system"))
-    backend = v.choice(("backend",), top.get("backend", "simulated"), BACKENDS)
+    backend = v.choice(("backend",), top.get("backend", "auto"), BACKENDS)
     shard = v.shard(top.get("shard", "none"), backend, "backend" in top, num_csx)
     if shard != "none":
         backend = "torch.distributed"

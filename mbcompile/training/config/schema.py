@@ -54,7 +54,8 @@ CALLBACKS: dict[str, type[Callback]] = {
     "ScopedTrainFlags": ScopedTrainFlags,
     "ScopedValidateFlags": ScopedValidateFlags,
 }
-BACKENDS = ("simulated", "torch.distributed")
+#: ``backend:`` values; auto (default): ranks under a launcher's group of several, else simulated
+BACKENDS = ("auto", "simulated", "torch.distributed")
 #: ``shard:`` values: none, or FSDP2 (``fully_shard`` per repeated block and at the root).
 SHARDS = ("none", "fsdp")
 SYNTHETIC = "synthetic"
@@ -68,7 +69,8 @@ TOP_KEYS: dict[str, str] = {
     "batch_size": "the global batch size (GBS), an int >= 1",
     "num_csx": "the number of systems, an int >= 1 (default 1)",
     "system": "a system preset name or a mapping of SystemSpec fields",
-    "backend": "'simulated' (default) or 'torch.distributed'",
+    "backend": "'auto' (default: the launcher's ranks under torchrun or accelerate launch, "
+               "else simulated systems), 'simulated' or 'torch.distributed'",
     "optimizer": "{name: a torch.optim class or package.module:Class, <its kwargs>}",
     "callbacks": "a list of {GlobalFlags | ScopedTrainFlags | ScopedValidateFlags: {flags}}",
     "fit": "{max_steps, val_steps, val_every, log_every, checkpoint_every, keep_checkpoints}",
@@ -347,11 +349,12 @@ class Sections(Checks):
         shard = self.choice(path, value, SHARDS)
         if shard == "none":
             return shard
-        if backend_given and backend != "torch.distributed":
+        if backend_given and backend == "simulated":
             raise self.fail(path, f"shard: {shard} splits the model over torch.distributed "
                             f"ranks, but backend is {backend!r} (line "
                             f"{self.m.line(('backend',))}): set backend: torch.distributed or "
-                            "remove the backend key, and run with --nproc N or torchrun")
+                            "auto, or remove the backend key, and run with --nproc N or "
+                            "torchrun")
         if num_csx < 2:
             raise self.fail(path, f"shard: {shard} splits the model over the ranks, one per "
                             f"system, but num_csx is {num_csx}: set num_csx to the number of "
