@@ -3,9 +3,12 @@
 With ``compile(..., backend="torch.distributed")`` inside a process group of
 ``num_csx`` ranks, rank ``r`` is system ``r`` and is called with its own share of
 the global batch (``plan.per_system_batch_sizes[r]`` samples; ``shard`` cuts it).
-Per step there are three kinds of collective, never one per microbatch, issued
+Per step there are four kinds of collective, never one per microbatch, issued
 by every rank in this order:
 
+0. before the first forward, one all-reduce of the trained loss's count (the tokens
+   that are not ``ignore_index``), when the inputs give it: every microbatch's
+   backward is seeded with eager's ``g / N`` (``seeding.py``);
 1. the gradient all-reduce, bucketed like DDP's: each bucket is launched
    asynchronously as the last microbatch's backward makes its gradients final
    (``OverlappedReduce``), and ``loss.backward()`` waits for all of them once;

@@ -4,8 +4,9 @@ Under ``torch.no_grad``, or when nothing is trained, the loop just collects ever
 microbatch's outputs. When training with a loss inside the model it runs each
 microbatch's forward *and* backward at once, so only one microbatch's activations
 are alive, through ``handover.FusedStep``: the step's gradient is built in fresh
-``.grad`` slots, checked once at the end of the step (one device read), and handed
-to the user's ``loss.backward()``.
+``.grad`` slots, each backward seeded as eager's (``seeding.py``), checked at most
+once at the end of the step (one device read), and handed to the user's
+``loss.backward()``.
 
 What the loop reports besides outputs (the noise scale to update, the last
 call's loss counts) travels in an explicit ``StepChannels`` object that the

@@ -15,8 +15,9 @@ all inside the compiled module's call, as ``runtime._FusedStep`` does for a plai
 By the chain rule split at F the gradients are the full batch's; only one
 microbatch of P's activations is alive at a time, plus F and C at the whole batch.
 The step's gradient is built in set-aside ``.grad`` slots, checked with one device
-read, and handed to the user's ``loss.backward()`` scaled by its incoming gradient;
-a failure in any phase leaves parameters and gradients as they were.
+read, and handed to the user's ``loss.backward()``; C's backward is seeded with the
+gradient the loss received at the previous step, rescaled exactly in the hand-over
+(``seeding.py``); a failure in any phase leaves parameters and gradients as they were.
 """
 
 from __future__ import annotations
