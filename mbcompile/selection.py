@@ -34,7 +34,8 @@ from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.plan_notes import final_plan
-from mbcompile.planning.cost import CostModel, analyse_cost, format_bytes, format_seconds
+from mbcompile.planning.cost import CostModel, format_bytes, format_seconds
+from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.planning.estimates import Estimate
 from mbcompile.planning.exploration import Choice, Exploration
 from mbcompile.planning.fixes import with_recompute_fix, with_recompute_tried

@@ -24,7 +24,8 @@ from mbcompile.errors import (
     PlanError,
 )
 from mbcompile.models import make_cnn, make_mlp, make_tiny_gpt
-from mbcompile.planning.cost import CostModel, analyse_cost
+from mbcompile.planning.cost import CostModel
+from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.planning.mbs_policy import parse_mbs
 from mbcompile.planning.measure import HostTimer
 from mbcompile.planning.plan import (

@@ -14,7 +14,7 @@ from mbcompile.execution import distributed
 from mbcompile.execution.distributed import OverlappedReduce
 from mbcompile.models import make_mlp
 from mbcompile.planning import cost as cost_module
-from mbcompile.planning.cost import analyse_cost
+from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.planning.systems import SystemSpec, get_system
 
 NODE = SystemSpec("node-of-4", memory_bytes=1e12, peak_flops=1e14, peak_flops_fp32=1e13,

@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from mbcompile.errors import CostModelError, DoesNotFitError
-from mbcompile.planning.cost import CostModel, static_figures
+from mbcompile.planning.cost import CostModel
+from mbcompile.planning.cost_analysis import static_figures
 from mbcompile.planning.estimates import MemoryEstimate, format_bytes
 from mbcompile.planning.plan import per_system_batch_sizes
 from mbcompile.planning.systems import SystemSpec
