@@ -160,7 +160,7 @@ def _select(request: Request, analysed: Analysed, progress: bool | None) -> Choi
                       request.measure, analysed.analysis.loss_outputs or None
                       ) if request.measure else None
     try:
-        selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
+        selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                    request.system, reshard=request.options.reshard_after_forward,
                                    sync=request.options.gradient_sync, timer=timer,
                                    progress=progress, cost_error=error, unsplit=unsplit)
@@ -296,7 +296,7 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
     cost = analyse_cost(replace(analysed.analysis, graph_module=checkpointed), request.values,
                         request.inputs.in_dims, pbs=request.pbs, name=request.name,
                         kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard)
-    selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
+    selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                request.system, reshard=request.options.reshard_after_forward,
                                sync=request.options.gradient_sync, progress=ctx.progress)
     why = (f"activation checkpointing per block{' (recompute=True)' if asked else ''}"
