@@ -48,7 +48,7 @@ from mbcompile.errors import DoesNotFitError  # noqa: E402
 from mbcompile.models import CNN, MLP, TinyGPT, token_batch  # noqa: E402
 from mbcompile.planning.cost import format_bytes, format_seconds  # noqa: E402
 from mbcompile.planning.measure import measure_peak_bytes  # noqa: E402
-from mbcompile.planning.plan import make_plan  # noqa: E402
+from mbcompile.planning.plan import make_plan, per_system_batch_sizes  # noqa: E402
 from mbcompile.planning.search import Selector  # noqa: E402
 from mbcompile.planning.systems import get_system, system_names  # noqa: E402
 from mbcompile.reports import exploration as shown  # noqa: E402
@@ -176,7 +176,7 @@ def speed(rounds: int, plot: str | None, out: list[str], fig: dict[str, Any]) ->
     fig["fit_holds"] = all(checks.values())
     for name in system_names():
         spec = get_system(name)
-        sel = Selector(cost, spec, GBS, NUM_CSX)
+        sel = Selector(cost, spec, per_system_batch_sizes(GBS, NUM_CSX))
         try:
             if not sel.evaluate(1).fits:
                 raise sel.does_not_fit(1, "auto")

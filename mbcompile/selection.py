@@ -34,7 +34,8 @@ from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.plan_notes import final_plan
-from mbcompile.planning.cost import CostModel, analyse_cost, format_bytes, format_seconds
+from mbcompile.planning.cost import CostModel, format_bytes, format_seconds
+from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.planning.estimates import Estimate
 from mbcompile.planning.exploration import Choice, Exploration
 from mbcompile.planning.fixes import with_recompute_fix, with_recompute_tried
@@ -159,7 +160,7 @@ def _select(request: Request, analysed: Analysed, progress: bool | None) -> Choi
                       request.measure, analysed.analysis.loss_outputs or None
                       ) if request.measure else None
     try:
-        selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
+        selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                    request.system, reshard=request.options.reshard_after_forward,
                                    sync=request.options.gradient_sync, timer=timer,
                                    progress=progress, cost_error=error, unsplit=unsplit)
@@ -295,7 +296,7 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
     cost = analyse_cost(replace(analysed.analysis, graph_module=checkpointed), request.values,
                         request.inputs.in_dims, pbs=request.pbs, name=request.name,
                         kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard)
-    selection = select_sharded(request.gbs, request.num_csx, request.policy, cost,
+    selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                request.system, reshard=request.options.reshard_after_forward,
                                sync=request.options.gradient_sync, progress=ctx.progress)
     why = (f"activation checkpointing per block{' (recompute=True)' if asked else ''}"

@@ -27,7 +27,8 @@ from mbcompile.passes.repeated_blocks import find_blocks, truncate
 from mbcompile.passes.shape_prop import propagate_shapes
 from mbcompile.planning import probe
 from mbcompile.planning.block_probe import MIN_BLOCKS, BlockProber
-from mbcompile.planning.cost import CostModel, analyse_cost
+from mbcompile.planning.cost import CostModel
+from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.request import make_request
 
 SEQ, VOCAB = 16, 64

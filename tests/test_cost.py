@@ -20,7 +20,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import mbcompile
 from mbcompile.errors import CostModelError
 from mbcompile.models import CNN, MLP, TinyGPT, make_cnn, make_mlp, make_tiny_gpt, token_batch
-from mbcompile.planning.cost import CostModel, analyse_cost, format_bytes
+from mbcompile.planning.cost import CostModel, format_bytes
+from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.planning.probe import EXTRA_FLOPS
 from mbcompile.planning.systems import get_system, system_names
 

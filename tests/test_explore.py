@@ -24,16 +24,17 @@ from mbcompile.errors import (
     PlanError,
 )
 from mbcompile.models import make_cnn, make_mlp, make_tiny_gpt
-from mbcompile.planning.cost import CostModel, analyse_cost
+from mbcompile.planning.cost import CostModel
+from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.planning.mbs_policy import parse_mbs
 from mbcompile.planning.measure import HostTimer
 from mbcompile.planning.plan import (
     check_policy,
     make_plan,
-    per_system_batch_sizes,
     single_microbatch,
     supported_mbs,
 )
+from mbcompile.planning.plan import per_system_batch_sizes as split
 from mbcompile.planning.search import AUTO_TIME_TOLERANCE, Selector, select_plan
 from mbcompile.planning.systems import SystemSpec, get_system
 from mbcompile.reports.exploration import plot, table
@@ -92,9 +93,9 @@ def test_auto_is_within_5_percent_of_explore_and_evaluates_few(costs, name, gbs,
                                                                 system) -> None:
     cost, _, _ = costs[name]
     spec = spec_for(cost, gbs, num_csx, system)
-    auto = Selector(cost, spec, gbs, num_csx)
+    auto = Selector(cost, spec, split(gbs, num_csx))
     plan = make_plan(gbs, num_csx, "auto", chooser=auto.auto)
-    explore = Selector(cost, spec, gbs, num_csx)
+    explore = Selector(cost, spec, split(gbs, num_csx))
     best = make_plan(gbs, num_csx, "explore", explorer=explore.explore).mbs
     explored = explore.exploration
     assert explored is not None and len(explored.candidates) == len(plan.supported_mbs)
@@ -117,7 +118,7 @@ def test_auto_trades_a_little_time_for_headroom(costs) -> None:
     flat = SystemSpec("flat", memory_bytes=1e12, peak_flops=1e11, peak_flops_fp32=1e11,
                       memory_bandwidth=1e12, microbatch_overhead_s=0, kernel_overhead_s=0,
                       optimizer_bytes_per_param=0)  # compute-bound: step time barely moves
-    sel = Selector(cost, flat, 4096, 1)
+    sel = Selector(cost, flat, split(4096, 1))
     plan = make_plan(4096, 1, "auto", chooser=sel.auto)
     assert plan.mbs < plan.pbs
     assert "the smallest within 2% of it" in plan.reason and "free" in plan.reason
@@ -133,7 +134,7 @@ def test_none_that_does_not_fit_fails_with_the_numbers(costs) -> None:
     cost, _, _ = costs["cnn"]
     spec = tight(cost, 64, 1, 8)
     with pytest.raises(DoesNotFitError) as info:
-        select_plan(64, 1, parse_mbs("none"), cost, spec)
+        select_plan(split(64, 1), parse_mbs("none"), cost, spec)
     message = str(info.value)
     for word in ("mbs='none'", "does not fit", "tight-8", "needs", "but the system has",
                  "parameters", "activations", "use mbs=8"):
@@ -145,9 +146,9 @@ def test_none_that_does_not_fit_fails_with_the_numbers(costs) -> None:
 def test_an_int_that_does_not_fit_fails_and_names_the_largest_that_does(costs) -> None:
     cost, _, _ = costs["cnn"]
     with pytest.raises(DoesNotFitError) as info:
-        select_plan(64, 1, parse_mbs(16), cost, tight(cost, 64, 1, 8))
+        select_plan(split(64, 1), parse_mbs(16), cost, tight(cost, 64, 1, 8))
     assert "mbs=16 does not fit" in str(info.value) and "use mbs=8" in str(info.value)
-    assert select_plan(64, 1, parse_mbs(8), cost, tight(cost, 64, 1, 8)).plan.mbs == 8
+    assert select_plan(split(64, 1), parse_mbs(8), cost, tight(cost, 64, 1, 8)).plan.mbs == 8
 
 
 @pytest.mark.parametrize("mbs", ["auto", "explore", {"explore": {"min": 2}}, 4, "none"])
@@ -156,7 +157,7 @@ def test_every_mode_fails_with_the_numbers_when_mbs_1_does_not_fit(costs, mbs) -
     small = SystemSpec("tiny-card", memory_bytes=1e5, peak_flops=1e12, peak_flops_fp32=1e12,
                        memory_bandwidth=1e11)
     with pytest.raises(DoesNotFitError) as info:
-        select_plan(32, 2, parse_mbs(mbs), cost, small)
+        select_plan(split(32, 2), parse_mbs(mbs), cost, small)
     message = str(info.value)
     assert "even mbs=1 does not fit" in message and "tiny-card" in message
     assert "100.00 kB" in message and "optimizer state" in message
@@ -170,7 +171,7 @@ def test_auto_and_explore_never_pick_what_does_not_fit(costs) -> None:
     for fraction in (0.0, 0.01, 0.1, 0.3, 0.7, 0.99):
         spec = replace(host, memory_bytes=low + fraction * (high - low))
         for mbs in ("auto", "explore"):
-            selection = select_plan(100, 1, parse_mbs(mbs), cost, spec)
+            selection = select_plan(split(100, 1), parse_mbs(mbs), cost, spec)
             assert selection.estimate.memory.fits
             assert selection.estimate.memory.peak <= spec.memory_bytes
 
@@ -178,7 +179,8 @@ def test_auto_and_explore_never_pick_what_does_not_fit(costs) -> None:
 def test_an_explore_range_where_nothing_fits_says_so(costs) -> None:
     cost, _, _ = costs["cnn"]
     with pytest.raises(DoesNotFitError, match="no MBS in the explore range fits"):
-        select_plan(64, 1, parse_mbs({"explore": {"min": 16}}), cost, tight(cost, 64, 1, 8))
+        select_plan(split(64, 1), parse_mbs({"explore": {"min": 16}}), cost,
+                    tight(cost, 64, 1, 8))
 
 
 # --------------------------------------------------------------------------- #
@@ -188,32 +190,32 @@ def test_an_explore_range_where_nothing_fits_says_so(costs) -> None:
 
 def test_explore_needs_compile_only_and_says_how_to_pin() -> None:
     with pytest.raises(PlanError) as info:
-        check_policy(per_system_batch_sizes(64, 2), parse_mbs("explore"), False)
+        check_policy(split(64, 2), parse_mbs("explore"), False)
     for word in ("compile_only=True", "pin", "mbs=<that value>"):
         assert word in str(info.value)
-    check_policy(per_system_batch_sizes(64, 2), parse_mbs("explore"), True)
+    check_policy(split(64, 2), parse_mbs("explore"), True)
     with pytest.raises(PlanError, match="explore range"):  # the range is checked first
-        check_policy(per_system_batch_sizes(64, 2), parse_mbs({"explore": {"min": 20, "max": 21}}),
+        check_policy(split(64, 2), parse_mbs({"explore": {"min": 20, "max": 21}}),
                      False)
     with pytest.raises(PlanError, match="at most the per-system batch size 32"):
-        check_policy(per_system_batch_sizes(64, 2), parse_mbs(33), False)
+        check_policy(split(64, 2), parse_mbs(33), False)
 
 
 def test_single_microbatch_requests() -> None:
-    assert single_microbatch(per_system_batch_sizes(10, 1), parse_mbs("none"))
-    assert single_microbatch(per_system_batch_sizes(10, 1), parse_mbs(10))
+    assert single_microbatch(split(10, 1), parse_mbs("none"))
+    assert single_microbatch(split(10, 1), parse_mbs(10))
     # the closest supported value to 9 is 10
-    assert single_microbatch(per_system_batch_sizes(10, 1), parse_mbs(9))
-    assert not single_microbatch(per_system_batch_sizes(10, 2), parse_mbs("none"))
-    assert not single_microbatch(per_system_batch_sizes(10, 1), parse_mbs(5))
-    assert not single_microbatch(per_system_batch_sizes(10, 1), parse_mbs("auto"))
+    assert single_microbatch(split(10, 1), parse_mbs(9))
+    assert not single_microbatch(split(10, 2), parse_mbs("none"))
+    assert not single_microbatch(split(10, 1), parse_mbs(5))
+    assert not single_microbatch(split(10, 1), parse_mbs("auto"))
     # one sample: nothing to split
-    assert single_microbatch(per_system_batch_sizes(1, 1), parse_mbs("auto"))
+    assert single_microbatch(split(1, 1), parse_mbs("auto"))
 
 
 def test_exploration_reports_a_table_json_and_a_plot(costs, tmp_path) -> None:
     cost, _, _ = costs["tiny_gpt"]
-    sel = Selector(cost, get_system("a100-80gb"), 64, 2)
+    sel = Selector(cost, get_system("a100-80gb"), split(64, 2))
     plan = make_plan(64, 2, {"explore": {"min": 2, "max": 16}}, explorer=sel.explore)
     x = sel.exploration
     assert [c.mbs for c in x.candidates] == [m for m in supported_mbs(32) if 2 <= m <= 16]
@@ -229,7 +231,7 @@ def test_exploration_reports_a_table_json_and_a_plot(costs, tmp_path) -> None:
 
 def test_long_explorations_show_progress(costs, capsys) -> None:
     cost, _, _ = costs["mlp"]
-    sel = Selector(cost, get_system("host"), 64, 1, progress=True)
+    sel = Selector(cost, get_system("host"), split(64, 1), progress=True)
     make_plan(64, 1, "explore", explorer=sel.explore)
     err = capsys.readouterr().err
     assert "exploring 15 MBS values" in err and "15/15" in err
@@ -239,7 +241,7 @@ def test_measured_exploration_times_the_host_beside_the_model(costs) -> None:
     cost, model, batch = costs["mlp"]
     gm = captured(model, batch, 8).graph_module
     timer = HostTimer(gm, batch, (0, 0), reps=2)
-    sel = Selector(cost, get_system("host"), 16, 1, timer=timer)
+    sel = Selector(cost, get_system("host"), split(16, 1), timer=timer)
     plan = make_plan(16, 1, {"explore": {"min": 4}}, explorer=sel.explore)
     x = sel.exploration
     # Structure only: which MBS the clock favours depends on the machine and its load
@@ -263,9 +265,9 @@ def test_measured_exploration_times_the_host_beside_the_model(costs) -> None:
 def test_measured_best_is_what_the_clock_says_and_the_plan_what_the_model_says(
         costs, clock, fastest) -> None:
     cost, _, _ = costs["mlp"]
-    modelled = Selector(cost, get_system("host"), 16, 1)
+    modelled = Selector(cost, get_system("host"), split(16, 1))
     model_best = make_plan(16, 1, {"explore": {"min": 4}}, explorer=modelled.explore).mbs
-    sel = Selector(cost, get_system("host"), 16, 1, timer=clock)
+    sel = Selector(cost, get_system("host"), split(16, 1), timer=clock)
     plan = make_plan(16, 1, {"explore": {"min": 4}}, explorer=sel.explore)
     x = sel.exploration
     # candidates 4, 6, 8, 16: the loop is 16 samples as 4x4, 6+5+5, 2x8 or 1x16
@@ -279,13 +281,14 @@ def test_measured_best_is_what_the_clock_says_and_the_plan_what_the_model_says(
 def test_without_a_cost_model_auto_warns_and_explore_fails(costs) -> None:
     host = get_system("host")
     with pytest.warns(CostModelWarning, match="could not run"):
-        s = select_plan(32, 2, parse_mbs("auto"), None, host, cost_error="boom")
+        s = select_plan(split(32, 2), parse_mbs("auto"), None, host, cost_error="boom")
     assert s.plan.num_microbatches == 4 and "boom" in s.plan.reason
     with pytest.raises(CostModelError, match="boom"):
-        select_plan(32, 2, parse_mbs("explore"), None, host, cost_error="boom")
+        select_plan(split(32, 2), parse_mbs("explore"), None, host, cost_error="boom")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert select_plan(32, 2, parse_mbs(4), None, host, cost_error="boom").estimate is None
+        chosen = select_plan(split(32, 2), parse_mbs(4), None, host, cost_error="boom")
+        assert chosen.estimate is None
 
 
 # --------------------------------------------------------------------------- #

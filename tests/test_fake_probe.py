@@ -20,7 +20,7 @@ from mbcompile.passes.capture import capture
 from mbcompile.passes.facts import SHAPES, ValueInfo
 from mbcompile.passes.fake_probe import FakeProbe, resize_batch
 from mbcompile.passes.shape_prop import propagate_shapes
-from mbcompile.planning.cost import analyse_cost
+from mbcompile.planning.cost_analysis import analyse_cost
 
 MAKERS = {"mlp": make_mlp, "cnn": make_cnn, "tiny_gpt": make_tiny_gpt}
 GBS = 8

@@ -28,6 +28,7 @@ import torch.nn as nn
 from catalogue import (
     ACCEPT,
     CALL_LINE,
+    FEAT,
     GBS,
     GRAD_FLOOR,
     HID,

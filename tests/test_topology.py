@@ -13,7 +13,7 @@ import torch.nn as nn
 from mbcompile.execution.distributed import OverlappedReduce
 from mbcompile.models import make_mlp
 from mbcompile.planning import buckets
-from mbcompile.planning.cost import analyse_cost
+from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.planning.systems import SystemSpec, get_system
 
 NODE = SystemSpec("node-of-4", memory_bytes=1e12, peak_flops=1e14, peak_flops_fp32=1e13,

@@ -77,12 +77,8 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-import torch
-import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from mbcompile.errors import CostModelError
-from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.planning import buckets
 from mbcompile.planning.estimates import (
     Estimate,
@@ -97,7 +93,7 @@ from mbcompile.planning.estimates import (
 from mbcompile.planning.fit import FIT_TOLERANCE, Fit, fit, reproduces
 from mbcompile.planning.plan import num_microbatches
 from mbcompile.planning.precision import Precision, probe_precision
-from mbcompile.planning.probe import Probe, Prober, nbytes
+from mbcompile.planning.probe import Probe
 from mbcompile.planning.systems import SystemSpec
 
 __all__ = [
@@ -108,7 +104,6 @@ __all__ = [
     "ShardSpec",
     "StaticFigures",
     "TimeEstimate",
-    "analyse_cost",
     "format_bytes",
     "format_seconds",
 ]
@@ -123,7 +118,7 @@ def _split_counts(size: int, k: int) -> list[tuple[int, int]]:
 class CostModel:
     """Per-MBS figures of one captured graph, and memory/time estimates for a system.
 
-    Build it with :func:`analyse_cost`.  ``figures(m)`` answers from the verified
+    Build it with ``cost_analysis.analyse_cost``.  ``figures(m)`` answers from the verified
     affine fit where it holds, from an exact (cached) probe otherwise;
     ``estimate(gbs, num_csx, mbs, spec)`` applies the module docstring's formulas.
     """
@@ -436,92 +431,3 @@ class CostModel:
         return (f"{self.name}: {s.num_params:,} parameters ({format_bytes(s.param_bytes)}), "
                 f"{'one loss, backward per microbatch' if s.fused else 'no single loss'}; "
                 f"{self.fit_note}; {self.probes_run} fake probes")
-
-
-# --------------------------------------------------------------------------- #
-# Building one
-# --------------------------------------------------------------------------- #
-
-
-def _input_bytes(values: Sequence[Any], in_dims: Sequence[int | None]) -> tuple[float, float]:
-    per_sample = fixed = 0.0
-    for value, d in zip(values, in_dims):
-        for t in pytree.tree_leaves(value):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if d is None:
-                fixed += nbytes(t)
-            elif t.shape[d] > 0:
-                per_sample += nbytes(t) / t.shape[d]
-    return per_sample, fixed
-
-
-def static_figures(gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | None],
-                   fused: bool) -> StaticFigures:
-    """What does not depend on the microbatch size: parameters, buffers, input bytes."""
-    seen: set[int] = set()
-    param_bytes = trainable = largest = 0.0
-    n_params = n_train = n_tensors = 0
-    for p in gm.parameters():  # parameters() already skips tied duplicates
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        n_tensors += 1
-        param_bytes += nbytes(p)
-        n_params += p.numel()
-        if p.requires_grad:
-            trainable += nbytes(p)
-            n_train += p.numel()
-            largest = max(largest, float(nbytes(p)))
-    per_sample, fixed = _input_bytes(values, in_dims)
-    static = StaticFigures(
-        param_bytes=param_bytes, trainable_bytes=trainable, num_params=n_params,
-        num_trainable=n_train, num_param_tensors=n_tensors, largest_param_bytes=largest,
-        buffer_bytes=float(sum(nbytes(b) for b in gm.buffers())),
-        input_bytes_per_sample=per_sample, input_bytes_fixed=fixed,
-        output_bytes_per_sample=0.0, fused=fused, training=n_train > 0)
-    return static
-
-
-def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
-                 in_dims: Sequence[int | None], *, pbs: int | None = None,
-                 name: str | None = None, fit: bool = True,
-                 kept_outputs: frozenset[int] | None = None, fused: bool | None = None,
-                 shard: ShardSpec | None = None, precision: Precision | None = None
-                 ) -> CostModel:
-    """Build the cost model of ``gm``: best the batch analysis of the captured graph
-    (it says which outputs are trained losses and whether backward runs per
-    microbatch), or any module (assumed to return one scalar loss first).
-
-    ``values`` are example inputs in ``forward``'s order (any batch size; only
-    their shapes and dtypes are used) and ``in_dims`` their batch dims.  Runs the
-    fake probes and the fit check for per-system batch size ``pbs`` (default 4;
-    see :meth:`CostModel.build_fit`): three probes in the common case.  With
-    ``fit=False`` it probes ``m = pbs`` only: for a plan that runs the whole
-    per-system batch as one microbatch (a graph the batch analysis rejected,
-    run unsplit), where smaller sizes may not even run. ``kept_outputs``: the output
-    leaves a training step returns (``compile(outputs=...)``); the others are not counted
-    as kept across microbatches. ``fused``: backward runs per microbatch (default: the
-    analysis's word, or True for a module); ``shard``: the FSDP2 sharding it is costed with.
-
-    >>> model, batch = make_mlp(8)
-    >>> cost = analyse_cost(model, batch, (0, 0), pbs=8)
-    >>> cost.figures(4).flops == 4 * cost.figures(1).flops
-    True
-    """
-    if isinstance(gm, BatchAnalysis) and gm.rejected is None:
-        loss_leaves, found = gm.loss_outputs or None, gm.fused
-        gm = gm.graph_module
-    else:  # a module, or a graph run unsplit: one microbatch, whatever its losses
-        gm = gm.graph_module if isinstance(gm, BatchAnalysis) else gm
-        loss_leaves, found = None, True
-    static = static_figures(gm, values, in_dims, found if fused is None else fused)
-    model = CostModel(Prober(gm, values, in_dims, loss_leaves, kept_outputs), static,
-                      name or type(gm).__name__, shard, precision)
-    if fit:
-        model.build_fit(4 if pbs is None else pbs)
-    else:
-        model.probe(4 if pbs is None else pbs)
-        model.fit_note = "one microbatch of the whole per-system batch: probed at that size only"
-        model._set_outputs()
-    return model

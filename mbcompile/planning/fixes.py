@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from mbcompile.errors import CostModelError, DoesNotFitError
-from mbcompile.planning.cost import CostModel, static_figures
+from mbcompile.planning.cost import CostModel
+from mbcompile.planning.cost_analysis import static_figures
 from mbcompile.planning.estimates import MemoryEstimate, format_bytes
 from mbcompile.planning.plan import per_system_batch_sizes
 from mbcompile.planning.systems import SystemSpec
@@ -232,14 +233,14 @@ def describe_capacity(spec: SystemSpec) -> str:
 # --------------------------------------------------------------------------- #
 
 
-def step_fixes(cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int,
+def step_fixes(cost: CostModel, spec: SystemSpec, sizes: tuple[int, ...],
                smaller_mbs: int | None) -> list[str]:
     """The fixes when no MBS (or the one asked for) fits, each checked with ``cost``:
     ``smaller_mbs`` (the largest that fits, found by the caller), ``outputs="loss"``, more
     systems (only when a smaller per-system batch fits: its inputs and kept outputs
     shrink, a replica's static memory does not), sharding and a lighter optimizer (when
     static memory is the problem), and the memory a system would need at mbs 1."""
-    pbs = per_system_batch_sizes(gbs, num_csx)[0]
+    pbs, gbs, num_csx = sizes[0], sum(sizes), len(sizes)  # the plan's per-system sizes
     try:
         least = cost.memory(pbs, 1, pbs, spec)
     except CostModelError:  # a graph run unsplit is probed at its one size only

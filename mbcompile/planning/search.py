@@ -1,6 +1,6 @@
 """The MBS search: ``"auto"`` and ``"explore"`` on the cost model, and the memory checks.
 
->>> choice = select_plan(gbs=64, num_csx=2, policy=parse_mbs("auto"), cost=cost, spec=host)
+>>> choice = select_plan((32, 32), parse_mbs("auto"), cost, get_system("host"))
 >>> choice.plan.mbs, choice.estimate.memory.peak
 
 What a search evaluated and chose is ``exploration.py``'s (``Candidate``,
@@ -65,7 +65,6 @@ from mbcompile.planning.fixes import (
 from mbcompile.planning.plan import (
     MbsPolicy,
     num_microbatches,
-    per_system_batch_sizes,
     plan_for,
     split_evenly,
     supported_mbs,
@@ -109,21 +108,20 @@ def _progress(total: int, show: bool | None) -> Any:
 
 
 class Selector:
-    """Evaluates candidate MBS values of one (model, gbs, num_csx, system).
+    """Evaluates candidate MBS values of one (model, per-system batch sizes, system).
 
     ``auto`` and ``explore`` have :data:`mbcompile.planning.plan.AutoChooser`'s signature,
-    so they plug into ``plan_for(chooser=..., explorer=...)``. The per-system batch
-    sizes are split once, here.
+    so they plug into ``plan_for(chooser=..., explorer=...)``. ``sizes`` are the
+    per-system batch sizes, split once (``Request.per_system_batch_sizes``).
     """
 
-    def __init__(self, cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int, *,
+    def __init__(self, cost: CostModel, spec: SystemSpec, sizes: tuple[int, ...], *,
                  timer: Callable[[int], float] | None = None,
                  progress: bool | None = None) -> None:
         self.cost = cost
         self.spec = spec
-        self.gbs, self.num_csx = gbs, num_csx
-        self.sizes = per_system_batch_sizes(gbs, num_csx)
-        self.pbs = self.sizes[0]
+        self.sizes, self.pbs = sizes, sizes[0]
+        self.gbs, self.num_csx = sum(sizes), len(sizes)
         self.timer = timer
         self.progress = progress
         self._seen: dict[int, Candidate] = {}
@@ -286,7 +284,7 @@ class Selector:
         else:
             what = f"mbs={mbs} does not fit"
         smaller = self.largest_fitting(_supported_upto(pbs, mbs)) if mbs > 1 else None
-        fixes = step_fixes(self.cost, self.spec, self.gbs, self.num_csx, smaller)
+        fixes = step_fixes(self.cost, self.spec, self.sizes, smaller)
         message = (f"{what} on system {self.spec.name!r} (gbs {self.gbs} over {self.num_csx} "
                    f"system{'s' if self.num_csx != 1 else ''}, pbs {pbs}): it needs "
                    f"{format_bytes(m.peak)} but the system has "
@@ -302,11 +300,12 @@ def _supported_upto(pbs: int, limit: int) -> tuple[int, ...]:
     return tuple(m for m in supported_mbs(pbs) if m <= limit)
 
 
-def select_plan(gbs: int, num_csx: int, policy: MbsPolicy, cost: CostModel | None,
+def select_plan(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel | None,
                 spec: SystemSpec, *, timer: Callable[[int], float] | None = None,
                 progress: bool | None = None, cost_error: str | None = None,
                 unsplit: bool = False) -> Choice:
-    """Plan ``(gbs, num_csx, policy)`` with the cost model, and check that it fits.
+    """Plan per-system batches of ``sizes`` (``Request.per_system_batch_sizes``) with
+    ``policy`` and the cost model, and check that it fits.
 
     ``cost=None`` (the model could not run; ``cost_error`` says why): ints and
     ``"none"`` are planned as asked, ``"auto"`` falls back to the plan's default
@@ -325,11 +324,11 @@ def select_plan(gbs: int, num_csx: int, policy: MbsPolicy, cost: CostModel | Non
                           "default of about 4 microbatches per system, unchecked against "
                           "memory. Pass an int mbs to silence this.", CostModelWarning,
                           stacklevel=user_stacklevel())
-        plan = plan_for(per_system_batch_sizes(gbs, num_csx), policy)
+        plan = plan_for(sizes, policy)
         if policy.mode == "auto":
             plan = replace(plan, reason=f"{plan.reason} (cost model unavailable: {cost_error})")
         return Choice(plan, None, None, None, cost_error)
-    selector = Selector(cost, spec, gbs, num_csx, timer=timer, progress=progress)
+    selector = Selector(cost, spec, sizes, timer=timer, progress=progress)
     if not unsplit and not selector.evaluate(1).fits:  # whatever was asked, nothing runs
         raise selector.does_not_fit(1, policy.mode)
     plan = plan_for(selector.sizes, policy, chooser=selector.auto, explorer=selector.explore)
@@ -340,7 +339,7 @@ def select_plan(gbs: int, num_csx: int, policy: MbsPolicy, cost: CostModel | Non
     return Choice(plan, selector.estimate(plan.mbs), selector.exploration, cost)
 
 
-def select_sharded(gbs: int, num_csx: int, policy: MbsPolicy, cost: CostModel | None,
+def select_sharded(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel | None,
                    spec: SystemSpec, *, reshard: bool | str = "auto", sync: str = "auto",
                    **kwargs: Any) -> Choice:
     """:func:`select_plan`, and for a model sharded with FSDP2 (``cost.shard``) its
@@ -361,7 +360,7 @@ def select_sharded(gbs: int, num_csx: int, policy: MbsPolicy, cost: CostModel | 
     """
     shard = cost.shard if cost is not None else None
     if shard is None:
-        return select_plan(gbs, num_csx, policy, cost, spec, **kwargs)
+        return select_plan(sizes, policy, cost, spec, **kwargs)
     assert cost is not None
     reshards = (reshard,) if isinstance(reshard, bool) else (True, False)
     syncs = (sync,) if sync in SYNCS else SYNCS
@@ -372,8 +371,8 @@ def select_sharded(gbs: int, num_csx: int, policy: MbsPolicy, cost: CostModel | 
             sharded = cost.with_shard(replace(shard, reshard_after_forward=value,
                                               gradient_sync=when))
             try:
-                found: Choice | DoesNotFitError = select_plan(gbs, num_csx, policy, sharded,
-                                                              spec, **kwargs)
+                found: Choice | DoesNotFitError = select_plan(sizes, policy, sharded, spec,
+                                                              **kwargs)
             except DoesNotFitError as exc:
                 found = exc
             tried.append((value, when, found))

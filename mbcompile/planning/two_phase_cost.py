@@ -33,12 +33,12 @@ from mbcompile.planning.cost import (
     Estimate,
     MemoryEstimate,
     Probe,
-    Prober,
     ShardSpec,
     format_bytes,
-    static_figures,
 )
+from mbcompile.planning.cost_analysis import analyse_cost, static_figures
 from mbcompile.planning.precision import Precision, probe_precision
+from mbcompile.planning.probe import Prober
 from mbcompile.planning.systems import SystemSpec
 
 __all__ = ["TwoPhaseCostModel", "analyse_two_phase_cost"]
@@ -132,8 +132,6 @@ def analyse_two_phase_cost(analysis: BatchAnalysis, values: Sequence[Any],
                            ) -> TwoPhaseCostModel:
     """The cost model of ``analysis``'s graph run as a two-phase step (``cut``: the graph
     cut as the rewrite runs it, when the analysis made it already)."""
-    from mbcompile.planning.cost import analyse_cost
-
     body, coupled, part, free_nodes = two_phase_parts(analysis, cut)
     p_model = analyse_cost(body, values, in_dims, pbs=pbs, name=name, shard=shard,
                            precision=precision)
