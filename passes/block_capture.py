@@ -13,8 +13,9 @@ class with the same parameter shapes, so their graphs are copies of each other:
    ``model.layers.5.mlp.up_proj.weight``), its module path renamed likewise; the head
    reads the last layer.
 
-Used for plans only (``compile_only`` / ``validate_only``): the graph is analysed and
-costed, never run. A model whose layers differ by index is captured whole: where
+``export_blocks.capture_once_per_block`` calls this for plans and for training, after
+the checks that make the copies run what each layer computes. A model whose layers
+differ by index is captured whole: where
 ``config.layer_types`` says so (sliding-window and full attention taking turns), where
 the layers' submodules differ in class, or where a plain value the two-layer trace read
 in the second layer (``self.is_sliding``, ``self.use_rope``: the capture's guards) holds
