@@ -173,7 +173,7 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
     net = shard(make_net())
     x, y = make_batch(gbs)
     cm = mbcompile.compile(net, gbs, world, 1, example_inputs=(x, y),
-                           backend="torch.distributed")
+                           backend="torch.distributed", nonfinite="raise")
     x, y = (t.clone() for t in mbdist.shard((x, y), cm.plan, rank))
     if rank == 1 and where == "nan":
         x[-1, 0, 0] = float("nan")

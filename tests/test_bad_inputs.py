@@ -558,7 +558,8 @@ def test_trusted_module_is_a_leaf_and_raising_in_it_is_reported():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_non_finite_loss_names_system_and_microbatch(bad):
     model, (x, y) = make_mlp(GBS, dtype=DTYPE)
-    cm = mbcompile.compile(model, GBS, 2, 2, example_inputs=(x, y))  # ((2, 2), (2, 2))
+    cm = mbcompile.compile(model, GBS, 2, 2, example_inputs=(x, y),  # ((2, 2), (2, 2))
+                           nonfinite="raise")  # the default returns it, as eager
     y = y.clone()
     y[5, 0] = bad  # sample 5: (pred - nan)^2 is nan, (pred - inf)^2 is inf
     grads = [torch.full_like(p, 0.5) for p in model.parameters()]

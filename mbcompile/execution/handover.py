@@ -87,7 +87,7 @@ def _scale(grads: list[torch.Tensor], factor: torch.Tensor) -> torch.Tensor | No
     the next step's guess follows a GradScaler's back-off); None where it was not asked."""
     if factor.dtype == torch.float32 and factor.numel() == 1 and all(
             g.device == factor.device for g in grads):
-        found = torch.zeros(1, dtype=torch.float32, device=factor.device)  # its kernel asks
+        found = torch.zeros(1, dtype=torch.float32, device=factor.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor.reshape(1))
         return found
     torch._foreach_mul_(grads, factor)

@@ -225,6 +225,8 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         # the plan holds the state of the optimizer that trains (a name given in
         # compile_options, e.g. "adamw-mixed", says what the instance cannot: master weights)
         options.setdefault("optimizer", self.optimizer)
+        # this loop never applies a non-finite step: the step says which microbatch it was
+        options.setdefault("nonfinite", "raise")
         if self.system is not None:
             options["system"] = self.system
         options["backend"] = self.backend
