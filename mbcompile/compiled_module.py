@@ -49,8 +49,9 @@ from mbcompile.passes.side_effects import replay
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.passes.state_updates import StateUpdates
 from mbcompile.planning.plan import MicrobatchPlan
+from mbcompile.planning.precision import ambient_precision
 from mbcompile.reports.report import render
-from mbcompile.request import Request
+from mbcompile.request import Request, device_type
 from mbcompile.selection import Selection
 
 __all__ = ["CompiledModule", "Recompile"]
@@ -123,6 +124,8 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_live_layers", ())  # (name, layer) of those layers
         object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
         object.__setattr__(self, "_warned", False)
+        # the first training call checks the autocast it runs under against the plan's
+        object.__setattr__(self, "_precision_pending", True)
         self._face_state_dict()  # state_dict() keys are the model's own
         self._keep(lowered)
 
@@ -246,6 +249,8 @@ class CompiledModule(ModelFace, nn.Module):
                 map(holds_no_data, self._inner.parameters())))
         if self.rank is not None:  # on ranks: never inside DDP, which would reduce again
             check_not_in_ddp()
+        if self._precision_pending and torch.is_grad_enabled():
+            self._plan_for_ambient_precision()
         # a call another variant runs (other keywords through **kwargs, another batch size)
         # goes there before this module compiles anything for the current mode
         if self._named is not None:  # forward takes **kwargs: which keywords reach them
@@ -358,6 +363,29 @@ class CompiledModule(ModelFace, nn.Module):
             f"{time.perf_counter() - start:.1f} s, and kept for later calls like it ({hint})",
             category, stacklevel=user_stacklevel())
         return compiled
+
+    def _plan_for_ambient_precision(self) -> None:
+        """The first training call: when it runs under an autocast the plan did not assume
+        (compiled outside the region it trains in), plan and compile again, once, for that
+        precision (``Request.for_precision``), and become that module, with a warning."""
+        object.__setattr__(self, "_precision_pending", False)
+        assumed = self._request.precision
+        ambient = ambient_precision(device_type(self._inner))
+        if ambient == assumed:
+            return
+        start, before = time.perf_counter(), self.plan
+        fresh = self._recompile.variant(self._request.for_precision(ambient))
+        internals = set(vars(nn.Module()))  # the module's own slots and hooks stay
+        for key, value in vars(fresh).items():
+            if key not in internals:
+                object.__setattr__(self, key, value)
+        object.__setattr__(self, "_precision_pending", False)
+        warnings.warn(
+            f"the first training call of {type(self._inner).__name__} runs under "
+            f"{ambient.describe()}, where it was planned for {assumed.describe()}: planned and "
+            f"compiled again once for it in {time.perf_counter() - start:.1f} s (mbs "
+            f"{before.mbs} -> {self.plan.mbs}); compile(..., precision={ambient.name!r}) plans "
+            "for it from the start", RecompileWarning, stacklevel=user_stacklevel())
 
     def _write_state(self, state: StateUpdates, new: Sequence[Any],
                      arguments: Mapping[str, Any]) -> None:

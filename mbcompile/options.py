@@ -77,6 +77,9 @@ class CompileOptions:
                                       "or 'fixed'")
     optimizer: Any = _option(None, "the optimizer (or its name) the plan sizes its state for")
     shard: str | None = _option(None, "'fsdp': plan FSDP2 over num_csx ranks, compile-only")
+    precision: str = _option("auto", "the autocast the step runs under, as the plan sizes "
+                                     "activations: 'auto' (compile()'s own), '32', "
+                                     "'bf16-mixed' or 'fp16-mixed'")
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> CompileOptions:

@@ -51,6 +51,7 @@ def final_plan(request: Request, choice: Choice) -> MicrobatchPlan:
                       stacklevel=user_stacklevel())
         notes = (*notes, PER_MICROBATCH_NOTE)
     return dataclasses.replace(plan, reason=choice.reason, warnings=notes,
+                               precision=request.precision.name,
                                tokens_per_sample=tokens_per_sample(request.inputs,
                                                                    request.example))
 

@@ -31,11 +31,12 @@ from mbcompile.planning.cost import ShardSpec
 from mbcompile.planning.mbs_policy import MbsPolicy, parse_mbs
 from mbcompile.planning.optimizer_state import with_optimizer
 from mbcompile.planning.plan import check_policy, per_system_batch_sizes, single_microbatch
+from mbcompile.planning.precision import Precision, parse_precision
 from mbcompile.planning.shard_plan import fsdp_units
 from mbcompile.planning.systems import SystemSpec, get_system
 
 __all__ = ["BATCH_NORM_MODES", "BATCH_SIZES", "CAPTURES", "COUPLING_MODES", "OUTPUT_MODES",
-           "Request", "make_request"]
+           "Request", "device_type", "make_request"]
 
 CAPTURES = ("auto", "fx", "export")
 BATCH_SIZES = ("any", "fixed")
@@ -68,6 +69,9 @@ class Request:
     shard: ShardSpec | None = None  # an FSDP2-sharded model's units (None: not sharded)
     noise_scale: NoiseScale | None = None  # measure_noise_scale's monitor (None: off)
     measure: int = 0  # repetitions of real timing per candidate (0: none)
+    #: the autocast the plan sizes activations for (``planning/precision.py``): the
+    #: ``precision`` option, ``"auto"`` read from the autocast compile() runs under
+    precision: Precision = Precision()
 
     @property
     def values(self) -> list[Any]:
@@ -102,6 +106,12 @@ class Request:
         sizes = per_system_batch_sizes(batch, systems)
         return dataclasses.replace(self, gbs=batch, num_csx=systems, per_system_batch_sizes=sizes,
                                    policy=self.policy.at_most(sizes[0]), example=dict(example))
+
+    def for_precision(self, precision: Precision) -> Request:
+        """This request planned for ``precision``: a first training call ran under an
+        autocast the plan did not assume (``CompiledModule``)."""
+        return dataclasses.replace(self, precision=precision, options=dataclasses.replace(
+            self.options, precision=precision.name))
 
     def for_call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Request:
         """This request with another call as its example, for a call that passes other
@@ -171,7 +181,13 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
         num_csx=int(num_csx), per_system_batch_sizes=sizes, policy=policy, system=spec,
         signature=signature, example=values, inputs=inputs, options=checked,
         torch_compile=torch_compile, shard=_shard_spec(units, num_csx),
-        noise_scale=_noise_scale(o.measure_noise_scale), measure=_repetitions(o.measure))
+        noise_scale=_noise_scale(o.measure_noise_scale), measure=_repetitions(o.measure),
+        precision=parse_precision(o.precision, device_type(inner)))
+
+
+def device_type(model: nn.Module) -> str:
+    """Where ``model``'s parameters live: the device an autocast for it names."""
+    return next((p.device.type for p in model.parameters()), "cpu")
 
 
 # --------------------------------------------------------------------------- #

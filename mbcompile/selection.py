@@ -211,11 +211,12 @@ def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
         if analysed.mode == "two_phase":
             return analyse_two_phase_cost(analysed.analysis, values, in_dims, pbs=request.pbs,
                                           name=request.name, cut=analysed.cut,
-                                          shard=request.shard), None
+                                          shard=request.shard,
+                                          precision=request.precision), None
         return analyse_cost(analysed.analysis, values, in_dims, pbs=request.pbs,
                             name=request.name, fit=analysed.mode != "unsplit",
                             kept_outputs=analysed.kept, fused=analysed.fused,
-                            shard=request.shard), None
+                            shard=request.shard, precision=request.precision), None
     except CostModelError as exc:
         return None, str(exc)
 
@@ -295,7 +296,8 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
     assert checkpointed is not None
     cost = analyse_cost(replace(analysed.analysis, graph_module=checkpointed), request.values,
                         request.inputs.in_dims, pbs=request.pbs, name=request.name,
-                        kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard)
+                        kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard,
+                        precision=request.precision)
     selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                request.system, reshard=request.options.reshard_after_forward,
                                sync=request.options.gradient_sync, progress=ctx.progress)
@@ -329,7 +331,8 @@ def _two_phase_too_big(ctx: _Context, cost: TwoPhaseCostModel, exc: DoesNotFitEr
     plain_text = ""
     for m in dict.fromkeys(x for x in (exc.mbs, 2) if x <= pbs):  # BatchNorm needs 2 samples
         try:  # what one microbatch of a plain (wrong) split would need, for comparison
-            plain = analyse_cost(analysis.graph_module, values, in_dims, pbs=m, fit=False)
+            plain = analyse_cost(analysis.graph_module, values, in_dims, pbs=m, fit=False,
+                                 precision=ctx.request.precision)
         except CostModelError:
             continue
         plain_peak = plain.memory(pbs, m, num_microbatches(pbs, m), system).peak

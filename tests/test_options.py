@@ -104,4 +104,5 @@ def test_the_request_holds_the_options_as_checked() -> None:
     assert set(request.example) == {"x", "y"} and torch.equal(request.example["x"], batch[0])
     assert request.torch_compile == {} and request.measure == 3  # what they mean, worked out
     assert options == CompileOptions.of({"outputs": ("loss",), "torch_compile": True,
-                                         "measure": True})
+                                         "measure": True,  # "auto": no process group
+                                         "backend": "simulated"})

@@ -109,7 +109,8 @@ def stack(p1: Any, p2: Any, n: int) -> Any:
     ops = tuple(p2.ops[i] for i in base) + tuple(p2.ops[i] for i in copy) * (n - 1)
     return replace(p2, ops=ops, tags=None, **arrays, **flags,
                    saved=p1.saved + (n - 1) * (p2.saved - p1.saved),
-                   outputs=p1.outputs + (n - 1) * (p2.outputs - p1.outputs))
+                   outputs=p1.outputs + (n - 1) * (p2.outputs - p1.outputs),
+                   casts=p1.casts + (n - 1) * (p2.casts - p1.casts))
 
 
 def same_figures(a: Any, b: Any) -> bool:

@@ -341,7 +341,9 @@ class CostModel:
             w = self.shard.world
             params, optimizer = params / w, optimizer / w
             grads, gathered = self.shard.held(grads, num_microbatches)
-        static = params + s.buffer_bytes + grads + optimizer
+        # autocast's copies of the weights: made in the first microbatch, cached to the end
+        casts = max((p.casts for p in self._exact.values()), default=0.0) if on_device else 0.0
+        static = params + s.buffer_bytes + grads + optimizer + casts
         inputs = s.input_bytes_fixed + s.input_bytes_per_sample * pbs
         saved, act = f.saved_bytes, f.activation_peak_bytes
         if not s.fused and s.training and num_microbatches > 1:
@@ -365,7 +367,7 @@ class CostModel:
             inputs=inputs, outputs=outputs, activations=activations, update=update,
             saved=saved, transient=max(0.0, act - saved),
             peak=static + inputs + outputs + activations + update + gathered,
-            capacity=spec.usable_bytes, phase=phase, gathered=gathered)
+            capacity=spec.usable_bytes, phase=phase, gathered=gathered, casts=casts)
 
     # ----------------------------------------------------------- estimate
     def estimate(self, gbs: int, num_csx: int, mbs: int, spec: SystemSpec) -> Estimate:

@@ -145,7 +145,7 @@ class MemoryEstimate:
     """Peak memory of one system (the largest), broken down; bytes.
 
     ``params + buffers + grads + optimizer + inputs + outputs + activations +
-    update + frontier + coupled + gathered == peak``: what is alive at the peak
+    update + frontier + coupled + gathered + casts == peak``: what is alive at the peak
     moment (frontier and coupled in a two-phase step only, gathered for an FSDP2 model,
     whose params, grads and optimizer are then one rank's shards), which
     ``phase`` names ("microbatch loop", "joining outputs" or "optimizer update").
@@ -167,6 +167,7 @@ class MemoryEstimate:
     capacity: float
     phase: str
     frontier: float = 0.0  # two-phase: the frontier F and dL/dF for the whole batch
+    casts: float = 0.0  # autocast's low-precision copies of the weights, alive through a step
     coupled: float = 0.0  # two-phase: the coupled part's activations at the whole batch
     gathered: float = 0.0  # FSDP2: parameters gathered at the peak, and FSDP's flat buffers
 

@@ -30,7 +30,8 @@ class Fit:
         arrays = {k: self.a[k] + self.b[k] * m for k in self.a}
         return Probe(m=m, ops=self.base.ops, fp32=self.base.fp32, kernel=self.base.kernel,
                       backward=self.base.backward, saved=self.saved[0] + self.saved[1] * m,
-                      outputs=self.outputs[0] + self.outputs[1] * m, **arrays)
+                      outputs=self.outputs[0] + self.outputs[1] * m, casts=self.base.casts,
+                      **arrays)
 
 
 def fit(p: Probe, q: Probe) -> Fit | None:

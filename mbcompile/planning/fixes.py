@@ -206,6 +206,8 @@ def describe_memory(m: MemoryEstimate) -> str:
              f"optimizer state {format_bytes(m.optimizer)}"]
     if m.buffers:
         parts.append(f"buffers {format_bytes(m.buffers)}")
+    if m.casts:  # autocast's low-precision copies of the weights, cached through a step
+        parts.append(f"autocast weight copies {format_bytes(m.casts)}")
     parts += [f"inputs {format_bytes(m.inputs)}", f"outputs {format_bytes(m.outputs)}",
               f"activations {format_bytes(m.activations)} (saved for backward "
               f"{format_bytes(m.saved)} + largest transient {format_bytes(m.transient)})"]

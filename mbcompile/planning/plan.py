@@ -197,6 +197,9 @@ class MicrobatchPlan:
     #: ``"step"`` (once, in the step's last backward) or ``"microbatch"`` (in every
     #: backward: they accumulate sharded); None as for ``reshard_after_forward``.
     gradient_sync: str | None = None
+    #: The autocast the plan sized activations for (``precision.py``'s names: ``"32"``,
+    #: ``"bf16-mixed"``, ``"fp16-mixed"``); set by compile, None for a bare ``make_plan``.
+    precision: str | None = None
 
     @property
     def pbs(self) -> int:

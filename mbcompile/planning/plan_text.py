@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-__all__ = ["describe_fsdp", "format_plan"]
+__all__ = ["PRECISION_TEXT", "describe_fsdp", "describe_precision", "format_plan"]
 
 T = TypeVar("T")
 
@@ -40,6 +40,8 @@ def format_plan(plan: Any) -> str:
         per_system = _format_sizes(tuple(n * t for n in plan.per_system_batch_sizes))
         lines.append(f"  tokens ({t} per sample): global {plan.gbs * t}, per system "
                      f"{per_system}, per microbatch at most {plan.max_microbatch_size * t}")
+    if plan.precision is not None:
+        lines.append(f"  precision: {describe_precision(plan.precision)}")
     if plan.recompute:
         lines.append("  recompute: activation checkpointing per block")
     if plan.reshard_after_forward is not None:
@@ -51,6 +53,16 @@ def format_plan(plan: Any) -> str:
     else:
         lines.append("  warnings: none")
     return "\n".join(lines)
+
+
+#: what each precision name (``precision.py``) means for the activations a plan sizes
+PRECISION_TEXT = {"32": "no autocast: activations in the dtype of the model",
+                  "bf16-mixed": "autocast to bfloat16", "fp16-mixed": "autocast to float16"}
+
+
+def describe_precision(name: str) -> str:
+    """``"bf16-mixed (autocast to bfloat16)"``: a plan's precision, said in words."""
+    return f"{name} ({PRECISION_TEXT[name]})"
 
 
 def describe_fsdp(plan: Any) -> str:

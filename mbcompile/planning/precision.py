@@ -16,12 +16,14 @@ on its first call under an autocast the plan did not assume (``CompiledModule``)
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mbcompile.errors import InputError
+from mbcompile.planning.plan_text import describe_precision
 
 __all__ = ["PRECISIONS", "Precision", "ambient_precision", "parse_precision", "probe_precision"]
 
@@ -43,9 +45,7 @@ class Precision:
         return _DTYPES[self.name]
 
     def describe(self) -> str:
-        if self.dtype is None:
-            return f"{self.name} (no autocast: activations in the dtype of the model)"
-        return f"{self.name} (autocast to {str(self.dtype).removeprefix('torch.')})"
+        return describe_precision(self.name)
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
         """The autocast a probe on ``device_type`` tensors runs under: this precision's,
@@ -85,10 +85,16 @@ def parse_precision(value: Any, device_type: str = "cpu") -> Precision:
     return Precision(name)
 
 
-def probe_precision(precision: Precision | None, prober: Any
-                    ) -> contextlib.AbstractContextManager[Any]:
+@contextlib.contextmanager
+def probe_precision(precision: Precision | None, prober: Any) -> Iterator[None]:
     """The autocast a cost-model probe runs under: ``precision``'s on the device the probed
-    graph's tensors live on (``prober.device_type``); None: whatever is in force."""
-    if precision is None:
-        return contextlib.nullcontext()
-    return precision.autocast(getattr(prober, "device_type", "cpu"))
+    graph's tensors live on (``prober.device_type``); None: whatever is in force.
+
+    Each probe starts with autocast's cast cache empty, as a training step does: the
+    low-precision copies of the weights are made in its first microbatch and live through
+    the step, so they are counted (once), also when compile() itself runs inside an
+    autocast region whose cache an earlier probe filled."""
+    with contextlib.nullcontext() if precision is None else \
+            precision.autocast(getattr(prober, "device_type", "cpu")):
+        torch.clear_autocast_cache()
+        yield

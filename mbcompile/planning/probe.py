@@ -82,6 +82,9 @@ class Probe:
     saved: float  # bytes saved for backward (activations only)
     outputs: float  # bytes of the graph's non-scalar tensor outputs
     tags: np.ndarray | None = None  # per op: the repeated block it ran for (-1: none)
+    #: bytes of the weights' low-precision copies autocast made (its cast cache keeps
+    #: them through the step: counted once, as static memory, not as activations)
+    casts: float = 0.0
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"flops": self.flops, "act_bytes": self.act_bytes,
@@ -109,6 +112,7 @@ class _Recorder(TorchDispatchMode):
         self.died: list[int | None] = []  # ops recorded when it was freed
         self.by_id: dict[int, int] = {}  # id(storage) -> index, while alive
         self._refs: list[weakref.ref[Any]] = []
+        self.casts = 0.0  # bytes of the parameters' casts (autocast's weight copies)
 
     def _track(self, storage: Any) -> None:
         key = id(storage)
@@ -140,6 +144,12 @@ class _Recorder(TorchDispatchMode):
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         ins = {id(t): t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         outs = {id(t): t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+        if func is torch.ops.aten._to_copy.default and len(ins) == 1 and \
+                id(next(iter(ins.values())).untyped_storage()) in self.param_storages:
+            for t in outs.values():  # a weight cast by autocast: a weight, not an activation
+                if id(t.untyped_storage()) not in self.param_storages:
+                    self.param_storages.add(id(t.untyped_storage()))
+                    self.casts += nbytes(t)
         known = len(self.sizes)
         seen_before = {id(t.untyped_storage()) for t in ins.values()}
         for t in outs.values():
@@ -339,4 +349,4 @@ class Prober:
             weight_bytes=rows[:, 2], fp32=rows[:, 3].astype(bool),
             kernel=rows[:, 4].astype(bool), backward=rows[:, 5].astype(bool),
             live=recorder.live(exclude), saved=saved_bytes, outputs=outputs,
-            tags=np.array(recorder.tags, dtype=int))
+            tags=np.array(recorder.tags, dtype=int), casts=recorder.casts)

@@ -23,7 +23,7 @@ import torch.fx as fx
 from mbcompile.errors import MbcompileError
 from mbcompile.passes.facts import FACT
 from mbcompile.planning.cost import format_bytes, format_seconds
-from mbcompile.planning.plan_text import describe_fsdp
+from mbcompile.planning.plan_text import describe_fsdp, describe_precision
 from mbcompile.reports.exploration import table
 from mbcompile.version import __version__
 
@@ -204,6 +204,8 @@ def _text(d: dict[str, Any], cm: Any) -> str:
              f"(sizes {', '.join(map(str, plan.per_system_batch_sizes[:8]))}"
              f"{', ...' if plan.num_csx > 8 else ''})",
              f"  why: {plan.reason}"]
+    if plan.precision is not None:
+        lines.append(f"  precision: {describe_precision(plan.precision)}")
     if plan.reshard_after_forward is not None:
         lines.append(f"  fsdp: {describe_fsdp(plan)}")
     lines += [f"  warning: {w}" for w in plan.warnings]
