@@ -142,6 +142,17 @@ def _one_intra_op_thread() -> None:
         torch.set_num_threads(1)
 
 
+@pytest.fixture
+def float64_default() -> Iterator[None]:
+    """torch's default dtype is float64 for the test (the equivalence tests' precision)."""
+    import torch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
 @pytest.fixture(autouse=True)
 def _rule_table_unchanged() -> Iterator[None]:
     from mbcompile.passes.rules import TABLE  # here: the xdist controller needs no torch

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,12 +27,7 @@ GBS, SYSTEMS, MBS = 7, 2, 2
 COMPILED = {"backend": "aot_eager"}  # torch_compile without a C++ toolchain's inductor
 
 
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")  # conftest.py
 
 
 def _batch(n: int = GBS, out: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,7 +361,9 @@ def test_a_buffer_counter_and_a_returned_size_compile_and_match(kw):
     _assert_exact(model, cm, batch)
 
 
-def test_a_python_counter_in_forward_is_refused_and_the_model_is_left_alone():
+def test_a_python_counter_in_forward_moves_once_per_step():
+    """Compiling leaves it alone; each step moves it by one, as eager does (the read is
+    guarded, the write replayed: tests/test_python_state.py has the other forms)."""
     class Calls(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -378,9 +374,13 @@ def test_a_python_counter_in_forward_is_refused_and_the_model_is_left_alone():
             return F.mse_loss(self.a(x), y)
 
     model = Calls()
-    with pytest.raises(mbcompile.CaptureError, match="'calls'"):
-        _compile(model, _batch())
+    cm = _compile(model, _batch())
     assert model.calls == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.RecompileWarning)
+        for step in range(1, 3):
+            cm(*_batch())
+            assert model.calls == step
 
 
 def test_a_gradient_penalty_is_refused_at_compile_time_with_the_reason():
@@ -708,7 +708,9 @@ def _against_hand_split(model: nn.Module, cm: Any, batch: tuple[torch.Tensor, to
 
 
 @pytest.mark.parametrize("case", ["two_phase", "two_phase_compiled", "recompute"])
-def test_a_model_owned_generator_is_replayed(case):
+def test_a_model_owned_generator_draws_as_eager_does(case):
+    """Drawn once, at the full batch, before the loop (passes/draws.py): the eager step's
+    noise and generator state (tests/test_rng.py has the three-step checks)."""
     torch.manual_seed(0)
     model = NoisyBlocks() if case == "recompute" else Noisy(coupled=True)
     batch = _batch(out=4 if case == "recompute" else 3)
@@ -716,12 +718,17 @@ def test_a_model_owned_generator_is_replayed(case):
           {"torch_compile": COMPILED} if case == "two_phase_compiled" else {})
     cm = _compile(model, batch, **kw)
     if case == "recompute":
-        assert cm.plan.recompute and "checkpoint_replaying" in cm.graph_module.body.code
+        assert cm.plan.recompute and "checkpoint" in cm.graph_module.body.code
     else:
         assert cm.analysis.two_phase
+    assert "generator" in cm.graph_module.code  # drawn in the top graph, not per microbatch
     model.g.manual_seed(5)
-    ref = _against_hand_split(model, cm, batch)
-    assert torch.equal(model.g.get_state(), ref.g.get_state())  # one draw per microbatch
+    ref = copy.deepcopy(model)
+    cm(*batch)[0].backward()
+    ref(*batch)[0].backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert torch.equal(model.g.get_state(), ref.g.get_state())  # one draw per step
 
 
 _HIDDEN = torch.Generator().manual_seed(9)  # a generator no module holds

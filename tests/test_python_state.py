@@ -17,7 +17,7 @@ import dataclasses
 import enum
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,12 +33,7 @@ GBS, SYSTEMS, MBS = 7, 2, 2
 COMPILED = {"backend": "aot_eager"}  # torch_compile without a C++ toolchain's inductor
 
 
-@pytest.fixture(autouse=True)
-def _float64() -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")  # conftest.py
 
 
 def _batch(n: int = GBS) -> tuple[torch.Tensor, torch.Tensor]:
