@@ -96,18 +96,15 @@ def _scale(grads: list[torch.Tensor], factor: torch.Tensor) -> torch.Tensor | No
 
 @contextlib.contextmanager
 def hooks_aside(params: Sequence[torch.Tensor]) -> Iterator[None]:
-    """The user's post-accumulate-grad hooks and tensor hooks of ``params``, set aside (each
-    hook dict emptied in place: autograd holds the dict) and put back in their order after
-    the hooks mbcompile adds meanwhile and has not removed (``OverlappedReduce``'s). Both
-    kinds then fire once per step, on the full gradient, in the caller's backward, as in
-    eager: a parameter's tensor hook also ran once per microbatch before, and then again on
-    the step's gradient (``weight.register_hook(lambda g: g * 0.5)`` scaled by 0.25)."""
+    """The user's post-accumulate-grad hooks of ``params``, set aside (each hook dict
+    emptied in place: autograd holds the dict) and put back in their order after the
+    hooks mbcompile adds meanwhile and has not removed (``OverlappedReduce``'s)."""
     saved = []
     for p in params:
-        for hooks in (p._post_accumulate_grad_hooks, p._backward_hooks):
-            if hooks:
-                saved.append((hooks, dict(hooks)))
-                hooks.clear()
+        hooks = p._post_accumulate_grad_hooks
+        if hooks:
+            saved.append((hooks, dict(hooks)))
+            hooks.clear()
     try:
         yield
     finally:

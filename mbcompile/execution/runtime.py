@@ -259,7 +259,7 @@ class _Loop:
             p.grad = None
         checks = self.checks = StepChecks(len(self.microbatches), params[0].device,
                                           self.noise is not None)
-        hooks: list[Any] = []
+        hooks = [p.register_hook(checks.add_square) for p in params] if checks.noise else []
         seeding, self.seed_value = self.seeding, None
         # N before the first forward: on ranks its all-reduce comes before anything can fail
         count = None if seeding is None else seeding.global_count(
@@ -269,8 +269,6 @@ class _Loop:
             schedule = self._schedule()
             aside = hooks_aside(params) if self.sharded is None else contextlib.nullcontext()
             with torch.enable_grad(), self._step(), aside:
-                if checks.noise:  # after the user's hooks are set aside: these run per microbatch
-                    hooks = [p.register_hook(checks.add_square) for p in params]
                 for k, i, real in schedule:
                     checks.current = i
                     last = k == len(schedule) - 1
