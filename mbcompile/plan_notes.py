@@ -51,7 +51,8 @@ def final_plan(request: Request, choice: Choice) -> MicrobatchPlan:
                       stacklevel=user_stacklevel())
         notes = (*notes, PER_MICROBATCH_NOTE)
     return dataclasses.replace(plan, reason=choice.reason, warnings=notes,
-                               precision=request.precision.name,
+                               # what the probes ran in; nothing was probed without them
+                               precision=request.precision.name if choice.estimate else None,
                                tokens_per_sample=tokens_per_sample(request.inputs,
                                                                    request.example))
 

@@ -64,8 +64,6 @@ OPEN: dict[str, str] = {
     "param_hook_linear": "F3: a tensor hook on a parameter (weight.register_hook(g * 0.5)) "
                          "registered before compile: the step's gradient is off by the hook's "
                          "factor",
-    "post_accumulate_hook": "F4: register_post_accumulate_grad_hook fires on each microbatch's "
-                            "partial gradient (helper 'backward' owns the runtime's fix)",
 }
 OPEN_CASES: dict[tuple[str, str], str] = {}
 

@@ -138,10 +138,10 @@ def test_compile_plans_like_make_plan_and_runs_every_microbatch_once(gbs, num_cs
         fixed = lambda pbs, candidates: (plan.mbs, "fixed")  # noqa: E731
         want = _plan_or_error(gbs, num_csx, mbs, chooser=fixed, explorer=fixed)
         assert not isinstance(want, Exception), want
-        assert dataclasses.replace(plan, reason="", warnings=()) == dataclasses.replace(
-            want, reason="", warnings=())
-    else:
-        assert plan == want
+        assert dataclasses.replace(plan, reason="", warnings=(), precision=None) == \
+            dataclasses.replace(want, reason="", warnings=())
+    else:  # compile names the precision its cost model probed in; make_plan probes nothing
+        assert dataclasses.replace(plan, precision=None) == want
     nonempty = [(a, b) for system in plan.microbatch_slices for a, b in system if b > a]
     split = next(n for n in cm.graph_module.graph.nodes
                  if n.op == "call_function" and n.target.__name__ == "split")

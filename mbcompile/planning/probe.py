@@ -91,6 +91,12 @@ class Probe:
                 "weight_bytes": self.weight_bytes, "live": self.live}
 
 
+def _autocasting() -> bool:
+    """Autocast is on (a weight's cast is then its cached low-precision copy, not a cast the
+    model makes itself, as an RMSNorm's ``.to(dtype)`` or FSDP's mixed precision are)."""
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -113,6 +119,7 @@ class _Recorder(TorchDispatchMode):
         self.by_id: dict[int, int] = {}  # id(storage) -> index, while alive
         self._refs: list[weakref.ref[Any]] = []
         self.casts = 0.0  # bytes of the parameters' casts (autocast's weight copies)
+        self.autocast = _autocasting()  # read here: a dispatch mode runs with it switched off
 
     def _track(self, storage: Any) -> None:
         key = id(storage)
@@ -144,7 +151,7 @@ class _Recorder(TorchDispatchMode):
         flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
         ins = {id(t): t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         outs = {id(t): t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
-        if func is torch.ops.aten._to_copy.default and len(ins) == 1 and \
+        if func is torch.ops.aten._to_copy.default and len(ins) == 1 and self.autocast and \
                 id(next(iter(ins.values())).untyped_storage()) in self.param_storages:
             for t in outs.values():  # a weight cast by autocast: a weight, not an activation
                 if id(t.untyped_storage()) not in self.param_storages:
