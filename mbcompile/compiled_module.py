@@ -42,7 +42,6 @@ from mbcompile.inputs import batch_size, check_layout, input_layout, same_value
 from mbcompile.lowering import Lowered
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
 from mbcompile.passes.batch_analysis import BatchAnalysis
-from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.guards import numbers_as_inputs
 from mbcompile.passes.side_effects import replay
@@ -404,7 +403,7 @@ class CompiledModule(ModelFace, nn.Module):
         follow too. Raises ``InputError`` when the model computes no loss inside."""
         compiled = self._compiled()
         for index in compiled.analysis.loss_outputs:
-            found = _output_leaf(compiled.output_spec, output, index)
+            found = compiled.output_spec.leaf_of(output, index)
             if isinstance(found, torch.Tensor):
                 return found
         raise InputError(
@@ -448,21 +447,3 @@ class CompiledModule(ModelFace, nn.Module):
 def _samples(n: int) -> str:
     return f"{n} sample{'s' if n != 1 else ''}"
 
-
-def _output_leaf(spec: OutputSpec, output: Any, index: int) -> Any:
-    """The leaf numbered ``index`` of ``output``, an object shaped like ``spec``."""
-    if spec.kind == "leaf":
-        return output if spec.index == index else None
-    if spec.kind in ("tuple", "list"):
-        parts: list[Any] = list(output)
-    elif spec.kind == "dataclass":
-        parts = [getattr(output, k) for k in spec.keys]
-    elif spec.kind == "dict":
-        parts = [output[k] for k in spec.keys]
-    else:
-        return None
-    for child, part in zip(spec.children, parts):
-        found = _output_leaf(child, part, index)
-        if found is not None:
-            return found
-    return None

@@ -44,6 +44,25 @@ class OutputSpec:
             return 1
         return sum(c.leaf_count() for c in self.children)
 
+    def leaf_of(self, output: Any, index: int) -> Any:
+        """The leaf numbered ``index`` of ``output``, an object shaped like this spec
+        (what ``rebuild`` made), or None."""
+        if self.kind == "leaf":
+            return output if self.index == index else None
+        if self.kind in ("tuple", "list"):
+            parts: list[Any] = list(output)
+        elif self.kind == "dataclass":
+            parts = [getattr(output, k) for k in self.keys]
+        elif self.kind == "dict":
+            parts = [output[k] for k in self.keys]
+        else:
+            return None
+        for child, part in zip(self.children, parts):
+            found = child.leaf_of(part, index)
+            if found is not None:
+                return found
+        return None
+
     def rebuild(self, leaves: tuple[Any, ...] | list[Any]) -> Any:
         if self.kind == "leaf":
             return leaves[self.index]
