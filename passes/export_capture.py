@@ -47,7 +47,6 @@ import inspect
 import logging
 import operator
 import re
-import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -59,6 +58,7 @@ from torch.utils import _pytree as pytree
 from .capture import CaptureResult
 from .custom_functions import checked_in_export
 from .errors import CaptureError
+from .export_hooks import backward_hooks_refused, tensor_hooks_refused
 from .forward_modes import (
     detach_no_grad_regions,
     differentiation_refused,
@@ -69,7 +69,6 @@ from .keyword_view import keyword_view
 from .output_spec import flatten_output
 from .python_state import python_state_kept
 from .side_effects import prints_recorded, record_effects, refuse_tensors
-from .sources import user_frame
 from .state_updates import has_mutations, mutates
 
 __all__ = ["EXPORT_ASSERTIONS", "export_capture"]
@@ -170,31 +169,6 @@ def _cache_off(model: torch.nn.Module, example: Mapping[str, Any]) -> Iterator[N
                 config.use_cache = True
             else:  # it came from the class: drop the instance's copy again
                 del config.use_cache
-
-
-@contextlib.contextmanager
-def _tensor_hooks_refused(model_name: str) -> Iterator[None]:
-    """While export traces: ``Tensor.register_hook`` in forward is an error at its line.
-
-    Export traces fake tensors and keeps no hook; torch.fx keeps one as a ``tensor_hook``
-    node (``passes/ops.py``), but only where no branch reads ``requires_grad``.
-    """
-    original = torch.Tensor.register_hook
-
-    def refused(self: torch.Tensor, hook: Any) -> Any:
-        where = user_frame(traceback.extract_stack()[:-1])
-        raise CaptureError(
-            f"{model_name}.forward registers a tensor hook at {where}; torch.export traces "
-            "without hooks, so its gradient would change silently. Fix: register the hook "
-            "without a branch on tensor values or requires_grad, and compile with "
-            "capture='fx' or 'auto' (torch.fx keeps it); or use a module backward hook "
-            "(register_full_backward_hook) on a submodule")
-
-    torch.Tensor.register_hook = refused  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.register_hook = original  # type: ignore[method-assign]
 
 
 def _resolve(root: torch.nn.Module, fallback: torch.nn.Module, target: str) -> Any:
@@ -364,12 +338,13 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     specialised: BaseException | None = None
     try:
         name = type(model).__name__
+        backward_hooks_refused(model, name, fx_error)
         concrete = {n: v for n, v in example.items() if not _has_tensor(v)}
         # what forward wrote is read after the inner block has put back its own switches
         with python_state_kept(model, concrete) as snapshot, prints_recorded() as prints:
             with _cache_off(model, example), recorded_reads(model, name) as guards, \
                     checked_in_export(name), inference_mode_as_no_grad(), \
-                    _tensor_hooks_refused(name), differentiation_refused(name), \
+                    tensor_hooks_refused(name), differentiation_refused(name), \
                     torch.enable_grad():
                 try:
                     program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,

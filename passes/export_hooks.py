@@ -1,0 +1,76 @@
+"""Hooks ``torch.export`` would drop, refused before it traces.
+
+Export traces fake tensors through ``make_fx``: a module's forward hooks run and are traced
+into the graph, but what only autograd sees is lost. A full backward hook
+(``register_full_backward_hook``, ``register_full_backward_pre_hook``, the global ones) and
+a ``Tensor.register_hook`` in forward leave no node, so the compiled step's gradients
+would silently differ from eager's. torch.fx keeps both (a hooked leaf layer is a
+``call_module`` the runtime calls with its hooks; a tensor hook is a ``tensor_hook`` node).
+
+>>> lin = torch.nn.Linear(2, 2)
+>>> _ = lin.register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+>>> try:
+...     backward_hooks_refused(torch.nn.Sequential(lin), "Sequential")
+... except CaptureError as e:
+...     print(str(e)[:64])
+Sequential: torch.export cannot keep the backward hooks of '0' (
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.nn.modules import module as module_globals
+
+from .errors import CaptureError
+from .sources import user_frame
+
+__all__ = ["backward_hooks_refused", "tensor_hooks_refused"]
+
+
+def backward_hooks_refused(model: torch.nn.Module, model_name: str,
+                           fx_error: BaseException | None = None) -> None:
+    """A ``CaptureError`` naming the modules of ``model`` with backward hooks (and the global
+    backward hooks) that export would trace without; ``fx_error``, why torch.fx failed
+    first, is quoted."""
+    hooked = [repr(name) if name else "the model itself" for name, m in model.named_modules()
+              if m._backward_hooks or m._backward_pre_hooks]
+    if module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks:
+        hooked.append("every module (register_module_full_backward_hook)")
+    if hooked:
+        raise CaptureError(
+            f"{model_name}: torch.export cannot keep the backward hooks of "
+            f"{', '.join(hooked[:4])}{' ...' if len(hooked) > 4 else ''} (it traces without "
+            "them), so their gradients would change silently. Fix: make the forward "
+            "traceable by torch.fx and compile with capture='fx' (it calls a hooked layer "
+            "with its hooks), or remove the hooks while training"
+            + (f"\n  torch.fx.symbolic_trace failed first: {fx_error}" if fx_error else ""))
+
+
+@contextlib.contextmanager
+def tensor_hooks_refused(model_name: str) -> Iterator[None]:
+    """While export traces: ``Tensor.register_hook`` in forward is an error at its line.
+
+    Export traces fake tensors and keeps no hook; torch.fx keeps one as a ``tensor_hook``
+    node (``passes/ops.py``), but only where no branch reads ``requires_grad``.
+    """
+    original = torch.Tensor.register_hook
+
+    def refused(self: torch.Tensor, hook: Any) -> Any:
+        where = user_frame(traceback.extract_stack()[:-1])
+        raise CaptureError(
+            f"{model_name}.forward registers a tensor hook at {where}; torch.export traces "
+            "without hooks, so its gradient would change silently. Fix: register the hook "
+            "without a branch on tensor values or requires_grad, and compile with "
+            "capture='fx' or 'auto' (torch.fx keeps it); or use a module backward hook "
+            "(register_full_backward_hook) on a submodule")
+
+    torch.Tensor.register_hook = refused  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
