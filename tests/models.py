@@ -97,7 +97,7 @@ def tiered(values: Iterable[Any], fast: Iterable[str],
            name: Callable[[Any], str] = lambda v: getattr(v, "stem", str(v))) -> list[Any]:
     """``values`` as ``pytest.param``s, named by ``name``, those not named in ``fast`` in the
     slow tier (``pytest.mark.slow``): ``python -m pytest`` runs the fast tier,
-    ``-m "slow or not slow"`` both (as ``.ci/run`` does)."""
+    ``-m "not zoo"`` both (as ``.ci/run`` does)."""
     fast = set(fast)
     return [pytest.param(v, id=name(v), marks=() if name(v) in fast else pytest.mark.slow)
             for v in values]

@@ -62,8 +62,9 @@ REQUIRED = {
 
 
 # The fast tier (``python -m pytest``) keeps at least one entry per family, the quickest;
-# these, each 8-40 s on the 2-core CI machine, run in the slow tier (``-m slow``), which
-# .ci/run runs too.
+# these (each 8-40 s on the 2-core CI machine) are the slow tier's ``zoo`` part (the same
+# mechanisms on more architectures, several of CI's minutes), so .ci/run leaves them out
+# (``-m "not zoo"``) and ``python -m pytest -m zoo`` runs them.
 SLOW = {"longt5", "funnel", "qwen3_moe", "mbart", "olmoe", "t5", "qwen2_moe", "granitemoe",
         "bart", "pegasus", "umt5", "swin", "convbert", "blenderbot_small", "mt5", "starcoder2",
         "mamba", "falcon", "gpt2_classification", "deberta", "gpt_neo", "gemma3", "gemma2",
@@ -72,7 +73,7 @@ SLOW = {"longt5", "funnel", "qwen3_moe", "mbart", "olmoe", "t5", "qwen2_moe", "g
 
 
 def _param(entry: ZooModel) -> Any:
-    marks = [pytest.mark.slow] if entry.name in SLOW else []
+    marks = [pytest.mark.slow, pytest.mark.zoo] if entry.name in SLOW else []
     if entry.known_failure is not None:
         marks.append(pytest.mark.xfail(strict=True, raises=MbcompileError,
                                        reason=f"known failure: {entry.known_failure}"))
