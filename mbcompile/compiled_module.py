@@ -66,6 +66,9 @@ class Recompile:
     relower: Callable[[], Lowered]
     #: a request derived from the first (``for_batch``, ``for_call``) through the whole chain
     variant: Callable[[Request], CompiledModule]
+    #: keywords a caller adds to forward's ``**kwargs`` that the compiler expects (those of
+    #: transformers' Trainer, ``integrations/transformers.py``): compiled without a warning
+    expected_keywords: frozenset[str] = frozenset()
 
 
 class CompiledModule(ModelFace, nn.Module):

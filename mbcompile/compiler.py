@@ -25,6 +25,7 @@ from mbcompile.analysis import analyse
 from mbcompile.captures import Captures
 from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.errors import CaptureError, MbcompileError
+from mbcompile.integrations.transformers import trainer_keywords
 from mbcompile.lowering import Lowered, lower
 from mbcompile.options import signature_with_options
 from mbcompile.planning.static_memory import check_static_memory
@@ -71,10 +72,12 @@ def _compile_request(request: Request) -> CompiledModule:
 
 def _module(request: Request, selection: Selection, lowered: Lowered, captures: Captures
             ) -> CompiledModule:
-    """The compiled module, handed the chain for what it meets later (``Recompile``)."""
+    """The compiled module, handed the chain for what it meets later (``Recompile``) and
+    the keywords a transformers model's Trainer will add (compiled without a warning)."""
+    expected = frozenset(trainer_keywords(request.inner, request.example))
     return CompiledModule(request, selection, lowered, Recompile(
         functools.partial(_relower, request, selection, captures),
-        functools.partial(_variant, request, selection, captures)))
+        functools.partial(_variant, request, selection, captures), expected))
 
 
 def _variant(origin: Request, first: Selection, captures: Captures, request: Request

@@ -110,9 +110,9 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
 
     ``prior``: the selection of the request this one was derived from (a variant for
     another batch size, on the same capture): its cost model answers again, so that
-    nothing is probed twice; a forward-only request (``Request.forward_only``: eval mode
-    or ``no_grad``) probes nothing at all and runs microbatches of the prior plan's MBS
-    (``forward_only_choice``).
+    nothing is probed (nor timed) twice; a forward-only request (``Request.forward_only``:
+    eval mode or ``no_grad``) probes nothing at all and runs microbatches of the prior
+    plan's MBS (``forward_only_choice``).
     """
     if prior is not None and request.forward_only:
         choice = forward_only_choice(request, prior)
@@ -186,7 +186,7 @@ def _select(request: Request, analysed: Analysed, progress: bool | None,
             "or a FakeTensorMode): plan it without measure, or measure the materialised model")
     timer = HostTimer(analysed.analysis.graph_module, request.values, request.inputs.in_dims,
                       request.measure, analysed.analysis.loss_outputs or None
-                      ) if request.measure else None
+                      ) if request.measure and prior is None else None  # a variant: modelled
     try:
         selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                    request.system, reshard=request.options.reshard_after_forward,

@@ -12,7 +12,9 @@ and whether the call runs a backward (a forward-only call, in eval mode or under
 ``no_grad``, is planned without probes), or the keyword set. The chain reuses the first
 capture and its analysis (``mbcompile/captures.py``), so a new batch size costs a plan
 and a lowering: milliseconds. Each is announced once, by a warning that says what it
-cost and how to avoid it.
+cost and how to avoid it; the keywords transformers' Trainer adds to a model's call
+(``num_items_in_batch``: ``Recompile.expected_keywords``) are compiled without one, on
+the same plan.
 """
 
 from __future__ import annotations
@@ -48,11 +50,14 @@ def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, .
         def listed(names: frozenset[str]) -> str:
             return ", ".join(map(repr, sorted(names))) or "none"
 
+        expected = through > cm._keywords and (
+            through - cm._keywords <= cm._recompile.expected_keywords)  # only those added
         variant = _variant(
             cm, through, cm._request.for_call(args, kwargs),
             f"a call passes {listed(through)} to {type(cm._inner).__name__}.forward's "
             f"**kwargs, where the example call passed {listed(cm._keywords)}",
-            RecompileWarning, "pass them in example_kwargs to compile them with the model")
+            None if expected else RecompileWarning,
+            "pass them in example_kwargs to compile them with the model")
     return variant
 
 
@@ -69,13 +74,16 @@ def for_batch(cm: CompiledModule, batch: int, arguments: Mapping[str, Any]) -> C
 
 
 def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
-             category: type[Warning], hint: str) -> CompiledModule:
+             category: type[Warning] | None, hint: str) -> CompiledModule:
     """Compile ``request`` (derived from the first: ``for_batch``, ``for_call``) through
     compile()'s chain, once, and keep it under ``key``; one warning of ``category`` says
-    ``why`` and what it cost, and ``hint`` how to avoid it."""
+    ``why`` and what it cost, and ``hint`` how to avoid it (None: a variant the compiler
+    expected, ``Recompile.expected_keywords``: none)."""
     start = time.perf_counter()
     compiled = cm._recompile.variant(request)
     cm._variants[key] = compiled
+    if category is None:
+        return compiled
     plan = compiled.plan
     systems = plan.num_csx
     warnings.warn(
