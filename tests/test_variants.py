@@ -81,13 +81,13 @@ def test_forward_only_calls_probe_nothing_and_match_eager(counted):
     assert counted["capture"] == made + 1  # the eval graph, once, for every size
     variant = cm._variants[(GBS + 3, True)]
     assert variant.plan.mbs <= MBS and "forward-only" in variant.plan.reason
-    auto_model, batch = tiny_gpt(GBS)
-    auto = mbcompile.compile(auto_model, GBS, SYSTEMS, "auto", example_inputs=batch)
-    probed = counted["probe"]
+    cm.train()
     with torch.no_grad():  # training mode, no grad: forward only as well
-        for size in (2, 9):
-            auto(*tiny_gpt(size, seed=size)[1])
-    assert counted["probe"] == probed and auto._variants.keys() == {(2, True), (9, True)}
+        for size in (2, GBS + 2):
+            assert_close_errors(_eval_errors(model.train(), cm, tiny_gpt(size, seed=size)[1]),
+                                TOL)
+    assert counted["probe"] == probed and (2, True) in cm._variants
+    assert counted["capture"] == made + 1  # the training graph is the first capture
 
 
 def test_a_train_eval_switch_captures_each_mode_once(counted):
