@@ -3,8 +3,6 @@
 >>> captures = Captures(gbs=7)
 >>> first = captures.analysed(request)                           # captured and analysed
 >>> again = captures.analysed(request.for_batch(3, call))        # the same capture, cut for 3
->>> captures.made
-1
 
 A capture and its batch facts depend on what the call hands the graph (the inputs by
 name, their batch dims and their shapes besides the batch dim, the values fixed at
@@ -50,20 +48,17 @@ class Captures:
     def __init__(self, gbs: int) -> None:
         self._cache = GuardCache()
         self.gbs = gbs  #: the batch facts are found at (the first request's, when it is 2+)
-        self.made = 0  #: captures made (for tests and benchmarks: variants make none)
 
-    def analysed(self, request: Request, plan: MicrobatchPlan | None = None
-                 ) -> tuple[Analysed, bool]:
+    def analysed(self, request: Request, plan: MicrobatchPlan | None = None) -> Analysed:
         """``request``'s graph analysed and decided (``plan``: the plan it is decided for,
-        see ``analyse``), and whether an earlier capture served it."""
+        see ``analyse``), on an earlier capture where one serves."""
         key = capture_key(request)
         found, _ = self._cache.find(key)
         if found is not None and reusable(found, request.gbs):
             decided = analyse(request, plan=plan, found=found)
             if found.cut is None and decided.cut is not None:  # its body serves the next
                 self._keep(key, found, decided)
-            return decided, True
-        self.made += 1
+            return decided
         if found is not None or self.gbs < 2 or request.gbs == self.gbs:
             fresh = find(request)  # for this batch only, or at the batch of the others
         else:  # a new key's capture serves every batch: its facts at the first request's
@@ -71,12 +66,11 @@ class Captures:
         if found is None:  # one that holds at this batch only stays out of the cache
             self._cache.put(key, fresh)
         if not reusable(fresh, request.gbs):
-            self.made += 1
-            return analyse(request, plan=plan), False
+            return analyse(request, plan=plan)
         decided = analyse(request, plan=plan, found=fresh)
         if found is None and decided.cut is not None:
             self._keep(key, fresh, decided)
-        return decided, False
+        return decided
 
     def _keep(self, key: Any, entry: Analysed, decided: Analysed) -> None:
         """``decided`` in place of ``entry``: the same capture, with a cut to start from."""
@@ -85,4 +79,4 @@ class Captures:
 
     def __getstate__(self) -> dict[str, Any]:
         # graphs do not pickle (fx re-traces them): a copy captures again on first use
-        return {"_cache": GuardCache(), "gbs": self.gbs, "made": 0}
+        return {"_cache": GuardCache(), "gbs": self.gbs}

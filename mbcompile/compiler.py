@@ -64,7 +64,7 @@ def _compile_request(request: Request) -> CompiledModule:
     check_static_memory(request.inner, request.system, request.shard)
     captures = Captures(request.gbs)
     with _crash_named(request.model):
-        analysed, _ = captures.analysed(request)
+        analysed = captures.analysed(request)
         selection = select(request, analysed)
         lowered = lower(request, analysed, selection)
     return _module(request, selection, lowered, captures)
@@ -88,7 +88,7 @@ def _variant(origin: Request, first: Selection, captures: Captures, request: Req
     the same plan), else planned with ``first``'s cost model (nothing probed twice; a
     forward-only call probes nothing). Another precision is probed afresh in it."""
     with _crash_named(request.model):
-        analysed, _ = captures.analysed(request)
+        analysed = captures.analysed(request)
         if request.precision != origin.precision:
             selection = select(request, analysed)
         elif request.per_system_batch_sizes == first.plan.per_system_batch_sizes:
@@ -103,7 +103,7 @@ def _relower(request: Request, selection: Selection, captures: Captures) -> Lowe
     """The request's graph in the model's current train/eval mode and Python state
     (captured once per state, for the module and its variants), lowered again for the
     same selection."""
-    return lower(request, captures.analysed(request, plan=selection.plan)[0], selection)
+    return lower(request, captures.analysed(request, plan=selection.plan), selection)
 
 
 def _validate(request: Request) -> Validation:
