@@ -16,9 +16,11 @@ What the Trainer reads off the model is the model's: ``cm.__class__`` (label nam
 ``save_pretrained`` for tied weights), ``inspect.signature(cm.forward)`` (the dataset
 columns it keeps), ``cm.config`` and ``cm.loss_type``. It passes ``num_items_in_batch``
 through forward's ``**kwargs``, where the model scales its loss by it: a keyword the
-example batch did not have, compiled once on the first training step (a
-``RecompileWarning`` says so); so is a short last batch (a ``BatchSizeWarning``), and
-the training graph of a model compiled in eval mode (a note in ``cm.plan.warnings``).
+example batch did not have, whose graph compiles once per mode (the first training step,
+the first ``evaluate()``) on compile()'s plan, without a warning (compile() knows the
+Trainer adds it); a short last batch is planned and lowered on that capture in
+milliseconds (a ``BatchSizeWarning``), and a model compiled in eval mode says so in
+``cm.plan.warnings``.
 
 The script trains a one-layer GPT-2 (or Llama) of width 32 in float64 for one epoch of
 7 samples (batches of 3, 3 and 1) with the plain Trainer and with the compiled module,

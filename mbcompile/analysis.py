@@ -29,14 +29,14 @@ from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture, fsdp_modules
 from mbcompile.passes.export_blocks import capture_once_per_block
 from mbcompile.passes.export_capture import export_capture
-from mbcompile.passes.facts import SHAPES, input_fact
+from mbcompile.passes.facts import FACT, SHAPES, BatchSize, input_fact
 from mbcompile.passes.forward_modes import (
     check_layer_hooks,
     check_tensor_hooks,
     detach_grad_free_inputs,
 )
 from mbcompile.passes.generators import seeding_refused
-from mbcompile.passes.microbatch_rewrite import Cut, cut_graph
+from mbcompile.passes.microbatch_rewrite import Cut, constants_at, cut_graph
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
 from mbcompile.passes.sharded_export import sharded_export
 from mbcompile.passes.state_updates import (
@@ -48,7 +48,7 @@ from mbcompile.passes.state_updates import (
 from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.request import Request
 
-__all__ = ["MODES", "Analysed", "analyse", "kept_outputs"]
+__all__ = ["MODES", "Analysed", "analyse", "find", "kept_outputs", "reusable"]
 
 #: What runs: the batch split into microbatches; a two-phase step (ops that couple
 #: samples run once on the whole batch); or the captured graph as it is (one system,
@@ -67,6 +67,13 @@ class Analysed:
     training: bool = False  # the model was in training mode
     kept: frozenset[int] | None = None  # output leaves a training step returns (None: all)
     cut: Cut | None = None  # the graph cut at the loop (split and two-phase modes)
+    gbs: int = 0  # the full batch the shapes and facts were found at
+    specialised: bool = False  # a node was rewritten into its full-batch call (squeeze())
+
+    @property
+    def guards(self) -> tuple[Any, ...]:
+        """The Python values the capture read (``passes/guards.py``): it holds while they do."""
+        return self.captured.guards
 
     @property
     def rejected(self) -> MixingError | None:
@@ -99,7 +106,7 @@ def _runs_one_microbatch(plan: MicrobatchPlan) -> bool:
 
 
 def analyse(request: Request, *, plan: MicrobatchPlan | None = None,
-            validating: bool = False) -> Analysed:
+            validating: bool = False, found: Analysed | None = None) -> Analysed:
     """Analyse ``request.inner`` in its current train/eval mode, and decide once.
 
     ``plan``: the plan a graph is analysed again for (after a train/eval change; default:
@@ -107,10 +114,12 @@ def analyse(request: Request, *, plan: MicrobatchPlan | None = None,
     running one microbatch). Raises the analysis's ``MixingError`` when a split is needed
     and neither a plain split nor a two-phase step is exact. ``validating``
     (``compile(validate_only=True)``): the facts and the mode only, nothing for a plan.
-    This module is the one place that decides ``"unsplit"``.
+    This module is the one place that decides ``"unsplit"``. ``found``: a capture and its
+    facts made for another request of the same compile (``reusable`` says when one
+    serves), so that only the decisions are made again, for this request's batch.
     """
     model = request.inner
-    found = _analyse(model, request)
+    found = _analyse(model, request) if found is None else found
     single = request.single if plan is None else _runs_one_microbatch(plan)
     if found.rejected is None:
         mode = "split"
@@ -127,8 +136,46 @@ def analyse(request: Request, *, plan: MicrobatchPlan | None = None,
     kept = kept_outputs(request.options.outputs, found.captured.output_spec, found.analysis,
                         found.state) if model.training else None
     analysed = replace(found, mode=mode, training=model.training, kept=kept,
-                       cut=cut_graph(found.analysis, kept) if mode != "unsplit" else None)
+                       cut=_cut(found, kept, request.gbs) if mode != "unsplit" else None)
     return analysed if plan is None else analysed.for_plan(plan)
+
+
+def _cut(found: Analysed, kept: frozenset[int] | None, gbs: int) -> Cut:
+    """The graph cut at the loop for ``kept`` at a full batch of ``gbs``: the cut ``found``
+    holds already, when it was made for the same outputs, with the batch sizes after the
+    loop taken at ``gbs`` (the body does not depend on the batch size; a two-phase step's
+    coupled part holds those numbers, so it is cut again)."""
+    old = found.cut
+    if old is None or old.coupled is not None or found.kept != kept:
+        return cut_graph(found.analysis, kept, batch=gbs)
+    return replace(old, part=replace(old.part, constants=constants_at(old.part, gbs)))
+
+
+def find(request: Request) -> Analysed:
+    """``request.inner`` captured and its batch facts found at ``request.gbs``, in its current
+    train/eval mode: what ``analyse`` decides from (a rejection is kept, not raised)."""
+    return _analyse(request.inner, request)
+
+
+def reusable(found: Analysed, gbs: int) -> bool:
+    """Whether ``found`` (captured and analysed at ``found.gbs``) holds at a full batch of
+    ``gbs`` too, so that a variant for that batch needs only a plan and a lowering.
+
+    The capture's batch dim is symbolic and the facts are proved from two batch sizes, so
+    they hold at any batch of two or more samples, except where a full-batch size was read:
+    a graph refused for a baked-in size or a shape the fake run could not follow, a number
+    computed non-linearly from the batch size (``1 / x.size(0)``: its value after the loop
+    is the analysed batch's), and, at a batch of one, a node rewritten into the call it
+    makes at the analysed batch (``squeeze()`` keeps the batch dim there, eager drops it).
+    """
+    if found.gbs == gbs:
+        return True
+    if found.gbs < 2 or (found.rejected is not None and not found.analysis.two_phase):
+        return False
+    if gbs == 1 and found.specialised:
+        return False
+    return not any(isinstance(n.meta.get(FACT), BatchSize) and not n.meta[FACT].multiple
+                   for n in found.analysis.graph_module.graph.nodes)
 
 
 def _sharded_two_phase(rejected: MixingError) -> MixingError:
@@ -258,12 +305,12 @@ def _analyse_captured(captured: CaptureResult, request: Request) -> Analysed:
     state = lift_state_updates(captured.graph_module)
     gm = state.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    values, in_dims = request.values, request.inputs.in_dims
+    values, in_dims, gbs = request.values, request.inputs.in_dims, request.gbs
     try:
-        propagate_shapes(gm, values, in_dims, request.gbs)
+        propagate_shapes(gm, values, in_dims, gbs)
     except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
         rejected = mixing_error(exc.node, gm, exc.reason, exc.fix)
-        return Analysed(captured, BatchAnalysis(gm, rejected=rejected), state)
+        return Analysed(captured, BatchAnalysis(gm, rejected=rejected), state, gbs=gbs)
     check_tensor_hooks(gm.graph, type(captured.graph_module).__name__)
     check_layer_hooks(gm, type(captured.graph_module).__name__)
     # no-grad regions of an fx trace, now that the shapes say which values are tensors
@@ -271,7 +318,11 @@ def _analyse_captured(captured: CaptureResult, request: Request) -> Analysed:
                                                            False)):
         gm.recompile()
     facts = {p.target: input_fact(v, d) for p, v, d in zip(placeholders, values, in_dims)}
-    return Analysed(captured, analyse_batch(gm, facts, request.gbs), state)
+    calls = {n: (n.target, n.args, n.kwargs) for n in gm.graph.nodes}
+    analysis = analyse_batch(gm, facts, gbs)
+    specialised = any(tuple(map(id, calls.get(n, ()))) != (id(n.target), id(n.args), id(n.kwargs))
+                      for n in gm.graph.nodes)  # a rule's ctx.specialise() made a new call
+    return Analysed(captured, analysis, state, gbs=gbs, specialised=specialised)
 
 
 def kept_outputs(option: Any, spec: OutputSpec, analysis: BatchAnalysis,

@@ -11,7 +11,7 @@ module never imports the compiler. A train/eval change (``cm.train()``, ``cm.eva
 can change what is safe: BatchNorm mixes samples only in training), a replaced
 parameter or a changed guard lowers again with the same plan, once per state; another
 batch size (``Request.for_batch``) or keyword set (``Request.for_call``) is a request
-derived from the first, compiled once and kept.
+derived from the first, compiled once on the first capture and kept (``variants.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import torch.fx as fx
 import torch.nn as nn
 
 from mbcompile.errors import (
-    BatchSizeWarning,
     CompileOnlyError,
     InputError,
     RecompileWarning,
@@ -52,6 +51,7 @@ from mbcompile.planning.precision import ambient_precision
 from mbcompile.reports.report import render
 from mbcompile.request import Request, device_type
 from mbcompile.selection import Selection
+from mbcompile.variants import for_batch, for_keywords
 
 __all__ = ["CompiledModule", "Recompile"]
 
@@ -66,6 +66,9 @@ class Recompile:
     relower: Callable[[], Lowered]
     #: a request derived from the first (``for_batch``, ``for_call``) through the whole chain
     variant: Callable[[Request], CompiledModule]
+    #: keywords a caller adds to forward's ``**kwargs`` that the compiler expects (those of
+    #: transformers' Trainer, ``integrations/transformers.py``): compiled without a warning
+    expected_keywords: frozenset[str] = frozenset()
 
 
 class CompiledModule(ModelFace, nn.Module):
@@ -81,7 +84,8 @@ class CompiledModule(ModelFace, nn.Module):
     (``mbcompile.face``): attributes it does not have are the model's (``cm.config``,
     ``cm.generate(...)``), and ``inspect.signature(cm.forward)`` is the model's forward's.
     A batch of another size than ``gbs`` is planned and compiled on first sight, once per
-    size, with a ``BatchSizeWarning`` (unless compiled with ``batch_sizes="fixed"``); so is
+    size (and per kind of call: training, or forward only), in milliseconds, with a
+    ``BatchSizeWarning`` (unless compiled with ``batch_sizes="fixed"``); so is
     a call that passes other keywords through forward's ``**kwargs`` than the example did
     (``num_items_in_batch``), with a ``RecompileWarning``.
     """
@@ -112,7 +116,8 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_named", frozenset(face.parameters) if any(
             p.kind == p.VAR_KEYWORD for p in face.parameters.values()) else None)
         object.__setattr__(self, "_keywords", request.keywords)
-        object.__setattr__(self, "_variants", {})  # batch size -> the module compiled for it
+        # (batch size, forward only) or keyword set -> the module compiled for it (variants.py)
+        object.__setattr__(self, "_variants", {})
         object.__setattr__(self, "_inputs", request.inputs)
         object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
         object.__setattr__(self, "_cache", GuardCache())
@@ -255,10 +260,10 @@ class CompiledModule(ModelFace, nn.Module):
         if self._named is not None:  # forward takes **kwargs: which keywords reach them
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:
-                return self._for_keywords(through, args, kwargs)(*args, **kwargs)
+                return for_keywords(self, through, args, kwargs)(*args, **kwargs)
         bound, values, batch = self._checked(args, kwargs)
         if self.rank is None and batch is not None and batch != self.plan.gbs:
-            return self._for_batch(batch, bound.arguments)(*args, **kwargs)
+            return for_batch(self, batch, bound.arguments)(*args, **kwargs)
         compiled = self._compiled()
         watched = watch_new_hooks(self._live_layers, self._hooks_known)
         if not watched:
@@ -320,48 +325,6 @@ class CompiledModule(ModelFace, nn.Module):
             flat = flat[:state.n_outputs]
         replay(compiled.effects, flat)  # forward's side effects, once per step
         return compiled.output_spec.rebuild(flat)
-
-    def _for_keywords(self, through: frozenset[str], args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> CompiledModule:
-        """The module compiled for calls that pass the keywords ``through`` to forward's
-        ``**kwargs`` (each is a graph input: ``request.for_call``), compiled once."""
-        variant = self._variants.get(through)
-        if variant is None:
-            def listed(names: frozenset[str]) -> str:
-                return ", ".join(map(repr, sorted(names))) or "none"
-
-            variant = self._variant(
-                through, self._request.for_call(args, kwargs),
-                f"a call passes {listed(through)} to {type(self._inner).__name__}.forward's "
-                f"**kwargs, where the example call passed {listed(self._keywords)}",
-                RecompileWarning, "pass them in example_kwargs to compile them with the model")
-        return variant
-
-    def _for_batch(self, batch: int, arguments: Mapping[str, Any]) -> CompiledModule:
-        """The module compiled for batches of ``batch`` samples (see ``_variant``)."""
-        return self._variants.get(batch) or self._variant(
-            batch, self._request.for_batch(batch, arguments),
-            f"a batch of {_samples(batch)}, where {type(self.module).__name__} was compiled "
-            f"for gbs={self.plan.gbs}", BatchSizeWarning,
-            "compile(..., batch_sizes='fixed') makes another batch size an error")
-
-    def _variant(self, key: Any, request: Request, why: str, category: type[Warning],
-                 hint: str) -> CompiledModule:
-        """Compile ``request`` (derived from the first: ``for_batch``, ``for_call``) through
-        compile()'s chain, once, and keep it under ``key``; one warning of ``category`` says
-        ``why`` and what it cost, and ``hint`` how to avoid it."""
-        start = time.perf_counter()
-        compiled = self._recompile.variant(request)
-        self._variants[key] = compiled
-        plan = compiled.plan
-        systems = plan.num_csx
-        warnings.warn(
-            f"{why}: planned and compiled once for it ({_samples(plan.gbs)} on {systems} "
-            f"system{'s' if systems > 1 else ''}, mbs={plan.mbs}, {plan.num_microbatches} "
-            f"microbatch{'es' if plan.num_microbatches > 1 else ''} per system) in "
-            f"{time.perf_counter() - start:.1f} s, and kept for later calls like it ({hint})",
-            category, stacklevel=user_stacklevel())
-        return compiled
 
     def _plan_for_ambient_precision(self) -> None:
         """The first training call: when it runs under an autocast the plan did not assume
@@ -442,8 +405,4 @@ class CompiledModule(ModelFace, nn.Module):
         return (f"gbs={p.gbs}, num_csx={p.num_csx}, mbs={p.mbs}, "
                 f"num_microbatches={p.num_microbatches}"
                 + (", compile_only=True" if self.compile_only else ""))
-
-
-def _samples(n: int) -> str:
-    return f"{n} sample{'s' if n != 1 else ''}"
 

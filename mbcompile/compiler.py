@@ -22,8 +22,10 @@ from typing import Any
 import torch.nn as nn
 
 from mbcompile.analysis import analyse
+from mbcompile.captures import Captures
 from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.errors import CaptureError, MbcompileError
+from mbcompile.integrations.transformers import trainer_keywords
 from mbcompile.lowering import Lowered, lower
 from mbcompile.options import signature_with_options
 from mbcompile.planning.static_memory import check_static_memory
@@ -57,22 +59,51 @@ compile.__signature__ = signature_with_options(compile)  # type: ignore[attr-def
 
 
 def _compile_request(request: Request) -> CompiledModule:
-    """The chain after the request: analysis, selection, lowering, the compiled module;
-    also what the module calls for a variant (a request derived from this one)."""
+    """The chain after the request: analysis, selection, lowering, the compiled module."""
     # before any tracing: a model whose parameters alone cannot fit fails in milliseconds
     check_static_memory(request.inner, request.system, request.shard)
+    captures = Captures(request.gbs)
     with _crash_named(request.model):
-        analysed = analyse(request)
+        analysed = captures.analysed(request)
         selection = select(request, analysed)
         lowered = lower(request, analysed, selection)
+    return _module(request, selection, lowered, captures)
+
+
+def _module(request: Request, selection: Selection, lowered: Lowered, captures: Captures
+            ) -> CompiledModule:
+    """The compiled module, handed the chain for what it meets later (``Recompile``) and
+    the keywords a transformers model's Trainer will add (compiled without a warning)."""
+    expected = frozenset(trainer_keywords(request.inner, request.example))
     return CompiledModule(request, selection, lowered, Recompile(
-        functools.partial(_relower, request, selection), _compile_request))
+        functools.partial(_relower, request, selection, captures),
+        functools.partial(_variant, request, selection, captures), expected))
 
 
-def _relower(request: Request, selection: Selection) -> Lowered:
-    """The request's graph in the model's current train/eval mode and Python state,
-    analysed and lowered again for the same selection."""
-    return lower(request, analyse(request, plan=selection.plan), selection)
+def _variant(origin: Request, first: Selection, captures: Captures, request: Request
+             ) -> CompiledModule:
+    """The chain for ``request``, derived from ``origin`` (``for_batch``, ``for_call``,
+    ``for_precision``), whose selection is ``first``: on ``origin``'s capture where one
+    serves (``Captures``), with ``first`` itself for the same batch (another keyword set:
+    the same plan), else planned with ``first``'s cost model (nothing probed twice; a
+    forward-only call probes nothing). Another precision is probed afresh in it."""
+    with _crash_named(request.model):
+        analysed = captures.analysed(request)
+        if request.precision != origin.precision:
+            selection = select(request, analysed)
+        elif request.per_system_batch_sizes == first.plan.per_system_batch_sizes:
+            selection = first
+        else:
+            selection = select(request, analysed, prior=first)
+        lowered = lower(request, analysed, selection)
+    return _module(request, selection, lowered, captures)
+
+
+def _relower(request: Request, selection: Selection, captures: Captures) -> Lowered:
+    """The request's graph in the model's current train/eval mode and Python state
+    (captured once per state, for the module and its variants), lowered again for the
+    same selection."""
+    return lower(request, captures.analysed(request, plan=selection.plan), selection)
 
 
 def _validate(request: Request) -> Validation:

@@ -72,6 +72,9 @@ class Request:
     #: the autocast the plan sizes activations for (``planning/precision.py``): the
     #: ``precision`` option, ``"auto"`` read from the autocast compile() runs under
     precision: Precision = Precision()
+    #: the calls it serves run no backward (eval mode or ``no_grad``): a variant planned
+    #: without probes (``selection.forward_only_choice``)
+    forward_only: bool = False
 
     @property
     def values(self) -> list[Any]:
@@ -97,15 +100,18 @@ class Request:
         """The example's keywords that reach forward's ``**kwargs`` (``num_items_in_batch``)."""
         return keywords_through(self.inner, self.signature.parameters)
 
-    def for_batch(self, batch: int, example: Mapping[str, Any]) -> Request:
+    def for_batch(self, batch: int, example: Mapping[str, Any], forward_only: bool = False
+                  ) -> Request:
         """This request for calls of ``batch`` samples, ``example`` (a call of that size, by
         parameter name) its example: the same options and MBS policy, planned afresh
-        for the new size. Fewer samples than systems leave systems idle; an int MBS
-        above the new per-system batch is capped at it (``MbsPolicy.at_most``)."""
+        for the new size (``forward_only``: for calls that run no backward). Fewer samples
+        than systems leave systems idle; an int MBS above the new per-system batch is
+        capped at it (``MbsPolicy.at_most``)."""
         systems = min(self.num_csx, batch)
         sizes = per_system_batch_sizes(batch, systems)
         return dataclasses.replace(self, gbs=batch, num_csx=systems, per_system_batch_sizes=sizes,
-                                   policy=self.policy.at_most(sizes[0]), example=dict(example))
+                                   policy=self.policy.at_most(sizes[0]), example=dict(example),
+                                   forward_only=forward_only)
 
     def for_precision(self, precision: Precision) -> Request:
         """This request planned for ``precision``: a first training call ran under an

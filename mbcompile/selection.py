@@ -39,6 +39,7 @@ from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.planning.estimates import Estimate
 from mbcompile.planning.exploration import Choice, Exploration
 from mbcompile.planning.fixes import with_recompute_fix, with_recompute_tried
+from mbcompile.planning.mbs_policy import parse_mbs
 from mbcompile.planning.measure import HostTimer
 from mbcompile.planning.plan import MicrobatchPlan, num_microbatches, plan_for
 from mbcompile.planning.search import select_sharded
@@ -51,7 +52,7 @@ from mbcompile.planning.two_phase_cost import (
 )
 from mbcompile.request import Request
 
-__all__ = ["Selection", "select"]
+__all__ = ["Selection", "forward_only_choice", "select"]
 
 #: ``Selection.cost_error`` when the request asked for no cost model.
 NO_COST_MODEL = "cost_model=False: planned without the memory model"
@@ -83,6 +84,7 @@ class _Context:
     request: Request
     analysed: Analysed
     progress: bool | None = None
+    prior: Selection | None = None  # the first request's, whose cost model a variant reuses
     _checkpointed: list[Any] = field(default_factory=list)
 
     def checkpointed(self) -> Any:
@@ -92,8 +94,8 @@ class _Context:
         return self._checkpointed[0]
 
 
-def select(request: Request, analysed: Analysed, *, progress: bool | None = None
-           ) -> Selection:
+def select(request: Request, analysed: Analysed, *, progress: bool | None = None,
+           prior: Selection | None = None) -> Selection:
     """The plan for ``request`` on ``analysed``'s graph, its estimate and what it evaluated.
 
     On ranks the process group is checked against the plan first (``check_world``).
@@ -105,8 +107,17 @@ def select(request: Request, analysed: Analysed, *, progress: bool | None = None
     ``recompute`` (``"auto"``): activation checkpointing per block is costed only when
     memory stops the MBS from growing. With ``request.options.cost_model`` False nothing is
     probed: the plan is the arithmetic one (``make_plan``), unchecked against memory.
+
+    ``prior``: the selection of the request this one was derived from (a variant for
+    another batch size, on the same capture): its cost model answers again, so that
+    nothing is probed (nor timed) twice; a forward-only request (``Request.forward_only``:
+    eval mode or ``no_grad``) probes nothing at all and runs microbatches of the prior
+    plan's MBS (``forward_only_choice``).
     """
-    choice = _pinned(_select(request, analysed, progress), request)
+    if prior is not None and request.forward_only:
+        choice = forward_only_choice(request, prior)
+    else:
+        choice = _pinned(_select(request, analysed, progress, prior), request)
     rank = None
     if request.options.backend == "torch.distributed":
         from mbcompile.execution.distributed import check_world
@@ -135,8 +146,25 @@ def _pinned(selection: Choice, request: Request) -> Choice:
     return replace(selection, plan=replace(plan, **pins)) if pins else selection
 
 
-def _select(request: Request, analysed: Analysed, progress: bool | None) -> Choice:
-    ctx = _Context(request, analysed, progress)
+def forward_only_choice(request: Request, prior: Selection) -> Choice:
+    """The plan of a call that runs no backward (eval mode, ``no_grad``): microbatches of
+    at most the prior (training) plan's MBS, as even as the batch allows. Nothing is probed:
+    a forward alone keeps less alive than the training step that MBS was checked for (the
+    saved activations are freed as it goes), so what fitted then fits now.
+
+    >>> forward_only_choice(request.for_batch(5, call, forward_only=True), cm.selection).plan.mbs
+    2
+    """
+    sizes = request.per_system_batch_sizes
+    mbs = -(-sizes[0] // num_microbatches(sizes[0], min(prior.plan.mbs, sizes[0])))
+    choice = Choice(plan_for(sizes, parse_mbs(mbs)), None, None, prior.cost, prior.cost_error)
+    return choice.noted(f"a forward-only call (eval mode or no_grad): microbatches of at most "
+                        f"the training plan's mbs {prior.plan.mbs}, nothing probed")
+
+
+def _select(request: Request, analysed: Analysed, progress: bool | None,
+            prior: Selection | None = None) -> Choice:
+    ctx = _Context(request, analysed, progress, prior)
     recompute = recompute_option(request, analysed)
     unsplit, two_phase = analysed.mode == "unsplit", analysed.mode == "two_phase"
     may_recompute = not (two_phase or unsplit or recompute is False)
@@ -158,7 +186,7 @@ def _select(request: Request, analysed: Analysed, progress: bool | None) -> Choi
             "or a FakeTensorMode): plan it without measure, or measure the materialised model")
     timer = HostTimer(analysed.analysis.graph_module, request.values, request.inputs.in_dims,
                       request.measure, analysed.analysis.loss_outputs or None
-                      ) if request.measure else None
+                      ) if request.measure and prior is None else None  # a variant: modelled
     try:
         selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                    request.system, reshard=request.options.reshard_after_forward,
@@ -204,8 +232,13 @@ def _holds_no_data(request: Request) -> bool:
 
 
 def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
-    """The cost model of the graph as it runs, or why it could not be built."""
+    """The cost model of the graph as it runs, or why it could not be built (a variant's:
+    the prior selection's, when it was built for the same kind of step)."""
     request, analysed = ctx.request, ctx.analysed
+    if (ctx.prior is not None and analysed.mode == "split"
+            and not isinstance(ctx.prior.cost, TwoPhaseCostModel)
+            and (ctx.prior.cost is not None or ctx.prior.cost_error is not None)):
+        return ctx.prior.cost, ctx.prior.cost_error
     values, in_dims = request.values, request.inputs.in_dims
     try:
         if analysed.mode == "two_phase":

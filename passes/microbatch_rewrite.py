@@ -43,11 +43,11 @@ from . import ops, partials
 from .batch_analysis import BatchAnalysis
 from .coupling import Partition, partition
 from .draws import emit_draws, hoisted_draws
-from .facts import FACT, REDUCTION, Batched, ReductionSpec
+from .facts import FACT, REDUCTION, Batched, BatchSize, ReductionSpec
 from .graph_walks import ancestors
 from .recompute import checkpoint_blocks
 
-__all__ = ["Cut", "cut_graph", "microbatch_rewrite", "two_phase_parts"]
+__all__ = ["Cut", "constants_at", "cut_graph", "microbatch_rewrite", "two_phase_parts"]
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,14 @@ class Cut:
     body_draws: tuple[fx.Node, ...] = ()  # those the body reads, after the graph's inputs
 
 
-def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> Cut:
+def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None,
+              batch: int | None = None) -> Cut:
     """Cut the analysed graph at the loop for the output leaves ``keep`` (None: all):
-    made once per analysis, read by the cost model and the rewrite."""
+    made once per analysis and batch size, read by the cost model and the rewrite.
+
+    ``batch``: the full batch the cut runs at (default: the analysed one); the batch
+    sizes the tail reads as numbers (``loss * x.size(0)``) take their value at it.
+    """
     if analysis.rejected is not None and not analysis.two_phase:
         raise analysis.rejected
     gm = analysis.graph_module
@@ -91,6 +96,8 @@ def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None) -> C
     if checks:
         part = partition(gm.graph, checks, roots, draws)
         in_body = _body_nodes(part, [*placeholders, *draws])
+    if batch is not None:
+        part.constants = constants_at(part, batch)
     # output leaves first, in their order, then what only the tail reads (graph order)
     frontier = list(dict.fromkeys([x for x in leaves if x in part.frontier] + part.frontier))
     reductions = part.reductions
@@ -211,6 +218,18 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
         rewritten.recompile()
     rewritten.graph.lint()
     return rewritten
+
+
+def constants_at(part: Partition, batch: int) -> dict[fx.Node, int | float]:
+    """The numbers the tail reads, at a full batch of ``batch``: a multiple of the batch size
+    scales with it, a size that does not grow with the batch (``h.size(-1)``) stays."""
+    out = {}
+    for n, number in part.constants.items():
+        fact = n.meta.get(FACT)
+        if isinstance(fact, BatchSize) and not fact.multiple:  # analysed at each batch
+            raise ValueError(f"{n.format_node()} is not a multiple of the batch size")
+        out[n] = fact.factor * batch if isinstance(fact, BatchSize) else number
+    return out
 
 
 def _body_nodes(part: Partition, inputs: list[fx.Node]) -> set[fx.Node]:

@@ -21,11 +21,15 @@ issue). Bound: 3e-5.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from integration_workers import example
+
+from mbcompile import analysis
 
 pytest.importorskip("transformers")
 script = example("hf_trainer")
@@ -39,9 +43,18 @@ def runs(request: Any, tmp_path_factory: Any) -> dict[str, Any]:
     model = copy.deepcopy(plain)
     start = {k: v.clone() for k, v in plain.state_dict().items()}
     cm = script.compile_for_trainer(model, cost_model=False)
+    captures: Counter[str] = Counter()  # what the Trainer's run captures
+    capture = analysis._capture
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        captures[type(args[0]).__name__] += 1
+        return capture(*args, **kwargs)
+
+    plain_run = script.train(plain, tmp_path_factory.mktemp("plain"))
+    with mock.patch.object(analysis, "_capture", counted):
+        compiled_run = script.train(cm, tmp_path_factory.mktemp("compiled"))
     return {"name": request.param, "start": start, "plain_model": plain, "model": model,
-            "cm": cm, "plain": script.train(plain, tmp_path_factory.mktemp("plain")),
-            "compiled": script.train(cm, tmp_path_factory.mktemp("compiled"))}
+            "cm": cm, "plain": plain_run, "compiled": compiled_run, "captures": captures}
 
 
 def test_the_trainer_reads_the_models_face(runs):
@@ -60,11 +73,20 @@ def test_an_epoch_with_a_short_last_batch_trains_like_the_plain_trainer(runs):
     assert got == pytest.approx(want, rel=1e-6)  # float32 losses
     cm = runs["cm"]
     assert cm.plan.num_microbatches > 1  # it did split
-    # the Trainer's num_items_in_batch: one variant with that keyword, and its short batch
+    # the Trainer's num_items_in_batch: its graph on compile()'s plan, without a warning;
+    # the short last batch: planned and lowered on that capture
     variant = cm._variants[frozenset({"num_items_in_batch"})]
-    assert set(variant._variants) == {1} and set(cm._variants) == {variant._keywords}
+    assert variant.selection is cm.selection and set(cm._variants) == {variant._keywords}
+    assert set(variant._variants) == {(1, False)}
     kinds = sorted(type(w.message).__name__ for w in runs["compiled"]["warnings"])
-    assert kinds == ["BatchSizeWarning", "RecompileWarning"], kinds
+    assert kinds == ["BatchSizeWarning"], kinds
+
+
+def test_the_trainer_compiles_its_graph_once_per_mode(runs):
+    """The Trainer's call (``num_items_in_batch``) is another Python path of forward, so
+    another graph: captured once in training mode (the first step) and once in eval mode
+    (``evaluate()``), on compile()'s plan; every other batch size and call reused them."""
+    assert sum(runs["captures"].values()) == 2, runs["captures"]
 
 
 def test_compiling_in_eval_mode_costs_the_training_graph_only_and_says_so(runs):

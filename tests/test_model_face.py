@@ -66,7 +66,7 @@ def test_a_batch_of_another_size_is_planned_once_and_exact(size):
     with warnings.catch_warnings():
         warnings.simplefilter("error", mbcompile.BatchSizeWarning)  # once per size
         assert_close_errors(step_errors(model, cm, batch), TOL)
-    variant = cm._variants[size]
+    variant = cm._variants[(size, False)]  # (batch, forward only)
     assert variant.plan.gbs == size and variant.plan.mbs <= MBS
     assert max(variant.plan.per_system_batch_sizes) - min(
         variant.plan.per_system_batch_sizes) <= 1
@@ -222,7 +222,7 @@ def test_compiled_in_eval_mode_training_compiles_the_training_graph_only_and_say
     _, small = make_tiny_gpt(4, seed=3, dtype=torch.float64)
     with pytest.warns(mbcompile.BatchSizeWarning):
         cm.eval()(*small)  # another batch size: its variant compiles, this module nothing
-    assert len(cm._cache) == 2 and len(cm._variants[4]._cache) == 1
+    assert len(cm._cache) == 2 and len(cm._variants[(4, True)]._cache) == 1
     trained = mbcompile.compile(model.train(), GBS, SYSTEMS, MBS, example_inputs=batch,
                                 cost_model=False)
     assert not any("eval mode" in note for note in trained.plan.warnings)

@@ -33,7 +33,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
-from mbcompile.compiler import CompiledModule
+from mbcompile.compiled_module import CompiledModule
 from mbcompile.execution.rank_shares import PlanSampler
 from mbcompile.passes.errors import InputError
 from mbcompile.planning.plan import MicrobatchPlan

@@ -1,0 +1,103 @@
+"""What a call compile() did not see costs: another batch size, or a train/eval switch.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_variants.py [--gbs 7] [--mbs 2]
+
+The tiny GPT of the tests (``tests/models.py``: 2 layers, width 16, sequence 8, vocabulary
+32, float64) compiled for gbs 7 over 2 systems at mbs 2, with the cost model on (its
+probes are what a training variant would otherwise run again). Then, in one run, the CPU
+time (``time.process_time``) of each call that compiles something, beside the first
+compile's:
+
+1. the first call in eval mode (``cm.eval()``, under ``no_grad``): the eval graph is
+   captured and analysed once, for every batch size after it;
+2. evaluation at batch sizes 1..gbs+3 (each new size: a plan without probes and a
+   lowering on that capture), the call included; the same call again, compiled already,
+   is printed beside it, so that the difference is the compile;
+3. a training step at two new batch sizes after ``cm.train()`` (the first capture, and
+   the first cost model: a plan and a lowering).
+
+Goal (issue 34): each new batch size <= 50 ms of CPU time. Before (commit e237a40) each
+one captured, analysed and probed again: 0.4-1.1 s per size on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import mbcompile
+from mbcompile.models import make_tiny_gpt
+
+CONFIG = dict(vocab=32, width=16, depth=2, heads=2, seq=8)  # tests/models.py's tiny_gpt
+
+
+def _batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return make_tiny_gpt(size, seed=size, dtype=torch.float64, **CONFIG)[1]
+
+
+def _cpu_ms(fn: Callable[[], Any]) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.process_time()
+        fn()
+        return (time.process_time() - start) * 1e3
+    finally:
+        gc.enable()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gbs", type=int, default=7)
+    parser.add_argument("--mbs", default="2", help="an int, or auto")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+    gbs, mbs = args.gbs, (int(args.mbs) if args.mbs.isdigit() else args.mbs)
+    model, batch = make_tiny_gpt(gbs, dtype=torch.float64, **CONFIG)
+    holder: dict[str, Any] = {}
+    first = _cpu_ms(lambda: holder.setdefault("cm", mbcompile.compile(
+        model, gbs, 2, mbs, example_inputs=batch)))
+    cm = holder["cm"]
+    print(f"tiny GPT {CONFIG}, gbs {gbs} over 2 systems, mbs={mbs}: first compile "
+          f"{first:.0f} ms CPU (plan mbs {cm.plan.mbs})")
+    rows = []
+    cm.eval()
+    with torch.no_grad():
+        switch = _cpu_ms(lambda: cm(*batch))
+        rows.append(("eval mode, first call (capture once)", switch, _cpu_ms(lambda: cm(*batch))))
+        for size in range(1, gbs + 4):
+            if size == gbs:
+                continue
+            b = _batch(size)
+            rows.append((f"eval, batch {size}", _cpu_ms(lambda b=b: cm(*b)),
+                         _cpu_ms(lambda b=b: cm(*b))))
+    cm.train()
+    for size in (3, gbs + 2):
+        b = _batch(size)
+
+        def step(b: Any = b) -> None:
+            cm(*b)[0].backward()
+
+        rows.append((f"train, batch {size}", _cpu_ms(step), _cpu_ms(step)))
+    print(f"{'call':<40} {'first call':>11} {'again':>8} {'compile':>8} {'/ first':>8}")
+    worst = 0.0
+    for name, once, again in rows:
+        compile_ms = once - again
+        if not name.startswith("eval mode"):
+            worst = max(worst, once)
+        print(f"{name:<40} {once:>8.1f} ms {again:>5.1f} ms {compile_ms:>5.1f} ms "
+              f"{compile_ms / first:>8.4f}")
+    print(f"each new batch size: at most {worst:.1f} ms CPU, call included (goal <= 50 ms); "
+          f"the first compile {first:.0f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""Variants in milliseconds (issue 34, item 3): a call compile() did not see (another batch
+size, keyword set or train/eval mode) reuses the first capture and its batch analysis, and
+an eval-mode or ``no_grad`` call probes nothing.
+
+Each variant is exact against eager in float64 on an uneven plan (gbs 7 over 2 systems,
+mbs 2: systems of 4 and 3 samples); reuse is asserted on counters of the capture and of
+the cost model's probes (``counted``), never on time (``benchmarks/bench_variants.py``
+prints the milliseconds).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from models import TOL, assert_close_errors, max_rel_err_outputs, step_errors, tiny_gpt
+
+import mbcompile
+from mbcompile import analysis
+from mbcompile.models import make_tiny_gpt
+from mbcompile.planning.probe import Prober
+
+GBS, SYSTEMS, MBS = 7, 2, 2
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    """Counts of captures (fx or export) and of cost-model probes from here on."""
+    counts: Counter[str] = Counter()
+
+    def counting(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(analysis, "_capture", counting("capture", analysis._capture))
+    monkeypatch.setattr(analysis, "_export_instead",
+                        counting("capture", analysis._export_instead))
+    monkeypatch.setattr(Prober, "__call__", counting("probe", Prober.__call__))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.BatchSizeWarning)
+        yield counts
+
+
+def _gpt(**options: Any) -> tuple[nn.Module, tuple[Any, ...], Any]:
+    model, batch = tiny_gpt(GBS)
+    return model, batch, mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch,
+                                           **options)
+
+
+def _eval_errors(model: nn.Module, cm: Any, batch: tuple[Any, ...]) -> dict[str, float]:
+    """Outputs of a forward-only call (eval mode, no_grad) against eager's."""
+    with torch.no_grad():
+        return max_rel_err_outputs(cm(*batch), model(*batch))
+
+
+def test_training_batches_of_other_sizes_reuse_the_capture_and_are_exact(counted):
+    model, _, cm = _gpt(cost_model=False)
+    made = counted["capture"]
+    for size in (3, 5, 10):  # plans 2+1 | 2, 2+1 | 2, 2+1+... over two systems
+        assert_close_errors(step_errors(model, cm, tiny_gpt(size, seed=size)[1]), TOL)
+        variant = cm._variants[(size, False)]
+        assert variant.plan.gbs == size and variant.plan.mbs <= MBS
+    assert counted["capture"] == made  # one capture served every batch size
+
+
+def test_forward_only_calls_probe_nothing_and_match_eager(counted):
+    model, _, cm = _gpt()  # mbs pinned, the cost model on: compile() probed
+    cm.eval()
+    made, probed = counted["capture"], counted["probe"]
+    for size in range(1, GBS + 4):
+        assert_close_errors(_eval_errors(model, cm, tiny_gpt(size, seed=size)[1]), TOL)
+    assert counted["probe"] == probed  # nothing probed for eval
+    assert counted["capture"] == made + 1  # the eval graph, once, for every size
+    variant = cm._variants[(GBS + 3, True)]
+    assert variant.plan.mbs <= MBS and "forward-only" in variant.plan.reason
+    cm.train()
+    with torch.no_grad():  # training mode, no grad: forward only as well
+        for size in (2, GBS + 2):
+            assert_close_errors(_eval_errors(model.train(), cm, tiny_gpt(size, seed=size)[1]),
+                                TOL)
+    assert counted["probe"] == probed and (2, True) in cm._variants
+    assert counted["capture"] == made + 1  # the training graph is the first capture
+
+
+def test_a_train_eval_switch_captures_each_mode_once(counted):
+    model, batch, cm = _gpt(cost_model=False)
+    made = counted["capture"]
+    small = tiny_gpt(3, seed=3)[1]
+    cm.eval()
+    assert_close_errors(_eval_errors(model, cm, batch), TOL)  # the eval graph: one capture
+    assert_close_errors(_eval_errors(model, cm, small), TOL)
+    cm.train()
+    assert_close_errors(step_errors(model, cm, small), TOL)  # training at 3: the first capture
+    cm.eval()
+    assert_close_errors(_eval_errors(model, cm, small), TOL)
+    assert counted["capture"] == made + 1
+
+
+def test_a_batch_size_the_loss_reads_takes_the_variants_value(counted):
+    """``sq.sum() / x.size(0)``: after the loop the size is a number, the variant's batch."""
+    from models import size_normalised
+
+    model, batch = size_normalised(GBS)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch)
+    made = counted["capture"]
+    for size in (3, 10):
+        assert_close_errors(step_errors(model, cm, size_normalised(size, seed=size)[1]), TOL)
+    assert counted["capture"] == made
+
+
+def test_buffers_written_by_a_two_phase_variant_are_eagers(counted):
+    """BatchNorm in training couples samples: a two-phase step, on the same capture."""
+    from models import MODELS
+
+    model, batch = MODELS["batch_norm"](GBS)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
+    made = counted["capture"]
+    errors = step_errors(model, cm, MODELS["batch_norm"](5, seed=5)[1], floor=1e-4)
+    assert_close_errors(errors, TOL)  # inp.bias: zero up to rounding, hence the floor
+    assert counted["capture"] == made
+
+
+class _Squeezed(nn.Module):
+    """``squeeze()`` of a (B, 1, C) value: at batch 1 eager drops the batch dim too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x).squeeze()
+        return ((h - y.squeeze()) ** 2).sum(), h
+
+
+def test_a_node_specialised_for_the_full_batch_is_captured_again_for_one_sample(counted):
+    torch.manual_seed(0)
+    model = _Squeezed().double()
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 1, 4, dtype=torch.float64), torch.randn(n, 3, dtype=torch.float64)
+
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch(GBS),
+                           cost_model=False)
+    made = counted["capture"]
+    assert_close_errors(step_errors(model, cm, batch(3)), TOL)  # the same capture
+    assert counted["capture"] == made
+    one = batch(1)
+    assert cm(*one)[1].shape == model(*one)[1].shape == (3,)  # eager's squeeze: a capture
+    assert_close_errors(step_errors(model, cm, one), TOL)
+    assert counted["capture"] == made + 1
+
+
+class _Kw(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        err = ((self.lin(x) - y) ** 2).sum(1)
+        if "num_items_in_batch" in kwargs:
+            return err.sum() / kwargs["num_items_in_batch"]
+        return err.mean()
+
+
+def test_a_keyword_variant_keeps_the_plan_and_names_the_users_example(counted):
+    torch.manual_seed(0)
+    model = _Kw().double()
+    x, y = torch.randn(GBS, 4, dtype=torch.float64), torch.randn(GBS, 3, dtype=torch.float64)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=(x, y))
+    probed = counted["probe"]
+    n = torch.tensor(5.0, dtype=torch.float64)
+    with pytest.raises(mbcompile.InputError, match=r"the example had \('B', 4\)"):
+        cm(torch.randn(GBS, 5, dtype=torch.float64), y, num_items_in_batch=n)
+    assert not cm._variants  # refused: nothing compiled
+    with pytest.warns(mbcompile.RecompileWarning, match="num_items_in_batch"):
+        assert_close_errors(step_errors(model, cm, (x, y), {"num_items_in_batch": n}), TOL)
+    variant = cm._variants[frozenset({"num_items_in_batch"})]
+    assert variant.selection is cm.selection and counted["probe"] == probed  # the same plan
+
+
+def test_a_pickled_module_captures_again_and_runs_its_variants():
+    model, batch = make_tiny_gpt(GBS, dtype=torch.float64)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
+    copied = copy.deepcopy(cm)
+    with pytest.warns(mbcompile.BatchSizeWarning):
+        loss, _ = copied(*make_tiny_gpt(3, seed=3, dtype=torch.float64)[1])
+    assert loss.isfinite()
