@@ -344,7 +344,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         with python_state_kept(model, concrete) as snapshot, prints_recorded() as prints:
             with _cache_off(model, example), recorded_reads(model, name) as guards, \
                     checked_in_export(name), inference_mode_as_no_grad(), \
-                    tensor_hooks_refused(name), differentiation_refused(name), \
+                    tensor_hooks_refused(name), differentiation_refused(name, fx_error), \
                     torch.enable_grad():
                 try:
                     program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,

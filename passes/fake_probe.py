@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import FSDP_PARAM
 from .facts import FACT, SHAPES, Batched
+from .loss_shapes import shape_twins
 
 __all__ = ["FakeProbe", "fake_copy", "holds_no_data", "resize_batch", "shaped_like"]
 
@@ -173,8 +174,9 @@ class FakeProbe(fx.Interpreter):
                                              *module.named_buffers())}
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        """Run on fake ``args`` (from :meth:`inputs`); returns the fake outputs."""
-        with self.mode:
+        """Run on fake ``args`` (from :meth:`inputs`); returns the fake outputs. Losses that
+        read values on the way to a shape call their shape twins (``loss_shapes``)."""
+        with self.mode, shape_twins():
             try:
                 if isinstance(self.module, fx.GraphModule):
                     return super().run(*args, **kwargs)

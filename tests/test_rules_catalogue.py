@@ -258,13 +258,15 @@ class _GradientPenalty(nn.Module):
         return out.mean() + 10 * ((g.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
 
 
-def test_a_gradient_penalty_in_forward_is_refused_at_its_line():
-    """The step runs each microbatch's backward itself and cannot keep a differentiation
-    nested in forward: refused at capture, naming the line, with the model unchanged."""
+def test_a_gradient_penalty_in_forward_is_refused_at_its_line_under_export():
+    """torch.export cannot keep a differentiation nested in forward (the fx capture keeps
+    it: tests/test_user_losses.py): refused at capture, naming the line, with the model
+    unchanged."""
     torch.manual_seed(0)
     model = _GradientPenalty().double()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(mbcompile.CaptureError, match="differentiates inside forward") as info:
-        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(), **plan_free(MBS))
-    assert "# offending" in str(info.value)
+        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(), capture="export",
+                          **plan_free(MBS))
+    assert "# offending" in str(info.value) and "capture='fx'" in str(info.value)
     assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))
