@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 
-__all__ = ["DIFFERENTIATIONS", "grad_of_sums"]
+__all__ = ["DIFFERENTIATIONS", "grad_of_sums", "takes_gradients"]
 
 
 def grad_of_sums(outputs: Sequence[torch.Tensor], inputs: Any, *, summed: Sequence[bool],
@@ -42,3 +43,9 @@ def grad_of_sums(outputs: Sequence[torch.Tensor], inputs: Any, *, summed: Sequen
 
 #: The differentiations a graph may call inside forward (the fx capture keeps them).
 DIFFERENTIATIONS = (torch.autograd.grad, grad_of_sums)
+
+
+def takes_gradients(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` takes a gradient inside (then ``torch_compile`` leaves it to autograd:
+    torch.compile's aot_autograd has no double backward)."""
+    return any(n.op == "call_function" and n.target in DIFFERENTIATIONS for n in gm.graph.nodes)

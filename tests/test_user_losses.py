@@ -178,6 +178,21 @@ def test_a_gradient_penalty_is_exact(case, plan):
         cm.graph_module.body.code  # taken inside the body, per microbatch
 
 
+@pytest.mark.parametrize("option", ["torch_compile", "recompute"])
+def test_a_gradient_penalty_is_exact_with_torch_compile_and_recompute(option):
+    """torch.compile has no double backward: a body that takes a gradient is left to
+    autograd (not compiled, no joint graph); ``recompute`` checkpoints through it."""
+    kw = {"torch_compile": True} if option == "torch_compile" else {"recompute": True}
+    assert_three_steps_exact(WGANGP, _pairs, "two_systems", **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gaussian", "ctc"])
+def test_gaussian_and_ctc_are_exact_with_torch_compile(case):
+    make, batch = (GaussianNLL, _pairs) if case == "gaussian" else (CTC, _ctc_batch)
+    assert_three_steps_exact(make, batch, "two_systems", torch_compile=True)
+
+
 def test_a_gradient_penalty_is_exact_unsplit_and_compile_only_plans_it():
     """The cost model's fake-tensor probes run the double backward too (mbs='auto')."""
     torch.manual_seed(0)
