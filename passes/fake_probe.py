@@ -25,6 +25,7 @@ running backward. A module that is not an ``fx.GraphModule`` runs whole, as one
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -219,5 +220,14 @@ class FakeProbe(fx.Interpreter):
         module = self.module.get_submodule(target)
         if target and isinstance(module, fx.GraphModule) and not kwargs:  # a split's part
             return self._inner(module)(*args)
+        if _cumulative_batch_norm(module):  # its factor 1 / num_batches_tracked is a read:
+            module = copy.copy(module)       # any momentum gives the same shapes
+            module.momentum = 0.0
         return torch.func.functional_call(module, self.state(module), tuple(args),
                                           dict(kwargs))
+
+
+def _cumulative_batch_norm(module: nn.Module) -> bool:
+    """A BatchNorm in training with ``momentum=None`` (a cumulative average)."""
+    return (isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None
+            and module.training and module.track_running_stats)
