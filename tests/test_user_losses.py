@@ -107,15 +107,17 @@ def _critic(norm: str = "none") -> nn.Module:
 class R1(nn.Module):
     """R1 on real inputs (StyleGAN): ``grad(d(x).sum(), x)``, its squared norm per sample."""
 
-    def __init__(self, norm: str = "none", of: str = "sum") -> None:
+    def __init__(self, norm: str = "none", of: str = "sum", fused: bool = False) -> None:
         super().__init__()
-        self.d, self.of = _critic(norm), of
+        self.d, self.of, self.fused = _critic(norm), of, fused
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.detach().requires_grad_(True)
         out = self.d(x)
         target = out.mean() if self.of == "mean" else out.sum()
         (grad,) = torch.autograd.grad(target, x, create_graph=True)  # the penalty's line
+        if self.fused:  # one mean: its backward runs inside the call, per microbatch
+            return (F.softplus(-out[:, 0]) + 5 * grad.pow(2).flatten(1).sum(1)).mean(), out
         penalty = grad.pow(2).flatten(1).sum(1).mean()
         return F.softplus(-out).mean() + 5 * penalty, out
 
@@ -169,11 +171,12 @@ def _pairs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("plan", PLANS)
-@pytest.mark.parametrize("case", ["r1", "conv_r1", "wgan_gp"])
+@pytest.mark.parametrize("case", ["r1", "r1_fused", "conv_r1", "wgan_gp"])
 def test_a_gradient_penalty_is_exact(case, plan):
-    make, batch = {"r1": (R1, _features), "conv_r1": (ConvR1, _images),
-                   "wgan_gp": (WGANGP, _pairs)}[case]
+    make, batch = {"r1": (R1, _features), "r1_fused": (lambda: R1(fused=True), _features),
+                   "conv_r1": (ConvR1, _images), "wgan_gp": (WGANGP, _pairs)}[case]
     cm = assert_three_steps_exact(make, batch, plan, optimizer="adam" if case == "r1" else "sgd")
+    assert cm.analysis.fused == (case == "r1_fused")
     assert "autograd.grad" in cm.graph_module.body.code or "grad_of_sums" in \
         cm.graph_module.body.code  # taken inside the body, per microbatch
 

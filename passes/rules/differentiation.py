@@ -52,6 +52,9 @@ def autograd_grad_rule(ctx: RuleContext) -> Fact:
                     "parameter, or a statistic of the batch): that gradient adds up every "
                     "sample's part, which a penalty then transforms non-linearly",
                     "differentiate with respect to per-sample inputs (x.requires_grad_())")
+    if ctx._kwargs.get("is_grads_batched"):
+        ctx.mix("it takes a batch of vector-Jacobian products (is_grads_batched=True), whose "
+                "leading dim of grad_outputs is not the samples'", _PER_SAMPLE_FIX)
     values, summed = [], []
     for y, seed in zip(outputs, seeds):
         fact = ctx.fact(y)
