@@ -410,6 +410,18 @@ def test_ctc_loss_is_exact(case, plan):
                              plan, optimizer="adam" if case == "mean" else "sgd")
 
 
+@pytest.mark.parametrize("case, match", [
+    ("gaussian", "F.gaussian_nll_loss .*reads the variances' values"),
+    ("ctc", "F.ctc_loss .*no shape-only kernel"),
+    ("batch_norm", "'bn' has momentum=None in training"),
+])
+def test_losses_that_read_values_are_refused_under_export_with_the_fx_way(case, match):
+    make, batch = {"gaussian": (GaussianNLL, _pairs(0)), "ctc": (CTC, _ctc_batch(0)),
+                   "batch_norm": (CumulativeBatchNorm, _pairs(0))}[case]
+    err = assert_refused_unchanged(make, batch, CaptureError, match, capture="export")
+    assert "capture='fx'" in str(err)
+
+
 # --------------------------------------------------------------------------- #
 # 3. Diffusion schedules, splits with sizes, BatchNorm(momentum=None) in training
 # --------------------------------------------------------------------------- #
