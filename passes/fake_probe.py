@@ -25,6 +25,7 @@ running backward. A module that is not an ``fx.GraphModule`` runs whole, as one
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import FSDP_PARAM
 from .facts import FACT, SHAPES, Batched
-from .loss_shapes import shape_twins
+from .loss_shapes import needs_shape_twins, shape_twins
 
 __all__ = ["FakeProbe", "fake_copy", "holds_no_data", "resize_batch", "shaped_like"]
 
@@ -138,6 +139,7 @@ class FakeProbe(fx.Interpreter):
         super().__init__(module, garbage_collect_values=True, graph=graph)
         self.mode = FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
         self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (real, fake)
+        self._twins = needs_shape_twins(module)
         # A value no node reads is dropped right after its node runs, as the
         # GraphModule's generated code does: the cost model's live-memory timeline
         # must see the same lifetimes as the real forward.
@@ -177,7 +179,8 @@ class FakeProbe(fx.Interpreter):
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Run on fake ``args`` (from :meth:`inputs`); returns the fake outputs. Losses that
         read values on the way to a shape call their shape twins (``loss_shapes``)."""
-        with self.mode, shape_twins():
+        twins = shape_twins() if self._twins else contextlib.nullcontext()
+        with self.mode, twins:
             try:
                 if isinstance(self.module, fx.GraphModule):
                     return super().run(*args, **kwargs)

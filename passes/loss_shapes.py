@@ -23,10 +23,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx as fx
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ctc_loss", "gaussian_nll_loss", "shape_twins"]
+__all__ = ["ctc_loss", "gaussian_nll_loss", "needs_shape_twins", "shape_twins"]
 
 
 def gaussian_nll_loss(input: torch.Tensor, target: torch.Tensor, var: Any, full: bool = False,
@@ -60,6 +62,29 @@ def _reduced(values: torch.Tensor, reduction: str) -> torch.Tensor:
 
 
 _TWINS = {F.gaussian_nll_loss: gaussian_nll_loss, F.ctc_loss: ctc_loss}
+
+
+_MODULES = (nn.GaussianNLLLoss, nn.CTCLoss)
+
+
+def needs_shape_twins(module: nn.Module) -> bool:
+    """Whether a run of ``module`` may call one of the losses above: a loss module inside
+    it, or a graph node (in it or a graph it holds) calling the functional or its partial.
+    The mode costs a Python call per torch call, so a probe enters it only then."""
+    for m in module.modules():
+        if isinstance(m, _MODULES):
+            return True
+        if isinstance(m, fx.GraphModule) and any(
+                n.op == "call_function" and (n.target in _TWINS or _partial_of_twin(n.target))
+                for n in m.graph.nodes):
+            return True
+    return False
+
+
+def _partial_of_twin(target: object) -> bool:
+    from .partials import LOSSES
+
+    return any(target is loss.partial for loss in LOSSES if loss.fn in _TWINS)
 
 
 class shape_twins(TorchFunctionMode):  # noqa: N801 (used as a context manager)
