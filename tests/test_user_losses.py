@@ -196,7 +196,7 @@ def test_gaussian_and_ctc_are_exact_with_torch_compile(case):
     assert_three_steps_exact(make, batch, "two_systems", torch_compile=True)
 
 
-def test_a_gradient_penalty_is_exact_unsplit_and_compile_only_plans_it():
+def test_a_gradient_penalty_is_planned_by_the_cost_model():
     """The cost model's fake-tensor probes run the double backward too (mbs='auto')."""
     torch.manual_seed(0)
     cm = mbcompile.compile(R1().to(DTYPE), GBS, 2, "auto", example_inputs=_features(0),
@@ -229,6 +229,19 @@ class PenaltyWithCoupledLoss(nn.Module):
         grad = torch.autograd.grad(out.sum(), x, create_graph=True)[0]
         z = F.normalize(torch.cat([out, x[:, :1]], 1), dim=1)
         return (z @ z.T).logsumexp(1).mean() + grad.pow(2).sum(1).mean()
+
+
+def test_a_refused_penalty_runs_exactly_unsplit_as_its_fix_says():
+    """A coupled step's penalty is refused with ``mbs='none'`` on one system among the
+    fixes: the whole batch in one microbatch takes eager's very gradient."""
+    torch.manual_seed(0)
+    model = PenaltyWithCoupledLoss().to(DTYPE)
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, 1, "none", example_inputs=_features(0))
+    cm(*_features(0)).backward()
+    ref(*_features(0)).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
 
 
 class PenaltyOnInput(nn.Module):
