@@ -31,6 +31,7 @@ from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.guards import Guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
+from mbcompile.passes.penalties import takes_gradients
 from mbcompile.passes.side_effects import NO_EFFECTS, Effects
 from mbcompile.passes.state_updates import StateUpdates
 from mbcompile.planning.plan import MicrobatchPlan
@@ -121,5 +122,5 @@ def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None
     kwargs = {"dynamic": False, **options}
     for name in ("body", "coupled"):
         part = getattr(gm, name, None)
-        if isinstance(part, fx.GraphModule):
+        if isinstance(part, fx.GraphModule) and not takes_gradients(part):  # no double backward
             setattr(gm, name, torch.compile(part, **kwargs))

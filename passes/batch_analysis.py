@@ -49,6 +49,7 @@ from .facts import (
     ValueInfo,
 )
 from .graph_walks import ancestors
+from .penalties import DIFFERENTIATIONS
 from .rules import (
     MBS_NONE,
     NoRule,
@@ -76,6 +77,8 @@ def describe_op(node: fx.Node, gm: fx.GraphModule) -> str:
         return f"{_qualname(cls)} (module {node.target!r})"
     if node.op == "call_method":
         return f"Tensor.{node.target}"
+    if node.target in DIFFERENTIATIONS:  # grad_of_sums: torch.autograd.grad as the user wrote it
+        return "torch.autograd.grad"
     return _qualname(node.target)
 
 
@@ -340,7 +343,32 @@ def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
                     raise _unsupported(node, gm, module) from None
         facts[node] = fact
         node.meta[FACT] = fact
+    if first is not None:
+        _refuse_differentiation(gm, first)
     return first
+
+
+def _refuse_differentiation(gm: fx.GraphModule, first: MixingError) -> None:
+    """Raise for a gradient penalty in a graph that couples samples: a gradient taken over a
+    mixing op differs per microbatch, and a two-phase step first runs the per-sample part
+    without gradients, where none can be taken (``rules/differentiation.py``)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in DIFFERENTIATIONS:
+            continue
+        if getattr(first, "node", None) == node.name:
+            raise first
+        where = f"{first.op} at {first.source_line}: {first.reason}"  # type: ignore[attr-defined]
+        if _is_coupled(node.meta[FACT]):
+            raise mixing_error(
+                node, gm, f"the function it differentiates couples samples ({where}), so "
+                "each microbatch's gradient would see only its own samples",
+                "keep the differentiated function per sample: BatchNorm in eval mode, or "
+                "GroupNorm or LayerNorm; no statistics over the batch")
+        raise mixing_error(
+            node, gm, f"the step's loss couples samples ({where}); such a step runs the "
+            "per-sample part first without gradients (two-phase), where a gradient penalty "
+            "cannot be taken", "make the rest of the loss per sample, or compile the model "
+            "that computes the penalty on its own")
 
 
 def _is_coupled(fact: Fact) -> bool:

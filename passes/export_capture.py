@@ -59,6 +59,7 @@ from .capture import CaptureResult
 from .custom_functions import checked_in_export
 from .errors import CaptureError
 from .export_hooks import backward_hooks_refused, tensor_hooks_refused
+from .export_losses import cumulative_batch_norm_refused, losses_read_values_refused
 from .forward_modes import (
     detach_no_grad_regions,
     differentiation_refused,
@@ -339,12 +340,14 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     try:
         name = type(model).__name__
         backward_hooks_refused(model, name, fx_error)
+        cumulative_batch_norm_refused(model, name, fx_error)
         concrete = {n: v for n, v in example.items() if not _has_tensor(v)}
         # what forward wrote is read after the inner block has put back its own switches
         with python_state_kept(model, concrete) as snapshot, prints_recorded() as prints:
             with _cache_off(model, example), recorded_reads(model, name) as guards, \
                     checked_in_export(name), inference_mode_as_no_grad(), \
-                    tensor_hooks_refused(name), differentiation_refused(name), \
+                    tensor_hooks_refused(name), differentiation_refused(name, fx_error), \
+                    losses_read_values_refused(name, fx_error), \
                     torch.enable_grad():
                 try:
                     program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,

@@ -25,6 +25,8 @@ running backward. A module that is not an ``fx.GraphModule`` runs whole, as one
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import FSDP_PARAM
 from .facts import FACT, SHAPES, Batched
+from .loss_shapes import needs_shape_twins, shape_twins
 
 __all__ = ["FakeProbe", "fake_copy", "holds_no_data", "resize_batch", "shaped_like"]
 
@@ -136,6 +139,7 @@ class FakeProbe(fx.Interpreter):
         super().__init__(module, garbage_collect_values=True, graph=graph)
         self.mode = FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
         self._fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (real, fake)
+        self._twins = needs_shape_twins(module)
         # A value no node reads is dropped right after its node runs, as the
         # GraphModule's generated code does: the cost model's live-memory timeline
         # must see the same lifetimes as the real forward.
@@ -173,8 +177,10 @@ class FakeProbe(fx.Interpreter):
                                              *module.named_buffers())}
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        """Run on fake ``args`` (from :meth:`inputs`); returns the fake outputs."""
-        with self.mode:
+        """Run on fake ``args`` (from :meth:`inputs`); returns the fake outputs. Losses that
+        read values on the way to a shape call their shape twins (``loss_shapes``)."""
+        twins = shape_twins() if self._twins else contextlib.nullcontext()
+        with self.mode, twins:
             try:
                 if isinstance(self.module, fx.GraphModule):
                     return super().run(*args, **kwargs)
@@ -217,5 +223,14 @@ class FakeProbe(fx.Interpreter):
         module = self.module.get_submodule(target)
         if target and isinstance(module, fx.GraphModule) and not kwargs:  # a split's part
             return self._inner(module)(*args)
+        if _cumulative_batch_norm(module):  # its factor 1 / num_batches_tracked is a read:
+            module = copy.copy(module)       # any momentum gives the same shapes
+            module.momentum = 0.0
         return torch.func.functional_call(module, self.state(module), tuple(args),
                                           dict(kwargs))
+
+
+def _cumulative_batch_norm(module: nn.Module) -> bool:
+    """A BatchNorm in training with ``momentum=None`` (a cumulative average)."""
+    return (isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None
+            and module.training and module.track_running_stats)

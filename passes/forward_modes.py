@@ -159,40 +159,56 @@ def inference_mode_as_no_grad() -> Iterator[None]:
 
 
 class differentiation_refused(TorchFunctionMode):  # noqa: N801 (used as a context manager)
-    """While a capture traces: ``torch.autograd.grad`` (a gradient penalty) or a backward
+    """While torch.export traces: ``torch.autograd.grad`` (a gradient penalty) or a backward
     inside forward is an error at its line.
 
-    The compiled step runs each microbatch's backward itself; a differentiation nested
-    inside forward would need its graph kept through that backward (``create_graph``),
-    per microbatch, which neither capture records. A torch-function mode sees the call
-    whatever name the model imported it under, and patches nothing of torch's.
+    Export cannot keep a differentiation nested in forward (it would trace the inner
+    backward's ops as constants of a fake run); the fx capture keeps ``torch.autograd.grad``
+    as a node the body calls per microbatch (``penalties.py``). ``fx_error`` says why fx did
+    not capture the model first. A torch-function mode sees the call whatever name the model
+    imported it under, and patches nothing of torch's.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, fx_error: BaseException | None = None) -> None:
         super().__init__()
         self.model_name = model_name
+        self.fx_error = fx_error
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         if func in _DIFFERENTIATIONS:
-            raise differentiation_error(self.model_name)
+            raise differentiation_error(self.model_name, func is torch.autograd.grad,
+                                        self.fx_error)
         return func(*args, **(kwargs or {}))
 
 
 _DIFFERENTIATIONS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
 
 
-def differentiation_error(model_name: str) -> CaptureError:
-    """The error for a differentiation inside forward, at the user's line."""
+def differentiation_error(model_name: str, penalty: bool = False,
+                          fx_error: BaseException | None = None) -> CaptureError:
+    """The error for a differentiation inside forward, at the user's line: a backward
+    (``penalty=False``: it writes ``.grad`` in the middle of the step), or a
+    ``torch.autograd.grad`` that torch.export met (only the fx capture keeps it)."""
     from .sources import user_frame
 
     where = user_frame(traceback.extract_stack()[:-1])
+    if not penalty:
+        return CaptureError(
+            f"{model_name}.forward runs a backward inside forward at {where} "
+            "(torch.autograd.backward or Tensor.backward): it accumulates into .grad in the "
+            "middle of the step, which the compiled step's own backward per microbatch would "
+            "mix with. Fix: take the gradient with torch.autograd.grad(..., "
+            "create_graph=True) and put it into the loss, or run that backward outside the "
+            "compiled module")
+    tried = f" torch.fx failed first: {fx_error}." if fx_error is not None else ""
     return CaptureError(
         f"{model_name}.forward differentiates inside forward at {where} (a gradient "
-        "penalty: torch.autograd.grad or backward); the compiled step runs each "
-        "microbatch's backward itself and cannot keep a differentiation nested inside "
-        "its forward. Fix: compute the penalty outside the compiled module, or compile "
-        "the part of the model that does not differentiate")
+        "penalty: torch.autograd.grad), which torch.export cannot capture; the torch.fx "
+        f"capture keeps it, per microbatch, when the differentiated function is per sample."
+        f"{tried} Fix: make forward traceable by torch.fx (capture='fx'; draw noise with "
+        "torch.rand_like(x) rather than torch.rand(x.size(0), ...)), or compute the penalty "
+        "outside the compiled module")
 
 
 def check_tensor_hooks(graph: fx.Graph, model_name: str) -> None:

@@ -209,7 +209,7 @@ _WEIGHT_HOOKS = (_LegacySpectralNorm, _LegacyWeightNorm)
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_DIFFERENTIATIONS = (torch.autograd.grad, torch.autograd.backward)
+_DIFFERENTIATIONS = (torch.autograd.backward,)  # grad: a penalty, kept (penalties.py)
 _FRAME = re.compile(r'  File "([^"]+)", line \d+, in [^\n]*\n(?:    [^\n]*\n?)?')
 
 

@@ -85,6 +85,7 @@ class LossKind(enum.Enum):
     VALUES = "Σ of the reduction='none' values / their number; any batch dim"
     ROWS = "Σ of the reduction='none' values (one per row) / their number; (N, ...) inputs"
     BATCHMEAN = "reduction='sum' / elements, or / N for reduction='batchmean'; (N, ...) inputs"
+    LENGTHS = "Σ of the reduction='none' values, each / its target length (≥ 1) / their number"
 
     @property
     def n_first(self) -> bool:
@@ -94,7 +95,7 @@ class LossKind(enum.Enum):
     @property
     def from_values(self) -> bool:
         """The partial sums the loss's reduction='none' values (else it asks for 'sum')."""
-        return self in (LossKind.VALUES, LossKind.ROWS)
+        return self in (LossKind.VALUES, LossKind.ROWS, LossKind.LENGTHS)
 
 
 CLASSES = LossKind.CLASSES
@@ -102,6 +103,7 @@ ELEMENTS = LossKind.ELEMENTS
 VALUES = LossKind.VALUES
 ROWS = LossKind.ROWS
 BATCHMEAN = LossKind.BATCHMEAN
+LENGTHS = LossKind.LENGTHS
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ LOSSES: tuple[Loss, ...] = (
     Loss(F.multilabel_margin_loss, nn.MultiLabelMarginLoss, ROWS),
     Loss(F.multilabel_soft_margin_loss, nn.MultiLabelSoftMarginLoss, ROWS),
     Loss(F.triplet_margin_with_distance_loss, nn.TripletMarginWithDistanceLoss, ROWS),
+    Loss(F.ctc_loss, nn.CTCLoss, LENGTHS, ()),  # (T, N, C) log-probs; export cannot capture it
 )
 
 
@@ -271,6 +274,9 @@ def _partial(fn: Callable[..., Any], kind: LossKind) -> Callable[..., tuple[torc
         if kind.from_values:
             a["reduction"] = "none"
             values = fn(**a)
+            if kind is LENGTHS:  # as ATen's ctc_loss: lengths in the values' dtype, clamped
+                lengths = torch.as_tensor(a["target_lengths"], device=values.device)
+                values = values / lengths.to(values.dtype).clamp_min(1)
             return values.sum(), values.numel()
         a["reduction"] = "sum"
         total = fn(**a)

@@ -48,17 +48,7 @@ class ShapePropagationError(Exception):
         self.node = node
         self.original = exc
         self.batch = batch
-        if _cumulative_batch_norm(node):
-            self.reason = (
-                "BatchNorm with momentum=None keeps a cumulative average of its statistics: "
-                "each call weighs them by 1 / num_batches_tracked, a buffer it reads as a "
-                "Python number, which the shape-only (fake) run that plans the split cannot "
-                f"read ({detail}); in training it also normalises with the whole batch's "
-                "statistics")
-            self.fix = ("give it a momentum (momentum=0.1: an exponential average, which a "
-                        "two-phase step runs exactly), put it in eval mode (running "
-                        "statistics, per sample), or use GroupNorm or LayerNorm")
-        elif isinstance(exc, _DATA_DEPENDENT):
+        if isinstance(exc, _DATA_DEPENDENT):
             self.reason = ("its output shape (or a Python value it produces) depends on the "
                            "values in the tensors, not only on their shapes (nonzero, "
                            "boolean-mask indexing, .item(), .tolist()), so mbcompile cannot "
@@ -76,15 +66,6 @@ class ShapePropagationError(Exception):
                            "mbcompile cannot follow the batch dim through it")
             self.fix = ("check the model runs eagerly on a batch of that size, and keep shapes "
                         "independent of tensor values")
-
-
-def _cumulative_batch_norm(node: fx.Node) -> bool:
-    """A BatchNorm layer with ``momentum=None`` (a cumulative moving average)."""
-    gm = node.graph.owning_module
-    if node.op != "call_module" or gm is None:
-        return False
-    module = gm.get_submodule(node.target)
-    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.momentum is None
 
 
 _DATA_DEPENDENT: tuple[type[BaseException], ...] = (

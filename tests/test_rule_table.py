@@ -301,6 +301,15 @@ def _log_probs(n: int = GBS, c: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     return x.log_softmax(-1), y.softmax(-1)
 
 
+def _ctc() -> tuple[torch.Tensor, ...]:
+    """(T, N, C) log-probs, padded (N, S) targets, lengths (one target of length 0)."""
+    g = torch.Generator().manual_seed(5)
+    log_probs = torch.randn(6, GBS, 5, dtype=torch.float64, generator=g).log_softmax(-1)
+    targets = torch.randint(1, 5, (GBS, 3), generator=g)
+    lengths = torch.randint(0, 4, (GBS,), generator=g)
+    return log_probs, targets, torch.randint(4, 7, (GBS,), generator=g), lengths
+
+
 #: Sample calls per loss: positional inputs (what the module is called with) and options
 #: (keyword arguments of the functional that are the module's settings too).
 CASES: dict[Callable[..., Any], list[dict[str, Any]]] = {
@@ -334,6 +343,7 @@ CASES: dict[Callable[..., Any], list[dict[str, Any]]] = {
     F.multilabel_soft_margin_loss: [{"inputs": (_pair(d=5)[0], _pair(d=5)[1].round()),
                                      "options": {"weight": _pair(d=5)[1][0]}}],
     F.triplet_margin_with_distance_loss: [{"inputs": _vectors(3), "options": {"margin": 0.5}}],
+    F.ctc_loss: [{"inputs": _ctc(), "options": {"blank": 0, "zero_infinity": True}}],
 }
 
 _CASE_IDS = [(loss, i) for loss in LOSSES for i in range(len(CASES.get(loss.fn, ())))]

@@ -232,16 +232,18 @@ def test_user_rule_for_a_wrapped_function() -> None:
 
 
 
-def test_cumulative_batch_norm_is_refused_for_its_own_reason():
+def test_cumulative_batch_norm_runs_as_an_exact_two_phase_step():
     """``BatchNorm(momentum=None)`` reads ``1 / num_batches_tracked`` as a Python number: the
-    refusal says so and how to fix it, not that a shape depends on values."""
-    model = Entry(_r_batchnorm_train, {"bn": lambda: nn.BatchNorm1d(HID, momentum=None)}).build()
-    with pytest.raises(MixingError, match="momentum=None keeps a cumulative average") as info:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(),
-                              **plan_free(MBS))
-    assert "give it a momentum" in str(info.value)
+    fake runs that plan the split use any momentum (the same shapes), the coupled part reads
+    the real counter (tests/test_user_losses.py checks three steps and the buffers)."""
+    entry = Entry(_r_batchnorm_train, {"bn": lambda: nn.BatchNorm1d(HID, momentum=None)})
+    model = entry.build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(),
+                               **plan_free(MBS))
+    assert cm.analysis.two_phase
+    assert_close_errors(step_errors(model, cm, batch(), floor=GRAD_FLOOR), TOL)
 
 
 class _GradientPenalty(nn.Module):
@@ -258,13 +260,15 @@ class _GradientPenalty(nn.Module):
         return out.mean() + 10 * ((g.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
 
 
-def test_a_gradient_penalty_in_forward_is_refused_at_its_line():
-    """The step runs each microbatch's backward itself and cannot keep a differentiation
-    nested in forward: refused at capture, naming the line, with the model unchanged."""
+def test_a_gradient_penalty_in_forward_is_refused_at_its_line_under_export():
+    """torch.export cannot keep a differentiation nested in forward (the fx capture keeps
+    it: tests/test_user_losses.py): refused at capture, naming the line, with the model
+    unchanged."""
     torch.manual_seed(0)
     model = _GradientPenalty().double()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(mbcompile.CaptureError, match="differentiates inside forward") as info:
-        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(), **plan_free(MBS))
-    assert "# offending" in str(info.value)
+        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=batch(), capture="export",
+                          **plan_free(MBS))
+    assert "# offending" in str(info.value) and "capture='fx'" in str(info.value)
     assert all(torch.equal(p, q) and p.grad is None for p, q in zip(model.parameters(), before))

@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 from mbcompile.execution.step_checks import StepChecks
 from mbcompile.passes.generators import checkpoint_replaying
 from mbcompile.passes.ops import as_tuple
+from mbcompile.passes.penalties import takes_gradients
 
 __all__ = ["JointStep", "MetaFacts", "joint_step"]
 
@@ -61,6 +62,8 @@ def joint_step(body: fx.GraphModule, options: Mapping[str, Any]) -> JointStep | 
             n.kwargs.get("sparse") is True for n in body.graph.nodes
             if n.op == "call_function"):
         return None  # sparse gradients: torch.func.grad would hand back dense ones
+    if takes_gradients(body):
+        return None  # a gradient penalty: torch.compile has no double backward
     return JointStep(body, options)
 
 

@@ -215,11 +215,37 @@ def loss_rule(ctx: RuleContext) -> Fact:
         ctx.mix("its batch dim is not dim 0 (the N of (N, C, ...)), so the loss "
                 "would treat samples as classes",
                 "move the batch dim to dim 0 (x.movedim(d, 0)) before the loss")
+    if loss.kind is partials.LENGTHS:
+        _check_ctc(ctx)
     if mode == "none":
         return ctx.batched_out()
     ctx.node.meta[REDUCTION] = ReductionSpec("sum" if mode == "sum" else "mean",
                                              None if mode == "sum" else partial)
     return Reduced()
+
+
+def _check_ctc(ctx: RuleContext) -> None:
+    """CTC: (T, N, C) log-probs with the batch at N, padded (N, S) targets and (N,) length
+    tensors, each row one sample's; concatenated targets or lengths given as Python
+    numbers do not split with the batch."""
+    names = ("log_probs", "targets", "input_lengths", "target_lengths")
+    lp, targets, *lengths = (ctx.arg(i, n) for i, n in enumerate(names))
+    fact = ctx.fact(lp)
+    if isinstance(fact, Batched) and ctx.ndim(lp) == 3 and fact.dim != 1:
+        ctx.mix(f"its log-probs are (T, N, C), read with the batch at dim 1, but their batch "
+                f"dim is {fact.dim}, so it would align samples as time steps",
+                "pass log_probs.transpose(0, 1) of (N, T, C) scores")
+    fact = ctx.fact(targets)
+    if not (isinstance(fact, Batched) and fact.dim == 0 and ctx.ndim(targets) == 2):
+        ctx.mix("its targets are not a padded (N, S) tensor with one row per sample (one "
+                "concatenated 1-d tensor is cut by the lengths' values, not by samples)",
+                "pass targets padded to (N, S), each row one sample's")
+    for value in lengths:
+        fact = ctx.fact(value)
+        if not (isinstance(fact, Batched) and fact.dim == 0 and ctx.is_tensor(value)):
+            ctx.mix("its input or target lengths are not an (N,) tensor of the batch (Python "
+                    "numbers are fixed for the full batch)",
+                    "pass input_lengths and target_lengths as (N,) tensors")
 
 
 def _aten_reduction(ctx: RuleContext) -> str:

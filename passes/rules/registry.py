@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops, partials
+from ..penalties import DIFFERENTIATIONS
 from .context import Rule
 from .creation import (
     arange_rule,
@@ -32,6 +33,7 @@ from .creation import (
     size_like_rule,
     value_arg,
 )
+from .differentiation import autograd_grad_rule
 from .dims import (
     compared_dims,
     diagonal_dims,
@@ -342,6 +344,8 @@ TABLE.add(MATRIX_NORMS, matrix_norm_rule)  # over the last two dims by default
 TABLE.add(DATA_SHAPED, along(every_dim, "counts or selects values"))  # sized by values: mixes
 # --- Losses (partials.LOSSES): reduction 'none' per sample, 'sum' Σ, 'mean' (Σ, count) ---
 TABLE.add(LOSS_SPELLINGS, loss_rule)  # batch at dim 0 of (N, C, ...) kinds, anywhere if elementwise
+# --- Differentiation in forward (gradient penalties): per-sample outputs, per-sample inputs ---
+TABLE.add(DIFFERENTIATIONS, autograd_grad_rule)  # ∂y[i]/∂x[i] per sample; a full sum of y too
 # --- Token dispatch (tokens.py): these ops keep their rule above and add their meaning on ---
 # --- sorted rows x', a sort's permutation p and its inverse inv (token_rules, token_moves) ---
 TABLE.layer(TOKEN_SORTS, dispatching(resort, start=start_sort))  # sort(ids) -> ids', p
