@@ -61,9 +61,6 @@ OPEN: dict[str, str] = {
     "generator_in_place": "F2: an in-place fill from a model-owned generator "
                           "(new_empty(...).normal_(generator=g)) is captured by export, which "
                           "drops the generator: the step draws from the global one",
-    "param_hook_linear": "F3: a tensor hook on a parameter (weight.register_hook(g * 0.5)) "
-                         "registered before compile: the step's gradient is off by the hook's "
-                         "factor",
 }
 OPEN_CASES: dict[tuple[str, str], str] = {}
 
