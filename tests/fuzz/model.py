@@ -76,6 +76,9 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "generator_shuffle": rng.GeneratorShuffle,  # h[randperm(B, g)]: mixup, coupled
     "generator_twice": rng.GeneratorTwice,  # per-sample then batch-free draw from one g
     "generator_in_place": rng.GeneratorInPlace,  # new_empty(...).normal_(generator=g)
+    "generator_in_place_alias": rng.GeneratorInPlaceAlias,  # new_zeros; normal_ read by name
+    "global_in_place": rng.GlobalInPlace,  # new_empty(B, 1).bernoulli_(0.5), returned
+    "generator_in_place_like": rng.GeneratorInPlaceLike,  # empty_like(h).normal_(g): refused
     "seed_in_forward": rng.SeedInForward,  # torch.manual_seed(0) in forward: refused
     "fork_rng_draw": rng.ForkRngDraw,  # a draw inside fork_rng: refused
     "generator_seed_in_forward": rng.GeneratorSeedInForward,  # self.g.manual_seed(0): refused

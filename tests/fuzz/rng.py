@@ -151,3 +151,34 @@ class HookInPlaceOutput(WithLinear):
 
     def forward(self, h, x):
         return h + torch.tanh(self.lin(h)), None, None
+
+
+class GeneratorInPlaceAlias(WithLinear):
+    """``noise = h.new_zeros(h.shape); noise.normal_(generator=self.g)``: the fill's result
+    unused, the filled tensor read through its first name."""
+
+    seed = 10
+
+    def forward(self, h, x):
+        noise = h.new_zeros(h.shape)
+        noise.normal_(generator=self.g)
+        return h + torch.tanh(self.lin(h)) * (1 + 0.1 * noise), None, None
+
+
+class GlobalInPlace(WithLinear):
+    """``h.new_empty(h.size(0), 1).bernoulli_(0.5)``: an in-place fill from torch's global
+    generator (a per-sample mask), returned."""
+
+    def forward(self, h, x):
+        mask = h.new_empty(h.size(0), 1).bernoulli_(0.5)
+        return h + torch.tanh(self.lin(h)) * mask, mask, None
+
+
+class GeneratorInPlaceLike(WithLinear):
+    """``torch.empty_like(h).normal_(generator=self.g)``: the fill of a tensor shaped like h."""
+
+    seed = 11
+
+    def forward(self, h, x):
+        noise = torch.empty_like(h).normal_(generator=self.g)
+        return h + torch.tanh(self.lin(h)) + 0.1 * noise, None, None
