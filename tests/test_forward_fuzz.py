@@ -51,7 +51,8 @@ RECOMPUTED = list(CONSTRUCTS) if _LONG else [
     "buffer_counter", "buffer_counter_read", "ema_center_before", "ema_param_loop",
     "ema_param_attr", "input_write", "generator_noise", "generator_shared", "spectral_norm",
     "spectral_norm_legacy", "global_rand", "generator_randperm", "generator_twice",
-    "param_hook_linear", "generator_in_place", "global_in_place"]
+    "param_hook_linear", "generator_in_place", "global_in_place", "private_counter",
+    "logs_stats"]
 CASES = [(name, combination) for name in CONSTRUCTS for combination in COMBINATIONS
          if combination != "recompute" or name in RECOMPUTED]
 

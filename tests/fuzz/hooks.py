@@ -100,6 +100,8 @@ class ReadingHookAddedLeaf(Construct):
         self.seen: list[int] = []
 
     mutation_only_observes = True
+    # F6: the hook runs per microbatch (docs/limits.md), so what it records is per microbatch
+    unchecked_state = ("seen",)
 
     def forward(self, h, x):
         return h + torch.tanh(self.lin(h)), None, None

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import base, hooks, modes, rng, state
+from . import base, hooks, modes, pystate, rng, state
 from .base import (
     DTYPE,
     WIDTH,
@@ -55,6 +55,12 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "dropout_attr": state.DropoutAttr,  # F.dropout(p=self.p): 0 -> 1
     "dropout_module_p": state.DropoutModuleP,  # nn.Dropout(0.0).p = 1.0
     "dropout_module_eval": state.DropoutModuleEval,  # nn.Dropout(1.0) -> eval()
+    # Python state of every kind (pystate.py): read (guarded) or written (replayed once)
+    "flags_dict": pystate.FlagsDict,  # if self.flags["hard"]; a scale from the dict
+    "enum_mode": pystate.EnumMode,  # self.mode is Mode.HARD
+    "config_object": pystate.ConfigObject,  # self.cfg.beta of a dataclass
+    "private_counter": pystate.PrivateCounter,  # self._step += 1, read in the same forward
+    "logs_stats": pystate.LogsStats,  # self.last, self.stats[...], self.history.append(...)
     # state writes
     "buffer_counter": state.BufferCounter,  # self.seen += B: once per step, the full B
     "buffer_counter_read": state.BufferCounterRead,  # the updated count read in the same forward
