@@ -43,6 +43,7 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "hook_added_inner": hooks.HookAddedInner,  # pre-hook added after compile (traced submodule)
     "reading_hook_added_leaf": hooks.ReadingHookAddedLeaf,  # returns None: runs per microbatch
     "backward_hook_leaf": hooks.BackwardHookLeaf,  # g * 0.5 into the layer's input; removed later
+    "backward_pre_hook_leaf": hooks.BackwardPreHookLeaf,  # g * 0.5 into the layer's output
     "backward_hook_mixing": hooks.BackwardHookMixing,  # g - g.mean(0): couples the batch
     "forward_hook_mixing": hooks.ForwardHookMixing,  # out - out.mean(0) in a hook: couples
     "root_forward_hook": hooks.RootForwardHook,  # hook on the model itself; removed later
@@ -85,6 +86,8 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "generator_in_place_alias": rng.GeneratorInPlaceAlias,  # new_zeros; normal_ read by name
     "global_in_place": rng.GlobalInPlace,  # new_empty(B, 1).bernoulli_(0.5), returned
     "generator_in_place_like": rng.GeneratorInPlaceLike,  # empty_like(h).normal_(g): refused
+    "generator_randint": rng.GeneratorRandint,  # randint(0, 3, (B, 1), generator=g), returned
+    "global_mask": rng.GlobalMask,  # torch.rand(B, 1) < 0.5: a drop-path mask, returned
     "seed_in_forward": rng.SeedInForward,  # torch.manual_seed(0) in forward: refused
     "fork_rng_draw": rng.ForkRngDraw,  # a draw inside fork_rng: refused
     "generator_seed_in_forward": rng.GeneratorSeedInForward,  # self.g.manual_seed(0): refused

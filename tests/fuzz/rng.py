@@ -182,3 +182,23 @@ class GeneratorInPlaceLike(WithLinear):
     def forward(self, h, x):
         noise = torch.empty_like(h).normal_(generator=self.g)
         return h + torch.tanh(self.lin(h)) + 0.1 * noise, None, None
+
+
+class GeneratorRandint(WithLinear):
+    """``torch.randint(0, 3, (B, 1), generator=self.g)``: an integer draw per sample, used as
+    a scale and returned."""
+
+    seed = 12
+
+    def forward(self, h, x):
+        k = torch.randint(0, 3, (h.size(0), 1), generator=self.g)
+        return h + torch.tanh(self.lin(h)) * (1 + 0.1 * k.to(h.dtype)), k, None
+
+
+class GlobalMask(WithLinear):
+    """``torch.rand(B, 1) < 0.5`` from the global generator: a per-sample keep mask (a drop
+    path's shape), returned."""
+
+    def forward(self, h, x):
+        keep = torch.rand(h.size(0), 1, dtype=h.dtype) < 0.5
+        return h + torch.tanh(self.lin(h)) * keep.to(h.dtype), keep, None
