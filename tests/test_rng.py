@@ -159,16 +159,20 @@ def test_draws_in_recomputed_blocks_are_exact(mix):
         assert cm.plan.recompute and "checkpoint" in cm.graph_module.body.code
 
 
+class _LayerAndGenerator(nn.Module):
+    """A linear layer ``a`` and a model-owned generator ``g``; forward is the test's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.g = torch.Generator().manual_seed(3)
+
+
 def test_a_draw_that_reads_the_samples_is_carried_to_the_coupled_part():
     """``torch.bernoulli(p)`` of per-sample ``p`` is drawn per microbatch (the one documented
     difference from eager's stream), and the coupled part reads those very draws, returned."""
 
-    class Masked(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(4, 4)
-            self.g = torch.Generator().manual_seed(3)
-
+    class Masked(_LayerAndGenerator):
         def forward(self, x, y):
             h = self.a(x)
             mask = torch.bernoulli(torch.sigmoid(h).detach(), generator=self.g)
@@ -191,12 +195,7 @@ def test_a_fill_of_a_tensor_like_a_batched_one_from_the_models_generator_is_refu
     at the full batch, which the graph does not keep, so it cannot be drawn once before the
     loop (as ``h.new_empty(h.shape).normal_(generator=g)`` is): refused, nothing changed."""
 
-    class Like(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(4, 4)
-            self.g = torch.Generator().manual_seed(3)
-
+    class Like(_LayerAndGenerator):
         def forward(self, x, y):
             h = self.a(x)
             return F.mse_loss(h + 0.1 * torch.empty_like(h).normal_(generator=self.g), y)
