@@ -16,8 +16,10 @@ schedule costs at most three compiles, not one per step.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
+from mbcompile.passes.guard_code import fast_check
 from mbcompile.passes.guards import Guard, failed_guard
 
 __all__ = ["LIMIT", "GuardCache"]
@@ -37,6 +39,8 @@ class GuardCache(dict):  # type: ignore[type-arg]
         super().__init__()
         self.failures: Counter[tuple[int, Any]] = Counter()  # (id(module), name) -> count
         self.modules: dict[int, Any] = {}  # keeps the modules counted above alive
+        # id(entry) -> (entry, its guards as one function: guard_code.py), for the entries kept
+        self.checks: dict[int, tuple[Any, Callable[[], bool]]] = {}
 
     def find(self, key: Any) -> tuple[Any, Guard | None]:
         """The newest entry for ``key`` whose guards hold, else ``(None, the newest entry's
@@ -44,7 +48,12 @@ class GuardCache(dict):  # type: ignore[type-arg]
         entries = self.get(key, [])
         first = None
         for entry in entries:
-            failed = failed_guard(entry.guards)
+            check = self.checks.get(id(entry))
+            if check is None:
+                check = self.checks[id(entry)] = (entry, fast_check(entry.guards))
+            if check[1]():  # every guard holds: the common case, a few µs
+                return entry, None
+            failed = failed_guard(entry.guards)  # the guards' own answer, and which failed
             if failed is None:
                 return entry, None
             first = first or failed
@@ -57,6 +66,16 @@ class GuardCache(dict):  # type: ignore[type-arg]
         entries = self.setdefault(key, [])
         entries.insert(0, compiled)
         del entries[LIMIT:]
+        self._prune()
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop the checks of entries no longer kept (their guards hold the modules)."""
+        kept = {id(e) for entries in self.values() for e in entries}
+        self.checks = {k: c for k, c in self.checks.items() if k in kept}
 
     def changing(self) -> frozenset[tuple[int, Any]]:
         """``(id(module), name)`` of the attributes whose guards failed ``CHANGES`` times."""

@@ -22,6 +22,12 @@ After (top graph, then the body)::
     microbatches = split(x, y, randn, slices=..., in_dims=(0, 0, 0))
     # body(x, y, randn): add = h + randn
 
+An in-place fill of a tensor made by ``h.new_empty(size)`` (or ``new_zeros``, ``new_ones``,
+``new_full``: ``h.new_empty(h.shape).normal_(generator=self.g)``) reads no sample's data
+either: such a factory reads only ``h``'s dtype and device. It is made before the loop at
+the full batch from a stand-in of ``h`` (an empty tensor of its dtype on the batched input's
+device), and filled there.
+
 Draws that read the samples (dropout, ``bernoulli(p)``, ``randn_like(h)`` under fx) stay
 where they are: drawn per microbatch, and carried from the body to the coupled part as
 any per-sample value (``coupling.py``), never drawn twice.
@@ -32,11 +38,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
+from .errors import CaptureError
 from .facts import FACT, SHAPES, Batched, Coupled, Free, ValueInfo
 from .graph_walks import ancestors, descendants
 from .rules import node_name
+from .sources import source_line
 
 __all__ = ["RANDOM_OPS", "emit_draws", "hoisted_draws", "is_draw"]
 
@@ -67,6 +76,46 @@ def _is_data(n: fx.Node) -> bool:
     return n.op == "placeholder"
 
 
+#: factories whose tensor argument gives only the dtype and device (``h.new_empty(size)``)
+_NEW_FACTORIES = frozenset({"new_empty", "new_zeros", "new_ones", "new_full"})
+#: factories that also take its shape and strides (``torch.empty_like(h)``)
+_LIKE_FACTORIES = frozenset({"empty_like", "zeros_like", "ones_like", "full_like"})
+
+
+def _reads_only_metadata(n: fx.Node) -> bool:
+    """``h.new_empty(size)`` and kin: a tensor with no sample's data, though made from ``h``
+    (none of its other arguments is a tensor)."""
+    return (n.op in ("call_function", "call_method") and node_name(n) in _NEW_FACTORIES
+            and bool(n.args) and not any(_is_data(a) for a in n.all_input_nodes
+                                         if a is not n.args[0]))
+
+
+def _carries_data(n: fx.Node) -> bool:
+    """What the walk from the samples passes: tensors, but not past a factory of new ones."""
+    return _is_data(n) and not _reads_only_metadata(n)
+
+
+def _made_at_full_batch(n: fx.Node, reached: set[fx.Node]) -> bool:
+    """A value the top graph makes at the full batch: a size read off a batched tensor, or a
+    factory that reads only a batched tensor's dtype and device."""
+    return n in reached and (_as_constant(n) or _reads_only_metadata(n))
+
+
+def _needed(draws: Sequence[fx.Node], reached: set[fx.Node]) -> set[fx.Node]:
+    """What ``draws`` are computed from, not past what the top graph makes at the full
+    batch; a factory's own arguments but its tensor (its sizes) are needed too."""
+
+    def through(a: fx.Node) -> bool:
+        return not _made_at_full_batch(a, reached)
+
+    needed = ancestors(draws, through=through)
+    factories = [a for a in needed if a in reached and _reads_only_metadata(a)]
+    for f in factories:
+        needed |= ancestors([a for a in f.all_input_nodes if a is not f.args[0]],
+                            through=through)
+    return needed
+
+
 def _batched_inputs(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"
             and not isinstance(n.meta.get(FACT), Free)]
@@ -90,7 +139,8 @@ def hoisted_draws(graph: fx.Graph) -> list[fx.Node]:
     full batch's sizes."""
     sources = _batched_inputs(graph)
     # what a batched input's data reaches: through tensors only (a size carries no data)
-    reached = descendants(sources, through=_is_data)
+    reached = descendants(sources, through=_carries_data)
+    _refuse_generator_fills_of_likes(graph, sources, reached)
     out = []
     for n in graph.nodes:
         if not is_draw(n) or (n in reached and _is_data(n)):
@@ -101,11 +151,34 @@ def hoisted_draws(graph: fx.Graph) -> list[fx.Node]:
             continue  # its pieces are not rows of the batch: drawn where it is
         if not isinstance(fact, (Batched, Free, Coupled)):
             continue
-        needed = ancestors([n], through=lambda a: not (a in reached and _as_constant(a)))
         if all(a not in reached or a.op == "placeholder" and a not in sources
-               or _as_constant(a) for a in needed - {n}):
+               or _made_at_full_batch(a, reached) for a in _needed([n], reached) - {n}):
             out.append(n)
     return out
+
+
+def _refuse_generator_fills_of_likes(graph: fx.Graph, sources: Sequence[fx.Node],
+                                     reached: set[fx.Node]) -> None:
+    """``torch.empty_like(h).normal_(generator=self.g)`` reads no sample's data, so eager's
+    numbers are due, from a model-owned generator advanced once; but the fill's values
+    depend on the strides ``h`` has at the full batch, which the graph does not record, so
+    it cannot be drawn before the loop. Drawn per microbatch it would differ from eager, and
+    so would the generator: refused. (From torch's global generator, like ``randn_like(h)``,
+    it is a draw per microbatch: the documented difference.)"""
+    past_likes = descendants(sources, through=lambda n: _carries_data(n) and not (
+        n.op in ("call_function", "call_method") and node_name(n) in _LIKE_FACTORIES))
+    for n in graph.nodes:
+        if (is_draw(n) and isinstance(n.kwargs.get("generator"), fx.Node) and n in reached
+                and n not in past_likes):
+            raise CaptureError(
+                f"a random fill of a tensor made like a batched one, from a generator of the "
+                f"model (torch.empty_like(h).normal_(generator=g)), at {source_line(n)}: "
+                "eager draws it once for the whole batch, and its numbers depend on h's "
+                "strides there, so drawn per microbatch it would give other numbers and "
+                "advance the generator more than once. Fix: draw it from the shape, "
+                "h.new_empty(h.shape).normal_(generator=g) or torch.randn(h.shape, "
+                "generator=g, dtype=h.dtype), which mbcompile draws once per step as eager "
+                "does")
 
 
 def emit_draws(graph: fx.Graph, env: dict[fx.Node, Any], draws: Sequence[fx.Node],
@@ -118,13 +191,19 @@ def emit_draws(graph: fx.Graph, env: dict[fx.Node, Any], draws: Sequence[fx.Node
     source = draws[0].graph
     inputs = _batched_inputs(source)
     base = _analysed_batch(inputs)
-    reached = descendants(inputs, through=_is_data)
-    needed = ancestors(draws, through=lambda a: not (a in reached and _as_constant(a)))
+    reached = descendants(inputs, through=_carries_data)
+    needed = _needed(draws, reached)
     for n in source.nodes:
         if n not in needed or n in env:
             continue
         if n in reached and _as_constant(n):
             env[n] = _constant(n, graph, env, inputs, base, batch)
+        elif n in reached:  # h.new_empty(size): from a stand-in of h's dtype and device
+            stand_in = graph.call_function(torch.empty, (0,), {
+                "dtype": n.args[0].meta[SHAPES].dtype,
+                "device": _device_of(n.args[0], graph, env, inputs)})
+            env[n] = graph.node_copy(n, lambda a, h=n.args[0], s=stand_in: s if a is h
+                                     else env[a])
         else:
             env[n] = graph.node_copy(n, lambda a: env[a])
 
@@ -155,6 +234,11 @@ def _constant(n: fx.Node, graph: fx.Graph, env: dict[fx.Node, Any],
     tensor = n.args[0]
     if n.args[1] == "dtype":
         return tensor.meta[SHAPES].dtype
-    # the device of the batched input the tensor is computed from
+    return _device_of(tensor, graph, env, inputs)
+
+
+def _device_of(tensor: fx.Node, graph: fx.Graph, env: dict[fx.Node, Any],
+               inputs: Sequence[fx.Node]) -> fx.Node:
+    """The device of the batched input ``tensor`` is computed from, read in ``graph``."""
     first = next(p for p in inputs if p in ancestors([tensor]))
     return graph.call_function(getattr, (env[first], "device"))

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from faults import on_output_gradient
 
 import mbcompile
 from mbcompile.execution import distributed as mbdist
@@ -56,8 +57,9 @@ def _step(gbs: int, world: int, mbs: int, rank: int, log: Collectives | None = N
                            backend="torch.distributed")
     if log is not None:
         model.head.register_forward_pre_hook(lambda *_: log.mark("forward"))
-        for name, p in model.named_parameters():
-            p.register_hook(lambda g, name=name: log.mark("grad", name))
+        # the embedding's output gradient: late in each microbatch's backward (a parameter's
+        # own tensor hooks fire once, in loss.backward(): tests/faults.py)
+        on_output_gradient(model.tok, lambda g: log.mark("grad", "tok"))
     loss, logits = cm(*mbdist.shard(batch, cm.plan, rank))
     if log is not None:
         log.mark("backward")
@@ -110,7 +112,8 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
             and forwards["n"] == last else out
 
     def explode(grad):
-        if where == "last_backward" and rank == 1 and forwards["n"] == last:
+        if forwards["armed"] and where == "last_backward" and rank == 1 \
+                and forwards["n"] == last:
             log.mark("fail")
             raise RuntimeError("injected failure on rank 1")
 
@@ -118,7 +121,7 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
     # a layer returns is refused); they act only once armed, after compile's own forwards.
     model.head.register_forward_pre_hook(count)
     model.head.register_forward_hook(poison)
-    model.blocks[0].qkv.weight.register_hook(explode)  # late in the backward
+    on_output_gradient(model.blocks[0].qkv, explode)  # late in the backward
     cm = mbcompile.compile(model, gbs, world, 1, example_inputs=batch,
                            backend="torch.distributed", nonfinite="raise")
     last = cm.plan.per_system_batch_sizes[rank]

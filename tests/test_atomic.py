@@ -4,8 +4,9 @@ For every non-empty microbatch position ``k`` of a plan (all systems, uneven and
 empty microbatches included) a failure is injected at ``k``:
 
 - ``forward``: a forward pre-hook on the first layer raises on its ``k``-th call;
-- ``backward``: a tensor hook on a parameter raises in the ``k``-th microbatch's
-  backward (which mbcompile runs inside the call);
+- ``backward``: a tensor hook on the first layer's output raises in the ``k``-th
+  microbatch's backward (which mbcompile runs inside the call; a parameter's own tensor
+  hooks wait for the caller's backward, as in eager: ``tests/faults.py``);
 - ``nan``: one target of microbatch ``k`` is NaN, so its loss is not finite.
 
 After the failure, parameters (identity and bits), gradients (``None`` or
@@ -27,6 +28,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from faults import on_output_gradient
 
 import mbcompile
 from mbcompile.execution.noise import NoiseScale
@@ -221,8 +223,7 @@ def _inject(kind: str, case: Case, plan: mbcompile.MicrobatchPlan, k: int
         return case.batch, handle.remove
     if kind == "backward":
         _, fn = _nth_call_raises(k)
-        param = next(p for p in case.model.parameters() if p.requires_grad)
-        handle = param.register_hook(fn)
+        handle = on_output_gradient(case.first, fn)
         return case.batch, handle.remove
     if kind == "nan":
         batch = list(case.batch)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from accelerate.utils import find_executable_batch_size
+from faults import on_output_gradient
 
 import mbcompile
 from mbcompile.check import relative_error
@@ -57,7 +58,7 @@ def test_oom_in_any_microbatch_is_an_oom_and_a_microbatch_error(where, k):
     if where == "forward":
         model.net[0].register_forward_pre_hook(fail_kth)
     else:
-        model.net[0].weight.register_hook(lambda g: fail_kth())
+        on_output_gradient(model.net[0], lambda g: fail_kth())
     for p in model.parameters():
         p.grad = torch.full_like(p, 0.5)
     before = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}

@@ -51,19 +51,14 @@ RECOMPUTED = list(CONSTRUCTS) if _LONG else [
     "buffer_counter", "buffer_counter_read", "ema_center_before", "ema_param_loop",
     "ema_param_attr", "input_write", "generator_noise", "generator_shared", "spectral_norm",
     "spectral_norm_legacy", "global_rand", "generator_randperm", "generator_twice",
-    "param_hook_linear"]
+    "param_hook_linear", "generator_in_place", "global_in_place", "private_counter",
+    "logs_stats"]
 CASES = [(name, combination) for name in CONSTRUCTS for combination in COMBINATIONS
          if combination != "recompute" or name in RECOMPUTED]
 
 #: What this fuzzer found that is still open (issue 35), each a strict xfail: it must start
 #: passing when fixed, and then its line goes. The random combinations leave these out.
 OPEN: dict[str, str] = {
-    "generator_in_place": "F2: an in-place fill from a model-owned generator "
-                          "(new_empty(...).normal_(generator=g)) is captured by export, which "
-                          "drops the generator: the step draws from the global one",
-    "param_hook_linear": "F3: a tensor hook on a parameter (weight.register_hook(g * 0.5)) "
-                         "registered before compile: the step's gradient is off by the hook's "
-                         "factor",
 }
 OPEN_CASES: dict[tuple[str, str], str] = {}
 

@@ -140,13 +140,14 @@ def assert_three_steps_exact(model: nn.Module, exact_out: bool = True, **kw: Any
 
 
 @pytest.mark.parametrize("coupled", [False, True], ids=["split", "two_phase"])
-@pytest.mark.parametrize("draw", ["global", "randn", "randperm", "shared"])
+@pytest.mark.parametrize("draw", ["global", "randn", "randperm", "shared", "in_place"])
 def test_a_draw_is_made_once_and_carried(draw, coupled):
     torch.manual_seed(0)
     cm = assert_three_steps_exact(Scaled(draw, coupled).to(DTYPE))
     assert cm.analysis.two_phase == coupled
     top = cm.graph_module.code  # drawn in the top graph, before the split: once per step
-    assert top.index("rand") < top.index("split") or top.index("normal_") < top.index("split")
+    drawn = [top.index(op) for op in ("rand", "normal_") if op in top]
+    assert drawn and min(drawn) < top.index("split")
 
 
 @pytest.mark.parametrize("mix", [False, True], ids=["per_sample", "mixup"])
@@ -158,16 +159,20 @@ def test_draws_in_recomputed_blocks_are_exact(mix):
         assert cm.plan.recompute and "checkpoint" in cm.graph_module.body.code
 
 
+class _LayerAndGenerator(nn.Module):
+    """A linear layer ``a`` and a model-owned generator ``g``; forward is the test's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.g = torch.Generator().manual_seed(3)
+
+
 def test_a_draw_that_reads_the_samples_is_carried_to_the_coupled_part():
     """``torch.bernoulli(p)`` of per-sample ``p`` is drawn per microbatch (the one documented
     difference from eager's stream), and the coupled part reads those very draws, returned."""
 
-    class Masked(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(4, 4)
-            self.g = torch.Generator().manual_seed(3)
-
+    class Masked(_LayerAndGenerator):
         def forward(self, x, y):
             h = self.a(x)
             mask = torch.bernoulli(torch.sigmoid(h).detach(), generator=self.g)
@@ -183,6 +188,27 @@ def test_a_draw_that_reads_the_samples_is_carried_to_the_coupled_part():
     h = model.a(_batch()[0])
     torch.testing.assert_close(masked, h * mask)  # the mask that made the loss
     assert set(mask.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_a_fill_of_a_tensor_like_a_batched_one_from_the_models_generator_is_refused():
+    """``torch.empty_like(h).normal_(generator=g)``: its numbers depend on the strides h has
+    at the full batch, which the graph does not keep, so it cannot be drawn once before the
+    loop (as ``h.new_empty(h.shape).normal_(generator=g)`` is): refused, nothing changed."""
+
+    class Like(_LayerAndGenerator):
+        def forward(self, x, y):
+            h = self.a(x)
+            return F.mse_loss(h + 0.1 * torch.empty_like(h).normal_(generator=self.g), y)
+
+    torch.manual_seed(0)
+    model = Like().to(DTYPE)
+    rng, g = torch.get_rng_state(), model.g.get_state()
+    params = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CaptureError, match=r"empty_like.*test_rng.py.*h.new_empty\(h.shape\)"):
+        _compile(model)
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(model.g.get_state(), g)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert all(p.grad is None for p in model.parameters())
 
 
 class Seeding(nn.Module):

@@ -9,9 +9,10 @@ gradient their loss will receive (``seeding.py``). Their backward is one functio
                                              (factor: exactly 1.0 when the guess was right)
 
 Post-accumulate-grad hooks (``p.register_post_accumulate_grad_hook``, an optimizer
-stepping in backward) are set aside while the step's own backwards run
-(``hooks_aside``): they fire once per step, on the full gradient, when autograd
-accumulates the handed-over gradient into ``.grad``, as in eager.
+stepping in backward) and a parameter's tensor hooks (``p.register_hook``) are set aside
+while the step's own backwards run (``hooks_aside``): they fire once per step, on the
+full gradient, when autograd accumulates the handed-over gradient into ``.grad``, as in
+eager.
 """
 
 from __future__ import annotations
@@ -96,15 +97,18 @@ def _scale(grads: list[torch.Tensor], factor: torch.Tensor) -> torch.Tensor | No
 
 @contextlib.contextmanager
 def hooks_aside(params: Sequence[torch.Tensor]) -> Iterator[None]:
-    """The user's post-accumulate-grad hooks of ``params``, set aside (each hook dict
-    emptied in place: autograd holds the dict) and put back in their order after the
-    hooks mbcompile adds meanwhile and has not removed (``OverlappedReduce``'s)."""
+    """The user's post-accumulate-grad hooks and tensor hooks of ``params``, set aside (each
+    hook dict emptied in place: autograd holds the dict) and put back in their order after
+    the hooks mbcompile adds meanwhile and has not removed (``OverlappedReduce``'s). Both
+    kinds then fire once per step, on the full gradient, in the caller's backward, as in
+    eager: a parameter's tensor hook also ran once per microbatch before, and then again on
+    the step's gradient (``weight.register_hook(lambda g: g * 0.5)`` scaled by 0.25)."""
     saved = []
     for p in params:
-        hooks = p._post_accumulate_grad_hooks
-        if hooks:
-            saved.append((hooks, dict(hooks)))
-            hooks.clear()
+        for hooks in (p._post_accumulate_grad_hooks, p._backward_hooks):
+            if hooks:
+                saved.append((hooks, dict(hooks)))
+                hooks.clear()
     try:
         yield
     finally:

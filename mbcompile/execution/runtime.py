@@ -237,14 +237,14 @@ class _Loop:
         """The body's ``JointStep`` when this step can use it, else None. Not with FSDP
         (its hooks run each unit's collectives), the noise scale (per-microbatch
         gradient norms), the overlapped all-reduce (it starts in the last backward), a
-        parameter or module with backward hooks of its own (they fire per microbatch in
-        autograd), a norm layer updating running statistics per microbatch, nor inside a
-        ``saved_tensors_hooks`` context (torch.func refuses those two). Post-accumulate-grad
-        hooks are no reason: they fire in the caller's backward, on the step's gradient."""
+        module with backward hooks of its own (they fire per microbatch in autograd), a
+        norm layer updating running statistics per microbatch, nor inside a
+        ``saved_tensors_hooks`` context (torch.func refuses those two). A parameter's tensor
+        and post-accumulate-grad hooks are no reason: they fire in the caller's backward, on
+        the step's gradient (``handover.hooks_aside``)."""
         joint = self.joint
         if (joint is None or joint.broken is not None or self.sharded is not None
                 or self.noise is not None or self.reducer is not None
-                or any(p._backward_hooks for p in params)
                 or joint.needs_autograd()
                 or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
             return None
@@ -253,13 +253,14 @@ class _Loop:
     def _run_autograd(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         # Set the user's gradients aside so autograd's own accumulation builds this
         # step's gradient in fresh .grad slots; put them back whatever happens.
-        # The user's post-accumulate-grad hooks wait for the caller's backward (handover.py).
+        # The user's post-accumulate-grad and tensor hooks of parameters wait for the
+        # caller's backward (handover.py).
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
         checks = self.checks = StepChecks(len(self.microbatches), params[0].device,
                                           self.noise is not None)
-        hooks = [p.register_hook(checks.add_square) for p in params] if checks.noise else []
+        hooks: list[Any] = []
         seeding, self.seed_value = self.seeding, None
         # N before the first forward: on ranks its all-reduce comes before anything can fail
         count = None if seeding is None else seeding.global_count(
@@ -269,6 +270,8 @@ class _Loop:
             schedule = self._schedule()
             aside = hooks_aside(params) if self.sharded is None else contextlib.nullcontext()
             with torch.enable_grad(), self._step(), aside:
+                if checks.noise:  # after the user's hooks are set aside: these run per microbatch
+                    hooks = [p.register_hook(checks.add_square) for p in params]
                 for k, i, real in schedule:
                     checks.current = i
                     last = k == len(schedule) - 1

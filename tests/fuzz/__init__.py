@@ -2,8 +2,8 @@
 ``tests/test_forward_fuzz.py``.
 
 Files: ``base`` (tolerances, ``Construct``), the constructs by kind (``modes``, ``hooks``,
-``state``, ``rng``), ``model`` (the table ``CONSTRUCTS``, ``Spec``, ``FuzzNet``), ``oracle``
-(``check``, ``assert_ok``).
+``state``, ``pystate``, ``rng``), ``model`` (the table ``CONSTRUCTS``, ``Spec``,
+``FuzzNet``), ``oracle`` (``check``, ``assert_ok``).
 
 A forward does more than its ops (DESIGN.md, "Forward-time semantics and guards"):
 it switches grad mode, enters autocast regions, registers tensor hooks, runs module
@@ -29,8 +29,10 @@ The oracle, per example (``check(spec)``):
   ``torch.manual_seed``: every output leaf (value, dtype, shape, ``requires_grad``;
   Python numbers equal), every ``.grad`` (``None`` exactly where eager's is), every
   buffer and parameter value, every parameter still a leaf (and the same object),
-  the inputs as the forward left them, each model-owned generator's state and the
-  global RNG state. Values to 1e-10 relative in float64; with an autocast construct,
+  the inputs as the forward left them, each model-owned generator's state, the
+  global RNG state and every module's Python state (attributes of any name holding
+  numbers, flags, enums, containers, tensors or a config object: ``oracle.python_state``).
+  Values to 1e-10 relative in float64; with an autocast construct,
   to bf16 rounding (``BF16_REL``).
 - then a plain SGD step on both, the Python state the constructs read is changed on
   both (``Construct.mutate``: a coefficient, a flag, a dropout ``p``, a hook added or

@@ -100,6 +100,8 @@ class ReadingHookAddedLeaf(Construct):
         self.seen: list[int] = []
 
     mutation_only_observes = True
+    # F6: the hook runs per microbatch (docs/limits.md), so what it records is per microbatch
+    unchecked_state = ("seen",)
 
     def forward(self, h, x):
         return h + torch.tanh(self.lin(h)), None, None
@@ -201,3 +203,23 @@ class RootHookAdded(Construct):
 
     def mutate(self, root):
         root.register_forward_hook(_scale_root_loss)
+
+
+def _halve_grad_output(module: nn.Module, grad_output: tuple) -> tuple:
+    return tuple(None if g is None else g * 0.5 for g in grad_output)
+
+
+class BackwardPreHookLeaf(Construct):
+    """A full backward pre-hook on a leaf ``nn.Linear`` halving the gradient it receives,
+    present at compile; mutate removes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.handle = self.lin.register_full_backward_pre_hook(_halve_grad_output)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        self.handle.remove()

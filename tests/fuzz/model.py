@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import base, hooks, modes, rng, state
+from . import base, hooks, modes, pystate, rng, state
 from .base import (
     DTYPE,
     WIDTH,
@@ -43,6 +43,7 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "hook_added_inner": hooks.HookAddedInner,  # pre-hook added after compile (traced submodule)
     "reading_hook_added_leaf": hooks.ReadingHookAddedLeaf,  # returns None: runs per microbatch
     "backward_hook_leaf": hooks.BackwardHookLeaf,  # g * 0.5 into the layer's input; removed later
+    "backward_pre_hook_leaf": hooks.BackwardPreHookLeaf,  # g * 0.5 into the layer's output
     "backward_hook_mixing": hooks.BackwardHookMixing,  # g - g.mean(0): couples the batch
     "forward_hook_mixing": hooks.ForwardHookMixing,  # out - out.mean(0) in a hook: couples
     "root_forward_hook": hooks.RootForwardHook,  # hook on the model itself; removed later
@@ -55,6 +56,12 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "dropout_attr": state.DropoutAttr,  # F.dropout(p=self.p): 0 -> 1
     "dropout_module_p": state.DropoutModuleP,  # nn.Dropout(0.0).p = 1.0
     "dropout_module_eval": state.DropoutModuleEval,  # nn.Dropout(1.0) -> eval()
+    # Python state of every kind (pystate.py): read (guarded) or written (replayed once)
+    "flags_dict": pystate.FlagsDict,  # if self.flags["hard"]; a scale from the dict
+    "enum_mode": pystate.EnumMode,  # self.mode is Mode.HARD
+    "config_object": pystate.ConfigObject,  # self.cfg.beta of a dataclass
+    "private_counter": pystate.PrivateCounter,  # self._step += 1, read in the same forward
+    "logs_stats": pystate.LogsStats,  # self.last, self.stats[...], self.history.append(...)
     # state writes
     "buffer_counter": state.BufferCounter,  # self.seen += B: once per step, the full B
     "buffer_counter_read": state.BufferCounterRead,  # the updated count read in the same forward
@@ -76,6 +83,11 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "generator_shuffle": rng.GeneratorShuffle,  # h[randperm(B, g)]: mixup, coupled
     "generator_twice": rng.GeneratorTwice,  # per-sample then batch-free draw from one g
     "generator_in_place": rng.GeneratorInPlace,  # new_empty(...).normal_(generator=g)
+    "generator_in_place_alias": rng.GeneratorInPlaceAlias,  # new_zeros; normal_ read by name
+    "global_in_place": rng.GlobalInPlace,  # new_empty(B, 1).bernoulli_(0.5), returned
+    "generator_in_place_like": rng.GeneratorInPlaceLike,  # empty_like(h).normal_(g): refused
+    "generator_randint": rng.GeneratorRandint,  # randint(0, 3, (B, 1), generator=g), returned
+    "global_mask": rng.GlobalMask,  # torch.rand(B, 1) < 0.5: a drop-path mask, returned
     "seed_in_forward": rng.SeedInForward,  # torch.manual_seed(0) in forward: refused
     "fork_rng_draw": rng.ForkRngDraw,  # a draw inside fork_rng: refused
     "generator_seed_in_forward": rng.GeneratorSeedInForward,  # self.g.manual_seed(0): refused

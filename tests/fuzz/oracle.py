@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import traceback
+import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
 import torch
@@ -189,7 +191,56 @@ def step_errors(model: nn.Module, cm: Any, ref: nn.Module, inputs: tuple[torch.T
             errors[f"generator {n} state differs"] = math.inf
     if not torch.equal(got.rng, want.rng):
         errors["global RNG state after the step differs"] = math.inf
+    unchecked = {f"blocks.{i}.{name}" for i, block in enumerate(model.blocks)
+                 for name in block.unchecked_state}
+    want_state = {k: v for k, v in python_state(ref).items() if k not in unchecked}
+    for k, v in python_state(model).items():
+        if k in unchecked:
+            continue
+        errors[f"python state {k}"] = _value_error(v, want_state.pop(k, _ABSENT))
+    errors.update((f"python state {k}", math.inf) for k in want_state)
     return errors
+
+
+_ABSENT = object()
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_STATE_TYPES = (bool, int, float, str, type(None), enum.Enum, tuple, list, dict, torch.Tensor)
+
+
+def python_state(model: nn.Module) -> dict[str, Any]:
+    """The Python values of every module that forward may read or write: attributes of any
+    name (private ones too) holding numbers, flags, strings, enums, containers, tensors kept
+    in plain attributes, and plain objects (a config), by their attributes."""
+    out: dict[str, Any] = {}
+    for n, m in model.named_modules():
+        for k, v in vars(m).items():
+            if k in _MODULE_INTERNALS or k.startswith("__"):
+                continue
+            if isinstance(v, _STATE_TYPES):
+                out[f"{n or 'root'}.{k}"] = v
+            elif is_dataclass(v) or isinstance(v, types.SimpleNamespace):
+                out[f"{n or 'root'}.{k}"] = dict(vars(v))
+    return out
+
+
+def _value_error(got: Any, want: Any) -> float:
+    """0 for equal Python values (tensors to rounding: ``rel_err`` with the value floor),
+    inf for anything else: another type, structure or value."""
+    if type(got) is not type(want):
+        return math.inf
+    if isinstance(want, torch.Tensor):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return math.inf
+        return rel_err(got.detach(), want.detach(), SCALE_FLOOR)
+    if isinstance(want, (tuple, list)):
+        if len(got) != len(want):
+            return math.inf
+        return max((_value_error(a, b) for a, b in zip(got, want)), default=0.0)
+    if isinstance(want, dict):
+        if list(got) != list(want):
+            return math.inf
+        return max((_value_error(got[k], want[k]) for k in want), default=0.0)
+    return 0.0 if got == want else math.inf
 
 
 def _sgd(model: nn.Module) -> None:

@@ -151,3 +151,54 @@ class HookInPlaceOutput(WithLinear):
 
     def forward(self, h, x):
         return h + torch.tanh(self.lin(h)), None, None
+
+
+class GeneratorInPlaceAlias(WithLinear):
+    """``noise = h.new_zeros(h.shape); noise.normal_(generator=self.g)``: the fill's result
+    unused, the filled tensor read through its first name."""
+
+    seed = 10
+
+    def forward(self, h, x):
+        noise = h.new_zeros(h.shape)
+        noise.normal_(generator=self.g)
+        return h + torch.tanh(self.lin(h)) * (1 + 0.1 * noise), None, None
+
+
+class GlobalInPlace(WithLinear):
+    """``h.new_empty(h.size(0), 1).bernoulli_(0.5)``: an in-place fill from torch's global
+    generator (a per-sample mask), returned."""
+
+    def forward(self, h, x):
+        mask = h.new_empty(h.size(0), 1).bernoulli_(0.5)
+        return h + torch.tanh(self.lin(h)) * mask, mask, None
+
+
+class GeneratorInPlaceLike(WithLinear):
+    """``torch.empty_like(h).normal_(generator=self.g)``: the fill of a tensor shaped like h."""
+
+    seed = 11
+
+    def forward(self, h, x):
+        noise = torch.empty_like(h).normal_(generator=self.g)
+        return h + torch.tanh(self.lin(h)) + 0.1 * noise, None, None
+
+
+class GeneratorRandint(WithLinear):
+    """``torch.randint(0, 3, (B, 1), generator=self.g)``: an integer draw per sample, used as
+    a scale and returned."""
+
+    seed = 12
+
+    def forward(self, h, x):
+        k = torch.randint(0, 3, (h.size(0), 1), generator=self.g)
+        return h + torch.tanh(self.lin(h)) * (1 + 0.1 * k.to(h.dtype)), k, None
+
+
+class GlobalMask(WithLinear):
+    """``torch.rand(B, 1) < 0.5`` from the global generator: a per-sample keep mask (a drop
+    path's shape), returned."""
+
+    def forward(self, h, x):
+        keep = torch.rand(h.size(0), 1, dtype=h.dtype) < 0.5
+        return h + torch.tanh(self.lin(h)) * keep.to(h.dtype), keep, None

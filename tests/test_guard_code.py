@@ -1,0 +1,141 @@
+"""The guards as one function (``passes/guard_code.py``): never looser than the guards.
+
+Every guard kind a capture records (a plain value, a tensor by identity, a container or
+config object by its fingerprint, a global, a method that must not be shadowed) is held
+on an object, changed in each way a user changes it, and after each change the fast check
+must say "holds" only where ``failed_guard`` finds that every guard holds; unchanged, it
+must say "holds", walking the kinds it knows itself (else it would cost as much as before).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import enum
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from mbcompile.passes.guard_code import _walker, fast_check
+from mbcompile.passes.guard_values import fingerprint
+from mbcompile.passes.guards import MISSING, Guard, NumberInput, failed_guard
+
+
+class Mode(enum.Enum):
+    SOFT = 1
+    HARD = 2
+
+
+@dataclass
+class Config:
+    beta: float = 0.5
+    sizes: tuple[int, ...] = (2, 3)
+
+
+Point = collections.namedtuple("Point", "x y")
+TENSOR = torch.zeros(3)
+
+#: name -> the value held at capture; walked: whether the fast check alone says "holds"
+VALUES: dict[str, tuple[Any, bool]] = {
+    "flags": ({"clip": False, "scale": True, "mode": Mode.SOFT}, True),
+    "nested": ({"a": {"b": [1, 2.0, "x"]}, "c": (None, 3)}, True),
+    "list": ([1, 2, 3], True),
+    "config": (Config(), True),
+    "namespace": (types.SimpleNamespace(p=0.1, on=True), True),
+    "empty": ({}, True),
+    "shared": ({"a": [1], "b": None}, True),
+    "ordered": (collections.OrderedDict(a=1), True),  # walked, but not a dict: the guard says
+    "named": (Point(1, 2), False),
+    "with_tensor": ({"t": TENSOR}, False),  # an identity in the image
+    "set": ({1, 2}, False),
+    "set_of_tuples": ({(1,), (2, 3)}, False),
+}
+
+#: how a user changes a container: each leaves the value changed, or equal but another
+#: object, type or order (where the fingerprint compares by value, equal may hold)
+CHANGES: list[Callable[[Any], Any]] = [
+    lambda v: v,  # unchanged
+    copy.deepcopy,  # an equal copy
+    lambda v: {**v, "new": 1} if isinstance(v, dict) else v,
+    lambda v: {k: v[k] for k in reversed(list(v))} if isinstance(v, dict) else v,  # order
+    lambda v: {k: (1 if x is True else x) for k, x in v.items()} if isinstance(v, dict) else v,
+    lambda v: {k: torch.ones(2) for k in v} if isinstance(v, dict) else v,  # tensors' ==
+    lambda v: collections.OrderedDict(v) if isinstance(v, dict) else v,
+    lambda v: tuple(v) if isinstance(v, list) else v,
+    lambda v: [*v, 4] if isinstance(v, list) else v,
+    lambda v: _set_attr(v, "beta", 0.25),
+    lambda v: _set_attr(v, "p", 0.1 + 1e-9),
+    lambda v: _share(v),
+    lambda v: {("tuple", (1,)), ("tuple", (2, 3))} if isinstance(v, set) else v,  # its image
+]
+
+
+def _set_attr(v: Any, name: str, value: Any) -> Any:
+    if hasattr(v, "__dict__") and name in vars(v):
+        v = copy.copy(v)
+        setattr(v, name, value)
+    return v
+
+
+def _share(v: Any) -> Any:
+    """The same list under two keys: the fingerprint meets it twice (an identity)."""
+    if isinstance(v, dict) and "a" in v and isinstance(v["a"], list):
+        return {**v, "b": v["a"]}
+    return v
+
+
+def _fast_never_looser(guards: list[Guard]) -> bool:
+    said = fast_check(guards)()
+    truth = failed_guard(guards) is None
+    assert not said or truth, "the fast check says a failed guard holds"
+    return said
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_a_container_guard(name):
+    value, walked = VALUES[name]
+    for i, change in enumerate(CHANGES):
+        holder = types.SimpleNamespace(x=value)
+        guard = Guard(holder, "x", value, contents=fingerprint(value)[0])
+        holder.x = change(copy.deepcopy(value) if i else value)
+        said = _fast_never_looser([guard])
+        if i == 0:
+            assert said, f"{name} unchanged"
+    # the kinds it does not walk are asked of the guard itself (as fast as before, no faster)
+    assert (_walker(fingerprint(value)[0]) is not None) == walked
+
+
+@pytest.mark.parametrize("value", [1.0, 1, True, "s", None, Mode.SOFT, (1, 2.0), MISSING])
+def test_a_plain_value_guard(value):
+    for now in [value, 1.0, 1, True, 0, "s", None, Mode.HARD, (1, 2.0), (1, 2), MISSING,
+                torch.tensor(1.0)]:
+        holder = types.SimpleNamespace()
+        if now is not MISSING:
+            holder.x = now
+        _fast_never_looser([Guard(holder, "x", value)])
+    holder = types.SimpleNamespace(x=value)
+    if value is not MISSING:
+        assert fast_check([Guard(holder, "x", value)])()
+
+
+def test_identity_items_fed_numbers_and_many_guards_at_once():
+    holder = types.SimpleNamespace(t=TENSOR, n=0.5)
+    space = {"SCALE": 2.0}
+    feeds = NumberInput(0.5)
+    guards = [Guard(holder, "t", TENSOR, identity=True),
+              Guard(space, "SCALE", 2.0, item=True, where="the global SCALE"),
+              Guard(holder, "n", 0.5, feeds=feeds),
+              Guard(holder, "method", MISSING, identity=True)]
+    assert fast_check(guards)()
+    holder.n = 0.75  # a fed number: any float holds, and is fed
+    assert _fast_never_looser(guards) and feeds.value == 0.75
+    for change in [lambda: setattr(holder, "t", TENSOR.clone()),
+                   lambda: space.update(SCALE=3.0), lambda: setattr(holder, "n", 1),
+                   lambda: setattr(holder, "method", print)]:
+        change()
+        assert not _fast_never_looser(guards)
+    assert fast_check([])()
