@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from mbcompile.dynamic_shapes import symbolic_reason
 from mbcompile.errors import (
     BatchSizeWarning,
     CompileOnlyError,
@@ -256,7 +257,9 @@ class CompiledModule(ModelFace, nn.Module):
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:
                 return self._for_keywords(through, args, kwargs)(*args, **kwargs)
-        bound, values, batch = self._checked(args, kwargs)
+        bound, values, batch, varying = self._checked(args, kwargs)
+        if varying:  # dynamic="auto": a length changed, so compile once with it symbolic
+            return self._for_shapes(varying)(*args, **kwargs)
         if self.rank is None and batch is not None and batch != self.plan.gbs:
             return self._for_batch(batch, bound.arguments)(*args, **kwargs)
         compiled = self._compiled()
@@ -268,10 +271,10 @@ class CompiledModule(ModelFace, nn.Module):
         finally:
             unwatch(watched)
 
-    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> tuple[inspect.BoundArguments, list[Any], int | None]:
-        """The call bound to the compiled signature, its inputs in placeholder order and its
-        batch size; raises ``InputError`` for a call the graphs cannot run."""
+    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The call bound to the compiled signature, its inputs in placeholder order, its
+        batch size and the dims that changed size (``check_layout``); raises ``InputError``
+        for a call the graphs cannot run."""
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -286,7 +289,7 @@ class CompiledModule(ModelFace, nn.Module):
                     "non-tensor arguments are fixed when compiling: compile again with the "
                     "new value")
         batch = batch_size(self._inputs, values)
-        check_layout(self._inputs, values, self._layout)
+        varying = check_layout(self._inputs, values, self._layout, self._request.options.dynamic)
         if self.rank is not None:
             local = self.plan.per_system_batch_sizes[self.rank]
             if batch is not None and batch != local:
@@ -300,7 +303,7 @@ class CompiledModule(ModelFace, nn.Module):
                 f"the batch has {batch} samples but the module was compiled for "
                 f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "
                 f"{self.plan.gbs} samples, or compile with batch_sizes='any'")
-        return bound, values, batch
+        return bound, values, batch, varying
 
     def _call(self, compiled: Lowered, values: list[Any], arguments: dict[str, Any]) -> Any:
         if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned
@@ -344,6 +347,13 @@ class CompiledModule(ModelFace, nn.Module):
             f"a batch of {_samples(batch)}, where {type(self.module).__name__} was compiled "
             f"for gbs={self.plan.gbs}", BatchSizeWarning,
             "compile(..., batch_sizes='fixed') makes another batch size an error")
+
+    def _for_shapes(self, varying: Mapping[str, frozenset[int]]) -> CompiledModule:
+        """The module compiled with the ``varying`` dims symbolic (``for_shapes``), once."""
+        key = ("shapes", frozenset((n, d) for n, dims in varying.items() for d in dims))
+        return self._variants.get(key) or self._variant(
+            key, self._request.for_shapes(varying),
+            *symbolic_reason(self._inputs.names, self._layout, varying))
 
     def _variant(self, key: Any, request: Request, why: str, category: type[Warning],
                  hint: str) -> CompiledModule:
