@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from mbcompile.analysis import analyse
 from mbcompile.compiled_module import CompiledModule, Recompile
-from mbcompile.dynamic_shapes import check_same_step
+from mbcompile.dynamic_shapes import checked_symbolic
 from mbcompile.errors import CaptureError, MbcompileError
 from mbcompile.lowering import Lowered, lower
 from mbcompile.options import signature_with_options
@@ -66,8 +66,9 @@ def _compile_request(request: Request) -> CompiledModule:
         analysed = analyse(request)
         selection = select(request, analysed)
         lowered = lower(request, analysed, selection)
-        check_same_step(request.inputs.symbolic, lowered, functools.partial(
-            _relower, request.at_other_lengths(), selection, False), request.name)
+        # symbolic dims: the step proved the same at another length, bounded where it holds
+        request = checked_symbolic(request, lowered, functools.partial(
+            _relower, selection=selection, checked=False))
     return CompiledModule(request, selection, lowered, Recompile(
         functools.partial(_relower, request, selection), _compile_request))
 
@@ -75,11 +76,11 @@ def _compile_request(request: Request) -> CompiledModule:
 def _relower(request: Request, selection: Selection, checked: bool = True) -> Lowered:
     """The request's graph in the model's current train/eval mode and Python state,
     analysed and lowered again for the same selection; with symbolic dims ``checked``
-    the same at other lengths (``check_same_step``)."""
+    the same at other lengths (``checked_symbolic``)."""
     lowered = lower(request, analyse(request, plan=selection.plan), selection)
     if checked:
-        check_same_step(request.inputs.symbolic, lowered, functools.partial(
-            _relower, request.at_other_lengths(), selection, False), request.name)
+        checked_symbolic(request, lowered, functools.partial(
+            _relower, selection=selection, checked=False), adopt=False)
     return lowered
 
 

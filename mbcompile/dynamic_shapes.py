@@ -9,17 +9,20 @@
 (``"auto"``: none until a call changes one, then that one, once; ``True``: all;
 ``False``: none; a dict: those, with bounds). A symbolic dim is captured symbolic
 (torch.export's ``Dim.DYNAMIC``; a torch.fx trace reads sizes off the tensors already),
-and ``check_same_step`` proves the compiled step does not depend on its value: the
+and ``checked_symbolic`` proves the compiled step does not depend on its value: the
 request goes through the chain again at other lengths (``Request.at_other_lengths``),
 and the two rewritten programs must be the same program, code, side effects and all.
 A model that bakes a length in (a size read off the input used as a number after the
-loop, a random draw shaped by it, a branch on it) lowers differently at the two lengths,
-or fails at one of them: refused with an ``InputError`` that names the padding fix,
-before anything ran.
+loop, a random draw shaped by it, a Python loop over it) lowers differently at the two
+lengths, or fails at one of them: refused with an ``InputError`` that names the padding
+fix, before anything ran. Code that holds for some sizes only (a position table of 16
+rows, a branch on the length), which torch.export's guards record, bounds the dim to
+those sizes, checked on every call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import ArgumentTypeError, InputError, MbcompileError, RecompileWarning
 
-__all__ = ["Bounds", "PAD_FIX", "Symbolic", "check_same_step", "length_step", "resized",
+__all__ = ["Bounds", "PAD_FIX", "Symbolic", "checked_symbolic", "length_step", "resized",
            "symbolic_dims", "symbolic_reason"]
 
 Bounds = tuple[int | None, int | None]  # inclusive (min, max); None: unbounded
@@ -138,31 +141,53 @@ def resized(value: Any, dims: Mapping[int, Bounds], step: int) -> Any:
     return pytree.tree_map(one, value)
 
 
-def check_same_step(symbolic: Symbolic, lowered: Any, at_other_lengths: Callable[[], Any],
-                    model: str) -> None:
-    """Raise ``InputError`` unless the step ``lowered`` (compiled with ``symbolic`` dims) is
-    the program the chain makes at other lengths (``at_other_lengths()``)."""
+def checked_symbolic(request: Any, lowered: Any, relower: Callable[[Any], Any],
+                     adopt: bool = True) -> Any:
+    """``request`` (a ``Request``), whose step is ``lowered``, with each symbolic dim bounded
+    to the sizes the captured code holds for, once the step is proved the same program at
+    another length (``relower(request.at_other_lengths())``); raises ``InputError`` else.
+
+    torch.export's guards narrow a dim to what the code holds for (BERT's position table
+    holds 16 positions: sizes 2 to 16): a dim the request left unbounded takes those bounds
+    (checked on every call), one whose bounds ask for more is refused, as is any
+    narrowing when ``adopt`` is False (a graph lowered again for another mode).
+    """
+    symbolic = request.inputs.symbolic
     if not symbolic:
-        return
+        return request
     dims = ", ".join(f"{n!r} dim {d}" for n, ds in symbolic.items() for d in ds)
-    narrowed = _narrowed(symbolic, lowered.original_graph_module)
-    if narrowed:
-        name, dim, (low, high) = narrowed
-        span = f"{low} and more" if high is None else f"{low} to {high}"
-        raise InputError(_refusal(model, dims, f"the captured code only holds for sizes "
-                                  f"{span} of {name!r} dim {dim} (a branch or a check "
-                                  "on it); give those bounds, dynamic={"
-                                  f"{name!r}: {{{dim}: ({low}, {high})}}}}, to compile it "
-                                  "for them"))
+    bounded = {n: dict(ds) for n, ds in symbolic.items()}
+    for (name, dim), (lower, upper) in _held(symbolic, lowered.original_graph_module).items():
+        low, high = symbolic[name][dim]
+        raise_low = lower is not None and lower > max(low or 2, 2)
+        cut_high = upper is not None and (high is None or upper < high)
+        if not (raise_low or cut_high):
+            continue
+        if not adopt or low is not None or high is not None:
+            span = (max(lower or 2, 2), upper)
+            raise InputError(_refusal(request.name, dims, f"the captured code only holds for "
+                                      f"sizes {_span(*span)} of {name!r} dim {dim} (a branch "
+                                      f"or a check on it), where dynamic= asks for "
+                                      f"{_span(low or 1, high)}; give bounds it holds, "
+                                      f"dynamic={{{name!r}: {{{dim}: {span}}}}}"))
+        bounded[name][dim] = (lower if raise_low else low, upper if cut_high else high)
+    if bounded != symbolic:
+        request = dataclasses.replace(request, inputs=dataclasses.replace(
+            request.inputs, symbolic=bounded))
     try:
-        other = at_other_lengths()
+        other = relower(request.at_other_lengths())
     except MbcompileError as exc:
-        raise InputError(_refusal(model, dims, f"at another length it cannot be compiled: "
-                                  f"{exc}")) from exc
+        raise InputError(_refusal(request.name, dims, f"at another length it cannot be "
+                                  f"compiled: {exc}")) from exc
     first, second = _program(lowered), _program(other)
     if first != second:
-        raise InputError(_refusal(model, dims, "the compiled step is not the same program "
-                                  f"at two lengths: {_difference(first, second)}"))
+        raise InputError(_refusal(request.name, dims, "the compiled step is not the same "
+                                  f"program at two lengths: {_difference(first, second)}"))
+    return request
+
+
+def _span(low: int, high: int | None) -> str:
+    return f"{low} and more" if high is None else f"{low} to {high}"
 
 
 def symbolic_reason(names: Sequence[str], layout: Sequence[Any],
@@ -179,25 +204,22 @@ def symbolic_reason(names: Sequence[str], layout: Sequence[Any],
             "start; dynamic=False makes it an error")
 
 
-def _narrowed(symbolic: Symbolic, gm: fx.GraphModule
-              ) -> tuple[str, int, tuple[int, int | None]] | None:
-    """A symbolic dim whose sizes torch.export's trace narrowed (its guards, which
-    mbcompile does not keep: ``if n > 4`` holds only for sizes from 5) to less than the
-    bounds allow: (input, dim, the sizes the code holds for); None when none is."""
+def _held(symbolic: Symbolic, gm: fx.GraphModule) -> dict[tuple[str, int], tuple[Any, Any]]:
+    """The sizes each symbolic dim's symbol holds for in torch.export's trace (its guards,
+    which mbcompile does not keep: ``if n > 4`` holds from 5): (input, dim) -> (lowest,
+    highest), None where unbounded; dims a torch.fx trace captured hold for every size."""
+    held = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val") if node.op == "placeholder" else None
         if node.target not in symbolic or not isinstance(val, torch.Tensor):
             continue
-        for dim, (low, high) in symbolic[node.target].items():
+        for dim in symbolic[node.target]:
             size = val.shape[dim] if dim < val.dim() else None
-            if not isinstance(size, torch.SymInt):
-                continue
-            held = size.node.shape_env.bound_sympy(size.node.expr)
-            lower, upper = _int_or_none(held.lower), _int_or_none(held.upper)
-            if (lower or 0) > max(low or 2, 2) or (
-                    upper is not None and (high is None or upper < high)):
-                return str(node.target), dim, (max(lower or 2, 2), upper)
-    return None
+            if isinstance(size, torch.SymInt):
+                bounds = size.node.shape_env.bound_sympy(size.node.expr)
+                held[(str(node.target), dim)] = (_int_or_none(bounds.lower),
+                                                 _int_or_none(bounds.upper))
+    return held
 
 
 def _int_or_none(bound: Any) -> int | None:

@@ -268,8 +268,8 @@ def _check_bounds(name: str, t: torch.Tensor, free: Mapping[int, Any]) -> None:
                               or (high is not None and t.shape[dim] > high)):
             raise InputError(
                 f"input {name} has size {t.shape[dim]} in dim {dim}, outside the bounds "
-                f"{(low, high)} it was compiled for (dynamic=); pad it into them, or compile "
-                "with wider bounds")
+                f"{(low, high)} it was compiled for (dynamic=, or the sizes the model's code "
+                "holds for, such as its position table's); pad or cut it into them")
 
 
 def _layout_error(name: str, t: Any, d: int | None, want: tuple[Any, ...] | None,

@@ -159,7 +159,7 @@ class Request:
 
     def at_other_lengths(self) -> Request:
         """This request with its example resized along each symbolic dim (``resized``):
-        what ``check_same_step`` compiles to prove the step holds for every length."""
+        what ``checked_symbolic`` compiles to prove the step holds for every length."""
         symbolic = self.inputs.symbolic
         step = length_step([(t.shape[d], bounds) for n, dims in symbolic.items()
                             for t in pytree.tree_leaves(self.example[n])

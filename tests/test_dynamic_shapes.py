@@ -278,8 +278,6 @@ class PositionTableNet(nn.Module):
 REFUSALS: dict[str, tuple[Callable[[], nn.Module], type[Exception], str]] = {
     "a number baked in after the loop": (SeqNormNet, InputError,
                                          "not the same program at two lengths: `mul = "),
-    "a branch on the length": (BranchNet, InputError,
-                               r"only holds for sizes 5 and more.*dynamic=\{'x': \{1: \(5, "),
     "a Python loop over the length": (LoopNet, CaptureError,
                                       "input 'x' dim 1 symbolic.*only works for size 5"),
     "a table sliced to one length": (PositionTableNet, InputError,
@@ -299,6 +297,24 @@ def test_a_model_that_bakes_a_length_in_is_refused_and_nothing_changes(kind):
     assert "pad_to_multiple_of=" in str(err.value) and "dynamic=False" in str(err.value)
     model.zero_grad(set_to_none=True)
     assert_close_errors(step_errors(model, cm, (x,)), TOL)  # the example's length still runs
+
+
+def test_a_branch_on_the_length_bounds_the_dim_to_the_sizes_it_holds_for():
+    """torch.export keeps ``int(x.shape[1])`` symbolic and guards the branch (n > 4): the
+    step holds from length 5, so the dim is bounded there, checked on every call; bounds
+    that ask for more are refused."""
+    torch.manual_seed(0)
+    model = BranchNet().to(DTYPE)
+    x = torch.randn(GBS, 5, 3, dtype=DTYPE)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=(x,), cost_model=False)
+    _steps(model, cm, [(torch.randn(GBS, n, 3, dtype=DTYPE),) for n in (7, 5, 9)])
+    with unchanged(model, cm), pytest.raises(InputError, match=r"size 4 in dim 1, outside the "
+                                             r"bounds \(5, None\)"):
+        cm(torch.randn(GBS, 4, 3, dtype=DTYPE))
+    with pytest.raises(InputError, match=r"only holds for sizes 5 and more of 'x' dim 1.*asks "
+                                         r"for 1 to 64.*dynamic=\{'x': \{1: \(5, None\)\}\}"):
+        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=(x,), cost_model=False,
+                          dynamic={"x": {1: (1, 64)}})
 
 
 # --------------------------------------------------------------------------- #
