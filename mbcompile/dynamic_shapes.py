@@ -1,8 +1,8 @@
 """Dims that vary between calls: which are symbolic, and the proof that the step is one.
 
->>> symbolic_dims({"input_ids": {1: (1, 512)}}, inputs, values)
+>>> symbolic_dims({"input_ids": {1: (1, 512)}}, names, in_dims, example)
 {'input_ids': {1: (1, 512)}}
->>> symbolic_dims(True, inputs, values)       # every non-batch dim of a batched tensor
+>>> symbolic_dims(True, names, in_dims, example)  # every non-batch dim of a batched tensor
 {'input_ids': {1: (None, None)}, 'labels': {1: (None, None)}}
 
 ``compile(..., dynamic=...)`` says which non-batch dims may change between calls
