@@ -85,23 +85,26 @@ def _dims_of(t: Any, dim: int | None, batch: Any, free: Mapping[int, Any]) -> An
     return dims or None
 
 
-_SPECIALISED = re.compile(r"specialized it to be a constant \((\d+)\)")
-_WHICH_DIM = re.compile(r"\['(\w+)'\][^ ]*?\.size\(\)\[(\d+)\]")
+_SPECIALISED_DIM = re.compile(r"\['(\w+)'\]\S*?\.size\(\)\[(\d+)\] as dynamic but your code "
+                             r"specialized it to be a constant \((\d+)\)")
 
 
 def length_baked_in(model: torch.nn.Module, text: str, in_dims: Mapping[str, int | None]
                     ) -> CaptureError | None:
-    """The refusal of an export that specialised a non-batch dim marked dynamic (``text``:
+    """The refusal of an export that specialised non-batch dims marked dynamic (``text``:
     export's error), or None when the error is about something else."""
-    baked, which = _SPECIALISED.search(text), _WHICH_DIM.search(text)
-    if not (baked and which) or in_dims.get(which.group(1)) == int(which.group(2)):
+    found = [(name, int(dim), size) for name, dim, size in _SPECIALISED_DIM.findall(text)
+             if in_dims.get(name) != int(dim)]
+    if not found:
         return None
+    dims = ", ".join(f"input {name!r} dim {dim} (size {size})" for name, dim, size in found)
     return CaptureError(
-        f"torch.export could not capture {type(model).__name__}.forward with input "
-        f"{which.group(1)!r} dim {which.group(2)} symbolic (it varies between calls): "
-        f"the code only works for size {baked.group(1)} there (a size read off the input "
-        "used as a Python number, a table sliced to a fixed length, a branch or a reshape "
-        "with that size), so one compiled step cannot run the other sizes.\n"
-        "  Fix: pad every batch to one length (the tokenizer's padding='max_length'), or to "
-        "a multiple the model works with (pad_to_multiple_of= in the collator), and compile "
-        "with dynamic=False; or derive the size from the input (x.size(1)).")
+        f"torch.export could not capture {type(model).__name__}.forward with {dims} symbolic "
+        "(varying between calls): the code only works for that size there (a size read off "
+        "the input used as a Python number, a loop over it, a layer that needs that many "
+        "features, a reshape with that size), so one compiled step cannot run the other "
+        "sizes.\n"
+        "  Fix: name only the dims that vary, dynamic={input: {dim: (min, max)}} (dynamic=True "
+        "makes every non-batch dim symbolic, features too); or pad every batch to one length "
+        "(the tokenizer's padding='max_length'), or to a multiple the model works with "
+        "(pad_to_multiple_of= in the collator), and compile with dynamic=False.")

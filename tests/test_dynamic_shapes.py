@@ -279,7 +279,7 @@ REFUSALS: dict[str, tuple[Callable[[], nn.Module], type[Exception], str]] = {
     "a number baked in after the loop": (SeqNormNet, InputError,
                                          "not the same program at two lengths: `mul = "),
     "a Python loop over the length": (LoopNet, CaptureError,
-                                      "input 'x' dim 1 symbolic.*only works for size 5"),
+                                      r"input 'x' dim 1 \(size 5\) symbolic.*only works for that size"),
     "a table sliced to one length": (PositionTableNet, InputError,
                                      "at another length it cannot be compiled"),
 }
