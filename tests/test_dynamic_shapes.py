@@ -263,6 +263,19 @@ class LoopNet(nn.Module):
         return (total ** 2).mean()
 
 
+class UnequalNet(nn.Module):
+    """Branches on the length being other than 16: export's guard ``Ne(n, 16)`` is no
+    range, so no bound can hold the step to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return (h ** 2).mean() if int(x.shape[1]) != 16 else h.sum()
+
+
 class PositionTableNet(nn.Module):
     """Adds a position table sliced to a fixed length: any other length fails."""
 
@@ -279,7 +292,9 @@ REFUSALS: dict[str, tuple[Callable[[], nn.Module], type[Exception], str]] = {
     "a number baked in after the loop": (SeqNormNet, InputError,
                                          "not the same program at two lengths: `mul = "),
     "a Python loop over the length": (LoopNet, CaptureError,
-                                      r"input 'x' dim 1 \(size 5\) symbolic.*only works for that size"),
+                                      r"input 'x' dim 1 \(size 5\) symbolic.*only works"),
+    "a size unequal to a constant": (UnequalNet, InputError,
+                                     r"only holds where Ne\(s\d+, 16\)"),
     "a table sliced to one length": (PositionTableNet, InputError,
                                      "at another length it cannot be compiled"),
 }
