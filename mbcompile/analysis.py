@@ -224,7 +224,8 @@ def _capture(model: nn.Module, request: Request) -> CaptureResult:
     dims = dict(zip(request.inputs.names, request.inputs.in_dims))
 
     def exported(module: nn.Module) -> CaptureResult:
-        return export_capture(module, dict(request.example), dims, fx_error=fx_error)
+        return export_capture(module, dict(request.example), dims, fx_error=fx_error,
+                              symbolic=request.inputs.symbolic)
 
     units = fsdp_modules(model)
     if units:  # FSDP2's shards: exported as stand-ins, each unit's call between markers
@@ -290,7 +291,8 @@ def _export_instead(model: nn.Module, request: Request) -> CaptureResult | Captu
     """The torch.export capture, or the error that says why export cannot capture it."""
     try:
         return export_capture(model, dict(request.example),
-                              dict(zip(request.inputs.names, request.inputs.in_dims)))
+                              dict(zip(request.inputs.names, request.inputs.in_dims)),
+                              symbolic=request.inputs.symbolic)
     except CaptureError as exc:
         return exc
 

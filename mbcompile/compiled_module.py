@@ -51,7 +51,7 @@ from mbcompile.planning.precision import ambient_precision
 from mbcompile.reports.report import render
 from mbcompile.request import Request, device_type
 from mbcompile.selection import Selection
-from mbcompile.variants import for_batch, for_keywords
+from mbcompile.variants import for_batch, for_keywords, for_shapes
 
 __all__ = ["CompiledModule", "Recompile"]
 
@@ -261,7 +261,9 @@ class CompiledModule(ModelFace, nn.Module):
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:
                 return for_keywords(self, through, args, kwargs)(*args, **kwargs)
-        bound, values, batch = self._checked(args, kwargs)
+        bound, values, batch, varying = self._checked(args, kwargs)
+        if varying:  # dynamic="auto": a length changed, so compile once with it symbolic
+            return for_shapes(self, varying)(*args, **kwargs)
         if self.rank is None and batch is not None and batch != self.plan.gbs:
             return for_batch(self, batch, bound.arguments)(*args, **kwargs)
         compiled = self._compiled()
@@ -273,10 +275,10 @@ class CompiledModule(ModelFace, nn.Module):
         finally:
             unwatch(watched)
 
-    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> tuple[inspect.BoundArguments, list[Any], int | None]:
-        """The call bound to the compiled signature, its inputs in placeholder order and its
-        batch size; raises ``InputError`` for a call the graphs cannot run."""
+    def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The call bound to the compiled signature, its inputs in placeholder order, its
+        batch size and the dims that changed size (``check_layout``); raises ``InputError``
+        for a call the graphs cannot run."""
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -291,7 +293,7 @@ class CompiledModule(ModelFace, nn.Module):
                     "non-tensor arguments are fixed when compiling: compile again with the "
                     "new value")
         batch = batch_size(self._inputs, values)
-        check_layout(self._inputs, values, self._layout)
+        varying = check_layout(self._inputs, values, self._layout, self._request.options.dynamic)
         if self.rank is not None:
             local = self.plan.per_system_batch_sizes[self.rank]
             if batch is not None and batch != local:
@@ -305,7 +307,7 @@ class CompiledModule(ModelFace, nn.Module):
                 f"the batch has {batch} samples but the module was compiled for "
                 f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "
                 f"{self.plan.gbs} samples, or compile with batch_sizes='any'")
-        return bound, values, batch
+        return bound, values, batch, varying
 
     def _call(self, compiled: Lowered, values: list[Any], arguments: dict[str, Any]) -> Any:
         if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned

@@ -24,6 +24,7 @@ import torch.nn as nn
 from mbcompile.analysis import analyse
 from mbcompile.captures import Captures
 from mbcompile.compiled_module import CompiledModule, Recompile
+from mbcompile.dynamic_shapes import checked_symbolic
 from mbcompile.errors import CaptureError, MbcompileError
 from mbcompile.integrations.transformers import trainer_keywords
 from mbcompile.lowering import Lowered, lower
@@ -67,6 +68,9 @@ def _compile_request(request: Request) -> CompiledModule:
         analysed = captures.analysed(request)
         selection = select(request, analysed)
         lowered = lower(request, analysed, selection)
+        # symbolic dims: the step proved the same at another length, bounded where it holds
+        request = checked_symbolic(request, lowered, functools.partial(
+            _captured_afresh, selection=selection))
     return _module(request, selection, lowered, captures)
 
 
@@ -96,14 +100,27 @@ def _variant(origin: Request, first: Selection, captures: Captures, request: Req
         else:
             selection = select(request, analysed, prior=first)
         lowered = lower(request, analysed, selection)
+        request = checked_symbolic(request, lowered, functools.partial(
+            _captured_afresh, selection=selection))
     return _module(request, selection, lowered, captures)
 
 
 def _relower(request: Request, selection: Selection, captures: Captures) -> Lowered:
     """The request's graph in the model's current train/eval mode and Python state
     (captured once per state, for the module and its variants), lowered again for the
-    same selection."""
-    return lower(request, captures.analysed(request, plan=selection.plan), selection)
+    same selection; with symbolic dims checked the same at other lengths."""
+    lowered = lower(request, captures.analysed(request, plan=selection.plan), selection)
+    # symbolic dims: the graph of the new mode holds at another length too
+    checked_symbolic(request, lowered, functools.partial(
+        _captured_afresh, selection=selection), adopt=False)
+    return lowered
+
+
+def _captured_afresh(request: Request, selection: Selection) -> Lowered:
+    """``request``'s graph captured anew (never from the cache, whose symbolic capture
+    would prove nothing) and lowered for ``selection``: ``checked_symbolic``'s other
+    length."""
+    return lower(request, analyse(request, plan=selection.plan), selection)
 
 
 def _validate(request: Request) -> Validation:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +34,10 @@ class Inputs:
     names: tuple[str, ...]  # forward's parameters, in order
     in_dims: tuple[int | None, ...]  # batch dim per parameter (None: unbatched)
     concrete: Mapping[str, Any]  # non-tensor arguments fixed at compile time
-
+    #: non-batch dims that may vary between calls (``dynamic_shapes.py``): input name ->
+    #: dim -> inclusive (min, max) bounds, None where unbounded
+    symbolic: Mapping[str, Mapping[int, tuple[int | None, int | None]]] = field(
+        default_factory=dict)
 
 
 
@@ -195,26 +198,38 @@ def tokens_per_sample(inputs: Inputs, values: Mapping[str, Any]) -> int | None:
 
 
 def input_layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
-    """Per input: its pytree structure and its tensors' shapes, the batch dim left out."""
+    """Per input: its pytree structure and its tensors' shapes, the batch dim left out
+    (None) and symbolic dims marked ``ANY``."""
     out = []
-    for value, d in zip(values, inputs.in_dims):
+    for name, value, d in zip(inputs.names, values, inputs.in_dims):
         leaves, spec = pytree.tree_flatten(value)
-        out.append((spec, tuple(_shape(t, d) for t in leaves)))
+        free = inputs.symbolic.get(name, {})
+        out.append((spec, tuple(_shape(t, d, free) for t in leaves)))
     return tuple(out)
 
 
-def _shape(t: Any, d: int | None) -> tuple[int | None, ...] | None:
+#: How a layout marks a symbolic dim: any size fits.
+ANY = "any"
+
+
+def _shape(t: Any, d: int | None, free: Mapping[int, Any] = {}  # noqa: B006 - read only
+           ) -> tuple[int | str | None, ...] | None:
     if not isinstance(t, torch.Tensor):
         return None
-    return tuple(None if i == d else s for i, s in enumerate(t.shape))
+    return tuple(None if i == d else ANY if i in free else s for i, s in enumerate(t.shape))
 
 
-def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
-    """Raise ``InputError`` unless every input is nested and shaped like the example.
+def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
+                 dynamic: Any = False) -> dict[str, frozenset[int]]:
+    """Raise ``InputError`` unless every input is nested and shaped like the example, and
+    its symbolic dims within their bounds.
 
-    Shapes other than the batch dim are fixed at compile time: the rewritten graph
-    holds sizes computed from them (``x.size(0) * x.size(1)`` after the loop).
+    With ``dynamic="auto"``, a call that differs from the example only in the sizes of
+    non-batch dims returns those dims by input (the module compiles once with them
+    symbolic: ``Request.for_shapes``) instead; empty when the call fits as it is. Other
+    shapes are fixed at compile time: the graph may hold sizes computed from them.
     """
+    varying: dict[str, set[int]] = {}
     for name, value, d, (spec, shapes) in zip(inputs.names, values, inputs.in_dims, layout):
         if name in inputs.concrete:
             continue  # compared by value already
@@ -227,12 +242,38 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...])
                     f"input {name!r} is nested differently from the example ({got} instead "
                     f"of {spec}); pass the same structure (keys, lengths) or compile again "
                     "with an example of this one")
+        free = inputs.symbolic.get(name, {})
         for (path, t), want in zip(found, shapes):
-            if _shape(t, d) != want:
-                raise InputError(_layout_error(leaf_name(name, path), t, d, want))
+            have = _shape(t, d, free)
+            if have == want:
+                _check_bounds(leaf_name(name, path), t, free)
+                continue
+            dims = _sizes_differ(have, want)
+            if dynamic != "auto" or not dims:
+                raise InputError(_layout_error(leaf_name(name, path), t, d, want, dynamic))
+            varying.setdefault(name, set()).update(dims)
+    return {n: frozenset(ds) for n, ds in varying.items()}
 
 
-def _layout_error(name: str, t: Any, d: int | None, want: tuple[int | None, ...] | None) -> str:
+def _sizes_differ(have: Any, want: Any) -> tuple[int, ...]:
+    """The non-batch dims whose sizes differ, when nothing else does (same rank)."""
+    if have is None or want is None or len(have) != len(want) or not have:
+        return ()
+    return tuple(i for i, (a, b) in enumerate(zip(have, want)) if a != b)
+
+
+def _check_bounds(name: str, t: torch.Tensor, free: Mapping[int, Any]) -> None:
+    for dim, (low, high) in free.items():
+        if dim < t.dim() and ((low is not None and t.shape[dim] < low)
+                              or (high is not None and t.shape[dim] > high)):
+            raise InputError(
+                f"input {name} has size {t.shape[dim]} in dim {dim}, outside the bounds "
+                f"{(low, high)} it was compiled for (dynamic=, or the sizes the model's code "
+                "holds for, such as its position table's); pad or cut it into them")
+
+
+def _layout_error(name: str, t: Any, d: int | None, want: tuple[Any, ...] | None,
+                  dynamic: Any = False) -> str:
     """Why one input leaf does not fit the compiled graph, never two equal shapes side by
     side: a tensor where the example had none (or the reverse), a scalar, another shape."""
     fix = "compile again with an example call like this one"
@@ -248,12 +289,20 @@ def _layout_error(name: str, t: Any, d: int | None, want: tuple[int | None, ...]
         was = scalar if not want else f"a tensor of shape {_shown(want)} (B: the batch dim)"
         return (f"input {name} is {now} where the example passed {was}; a scalar is "
                 f"passed whole to every microbatch, a batched input split: {fix}")
+    if len(want) != t.dim():
+        return (f"input {name} has shape {_shown(_shape(t, d))} but the example had "
+                f"{_shown(want)} (B: the batch dim): another number of dims: {fix}")
+    how = ("compiled with dynamic=False, which fixes shapes other than the batch dim"
+           if dynamic is False else "that dim is not symbolic in dynamic=" + repr(dynamic)
+           if dynamic != "auto" else "shapes other than the batch dim are fixed")
     return (f"input {name} has shape {_shown(_shape(t, d))} but the example had "
-            f"{_shown(want)} (B: the batch dim); shapes other than the batch dim are fixed "
-            f"at compile time: {fix}")
+            f"{_shown(want)} (B: the batch dim); {how}. Fix: compile with dynamic='auto' "
+            "(the default: a dim that changes becomes symbolic, once) or name the dim in "
+            "dynamic={input: {dim: (min, max)}}; pad every batch to the example's length; "
+            f"or {fix}")
 
 
-def _shown(shape: tuple[int | None, ...] | None) -> tuple[int | str, ...]:
+def _shown(shape: tuple[Any, ...] | None) -> tuple[int | str, ...]:
     return tuple("B" if s is None else s for s in shape or ())
 
 

@@ -85,7 +85,7 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
     bound = ops.bind(rewritten, bindings(request.options.backend, channels,
                                          plan.per_system_batch_sizes))
     if request.torch_compile is not None:
-        _torch_compile_parts(bound, request.torch_compile)
+        _torch_compile_parts(bound, {**_static(request), **request.torch_compile})
     splits = plan.num_nonempty_microbatches > 1
     return Lowered(bound, gm, captured.output_spec, splits and not analysed.analysis.fused,
                    channels, analysed.analysis, analysed.state, captured.guards, captured.effects)
@@ -104,10 +104,16 @@ def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
                                      [b - a for a, b in slices])
     joint = None
     if request.torch_compile is not None:  # what a training step runs per microbatch
-        joint = joint_step(rewritten.body, {"dynamic": False, **request.torch_compile})
+        joint = joint_step(rewritten.body, {**_static(request), **request.torch_compile})
     return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync,
                       step_seed(rewritten, analysed.analysis.loss_outputs),
                       request.options.nonfinite)
+
+
+def _static(request: Request) -> dict[str, Any]:
+    """torch.compile's ``dynamic``: static shapes, but automatic (a dim that changes is
+    made dynamic at its first recompile) where dims vary between calls (``dynamic=``)."""
+    return {"dynamic": None if request.inputs.symbolic else False}
 
 
 def _torch_compile_parts(gm: fx.GraphModule, options: Mapping[str, Any]) -> None:

@@ -75,6 +75,9 @@ class CompileOptions:
     cost_model: bool = _option(True, "False: planned without the cost model's probes")
     batch_sizes: str = _option("any", "'any' (another batch size is planned on first sight) "
                                       "or 'fixed'")
+    dynamic: Any = _option("auto", "non-batch dims that may vary between calls: 'auto' "
+                                   "(symbolic from the first change), True (all), False "
+                                   "(fixed), or {input: {dim: (min, max)}}")
     optimizer: Any = _option(None, "the optimizer (or its name) the plan sizes its state for")
     shard: str | None = _option(None, "'fsdp': plan FSDP2 over num_csx ranks, compile-only")
     precision: str = _option("auto", "the autocast the step runs under, as the plan sizes "

@@ -13,17 +13,26 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
+from mbcompile.dynamic_shapes import length_step, resized, symbolic_dims
 from mbcompile.errors import ArgumentTypeError, InputError, PlanError
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.world import resolve_backend
-from mbcompile.inputs import Inputs, bind_example, keywords_through, with_keywords
+from mbcompile.inputs import (
+    Inputs,
+    bind_example,
+    check_layout,
+    input_layout,
+    keywords_through,
+    with_keywords,
+)
 from mbcompile.options import CompileOptions
 from mbcompile.passes.capture import fsdp_modules, gathered_dtypes
 from mbcompile.passes.unwrap import unwrap
@@ -131,7 +140,50 @@ class Request:
         default = in_dims if isinstance(in_dims, int) else 0
         signature, values, inputs = bind_example(self.inner, args, kwargs, known,
                                                  self.options.planning_only, default)
+        inputs = dataclasses.replace(inputs, symbolic=self._symbolic_for(values))
         return dataclasses.replace(self, signature=signature, example=values, inputs=inputs)
+
+    def _symbolic_for(self, values: Mapping[str, Any]) -> dict[str, dict[int, Any]]:
+        """The symbolic dims of a call ``values`` that becomes an example (``for_call``):
+        this request's, and with ``dynamic="auto"`` those where it differs from this
+        example; a dim that differs and may not is this example's ``InputError``."""
+        names = [n for n in self.inputs.names if n in values and n not in self.inputs.concrete]
+        dims = [self.inputs.in_dims[self.inputs.names.index(n)] for n in names]
+        ours = Inputs(tuple(names), tuple(dims), {},
+                      {n: d for n, d in self.inputs.symbolic.items() if n in names})
+        varying = check_layout(ours, [values[n] for n in names],
+                               input_layout(ours, [self.example[n] for n in names]),
+                               self.options.dynamic)
+        return _with_dims(ours.symbolic, varying)
+
+    def for_shapes(self, varying: Mapping[str, Iterable[int]]) -> Request:
+        """This request with the ``varying`` dims (by input) symbolic too: a call changed
+        their sizes (``dynamic="auto"``), so one compiled step must run every size."""
+        inputs = dataclasses.replace(self.inputs,
+                                     symbolic=_with_dims(self.inputs.symbolic, varying))
+        return dataclasses.replace(self, inputs=inputs)
+
+    def at_other_lengths(self) -> Request:
+        """This request with its example resized along each symbolic dim (``resized``):
+        what ``checked_symbolic`` compiles to prove the step holds for every length."""
+        symbolic = self.inputs.symbolic
+        step = length_step([(t.shape[d], bounds) for n, dims in symbolic.items()
+                            for t in pytree.tree_leaves(self.example[n])
+                            if isinstance(t, torch.Tensor)
+                            for d, bounds in dims.items() if d < t.dim()])
+        example = {n: resized(v, symbolic[n], step) if n in symbolic else v
+                   for n, v in self.example.items()}
+        return dataclasses.replace(self, example=example)
+
+
+def _with_dims(symbolic: Mapping[str, Mapping[int, Any]], more: Mapping[str, Iterable[int]]
+               ) -> dict[str, dict[int, Any]]:
+    """``symbolic`` with the dims ``more`` names added, unbounded."""
+    out = {n: dict(dims) for n, dims in symbolic.items()}
+    for name, dims in more.items():
+        for dim in dims:
+            out.setdefault(name, {}).setdefault(dim, (None, None))
+    return out
 
 
 def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **options: Any
@@ -177,6 +229,8 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
     _check_cost_model(o.cost_model, policy, o.system, o.measure)
     signature, values, inputs = bind_example(inner, o.example_inputs, o.example_kwargs,
                                              o.in_dims, planning_only)
+    inputs = dataclasses.replace(inputs, symbolic=symbolic_dims(
+        o.dynamic, inputs.names, inputs.in_dims, values))
     outputs, torch_compile = _check_outputs(o.outputs), _check_torch_compile(o.torch_compile)
     checked = dataclasses.replace(o, outputs=outputs, recompute=_check_recompute(o.recompute),
                                   example_inputs=None, example_kwargs=None)  # bound: example

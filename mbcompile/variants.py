@@ -5,8 +5,9 @@
 >>> sorted(cm._variants)                  # (batch, forward only), or a keyword set
 [(3, True)]
 
-A batch of another size (``for_batch``) or other keywords through forward's ``**kwargs``
-(``for_call``) is a request derived from the first, sent through compile()'s chain
+A batch of another size (``for_batch``), other keywords through forward's ``**kwargs``
+(``for_call``) or another length under ``dynamic="auto"`` (``for_shapes``: the dims that
+changed become symbolic, once) is a request derived from the first, sent through compile()'s chain
 (``Recompile.variant``, handed in by the compiler) and kept under its key: the batch size
 and whether the call runs a backward (a forward-only call, in eval mode or under
 ``no_grad``, is planned without probes), or the keyword set. The chain reuses the first
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mbcompile.dynamic_shapes import symbolic_reason
 from mbcompile.errors import BatchSizeWarning, RecompileWarning
 from mbcompile.inputs import Inputs, check_layout, with_keywords
 from mbcompile.passes.sources import user_stacklevel
@@ -34,7 +36,7 @@ from mbcompile.request import Request
 #: the ``CompiledModule`` these functions serve (``compiled_module.py`` imports this module)
 CompiledModule = Any
 
-__all__ = ["for_batch", "for_keywords", "samples"]
+__all__ = ["for_batch", "for_keywords", "for_shapes", "samples"]
 
 
 def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, ...],
@@ -73,6 +75,15 @@ def for_batch(cm: CompiledModule, batch: int, arguments: Mapping[str, Any]) -> C
         "compile(..., batch_sizes='fixed') makes another batch size an error")
 
 
+def for_shapes(cm: CompiledModule, varying: Mapping[str, frozenset[int]]) -> CompiledModule:
+    """The module compiled with the ``varying`` dims symbolic (``for_shapes``), once: every
+    later length runs it."""
+    key = ("shapes", frozenset((n, d) for n, dims in varying.items() for d in dims))
+    return cm._variants.get(key) or _variant(
+        cm, key, cm._request.for_shapes(varying),
+        *symbolic_reason(cm._inputs.names, cm._layout, varying))
+
+
 def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
              category: type[Warning] | None, hint: str) -> CompiledModule:
     """Compile ``request`` (derived from the first: ``for_batch``, ``for_call``) through
@@ -99,7 +110,8 @@ def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
 def _check_like_example(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
                         ) -> None:
     """Raise ``InputError`` when the inputs the example had are shaped otherwise in this
-    call (the keywords it adds are the variant's own)."""
+    call (the keywords it adds are the variant's own; a length that differs under
+    ``dynamic="auto"`` is made symbolic by ``for_call``)."""
     try:
         bound = with_keywords(cm._face_signature, kwargs).bind(*args, **kwargs)
     except TypeError:
@@ -110,7 +122,8 @@ def _check_like_example(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[
     names = tuple(inputs.names[i] for i in shared)
     check_layout(Inputs(names, tuple(inputs.in_dims[i] for i in shared),
                         {n: v for n, v in inputs.concrete.items() if n in names}),
-                 [bound.arguments[n] for n in names], tuple(cm._layout[i] for i in shared))
+                 [bound.arguments[n] for n in names], tuple(cm._layout[i] for i in shared),
+                 cm._request.options.dynamic)
 
 
 def _duration(seconds: float) -> str:

@@ -60,6 +60,7 @@ from .custom_functions import checked_in_export
 from .errors import CaptureError
 from .export_hooks import backward_hooks_refused, tensor_hooks_refused
 from .export_losses import cumulative_batch_norm_refused, losses_read_values_refused
+from .export_shapes import export_kwargs, has_tensor, length_baked_in
 from .forward_modes import (
     detach_no_grad_regions,
     differentiation_refused,
@@ -96,49 +97,6 @@ class _Leaf:
         return f"_Leaf({self.index}, {self.path})"
 
 
-def _has_tensor(value: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
-
-
-def _grow_batch(value: Any, dim: int, size: int) -> Any:
-    """``value`` with its batch dim repeated up to ``size`` samples (export needs >= 2)."""
-
-    def grow(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or t.shape[dim] >= size:
-            return t
-        reps = -(-size // max(t.shape[dim], 1))
-        return torch.cat([t] * reps, dim).narrow(dim, 0, size)
-
-    return pytree.tree_map(grow, value)
-
-
-def _export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
-                   in_dims: Mapping[str, int | None]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The keyword call to export and its ``dynamic_shapes``."""
-    params = inspect.signature(model.forward).parameters
-    batch = torch.export.Dim("batch")
-    kwargs: dict[str, Any] = {}
-    dynamic: dict[str, Any] = {}
-    for name, value in example.items():
-        dim = in_dims.get(name)
-        if _has_tensor(value):
-            if dim is not None:
-                value = _grow_batch(value, dim, 2)
-            kwargs[name] = value
-            dynamic[name] = pytree.tree_map(
-                lambda t, d=dim: ({d: batch} if d is not None and isinstance(t, torch.Tensor)
-                                  else None), value)
-            continue
-        default = params[name].default if name in params else inspect.Parameter.empty
-        if name == "use_cache" and value is None:
-            value = False  # a key/value cache is inference state, not part of a training step
-        elif value is default or (value is None and default is inspect.Parameter.empty):
-            continue
-        kwargs[name] = value
-        dynamic[name] = None
-    return kwargs, dynamic
-
-
 @contextlib.contextmanager
 def _cache_off(model: torch.nn.Module, example: Mapping[str, Any]) -> Iterator[None]:
     """``config.use_cache = False`` on every config of ``model`` while export traces it, then
@@ -148,7 +106,7 @@ def _cache_off(model: torch.nn.Module, example: Mapping[str, Any]) -> Iterator[N
     passes it on through ``**kwargs``, where the example call cannot set it; the inner
     model then reads its config (transformers' ``merge_with_config_defaults``) and builds a
     ``DynamicCache`` that export cannot flatten. The cache is inference state, not part
-    of a training step: ``_export_kwargs`` switches it off the same way when forward
+    of a training step: ``export_kwargs`` switches it off the same way when forward
     names ``use_cache``. A call that sets ``use_cache`` itself decides.
     """
     if example.get("use_cache") is not None:
@@ -204,12 +162,16 @@ _SPECIALISED = re.compile(r"specialized it to be a constant \((\d+)\)")
 
 
 def _export_error(model: torch.nn.Module, exc: BaseException,
-                  fx_error: BaseException | None) -> CaptureError:
+                  fx_error: BaseException | None,
+                  in_dims: Mapping[str, int | None] | None = None) -> CaptureError:
     """A ``CaptureError`` that says why export failed in the user's terms."""
     text = str(exc)
     tried = f"  torch.fx.symbolic_trace failed first: {fx_error}\n" if fx_error else ""
     first = text.strip().splitlines()[0] if text.strip() else ""
     baked = _SPECIALISED.search(text)
+    length = length_baked_in(model, text, in_dims or {})
+    if length is not None:
+        return length
     if baked:
         why = (f"  the batch size is baked in: the code only works for a batch of "
                f"{baked.group(1)} (a constant in a view or reshape, such as "
@@ -325,23 +287,25 @@ def _differentiable_copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, f
 
 def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                    in_dims: Mapping[str, int | None], *,
-                   fx_error: BaseException | None = None) -> CaptureResult:
+                   fx_error: BaseException | None = None,
+                   symbolic: Mapping[str, Mapping[int, Any]] | None = None) -> CaptureResult:
     """Capture ``model`` with ``torch.export`` into a graph with flat outputs.
 
     ``example`` maps every ``forward`` parameter (in signature order) to its
     example value, ``in_dims`` each to its batch dim (None: unbatched).
     Placeholders follow ``example``'s order; non-tensor values are fixed in
     the graph and returned as ``concrete_args``. ``fx_error``, when symbolic
-    tracing failed first, is quoted if export fails too.
+    tracing failed first, is quoted if export fails too. ``symbolic``: the non-batch dims
+    that vary between calls, by input (``mbcompile/dynamic_shapes.py``).
     """
     names = list(example)
-    kwargs, dynamic = _export_kwargs(model, example, in_dims)
+    kwargs, dynamic = export_kwargs(model, example, in_dims, symbolic)
     specialised: BaseException | None = None
     try:
         name = type(model).__name__
         backward_hooks_refused(model, name, fx_error)
         cumulative_batch_norm_refused(model, name, fx_error)
-        concrete = {n: v for n, v in example.items() if not _has_tensor(v)}
+        concrete = {n: v for n, v in example.items() if not has_tensor(v)}
         # what forward wrote is read after the inner block has put back its own switches
         with python_state_kept(model, concrete) as snapshot, prints_recorded() as prints:
             with _cache_off(model, example), recorded_reads(model, name) as guards, \
@@ -364,11 +328,11 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         if specialised is not None:
             program = _read_len_symbolically(model, kwargs, dynamic, example, name)
             if program is None:
-                raise _export_error(model, specialised, fx_error) from specialised
+                raise _export_error(model, specialised, fx_error, in_dims) from specialised
     except CaptureError:
         raise
     except Exception as exc:  # any export failure becomes one clear error
-        raise _export_error(model, exc, fx_error) from exc
+        raise _export_error(model, exc, fx_error, in_dims) from exc
     if has_mutations(program.graph_module):
         # In-place writes, grad-mode and autocast regions: functionalize, so that ops become
         # values, state writes one final copy_ each (the state-updates pass lifts those) and

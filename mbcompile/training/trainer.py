@@ -84,8 +84,8 @@ __all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
 COMPILE_OPTIONS = ("system", "backend", "measure_noise_scale", "capture", "batch_norm",
                    "coupling", "outputs", "torch_compile", "recompute",
                    "reshard_after_forward", "gradient_sync", "nonfinite", "compile_only",
-                   "validate_only", "measure", "cost_model", "batch_sizes", "optimizer",
-                   "precision")
+                   "validate_only", "measure", "cost_model", "batch_sizes", "dynamic",
+                   "optimizer", "precision")
 
 
 def _mbs_key(mbs: Any) -> str:
