@@ -57,12 +57,12 @@ class Lowered:
 
 
 def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered:
-    """``analysed``'s graph rewritten into split -> loop -> accumulate for
-    ``selection.plan`` (the slices of ``selection.rank``'s system on ranks, of every
-    system otherwise) and bound to ``request``'s backend; the captured graph as it is
-    when the plan runs one microbatch and the analysis rejected a split."""
+    """``analysed``'s graph (decided for the plan: ``Analysed.for_plan``) rewritten into
+    split -> loop -> accumulate for ``selection.plan`` (the slices of ``selection.rank``'s
+    system on ranks, of every system otherwise) and bound to ``request``'s backend; the
+    captured graph as it is when the plan runs one microbatch and the analysis rejected a
+    split."""
     plan, rank = selection.plan, selection.rank
-    analysed = analysed.for_plan(plan)
     captured = analysed.captured
     gm = captured.graph_module
     if analysed.mode == "unsplit":

@@ -39,7 +39,7 @@ from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.planning.estimates import Estimate
 from mbcompile.planning.exploration import Choice, Exploration
 from mbcompile.planning.fixes import with_recompute_fix, with_recompute_tried
-from mbcompile.planning.mbs_policy import parse_mbs
+from mbcompile.planning.mbs_policy import MbsPolicy
 from mbcompile.planning.measure import HostTimer
 from mbcompile.planning.plan import MicrobatchPlan, num_microbatches, plan_for
 from mbcompile.planning.search import select_sharded
@@ -157,7 +157,8 @@ def forward_only_choice(request: Request, prior: Selection) -> Choice:
     """
     sizes = request.per_system_batch_sizes
     mbs = -(-sizes[0] // num_microbatches(sizes[0], min(prior.plan.mbs, sizes[0])))
-    choice = Choice(plan_for(sizes, parse_mbs(mbs)), None, None, prior.cost, prior.cost_error)
+    plan = plan_for(sizes, MbsPolicy("int", mbs))
+    choice = Choice(plan, None, None, prior.cost, prior.cost_error)
     return choice.noted(f"a forward-only call (eval mode or no_grad): microbatches of at most "
                         f"the training plan's mbs {prior.plan.mbs}, nothing probed")
 
