@@ -276,17 +276,15 @@ class CostModel(TimeModel):
         inputs = s.input_bytes_fixed + s.input_bytes_per_sample * pbs
         saved, act = f.saved_bytes, f.activation_peak_bytes
         earlier, pending = s.output_bytes_per_sample * (pbs - mbs), 0.0
-        first = trained and self.shard is None and (num_microbatches == 1 or not s.fused)
-        if first:
-            # one backward makes the gradients (one microbatch, or no single loss): its
-            # peak is the first microbatch's, before some gradients exist
-            act, pending = f.first_peak_bytes, f.first_grads_pending
         if not s.fused and s.training and num_microbatches > 1:
-            # no single loss: autograd keeps every microbatch's saved activations
+            # no single loss: one backward makes the gradients (its peak the first
+            # microbatch's, before some exist), and autograd keeps every microbatch's
+            # saved activations until then
             kept = self.figures(pbs).saved_bytes - saved
-            saved, act = saved + kept, act + kept
-        elif not first:
-            earlier, act = self._loop_peak(pbs, num_microbatches)
+            act, pending = f.first_peak_bytes + kept, f.first_grads_pending
+            saved += kept
+        elif self.shard is None:
+            earlier, act, pending = self._loop_peak(pbs, num_microbatches)
         out_all = s.output_bytes_per_sample * pbs
         # (phase, outputs, activations, update temporaries, gradients not made yet) alive
         # at each candidate peak
@@ -310,17 +308,24 @@ class CostModel(TimeModel):
             peak=static + inputs + outputs + activations + update + gathered,
             capacity=spec.usable_bytes, phase=phase, gathered=gathered, casts=casts)
 
-    def _loop_peak(self, pbs: int, k: int) -> tuple[float, float]:
-        """``(earlier microbatches' outputs, activations)`` at the loop's peak: the last
-        microbatch of each size, larger ones first as the plan runs them. (Without
-        per-sample outputs the largest size sets it; no other size is probed.)"""
-        per_sample, done, best = self.static.output_bytes_per_sample, 0, (0.0, -1.0)
+    def _loop_peak(self, pbs: int, k: int) -> tuple[float, float, float]:
+        """``(earlier microbatches' outputs, activations, gradients not made yet)`` at the
+        loop's peak: the first microbatch (it makes the gradients as it goes:
+        ``Probe.first_live``) or the last of each size after it (every gradient alive),
+        larger ones first as the plan runs them. Without per-sample outputs a smaller
+        microbatch cannot set the peak after a larger one, so no other size is probed."""
+        per_sample = self.static.output_bytes_per_sample
         sizes = _split_counts(pbs, k)
-        for size, count in sizes if per_sample > 0 else sizes[:1]:
+        first = self.figures(sizes[0][0])
+        peaks = [(0.0, first.first_peak_bytes, first.first_grads_pending)]
+        done = 0
+        for i, (size, count) in enumerate(sizes):
             done += size * count
-            loop = (per_sample * (done - size), self.figures(size).activation_peak_bytes)
-            best = max(best, loop, key=sum)
-        return best
+            if count - (i == 0) <= 0 or (per_sample == 0 and len(peaks) > 1):
+                continue
+            later = (per_sample * (done - size), self.figures(size).activation_peak_bytes, 0.0)
+            peaks.append(later)
+        return max(peaks, key=lambda p: p[0] + p[1] - p[2])
 
     # ----------------------------------------------------------- estimate
     def estimate(self, gbs: int, num_csx: int, mbs: int, spec: SystemSpec) -> Estimate:
