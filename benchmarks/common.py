@@ -22,17 +22,15 @@ import statistics
 import subprocess
 import sys
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from mbcompile.models import IGNORE_INDEX, TinyGPT, token_batch
+from mbcompile.planning.measure import LiveBytes
 
 __all__ = [
     "GBS",
@@ -185,60 +183,6 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 # --------------------------------------------------------------------- live tensor bytes
-class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of live tensor storages; ``peak`` is the most alive at once.
-
-    Every op's output storages are added the first time they are seen and
-    subtracted when the storage is freed (a ``weakref.finalize`` on it), so
-    views cost nothing and in-place ops add nothing. ``track(...)`` adds tensors
-    that already exist (parameters, inputs) to the count. Kernel-internal
-    scratch buffers are not op outputs and are not counted.
-
-    >>> with LiveBytes() as mem:
-    ...     step()
-    >>> mem.peak
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._seen: set[int] = set()
-
-    def _forget(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
-
-    def _add(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
-            return
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self._seen:
-            return
-        nbytes = storage.nbytes()
-        self._seen.add(key)
-        weakref.finalize(storage, self._forget, key, nbytes)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-
-    def track(self, *values: Any) -> LiveBytes:
-        for t in tree_leaves(values):
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        return self
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        return out
-
-
 # ---------------------------------------------------------------------------- output
 def finish(out: list[str], figures: dict[str, Any], markdown: str | None,
            json_path: str | None) -> int:

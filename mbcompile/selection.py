@@ -250,7 +250,8 @@ def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
         return analyse_cost(analysed.analysis, values, in_dims, pbs=request.pbs,
                             name=request.name, fit=analysed.mode != "unsplit",
                             kept_outputs=analysed.kept, fused=analysed.fused,
-                            shard=request.shard, precision=request.precision), None
+                            shard=request.shard, precision=request.precision,
+                            policy=request.policy), None
     except CostModelError as exc:
         return None, str(exc)
 

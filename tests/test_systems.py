@@ -9,7 +9,7 @@ import math
 import pytest
 
 from mbcompile.errors import ArgumentTypeError, MbcompileError, PlanError
-from mbcompile.planning import systems
+from mbcompile.planning import host, systems
 from mbcompile.planning.systems import PRESETS, SystemSpec, get_system, host_spec, system_names
 
 
@@ -68,7 +68,7 @@ def test_gpu_presets_are_datasheet_figures() -> None:
 
 def test_host_is_derived_from_this_machine_without_timing(monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr(systems.time, "perf_counter", lambda: calls.append(1) or 0.0)
+    monkeypatch.setattr(host.time, "perf_counter", lambda: calls.append(1) or 0.0)
     spec = host_spec.__wrapped__()  # bypass the cache: derive it again, here
     assert calls == []  # a plan must not depend on timing
     assert spec == host_spec.__wrapped__()  # deterministic
@@ -126,7 +126,7 @@ def test_bools_and_strings_are_not_numbers() -> None:
 
 def test_measure_host_measures_rates() -> None:
     # Structure only: how fast this machine is depends on its load (benchmarks/ measure it).
-    spec = systems.measure_host(reps=1)
+    spec = host.measure_host(reps=1)
     assert spec.name == "host" and "measured" in spec.source
     for rate in (spec.peak_flops_fp32, spec.memory_bandwidth, spec.kernel_overhead_s):
         assert 0 < rate < math.inf

@@ -35,9 +35,13 @@ the fit: the peak is the max over ops of affine functions, evaluated at ``m``.
     inputs      = the system's share of the batch
     activations = peak live bytes of one microbatch's forward+backward
                 = saved for backward + the largest transient on top of them
+                  (probed as a later microbatch: each new gradient a temporary until
+                  it is added in; with one microbatch, the first's, whose gradients
+                  are made while its activations are freed: Probe.first_live)
     outputs     = per-sample outputs (logits) kept for the caller
     peak        = static + inputs + the largest of
-                    outputs of the earlier microbatches + activations  (the loop)
+                    outputs of the earlier microbatches + activations  (the loop:
+                      the last microbatch of each size, CostModel._loop_peak)
                     2 x outputs                  (joining the microbatches' pieces)
                     outputs + 2 x largest parameter   (an Adam-like update)
 
@@ -46,26 +50,7 @@ returns logits keeps ``pbs * seq * vocab`` floats alive whatever the MBS (on a
 GPT-sized vocabulary as much as the activations), and for a small model the
 optimizer's temporaries can set the peak.
 
-**Time** (per system, the slowest one sets the step)::
-
-    microbatch(m) = microbatch_overhead + kernels x kernel_overhead
-                    + max(sum over ops of max(flops / peak, bytes / bandwidth),
-                          streamed weight bytes / weight_bandwidth)   # streaming only
-                    + gradient accumulation (every microbatch but the first)
-    step = max over systems of the sum of its microbatches
-           + ring all-reduce: 2 (n-1)/n x gradient bytes / link + 2 (n-1) x latency
-             (link: the slowest the ring crosses, the inter-node one once the systems
-             span nodes; SystemSpec.ring_link), less what overlaps the last
-             microbatch's backward: every bucket but the last (the runtime launches
-             each bucket as its gradients become final)
-           + optimizer update (parameters, gradients and state read and written once)
-
-The roofline is applied per op (a memory-bound LayerNorm next to a
-compute-bound matmul; docs/mbs.md, "The cost model"), not to the whole step; the
-per-op ``bytes`` include the parameters each op reads, so weights are re-read
-every microbatch.  ``bandwidth`` is the cache's for an op whose inputs and
-outputs fit in the system's modelled cache (the host's), else memory's: that
-is what makes a too-large microbatch slower per sample on a CPU.
+**Time** is ``time_model.py``'s (``TimeModel``, which this class extends).
 """
 
 from __future__ import annotations
@@ -76,10 +61,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from mbcompile.errors import CostModelError
-from mbcompile.planning import buckets
 from mbcompile.planning.estimates import (
     Estimate,
     MemoryEstimate,
@@ -90,11 +72,12 @@ from mbcompile.planning.estimates import (
     format_bytes,
     format_seconds,
 )
-from mbcompile.planning.fit import FIT_TOLERANCE, Fit, fit, reproduces
+from mbcompile.planning.fit import FIT_TOLERANCE, Fit, fit, reproduces, scaled
 from mbcompile.planning.plan import num_microbatches
 from mbcompile.planning.precision import Precision, probe_precision
 from mbcompile.planning.probe import Probe
 from mbcompile.planning.systems import SystemSpec
+from mbcompile.planning.time_model import TimeModel
 
 __all__ = [
     "CostModel",
@@ -115,7 +98,7 @@ def _split_counts(size: int, k: int) -> list[tuple[int, int]]:
     return [(s, c) for s, c in ((q + 1, r), (q, k - r)) if s > 0 and c > 0]
 
 
-class CostModel:
+class CostModel(TimeModel):
     """Per-MBS figures of one captured graph, and memory/time estimates for a system.
 
     Build it with ``cost_analysis.analyse_cost``.  ``figures(m)`` answers from the verified
@@ -137,6 +120,7 @@ class CostModel:
         self.fit_note = "not built: every size is probed exactly"
         self.probes_run = 0
         self.shard = shard  # FSDP2: parameters sharded over ranks (None: not sharded)
+        self._pinned: int | None = None  # the one size ``pin`` probed
 
     def with_shard(self, shard: ShardSpec | None) -> CostModel:
         """The same model costed with ``shard`` (another ``reshard_after_forward``): a copy
@@ -201,6 +185,18 @@ class CostModel:
         self._set_outputs()
         return self._fit is not None
 
+    def pin(self, mbs: int) -> None:
+        """Probe ``mbs`` only: the MBS is pinned (an int, or ``"none"``), so the plan runs
+        that size and, on an uneven split, one smaller. The smaller one's time is scaled
+        from the probe (``fit.scaled``); any other figure asked for (the memory of the
+        smaller one when per-sample outputs are kept beside it, an error's smaller MBS)
+        is probed exactly at its size: no fit is built."""
+        self.probe(mbs)
+        self._pinned = mbs
+        self.fit_note = (f"the MBS is pinned: probed at m={mbs} only (a smaller microbatch's "
+                         "time scaled from it)")
+        self._set_outputs()
+
     def _set_outputs(self) -> None:
         # Per-sample outputs (logits) are the slope of the output bytes in m.
         sizes = sorted(self._exact)
@@ -231,14 +227,23 @@ class CostModel:
     def _at(self, m: int) -> tuple[Probe, bool]:
         if m in self._exact:
             return self._exact[m], True
+        if self._pinned is not None:  # another size after all (a smaller microbatch's
+            return self.probe(m), True  # outputs, an error's fix): probed exactly
         if self._fit is not None and m >= self._fit_from:
             return self._fit.at(m), False
         return self.probe(m), True
+
+    def _timed(self, m: int) -> Probe:
+        """The probe whose ops time a microbatch of ``m`` samples."""
+        if self._pinned is not None and m not in self._exact:
+            return scaled(self._exact[self._pinned], m)
+        return self._at(m)[0]
 
     # ------------------------------------------------------------ figures
     def figures(self, m: int) -> MicrobatchFigures:
         p, exact = self._at(m)
         fwd = ~p.backward
+        first_peak, pending = p.first_live()
         return MicrobatchFigures(
             m=m, flops_forward=float(p.flops[fwd].sum()),
             flops_backward=float(p.flops[p.backward].sum()),
@@ -246,84 +251,8 @@ class CostModel:
             weight_bytes_read=float(p.weight_bytes.sum()),
             saved_bytes=float(p.saved),
             activation_peak_bytes=float(p.live.max(initial=0.0)),
-            kernels=int(p.kernel.sum()), exact=exact)
-
-    # --------------------------------------------------------------- time
-    def microbatch_seconds(self, m: int, spec: SystemSpec) -> tuple[float, float, float, str]:
-        """``(total, roofline, overhead, bound)`` of one microbatch of ``m`` samples."""
-        return self.probe_seconds(self._at(m)[0], spec)
-
-    def probe_seconds(self, p: Probe, spec: SystemSpec) -> tuple[float, float, float, str]:
-        """``(total, roofline, overhead, bound)`` of what probe ``p`` ran."""
-        compute, memory = self._op_seconds(p, spec)
-        roof = float(np.maximum(compute, memory).sum())
-        stream = 0.0
-        if spec.weight_bandwidth is not None:
-            s = self.static
-            # weights in for forward and again for backward, gradients out
-            stream = (2 * s.param_bytes + s.trainable_bytes) / spec.weight_bandwidth
-        overhead = spec.microbatch_overhead_s + int(p.kernel.sum()) * spec.kernel_overhead_s
-        body = max(roof, stream)
-        if stream > roof:
-            bound = "weight streaming"
-        elif overhead > body:
-            bound = "overhead"
-        else:
-            bound = "compute" if compute.sum() >= memory.sum() else "memory"
-        return body + overhead, body, overhead, bound
-
-    def backward_seconds(self, m: int, spec: SystemSpec) -> float:
-        """The backward of one microbatch of ``m`` samples (its ops' roofline and kernel
-        overheads): what the gradient all-reduce of the step's last microbatch overlaps."""
-        p = self._at(m)[0]
-        compute, memory = self._op_seconds(p, spec)
-        roof = float(np.maximum(compute, memory)[p.backward].sum())
-        return roof + int((p.kernel & p.backward).sum()) * spec.kernel_overhead_s
-
-    def _op_seconds(self, p: Probe, spec: SystemSpec) -> tuple[np.ndarray, np.ndarray]:
-        """Per op: seconds at the compute rate of its dtype, seconds at the rate of the
-        memory its bytes move through (the cache's when they fit in it)."""
-        peak = np.where(p.fp32, spec.peak_flops_fp32, spec.peak_flops)
-        moved = p.act_bytes if spec.weight_streaming else p.act_bytes + p.weight_bytes
-        bandwidth = np.full_like(moved, spec.memory_bandwidth)
-        if spec.cache_bytes > 0 and spec.cache_bandwidth:
-            # an op whose inputs and outputs all fit in the cache moves them at its rate
-            bandwidth[p.act_bytes + p.weight_bytes <= spec.cache_bytes] = spec.cache_bandwidth
-        return p.flops / peak, moved / bandwidth
-
-    def _accumulate_seconds(self, spec: SystemSpec) -> float:
-        if spec.weight_streaming or not self.static.training:
-            return 0.0
-        s = self.static
-        return 3 * s.trainable_bytes / spec.memory_bandwidth + \
-            s.num_param_tensors * spec.kernel_overhead_s
-
-    def allreduce_seconds(self, num_csx: int, spec: SystemSpec) -> float:
-        """A ring all-reduce of the gradients over ``num_csx`` systems, on the slowest link
-        it crosses (``SystemSpec.ring_link``: the inter-node one once it spans nodes)."""
-        if num_csx <= 1 or not self.static.training:
-            return 0.0
-        n = num_csx
-        bandwidth, latency = spec.ring_link(n)
-        return 2 * (n - 1) / n * self.static.trainable_bytes / bandwidth + 2 * (n - 1) * latency
-
-    def hidden_seconds(self, reduce: float, last_backward: float) -> float:
-        """How much of the gradient collective (``reduce`` seconds) runs while the step's
-        last backward (``last_backward`` seconds) is still computing: all of it but the
-        last bucket, which holds the first parameters and is final only when the backward
-        ends (the runtime's ``OverlappedReduce``; FSDP2's reduce-scatters likewise)."""
-        total = self.static.trainable_bytes
-        if reduce <= 0 or total <= 0:
-            return 0.0
-        bucket = buckets.bucket_cap(total)  # the runtime's, read when the plan is made
-        return min(reduce * max(0.0, 1 - bucket / total), last_backward)
-
-    def optimizer_seconds(self, spec: SystemSpec) -> float:
-        if spec.weight_streaming or not self.static.training:
-            return 0.0  # streamed systems update off-chip, overlapped
-        s = self.static
-        state = spec.optimizer_bytes_per_param * s.num_trainable
-        return (2 * s.trainable_bytes + s.trainable_bytes + 2 * state) / spec.memory_bandwidth
+            kernels=int(p.kernel.sum()), exact=exact, first_peak_bytes=first_peak,
+            first_grads_pending=pending)
 
     # ------------------------------------------------------------- memory
     def memory(self, pbs: int, mbs: int, num_microbatches: int, spec: SystemSpec
@@ -346,28 +275,57 @@ class CostModel:
         static = params + s.buffer_bytes + grads + optimizer + casts
         inputs = s.input_bytes_fixed + s.input_bytes_per_sample * pbs
         saved, act = f.saved_bytes, f.activation_peak_bytes
+        earlier, pending = s.output_bytes_per_sample * (pbs - mbs), 0.0
         if not s.fused and s.training and num_microbatches > 1:
-            # no single loss: autograd keeps every microbatch's saved activations
+            # no single loss: one backward makes the gradients (its peak the first
+            # microbatch's, before some exist), and autograd keeps every microbatch's
+            # saved activations until then
             kept = self.figures(pbs).saved_bytes - saved
-            saved, act = saved + kept, act + kept
+            act, pending = f.first_peak_bytes + kept, f.first_grads_pending
+            saved += kept
+        elif self.shard is None:
+            earlier, act, pending = self._loop_peak(pbs, num_microbatches)
         out_all = s.output_bytes_per_sample * pbs
-        # (phase, outputs, activations, update temporaries) alive at each candidate peak
-        phases = [("microbatch loop", s.output_bytes_per_sample * (pbs - mbs), act, 0.0)]
+        # (phase, outputs, activations, update temporaries, gradients not made yet) alive
+        # at each candidate peak
+        phases = [("microbatch loop", earlier, act, 0.0, pending)]
         if num_microbatches > 1:  # the pieces and their concatenation, briefly
-            phases.append(("joining outputs", 2 * out_all, 0.0, 0.0))
+            phases.append(("joining outputs", 2 * out_all, 0.0, 0.0, 0.0))
         if trained and spec.optimizer_bytes_per_param > 0:
             # An Adam-like update makes two temporaries the size of the parameter it
             # updates (sqrt of the second moment, then the step); torch's for-loop
             # implementation does it one tensor at a time.  (foreach implementations
             # batch all parameters and need up to twice the gradient bytes.)
-            phases.append(("optimizer update", out_all, 0.0, 2 * s.largest_param_bytes))
-        phase, outputs, activations, update = max(phases, key=lambda p: p[1] + p[2] + p[3])
+            phases.append(("optimizer update", out_all, 0.0, 2 * s.largest_param_bytes, 0.0))
+        phase, outputs, activations, update, pending = max(
+            phases, key=lambda p: p[1] + p[2] + p[3] - p[4])
+        grads -= pending
+        static -= pending
         return MemoryEstimate(
             params=params, buffers=s.buffer_bytes, grads=grads, optimizer=optimizer,
             inputs=inputs, outputs=outputs, activations=activations, update=update,
             saved=saved, transient=max(0.0, act - saved),
             peak=static + inputs + outputs + activations + update + gathered,
             capacity=spec.usable_bytes, phase=phase, gathered=gathered, casts=casts)
+
+    def _loop_peak(self, pbs: int, k: int) -> tuple[float, float, float]:
+        """``(earlier microbatches' outputs, activations, gradients not made yet)`` at the
+        loop's peak: the first microbatch (it makes the gradients as it goes:
+        ``Probe.first_live``) or the last of each size after it (every gradient alive),
+        larger ones first as the plan runs them. Without per-sample outputs a smaller
+        microbatch cannot set the peak after a larger one, so no other size is probed."""
+        per_sample = self.static.output_bytes_per_sample
+        sizes = _split_counts(pbs, k)
+        first = self.figures(sizes[0][0])
+        peaks = [(0.0, first.first_peak_bytes, first.first_grads_pending)]
+        done = 0
+        for i, (size, count) in enumerate(sizes):
+            done += size * count
+            if count - (i == 0) <= 0 or (per_sample == 0 and len(peaks) > 1):
+                continue
+            later = (per_sample * (done - size), self.figures(size).activation_peak_bytes, 0.0)
+            peaks.append(later)
+        return max(peaks, key=lambda p: p[0] + p[1] - p[2])
 
     # ----------------------------------------------------------- estimate
     def estimate(self, gbs: int, num_csx: int, mbs: int, spec: SystemSpec) -> Estimate:

@@ -129,6 +129,10 @@ class MicrobatchFigures:
     activation_peak_bytes: float  # peak live activations (saved + transient)
     kernels: int
     exact: bool  # True: a probe at this size; False: the verified affine fit
+    #: the step's first microbatch (its gradients start as None): live activations at its
+    #: peak, and the gradient bytes not made yet at that moment (Probe.first_live)
+    first_peak_bytes: float = 0.0
+    first_grads_pending: float = 0.0
 
     @property
     def flops(self) -> float:

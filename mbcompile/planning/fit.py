@@ -8,14 +8,14 @@ from two probes is kept only when it reproduces a third exact probe to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from mbcompile.planning.probe import Probe
 from mbcompile.planning.tolerance import FIT_TOLERANCE, close
 
-__all__ = ["FIT_TOLERANCE", "Fit", "fit", "reproduces"]
+__all__ = ["FIT_TOLERANCE", "Fit", "fit", "reproduces", "scaled"]
 
 
 @dataclass
@@ -54,3 +54,11 @@ def reproduces(fit: Fit, exact: Probe) -> bool:
         return False
     return (all(close(got.arrays()[k], exact.arrays()[k]) for k in exact.arrays())
             and close(got.saved, exact.saved) and close(got.outputs, exact.outputs))
+
+
+def scaled(p: Probe, m: int) -> Probe:
+    """``p``'s figures at ``m`` samples, in proportion (the weights read stay as they are):
+    the time of a pinned plan's smaller microbatch, without probing it."""
+    k = m / p.m
+    return replace(p, m=m, flops=p.flops * k, act_bytes=p.act_bytes * k, live=p.live * k,
+                   saved=p.saved * k, outputs=p.outputs * k)

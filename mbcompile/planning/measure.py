@@ -1,5 +1,9 @@
 """Measuring on the host: real forward+backward time per microbatch size, and peak bytes.
 
+``LiveBytes`` counts live tensor storages op by op (what the cost model's memory figure
+predicts: ``benchmarks/bench_memory_accuracy.py``, ``tests/test_memory_accuracy.py``);
+``measure_peak_bytes`` reads the allocator's own events.
+
 Reported beside the cost model's figures (``compile(measure=True)``, the benchmarks);
 the plan itself never depends on timing.
 """
@@ -7,15 +11,17 @@ the plan itself never depends on timing.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mbcompile.planning.probe import backward_root
 
-__all__ = ["HostTimer", "measure_peak_bytes"]
+__all__ = ["HostTimer", "LiveBytes", "measure_peak_bytes", "training_step_peak"]
 
 
 def _tile(value: Any, dim: int | None, m: int) -> Any:
@@ -101,3 +107,93 @@ def measure_peak_bytes(fn: Callable[[], Any], device: torch.device | str = "cpu"
         total += e.nbytes()
         peak = max(peak, total)
     return float(peak)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages; ``peak`` is the most alive at once.
+
+    Every op's output storages are added the first time they are seen and
+    subtracted when the storage is freed (a ``weakref.finalize`` on it), so
+    views cost nothing and in-place ops add nothing. ``track(...)`` adds tensors
+    that already exist (parameters, inputs) to the count. Kernel-internal
+    scratch buffers are not op outputs and are not counted.
+
+    >>> with LiveBytes() as mem:
+    ...     x = torch.ones(1000) + 1  # 4000 bytes, and 4000 more while the sum is made
+    >>> mem.peak, mem.live
+    (8000, 4000)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _forget(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def _add(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen.add(key)
+        weakref.finalize(storage, self._forget, key, nbytes)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def track(self, *values: Any) -> LiveBytes:
+        for t in pytree.tree_leaves(values):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        return self
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        return out
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss in what a model returns: itself, its ``loss`` entry or its first leaf."""
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else pytree.tree_leaves(out)[0]
+
+
+def training_step_peak(model: torch.nn.Module, forward: Callable[[], Any],
+                       inputs: Any = ()) -> float:
+    """Peak live tensor bytes (``LiveBytes``) of one training step of ``model``:
+    ``forward()`` (what returns the loss: ``lambda: cm(x, y)``), ``backward()`` and an
+    Adam update (torch's one-tensor-at-a-time implementation, as the cost model assumes),
+    after a warm-up step, so that Adam's state exists, with the gradients None before it
+    as ``zero_grad()`` leaves them. Parameters, buffers, Adam's state and ``inputs``
+    count from the start: the figure to set beside ``cm.estimate.memory.peak``.
+    """
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+
+    def step() -> None:
+        _loss_of(forward()).backward()
+        opt.step()
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    try:
+        with LiveBytes() as mem:
+            mem.track(list(model.parameters()), list(model.buffers()), inputs, state)
+            step()
+    finally:
+        opt.zero_grad(set_to_none=True)
+    return float(mem.peak)

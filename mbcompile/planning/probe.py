@@ -85,10 +85,26 @@ class Probe:
     #: bytes of the weights' low-precision copies autocast made (its cast cache keeps
     #: them through the step: counted once, as static memory, not as activations)
     casts: float = 0.0
+    #: per op: bytes of the parameters' gradients accumulated so far (the probe runs as a
+    #: later microbatch, into gradients that exist: see ``first_live``)
+    grads: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
+        grads = self.grads if self.grads is not None else np.zeros_like(self.live)
         return {"flops": self.flops, "act_bytes": self.act_bytes,
-                "weight_bytes": self.weight_bytes, "live": self.live}
+                "weight_bytes": self.weight_bytes, "live": self.live, "grads": grads}
+
+    def first_live(self) -> tuple[float, float]:
+        """``(live activations, gradients not made yet)`` at the peak of the step's *first*
+        microbatch, whose gradients start as None: autograd hands each new gradient over
+        as ``.grad`` instead of adding it into one (``live`` is a later microbatch's, with
+        every gradient alive and each new one a temporary until it is added)."""
+        if self.grads is None or not len(self.live):
+            return float(self.live.max(initial=0.0)), 0.0
+        total = float(self.grads.max())  # (a stacked probe's ops are not in run order)
+        first = self.live + self.grads
+        i = int(np.argmax(first))
+        return float(self.live[i]), total - float(self.grads[i])
 
 
 def _autocasting() -> bool:
@@ -104,10 +120,13 @@ def nbytes(t: torch.Tensor) -> int:
 class _Recorder(TorchDispatchMode):
     """Records every ATen op's FLOPs, bytes and the live-storage timeline."""
 
-    def __init__(self, counter: FlopCounterMode, param_storages: set[int]) -> None:
+    def __init__(self, counter: FlopCounterMode, param_storages: set[int],
+                 grad_storages: set[int] | None = None) -> None:
         super().__init__()
         self.counter = counter
         self.param_storages = param_storages
+        self.grad_storages = grad_storages or set()  # the gradients a microbatch adds into
+        self.accumulated: list[tuple[int, int]] = []  # (op index, bytes) per addition
         self.backward = False
         self.tag = -1  # the repeated block the forward is in (-1: none, or not tracked)
         self.tags: list[int] = []
@@ -142,6 +161,13 @@ class _Recorder(TorchDispatchMode):
                            ) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "namespace", "aten") != "aten":
+            return func(*args, **kwargs)
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if target is not None and func._schema.is_mutable and \
+                id(target.untyped_storage()) in self.grad_storages:
+            # autograd adding a microbatch's gradient into ``.grad``: its time is the cost
+            # model's accumulation term, so no row; from the next op on it is accumulated
+            self.accumulated.append((len(self.ops), nbytes(target)))
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         # torch's FLOP formulas, called here rather than by entering FlopCounterMode: its
@@ -180,6 +206,13 @@ class _Recorder(TorchDispatchMode):
         self.rows.append((float(flops), act, weight, fp32, kernel, self.backward))
         return out
 
+    def end(self) -> None:
+        """A row for the end of backward, no work: the gradients autograd adds after the
+        last op land on it."""
+        self.ops.append(END)
+        self.tags.append(-1)
+        self.rows.append((0.0, 0.0, 0.0, True, False, True))
+
     def live(self, exclude: set[int]) -> np.ndarray:
         """Live bytes after each op, leaving out the storages in ``exclude``."""
         n = len(self.ops)
@@ -194,6 +227,17 @@ class _Recorder(TorchDispatchMode):
                 delta[died] -= size
         return np.cumsum(delta)[:n]
 
+    def grads(self) -> np.ndarray:
+        """Per op: bytes of gradients accumulated up to it (in the ops that follow)."""
+        n = len(self.ops)
+        delta = np.zeros(n + 1)
+        for index, size in self.accumulated:
+            delta[index] += size
+        return np.cumsum(delta)[:n]
+
+
+#: The probe's last row: the end of backward (``_Recorder.end``).
+END = "end of backward"
 
 #: The key a probe's autograd nodes carry their repeated block under (``Node.metadata``).
 TAG = "mbcompile.block"
@@ -309,7 +353,15 @@ class Prober:
         """The probe of the graph at ``m``, run op by op."""
         args = self.inputs(m)
         counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FLOPS)
-        recorder = _Recorder(counter, set(self.param_storages))
+        # The probe runs as a later microbatch: every trainable parameter has a gradient
+        # to add into, so the new gradient is a temporary until autograd adds it (the
+        # first microbatch's figures follow from the same timeline: Probe.first_live)
+        with self.fake_probe.mode:
+            for p in self.params.values():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+        grad_storages = {id(p.grad.untyped_storage()) for p in self.params.values()
+                         if p.grad is not None}
+        recorder = _Recorder(counter, set(self.param_storages), grad_storages)
         if isinstance(self.fake_probe, _TaggingProbe):
             self.fake_probe.recorder = recorder
         saved: set[int] = set()
@@ -320,8 +372,6 @@ class Prober:
                 saved.add(index)
             return t
 
-        for p in self.params.values():
-            p.grad = None
         try:
             with self.fake_probe.mode, recorder, torch.enable_grad(), \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -331,9 +381,14 @@ class Prober:
                                     if isinstance(o, torch.Tensor) and o.dim() > 0
                                     and (self.kept is None or i in self.kept)))
                 loss = backward_root(flat, self.loss_leaves)
+                if self.kept is not None:  # the step drops what it does not return
+                    flat = [o for i, o in enumerate(flat) if i in self.kept]
+                    del outs
+                    outs = None
                 recorder.backward = True
                 if loss is not None:
                     loss.backward()
+                recorder.end()
                 grads = {id(p.grad.untyped_storage()) for p in self.params.values()
                          if p.grad is not None}
                 exclude = {recorder.by_id[g] for g in grads if g in recorder.by_id}
@@ -356,4 +411,5 @@ class Prober:
             weight_bytes=rows[:, 2], fp32=rows[:, 3].astype(bool),
             kernel=rows[:, 4].astype(bool), backward=rows[:, 5].astype(bool),
             live=recorder.live(exclude), saved=saved_bytes, outputs=outputs,
-            tags=np.array(recorder.tags, dtype=int), casts=recorder.casts)
+            tags=np.array(recorder.tags, dtype=int), casts=recorder.casts,
+            grads=recorder.grads())

@@ -18,8 +18,10 @@ Everything here works on a :class:`~mbcompile.planning.cost.CostModel` and a
 (each evaluation is arithmetic on the cost model's fit, so "few" is about an
 answer one can follow, not about speed):
 
-1. the largest supported MBS whose modelled peak memory fits: the largest
-   value itself, else a binary search (memory grows with the MBS);
+1. the supported MBS values whose modelled peak fits: a binary search for the
+   largest (memory grows with the MBS while there are several microbatches), and
+   the whole per-system batch apart (one microbatch makes its gradients only while
+   its activations are freed: it may fit where a smaller MBS does not);
 2. the fastest of the fitting values, by golden-section search: modelled step
    time falls while the fixed costs (per microbatch, per kernel, re-reading the
    weights) are shared by more samples, and may rise again once a microbatch's
@@ -178,6 +180,17 @@ class Selector:
                 hi = mid - 1
         return candidates[lo]
 
+    def fitting(self, candidates: Sequence[int]) -> list[int]:
+        """The candidates whose modelled peak fits. Memory grows with the MBS while a
+        system runs several microbatches (``largest_fitting`` bisects them); one
+        microbatch of the whole batch is apart, as its gradients are made only while its
+        activations are freed, so it may fit where a smaller MBS does not."""
+        rest, whole = list(candidates), []
+        if len(rest) > 1 and rest[-1] == self.pbs:
+            rest, whole = rest[:-1], [self.pbs] if self.evaluate(self.pbs).fits else []
+        top = self.largest_fitting(rest)
+        return [m for m in rest if top is not None and m <= top] + whole
+
     def _record(self, mode: str, supported: int, best: int | None) -> None:
         self.exploration = Exploration(
             mode=mode, system=self.spec.name, gbs=self.gbs, num_csx=self.num_csx, pbs=self.pbs,
@@ -212,10 +225,10 @@ class Selector:
 
     def auto(self, pbs: int, candidates: tuple[int, ...]) -> tuple[int, str]:
         """The ``"auto"`` chooser (see the module docstring)."""
-        top = self.largest_fitting(candidates)
-        if top is None:
+        fitting = self.fitting(candidates)
+        if not fitting:
             raise self.does_not_fit(candidates[0], "auto")
-        fitting = [m for m in candidates if m <= top]
+        top = fitting[-1]
         best = self._fastest(fitting)
         limit = best.step_s * (1 + AUTO_TIME_TOLERANCE)
         # The smallest MBS within the tolerance: bisect between the largest evaluated
@@ -329,10 +342,13 @@ def select_plan(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel | Non
             plan = replace(plan, reason=f"{plan.reason} (cost model unavailable: {cost_error})")
         return Choice(plan, None, None, None, cost_error)
     selector = Selector(cost, spec, sizes, timer=timer, progress=progress)
-    if not unsplit and not selector.evaluate(1).fits:  # whatever was asked, nothing runs
+    pinned = policy.mode in ("int", "none")  # its size alone is probed, unless it fails
+    if not (unsplit or pinned) and not selector.evaluate(1).fits:  # nothing runs
         raise selector.does_not_fit(1, policy.mode)
     plan = plan_for(selector.sizes, policy, chooser=selector.auto, explorer=selector.explore)
     if not selector.evaluate(plan.mbs).fits:
+        if pinned and not unsplit and plan.mbs > 1 and not selector.evaluate(1).fits:
+            raise selector.does_not_fit(1, policy.mode)  # whatever was asked, nothing runs
         raise selector.does_not_fit(plan.mbs, policy.mode)
     if selector.exploration is None:  # an int or "none": record what was checked
         selector._record(policy.mode, len(plan.supported_mbs), plan.mbs)
