@@ -146,9 +146,14 @@ def _cut(found: Analysed, kept: frozenset[int] | None, gbs: int) -> Cut:
     loop taken at ``gbs`` (the body does not depend on the batch size; a two-phase step's
     coupled part holds those numbers, so it is cut again)."""
     old = found.cut
+    # at the analysed batch the numbers are as captured (a non-multiple of the batch size,
+    # ``x.size(0) - 1``, can only be taken there: ``reusable`` keeps it to that batch)
+    batch = None if gbs == found.gbs else gbs
     if old is None or old.coupled is not None or found.kept != kept:
-        return cut_graph(found.analysis, kept, batch=gbs)
-    return replace(old, part=replace(old.part, constants=constants_at(old.part, gbs)))
+        return cut_graph(found.analysis, kept, batch=batch)
+    if batch is None:
+        return old
+    return replace(old, part=replace(old.part, constants=constants_at(old.part, batch)))
 
 
 def find(request: Request) -> Analysed:
