@@ -493,8 +493,10 @@ def hf_batch(n: int, labels: str, seed: int = 1) -> dict[str, torch.Tensor]:
 
 # Funnel and LongT5 take ~20 s to export: they run on the plan of one-sample microbatches
 SLOW_HF = ("funnel", "longt5")
+#: BERT in CI; MBart, Funnel and LongT5 with the model zoo's extra entries (``-m zoo``)
 HF_CASES = [pytest.param(name, plan, id=f"{name}-{plan}",
-                         marks=[pytest.mark.slow] if name in SLOW_HF else [])
+                         marks=[pytest.mark.slow] if name.startswith("bert") else
+                         [pytest.mark.slow, pytest.mark.zoo])
             for name in HF for plan in PLANS if name not in SLOW_HF or plan == "gbs5-csx2-mbs1"]
 
 

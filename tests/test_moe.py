@@ -554,8 +554,15 @@ def padded_batch(seed: int = 1) -> dict[str, torch.Tensor]:
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
+#: Mixtral in CI; the other four are the same dispatch in other models (``-m zoo``, as the
+#: model zoo's extra entries: tests/test_zoo.py)
+def _more(names: list[str]) -> list[Any]:
+    return [pytest.param(n, marks=pytest.mark.zoo) for n in names]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("name", ["mixtral", *_more(["qwen2_moe", "qwen3_moe", "olmoe",
+                                                     "granitemoe"])])
 def test_hf_moe_matches_eager_full_batch(transformers: Any, name: str) -> None:
     torch.manual_seed(0)
     model = hf_moe(transformers, name)  # float32: the grouped_mm experts have no float64
@@ -576,7 +583,7 @@ def test_hf_moe_matches_eager_full_batch(transformers: Any, name: str) -> None:
 
 # Mixtral's aux loss: test_two_phase.py (RNG, no retained activations).
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"])
+@pytest.mark.parametrize("name", ["qwen2_moe", *_more(["qwen3_moe", "olmoe", "granitemoe"])])
 def test_hf_moe_with_router_aux_loss_runs_as_an_exact_two_phase_step(transformers: Any,
                                                                      name: str) -> None:
     """The load-balancing loss averages the router's probabilities over the whole batch:
