@@ -228,7 +228,9 @@ class CostModel(TimeModel):
         if m in self._exact:
             return self._exact[m], True
         if self._pinned is not None:  # another size after all (a smaller microbatch's
-            return self.probe(m), True  # outputs, an error's fix): probed exactly
+            if self._prober is None:  # outputs, an error's fix): probed exactly, or, copied
+                return scaled(self._exact[self._pinned], m), False  # to a rank, scaled
+            return self.probe(m), True
         if self._fit is not None and m >= self._fit_from:
             return self._fit.at(m), False
         return self.probe(m), True
