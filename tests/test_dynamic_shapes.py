@@ -191,7 +191,10 @@ def test_a_two_phase_coupled_loss_is_exact_at_three_lengths():
     assert next(iter(cm._variants.values())).analysis.two_phase
 
 
+# 22 s alone, up to 170 s beside another worker (torch.compile's recompiles): with the
+# zoo's extra entries (-m zoo), out of CI's 20 minutes
 @pytest.mark.slow
+@pytest.mark.zoo
 def test_torch_compile_is_exact_at_three_lengths():
     model, cm = _gpt(torch_compile=True, dynamic=True)
     _steps(model, cm, [token_batch(GBS, n, seed=n) for n in (12, 8, 15)])
@@ -371,7 +374,9 @@ def test_hf_model_is_exact_at_five_lengths(transformers, name, monkeypatch):
     assert len(_recompiles(caught)) == 1, caught
 
 
+# 37-50 s: with the zoo's extra entries (-m zoo), out of CI's 20 minutes
 @pytest.mark.slow
+@pytest.mark.zoo
 def test_t5_is_exact_with_encoder_and_decoder_lengths_apart(transformers):
     cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                 num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
