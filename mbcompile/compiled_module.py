@@ -38,6 +38,7 @@ from mbcompile.execution.rank_shares import check_not_in_ddp
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import batch_size, check_layout, input_layout, same_value
+from mbcompile.length_plans import CallSplit, for_length, last_run
 from mbcompile.lowering import Lowered
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
 from mbcompile.passes.batch_analysis import BatchAnalysis
@@ -69,13 +70,16 @@ class Recompile:
     #: keywords a caller adds to forward's ``**kwargs`` that the compiler expects (those of
     #: transformers' Trainer, ``integrations/transformers.py``): compiled without a warning
     expected_keywords: frozenset[str] = frozenset()
+    #: the request lowered for another selection of the same batch (another split for a
+    #: call's length: ``length_plans.for_length``), on the same capture
+    split: Callable[[Request, Selection], CompiledModule] | None = None
 
 
 class CompiledModule(ModelFace, nn.Module):
     """A model compiled for microbatching: call it like the model.
 
-    Attributes: ``plan`` (a ``MicrobatchPlan``), ``graph_module`` (the rewritten
-    ``fx.GraphModule``: split -> loop over ``graph_module.body`` -> accumulate),
+    Attributes: ``plan`` (a ``MicrobatchPlan``, of the last call's shape), ``graph_module``
+    (the rewritten ``fx.GraphModule``: split -> loop over ``graph_module.body`` -> accumulate),
     ``original_graph_module`` (the captured graph, annotated with batch facts),
     ``estimate`` (modelled memory and step time of the plan on ``system``) and
     ``exploration`` (the MBS values the choice evaluated); ``report()`` says it all.
@@ -91,14 +95,18 @@ class CompiledModule(ModelFace, nn.Module):
     """
 
     def __init__(self, request: Request, selection: Selection, lowered: Lowered,
-                 recompile: Recompile) -> None:
+                 recompile: Recompile, split: CallSplit | None = None) -> None:
         super().__init__()
         self.module = request.model  # the user's model, wrapper and all: its state_dict() keys
         # what the graphs were captured from (model, or the module a wrapper forwards to);
         # not a registered submodule, so nothing is listed twice
         object.__setattr__(self, "_inner", request.inner)
         object.__setattr__(self, "_request", request)
-        object.__setattr__(self, "selection", selection)
+        object.__setattr__(self, "_selection", selection)  # its own: ``selection`` follows calls
+        # how a call's length chooses its split (None: it does not), and what the last call
+        # ran where not this module's own plan: (module, its selection as shown or None)
+        object.__setattr__(self, "_split", split)
+        object.__setattr__(self, "_ran", None)
         object.__setattr__(self, "_recompile", recompile)
         object.__setattr__(self, "compile_only", request.options.compile_only)
         object.__setattr__(self, "rank", selection.rank)
@@ -134,8 +142,18 @@ class CompiledModule(ModelFace, nn.Module):
         self._keep(lowered)
 
     @property
+    def selection(self) -> Selection:
+        """The plan, its estimate and what chose it, for the last call's shape (the sequence
+        length chooses the split: ``length_plans.py``); compile()'s before any call."""
+        ran = self._ran
+        if ran is None:
+            return self._selection
+        return ran[1] if ran[1] is not None else ran[0].selection
+
+    @property
     def plan(self) -> MicrobatchPlan:
-        """The plan (``MicrobatchPlan``): per-system batches, MBS, microbatches, and why."""
+        """The plan (``MicrobatchPlan``): per-system batches, MBS, microbatches, and why; for
+        the last call's shape where the split follows the length."""
         return self.selection.plan
 
     # -------------------------------------------------------------- compiling
@@ -243,8 +261,10 @@ class CompiledModule(ModelFace, nn.Module):
         """Plan, why, modelled memory and time, candidates: text, or ``fmt="json"``.
 
         The text is a ``mbcompile.reports.report.Report`` (a ``str``); ``to_dict()`` is the data.
+        Of the last call's shape, with how the split follows the length where it does.
         """
-        return render(self, fmt)
+        module, split = last_run(self)
+        return render(module, fmt, split)
 
     # ---------------------------------------------------------------- calling
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -260,12 +280,18 @@ class CompiledModule(ModelFace, nn.Module):
         if self._named is not None:  # forward takes **kwargs: which keywords reach them
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:
-                return for_keywords(self, through, args, kwargs)(*args, **kwargs)
+                return self._runs(for_keywords(self, through, args, kwargs))(*args, **kwargs)
         bound, values, batch, varying = self._checked(args, kwargs)
         if varying:  # dynamic="auto": a length changed, so compile once with it symbolic
-            return for_shapes(self, varying)(*args, **kwargs)
-        if self.rank is None and batch is not None and batch != self.plan.gbs:
+            return self._runs(for_shapes(self, varying))(*args, **kwargs)
+        gbs = self._selection.plan.gbs
+        object.__setattr__(self, "_ran", None)
+        if self.rank is None and batch is not None and batch != gbs:
             return for_batch(self, batch, bound.arguments)(*args, **kwargs)
+        if self._split is not None and batch == gbs:  # the call's length chooses its split
+            other = for_length(self, values)
+            if other is not self:
+                return other(*args, **kwargs)
         compiled = self._compiled()
         watched = watch_new_hooks(self._live_layers, self._hooks_known)
         if not watched:
@@ -274,6 +300,11 @@ class CompiledModule(ModelFace, nn.Module):
             return self._call(compiled, values, bound.arguments)
         finally:
             unwatch(watched)
+
+    def _runs(self, module: CompiledModule) -> CompiledModule:
+        """``module`` (a variant of the same batch size) runs this call: ``plan`` shows its."""
+        object.__setattr__(self, "_ran", (module, None))
+        return module
 
     def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The call bound to the compiled signature, its inputs in placeholder order, its
@@ -301,7 +332,7 @@ class CompiledModule(ModelFace, nn.Module):
                     f"rank {self.rank} was called with {batch} samples but its share of "
                     f"gbs={self.plan.gbs} is {local} (plan.per_system_batch_sizes[{self.rank}]); "
                     "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank)")
-        elif (batch is not None and batch != self.plan.gbs
+        elif (batch is not None and batch != self._selection.plan.gbs
               and self._request.options.batch_sizes == "fixed"):
             raise InputError(
                 f"the batch has {batch} samples but the module was compiled for "
@@ -383,6 +414,8 @@ class CompiledModule(ModelFace, nn.Module):
         ``{"global": n, "per_system": [...], "per_microbatch": [[...], ...]}``; None
         before the first call or when the loss is not a mean.
         """
+        if self._ran is not None and self._ran[0] is not self:  # the last call ran there
+            return self._ran[0].token_counts()
         counts = self._compiled().channels.last_counts
         if counts is None:
             return None

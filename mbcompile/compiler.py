@@ -27,6 +27,7 @@ from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.dynamic_shapes import checked_symbolic
 from mbcompile.errors import CaptureError, MbcompileError
 from mbcompile.integrations.transformers import trainer_keywords
+from mbcompile.length_plans import call_split
 from mbcompile.lowering import Lowered, lower
 from mbcompile.options import signature_with_options
 from mbcompile.planning.static_memory import check_static_memory
@@ -81,7 +82,17 @@ def _module(request: Request, selection: Selection, lowered: Lowered, captures: 
     expected = frozenset(trainer_keywords(request.inner, request.example))
     return CompiledModule(request, selection, lowered, Recompile(
         functools.partial(_relower, request, selection, captures),
-        functools.partial(_variant, request, selection, captures), expected))
+        functools.partial(_variant, request, selection, captures), expected,
+        functools.partial(_split, captures)), call_split(request, selection, lowered))
+
+
+def _split(captures: Captures, request: Request, selection: Selection) -> CompiledModule:
+    """``request`` lowered for ``selection``, a plan of the same batch with another MBS (a
+    call's length chose it: ``length_plans.py``), on the capture and analysis it has."""
+    with _crash_named(request.model):
+        analysed = captures.analysed(request)
+        lowered = lower(request, analysed.for_plan(selection.plan), selection)
+    return _module(request, selection, lowered, captures)
 
 
 def _variant(origin: Request, first: Selection, captures: Captures, request: Request

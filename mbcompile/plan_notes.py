@@ -23,7 +23,7 @@ from mbcompile.planning.exploration import Choice
 from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.request import Request
 
-__all__ = ["EVAL_MODE_NOTE", "PER_MICROBATCH_NOTE", "final_plan"]
+__all__ = ["EVAL_MODE_NOTE", "PER_MICROBATCH_NOTE", "final_plan", "tokens_reason"]
 
 EVAL_MODE_NOTE = (
     "compiled in eval mode (as from_pretrained leaves a model): the first call in training "
@@ -50,11 +50,20 @@ def final_plan(request: Request, choice: Choice) -> MicrobatchPlan:
         warnings.warn(PER_MICROBATCH_NOTE, PerMicrobatchStatisticsWarning,
                       stacklevel=user_stacklevel())
         notes = (*notes, PER_MICROBATCH_NOTE)
-    return dataclasses.replace(plan, reason=choice.reason, warnings=notes,
+    tokens = tokens_per_sample(request.inputs, request.example)
+    reason = choice.reason
+    if request.policy.tokens is not None and tokens is not None:
+        reason = tokens_reason(request.policy.tokens, plan.mbs, tokens)
+    return dataclasses.replace(plan, reason=reason, warnings=notes,
                                # what the probes ran in; nothing was probed without them
                                precision=request.precision.name if choice.estimate else None,
-                               tokens_per_sample=tokens_per_sample(request.inputs,
-                                                                   request.example))
+                               tokens_per_sample=tokens)
+
+
+def tokens_reason(budget: int, mbs: int, tokens: int) -> str:
+    """Why a token budget's plan runs ``mbs`` samples of ``tokens`` tokens each."""
+    return (f"mbs={{'tokens': {budget}}}: {mbs} sample{'s' if mbs != 1 else ''} of {tokens} "
+            f"tokens ({mbs * tokens} tokens) per microbatch, the most the budget holds")
 
 
 def _has_batch_norm(model: nn.Module) -> bool:

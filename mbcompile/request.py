@@ -31,6 +31,7 @@ from mbcompile.inputs import (
     check_layout,
     input_layout,
     keywords_through,
+    tokens_per_sample,
     with_keywords,
 )
 from mbcompile.options import CompileOptions
@@ -231,6 +232,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
                                              o.in_dims, planning_only)
     inputs = dataclasses.replace(inputs, symbolic=symbolic_dims(
         o.dynamic, inputs.names, inputs.in_dims, values))
+    policy = _at_example_tokens(policy, inputs, values, sizes[0], type(model).__name__)
     outputs, torch_compile = _check_outputs(o.outputs), _check_torch_compile(o.torch_compile)
     checked = dataclasses.replace(o, outputs=outputs, recompute=_check_recompute(o.recompute),
                                   example_inputs=None, example_kwargs=None)  # bound: example
@@ -383,7 +385,7 @@ def _check_cost_model(option: Any, policy: MbsPolicy, system: Any, measure: Any)
         raise ArgumentTypeError(f"cost_model must be a bool, got {option!r}")
     if option:
         return
-    if policy.mode not in ("int", "none"):
+    if policy.mode not in ("int", "none", "tokens"):
         raise InputError(f"cost_model=False plans without the cost model, but "
                          f"mbs={policy.request!r} chooses the MBS with it; pass an int mbs "
                          "or 'none', or leave cost_model=True")
@@ -391,6 +393,21 @@ def _check_cost_model(option: Any, policy: MbsPolicy, system: Any, measure: Any)
         what = "system=" if system is not None else "measure="
         raise InputError(f"cost_model=False plans without the cost model, so nothing is checked "
                          f"against a system or timed; drop {what}, or leave cost_model=True")
+
+
+def _at_example_tokens(policy: MbsPolicy, inputs: Inputs, values: Mapping[str, Any],
+                       pbs: int, name: str) -> MbsPolicy:
+    """A token budget (``mbs={"tokens": n}``) as the int MBS of the example's length, the
+    budget kept beside it for calls of other lengths (``planning/length_split.py``)."""
+    if policy.mode != "tokens":
+        return policy
+    tokens = tokens_per_sample(inputs, values)
+    if tokens is None:
+        raise InputError(
+            f"mbs={policy.request!r} counts the tokens of a (batch, length) integer input (token "
+            f"ids), and {name}'s example call has none; pass an int mbs (samples per "
+            "microbatch) or 'auto'")
+    return policy.for_tokens(tokens, pbs)
 
 
 def _repetitions(measure: Any) -> int:

@@ -260,11 +260,12 @@ def _text(d: dict[str, Any], cm: Any) -> str:
     return "\n".join(lines)
 
 
-def render(cm: Any, fmt: str = "text") -> str:
-    """The report of compiled module ``cm``: text (a :class:`Report`) or ``"json"``."""
+def render(cm: Any, fmt: str = "text", split: Any = None) -> str:
+    """The report of compiled module ``cm``: text (a :class:`Report`) or ``"json"``;
+    ``split``: how its calls' split follows their length (``length_plans.CallSplit``)."""
     _check_format(fmt)
     d = report_dict(cm)
-    extra = _batch_guidance(cm, d)
+    extra = _batch_guidance(cm, d) + _lengths(cm, split, d)
     if fmt == "json":
         return json.dumps(d, indent=2, default=str)
     return Report("\n".join([_text(d, cm), *extra]), d)
@@ -295,4 +296,21 @@ def _batch_guidance(cm: Any, d: dict[str, Any]) -> list[str]:
                             "advice": advice(noise, "tokens" if plan.tokens_per_sample
                                              else "samples")}
         lines.append("batch size: " + d["noise_scale"]["advice"])
+    return lines
+
+
+def _lengths(cm: Any, split: Any, d: dict[str, Any]) -> list[str]:
+    """How the split follows the length (issue 34), into ``d`` and as text lines."""
+    if split is None:
+        return []
+    rule = split.split
+    last = split.shown.get("last")
+    d["lengths"] = {"mode": rule.mode, "note": rule.note or None, "last_length": last,
+                    "rows": [{"shortest": low, "longest": high, "mbs": mbs,
+                              "num_microbatches": k} for low, high, mbs, k in rule.rows()]}
+    lines = rule.describe()
+    if last is not None:
+        plan = cm.plan
+        lines.append(f"  last call: length {last}, mbs {plan.mbs}, {plan.num_microbatches} "
+                     f"microbatch{'es' if plan.num_microbatches != 1 else ''} per system")
     return lines

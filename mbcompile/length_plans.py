@@ -1,0 +1,222 @@
+"""A call's split from its length: the compiled module's side of ``planning/length_split.py``.
+
+>>> split = call_split(request, selection, lowered)   # at compile (None: nothing varies)
+>>> split.mbs_for(values)                              # per call, microseconds
+(4, 16)
+>>> for_split(cm, 4, 16)(*args)                        # the module of that split, made once
+
+A module whose sequence length is symbolic, compiled with ``mbs="auto"`` or a token budget
+(``mbs={"tokens": n}``), chooses each call's MBS from the call's length; a split other
+than its own plan's runs in a module lowered for it from the same capture and analysis
+(no capture, no probe: a plan and a lowering), made once per MBS and kept. The length
+model (``planning/length_cost.py``) is built once per cost model and kept with it, so the
+module's variants (another batch size) reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from mbcompile.errors import CostModelError
+from mbcompile.planning.cost import CostModel
+from mbcompile.planning.length_cost import LengthCost, length_cost
+from mbcompile.planning.length_split import LengthSplit, auto_split, tokens_split
+from mbcompile.planning.mbs_policy import MbsPolicy
+from mbcompile.planning.plan import num_microbatches, plan_for
+from mbcompile.planning.two_phase_cost import TwoPhaseCostModel
+
+__all__ = ["CallSplit", "call_split", "for_length", "last_run", "split_selection"]
+
+#: length models by cost model (a module's variants share its cost model) and dims
+_LENGTHS: weakref.WeakKeyDictionary[CostModel, dict[Any, LengthCost | str]] = \
+    weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class CallSplit:
+    """A module's ``LengthSplit`` and where a call's length is read: ``dims`` (input
+    position, dim, example size) of the symbolic dims (``"auto"``: the example's length
+    plus the most any of them grew), or ``tokens`` (input position, dim) of the token ids'
+    length (``"tokens"``)."""
+
+    split: LengthSplit
+    dims: tuple[tuple[int, int, int], ...]
+    tokens: tuple[int, int] | None
+    lengths: LengthCost | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: the selections shown for (mbs, length) (``for_length``), and the last call's length
+    shown: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def length(self, values: Sequence[Any]) -> int:
+        """The call's length (``values``: its inputs in placeholder order)."""
+        if self.split.mode == "tokens" and self.tokens is not None:
+            index, dim = self.tokens
+            return int(values[index].shape[dim])
+        return self.split.example_length + max(
+            _size(values[i], d) - size for i, d, size in self.dims)
+
+    def mbs_for(self, values: Sequence[Any]) -> tuple[int, int]:
+        """``(mbs, length)`` of the call: raises ``DoesNotFitError`` (auto: no MBS fits the
+        call's length) or ``PlanError`` (a token budget one sample exceeds), before
+        anything ran."""
+        length = self.length(values)
+        return self.split.mbs_at(length), length
+
+
+def _size(value: Any, dim: int) -> int:
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[dim])
+    return max(int(t.shape[dim]) for t in pytree.tree_leaves(value)
+               if isinstance(t, torch.Tensor) and t.dim() > dim)
+
+
+def call_split(request: Any, selection: Any, lowered: Any) -> CallSplit | None:
+    """How calls of ``request``'s module (planned as ``selection``, lowered as ``lowered``)
+    split by their length (an int MBS, or ``"auto"`` without a memory budget: the example's
+    split at every length, its plan shown at the call's length); None where nothing
+    follows it (no symbolic dim, on ranks, a forward-only variant, a graph run unsplit)."""
+    symbolic, policy, plan = request.inputs.symbolic, request.policy, selection.plan
+    if (not symbolic or selection.rank is not None or request.forward_only
+            or lowered.graph_module is lowered.original_graph_module):
+        return None
+    names = request.inputs.names
+    dims = tuple((names.index(n), d, _size(request.example[n], d))
+                 for n, ds in symbolic.items() for d in ds)
+    common = dict(supported=plan.supported_mbs, pbs=plan.pbs, example_mbs=plan.mbs)
+    tokens = _token_ids(request)
+    if policy.tokens is not None:
+        if tokens is None:
+            return None
+        index, dim = tokens
+        length = int(request.values[index].shape[dim])
+        return CallSplit(tokens_split(policy.tokens, example_length=length, **common), dims,
+                         tokens)
+    length = dims[0][2]
+    if policy.mode != "auto":
+        lengths: LengthCost | str = f"mbs={policy.request!r}: samples per microbatch"
+    elif request.options.system is None:
+        lengths = ("no memory budget given (system=None plans for this host, whose memory does "
+                   "not bind): give system= to cut each call by memory")
+    else:
+        lengths = _length_model(request, selection, lowered)
+    if isinstance(lengths, str):
+        return CallSplit(LengthSplit("fixed", plan.pbs, plan.supported_mbs, plan.mbs, length,
+                                     note=lengths), dims, tokens)
+    pbs, system = plan.pbs, selection.system
+
+    def memory(n: int, m: int) -> Any:
+        return lengths.at(n - length).memory(pbs, m, num_microbatches(pbs, m), system)
+
+    shortest = length + max(max(low or 1, 1) - size for (_, _, size), (low, _) in
+                            zip(dims, _bounds(symbolic)))
+    highs = [high - size for (_, _, size), (_, high) in zip(dims, _bounds(symbolic))
+             if high is not None]
+    split = auto_split(lambda n, m: memory(n, m).fits, lambda n, m: memory(n, m).peak,
+                       example_length=length, shortest=shortest,
+                       longest=length + min(highs) if highs else None,
+                       capacity=system.usable_bytes, system=system.name, note=lengths.note,
+                       **common)
+    return CallSplit(split, dims, tokens, lengths)
+
+
+def _bounds(symbolic: Any) -> list[tuple[int | None, int | None]]:
+    return [bounds for ds in symbolic.values() for bounds in ds.values()]
+
+
+def _token_ids(request: Any) -> tuple[int, int] | None:
+    """(input position, dim) of the token ids' length: ``inputs.tokens_per_sample``'s input."""
+    inputs = request.inputs
+    for i, (name, d) in enumerate(zip(inputs.names, inputs.in_dims)):
+        value = request.example[name]
+        if (d is not None and isinstance(value, torch.Tensor) and not value.is_floating_point()
+                and value.dim() == 2):
+            return i, 1 - d
+    return None
+
+
+def _length_model(request: Any, selection: Any, lowered: Any) -> LengthCost | str:
+    """The cost model of ``selection`` over lengths (built once per cost model and dims), or
+    why there is none: the plan at the example's length then serves every length."""
+    cost = selection.cost
+    if cost is None:
+        return f"no cost model ({selection.cost_error})"
+    if isinstance(cost, TwoPhaseCostModel) or selection.plan.recompute or cost.shard:
+        return ("a two-phase step, activation checkpointing and FSDP2 are planned at the "
+                "example's length only so far")
+    key = repr(sorted((n, sorted(ds.items())) for n, ds in request.inputs.symbolic.items()))
+    known = _LENGTHS.setdefault(cost, {})
+    if key not in known:
+        try:
+            known[key] = length_cost(cost, lowered.analysis.graph_module, request.inputs.names,
+                                     request.inputs.symbolic, request.example, request.pbs)
+        except CostModelError as exc:
+            known[key] = f"no model of memory over lengths: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a probe at another length crashed
+            known[key] = (f"no model of memory over lengths: probing another length failed "
+                          f"({type(exc).__name__}: {exc})")
+    return known[key]
+
+
+def split_selection(selection: Any, split: CallSplit, mbs: int, length: int) -> Any:
+    """The selection of the module that runs ``mbs`` for ``split``'s calls (first made for
+    a call of ``length``): the plan of that MBS, why, and its estimate at that length."""
+    plan = selection.plan
+    cut = plan_for(plan.per_system_batch_sizes, MbsPolicy("int", mbs))
+    rule = split.split
+    if rule.mode == "tokens":
+        reason = (f"mbs={{'tokens': {rule.budget}}}, per call: {mbs} samples of at most "
+                  f"{rule.budget // mbs} tokens per microbatch, the most the budget holds")
+    else:
+        reason = (f"auto, per call: mbs {mbs} is the largest whose modelled peak fits "
+                  f"{rule.system} at the call's length"
+                  + (f" (the example's mbs {rule.cap}, chosen for time, at most)"
+                     if rule.cap is not None else ""))
+    estimate = selection.estimate
+    if split.lengths is not None and selection.system is not None:
+        estimate = split.lengths.at(length - rule.example_length).estimate(
+            plan.gbs, plan.num_csx, mbs, selection.system)
+    new = dataclasses.replace(plan, mbs=cut.mbs, num_microbatches=cut.num_microbatches,
+                              microbatch_sizes=cut.microbatch_sizes, reason=reason)
+    return dataclasses.replace(selection, plan=new, estimate=estimate, exploration=None)
+
+
+def for_length(cm: Any, values: Sequence[Any]) -> Any:
+    """The module that runs ``cm``'s call of ``values`` (its inputs in placeholder order):
+    ``cm`` itself where the call's length chooses ``cm``'s own MBS, else the module lowered
+    for that MBS (once: ``Recompile.split``); ``cm.plan`` then shows it, at this length."""
+    split = cm._split
+    mbs, length = split.mbs_for(values)
+    key = (mbs, length)
+    shown = split.shown.get(key)
+    target = cm if mbs == cm._selection.plan.mbs else cm._variants.get(("split", mbs))
+    if target is None:
+        selection = split_selection(cm._selection, split, mbs, length)
+        policy = MbsPolicy("int", mbs, request=cm._request.policy.request)
+        target = cm._recompile.split(dataclasses.replace(cm._request, policy=policy), selection)
+        cm._variants[("split", mbs)] = target
+    if shown is None:
+        if len(split.shown) > 1024:
+            split.shown.clear()
+        own = target._selection
+        tokens = None if own.plan.tokens_per_sample is None or split.tokens is None else \
+            int(values[split.tokens[0]].shape[split.tokens[1]])
+        shown = split.shown[key] = dataclasses.replace(
+            own, plan=dataclasses.replace(own.plan, tokens_per_sample=tokens))
+    split.shown["last"] = length
+    object.__setattr__(cm, "_ran", (target, shown))
+    return target
+
+
+def last_run(cm: Any) -> tuple[Any, CallSplit | None]:
+    """The module whose plan the last call of ``cm`` showed (through the variants a call
+    went on to: other keywords, a length made symbolic) and its ``CallSplit``."""
+    module = cm
+    while module._ran is not None and module._ran[1] is None and module._ran[0] is not module:
+        module = module._ran[0]
+    return module, module._split

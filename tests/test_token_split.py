@@ -1,0 +1,187 @@
+"""Microbatches cut by tokens (issue 34, item 2): each call's split follows its length.
+
+A module whose sequence length is symbolic chooses each call's MBS from the call's length:
+``mbs="auto"`` the largest whose modelled peak at that length fits the system's memory
+(a batch padded short runs in fewer microbatches than one padded long), a token budget
+``mbs={"tokens": n}`` the most samples whose tokens fit ``n``; an int MBS keeps its
+meaning. Every split is exact: each test steps against eager in float64 on the tiny GPT,
+gbs 7 over 2 systems (splits 4+3: uneven microbatches at mbs 2, and empty ones at mbs 1
+on the smaller system never), comparing the loss, outputs, every gradient and buffer
+(``step_errors``). Refusals change nothing (``unchanged``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from models import TOL, assert_close_errors, step_errors
+from test_dynamic_shapes import unchanged
+
+import mbcompile
+from mbcompile.errors import DoesNotFitError, InputError, PlanError
+from mbcompile.models import make_tiny_gpt, token_batch
+from mbcompile.planning.length_split import auto_split, tokens_split
+from mbcompile.planning.mbs_policy import parse_mbs
+from mbcompile.planning.plan import supported_mbs
+from mbcompile.planning.systems import SystemSpec
+
+DTYPE = torch.float64
+GBS, NUM_CSX, EXAMPLE = 7, 2, 12
+#: the tiny GPT's step (Adam) on 1.5 MB: one microbatch of 4 fits up to ~23 tokens per
+#: sample, two of 2 up to ~32, four of 1 up to ~58 (the modelled peaks, exact on this model)
+BUDGET = SystemSpec("budget", memory_bytes=1.5e6, peak_flops=1e12, peak_flops_fp32=1e12,
+                    memory_bandwidth=1e11, optimizer_bytes_per_param=8)
+
+
+def _gpt(mbs: Any, **options: Any) -> tuple[nn.Module, Any]:
+    model, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, mbs, example_inputs=(
+        ids[:, :EXAMPLE], labels[:, :EXAMPLE]), **options)
+    return model, cm
+
+
+def _step(model: nn.Module, cm: Any, length: int) -> Any:
+    """One step at ``length`` against eager (every error <= TOL); the plan it ran."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a length made symbolic warns once: its own tests
+        assert_close_errors(step_errors(model, cm, token_batch(GBS, length, seed=length)), TOL)
+    return cm.plan
+
+
+# --------------------------------------------------------------------------- #
+# mbs="auto" under a memory budget
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.slow
+def test_auto_cuts_each_call_by_its_length_exactly():
+    model, cm = _gpt("auto", dynamic=True, system=BUDGET)
+    plans = {n: _step(model, cm, n) for n in (8, 40, 28, 16, EXAMPLE)}
+    # a batch padded short runs in fewer microbatches than one padded long
+    assert plans[8].num_microbatches < plans[28].num_microbatches < plans[40].num_microbatches
+    split, lengths = cm._split.split, cm._split.lengths
+    for n, plan in plans.items():
+        assert plan.mbs == split.mbs_at(n) and plan.tokens_per_sample == n
+        # the largest MBS whose modelled peak at that length fits the budget
+        fits = [m for m in plan.supported_mbs if lengths.at(n - EXAMPLE).memory(
+            4, m, -(-4 // m), BUDGET).fits]
+        assert plan.mbs == max(fits), (n, fits)
+    # one module per split, made once: the example's own and two others
+    assert sorted(k[1] for k in cm._variants if k[0] == "split") == \
+        sorted({p.mbs for p in plans.values()} - {cm._selection.plan.mbs})
+    report = cm.report()
+    assert "split by length" in report and f"last call: length {EXAMPLE}" in report
+    assert cm.report("json") and cm.report().to_dict()["lengths"]["rows"]
+
+
+@pytest.mark.slow
+def test_a_length_made_symbolic_on_the_way_follows_it_too():
+    """dynamic='auto' (the default): the first call of another length makes it symbolic,
+    and that module chooses each call's split; ``cm.plan`` shows the last call's."""
+    model, cm = _gpt("auto", system=BUDGET)
+    short, long = _step(model, cm, 8), _step(model, cm, 40)
+    assert short.num_microbatches < long.num_microbatches
+    assert cm.plan == long and "length 40" in cm.report()
+
+
+@pytest.mark.slow
+def test_a_call_too_long_for_any_split_is_refused_and_changes_nothing():
+    model, cm = _gpt("auto", dynamic=True, system=BUDGET)
+    ids, labels = token_batch(GBS, 64, seed=1)
+    with unchanged(model, cm), pytest.raises(DoesNotFitError, match=r"length 64 does not "
+                                             r"fit budget at any MBS.*nothing ran.*up to \d+"):
+        cm(ids, labels)
+
+
+# --------------------------------------------------------------------------- #
+# A token budget, and an int MBS
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.slow
+def test_a_token_budget_fits_each_microbatch_exactly():
+    model, cm = _gpt({"tokens": 24}, dynamic=True, cost_model=False)
+    assert cm.plan.mbs == 2 and "24" in cm.plan.reason  # 2 x 12 tokens at the example
+    for n in (6, 20, 8, 24):
+        plan = _step(model, cm, n)
+        assert plan.max_microbatch_size * n <= 24, (n, plan.mbs)
+        larger = [m for m in plan.supported_mbs if m > plan.mbs]
+        assert not larger or larger[0] * n > 24  # the most the budget holds
+    assert cm.plan.requested_mbs == repr({"tokens": 24})
+    ids, labels = token_batch(GBS, 25, seed=2)
+    with unchanged(model, cm), pytest.raises(PlanError, match="one sample has 25 tokens"):
+        cm(ids, labels)
+
+
+def test_an_int_mbs_keeps_its_meaning_at_every_length():
+    model, cm = _gpt(2, dynamic=True, cost_model=False)
+    for n in (6, 20):
+        plan = _step(model, cm, n)
+        assert plan.mbs == 2 and plan.tokens_per_sample == n  # the last call's shape
+    assert not cm._variants and "mbs=2: samples per microbatch" in cm.report()
+
+
+@pytest.mark.parametrize("mbs, error, match", [
+    ({"tokens": 0}, PlanError, "tokens must be at least 1"),
+    ({"tokens": "8k"}, PlanError, "tokens must be an int"),
+    ({"tokens": 1.5}, PlanError, "tokens must be an int"),
+    ({"tokens": True}, PlanError, "tokens must be an int"),
+    ({"tokens": 8, "explore": {}}, PlanError, "single key 'tokens'"),
+    ({"tokns": 8}, PlanError, "single key 'explore' \\(or 'tokens'\\)"),
+    ({"tokens": 11}, PlanError, "one sample has 12 tokens"),
+])
+def test_a_bad_token_budget_is_refused_before_tracing(mbs, error, match):
+    model, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=EXAMPLE)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=match):
+        mbcompile.compile(model, GBS, NUM_CSX, mbs, example_inputs=(ids, labels))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_token_budget_needs_token_ids():
+    model = nn.Sequential(nn.Linear(3, 1)).to(DTYPE)
+    with pytest.raises(InputError, match="counts the tokens of a \\(batch, length\\) integer"):
+        mbcompile.compile(model, GBS, NUM_CSX, {"tokens": 8},
+                          example_inputs=(torch.randn(GBS, 3, dtype=DTYPE),))
+
+
+# --------------------------------------------------------------------------- #
+# The arithmetic alone
+# --------------------------------------------------------------------------- #
+
+
+def _toy(budget: float, example_mbs: int = 1, pbs: int = 16) -> Any:
+    """Memory of ``m`` samples of ``n`` tokens: 100 per token, 1000 static."""
+    supported = (1, 2, 3, 4, 6, 8, 16)
+    return auto_split(lambda n, m: 1000 + 100 * m * n <= budget,
+                      lambda n, m: 1000 + 100 * m * n, supported=supported, pbs=pbs,
+                      example_mbs=example_mbs, example_length=32, shortest=2, longest=None,
+                      capacity=budget, system="toy")
+
+
+def test_auto_split_takes_the_largest_mbs_that_fits_each_length():
+    split = _toy(1000 + 100 * 64, example_mbs=2)  # 64 tokens: memory bound at 32 already
+    assert [split.mbs_at(n) for n in (4, 16, 32, 64)] == [16, 4, 2, 1]
+    with pytest.raises(DoesNotFitError, match="length 65 does not fit toy"):
+        split.mbs_at(65)
+    rows = split.rows()
+    assert rows == [(2, 4, 16, 1), (5, 8, 8, 2), (9, 10, 6, 3), (11, 16, 4, 4), (17, 21, 3, 6),
+                    (22, 32, 2, 8), (33, 64, 1, 16)]
+    # where memory did not bind at the example, auto's own choice (for time) stays the most
+    loose = _toy(1000 + 100 * 64 * 16, example_mbs=4)
+    assert loose.cap == 4 and loose.mbs_at(2) == 4 and loose.mbs_at(256) == 4
+    assert loose.mbs_at(512) == 2
+
+
+def test_a_token_budget_gives_the_most_samples_that_fit():
+    split = tokens_split(8192, supported=supported_mbs(50), pbs=50,
+                         example_mbs=16, example_length=512)
+    assert [split.mbs_at(n) for n in (100, 512, 600, 8192)] == [50, 13, 13, 1]
+    assert parse_mbs({"tokens": 8192}).for_tokens(600, pbs=50).value == 13
+    with pytest.raises(PlanError, match="8192 tokens per microbatch, but one sample has 9000"):
+        split.mbs_at(9000)
+    assert split.rows()[-1][1] == 8192
