@@ -108,21 +108,38 @@ def call_split(request: Any, selection: Any, lowered: Any) -> CallSplit | None:
     if isinstance(lengths, str):
         return CallSplit(LengthSplit("fixed", plan.pbs, plan.supported_mbs, plan.mbs, length,
                                      note=lengths), dims, tokens)
-    pbs, system = plan.pbs, selection.system
-
-    def memory(n: int, m: int) -> Any:
-        return lengths.at(n - length).memory(pbs, m, num_microbatches(pbs, m), system)
-
+    memory = _Memory(lengths, length, plan.pbs, selection.system)
     shortest = length + max(max(low or 1, 1) - size for (_, _, size), (low, _) in
                             zip(dims, _bounds(symbolic)))
     highs = [high - size for (_, _, size), (_, high) in zip(dims, _bounds(symbolic))
              if high is not None]
-    split = auto_split(lambda n, m: memory(n, m).fits, lambda n, m: memory(n, m).peak,
+    split = auto_split(memory.fits, memory.peak,
                        example_length=length, shortest=shortest,
                        longest=length + min(highs) if highs else None,
-                       capacity=system.usable_bytes, system=system.name, note=lengths.note,
+                       capacity=memory.system.usable_bytes, system=memory.system.name,
+                       note=lengths.note,
                        **common)
     return CallSplit(split, dims, tokens, lengths)
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """The modelled memory of a split at a length (picklable, as the module is)."""
+
+    lengths: LengthCost
+    example_length: int
+    pbs: int
+    system: Any
+
+    def estimate(self, length: int, mbs: int) -> Any:
+        return self.lengths.at(length - self.example_length).memory(
+            self.pbs, mbs, num_microbatches(self.pbs, mbs), self.system)
+
+    def fits(self, length: int, mbs: int) -> bool:
+        return bool(self.estimate(length, mbs).fits)
+
+    def peak(self, length: int, mbs: int) -> float:
+        return float(self.estimate(length, mbs).peak)
 
 
 def _bounds(symbolic: Any) -> list[tuple[int | None, int | None]]:

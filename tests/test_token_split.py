@@ -73,6 +73,13 @@ def test_auto_cuts_each_call_by_its_length_exactly():
     # one module per split, made once: the example's own and two others
     assert sorted(k[1] for k in cm._variants if k[0] == "split") == \
         sorted({p.mbs for p in plans.values()} - {cm._selection.plan.mbs})
+    # the length model is the exact probe at another length (a module compiled there)
+    model40, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    at40 = mbcompile.compile(model40, GBS, NUM_CSX, plans[40].mbs, system=BUDGET,
+                             example_inputs=token_batch(GBS, 40, seed=40))
+    assert lengths.at(40 - EXAMPLE).memory(4, plans[40].mbs, plans[40].num_microbatches,
+                                           BUDGET).peak == pytest.approx(
+        at40.estimate.memory.peak, rel=1e-6)
     report = cm.report()
     assert "split by length" in report and f"last call: length {EXAMPLE}" in report
     assert cm.report("json") and cm.report().to_dict()["lengths"]["rows"]
