@@ -74,7 +74,8 @@ class FlagSpec:
 FLAGS: dict[str, FlagSpec] = {
     spec.key: spec for spec in (
         FlagSpec("micro_batch_size", "csx.performance.micro_batch_size", "auto", _check_mbs,
-                 "the MBS: an int, 'auto', 'explore', 'none' or {'explore': {'min', 'max'}}"),
+                 "the MBS: an int, 'auto', 'explore', 'none', {'explore': {'min', 'max'}} "
+                 "or {'tokens': n}"),
     )
 }
 _BY_PATH = {spec.path: spec.key for spec in FLAGS.values()}
