@@ -263,8 +263,7 @@ class CompiledModule(ModelFace, nn.Module):
         The text is a ``mbcompile.reports.report.Report`` (a ``str``); ``to_dict()`` is the data.
         Of the last call's shape, with how the split follows the length where it does.
         """
-        module, split = last_run(self)
-        return render(module, fmt, split)
+        return render(*last_run(self), fmt=fmt)
 
     # ---------------------------------------------------------------- calling
     def forward(self, *args: Any, **kwargs: Any) -> Any:

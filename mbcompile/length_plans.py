@@ -230,10 +230,19 @@ def for_length(cm: Any, values: Sequence[Any]) -> Any:
     return target
 
 
-def last_run(cm: Any) -> tuple[Any, CallSplit | None]:
+def last_run(cm: Any) -> tuple[Any, CallSplit | None, int | None]:
     """The module whose plan the last call of ``cm`` showed (through the variants a call
-    went on to: other keywords, a length made symbolic) and its ``CallSplit``."""
+    went on to: other keywords, a length made symbolic), the ``CallSplit`` that says how
+    the split follows the length, and the last call's length (None: not known). A call at
+    the example's own length of a module whose length became symbolic later ran the
+    module itself: the split is its symbolic variant's."""
     module = cm
     while module._ran is not None and module._ran[1] is None and module._ran[0] is not module:
         module = module._ran[0]
-    return module, module._split
+    if module._split is not None:
+        return module, module._split, module._split.shown.get("last")
+    shaped = [v for k, v in module._variants.items() if isinstance(k, tuple) and k
+              and k[0] == "shapes" and v._split is not None]
+    if not shaped:
+        return module, None, None
+    return module, shaped[-1]._split, shaped[-1]._split.split.example_length

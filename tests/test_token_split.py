@@ -104,6 +104,33 @@ def test_a_call_too_long_for_any_split_is_refused_and_changes_nothing():
         cm(ids, labels)
 
 
+# 25-55 s (an export capture, made symbolic at the first other length): -m zoo
+@pytest.mark.slow
+@pytest.mark.zoo
+def test_a_transformers_model_follows_the_length_exactly():
+    """GPT-2 through torch.export, dynamic='auto': the first call of another length makes
+    it symbolic, and each call's split follows its length (1.1 MB: one microbatch of 4 up
+    to 8 tokens, four of 1 from 12)."""
+    transformers = pytest.importorskip("transformers")
+    from test_dynamic_shapes import _hf_batch
+    from test_hf_models import GRAD_FLOOR, build
+
+    model = build(transformers, "gpt2")
+    budget = SystemSpec("budget", memory_bytes=1.1e6, peak_flops=1e12, peak_flops_fp32=1e12,
+                        memory_bandwidth=1e11, optimizer_bytes_per_param=8)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, "auto", example_kwargs=_hf_batch(8, 0),
+                           system=budget)
+    plans = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in (5, 16, 3, 8):
+            assert_close_errors(step_errors(model, cm, kwargs=_hf_batch(n, n),
+                                            floor=GRAD_FLOOR), TOL)
+            plans[n] = cm.plan
+    assert plans[5].num_microbatches < plans[16].num_microbatches
+    assert "split by length" in cm.report() and "last call: length 8" in cm.report()
+
+
 # --------------------------------------------------------------------------- #
 # A token budget, and an int MBS
 # --------------------------------------------------------------------------- #

@@ -176,7 +176,8 @@ def auto_split(fits: Callable[[int, int], bool], peak: Callable[[int, int], floa
     larger = [m for m in supported if m > example_mbs]
     bound = bool(larger) and not fits(example_length, larger[0])
     return LengthSplit("auto", pbs, tuple(supported), example_mbs, example_length,
-                       note=note, limits=tuple(limits), cap=None if bound else example_mbs,
+                       note=note, limits=tuple(limits),
+                       cap=None if bound or example_mbs >= max(supported) else example_mbs,
                        shortest=shortest, peak=peak, capacity=capacity, system=system)
 
 

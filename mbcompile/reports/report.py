@@ -260,12 +260,13 @@ def _text(d: dict[str, Any], cm: Any) -> str:
     return "\n".join(lines)
 
 
-def render(cm: Any, fmt: str = "text", split: Any = None) -> str:
+def render(cm: Any, split: Any = None, last: int | None = None, fmt: str = "text") -> str:
     """The report of compiled module ``cm``: text (a :class:`Report`) or ``"json"``;
-    ``split``: how its calls' split follows their length (``length_plans.CallSplit``)."""
+    ``split``: how its calls' split follows their length (``length_plans.CallSplit``),
+    ``last`` the last call's length."""
     _check_format(fmt)
     d = report_dict(cm)
-    extra = _batch_guidance(cm, d) + _lengths(cm, split, d)
+    extra = _batch_guidance(cm, d) + _lengths(cm, split, last, d)
     if fmt == "json":
         return json.dumps(d, indent=2, default=str)
     return Report("\n".join([_text(d, cm), *extra]), d)
@@ -299,12 +300,11 @@ def _batch_guidance(cm: Any, d: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _lengths(cm: Any, split: Any, d: dict[str, Any]) -> list[str]:
+def _lengths(cm: Any, split: Any, last: int | None, d: dict[str, Any]) -> list[str]:
     """How the split follows the length (issue 34), into ``d`` and as text lines."""
     if split is None:
         return []
     rule = split.split
-    last = split.shown.get("last")
     d["lengths"] = {"mode": rule.mode, "note": rule.note or None, "last_length": last,
                     "rows": [{"shortest": low, "longest": high, "mbs": mbs,
                               "num_microbatches": k} for low, high, mbs, k in rule.rows()]}
