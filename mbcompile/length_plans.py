@@ -16,21 +16,31 @@ module's variants (another batch size) reuse it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from mbcompile.errors import CostModelError
+from mbcompile.errors import CostModelError, CostModelWarning
+from mbcompile.passes.sources import user_stacklevel
 from mbcompile.planning.cost import CostModel
+from mbcompile.planning.estimates import MemoryEstimate
 from mbcompile.planning.length_cost import LengthCost, length_cost
 from mbcompile.planning.length_split import LengthSplit, auto_split, tokens_split
 from mbcompile.planning.mbs_policy import MbsPolicy
 from mbcompile.planning.plan import num_microbatches, plan_for
+from mbcompile.planning.systems import SystemSpec
 from mbcompile.planning.two_phase_cost import TwoPhaseCostModel
+
+if TYPE_CHECKING:  # the compiled module imports this module
+    from mbcompile.compiled_module import CompiledModule
+    from mbcompile.lowering import Lowered
+    from mbcompile.request import Request
+    from mbcompile.selection import Selection
 
 __all__ = ["CallSplit", "call_split", "for_length", "last_run", "split_selection"]
 
@@ -50,8 +60,11 @@ class CallSplit:
     dims: tuple[tuple[int, int, int], ...]
     tokens: tuple[int, int] | None
     lengths: LengthCost | None = dataclasses.field(default=None, repr=False, compare=False)
-    #: the selections shown for (mbs, length) (``for_length``), and the last call's length
-    shown: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    #: the selections shown for (mbs, length) (``for_length``)
+    shown: dict[tuple[int, int], Selection] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False)
+    #: the last call's length (None: no call yet); set as calls come
+    last_length: int | None = dataclasses.field(default=None, compare=False)
 
     def length(self, values: Sequence[Any]) -> int:
         """The call's length (``values``: its inputs in placeholder order)."""
@@ -76,7 +89,7 @@ def _size(value: Any, dim: int) -> int:
                if isinstance(t, torch.Tensor) and t.dim() > dim)
 
 
-def call_split(request: Any, selection: Any, lowered: Any) -> CallSplit | None:
+def call_split(request: Request, selection: Selection, lowered: Lowered) -> CallSplit | None:
     """How calls of ``request``'s module (planned as ``selection``, lowered as ``lowered``)
     split by their length (an int MBS, or ``"auto"`` without a memory budget: the example's
     split at every length, its plan shown at the call's length); None where nothing
@@ -105,6 +118,12 @@ def call_split(request: Any, selection: Any, lowered: Any) -> CallSplit | None:
                    "not bind): give system= to cut each call by memory")
     else:
         lengths = _length_model(request, selection, lowered)
+        if isinstance(lengths, str):  # asked to cut by memory, and it cannot: say so
+            warnings.warn(f"{request.name}'s split cannot follow the sequence length under "
+                          f"{request.system.name}'s memory ({lengths}): every call runs the "
+                          f"example's plan (mbs {plan.mbs}); compile with an example of the "
+                          "longest rows so that they fit", CostModelWarning,
+                          stacklevel=user_stacklevel())
     if isinstance(lengths, str):
         return CallSplit(LengthSplit("fixed", plan.pbs, plan.supported_mbs, plan.mbs, length,
                                      note=lengths), dims, tokens)
@@ -129,9 +148,9 @@ class _Memory:
     lengths: LengthCost
     example_length: int
     pbs: int
-    system: Any
+    system: SystemSpec
 
-    def estimate(self, length: int, mbs: int) -> Any:
+    def estimate(self, length: int, mbs: int) -> MemoryEstimate:
         return self.lengths.at(length - self.example_length).memory(
             self.pbs, mbs, num_microbatches(self.pbs, mbs), self.system)
 
@@ -146,7 +165,7 @@ def _bounds(symbolic: Any) -> list[tuple[int | None, int | None]]:
     return [bounds for ds in symbolic.values() for bounds in ds.values()]
 
 
-def _token_ids(request: Any) -> tuple[int, int] | None:
+def _token_ids(request: Request) -> tuple[int, int] | None:
     """(input position, dim) of the token ids' length: ``inputs.tokens_per_sample``'s input."""
     inputs = request.inputs
     for i, (name, d) in enumerate(zip(inputs.names, inputs.in_dims)):
@@ -157,7 +176,8 @@ def _token_ids(request: Any) -> tuple[int, int] | None:
     return None
 
 
-def _length_model(request: Any, selection: Any, lowered: Any) -> LengthCost | str:
+def _length_model(request: Request, selection: Selection, lowered: Lowered
+                  ) -> LengthCost | str:
     """The cost model of ``selection`` over lengths (built once per cost model and dims), or
     why there is none: the plan at the example's length then serves every length."""
     cost = selection.cost
@@ -180,7 +200,8 @@ def _length_model(request: Any, selection: Any, lowered: Any) -> LengthCost | st
     return known[key]
 
 
-def split_selection(selection: Any, split: CallSplit, mbs: int, length: int) -> Any:
+def split_selection(selection: Selection, split: CallSplit, mbs: int, length: int
+                    ) -> Selection:
     """The selection of the module that runs ``mbs`` for ``split``'s calls (first made for
     a call of ``length``): the plan of that MBS, why, and its estimate at that length."""
     plan = selection.plan
@@ -203,7 +224,7 @@ def split_selection(selection: Any, split: CallSplit, mbs: int, length: int) -> 
     return dataclasses.replace(selection, plan=new, estimate=estimate, exploration=None)
 
 
-def for_length(cm: Any, values: Sequence[Any]) -> Any:
+def for_length(cm: CompiledModule, values: Sequence[Any]) -> CompiledModule:
     """The module that runs ``cm``'s call of ``values`` (its inputs in placeholder order):
     ``cm`` itself where the call's length chooses ``cm``'s own MBS, else the module lowered
     for that MBS (once: ``Recompile.split``); ``cm.plan`` then shows it, at this length."""
@@ -225,12 +246,12 @@ def for_length(cm: Any, values: Sequence[Any]) -> Any:
             int(values[split.tokens[0]].shape[split.tokens[1]])
         shown = split.shown[key] = dataclasses.replace(
             own, plan=dataclasses.replace(own.plan, tokens_per_sample=tokens))
-    split.shown["last"] = length
+    object.__setattr__(split, "last_length", length)
     object.__setattr__(cm, "_ran", (target, shown))
     return target
 
 
-def last_run(cm: Any) -> tuple[Any, CallSplit | None, int | None]:
+def last_run(cm: CompiledModule) -> tuple[CompiledModule, CallSplit | None, int | None]:
     """The module whose plan the last call of ``cm`` showed (through the variants a call
     went on to: other keywords, a length made symbolic), the ``CallSplit`` that says how
     the split follows the length, and the last call's length (None: not known). A call at
@@ -240,7 +261,7 @@ def last_run(cm: Any) -> tuple[Any, CallSplit | None, int | None]:
     while module._ran is not None and module._ran[1] is None and module._ran[0] is not module:
         module = module._ran[0]
     if module._split is not None:
-        return module, module._split, module._split.shown.get("last")
+        return module, module._split, module._split.last_length
     shaped = [v for k, v in module._variants.items() if isinstance(k, tuple) and k
               and k[0] == "shapes" and v._split is not None]
     if not shaped:

@@ -22,7 +22,7 @@ from models import TOL, assert_close_errors, step_errors
 from test_dynamic_shapes import unchanged
 
 import mbcompile
-from mbcompile.errors import DoesNotFitError, InputError, PlanError
+from mbcompile.errors import CostModelWarning, DoesNotFitError, InputError, PlanError
 from mbcompile.models import make_tiny_gpt, token_batch
 from mbcompile.planning.length_split import auto_split, tokens_split
 from mbcompile.planning.mbs_policy import parse_mbs
@@ -102,6 +102,22 @@ def test_a_call_too_long_for_any_split_is_refused_and_changes_nothing():
     with unchanged(model, cm), pytest.raises(DoesNotFitError, match=r"length 64 does not "
                                              r"fit budget at any MBS.*nothing ran.*up to \d+"):
         cm(ids, labels)
+
+
+@pytest.mark.slow
+def test_a_plan_that_cannot_follow_the_length_says_so_and_keeps_its_split():
+    """Activation checkpointing is planned at the example's length only: a
+    CostModelWarning says the split cannot follow the length; every call runs the example's
+    split, exactly."""
+    roomy = SystemSpec("roomy", memory_bytes=1e9, peak_flops=1e12, peak_flops_fp32=1e12,
+                       memory_bandwidth=1e11, optimizer_bytes_per_param=8)
+    with pytest.warns(CostModelWarning, match="cannot follow the sequence length.*"
+                      "activation checkpointing"):
+        model, cm = _gpt("auto", dynamic=True, system=roomy, recompute=True)
+    mbs = cm.plan.mbs
+    assert cm.plan.recompute and cm._split.split.mode == "fixed"
+    assert {_step(model, cm, n).mbs for n in (6, 30)} == {mbs} and not cm._variants
+    assert f"the example's plan (mbs {mbs}) at every length" in cm.report()
 
 
 # 25-55 s (an export capture, made symbolic at the first other length): -m zoo
