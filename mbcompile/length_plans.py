@@ -208,15 +208,15 @@ def split_selection(selection: Selection, split: CallSplit, mbs: int, length: in
     cut = plan_for(plan.per_system_batch_sizes, MbsPolicy("int", mbs))
     rule = split.split
     if rule.mode == "tokens":
-        reason = (f"mbs={{'tokens': {rule.budget}}}, per call: {mbs} samples of at most "
-                  f"{rule.budget // mbs} tokens per microbatch, the most the budget holds")
+        reason = (f"mbs={{'tokens': {rule.budget}}}, per call: {mbs} samples per microbatch, "
+                  f"the most whose tokens fit {rule.budget} at the call's length")
     else:
         reason = (f"auto, per call: mbs {mbs} is the largest whose modelled peak fits "
                   f"{rule.system} at the call's length"
                   + (f" (the example's mbs {rule.cap}, chosen for time, at most)"
                      if rule.cap is not None else ""))
-    estimate = selection.estimate
-    if split.lengths is not None and selection.system is not None:
+    estimate = None  # without a model over lengths, none of this MBS at the call's length
+    if split.lengths is not None:
         estimate = split.lengths.at(length - rule.example_length).estimate(
             plan.gbs, plan.num_csx, mbs, selection.system)
     new = dataclasses.replace(plan, mbs=cut.mbs, num_microbatches=cut.num_microbatches,
