@@ -44,6 +44,11 @@ if TYPE_CHECKING:  # the compiled module imports this module
 
 __all__ = ["CallSplit", "call_split", "for_length", "last_run", "split_selection"]
 
+#: why a pinned MBS does not follow the length, by policy mode
+_PINNED = {"int": "mbs={!r} is samples per microbatch at every length",
+           "none": "mbs={!r}: one microbatch per system at every length",
+           "explore": "mbs={!r} reports one MBS to pin"}
+
 #: length models by cost model (a module's variants share its cost model) and dims
 _LENGTHS: weakref.WeakKeyDictionary[CostModel, dict[Any, LengthCost | str]] = \
     weakref.WeakKeyDictionary()
@@ -112,7 +117,7 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
                          tokens)
     length = dims[0][2]
     if policy.mode != "auto":
-        lengths: LengthCost | str = f"mbs={policy.request!r}: samples per microbatch"
+        lengths: LengthCost | str = _PINNED.get(policy.mode, "").format(policy.request)
     elif request.options.system is None:
         lengths = ("no memory budget given (system=None plans for this host, whose memory does "
                    "not bind): give system= to cut each call by memory")

@@ -5,9 +5,9 @@ A module whose sequence length is symbolic chooses each call's MBS from the call
 (a batch padded short runs in fewer microbatches than one padded long), a token budget
 ``mbs={"tokens": n}`` the most samples whose tokens fit ``n``; an int MBS keeps its
 meaning. Every split is exact: each test steps against eager in float64 on the tiny GPT,
-gbs 7 over 2 systems (splits 4+3: uneven microbatches at mbs 2, and empty ones at mbs 1
-on the smaller system never), comparing the loss, outputs, every gradient and buffer
-(``step_errors``). Refusals change nothing (``unchanged``).
+gbs 7 over 2 systems (4 and 3 samples: microbatches of 2, 2 and 2, 1 at mbs 2; at mbs 1
+the smaller system's fourth is empty), comparing the loss, outputs, every gradient and
+buffer (``step_errors``). Refusals change nothing (``unchanged``).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def test_an_int_mbs_keeps_its_meaning_at_every_length():
     for n in (6, 20):
         plan = _step(model, cm, n)
         assert plan.mbs == 2 and plan.tokens_per_sample == n  # the last call's shape
-    assert not cm._variants and "mbs=2: samples per microbatch" in cm.report()
+    assert not cm._variants and "mbs=2 is samples per microbatch" in cm.report()
 
 
 @pytest.mark.parametrize("mbs, error, match", [
