@@ -67,7 +67,7 @@ def _compile_request(request: Request) -> CompiledModule:
     with _crash_named(request.model):
         analysed = captures.analysed(request)
         selection = select(request, analysed)
-        lowered = lower(request, analysed.for_plan(selection.plan), selection)
+        lowered = lower(request, analysed, selection)
         # symbolic dims: the step proved the same at another length, bounded where it holds
         request = checked_symbolic(request, lowered, functools.partial(
             _captured_afresh, selection=selection))
@@ -99,7 +99,7 @@ def _variant(origin: Request, first: Selection, captures: Captures, request: Req
             selection = first
         else:
             selection = select(request, analysed, prior=first)
-        lowered = lower(request, analysed.for_plan(selection.plan), selection)
+        lowered = lower(request, analysed, selection)
         request = checked_symbolic(request, lowered, functools.partial(
             _captured_afresh, selection=selection))
     return _module(request, selection, lowered, captures)
