@@ -37,8 +37,10 @@ import torch.nn as nn
 
 from .block_capture import capture_by_blocks, repeated_layers
 from .capture import CaptureResult
+from .guard_values import fingerprint
 from .guards import Guard
 from .guards import plain as guarded  # a value the capture guards when forward reads it
+from .same_code import helpers_alike
 
 __all__ = ["capture_once_per_block"]
 
@@ -87,7 +89,8 @@ def _twins(second: nn.Module, later: nn.Module) -> bool:
         mine, theirs = ({k: v for k, v in vars(m).items() if k not in _MODULE_STATE}
                         for m in (a, b))
         if mine.keys() != theirs.keys() or not all(
-                guarded(mine[k]) or _equal(mine[k], theirs[k]) for k in mine):
+                guarded(mine[k]) or _equal(mine[k], theirs[k])
+                or helpers_alike(mine[k], theirs[k]) for k in mine):
             return False
     return True
 
@@ -147,6 +150,17 @@ def _getitem(self: nn.ModuleList, index: int | slice) -> Any:
         _WATCH.state = state
 
 
+def _moved(guard: Guard, module: nn.Module) -> Guard:
+    """``guard`` on ``module``: a container's contents fingerprinted afresh there, since a
+    later layer's helper modules are its own (``capture_by_blocks`` checked they run the
+    same code as the second layer's)."""
+    moved = replace(guard, module=module)
+    if guard.contents is None or guard.feeds is not None:
+        return moved
+    contents, reached = fingerprint(moved.now())
+    return replace(moved, value=moved.now(), contents=contents, reached=reached)
+
+
 def _users_guards(guards: tuple[Guard, ...], model: nn.Module, cut: nn.Module, path: str,
                   count: int) -> tuple[Guard, ...]:
     """The two-layer trace's guards on the user's own modules: the cut model's shallow
@@ -165,5 +179,5 @@ def _users_guards(guards: tuple[Guard, ...], model: nn.Module, cut: nn.Module, p
             copies += [f"{path}.{k}{name[len(second):]}" for k in range(2, count)]
         for target in copies:
             module = model.get_submodule(target)
-            out.setdefault((id(module), guard.name), replace(guard, module=module))
+            out.setdefault((id(module), guard.name), _moved(guard, module))
     return tuple(out.values())
