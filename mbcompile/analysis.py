@@ -29,7 +29,7 @@ from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture, fsdp_modules
 from mbcompile.passes.export_blocks import capture_once_per_block
 from mbcompile.passes.export_capture import export_capture
-from mbcompile.passes.facts import FACT, SHAPES, BatchSize, input_fact
+from mbcompile.passes.facts import SHAPES, at_analysed_batch_only, input_fact
 from mbcompile.passes.forward_modes import (
     check_layer_hooks,
     check_tensor_hooks,
@@ -171,8 +171,7 @@ def reusable(found: Analysed, gbs: int) -> bool:
         return False
     if gbs == 1 and found.specialised:
         return False
-    return not any(isinstance(n.meta.get(FACT), BatchSize) and not n.meta[FACT].multiple
-                   for n in found.analysis.graph_module.graph.nodes)
+    return not any(at_analysed_batch_only(n.meta) for n in found.analysis.graph_module.graph.nodes)
 
 
 def _sharded_two_phase(rejected: MixingError) -> MixingError:
