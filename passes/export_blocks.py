@@ -40,15 +40,11 @@ from .capture import CaptureResult
 from .guard_values import fingerprint
 from .guards import Guard
 from .guards import plain as guarded  # a value the capture guards when forward reads it
-from .same_code import helpers_alike
+from .same_code import HOOKS, MODULE_STATE, helpers_alike
 
 __all__ = ["capture_once_per_block"]
 
 #: What every module keeps in its ``__dict__``: compared by the checks below, or not at all.
-_MODULE_STATE = frozenset(vars(nn.Module()))
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-          "_forward_hooks_always_called")
 _WATCH = threading.local()  # .full: the real number of layers; .reads: what the trace did
 _WATCHED: dict[type, type] = {}  # a layer list's class -> its watched subclass
 
@@ -81,12 +77,12 @@ def _twins(second: nn.Module, later: nn.Module) -> bool:
     """Whether ``later`` holds what ``second`` does beside its parameters (which
     ``repeated_layers`` compared): hooks, buffer shapes, non-plain attributes."""
     for a, b in zip(second.modules(), later.modules()):
-        if any(list(getattr(a, h).values()) != list(getattr(b, h).values()) for h in _HOOKS):
+        if any(list(getattr(a, h).values()) != list(getattr(b, h).values()) for h in HOOKS):
             return False
         if [(n, t.shape, t.dtype) for n, t in a.named_buffers(recurse=False)] != \
                 [(n, t.shape, t.dtype) for n, t in b.named_buffers(recurse=False)]:
             return False
-        mine, theirs = ({k: v for k, v in vars(m).items() if k not in _MODULE_STATE}
+        mine, theirs = ({k: v for k, v in vars(m).items() if k not in MODULE_STATE}
                         for m in (a, b))
         if mine.keys() != theirs.keys() or not all(
                 guarded(mine[k]) or _equal(mine[k], theirs[k])

@@ -25,11 +25,15 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["helpers_alike", "same_code"]
+__all__ = ["HOOKS", "MODULE_STATE", "helpers_alike", "same_code"]
 
 #: instance attributes every module has: compared apart (hooks must be empty, the rest
 #: is bookkeeping), or by recursion (the submodules)
-_MODULE_STATE = frozenset(vars(nn.Module()))
+MODULE_STATE = frozenset(vars(nn.Module()))
+#: a module's hook dictionaries
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+         "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+         "_forward_hooks_always_called")
 #: class attributes that name or document a class rather than say what it does
 _CLASS_NAMES = frozenset({"__dict__", "__weakref__", "__doc__", "__module__", "__qualname__",
                           "__annotations__", "__firstlineno__", "__static_attributes__"})
@@ -70,7 +74,7 @@ def helpers_alike(x: Any, y: Any) -> bool:
 def _modules_alike(x: nn.Module, y: nn.Module) -> bool:
     if not (_helper(x) and _helper(y) and same_code(type(x), type(y))):
         return False
-    own = [{k: v for k, v in vars(m).items() if k not in _MODULE_STATE} for m in (x, y)]
+    own = [{k: v for k, v in vars(m).items() if k not in MODULE_STATE} for m in (x, y)]
     if own[0].keys() != own[1].keys() or not all(helpers_alike(own[0][k], own[1][k])
                                                  for k in own[0]):
         return False
@@ -83,9 +87,7 @@ def _helper(m: nn.Module) -> bool:
     """A module with no parameters, buffers or hooks of its own or below it."""
     if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None:
         return False
-    return not any(v for sub in m.modules() for k, v in vars(sub).items()
-                   if k.endswith("hooks") or k.endswith("hooks_with_kwargs")
-                   or k == "_forward_hooks_always_called")
+    return not any(getattr(sub, hooks) for sub in m.modules() for hooks in HOOKS)
 
 
 def _same(x: Any, y: Any, owners: tuple[type, type]) -> bool:
