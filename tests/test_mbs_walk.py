@@ -17,6 +17,7 @@ The test traces the hops of a real compile and checks:
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Iterator
@@ -72,12 +73,28 @@ class _Model(nn.Module):
 
 def _walk_function(frame: FrameType) -> str | None:
     """The walk file of ``frame`` when it runs a walk function, else None."""
-    path = Path(frame.f_code.co_filename).resolve()
+    name = _relative(frame.f_code.co_filename)
+    return name if name is not None and _qualname(frame) in WALK[name] else None
+
+
+@functools.cache
+def _relative(filename: str) -> str | None:
+    """A walk file's path from the repository root (None: not a walk file)."""
     try:
-        name = path.relative_to(ROOT).as_posix()
+        name = Path(filename).resolve().relative_to(ROOT).as_posix()
     except ValueError:
         return None
-    return name if frame.f_code.co_qualname in WALK.get(name, ()) else None
+    return name if name in WALK else None
+
+
+def _qualname(frame: FrameType) -> str:
+    """The function's qualified name (Python 3.10 has none on code: the method's class is
+    then read off ``self``)."""
+    code = frame.f_code
+    if hasattr(code, "co_qualname"):
+        return code.co_qualname
+    owner = frame.f_locals.get("self")
+    return f"{type(owner).__name__}.{code.co_name}" if owner is not None else code.co_name
 
 
 @contextmanager
@@ -86,9 +103,7 @@ def _traced() -> Iterator[list[tuple[str, str, str]]]:
     file already on the call path (a callback) is recorded with the caller ``"BACK"``."""
     hops: list[tuple[str, str, str]] = []
 
-    def profile(frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call":
-            return
+    def trace(frame: FrameType, event: str, arg: Any) -> None:  # new frames only
         callee = _walk_function(frame)
         if callee is None:
             return
@@ -99,14 +114,13 @@ def _traced() -> Iterator[list[tuple[str, str, str]]]:
                 path.append(found)
             back = back.f_back
         if path and path[0] != callee:
-            hops.append(("BACK" if callee in path else path[0], callee,
-                         frame.f_code.co_qualname))
+            hops.append(("BACK" if callee in path else path[0], callee, _qualname(frame)))
 
-    sys.setprofile(profile)
+    sys.settrace(trace)
     try:
         yield hops
     finally:
-        sys.setprofile(None)
+        sys.settrace(None)
 
 
 def _runs(hops: list[tuple[str, str, str]]) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -121,7 +135,9 @@ def _runs(hops: list[tuple[str, str, str]]) -> list[tuple[str, str, tuple[str, .
     return out
 
 
+@functools.cache
 def _walk(mbs: Any) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The hops of a compile with ``mbs`` (traced once per value: the tests share it)."""
     torch.manual_seed(0)
     model, x, y = _Model(), torch.randn(10, 8), torch.randn(10, 8)
     mbcompile.compile(model, 10, 3, mbs, example_inputs=(x, y))  # warm: imports, lazy set-up
