@@ -57,7 +57,8 @@ __all__ = [
 ]
 
 #: Given ``(pbs, candidates)`` return ``(mbs, reason)``; ``mbs`` must be one of
-#: ``candidates``.  The cost model plugs in here for ``"auto"`` and ``"explore"``.
+#: ``candidates``: what ``make_plan`` asks for ``"auto"`` and ``"explore"``. (``compile()``
+#: asks no callback: its search chooses first and hands ``plan_for`` the choice.)
 AutoChooser = Callable[[int, tuple[int, ...]], tuple[int, str]]
 
 #: Without a cost model, ``"auto"`` aims for this many microbatches per system:
