@@ -2,6 +2,7 @@
 
     python benchmarks/bench_compile.py [--depths 2 4 8 12 16 24] [--repeats 3]
     python benchmarks/bench_compile.py --only transformers [--hf-depths 4 8 16]
+    python benchmarks/bench_compile.py --only fake [--repeats 5]
 
 ``mbcompile.compile`` on the GPT of issue 7 (width 256, sequence 128,
 vocabulary 1000) at gbs 32 over 2 systems, MBS 4:
@@ -15,7 +16,11 @@ vocabulary 1000) at gbs 32 over 2 systems, MBS 4:
 2. against the number of microbatches: depth 4, gbs 128 over 2 systems, MBS
    from 64 (2 microbatches) to 1 (128 microbatches). The plan is arithmetic and
    the loop runs one body, so compile time should not grow.
-3. a trainable compile of a transformers GPT-2 (width 32, sequence 16, ``--hf-depths``
+3. against the model's own cost: the 8-layer GPT with MBS 2 (gbs 32 over 2 systems)
+   compiled, beside one forward and backward of the model on fake tensors (no compute:
+   what any shape-level look at the model costs), in turns; the target is a compile of at
+   most ``FAKE_STEP_RATIO`` of that step.
+4. a trainable compile of a transformers GPT-2 (width 32, sequence 16, ``--hf-depths``
    layers; gbs 8 over 2 systems, MBS 2, loss inside the model): torch.export of every
    layer ("before", the whole model exported) against the repeated block exported once
    and its graph copied for the alike layers ("after", ``passes/export_blocks.py``),
@@ -62,6 +67,9 @@ MBS = 4
 FLAT_TOLERANCE = 1.20
 #: Issue 26's target for the tiny GPT: CPU milliseconds per layer.
 PER_LAYER_MS = 50.0
+#: Issue 37's target: a compile of the 8-layer GPT at MBS 2 costs at most this many fake
+#: forward and backward steps of the model.
+FAKE_STEP_RATIO = 1.5
 
 
 def _sweep(points: dict[object, tuple[int, int, int]], repeats: int
@@ -157,6 +165,45 @@ def _gpt2(depth: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     return tf.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
 
 
+def fake_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
+    """One forward and backward of ``model`` on ``batch`` with fake tensors: the shapes of
+    every value and gradient, no compute (a fresh fake mode, as a compile's first look)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    mode = FakeTensorMode()
+    params = {n: mode.from_tensor(p).requires_grad_(p.requires_grad)
+              for n, p in model.named_parameters()}
+    inputs = tuple(mode.from_tensor(t) for t in batch)
+    with mode:
+        loss = functional_call(model, params, inputs)[0]
+        torch.autograd.grad(loss, [p for p in params.values() if p.requires_grad])
+
+
+def run_against_fake_step(repeats: int, out: list[str], depth: int = 8, mbs: int = 2
+                          ) -> dict[str, float]:
+    """``compile()`` of the ``depth``-layer GPT at ``mbs`` beside one fake step of it."""
+    model, batch = make_gpt(batch=8, depth=depth)
+    t = alternate({"compile": lambda: mbcompile.compile(model, GBS, SYSTEMS, mbs,
+                                                        example_inputs=batch),
+                   "fake step": lambda: fake_step(model, batch)}, repeats, warmup=1)
+    compile_s, step_s = median(t.cpu["compile"]), median(t.cpu["fake step"])
+    ratio = compile_s / step_s
+    within = ratio <= FAKE_STEP_RATIO
+    out += [
+        "### Compile time against one fake step of the model",
+        "",
+        f"`mbcompile.compile` of the {depth}-layer GPT (gbs {GBS} over {SYSTEMS} systems, MBS "
+        f"{mbs}) and one forward and backward of the model on fake tensors, in turns; median "
+        f"of {repeats} rounds in CPU seconds: compile {compile_s:.3f} s, fake step "
+        f"{step_s:.3f} s: **{ratio:.2f}x**, {'within' if within else 'ABOVE'} "
+        f"{FAKE_STEP_RATIO}x.",
+        "",
+    ]
+    return {"compile_s": compile_s, "fake_step_s": step_s, "compile_over_fake_step": ratio,
+            "within_fake_step_ratio": within}
+
+
 @contextlib.contextmanager
 def _every_layer_exported():
     """The capture before block capture for training: torch.export of the whole model."""
@@ -215,15 +262,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--hf-depths", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--hf-repeats", type=int, default=3)
-    parser.add_argument("--only", choices=["all", "tiny", "transformers"], default="all")
+    parser.add_argument("--only", choices=["all", "tiny", "fake", "transformers"], default="all")
     add_output_args(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     out: list[str] = []
     figures: dict[str, float] = {}
-    if args.only != "transformers":
+    if args.only in ("all", "tiny"):
         figures |= run(args.depths, args.mbs, args.repeats, out)
-    if args.only != "tiny":
+    if args.only in ("all", "tiny", "fake"):
+        figures |= run_against_fake_step(args.repeats, out)
+    if args.only in ("all", "transformers"):
         figures |= run_transformers(args.hf_depths, args.hf_repeats, out)
     return finish(out, figures, args.markdown, args.json)
 

@@ -29,7 +29,7 @@ from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch, mixing
 from mbcompile.passes.capture import CaptureResult, OutputSpec, capture, fsdp_modules
 from mbcompile.passes.export_blocks import capture_once_per_block
 from mbcompile.passes.export_capture import export_capture
-from mbcompile.passes.facts import FACT, SHAPES, BatchSize, input_fact
+from mbcompile.passes.facts import SHAPES, at_analysed_batch_only, input_fact
 from mbcompile.passes.forward_modes import (
     check_layer_hooks,
     check_tensor_hooks,
@@ -69,6 +69,10 @@ class Analysed:
     cut: Cut | None = None  # the graph cut at the loop (split and two-phase modes)
     gbs: int = 0  # the full batch the shapes and facts were found at
     specialised: bool = False  # a node was rewritten into its full-batch call (squeeze())
+    #: a plan that runs one microbatch in all runs the captured graph as it is
+    #: (``"unsplit"``): the batch analysis rejected a split that a two-phase step would
+    #: have run (``mbs="auto"`` on one system may choose the whole batch)
+    unsplit_at_one: bool = False
 
     @property
     def guards(self) -> tuple[Any, ...]:
@@ -91,19 +95,6 @@ class Analysed:
             return None
         return self.analysis.rejected
 
-    def for_plan(self, plan: MicrobatchPlan) -> Analysed:
-        """The same analysis for the plan ``select`` made: when it runs one microbatch in
-        all (``mbs="auto"`` on one system may choose the whole batch), a graph the batch
-        analysis rejected runs as it is (``"unsplit"``)."""
-        if (not _runs_one_microbatch(plan) or self.rejected is None
-                or self.mode == "unsplit"):
-            return self
-        return replace(self, mode="unsplit", cut=None)
-
-
-def _runs_one_microbatch(plan: MicrobatchPlan) -> bool:
-    return plan.num_nonempty_microbatches <= 1
-
 
 def analyse(request: Request, *, plan: MicrobatchPlan | None = None,
             validating: bool = False, found: Analysed | None = None) -> Analysed:
@@ -114,13 +105,14 @@ def analyse(request: Request, *, plan: MicrobatchPlan | None = None,
     running one microbatch). Raises the analysis's ``MixingError`` when a split is needed
     and neither a plain split nor a two-phase step is exact. ``validating``
     (``compile(validate_only=True)``): the facts and the mode only, nothing for a plan.
-    This module is the one place that decides ``"unsplit"``. ``found``: a capture and its
-    facts made for another request of the same compile (``reusable`` says when one
-    serves), so that only the decisions are made again, for this request's batch.
+    This module is the one place that decides ``"unsplit"`` (and, as ``unsplit_at_one``,
+    for a plan that turns out to run one microbatch). ``found``: a capture and its facts
+    made for another request of the same compile (``reusable`` says when one serves), so
+    that only the decisions are made again, for this request's batch.
     """
     model = request.inner
     found = _analyse(model, request) if found is None else found
-    single = request.single if plan is None else _runs_one_microbatch(plan)
+    single = request.choices.single if plan is None else plan.num_nonempty_microbatches <= 1
     if found.rejected is None:
         mode = "split"
     elif single:
@@ -135,9 +127,9 @@ def analyse(request: Request, *, plan: MicrobatchPlan | None = None,
         return replace(found, mode=mode, training=model.training)
     kept = kept_outputs(request.options.outputs, found.captured.output_spec, found.analysis,
                         found.state) if model.training else None
-    analysed = replace(found, mode=mode, training=model.training, kept=kept,
-                       cut=_cut(found, kept, request.gbs) if mode != "unsplit" else None)
-    return analysed if plan is None else analysed.for_plan(plan)
+    return replace(found, mode=mode, training=model.training, kept=kept,
+                   cut=_cut(found, kept, request.gbs) if mode != "unsplit" else None,
+                   unsplit_at_one=mode == "two_phase")
 
 
 def _cut(found: Analysed, kept: frozenset[int] | None, gbs: int) -> Cut:
@@ -179,8 +171,7 @@ def reusable(found: Analysed, gbs: int) -> bool:
         return False
     if gbs == 1 and found.specialised:
         return False
-    return not any(isinstance(n.meta.get(FACT), BatchSize) and not n.meta[FACT].multiple
-                   for n in found.analysis.graph_module.graph.nodes)
+    return not any(at_analysed_batch_only(n.meta) for n in found.analysis.graph_module.graph.nodes)
 
 
 def _sharded_two_phase(rejected: MixingError) -> MixingError:

@@ -19,6 +19,7 @@ the key the same way (leave its dim out of the shapes).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from mbcompile.analysis import Analysed, analyse, find, reusable
@@ -48,6 +49,8 @@ class Captures:
     def __init__(self, gbs: int) -> None:
         self._cache = GuardCache()
         self.gbs = gbs  #: the batch facts are found at (the first request's, when it is 2+)
+        #: (captured graph's id, symbolic dims, adopt) -> (the graph, the proved bounds)
+        self._proved: dict[Any, tuple[Any, Any]] = {}
 
     def analysed(self, request: Request, plan: MicrobatchPlan | None = None) -> Analysed:
         """``request``'s graph analysed and decided (``plan``: the plan it is decided for,
@@ -77,6 +80,26 @@ class Captures:
         entries = self._cache[key]
         entries[next(i for i, e in enumerate(entries) if e is entry)] = decided
 
+    def proved(self, request: Request, graph: Any, prove: Callable[[Request], Request],
+               adopt: bool = True) -> Request:
+        """``request`` with its symbolic dims as ``prove`` (``checked_symbolic``, which
+        compiles again at other lengths) bounds them, proved once per captured ``graph``:
+        a variant on the same capture (another batch size or keyword set) takes the first
+        verdict. A refusal is not kept (it raises, and each try proves again)."""
+        if not request.inputs.symbolic:
+            return request
+        key = (id(graph), _frozen(request.inputs.symbolic), adopt)
+        kept = self._proved.get(key)
+        if kept is None or kept[0] is not graph:  # the id of a graph since collected
+            kept = self._proved[key] = (graph, prove(request).inputs.symbolic)
+        return dataclasses.replace(request, inputs=dataclasses.replace(request.inputs,
+                                                                       symbolic=kept[1]))
+
     def __getstate__(self) -> dict[str, Any]:
         # graphs do not pickle (fx re-traces them): a copy captures again on first use
-        return {"_cache": GuardCache(), "gbs": self.gbs}
+        return {"_cache": GuardCache(), "gbs": self.gbs, "_proved": {}}
+
+
+def _frozen(symbolic: Any) -> tuple[Any, ...]:
+    """Symbolic dims (input -> dim -> bounds) as a key."""
+    return tuple(sorted((name, tuple(sorted(dims.items()))) for name, dims in symbolic.items()))

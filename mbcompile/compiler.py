@@ -68,10 +68,9 @@ def _compile_request(request: Request) -> CompiledModule:
     with _crash_named(request.model):
         analysed = captures.analysed(request)
         selection = select(request, analysed)
-        lowered = lower(request, analysed.for_plan(selection.plan), selection)
+        lowered = lower(request, analysed, selection)
         # symbolic dims: the step proved the same at another length, bounded where it holds
-        request = checked_symbolic(request, lowered, functools.partial(
-            _captured_afresh, selection=selection))
+        request = _proved(request, selection, lowered, captures)
     return _module(request, selection, lowered, captures)
 
 
@@ -110,9 +109,8 @@ def _variant(origin: Request, first: Selection, captures: Captures, request: Req
             selection = first
         else:
             selection = select(request, analysed, prior=first)
-        lowered = lower(request, analysed.for_plan(selection.plan), selection)
-        request = checked_symbolic(request, lowered, functools.partial(
-            _captured_afresh, selection=selection))
+        lowered = lower(request, analysed, selection)
+        request = _proved(request, selection, lowered, captures)
     return _module(request, selection, lowered, captures)
 
 
@@ -122,9 +120,17 @@ def _relower(request: Request, selection: Selection, captures: Captures) -> Lowe
     same selection; with symbolic dims checked the same at other lengths."""
     lowered = lower(request, captures.analysed(request, plan=selection.plan), selection)
     # symbolic dims: the graph of the new mode holds at another length too
-    checked_symbolic(request, lowered, functools.partial(
-        _captured_afresh, selection=selection), adopt=False)
+    _proved(request, selection, lowered, captures, adopt=False)
     return lowered
+
+
+def _proved(request: Request, selection: Selection, lowered: Lowered, captures: Captures,
+            adopt: bool = True) -> Request:
+    """``checked_symbolic`` of ``request``'s step, once per captured graph (``Captures``:
+    a variant on the same capture takes the first verdict)."""
+    relower = functools.partial(_captured_afresh, selection=selection)
+    return captures.proved(request, lowered.original_graph_module, lambda r: checked_symbolic(
+        r, lowered, relower, adopt=adopt), adopt)
 
 
 def _captured_afresh(request: Request, selection: Selection) -> Lowered:

@@ -57,15 +57,16 @@ class Lowered:
 
 
 def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered:
-    """``analysed``'s graph (decided for the plan: ``Analysed.for_plan``) rewritten into
-    split -> loop -> accumulate for ``selection.plan`` (the slices of ``selection.rank``'s
-    system on ranks, of every system otherwise) and bound to ``request``'s backend; the
-    captured graph as it is when the plan runs one microbatch and the analysis rejected a
-    split."""
+    """``analysed``'s graph rewritten into split -> loop -> accumulate for
+    ``selection.plan`` (the slices of ``selection.rank``'s system on ranks, of every system
+    otherwise) and bound to ``request``'s backend; the captured graph as it is when the
+    analysis says so (``"unsplit"``, or ``unsplit_at_one`` and the plan runs one
+    microbatch)."""
     plan, rank = selection.plan, selection.rank
     captured = analysed.captured
     gm = captured.graph_module
-    if analysed.mode == "unsplit":
+    if analysed.mode == "unsplit" or (analysed.unsplit_at_one
+                                      and plan.num_nonempty_microbatches <= 1):
         # one system, one microbatch: nothing is split, so nothing can mix; the captured
         # graph runs as it is
         return Lowered(gm, gm, captured.output_spec, False,

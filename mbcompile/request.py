@@ -1,7 +1,7 @@
 """The request: ``compile()``'s arguments, every option checked once, before any tracing.
 
 >>> request = make_request(model, gbs=10, num_csx=3, mbs=2, example_inputs=(ids, labels))
->>> request.policy.mode, request.pbs, request.single
+>>> request.policy.mode, request.pbs, request.choices.single
 ('int', 4, False)
 
 Everything later stages need from the call is here, parsed once (``mbs`` into an
@@ -40,7 +40,7 @@ from mbcompile.passes.unwrap import unwrap
 from mbcompile.planning.cost import ShardSpec
 from mbcompile.planning.mbs_policy import MbsPolicy, parse_mbs
 from mbcompile.planning.optimizer_state import with_optimizer
-from mbcompile.planning.plan import check_policy, per_system_batch_sizes, single_microbatch
+from mbcompile.planning.plan import MbsChoices, check_policy, per_system_batch_sizes
 from mbcompile.planning.precision import Precision, parse_precision
 from mbcompile.planning.shard_plan import fsdp_units
 from mbcompile.planning.systems import SystemSpec, get_system
@@ -66,6 +66,9 @@ class Request:
     num_csx: int
     per_system_batch_sizes: tuple[int, ...]  # split once: balanced, larger first
     policy: MbsPolicy  # mbs, parsed once
+    #: what the policy leaves to choose at these sizes (``plan.check_policy``): the MBS
+    #: values, each one's microbatch count, the pinned one, whether nothing is split
+    choices: MbsChoices
     system: SystemSpec
     signature: inspect.Signature  # forward's named parameters, then the example's keywords
     #                                 that reach its **kwargs (keyword-only), **kwargs left out
@@ -97,11 +100,6 @@ class Request:
         return self.per_system_batch_sizes[0]
 
     @property
-    def single(self) -> bool:
-        """Whatever is chosen, one system runs one microbatch: nothing is split."""
-        return single_microbatch(self.per_system_batch_sizes, self.policy)
-
-    @property
     def name(self) -> str:
         return type(self.model).__name__
 
@@ -119,9 +117,10 @@ class Request:
         capped at it (``MbsPolicy.at_most``)."""
         systems = min(self.num_csx, batch)
         sizes = per_system_batch_sizes(batch, systems)
+        policy = self.policy.at_most(sizes[0])
         return dataclasses.replace(self, gbs=batch, num_csx=systems, per_system_batch_sizes=sizes,
-                                   policy=self.policy.at_most(sizes[0]), example=dict(example),
-                                   forward_only=forward_only)
+                                   policy=policy, choices=check_policy(sizes, policy, True),
+                                   example=dict(example), forward_only=forward_only)
 
     def for_precision(self, precision: Precision) -> Request:
         """This request planned for ``precision``: a first training call ran under an
@@ -226,7 +225,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
     spec = with_optimizer(get_system(o.system), o.optimizer, model)
     policy = parse_mbs(mbs)  # parsed once, here; the policy is handed on
     sizes = per_system_batch_sizes(gbs, num_csx)  # split once, here
-    check_policy(sizes, policy, planning_only)  # before any tracing
+    choices = check_policy(sizes, policy, planning_only)  # before any tracing
     _check_cost_model(o.cost_model, policy, o.system, o.measure)
     signature, values, inputs = bind_example(inner, o.example_inputs, o.example_kwargs,
                                              o.in_dims, planning_only)
@@ -240,7 +239,8 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
     _check_gradient_sync(o.gradient_sync, bool(units))
     return Request(
         model=model, inner=inner, notes=tuple(unwrapped.notes), gbs=int(gbs),
-        num_csx=int(num_csx), per_system_batch_sizes=sizes, policy=policy, system=spec,
+        num_csx=int(num_csx), per_system_batch_sizes=sizes, policy=policy, choices=choices,
+        system=spec,
         signature=signature, example=values, inputs=inputs, options=checked,
         torch_compile=torch_compile, shard=_shard_spec(units, num_csx),
         noise_scale=_noise_scale(o.measure_noise_scale), measure=_repetitions(o.measure),

@@ -192,7 +192,8 @@ def _select(request: Request, analysed: Analysed, progress: bool | None,
         selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                    request.system, reshard=request.options.reshard_after_forward,
                                    sync=request.options.gradient_sync, timer=timer,
-                                   progress=progress, cost_error=error, unsplit=unsplit)
+                                   progress=progress, cost_error=error, unsplit=unsplit,
+                                   choices=request.choices)
     except DoesNotFitError as exc:
         if two_phase and isinstance(cost, TwoPhaseCostModel):
             raise _two_phase_too_big(ctx, cost, exc) from exc
@@ -251,7 +252,7 @@ def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
                             name=request.name, fit=analysed.mode != "unsplit",
                             kept_outputs=analysed.kept, fused=analysed.fused,
                             shard=request.shard, precision=request.precision,
-                            policy=request.policy), None
+                            pinned=request.choices.pinned), None
     except CostModelError as exc:
         return None, str(exc)
 
@@ -335,7 +336,8 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
                         precision=request.precision)
     selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                request.system, reshard=request.options.reshard_after_forward,
-                               sync=request.options.gradient_sync, progress=ctx.progress)
+                               sync=request.options.gradient_sync, progress=ctx.progress,
+                               choices=request.choices)
     why = (f"activation checkpointing per block{' (recompute=True)' if asked else ''}"
            if without is None else
            f"activation checkpointing per block: without it even mbs {without.mbs} needs "

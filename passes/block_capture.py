@@ -37,6 +37,7 @@ import torch.nn as nn
 from .capture import CaptureResult
 from .guards import Guard
 from .repeated_blocks import alike, find_blocks
+from .same_code import helpers_alike
 
 __all__ = ["MIN_LAYERS", "capture_by_blocks", "repeated_layers"]
 
@@ -91,10 +92,17 @@ def capture_by_blocks(model: nn.Module, capture: Callable[[nn.Module], CaptureRe
 
 def _reads_alike(guards: Sequence[Guard], layers: nn.ModuleList) -> bool:
     """Whether every plain value the trace read in the second layer (its guards) holds
-    the same value in each later layer, which is copied from it."""
+    the same value in each later layer, which is copied from it: the same value, or, for
+    a container, the same contents where a parameter-free helper module of a class made
+    afresh for each layer runs the same code (``same_code.helpers_alike``)."""
     inside = {id(m): name for name, m in layers[1].named_modules()}
-    return all(replace(guard, module=layer.get_submodule(inside[id(guard.module)])).holds()
-               for guard in guards if id(guard.module) in inside
+
+    def alike(guard: Guard, layer: nn.Module) -> bool:
+        theirs = replace(guard, module=layer.get_submodule(inside[id(guard.module)]))
+        return theirs.holds() or (guard.contents is not None
+                                  and helpers_alike(guard.now(), theirs.now()))
+
+    return all(alike(guard, layer) for guard in guards if id(guard.module) in inside
                for layer in list(layers)[2:])
 
 

@@ -37,16 +37,14 @@ import torch.nn as nn
 
 from .block_capture import capture_by_blocks, repeated_layers
 from .capture import CaptureResult
+from .guard_values import fingerprint
 from .guards import Guard
 from .guards import plain as guarded  # a value the capture guards when forward reads it
+from .same_code import HOOKS, MODULE_STATE, helpers_alike
 
 __all__ = ["capture_once_per_block"]
 
 #: What every module keeps in its ``__dict__``: compared by the checks below, or not at all.
-_MODULE_STATE = frozenset(vars(nn.Module()))
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-          "_forward_hooks_always_called")
 _WATCH = threading.local()  # .full: the real number of layers; .reads: what the trace did
 _WATCHED: dict[type, type] = {}  # a layer list's class -> its watched subclass
 
@@ -79,15 +77,16 @@ def _twins(second: nn.Module, later: nn.Module) -> bool:
     """Whether ``later`` holds what ``second`` does beside its parameters (which
     ``repeated_layers`` compared): hooks, buffer shapes, non-plain attributes."""
     for a, b in zip(second.modules(), later.modules()):
-        if any(list(getattr(a, h).values()) != list(getattr(b, h).values()) for h in _HOOKS):
+        if any(list(getattr(a, h).values()) != list(getattr(b, h).values()) for h in HOOKS):
             return False
         if [(n, t.shape, t.dtype) for n, t in a.named_buffers(recurse=False)] != \
                 [(n, t.shape, t.dtype) for n, t in b.named_buffers(recurse=False)]:
             return False
-        mine, theirs = ({k: v for k, v in vars(m).items() if k not in _MODULE_STATE}
+        mine, theirs = ({k: v for k, v in vars(m).items() if k not in MODULE_STATE}
                         for m in (a, b))
         if mine.keys() != theirs.keys() or not all(
-                guarded(mine[k]) or _equal(mine[k], theirs[k]) for k in mine):
+                guarded(mine[k]) or _equal(mine[k], theirs[k])
+                or helpers_alike(mine[k], theirs[k]) for k in mine):
             return False
     return True
 
@@ -147,6 +146,17 @@ def _getitem(self: nn.ModuleList, index: int | slice) -> Any:
         _WATCH.state = state
 
 
+def _moved(guard: Guard, module: nn.Module) -> Guard:
+    """``guard`` on ``module``: a container's contents fingerprinted afresh there, since a
+    later layer's helper modules are its own (``capture_by_blocks`` checked they run the
+    same code as the second layer's)."""
+    moved = replace(guard, module=module)
+    if guard.contents is None or guard.feeds is not None:
+        return moved
+    contents, reached = fingerprint(moved.now())
+    return replace(moved, value=moved.now(), contents=contents, reached=reached)
+
+
 def _users_guards(guards: tuple[Guard, ...], model: nn.Module, cut: nn.Module, path: str,
                   count: int) -> tuple[Guard, ...]:
     """The two-layer trace's guards on the user's own modules: the cut model's shallow
@@ -165,5 +175,5 @@ def _users_guards(guards: tuple[Guard, ...], model: nn.Module, cut: nn.Module, p
             copies += [f"{path}.{k}{name[len(second):]}" for k in range(2, count)]
         for target in copies:
             module = model.get_submodule(target)
-            out.setdefault((id(module), guard.name), replace(guard, module=module))
+            out.setdefault((id(module), guard.name), _moved(guard, module))
     return tuple(out.values())

@@ -54,6 +54,7 @@ import torch
 
 __all__ = [
     "input_fact",
+    "at_analysed_batch_only",
     "FACT",
     "GRAD_ENABLED",
     "PARAMS",
@@ -104,6 +105,18 @@ class BatchSize:
 
     def __str__(self) -> str:
         return f"batch-size x{self.factor}" if self.multiple else "derived from batch size"
+
+
+def at_analysed_batch_only(meta: Mapping[str, Any]) -> bool:
+    """Whether a node (its ``meta``) holds a number computed non-linearly from the batch
+    size (``1 / x.size(0)``, ``x.size(0) - 1``): its value is the analysed batch's, so it
+    holds at that batch only (``analysis.reusable``, ``microbatch_rewrite.constants_at``).
+
+    >>> at_analysed_batch_only({FACT: BatchSize(multiple=False)}), at_analysed_batch_only({})
+    (True, False)
+    """
+    fact = meta.get(FACT)
+    return isinstance(fact, BatchSize) and not fact.multiple
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from . import ops, partials
 from .batch_analysis import BatchAnalysis
 from .coupling import Partition, partition
 from .draws import emit_draws, hoisted_draws
-from .facts import FACT, REDUCTION, Batched, BatchSize, ReductionSpec
+from .facts import FACT, REDUCTION, Batched, BatchSize, ReductionSpec, at_analysed_batch_only
 from .graph_walks import ancestors
 from .recompute import checkpoint_blocks
 
@@ -225,9 +225,9 @@ def constants_at(part: Partition, batch: int) -> dict[fx.Node, int | float]:
     scales with it, a size that does not grow with the batch (``h.size(-1)``) stays."""
     out = {}
     for n, number in part.constants.items():
-        fact = n.meta.get(FACT)
-        if isinstance(fact, BatchSize) and not fact.multiple:  # analysed at each batch
+        if at_analysed_batch_only(n.meta):  # analysed at each batch
             raise ValueError(f"{n.format_node()} is not a multiple of the batch size")
+        fact = n.meta.get(FACT)
         out[n] = fact.factor * batch if isinstance(fact, BatchSize) else number
     return out
 

@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from .facts import SHAPES
 from .recompute import block_of
+from .same_code import helpers_alike
 
 __all__ = ["Blocks", "alike", "find_blocks", "truncate"]
 
@@ -192,7 +193,7 @@ def alike(x: Any, y: Any) -> bool:
         shapes = [[(p.shape, p.dtype, p.requires_grad) for p in m.parameters()] for m in (x, y)]
         if shapes[0] != shapes[1]:
             return False
-        if not graphs and [type(m) for m in x.modules()] != [type(m) for m in y.modules()]:
+        if not graphs and not _same_classes(list(x.modules()), list(y.modules())):
             return False  # the same parameters in other layers (a dense MLP, then an MoE)
         if graphs:
             xs, ys = list(x.graph.nodes), list(y.graph.nodes)
@@ -201,6 +202,13 @@ def alike(x: Any, y: Any) -> bool:
                 for p, q in zip(xs, ys))
         return True
     return x is y
+
+
+def _same_classes(xs: list[nn.Module], ys: list[nn.Module]) -> bool:
+    """Module by module one class, or parameter-free helpers whose classes, made afresh for
+    each layer, run the same code (``same_code.helpers_alike``)."""
+    return len(xs) == len(ys) and all(type(a) is type(b) or helpers_alike(a, b)
+                                      for a, b in zip(xs, ys))
 
 
 def truncate(gm: fx.GraphModule, blocks: Blocks, keep: int) -> fx.GraphModule:

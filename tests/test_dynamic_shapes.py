@@ -417,3 +417,23 @@ def test_the_trainer_with_a_padding_collator_trains_like_the_plain_trainer(trans
     assert run["compiles"] <= 2, run["warnings"]
     assert_close_errors(run["errors"], 1e-9)
     assert run["cm"].plan.num_microbatches > 1  # it did split
+
+
+def test_a_variant_on_the_same_capture_takes_the_first_proof(monkeypatch):
+    """``checked_symbolic`` compiles the step again at other lengths; a variant for another
+    batch size on the same capture takes that verdict (``Captures.proved``), and stays
+    exact at two lengths."""
+    from mbcompile import compiler
+
+    proofs = []
+    afresh = compiler._captured_afresh
+    monkeypatch.setattr(compiler, "_captured_afresh",
+                        lambda *a, **k: proofs.append(1) or afresh(*a, **k))
+    model, cm = _gpt(dynamic=True)
+    assert len(proofs) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the new batch size's BatchSizeWarning
+        _steps(model, cm, [token_batch(GBS - 2, n, seed=n) for n in (10, 16)])
+    assert len(cm._variants) == 1 and len(proofs) == 1
+    variant = next(iter(cm._variants.values()))
+    assert variant._request.inputs.symbolic == cm._request.inputs.symbolic

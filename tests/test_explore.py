@@ -31,7 +31,6 @@ from mbcompile.planning.measure import HostTimer
 from mbcompile.planning.plan import (
     check_policy,
     make_plan,
-    single_microbatch,
     supported_mbs,
 )
 from mbcompile.planning.plan import per_system_batch_sizes as split
@@ -202,15 +201,29 @@ def test_explore_needs_compile_only_and_says_how_to_pin() -> None:
 
 
 def test_single_microbatch_requests() -> None:
-    assert single_microbatch(split(10, 1), parse_mbs("none"))
-    assert single_microbatch(split(10, 1), parse_mbs(10))
+    def single(gbs: int, num_csx: int, mbs: object) -> bool:
+        return check_policy(split(gbs, num_csx), parse_mbs(mbs), False).single
+
+    assert single(10, 1, "none")
+    assert single(10, 1, 10)
     # the closest supported value to 9 is 10
-    assert single_microbatch(split(10, 1), parse_mbs(9))
-    assert not single_microbatch(split(10, 2), parse_mbs("none"))
-    assert not single_microbatch(split(10, 1), parse_mbs(5))
-    assert not single_microbatch(split(10, 1), parse_mbs("auto"))
+    assert single(10, 1, 9)
+    assert not single(10, 2, "none")
+    assert not single(10, 1, 5)
+    assert not single(10, 1, "auto")
     # one sample: nothing to split
-    assert single_microbatch(split(1, 1), parse_mbs("auto"))
+    assert single(1, 1, "auto")
+
+
+def test_choices_are_what_the_policy_allows() -> None:
+    choices = check_policy(split(20, 2), parse_mbs(7), False)  # pbs 10: 7 is not supported
+    assert (choices.allowed, choices.pinned) == ((5,), 5)
+    assert choices.counts == {1: 10, 2: 5, 3: 4, 4: 3, 5: 2, 10: 1}
+    auto = check_policy(split(20, 2), parse_mbs("auto"), False)
+    assert (auto.allowed, auto.pinned) == ((1, 2, 3, 4, 5, 10), None)
+    ranged = check_policy(split(20, 2), parse_mbs({"explore": {"min": 3, "max": 9}}), True)
+    assert ranged.allowed == (3, 4, 5)
+    assert check_policy(split(20, 2), parse_mbs("none"), False).pinned == 10
 
 
 def test_exploration_reports_a_table_json_and_a_plot(costs, tmp_path) -> None:

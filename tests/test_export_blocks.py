@@ -188,3 +188,61 @@ def test_a_value_changed_after_compile_compiles_again(where: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert_close_errors(step_errors(model, cm, (x,)), TOL)
+
+
+def _func(kernel: Any) -> nn.Module:
+    """A parameter-free helper of a class made afresh on every call, as transformers 5.25
+    gives each attention layer ``_kernel_funcs = {"rotary_pos_emb": Func()}``."""
+    class Func(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return kernel(h)
+
+    return Func()
+
+
+def _rotate(h: torch.Tensor) -> torch.Tensor:
+    return torch.cat([-h[..., 4:], h[..., :4]], dim=-1)
+
+
+def _flip(h: torch.Tensor) -> torch.Tensor:
+    return h.flip(-1)
+
+
+class KernelBlock(Block):
+    """A ``Block`` that reads its helper from a dict, which holds a module of its own class."""
+
+    def __init__(self, kernel: Any = _rotate) -> None:
+        super().__init__()
+        self._kernel_funcs = {"rotary_pos_emb": _func(kernel)}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(self._kernel_funcs["rotary_pos_emb"](h))) * self.scale
+
+
+def _kernel_net(later: Any = _rotate) -> tuple[Net, torch.Tensor]:
+    model, x = _fresh()
+    torch.manual_seed(1)
+    model.layers = nn.ModuleList(KernelBlock(_rotate if k < 3 else later)
+                                 for k in range(DEPTH)).double()
+    return model, x
+
+
+def test_per_layer_helper_classes_of_one_source_are_captured_by_blocks() -> None:
+    """Each layer's helper is of a class of its own, made by one class statement: the
+    layers are alike, captured by their block, train exactly, and each later layer's
+    guard holds its own helper (no recompile on the next calls)."""
+    model, x = _kernel_net()
+    assert len({type(layer._kernel_funcs["rotary_pos_emb"]) for layer in model.layers}) == DEPTH
+    assert _exported(model, x) is not None
+    cm = _trains_exactly(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.RecompileWarning)
+        cm(x)
+        assert_close_errors(step_errors(model, cm, (x,)), TOL)
+
+
+def test_a_later_helper_that_runs_other_code_is_captured_whole() -> None:
+    """Layers 3 and 4 close over another kernel: same class statement, other behaviour."""
+    model, x = _kernel_net(later=_flip)
+    assert _exported(model, x) is None
+    _trains_exactly(model, x)

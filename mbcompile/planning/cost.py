@@ -73,7 +73,7 @@ from mbcompile.planning.estimates import (
     format_seconds,
 )
 from mbcompile.planning.fit import FIT_TOLERANCE, Fit, fit, reproduces, scaled
-from mbcompile.planning.plan import num_microbatches
+from mbcompile.planning.plan import num_microbatches, per_system_batch_sizes
 from mbcompile.planning.precision import Precision, probe_precision
 from mbcompile.planning.probe import Probe
 from mbcompile.planning.systems import SystemSpec
@@ -331,11 +331,18 @@ class CostModel(TimeModel):
 
     # ----------------------------------------------------------- estimate
     def estimate(self, gbs: int, num_csx: int, mbs: int, spec: SystemSpec) -> Estimate:
-        """Memory and step time of the plan ``(gbs, num_csx, mbs)`` on ``spec``."""
-        q, r = divmod(gbs, num_csx)
-        systems = [(q + 1, r), (q, num_csx - r)]
-        pbs = q + (1 if r else 0)
-        k = num_microbatches(pbs, mbs)
+        """Memory and step time of the plan ``make_plan(gbs, num_csx, mbs)`` on ``spec``."""
+        sizes = per_system_batch_sizes(gbs, num_csx)
+        return self.estimate_split(sizes, mbs, num_microbatches(sizes[0], mbs), spec)
+
+    def estimate_split(self, sizes: Sequence[int], mbs: int, k: int, spec: SystemSpec
+                       ) -> Estimate:
+        """Memory and step time on ``spec`` of per-system batches of ``sizes`` (larger
+        first) run as ``k`` microbatches of at most ``mbs`` each: the numbers the request
+        split and the plan arithmetic counted (``MbsChoices.counts``), handed in by the
+        search rather than worked out again."""
+        gbs, num_csx, pbs = sum(sizes), len(sizes), sizes[0]
+        systems = [(size, sizes.count(size)) for size in dict.fromkeys(sizes)]
         accumulate = self._accumulate_seconds(spec)
         worst = (0.0, 0.0, 0.0, 0.0)
         bound_votes: dict[str, float] = {}

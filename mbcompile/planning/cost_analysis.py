@@ -20,23 +20,10 @@ from torch.utils import _pytree as pytree
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.planning.cost import CostModel
 from mbcompile.planning.estimates import ShardSpec, StaticFigures
-from mbcompile.planning.mbs_policy import MbsPolicy
-from mbcompile.planning.plan import closest_supported, supported_mbs
 from mbcompile.planning.precision import Precision
 from mbcompile.planning.probe import Prober, nbytes
 
 __all__ = ["analyse_cost", "static_figures"]
-
-
-def _pinned_mbs(policy: MbsPolicy | None, pbs: int) -> int | None:
-    """The MBS a pinned policy runs at per-system batch ``pbs`` (``plan_for``'s arithmetic,
-    without its warning); None for ``"auto"``, ``"explore"`` or an int the plan refuses."""
-    if policy is None or policy.mode not in ("int", "none"):
-        return None
-    if policy.mode == "none":
-        return pbs
-    value = policy.value
-    return closest_supported(value, supported_mbs(pbs)) if value and value <= pbs else None
 
 
 def _input_bytes(values: Sequence[Any], in_dims: Sequence[int | None]) -> tuple[float, float]:
@@ -84,7 +71,7 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
                  name: str | None = None, fit: bool = True,
                  kept_outputs: frozenset[int] | None = None, fused: bool | None = None,
                  shard: ShardSpec | None = None, precision: Precision | None = None,
-                 policy: MbsPolicy | None = None) -> CostModel:
+                 pinned: int | None = None) -> CostModel:
     """Build the cost model of ``gm``: best the batch analysis of the captured graph
     (it says which outputs are trained losses and whether backward runs per
     microbatch), or any module (assumed to return one scalar loss first).
@@ -99,9 +86,9 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     leaves a training step returns (``compile(outputs=...)``); the others are not counted
     as kept across microbatches. ``fused``: backward runs per microbatch (default: the
     analysis's word, or True for a module); ``shard``: the FSDP2 sharding it is costed with.
-    ``policy``: the request's MBS policy; pinned (an int or ``"none"``), the one size the
-    plan runs is probed and the fit is left until another size is asked for
-    (``CostModel.pin``).
+    ``pinned``: the MBS a pinned policy (an int or ``"none"``) runs
+    (``MbsChoices.pinned``): that one size is probed and the fit is left until another
+    size is asked for (``CostModel.pin``).
 
     >>> model, batch = make_mlp(8)
     >>> cost = analyse_cost(model, batch, (0, 0), pbs=8)
@@ -117,8 +104,7 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     static = static_figures(gm, values, in_dims, found if fused is None else fused)
     model = CostModel(Prober(gm, values, in_dims, loss_leaves, kept_outputs), static,
                       name or type(gm).__name__, shard, precision)
-    pinned = _pinned_mbs(policy, pbs) if fit and static.fused and pbs is not None else None
-    if pinned is not None:
+    if pinned is not None and fit and static.fused:
         model.pin(pinned)
     elif fit:
         model.build_fit(4 if pbs is None else pbs)

@@ -18,7 +18,7 @@ from typing import Any
 
 from mbcompile.passes.errors import ArgumentTypeError, PlanError
 
-__all__ = ["MbsPolicy", "check_int", "is_int", "parse_mbs", "requested_form", "tokens_mbs"]
+__all__ = ["MbsPolicy", "check_int", "is_int", "parse_mbs", "tokens_mbs"]
 
 _MODES = ("auto", "explore", "none")
 _EXPLORE_FORM = "{'explore': {'min': a, 'max': b}} (both optional ints >= 1, a <= b)"
@@ -199,12 +199,3 @@ def _parse_explore_mapping(mbs: Mapping[Any, Any]) -> MbsPolicy:
     if lo is not None and hi is not None and lo > hi:
         raise bad(f"min {lo} is larger than max {hi}")
     return MbsPolicy("explore", explore_min=lo, explore_max=hi)
-
-
-def requested_form(mbs: object) -> int | str:
-    # Plans are frozen and hashable, and a dict is neither; its repr prints the same.
-    if is_int(mbs):
-        return int(mbs)  # type: ignore[call-overload]
-    return mbs if isinstance(mbs, str) else repr(mbs)
-
-

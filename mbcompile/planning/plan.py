@@ -25,9 +25,9 @@ The rules, walked through one running example (gbs 10 over 3 systems, mbs 2):
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import cast
 
 from mbcompile.passes.errors import MbsAdjustedWarning, PlanError
 from mbcompile.passes.sources import user_stacklevel
@@ -36,13 +36,13 @@ from mbcompile.planning.mbs_policy import (
     check_int,
     is_int,
     parse_mbs,
-    requested_form,
 )
-from mbcompile.planning.plan_text import format_plan
+from mbcompile.planning.microbatch_plan import MicrobatchPlan
 
 __all__ = [
     "DEFAULT_AUTO_MICROBATCHES",
     "AutoChooser",
+    "MbsChoices",
     "MbsPolicy",
     "MicrobatchPlan",
     "check_policy",
@@ -52,13 +52,13 @@ __all__ = [
     "parse_mbs",
     "per_system_batch_sizes",
     "plan_for",
-    "single_microbatch",
     "split_evenly",
     "supported_mbs",
 ]
 
 #: Given ``(pbs, candidates)`` return ``(mbs, reason)``; ``mbs`` must be one of
-#: ``candidates``.  The cost model plugs in here for ``"auto"`` and ``"explore"``.
+#: ``candidates``: what ``make_plan`` asks for ``"auto"`` and ``"explore"``. (``compile()``
+#: asks no callback: its search chooses first and hands ``plan_for`` the choice.)
 AutoChooser = Callable[[int, tuple[int, ...]], tuple[int, str]]
 
 #: Without a cost model, ``"auto"`` aims for this many microbatches per system:
@@ -163,96 +163,6 @@ def _nearby(value: int, supported: tuple[int, ...], count: int = 2) -> tuple[int
 # --------------------------------------------------------------------------- #
 
 
-@dataclass(frozen=True)
-class MicrobatchPlan:
-    """How one global batch is split: per system, then per microbatch.
-
-    Build it with :func:`make_plan`; its invariants hold by construction.
-
-    >>> plan = make_plan(10, 3, 2)
-    >>> plan.microbatch_sizes
-    ((2, 2), (2, 1), (2, 1))
-    >>> plan.microbatch_slices[1]
-    ((4, 6), (6, 7))
-    """
-
-    gbs: int
-    num_csx: int
-    per_system_batch_sizes: tuple[int, ...]
-    requested_mbs: int | str  # the user's value; a mapping is kept as its repr
-    mbs: int  # the effective MBS
-    num_microbatches: int  # per system; the same on every system
-    microbatch_sizes: tuple[tuple[int, ...], ...]  # per system, per microbatch
-    supported_mbs: tuple[int, ...]
-    warnings: tuple[str, ...]
-    reason: str  # why this mbs
-    #: Tokens per sample when the inputs have a sequence dim (set by compile), else None.
-    tokens_per_sample: int | None = None
-    #: Activation checkpointing per block (``passes/recompute.py``), chosen by the plan.
-    recompute: bool = False
-    #: FSDP2's ``reshard_after_forward`` for a sharded model's units, chosen with the MBS
-    #: (None: the model is not sharded, or runs with the setting it was sharded with).
-    reshard_after_forward: bool | None = None
-    #: When a sharded model's gradients are reduce-scattered, chosen with the MBS:
-    #: ``"step"`` (once, in the step's last backward) or ``"microbatch"`` (in every
-    #: backward: they accumulate sharded); None as for ``reshard_after_forward``.
-    gradient_sync: str | None = None
-    #: The autocast the plan sized activations for (``precision.py``'s names: ``"32"``,
-    #: ``"bf16-mixed"``, ``"fp16-mixed"``); set by compile, None for a bare ``make_plan``.
-    precision: str | None = None
-
-    @property
-    def pbs(self) -> int:
-        """The per-system batch size: the largest system's share."""
-        return max(self.per_system_batch_sizes)
-
-    @property
-    def num_nonempty_microbatches(self) -> int:
-        """Microbatches that actually run, summed over systems (empty ones are skipped)."""
-        return sum(1 for sizes in self.microbatch_sizes for s in sizes if s)
-
-    @property
-    def max_microbatch_size(self) -> int:
-        """The largest microbatch anywhere; it sets peak activation memory."""
-        return max(max(sizes) for sizes in self.microbatch_sizes)
-
-    @property
-    def microbatch_slices(self) -> tuple[tuple[tuple[int, int], ...], ...]:
-        """``(start, stop)`` of every microbatch in global batch order.
-
-        System 0 takes the first samples; within a system, microbatches are
-        contiguous and in order; an empty one has ``start == stop``.
-        """
-        out = []
-        start = 0
-        for sizes in self.microbatch_sizes:
-            system = []
-            for size in sizes:
-                system.append((start, start + size))
-                start += size
-            out.append(tuple(system))
-        return tuple(out)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict: the fields as lists, plus ``pbs``."""
-        d = asdict(self)
-        for key, value in d.items():
-            if isinstance(value, tuple):
-                d[key] = [list(v) if isinstance(v, tuple) else v for v in value]
-        d["pbs"] = self.pbs
-        d["num_nonempty_microbatches"] = self.num_nonempty_microbatches
-        if self.tokens_per_sample is not None:
-            t = self.tokens_per_sample
-            d["tokens"] = {"global": self.gbs * t,
-                           "per_system": [n * t for n in self.per_system_batch_sizes],
-                           "per_microbatch": [[n * t for n in mb]
-                                              for mb in self.microbatch_sizes]}
-        return d
-
-    def __str__(self) -> str:
-        return format_plan(self)
-
-
 def _warn_user(message: str) -> None:
     # at the first frame outside mbcompile and torch, however deep the call into the package
     # was (compile() -> select() -> make_plan() -> here)
@@ -268,12 +178,11 @@ def _default_auto(pbs: int, supported: tuple[int, ...]) -> tuple[int, str]:
     )
 
 
-def _call_chooser(
-    name: str, chooser: AutoChooser, pbs: int, candidates: tuple[int, ...]
-) -> tuple[int, str]:
-    # A chooser is our own cost model, but a wrong answer from it must not turn
+def _checked_choice(name: str, chosen: tuple[int, str], pbs: int,
+                    candidates: tuple[int, ...]) -> tuple[int, str]:
+    # A choice is our own cost model's, but a wrong answer from it must not turn
     # into a silently different plan: reject anything outside the candidates.
-    mbs, reason = chooser(pbs, candidates)
+    mbs, reason = chosen
     if not is_int(mbs) or int(mbs) not in candidates:
         raise PlanError(
             f"the {name} returned mbs={mbs!r}, which is not one of the "
@@ -295,25 +204,34 @@ def make_plan(
 
     ``chooser`` picks the MBS for ``"auto"`` (default: about
     ``DEFAULT_AUTO_MICROBATCHES`` microbatches per system); ``explorer`` picks it
-    for ``"explore"`` and explore ranges, which fail without one.
+    for ``"explore"`` and explore ranges, which fail without one. Each is asked once,
+    with the candidates (``MbsChoices.allowed``), before the plan is made.
 
     >>> p = make_plan(10, 3, 2)
     >>> p.per_system_batch_sizes, p.num_microbatches, p.microbatch_sizes
     ((4, 3, 3), 2, ((2, 2), (2, 1), (2, 1)))
     """
-    return plan_for(per_system_batch_sizes(gbs, num_csx), parse_mbs(mbs), chooser=chooser,
-                    explorer=explorer)
+    sizes, policy = per_system_batch_sizes(gbs, num_csx), parse_mbs(mbs)
+    pick = chooser if policy.mode == "auto" else explorer if policy.mode == "explore" else None
+    chosen = None
+    if pick is not None:
+        with warnings.catch_warnings():  # a clamped range warns once, when it is planned
+            warnings.simplefilter("ignore")
+            allowed = check_policy(sizes, policy, planning_only=True).allowed
+        chosen = pick(sizes[0], allowed)
+    return plan_for(sizes, policy, chosen=chosen)
 
 
 def plan_for(
     system_sizes: tuple[int, ...],
     policy: MbsPolicy,
     *,
-    chooser: AutoChooser | None = None,
-    explorer: AutoChooser | None = None,
+    chosen: tuple[int, str] | None = None,
 ) -> MicrobatchPlan:
     """:func:`make_plan` for per-system batch sizes already split (``Request``'s) and an
-    ``mbs`` already parsed: what ``compile()``'s stages call.
+    ``mbs`` already parsed: what ``compile()``'s stages call. ``chosen``: the ``(mbs,
+    reason)`` a search chose for ``"auto"`` or ``"explore"`` among ``MbsChoices.allowed``
+    (``planning/search.py``); ``"auto"`` without one takes the default.
 
     >>> plan_for((4, 3, 3), parse_mbs(2)).microbatch_sizes
     ((2, 2), (2, 1), (2, 1))
@@ -321,7 +239,7 @@ def plan_for(
     gbs, num_csx = sum(system_sizes), len(system_sizes)
     pbs = system_sizes[0]  # larger first, so this is ceil(gbs / num_csx)
     supported = supported_mbs(pbs)
-    where = f"gbs {gbs} over {num_csx} system{'s' if num_csx != 1 else ''}"
+    where = _where(system_sizes)
     notes: list[str] = []
 
     if policy.mode == "int":
@@ -350,19 +268,19 @@ def plan_for(
         effective = pbs
         reason = "mbs='none': one microbatch per system (mbs = pbs)"
     elif policy.mode == "auto":
-        if chooser is None:
+        if chosen is None:
             effective, reason = _default_auto(pbs, supported)
         else:
-            effective, reason = _call_chooser("auto chooser", chooser, pbs, supported)
+            effective, reason = _checked_choice("auto chooser", chosen, pbs, supported)
     else:  # explore, whole range or bounded
         candidates = _explore_candidates(policy, pbs, supported, where, notes)
-        if explorer is None:
+        if chosen is None:
             raise PlanError(
-                f"mbs={requested_form(policy.request)!r} needs the cost model to compare MBS "
+                f"mbs={_requested_form(policy.request)!r} needs the cost model to compare MBS "
                 f"values, and no explorer was given; run it through compile_only "
                 f"(which reports the best mbs to pin), or pass mbs='auto' or an int"
             )
-        effective, reason = _call_chooser("explorer", explorer, pbs, candidates)
+        effective, reason = _checked_choice("explorer", chosen, pbs, candidates)
 
     count = num_microbatches(pbs, effective)
     # Every system runs the same count (lock step for the all-reduce); smaller
@@ -372,7 +290,7 @@ def plan_for(
         gbs=gbs,
         num_csx=num_csx,
         per_system_batch_sizes=system_sizes,
-        requested_mbs=requested_form(policy.request),
+        requested_mbs=_requested_form(policy.request),
         mbs=effective,
         num_microbatches=count,
         microbatch_sizes=microbatch_sizes,
@@ -380,6 +298,20 @@ def plan_for(
         warnings=tuple(notes),
         reason=reason,
     )
+
+
+def _requested_form(mbs: object) -> int | str:
+    """The user's ``mbs`` as the plan keeps it (``requested_mbs``)."""
+    # Plans are frozen and hashable, and a dict is neither; its repr prints the same.
+    if is_int(mbs):
+        return int(mbs)  # type: ignore[call-overload]
+    return mbs if isinstance(mbs, str) else repr(mbs)
+
+
+def _where(system_sizes: tuple[int, ...]) -> str:
+    """The split a message names: ``gbs 10 over 3 systems``."""
+    n = len(system_sizes)
+    return f"gbs {sum(system_sizes)} over {n} system{'s' if n != 1 else ''}"
 
 
 def _explore_candidates(
@@ -407,38 +339,58 @@ def _explore_candidates(
     return candidates
 
 
-def check_policy(system_sizes: tuple[int, ...], policy: MbsPolicy, planning_only: bool) -> None:
-    """Fail fast, before any tracing, on what the arguments alone rule out: an int MBS
-    above the per-system batch size, an explore range with no supported value in it,
-    and ``"explore"`` without ``compile_only=True`` (``planning_only``)."""
-    if policy.mode == "int" and (policy.value or 0) > system_sizes[0]:
+@dataclass(frozen=True)
+class MbsChoices:
+    """What an MBS policy leaves to choose at given per-system batch sizes, worked out
+    once, before any tracing (``make_request``), and handed to the stages that choose.
+
+    >>> c = check_policy((10,), parse_mbs(9), planning_only=False)
+    >>> c.allowed, c.pinned, c.single, c.counts[5]   # 9 is not supported: 10 is closest
+    ((10,), 10, True, 2)
+    """
+
+    #: every supported MBS -> microbatches per system at it, ascending
+    counts: Mapping[int, int]
+    #: the values the selection chooses among: the one a pinned policy runs (an int's
+    #: closest supported value, ``"none"``'s whole batch), every supported value for
+    #: ``"auto"``, those in range for ``"explore"``
+    allowed: tuple[int, ...]
+    #: the MBS a pinned policy (an int or ``"none"``) runs; None when it is chosen
+    pinned: int | None
+    #: whatever is chosen, one system runs one microbatch: nothing is split, so a graph the
+    #: batch analysis rejects still runs (the fix its errors suggest: ``num_csx=1,
+    #: mbs='none'``)
+    single: bool
+
+
+def check_policy(system_sizes: tuple[int, ...], policy: MbsPolicy, planning_only: bool
+                 ) -> MbsChoices:
+    """The choices ``policy`` leaves at ``system_sizes``. Fails fast, before any tracing, on
+    what the arguments alone rule out: an int MBS above the per-system batch size, an
+    explore range with no supported value in it, and ``"explore"`` without
+    ``compile_only=True`` (``planning_only``)."""
+    pbs = system_sizes[0]
+    supported = supported_mbs(pbs)
+    pinned: int | None = None
+    if policy.mode == "int" and (policy.value or 0) > pbs:
         plan_for(system_sizes, policy)  # raises the plan's own "must be at most" error
-    if policy.mode == "explore":
-        with warnings.catch_warnings():  # a clamped range warns once, when it is planned
+    if policy.mode == "int":
+        pinned = closest_supported(cast(int, policy.value), supported)
+    elif policy.mode == "none":
+        pinned = pbs
+    allowed = supported
+    if pinned is not None:
+        allowed = (pinned,)
+    elif policy.mode == "explore":  # range errors; a clamped range warns when it is planned
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan_for(system_sizes, policy, explorer=lambda _, c: (c[0], ""))  # range errors
+            allowed = _explore_candidates(policy, pbs, supported, _where(system_sizes), [])
     if policy.mode == "explore" and not planning_only:
         raise PlanError(
             f"mbs={policy.request!r} explores MBS values and reports the best one to pin; it does "
             "not build a module to train with. Run it once with compile_only=True, read "
             "cm.report() (or cm.plan.mbs), then compile again with mbs=<that value>: "
             f"compile(model, gbs, num_csx, mbs={policy.request!r}, compile_only=True, ...)")
-
-
-def single_microbatch(system_sizes: tuple[int, ...], policy: MbsPolicy) -> bool:
-    """True when the request can only mean one system running one microbatch.
-
-    Such a plan splits nothing, so a graph the batch analysis rejects still runs
-    (the fix its errors suggest: ``num_csx=1, mbs='none'``).
-
-    >>> single_microbatch((10,), parse_mbs(9))  # the closest supported value is 10
-    True
-    """
-    if len(system_sizes) != 1:
-        return False
-    pbs = system_sizes[0]
-    if policy.mode == "none" or pbs == 1:
-        return True
-    if policy.mode == "int":
-        return closest_supported(min(policy.value or 1, pbs), supported_mbs(pbs)) == pbs
-    return False
+    return MbsChoices(counts={m: num_microbatches(pbs, m) for m in supported},
+                      allowed=allowed, pinned=pinned,
+                      single=len(system_sizes) == 1 and allowed == (pbs,))

@@ -10,9 +10,9 @@ and fixes are ``fixes.py``'s.
 Everything here works on a :class:`~mbcompile.planning.cost.CostModel` and a
 :class:`~mbcompile.planning.systems.SystemSpec`.  ``compile()``'s selection stage
 (``mbcompile/selection.py``) builds the cost model and calls :func:`select_sharded`
-(:func:`select_plan`, and a sharded model's FSDP2 settings), which hands
-:func:`~mbcompile.planning.plan.plan_for` a chooser (``"auto"``) or an explorer
-(``"explore"``) and then checks that the plan fits.
+(:func:`select_plan`, and a sharded model's FSDP2 settings), which chooses among the
+values the request allows (``MbsChoices``: ``"auto"`` or ``"explore"``), hands the
+choice to :func:`~mbcompile.planning.plan.plan_for` and then checks that the plan fits.
 
 ``"auto"`` evaluates a few candidates only, O(log n) of the n supported values
 (each evaluation is arithmetic on the cost model's fit, so "few" is about an
@@ -50,7 +50,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -65,11 +65,11 @@ from mbcompile.planning.fixes import (
     step_fixes,
 )
 from mbcompile.planning.plan import (
+    MbsChoices,
     MbsPolicy,
-    num_microbatches,
+    check_policy,
     plan_for,
     split_evenly,
-    supported_mbs,
 )
 from mbcompile.planning.systems import SystemSpec
 
@@ -112,17 +112,21 @@ def _progress(total: int, show: bool | None) -> Any:
 class Selector:
     """Evaluates candidate MBS values of one (model, per-system batch sizes, system).
 
-    ``auto`` and ``explore`` have :data:`mbcompile.planning.plan.AutoChooser`'s signature,
-    so they plug into ``plan_for(chooser=..., explorer=...)``. ``sizes`` are the
-    per-system batch sizes, split once (``Request.per_system_batch_sizes``).
+    ``auto`` and ``explore`` have :data:`mbcompile.planning.plan.AutoChooser`'s signature
+    (``make_plan(chooser=..., explorer=...)`` asks them too). ``sizes`` are the per-system
+    batch sizes, split once (``Request.per_system_batch_sizes``), and ``counts`` each
+    supported MBS's microbatches per system (``MbsChoices.counts``; default: counted here).
     """
 
     def __init__(self, cost: CostModel, spec: SystemSpec, sizes: tuple[int, ...], *,
+                 counts: Mapping[int, int] | None = None,
                  timer: Callable[[int], float] | None = None,
                  progress: bool | None = None) -> None:
         self.cost = cost
         self.spec = spec
         self.sizes, self.pbs = sizes, sizes[0]
+        self.counts = counts if counts is not None else check_policy(
+            sizes, MbsPolicy("auto"), True).counts
         self.gbs, self.num_csx = sum(sizes), len(sizes)
         self.timer = timer
         self.progress = progress
@@ -134,14 +138,15 @@ class Selector:
     # ---------------------------------------------------------- evaluating
     def estimate(self, mbs: int) -> Estimate:
         if mbs not in self._estimates:
-            self._estimates[mbs] = self.cost.estimate(self.gbs, self.num_csx, mbs, self.spec)
+            self._estimates[mbs] = self.cost.estimate_split(self.sizes, mbs, self.counts[mbs],
+                                                            self.spec)
         return self._estimates[mbs]
 
     def _measured_loop(self, mbs: int) -> float | None:
         """The largest system's microbatches, each size timed on this host."""
         if self.timer is None:
             return None
-        sizes = split_evenly(self.pbs, num_microbatches(self.pbs, mbs))
+        sizes = split_evenly(self.pbs, self.counts[mbs])
         return sum(sizes.count(size) * self.timer(size) for size in set(sizes) if size > 0)
 
     def evaluate(self, mbs: int) -> Candidate:
@@ -268,10 +273,10 @@ class Selector:
         fitting = [c for c in rows if c.fits]
         if not fitting:
             smallest = self.evaluate(candidates[0])
-            self._record("explore", len(supported_mbs(pbs)), None)
+            self._record("explore", len(self.counts), None)
             raise self.does_not_fit(smallest.mbs, "explore")
         best = min(fitting, key=lambda c: (c.step_s, c.peak_bytes))
-        self._record("explore", len(supported_mbs(pbs)), best.mbs)
+        self._record("explore", len(self.counts), best.mbs)
         why = (f"explore on {self.spec.name}: evaluated all {len(candidates)} supported MBS "
                f"values in [{candidates[0]}, {candidates[-1]}]; the fastest that fits is "
                f"mbs={best.mbs} (modelled step {format_seconds(best.step_s)}, peak "
@@ -296,7 +301,8 @@ class Selector:
                    "does not fit"
         else:
             what = f"mbs={mbs} does not fit"
-        smaller = self.largest_fitting(_supported_upto(pbs, mbs)) if mbs > 1 else None
+        smaller = self.largest_fitting([m for m in self.counts if m <= mbs]) if mbs > 1 \
+            else None
         fixes = step_fixes(self.cost, self.spec, self.sizes, smaller)
         message = (f"{what} on system {self.spec.name!r} (gbs {self.gbs} over {self.num_csx} "
                    f"system{'s' if self.num_csx != 1 else ''}, pbs {pbs}): it needs "
@@ -309,16 +315,13 @@ class Selector:
                                fixes=tuple(fixes))
 
 
-def _supported_upto(pbs: int, limit: int) -> tuple[int, ...]:
-    return tuple(m for m in supported_mbs(pbs) if m <= limit)
-
-
 def select_plan(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel | None,
                 spec: SystemSpec, *, timer: Callable[[int], float] | None = None,
                 progress: bool | None = None, cost_error: str | None = None,
-                unsplit: bool = False) -> Choice:
+                unsplit: bool = False, choices: MbsChoices | None = None) -> Choice:
     """Plan per-system batches of ``sizes`` (``Request.per_system_batch_sizes``) with
-    ``policy`` and the cost model, and check that it fits.
+    ``policy`` and the cost model, and check that it fits. ``choices``: what the policy
+    leaves to choose at ``sizes`` (``Request.choices``; default: worked out here).
 
     ``cost=None`` (the model could not run; ``cost_error`` says why): ints and
     ``"none"`` are planned as asked, ``"auto"`` falls back to the plan's default
@@ -341,11 +344,15 @@ def select_plan(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel | Non
         if policy.mode == "auto":
             plan = replace(plan, reason=f"{plan.reason} (cost model unavailable: {cost_error})")
         return Choice(plan, None, None, None, cost_error)
-    selector = Selector(cost, spec, sizes, timer=timer, progress=progress)
-    pinned = policy.mode in ("int", "none")  # its size alone is probed, unless it fails
+    choices = choices if choices is not None else check_policy(sizes, policy, True)
+    selector = Selector(cost, spec, sizes, counts=choices.counts, timer=timer,
+                        progress=progress)
+    pinned = choices.pinned is not None  # its size alone is probed, unless it fails
     if not (unsplit or pinned) and not selector.evaluate(1).fits:  # nothing runs
         raise selector.does_not_fit(1, policy.mode)
-    plan = plan_for(selector.sizes, policy, chooser=selector.auto, explorer=selector.explore)
+    choose = None if pinned else selector.auto if policy.mode == "auto" else selector.explore
+    chosen = choose(selector.pbs, choices.allowed) if choose is not None else None
+    plan = plan_for(selector.sizes, policy, chosen=chosen)  # the choice handed on
     if not selector.evaluate(plan.mbs).fits:
         if pinned and not unsplit and plan.mbs > 1 and not selector.evaluate(1).fits:
             raise selector.does_not_fit(1, policy.mode)  # whatever was asked, nothing runs

@@ -107,8 +107,10 @@ class TwoPhaseCostModel(CostModel):
         total = p + self.coupled_bytes + 2 * self.frontier_bytes
         return self.coupled_bytes / total if total > 0 else 0.0
 
-    def estimate(self, gbs: int, num_csx: int, mbs: int, spec: SystemSpec) -> Estimate:
-        est = super().estimate(gbs, num_csx, mbs, spec)
+    def estimate_split(self, sizes: Sequence[int], mbs: int, k: int, spec: SystemSpec
+                       ) -> Estimate:
+        est = super().estimate_split(sizes, mbs, k, spec)
+        gbs = sum(sizes)
         f = est.figures
         share = f.flops_forward / f.flops if f.flops > 0 else 0.5
         t = est.time
