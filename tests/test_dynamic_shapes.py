@@ -408,12 +408,28 @@ def test_the_trainer_with_a_padding_collator_trains_like_the_plain_trainer(trans
     """40 steps of batches padded to their own longest row (5-60 tokens): the parameters
     after training equal the plain Trainer's (float64, float32 regions kept in float64),
     compiled at most twice (benchmarks/bench_dynamic.py runs 200 steps and times both)."""
+    _trains_like_the_plain_trainer(transformers, name, 40)
+
+
+@pytest.mark.slow
+@pytest.mark.zoo  # 22-32 s each on the shared 2-core machine (about 11 s of CPU each)
+@pytest.mark.parametrize("name", ["gpt2-cls", "bert-mlm"])
+def test_the_trainer_with_a_classifier_or_a_masked_lm_trains_like_the_plain_trainer(
+        transformers, name):
+    """The same, 12 steps: ``DataCollatorWithPadding`` and ``GPT2ForSequenceClassification``
+    (the loss reads each row's last real token), and ``BertForMaskedLM`` with
+    ``DataCollatorForLanguageModeling(mlm=True)`` (its random masks drawn alike in both
+    Trainers: the compiled step draws nothing)."""
+    _trains_like_the_plain_trainer(transformers, name, 12)
+
+
+def _trains_like_the_plain_trainer(transformers: Any, name: str, steps: int) -> None:
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import bench_dynamic
     finally:
         sys.path.remove(str(BENCHMARKS))
-    run = bench_dynamic.run_both(transformers, name, steps=40)
-    assert run["compiles"] <= 2, run["warnings"]
+    run = bench_dynamic.run_both(transformers, name, steps=steps)
+    assert run["compiles"] <= 2, run["warnings"]  # compile(), then the length symbolic
     assert_close_errors(run["errors"], 1e-9)
     assert run["cm"].plan.num_microbatches > 1  # it did split
