@@ -203,20 +203,33 @@ def compiles_timed() -> Iterator[list[tuple[float, float]]]:
             setattr(compiler, name, run)
 
 
-def run_both(transformers: Any, name: str, steps: int) -> dict[str, Any]:
+def run_both(transformers: Any, name: str, steps: int, upfront: bool = False
+             ) -> dict[str, Any]:
     """The plain Trainer and the compiled one from the same start, in this process: wall
-    seconds of each (compile included), compile seconds, compiles, parameter errors."""
+    seconds of each (compile included), compile seconds, compiles, parameter errors.
+
+    ``upfront``: compile what the Trainer will call in the first place: its
+    ``num_items_in_batch`` in the example, the lengths symbolic (``dynamic=``) and the
+    config as the Trainer sets it (``use_cache=False``, a value forward reads): one
+    compile, no variant at the first step."""
     plain = make_model(transformers, name)
     model = copy.deepcopy(plain)
     data = RandomLengths(GBS, 0, labelled=name == "gpt2-cls")
-    example = collator(transformers, name)([data[i] for i in range(GBS)])
+    example = dict(collator(transformers, name)([data[i] for i in range(GBS)]))
+    options: dict[str, Any] = {}
+    if upfront:
+        model.config.use_cache = plain.config.use_cache = False
+        from mbcompile.integrations.transformers import trainer_keywords
+
+        example.update(trainer_keywords(model, example))  # what it adds, if it adds any
+        options["dynamic"] = {k: [1] for k, v in example.items() if getattr(v, "ndim", 0) == 2}
     with float64_regions(transformers), tempfile.TemporaryDirectory() as out, \
             warnings.catch_warnings(record=True) as seen, compiles_timed() as variants:
         warnings.simplefilter("always")
         plain_s, plain_cpu = train(transformers, plain, name, steps, Path(out) / "plain")
         start, cpu = time.perf_counter(), time.process_time()
-        cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_kwargs=dict(example),
-                               cost_model=False)
+        cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_kwargs=example,
+                               cost_model=False, **options)
         first = (time.perf_counter() - start, time.process_time() - cpu)
         compiled_s, compiled_cpu = train(transformers, cm, name, steps, Path(out) / "compiled")
     recompiles = [w for w in seen if issubclass(w.category, mbcompile.MbcompileWarning)
@@ -235,13 +248,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--model", choices=MODELS, default="gpt2")
+    parser.add_argument("--upfront", action="store_true",
+                        help="compile the Trainer's keyword and symbolic lengths up front")
     args = parser.parse_args()
     import transformers
 
     transformers.logging.set_verbosity_error()
-    run = run_both(transformers, args.model, args.steps)
-    print(f"{args.model}, {args.steps} steps of {GBS} rows of {SHORTEST}-{LONGEST} tokens, "
-          f"padded per batch, {NUM_CSX} systems, mbs {MBS}:")
+    run = run_both(transformers, args.model, args.steps, args.upfront)
+    print(f"{args.model}{' (up front)' if args.upfront else ''}, {args.steps} steps of {GBS} "
+          f"rows of {SHORTEST}-{LONGEST} tokens, padded per batch, {NUM_CSX} systems, mbs {MBS}:")
     print(f"  Trainer(model=model): {run['plain_s']:.2f} s ({run['plain_cpu']:.2f} s CPU)")
     print(f"  Trainer(model=cm):    {run['compiled_s']:.2f} s ({run['compiled_cpu']:.2f} s CPU),"
           f" of which compiling {run['compile_s']:.2f} s ({run['compile_cpu']:.2f} s CPU) in "

@@ -251,8 +251,8 @@ def _unkept_guard(symbolic: Symbolic, gm: fx.GraphModule) -> str | None:
     guards = [g.expr for g in (env.guards if env is not None else ())
               if g.expr.free_symbols & ours]
     for expr in guards:  # a branch taken at the example's size: the guard to name
-        if isinstance(expr, sympy.Eq) and any(isinstance(side, sympy.Integer)
-                                              for side in expr.args):
+        if isinstance(expr, sympy.Eq) and any(isinstance(side, sympy.Integer) and side != 0
+                                              for side in expr.args):  # not a divisibility
             size, value = sorted(expr.args, key=lambda side: isinstance(side, sympy.Integer))
             return (f"{size} == {value}, a branch taken at the example's size (a size "
                     "compared with a constant, as ViT's num_patches == num_positions is at "

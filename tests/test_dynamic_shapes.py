@@ -454,13 +454,24 @@ def test_the_trainer_with_a_classifier_or_a_masked_lm_trains_like_the_plain_trai
     _trains_like_the_plain_trainer(transformers, name, 12)
 
 
-def _trains_like_the_plain_trainer(transformers: Any, name: str, steps: int) -> None:
+@pytest.mark.slow
+@pytest.mark.zoo  # 32 s on the shared 2-core machine (about 8 s of CPU)
+def test_the_trainer_compiles_once_when_its_keyword_and_lengths_are_compiled_up_front(
+        transformers):
+    """The example with the Trainer's ``num_items_in_batch``, the lengths symbolic and
+    ``use_cache=False`` as the Trainer sets it: compile() is the only compile."""
+    _trains_like_the_plain_trainer(transformers, "gpt2", 12, upfront=True)
+
+
+def _trains_like_the_plain_trainer(transformers: Any, name: str, steps: int,
+                                   upfront: bool = False) -> None:
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import bench_dynamic
     finally:
         sys.path.remove(str(BENCHMARKS))
-    run = bench_dynamic.run_both(transformers, name, steps=steps)
-    assert run["compiles"] <= 2, run["warnings"]  # compile(), then the length symbolic
+    run = bench_dynamic.run_both(transformers, name, steps=steps, upfront=upfront)
+    # compile(), then the length symbolic (with the Trainer's keyword); up front: one
+    assert run["compiles"] <= (1 if upfront else 2), run["warnings"]
     assert_close_errors(run["errors"], 1e-9)
     assert run["cm"].plan.num_microbatches > 1  # it did split
