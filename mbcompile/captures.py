@@ -112,7 +112,9 @@ class Captures:
                 if not all(map(_torch_layer, layers.values())):
                     continue  # a user's layer kept whole: its shapes may follow the mode
                 if not any(_facts_read_mode(node, m) for node, m in layers.items()):
-                    return entry  # the same facts too (``analyse`` decides what is kept)
+                    # the same graph and facts; what a step keeps and the cut are this
+                    # mode's (``analysed`` keeps them for the mode's next batch sizes)
+                    return dataclasses.replace(entry, kept=None, cut=None)
                 derived = in_current_mode(entry, request)
                 # an op without a rule: capture="auto" may export instead (analysis.py)
                 if not isinstance(derived.rejected, UnsupportedOpError):
