@@ -110,7 +110,8 @@ def test_a_train_eval_switch_reuses_the_first_capture(counted):
 
 def test_a_batch_norm_switch_keeps_the_graph_and_finds_each_modes_facts(counted):
     """BatchNorm couples samples in training only (a two-phase step), and is per-sample in
-    eval: the same graph, its facts found again per mode on a copy, each mode exact."""
+    eval: the same graph, its facts found again per mode on a copy, each mode exact; the
+    running statistics a two-phase variant writes are eager's."""
     from models import MODELS
 
     model, batch = MODELS["batch_norm"](GBS)
@@ -170,18 +171,6 @@ def test_a_batch_size_the_loss_reads_takes_the_variants_value(counted):
     made = counted["capture"]
     for size in (3, 10):
         assert_close_errors(step_errors(model, cm, size_normalised(size, seed=size)[1]), TOL)
-    assert counted["capture"] == made
-
-
-def test_buffers_written_by_a_two_phase_variant_are_eagers(counted):
-    """BatchNorm in training couples samples: a two-phase step, on the same capture."""
-    from models import MODELS
-
-    model, batch = MODELS["batch_norm"](GBS)
-    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
-    made = counted["capture"]
-    errors = step_errors(model, cm, MODELS["batch_norm"](5, seed=5)[1], floor=1e-4)
-    assert_close_errors(errors, TOL)  # inp.bias: zero up to rounding, hence the floor
     assert counted["capture"] == made
 
 
