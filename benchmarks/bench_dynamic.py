@@ -1,23 +1,29 @@
 """The HF Trainer on batches of random lengths: ``Trainer(model=cm)`` against the plain one.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_dynamic.py [--steps 200] [--model gpt2|llama]
+    OMP_NUM_THREADS=1 python benchmarks/bench_dynamic.py [--steps 200]
+        [--model gpt2|llama|gpt2-cls|bert-mlm]
 
-``DataCollatorForLanguageModeling(tok, mlm=False)`` pads each batch to its own longest row
-(rows of 5 to 60 tokens), so every step has another sequence length: the compiled module
-compiles at most twice (the example's, then once with the length symbolic, which the
-Trainer's ``num_items_in_batch`` keyword variant is from its first step) and runs every
-other length on that step. Both Trainers run in this one process, one after the other,
-compile included; the script prints both wall times, their ratio (goal: compiled at most
-1.3x plain), the seconds spent compiling and the largest difference of the trained
-parameters (float64 model, transformers' float32 regions kept in float64: <= 1e-9).
-``tests/test_dynamic_shapes.py`` runs ``run_both`` for 40 steps.
+The collator pads each batch to its own longest row (rows of 5 to 60 tokens), so every
+step has another sequence length: ``DataCollatorForLanguageModeling(tok, mlm=False)`` for
+the causal LMs (``gpt2``, ``llama``), ``DataCollatorWithPadding`` for
+``GPT2ForSequenceClassification`` (``gpt2-cls``, a label per row) and
+``DataCollatorForLanguageModeling(tok, mlm=True)`` for ``BertForMaskedLM`` (``bert-mlm``,
+15% of the tokens masked at random). The compiled module compiles at most twice (the
+example's, then once with the length symbolic, which the Trainer's ``num_items_in_batch``
+keyword variant is from its first step, without a warning) and runs every other length on
+that step. Both Trainers run in this one process, one after the other, compile included;
+the script prints both wall times and their ratio (goal: compiled at most 1.3x plain), the
+process's CPU time of each (this machine is shared: CPU time is the steadier figure), the
+seconds spent compiling (``compile()`` and every variant it compiled later, timed around
+compile()'s chain) and the largest difference of the trained parameters (float64 model,
+transformers' float32 regions kept in float64: <= 1e-9). ``tests/test_dynamic_shapes.py``
+runs ``run_both``: 40 steps of the causal LMs, 12 of the other two.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import re
 import tempfile
 import time
 import warnings
@@ -32,23 +38,28 @@ import torch.nn.functional as F
 
 import mbcompile
 
-GBS, NUM_CSX, MBS, VOCAB, PAD = 6, 2, 2, 64, 0
-SHORTEST, LONGEST = 5, 60
+GBS, NUM_CSX, MBS, VOCAB, PAD, MASK = 6, 2, 2, 64, 0, 63
+SHORTEST, LONGEST, CLASSES = 5, 60, 3
+MODELS = ("gpt2", "llama", "gpt2-cls", "bert-mlm")
 
 
 class RandomLengths(torch.utils.data.Dataset):
     """Rows of token ids (never the pad id) of random lengths ``SHORTEST..LONGEST``."""
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, labelled: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         lengths = torch.randint(SHORTEST, LONGEST + 1, (n,), generator=g).tolist()
-        self.rows = [torch.randint(1, VOCAB, (k,), generator=g).tolist() for k in lengths]
+        self.rows = [torch.randint(1, MASK, (k,), generator=g).tolist() for k in lengths]
+        self.labels = torch.randint(0, CLASSES, (n,), generator=g).tolist() if labelled \
+            else None
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return {"input_ids": self.rows[i]}
+        if self.labels is None:
+            return {"input_ids": self.rows[i]}
+        return {"input_ids": self.rows[i], "labels": self.labels[i]}
 
 
 def tokenizer(transformers: Any) -> Any:
@@ -56,22 +67,46 @@ def tokenizer(transformers: Any) -> Any:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
-    vocab = {"<pad>": PAD, **{f"t{i}": i for i in range(1, VOCAB)}}
+    vocab = {"<pad>": PAD, **{f"t{i}": i for i in range(1, MASK)}, "<mask>": MASK}
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>")
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>",
+        mask_token="<mask>")
     tok.padding_side = "right"
     return tok
 
 
+def collator(transformers: Any, name: str) -> Any:
+    """The collator of ``name``'s task: each pads a batch to its own longest row."""
+    tok = tokenizer(transformers)
+    if name == "gpt2-cls":
+        return transformers.DataCollatorWithPadding(tok)
+    return transformers.DataCollatorForLanguageModeling(tok, mlm=name == "bert-mlm")
+
+
 def make_model(transformers: Any, name: str) -> nn.Module:
-    """A two-layer causal LM of width 32 in float64, without dropout; its loss without
+    """A two-layer model of width 32 in float64, without dropout; its loss without
     transformers' float32 upcast (``float64_regions`` keeps Llama's RMSNorm in float64)."""
     torch.manual_seed(0)
-    if name == "gpt2":
+    if name in ("gpt2", "gpt2-cls"):
         config = transformers.GPT2Config(
             n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        model = transformers.GPT2LMHeadModel(config)
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=PAD,
+            num_labels=CLASSES, problem_type="single_label_classification")
+        # (without problem_type, the first call sets it: a change of the config that forward
+        # reads, so the next call compiles again, once, as a guard must)
+        model = (transformers.GPT2LMHeadModel if name == "gpt2" else
+                 transformers.GPT2ForSequenceClassification)(config)
+    elif name == "bert-mlm":
+        config = transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, pad_token_id=PAD)
+        model = transformers.BertForMaskedLM(config)
+        # softmax ignores a key bias (it adds the same to every key of a query): its gradient
+        # is rounding alone, which Adam scales to full steps, different for any other
+        # order of the sums (microbatches); frozen, in both Trainers
+        for layer in model.bert.encoder.layer:
+            layer.attention.self.key.bias.requires_grad_(False)
     else:
         config = transformers.LlamaConfig(
             num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -79,7 +114,9 @@ def make_model(transformers: Any, name: str) -> nn.Module:
             bos_token_id=0, eos_token_id=0, pad_token_id=PAD)
         model = transformers.LlamaForCausalLM(config)
     model = model.double()
-    model.loss_function = _causal_lm_loss_float64
+    if name != "gpt2-cls":  # its loss is a CrossEntropyLoss() in the logits' dtype already
+        model.loss_function = _masked_lm_loss_float64 if name == "bert-mlm" \
+            else _causal_lm_loss_float64
     return model
 
 
@@ -94,6 +131,13 @@ def _causal_lm_loss_float64(logits: torch.Tensor, labels: torch.Tensor, vocab_si
     loss = F.cross_entropy(logits.view(-1, vocab_size), shift_labels.view(-1),
                            ignore_index=ignore_index, reduction=reduction)
     return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+def _masked_lm_loss_float64(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                            **kwargs: Any) -> torch.Tensor:
+    """transformers' ForMaskedLMLoss without its ``logits.float()`` upcast: the labels are
+    the tokens' own (no shift)."""
+    return _causal_lm_loss_float64(logits, labels, vocab_size, shift_labels=labels, **kwargs)
 
 
 @contextmanager
@@ -114,63 +158,113 @@ def float64_regions(transformers: Any) -> Iterator[None]:
         norm.forward = forward
 
 
-def train(transformers: Any, model: nn.Module, steps: int, out: Path) -> float:
-    """``steps`` Trainer steps of batches of ``GBS`` rows, padded per batch; wall seconds."""
-    collator = transformers.DataCollatorForLanguageModeling(tokenizer(transformers), mlm=False)
+def train(transformers: Any, model: nn.Module, name: str, steps: int, out: Path
+          ) -> tuple[float, float]:
+    """``steps`` Trainer steps of batches of ``GBS`` rows, padded per batch: (wall, CPU)
+    seconds."""
     args = transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=GBS, max_steps=steps,
         learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], save_strategy="no",
         disable_tqdm=True, logging_strategy="no", dataloader_drop_last=True)
-    trainer = transformers.Trainer(model=model, args=args, data_collator=collator,
-                                   train_dataset=RandomLengths(GBS * steps, 1))
-    start = time.perf_counter()
+    trainer = transformers.Trainer(
+        model=model, args=args, data_collator=collator(transformers, name),
+        train_dataset=RandomLengths(GBS * steps, 1, labelled=name == "gpt2-cls"))
+    start, cpu = time.perf_counter(), time.process_time()
     trainer.train()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-def run_both(transformers: Any, name: str, steps: int) -> dict[str, Any]:
+@contextmanager
+def compiles_timed() -> Iterator[list[tuple[float, float]]]:
+    """(wall, CPU) seconds of every run of compile()'s chain after ``compile()`` in the
+    block: each variant the module compiles (``compiler._variant``) and each state it
+    lowers again for (``compiler._relower``: a train/eval switch, a guard that failed),
+    warned or not (the Trainer's ``num_items_in_batch`` variant compiles without one)."""
+    from mbcompile import compiler
+
+    runs: list[tuple[float, float]] = []
+    chain = {name: getattr(compiler, name) for name in ("_variant", "_relower")}
+
+    def timed(run: Any) -> Any:
+        def timing(*args: Any, **kwargs: Any) -> Any:
+            start, cpu = time.perf_counter(), time.process_time()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                runs.append((time.perf_counter() - start, time.process_time() - cpu))
+        return timing
+
+    for name, run in chain.items():  # the module's Recompile binds them at compile()
+        setattr(compiler, name, timed(run))
+    try:
+        yield runs
+    finally:
+        for name, run in chain.items():
+            setattr(compiler, name, run)
+
+
+def run_both(transformers: Any, name: str, steps: int, upfront: bool = False
+             ) -> dict[str, Any]:
     """The plain Trainer and the compiled one from the same start, in this process: wall
-    seconds of each (compile included), compile seconds, compiles, parameter errors."""
+    seconds of each (compile included), compile seconds, compiles, parameter errors.
+
+    ``upfront``: compile what the Trainer will call in the first place: its
+    ``num_items_in_batch`` in the example, the lengths symbolic (``dynamic=``) and the
+    config as the Trainer sets it (``use_cache=False``, a value forward reads): one
+    compile, no variant at the first step."""
     plain = make_model(transformers, name)
     model = copy.deepcopy(plain)
-    collator = transformers.DataCollatorForLanguageModeling(tokenizer(transformers), mlm=False)
-    example = collator([RandomLengths(GBS, 0)[i] for i in range(GBS)])
+    data = RandomLengths(GBS, 0, labelled=name == "gpt2-cls")
+    example = dict(collator(transformers, name)([data[i] for i in range(GBS)]))
+    options: dict[str, Any] = {}
+    if upfront:
+        model.config.use_cache = plain.config.use_cache = False
+        from mbcompile.integrations.transformers import trainer_keywords
+
+        example.update(trainer_keywords(model, example))  # what it adds, if it adds any
+        options["dynamic"] = {k: [1] for k, v in example.items() if getattr(v, "ndim", 0) == 2}
     with float64_regions(transformers), tempfile.TemporaryDirectory() as out, \
-            warnings.catch_warnings(record=True) as seen:
+            warnings.catch_warnings(record=True) as seen, compiles_timed() as variants:
         warnings.simplefilter("always")
-        plain_s = train(transformers, plain, steps, Path(out) / "plain")
-        start = time.perf_counter()
-        cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_kwargs=dict(example),
-                               cost_model=False)
-        compile_s = time.perf_counter() - start
-        compiled_s = compile_s + train(transformers, cm, steps, Path(out) / "compiled")
+        plain_s, plain_cpu = train(transformers, plain, name, steps, Path(out) / "plain")
+        start, cpu = time.perf_counter(), time.process_time()
+        cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_kwargs=example,
+                               cost_model=False, **options)
+        first = (time.perf_counter() - start, time.process_time() - cpu)
+        compiled_s, compiled_cpu = train(transformers, cm, name, steps, Path(out) / "compiled")
     recompiles = [w for w in seen if issubclass(w.category, mbcompile.MbcompileWarning)
                   and "compiled once" in str(w.message)]
-    compile_s += sum(float(m.group(1)) for w in recompiles
-                     if (m := re.search(r"in (\d+\.\d+) s, and kept", str(w.message))))
     want, got = plain.state_dict(), model.state_dict()
     errors = {k: float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-300))
               for k in want}
-    return {"plain_s": plain_s, "compiled_s": compiled_s, "compile_s": compile_s,
-            "compiles": 1 + len(recompiles), "errors": errors, "cm": cm,
-            "warnings": [f"{w.category.__name__}: {w.message}" for w in recompiles]}
+    runs = [first, *variants]
+    return {"plain_s": plain_s, "compiled_s": first[0] + compiled_s, "plain_cpu": plain_cpu,
+            "compiled_cpu": first[1] + compiled_cpu, "compile_s": sum(w for w, _ in runs),
+            "compile_cpu": sum(c for _, c in runs), "compiles": len(runs), "errors": errors,
+            "cm": cm, "warnings": [f"{w.category.__name__}: {w.message}" for w in recompiles]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
+    parser.add_argument("--model", choices=MODELS, default="gpt2")
+    parser.add_argument("--upfront", action="store_true",
+                        help="compile the Trainer's keyword and symbolic lengths up front")
     args = parser.parse_args()
     import transformers
 
     transformers.logging.set_verbosity_error()
-    run = run_both(transformers, args.model, args.steps)
-    print(f"{args.model}, {args.steps} steps of {GBS} rows of {SHORTEST}-{LONGEST} tokens, "
-          f"padded per batch, {NUM_CSX} systems, mbs {MBS}:")
-    print(f"  Trainer(model=model): {run['plain_s']:.2f} s")
-    print(f"  Trainer(model=cm):    {run['compiled_s']:.2f} s, of which compiling "
-          f"{run['compile_s']:.2f} s in {run['compiles']} compiles")
-    print(f"  ratio compiled / plain: {run['compiled_s'] / run['plain_s']:.2f} (goal <= 1.3)")
+    run = run_both(transformers, args.model, args.steps, args.upfront)
+    print(f"{args.model}{' (up front)' if args.upfront else ''}, {args.steps} steps of {GBS} "
+          f"rows of {SHORTEST}-{LONGEST} tokens, padded per batch, {NUM_CSX} systems, mbs {MBS}:")
+    print(f"  Trainer(model=model): {run['plain_s']:.2f} s ({run['plain_cpu']:.2f} s CPU)")
+    print(f"  Trainer(model=cm):    {run['compiled_s']:.2f} s ({run['compiled_cpu']:.2f} s CPU),"
+          f" of which compiling {run['compile_s']:.2f} s ({run['compile_cpu']:.2f} s CPU) in "
+          f"{run['compiles']} compiles")
+    steps_cpu = run["compiled_cpu"] - run["compile_cpu"]
+    print(f"  ratio compiled / plain: {run['compiled_s'] / run['plain_s']:.2f} wall, "
+          f"{run['compiled_cpu'] / run['plain_cpu']:.2f} CPU (goal <= 1.3); the steps alone "
+          f"{steps_cpu / run['plain_cpu']:.2f} CPU")
     print(f"  largest relative difference of a trained parameter: "
           f"{max(run['errors'].values()):.1e}")
 

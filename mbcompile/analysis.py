@@ -14,6 +14,7 @@ the rewrite both read them from here; neither re-derives them.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -48,7 +49,8 @@ from mbcompile.passes.state_updates import (
 from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.request import Request
 
-__all__ = ["MODES", "Analysed", "analyse", "find", "kept_outputs", "reusable"]
+__all__ = ["MODES", "Analysed", "analyse", "find", "in_current_mode", "kept_outputs",
+           "reusable"]
 
 #: What runs: the batch split into microbatches; a two-phase step (ops that couple
 #: samples run once on the whole batch); or the captured graph as it is (one system,
@@ -302,10 +304,9 @@ def _writes_state(gm: fx.GraphModule) -> bool:
 def _analyse_captured(captured: CaptureResult, request: Request) -> Analysed:
     state = lift_state_updates(captured.graph_module)
     gm = state.graph_module
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    values, in_dims, gbs = request.values, request.inputs.in_dims, request.gbs
+    gbs = request.gbs
     try:
-        propagate_shapes(gm, values, in_dims, gbs)
+        propagate_shapes(gm, request.values, request.inputs.in_dims, gbs)
     except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
         rejected = mixing_error(exc.node, gm, exc.reason, exc.fix)
         return Analysed(captured, BatchAnalysis(gm, rejected=rejected), state, gbs=gbs)
@@ -315,12 +316,46 @@ def _analyse_captured(captured: CaptureResult, request: Request) -> Analysed:
     if detach_grad_free_inputs(gm.graph, lambda n: getattr(n.meta.get(SHAPES), "is_tensor",
                                                            False)):
         gm.recompile()
-    facts = {p.target: input_fact(v, d) for p, v, d in zip(placeholders, values, in_dims)}
+    return _with_facts(captured, state, request, gbs)
+
+
+def _with_facts(captured: CaptureResult, state: StateUpdates, request: Request, gbs: int,
+                specialised: bool = False) -> Analysed:
+    """The batch facts of ``state``'s graph (its shapes propagated at ``gbs``), in the
+    model's current train/eval mode, written on its nodes."""
+    gm = state.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    facts = {p.target: input_fact(v, d)
+             for p, v, d in zip(placeholders, request.values, request.inputs.in_dims)}
     calls = {n: (n.target, n.args, n.kwargs) for n in gm.graph.nodes}
     analysis = analyse_batch(gm, facts, gbs)
-    specialised = any(tuple(map(id, calls.get(n, ()))) != (id(n.target), id(n.args), id(n.kwargs))
-                      for n in gm.graph.nodes)  # a rule's ctx.specialise() made a new call
+    specialised = specialised or any(  # a rule's ctx.specialise() made a new call
+        tuple(map(id, calls.get(n, ()))) != (id(n.target), id(n.args), id(n.kwargs))
+        for n in gm.graph.nodes)
     return Analysed(captured, analysis, state, gbs=gbs, specialised=specialised)
+
+
+def in_current_mode(found: Analysed, request: Request) -> Analysed:
+    """``found``'s capture, made in the other train/eval mode, with its batch facts found
+    again in the model's current mode (``Captures`` says when the graph is the same: its
+    trace read no mode flag that changed, and the layers it calls as nodes are torch's,
+    which switch at run time with the same shapes). Only the facts differ (BatchNorm mixes
+    samples in training only), so the graph is copied with its nodes' shapes
+    (``node.meta`` is copied per node) and each mode keeps its own facts.
+
+    >>> train = find(request)                 # captured, shapes propagated: ~0.3 s
+    >>> model.eval()
+    >>> in_current_mode(train, request)       # the same graph, eval's facts: milliseconds
+    """
+    gm = found.state.graph_module
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph), type(gm).__name__)
+    copied.training = request.inner.training  # the flag alone: .train() would reach the layers
+    captured = found.captured
+    if captured.graph_module is gm:
+        captured = replace(captured, graph_module=copied)
+    with _batch_norm_rules(request.options.batch_norm):
+        return _with_facts(captured, replace(found.state, graph_module=copied), request,
+                           found.gbs, found.specialised)
 
 
 def kept_outputs(option: Any, spec: OutputSpec, analysis: BatchAnalysis,

@@ -176,7 +176,8 @@ def checked_symbolic(request: Any, lowered: Any, relower: Callable[[Any], Any],
     if unkept is not None:
         raise InputError(_refusal(request.name, dims, f"the captured code only holds where "
                                   f"{unkept} (torch.export's guard on the sizes, which a "
-                                  "call cannot be checked against)"))
+                                  "call cannot be checked against)", images=any(
+                                      len(ds) > 1 for ds in symbolic.values())))
     if bounded != symbolic:
         request = dataclasses.replace(request, inputs=dataclasses.replace(
             request.inputs, symbolic=bounded))
@@ -230,9 +231,11 @@ def _held(symbolic: Symbolic, gm: fx.GraphModule) -> dict[tuple[str, int], tuple
 
 def _unkept_guard(symbolic: Symbolic, gm: fx.GraphModule) -> str | None:
     """A guard of torch.export's trace on a symbolic dim that is neither a range (kept as
-    bounds) nor an equality of sizes (the ids' and the labels' lengths): a size unequal to
-    a constant (``if n != 16``), a divisibility by a constant (``n % 8 == 0``). None where
-    every guard is of the kept kinds."""
+    bounds) nor an equality of sizes (the ids' and the labels' lengths), said in words: a
+    size computed from the dims equal to a constant first (a branch the example's size took:
+    ViT's ``num_patches == num_positions`` holds only at its config's ``image_size``), then a
+    size unequal to a constant (``if n != 16``), a divisibility by a constant (``n % 8 ==
+    0``). None where every guard is of the kept kinds."""
     import sympy
     from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
 
@@ -245,10 +248,16 @@ def _unkept_guard(symbolic: Symbolic, gm: fx.GraphModule) -> str | None:
                 if isinstance(size, torch.SymInt):
                     ours |= size.node.expr.free_symbols
                     env = size.node.shape_env
-    for guard in env.guards if env is not None else ():
-        expr = guard.expr
-        if not expr.free_symbols & ours:
-            continue
+    guards = [g.expr for g in (env.guards if env is not None else ())
+              if g.expr.free_symbols & ours]
+    for expr in guards:  # a branch taken at the example's size: the guard to name
+        if isinstance(expr, sympy.Eq) and any(isinstance(side, sympy.Integer) and side != 0
+                                              for side in expr.args):  # not a divisibility
+            size, value = sorted(expr.args, key=lambda side: isinstance(side, sympy.Integer))
+            return (f"{size} == {value}, a branch taken at the example's size (a size "
+                    "compared with a constant, as ViT's num_patches == num_positions is at "
+                    "its config's image_size)")
+    for expr in guards:
         by_constant = any(isinstance(d, sympy.Integer) and abs(int(d)) > 1
                           for m in expr.atoms(Mod, PythonMod, FloorDiv) for d in m.args[1:])
         if (isinstance(expr, sympy.Ne) or expr.has(sympy.Ne) or by_constant) \
@@ -276,11 +285,16 @@ def _int_or_none(bound: Any) -> int | None:
         return None
 
 
-def _refusal(model: str, dims: str, why: str) -> str:
+def _refusal(model: str, dims: str, why: str, images: bool = False) -> str:
+    """``images``: two dims of one input vary (an image's height and width)."""
+    fix = PAD_FIX if not images else (
+        "resize every batch to one image size (the model's image_size) and compile with "
+        "dynamic=False, which fixes every shape but the batch dim; for images of several "
+        "sizes, compile one module per size (dynamic=False, an example of that size)")
     return (f"{model} cannot run one compiled step for every size of {dims}: {why}.\n"
             "  The model bakes a length in (a size read off an input used as a number, a "
             "table sliced to a fixed length, a branch or a reshape that needs one size).\n"
-            f"  Fix: {PAD_FIX}")
+            f"  Fix: {fix}")
 
 
 def _program(lowered: Any) -> tuple[Any, ...]:

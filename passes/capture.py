@@ -55,6 +55,7 @@ from .guards import (
     numbers_as_inputs,
     read_number,
     recorded_reads,
+    unrecorded,
     unwritten,
 )
 from .output_spec import OutputSpec, flatten_output
@@ -238,8 +239,9 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
-                gm = fx.GraphModule(_with_stand_ins(model, graph, units) if units else tracer.root,
-                                    graph, name)
+                with unrecorded():  # it copies the root's training flag: not forward's read
+                    gm = fx.GraphModule(_with_stand_ins(model, graph, units) if units
+                                        else tracer.root, graph, name)
                 for attr in numbers:
                     del model.__dict__[attr]
                 rebound = snapshot.rebound_slots()

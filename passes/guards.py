@@ -39,8 +39,8 @@ from .guard_values import ATOMS, fingerprint, forward_globals, plain_object, sha
 from .python_state import MODULE_INTERNALS
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
-           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "unwritten",
-           "written_guard"]
+           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "unrecorded",
+           "unwritten", "written_guard"]
 
 _MISSING = object()
 _LOCAL = threading.local()  # .sink: the reads of the capture in progress on this thread
@@ -131,6 +131,19 @@ def numbers_as_inputs(keys: frozenset[tuple[int, Any]]) -> Iterator[None]:
         yield
     finally:
         _LOCAL.as_inputs = outer
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Reads in the block are the capture's own, not forward's, and guard nothing: fx's
+    ``GraphModule(model, graph)`` copies the model's ``training``, which would make every
+    fx capture look like a trace that branched on the mode (``mbcompile/captures.py``)."""
+    sink = getattr(_LOCAL, "sink", None)
+    _LOCAL.sink = None
+    try:
+        yield
+    finally:
+        _LOCAL.sink = sink
 
 
 def inputs_wanted() -> frozenset[tuple[int, Any]]:

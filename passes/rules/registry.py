@@ -204,7 +204,7 @@ from .writes import (
     slice_scatter_rule,
 )
 
-__all__ = ["FAMILIES", "register_batch_rule", "trust_module"]
+__all__ = ["FAMILIES", "MODE_FREE_RULES", "register_batch_rule", "trust_module"]
 
 # Rules whose arguments are too long for their table line.
 _PAIR = ((0, "x1"), (1, "x2"))
@@ -366,6 +366,14 @@ TABLE.layer(TOKEN_NEWS, new_of_values)  # p.new_zeros(n): p gives only dtype and
 TABLE.add(GROUPED_MMS, grouped_matmul("self", "mat2", "offs"))  # run g of x' meets W[g]
 TABLE.add(F_GROUPED_MMS, grouped_matmul("mat_a", "mat_b", "offs"))  # F.grouped_mm: as above
 TABLE.add(HF_GROUPED_MMS, grouped_matmul("input", "weight", "offs"))  # transformers': as above
+
+#: The rules a layer called whole gets the same fact from in train and eval mode: every
+#: layer rule above but BatchNorm's and InstanceNorm's (they read ``ctx.module.training``),
+#: and the families a user names. A train/eval switch keeps a graph's facts where no layer
+#: with another rule changed mode (``mbcompile/captures.py``).
+MODE_FREE_RULES = frozenset(
+    [rule for op, rule in TABLE.rules.items() if isinstance(op, type)] + list(FAMILIES.values())
+) - {batch_norm_rule, instance_norm_rule}
 
 
 # ---------------------------------------------------------------------------
