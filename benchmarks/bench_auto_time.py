@@ -10,9 +10,10 @@ picks an MBS from the cost model; then every supported MBS (1, 2, 3, 4, 6, 8, 16
 compiled and its training step (``cm(**batch)``, ``backward()``, ``opt.step()``,
 ``zero_grad()``) timed one MBS after another, as a training run uses one: ``--warmup``
 steps, then the best of ``--reps`` steps, in process CPU time (one torch thread: other
-processes' load does not count in it). Printed per architecture: the modelled and the
-measured step at each MBS, auto's pick, the fastest measured, and the ratio of auto's
-measured step to the fastest's.
+processes' load does not count in it), with the pages it faulted in. About 4 minutes
+per architecture on the shared 2-core machine: run a few at a time (``--arch``).
+Printed per architecture: the modelled and the measured step at each MBS, auto's pick,
+the fastest measured, and the ratio of auto's measured step to the fastest's.
 
 Target (issue 34): every ratio <= 1.05.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import sys
 import time
 from pathlib import Path
@@ -48,16 +50,21 @@ def _step(cm: Any, batch: dict[str, torch.Tensor], opt: torch.optim.Optimizer) -
 
 
 def _cpu_seconds(cm: Any, batch: dict[str, torch.Tensor], opt: torch.optim.Optimizer,
-                 warmup: int, reps: int) -> float:
-    """The best of ``reps`` steps in process CPU time, after ``warmup`` steps."""
+                 warmup: int, reps: int) -> tuple[float, float]:
+    """``(seconds, fresh MB)`` of the best of ``reps`` steps in process CPU time, after
+    ``warmup`` steps: the step, and the pages it faulted in (what the allocator mapped
+    afresh; glibc's choices depend on the heap's history, so they vary run to run)."""
     for _ in range(warmup):
         _step(cm, batch, opt)
-    best = float("inf")
+    best = (float("inf"), 0.0)
     for _ in range(reps):
         gc.collect()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.process_time()
         _step(cm, batch, opt)
-        best = min(best, time.process_time() - start)
+        seconds = time.process_time() - start
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        best = min(best, (seconds, faults * resource.getpagesize() / 2**20))
     return best
 
 
@@ -75,10 +82,11 @@ def run(archs: list[str], outputs: str, warmup: int, reps: int, out: list[str],
         for mbs in supported_mbs(GBS):
             cm = mbcompile.compile(model, GBS, 1, mbs, example_kwargs=batch, outputs=outputs,
                                    recompute=False, cost_model=False)
-            measured[mbs] = _cpu_seconds(cm, batch, opt, warmup, reps)
+            measured[mbs], fresh = _cpu_seconds(cm, batch, opt, warmup, reps)
             modelled = cost.estimate(GBS, 1, mbs, spec).time.step
             rows.append(f"| {arch} | {mbs} | {cm.plan.num_microbatches} | {modelled:.3f} | "
-                        f"{measured[mbs]:.3f} |{' auto' if mbs == auto.plan.mbs else ''} |")
+                        f"{measured[mbs]:.3f} | {fresh:.0f} |"
+                        f"{' auto' if mbs == auto.plan.mbs else ''} |")
             print(rows[-1], flush=True)
             del cm
         fastest = min(measured, key=measured.__getitem__)
@@ -94,8 +102,8 @@ def run(archs: list[str], outputs: str, warmup: int, reps: int, out: list[str],
     out += [f"## `auto` against the fastest measured MBS (outputs={outputs!r})", "",
             f"gbs {GBS} on one system, 4 layers, width 256, sequence 128, float32, Adam, one "
             f"torch thread; step in process CPU seconds, best of {reps} after {warmup} warm-up.",
-            "", "| model | MBS | microbatches | modelled | measured | |",
-            "|---|---:|---:|---:|---:|---|", *rows, "",
+            "", "| model | MBS | microbatches | modelled | measured | page faults (MiB) | |",
+            "|---|---:|---:|---:|---:|---:|---|", *rows, "",
             "| model | auto | fastest measured | auto / fastest |", "|---|---:|---:|---:|",
             *summary, "",
             f"Worst ratio {worst:.3f} (target <= {TARGET}): "
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", nargs="+", default=list(ARCHS), choices=ARCHS)
     parser.add_argument("--outputs", default="loss", choices=("loss", "all"))
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=1)
     add_output_args(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
