@@ -34,7 +34,7 @@ WIDTH, VOCAB = 4, 1000  # the weight (16 KB) below the fresh size, 8 logits (32 
 SPEC = SystemSpec("cpu", memory_bytes=64e9, peak_flops=1e11, peak_flops_fp32=1e11,
                   memory_bandwidth=1e10, microbatch_overhead_s=0.0, kernel_overhead_s=0.0,
                   transcendental_rate=1e9, fault_bandwidth=1e9,
-                  fresh_allocation_bytes=4 * 8 * VOCAB)  # the logits from 8 samples on
+                  fresh_allocation_bytes=4 * 8 * VOCAB)  # the logits of 8 samples
 
 
 class Head(nn.Module):
@@ -119,13 +119,15 @@ def test_page_faults_are_charged_from_the_fresh_allocation_size_on(head) -> None
     def faults(m: int) -> float:
         return head.microbatch_seconds(m, SPEC)[0] - head.microbatch_seconds(m, without)[0]
 
-    assert faults(7) == 0.0  # the logits of 7 samples: reused by the allocator
-    p = head._timed(8)
-    fresh = p.arrays()["allocated"]
-    fresh = fresh[fresh >= SPEC.fresh_allocation_bytes].sum()
-    assert fresh >= 3 * 4 * 8 * VOCAB  # logits, log_softmax, their gradients
-    assert faults(8) == pytest.approx(fresh / SPEC.fault_bandwidth)
-    assert faults(16) == pytest.approx(2 * faults(8))
+    assert faults(8) == 0.0  # the logits of 8 samples: at the mmap threshold, reused
+    fresh = head._timed(16).arrays()["allocated"]
+    fresh = fresh[fresh >= 2 * SPEC.fresh_allocation_bytes].sum()
+    assert fresh >= 3 * 4 * 16 * VOCAB  # logits, log_softmax, their gradients
+    # from twice the threshold on (glibc's trim threshold) every one is fresh
+    assert faults(16) == pytest.approx(fresh / SPEC.fault_bandwidth)
+    assert faults(32) == pytest.approx(2 * faults(16))
+    # in between, in proportion: 12 samples are half way
+    assert faults(12) == pytest.approx(0.5 * 12 / 16 * faults(16))
 
 
 # ------------------------------------------------------------------------ the join

@@ -55,9 +55,11 @@ HOST_TRANSCENDENTAL_RATE_PER_CORE = 1e9
 #: (the kernel's page fault and zeroing; 8-131 MB tensors, :func:`measure_host`):
 #: about 1.4 GB/s, a tenth of the copy bandwidth.
 HOST_FAULT_BANDWIDTH_PER_CORE = 1.4e9
-#: glibc serves an allocation this large with a fresh mapping and unmaps it when it is
-#: freed (its largest dynamic mmap threshold, ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit),
-#: so every such tensor's pages fault again; smaller ones are reused from the heap.
+#: glibc serves an allocation above this with a fresh mapping, unmapped when it is freed
+#: (its largest dynamic mmap threshold, ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit), unless
+#: its heap has that much free; it trims the heap's top beyond twice this (the trim
+#: threshold), so from there on every such tensor's pages fault again. Smaller ones are
+#: reused from the heap.
 HOST_FRESH_ALLOCATION_BYTES = 32 * 2**20
 
 

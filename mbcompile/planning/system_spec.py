@@ -65,6 +65,15 @@ class SystemSpec:
       holds crosses the inter-node links (one direction of one system's share of the
       node's network), and a ring is as slow as the slowest link it crosses. ``None``:
       every system is on one node (one kind of link).
+    - ``transcendental_rate``: elements per second of an exp, log, tanh, erf or sigmoid
+      (softmax, SiLU, GELU, attention's scores); an op takes at least its count over this
+      rate. ``None``: not modelled (a GPU's special-function units keep such ops
+      memory-bound).
+    - ``fault_bandwidth`` / ``fresh_allocation_bytes``: an allocation above
+      ``fresh_allocation_bytes`` may get fresh pages (a CPU allocator maps large tensors
+      and unmaps them when freed), one from twice that size on always does, and writing
+      them costs a page fault each, at ``fault_bandwidth`` bytes per second
+      (``time_model._fresh_share``). ``None``: not modelled (caching allocators).
     """
 
     name: str

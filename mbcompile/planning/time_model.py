@@ -8,11 +8,12 @@
                     + max(sum over ops of op(m), streamed weight bytes / weight_bandwidth)
                     + gradient accumulation (every microbatch but the first)
     op(m) = max(flops / peak, bytes / bandwidth, transcendentals / transcendental_rate)
-            + fresh bytes / fault_bandwidth   (its largest new storage, when at least
-                                               fresh_allocation_bytes: a CPU's page faults)
+            + fresh bytes / fault_bandwidth   (its main output, when at least
+                                               fresh_allocation_bytes: a CPU's page faults;
+                                               from twice that on, all of it: _fresh_share)
     step = max over systems of the sum of its microbatches
            + joining the microbatches' kept outputs (several microbatches only):
-             2 x outputs / bandwidth, + outputs / fault_bandwidth when they are fresh
+             2 x outputs / bandwidth, + their fresh bytes / fault_bandwidth
            + ring all-reduce: 2 (n-1)/n x gradient bytes / link + 2 (n-1) x latency
              (link: the slowest the ring crosses, the inter-node one once the systems
              span nodes; SystemSpec.ring_link), less what overlaps the last
@@ -107,7 +108,7 @@ class TimeModel:
         faults = np.zeros_like(moved)
         if spec.fault_bandwidth:
             fresh = arrays["allocated"]
-            faults = np.where(fresh >= spec.fresh_allocation_bytes, fresh, 0.0) / \
+            faults = fresh * _fresh_share(fresh, spec.fresh_allocation_bytes) / \
                 spec.fault_bandwidth
         return compute, moved / bandwidth, faults
 
@@ -119,8 +120,9 @@ class TimeModel:
         if num_microbatches <= 1 or out <= 0:
             return 0.0
         seconds = 2 * out / spec.memory_bandwidth
-        if spec.fault_bandwidth and out >= spec.fresh_allocation_bytes:
-            seconds += out / spec.fault_bandwidth
+        if spec.fault_bandwidth:
+            seconds += out * float(_fresh_share(np.array(out), spec.fresh_allocation_bytes)) \
+                / spec.fault_bandwidth
         return seconds
 
     def _accumulate_seconds(self, spec: SystemSpec) -> float:
@@ -156,3 +158,14 @@ class TimeModel:
         s = self.static
         state = spec.optimizer_bytes_per_param * s.num_trainable
         return (2 * s.trainable_bytes + s.trainable_bytes + 2 * state) / spec.memory_bandwidth
+
+
+def _fresh_share(size: np.ndarray, threshold: float) -> np.ndarray:
+    """The expected share of an allocation of ``size`` bytes that gets fresh pages: none
+    below ``threshold`` (glibc's mmap threshold: reused from the heap), all from twice
+    it on (glibc's trim threshold: the heap never keeps that much free, so it is mapped
+    afresh every time), and in between in proportion (reused when the heap's free top
+    happens to hold it: half of such allocations faulted on this host)."""
+    if threshold <= 0:
+        return np.ones_like(size, dtype=float)
+    return np.clip((size - threshold) / threshold, 0.0, 1.0)
