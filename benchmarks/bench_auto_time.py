@@ -68,8 +68,8 @@ def _cpu_seconds(cm: Any, batch: dict[str, torch.Tensor], opt: torch.optim.Optim
     return best
 
 
-def run(archs: list[str], outputs: str, warmup: int, reps: int, out: list[str],
-        fig: dict[str, Any]) -> None:
+def run(archs: list[str], outputs: str, warmup: int, reps: int, sizes: list[int] | None,
+        out: list[str], fig: dict[str, Any]) -> None:
     rows, summary, worst = [], [], 0.0
     for arch in archs:
         t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def run(archs: list[str], outputs: str, warmup: int, reps: int, out: list[str],
                                  recompute=False)
         cost, spec = auto.selection.cost, auto.selection.system
         measured: dict[int, float] = {}
-        for mbs in supported_mbs(GBS):
+        for mbs in sizes or supported_mbs(GBS):
             cm = mbcompile.compile(model, GBS, 1, mbs, example_kwargs=batch, outputs=outputs,
                                    recompute=False, cost_model=False)
             measured[mbs], fresh = _cpu_seconds(cm, batch, opt, warmup, reps)
@@ -116,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outputs", default="loss", choices=("loss", "all"))
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--mbs", type=int, nargs="+",
+                        help="time these MBS values only (default: every supported one)")
     add_output_args(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     out: list[str] = ["# bench_auto_time", ""]
     fig: dict[str, Any] = {}
-    run(args.arch, args.outputs, args.warmup, args.reps, out, fig)
+    run(args.arch, args.outputs, args.warmup, args.reps, args.mbs, out, fig)
     return finish(out, fig, args.markdown, args.json)
 
 
