@@ -69,15 +69,34 @@ def test_gpu_presets_are_datasheet_figures() -> None:
 def test_host_is_derived_from_this_machine_without_timing(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(host.time, "perf_counter", lambda: calls.append(1) or 0.0)
-    spec = host_spec.__wrapped__()  # bypass the cache: derive it again, here
+    derive = host._host_spec.__wrapped__  # bypass the cache: derive it again, here
+    spec = derive(host._host_cores())
     assert calls == []  # a plan must not depend on timing
-    assert spec == host_spec.__wrapped__()  # deterministic
+    assert spec == derive(host._host_cores())  # deterministic
     assert spec.name == "host" and "derived" in spec.source
     assert spec.memory_bytes > 1e8
     assert spec.peak_flops_fp32 > 1e9 and spec.peak_flops >= spec.peak_flops_fp32
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
     assert spec.memory_bytes == total * 1024
+
+
+def test_host_rates_follow_torchs_threads(monkeypatch) -> None:
+    """With one torch thread (OMP_NUM_THREADS=1) a step runs on one core: the host's
+    peak, bandwidth and transcendental rate are one core's, its overheads unchanged."""
+    import torch
+
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    four = host_spec()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = host_spec()
+    assert four.peak_flops_fp32 == pytest.approx(4 * one.peak_flops_fp32)
+    assert four.memory_bandwidth == pytest.approx(4 * one.memory_bandwidth)
+    assert four.transcendental_rate == pytest.approx(4 * one.transcendental_rate)
+    assert four.kernel_overhead_s == one.kernel_overhead_s
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)  # no more than the cores
+    assert host_spec() == four
 
 
 def test_none_and_host_name_the_same_spec() -> None:

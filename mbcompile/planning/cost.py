@@ -384,14 +384,15 @@ class CostModel(TimeModel):
             # a reduce-scatter round in every microbatch's backward, each hidden alike
             each = self.hidden_seconds(allreduce, self.backward_seconds(mbs, spec))
             allreduce, hidden = rounds * allreduce, hidden + (rounds - 1) * each
-        step = worst[0] + allreduce - hidden + optimizer + allgather
+        join = self.join_seconds(pbs, k, spec)
+        step = worst[0] + join + allreduce - hidden + optimizer + allgather
         first = self.microbatch_seconds(mbs, spec)[0]
         bound = max(bound_votes, key=bound_votes.get) if bound_votes else "compute"
         time = TimeEstimate(
             microbatch=first, compute=worst[1], overhead=worst[2], accumulate=worst[3],
             allreduce=allreduce, optimizer=optimizer, step=step, allreduce_hidden=hidden,
             samples_per_second=gbs / step if step > 0 else math.inf, bound=bound,
-            allgather=allgather)
+            allgather=allgather, join=join)
         return Estimate(spec.name, mbs, k, self.memory(pbs, mbs, k, spec), time,
                         self.figures(mbs))
 

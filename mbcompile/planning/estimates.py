@@ -210,6 +210,7 @@ class TimeEstimate:
     allgather: float = 0.0  # FSDP2: units all-gathered in every microbatch (ShardSpec)
     coupled: float = 0.0  # two-phase: the coupled part, once, on the whole batch
     allreduce_hidden: float = 0.0  # of ``allreduce``, what overlaps the last backward
+    join: float = 0.0  # joining the microbatches' kept outputs into the step's
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

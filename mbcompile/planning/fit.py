@@ -60,5 +60,8 @@ def scaled(p: Probe, m: int) -> Probe:
     """``p``'s figures at ``m`` samples, in proportion (the weights read stay as they are):
     the time of a pinned plan's smaller microbatch, without probing it."""
     k = m / p.m
+    arrays = p.arrays()
     return replace(p, m=m, flops=p.flops * k, act_bytes=p.act_bytes * k, live=p.live * k,
-                   saved=p.saved * k, outputs=p.outputs * k)
+                   saved=p.saved * k, outputs=p.outputs * k,
+                   transcendental=arrays["transcendental"] * k,
+                   allocated=arrays["allocated"] * k)

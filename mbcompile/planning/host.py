@@ -23,8 +23,9 @@ from dataclasses import replace
 from mbcompile.planning.system_spec import SystemSpec
 
 __all__ = ["HOST_BANDWIDTH_PER_CORE", "HOST_CACHE_BANDWIDTH_PER_CORE",
-           "HOST_KERNEL_OVERHEAD_S", "HOST_MICROBATCH_OVERHEAD_S", "host_spec",
-           "measure_host"]
+           "HOST_FAULT_BANDWIDTH_PER_CORE", "HOST_FRESH_ALLOCATION_BYTES",
+           "HOST_KERNEL_OVERHEAD_S", "HOST_MICROBATCH_OVERHEAD_S",
+           "HOST_TRANSCENDENTAL_RATE_PER_CORE", "host_spec", "measure_host"]
 
 _GB = 1e9
 
@@ -46,6 +47,20 @@ HOST_BANDWIDTH_PER_CORE = 18e9
 HOST_CACHE_BANDWIDTH_PER_CORE = 90e9
 HOST_KERNEL_OVERHEAD_S = 30e-6
 HOST_MICROBATCH_OVERHEAD_S = 100e-6
+#: ``torch.exp`` (and sigmoid, SiLU, GELU, log) over 64-256 Ki floats in cache ran at
+#: 0.9-1.4 ns per element on one core (2026-12, :func:`measure_host`), against 0.24 ns
+#: for an add: a vectorised polynomial per element, which no FLOP counter counts.
+HOST_TRANSCENDENTAL_RATE_PER_CORE = 1e9
+#: Writing a tensor the allocator has just mapped cost 2.3-3.5 us per 4 KiB page
+#: (the kernel's page fault and zeroing; 8-131 MB tensors, :func:`measure_host`):
+#: about 1.4 GB/s, a tenth of the copy bandwidth.
+HOST_FAULT_BANDWIDTH_PER_CORE = 1.4e9
+#: glibc serves an allocation above this with a fresh mapping, unmapped when it is freed
+#: (its largest dynamic mmap threshold, ``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit), unless
+#: its heap has that much free; it trims the heap's top beyond twice this (the trim
+#: threshold), so from there on every such tensor's pages fault again. Smaller ones are
+#: reused from the heap.
+HOST_FRESH_ALLOCATION_BYTES = 32 * 2**20
 
 
 def _read(path: str) -> str:
@@ -67,10 +82,15 @@ def _host_memory_bytes() -> float:
 
 
 def _host_cores() -> int:
+    """The cores a step runs on: those this process may use, and no more than torch's
+    intra-op threads (``OMP_NUM_THREADS=1`` runs every kernel on one core)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    import torch
+
+    return max(1, min(cores, torch.get_num_threads()))
 
 
 def _host_cpu() -> tuple[float, set[str]]:
@@ -136,18 +156,23 @@ def _flops_per_cycle(flags: set[str]) -> int:
     return 8
 
 
-@functools.lru_cache(maxsize=1)
 def host_spec() -> SystemSpec:
     """``"host"``: this machine, derived from ``/proc`` with no timing at all.
 
     Memory is ``MemTotal``; fp32 peak is cores x clock x FLOPs per cycle (from
-    the vector flags); 16-bit peak is twice that with ``avx512_bf16`` or AMX,
-    else the same; the cache is one core's share of the last-level cache of
-    sysfs (see ``_host_cache_bytes``); bandwidths and
-    overheads are the calibration constants above, scaled by the core count.
-    The interconnect is memory itself: simulated systems share this process.
+    the vector flags), the cores being those torch runs its kernels on
+    (``torch.get_num_threads()``, at most the cores this process may use); 16-bit
+    peak is twice that with ``avx512_bf16`` or AMX, else the same; the cache is one
+    core's share of the last-level cache of sysfs (see ``_host_cache_bytes``);
+    bandwidths, rates and overheads are the calibration constants above, scaled by
+    the core count. The interconnect is memory itself: simulated systems share this
+    process.
     """
-    cores = _host_cores()
+    return _host_spec(_host_cores())
+
+
+@functools.lru_cache(maxsize=4)
+def _host_spec(cores: int) -> SystemSpec:
     hz, flags = _host_cpu()
     fp32 = cores * hz * _flops_per_cycle(flags)
     bf16 = fp32 * (2 if ("avx512_bf16" in flags or "amx_bf16" in flags) else 1)
@@ -164,14 +189,18 @@ def host_spec() -> SystemSpec:
         kernel_overhead_s=HOST_KERNEL_OVERHEAD_S,
         cache_bytes=_host_cache_bytes(),  # per core: each op runs on all of them
         cache_bandwidth=cores * HOST_CACHE_BANDWIDTH_PER_CORE,
+        transcendental_rate=cores * HOST_TRANSCENDENTAL_RATE_PER_CORE,
+        fault_bandwidth=cores * HOST_FAULT_BANDWIDTH_PER_CORE,
+        fresh_allocation_bytes=HOST_FRESH_ALLOCATION_BYTES,
         reserved_note=("none: MemTotal is the limit, shared with the OS and other processes "
                        "(a plan that fits may still swap on a busy host)"),
         source=(f"derived for this machine ({platform.machine()}, {cores} cores at "
                 f"{hz / 1e9:.2f} GHz, {_flops_per_cycle(flags)} fp32 FLOP/cycle, MemTotal, "
                 "a core's share of the last-level cache from sysfs); bandwidths "
                 f"({HOST_BANDWIDTH_PER_CORE / 1e9:.0f} GB/s DRAM, "
-                f"{HOST_CACHE_BANDWIDTH_PER_CORE / 1e9:.0f} GB/s cache per core) and overheads "
-                "calibrated on a 2-core EPYC VM (see mbcompile/planning/host.py)"),
+                f"{HOST_CACHE_BANDWIDTH_PER_CORE / 1e9:.0f} GB/s cache per core), rates of "
+                "transcendentals and page faults, and overheads calibrated on a 2-core EPYC VM "
+                "(see mbcompile/planning/host.py)"),
     )
 
 
@@ -192,7 +221,8 @@ def _best_of(fn: Callable[[], object], reps: int) -> float:
 
 
 def measure_host(reps: int = 3) -> SystemSpec:
-    """``host_spec()`` with peak FLOP/s, bandwidth and kernel overhead measured here.
+    """``host_spec()`` with peak FLOP/s, bandwidth, the transcendental and page-fault rates
+    and the kernel overhead measured here.
 
     Takes about a second.  Uses the default torch thread count.
     """
@@ -204,11 +234,20 @@ def measure_host(reps: int = 3) -> SystemSpec:
     x = torch.randn(32 * 2**20 // 4)
     y = torch.empty_like(x)
     bandwidth = 2 * x.nbytes / _best_of(lambda: y.copy_(x), reps)
+    small = torch.randn(2**16)
+    out = torch.empty_like(small)
+    transcendental = small.numel() / _best_of(lambda: torch.exp(small, out=out), reps)
+    # a fresh tensor over the allocator's mmap threshold against the same bytes rewritten
+    fresh = torch.empty(2 * HOST_FRESH_ALLOCATION_BYTES // 4)
+    rewrite = _best_of(lambda: fresh.fill_(1.0), reps)
+    first = _best_of(lambda: torch.empty_like(fresh).fill_(1.0), reps)
+    faults = fresh.nbytes / max(first - rewrite, 1e-9)
     s = torch.randn(8)
     per_op = _best_of(lambda: [s + 1 for _ in range(1000)], reps) / 1000
     base = host_spec()
     return replace(base, peak_flops_fp32=flops,
                    peak_flops=flops * base.peak_flops / base.peak_flops_fp32,
                    memory_bandwidth=bandwidth, interconnect_bandwidth=bandwidth / 2,
+                   transcendental_rate=transcendental, fault_bandwidth=faults,
                    kernel_overhead_s=2 * per_op,  # forward plus its autograd share
                    source="measured on this machine by mbcompile.planning.systems.measure_host()")

@@ -5,7 +5,8 @@ predicts: ``benchmarks/bench_memory_accuracy.py``, ``tests/test_memory_accuracy.
 ``measure_peak_bytes`` reads the allocator's own events.
 
 Reported beside the cost model's figures (``compile(measure=True)``, the benchmarks);
-the plan itself never depends on timing.
+the plan depends on timing only where ``measure=True`` asks ``"auto"`` to break a flat
+modelled curve's tie (``tie_break.py``).
 """
 
 from __future__ import annotations

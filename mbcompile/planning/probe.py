@@ -33,6 +33,7 @@ from torch.utils.flop_counter import (
 
 from mbcompile.errors import CostModelError, MbcompileError
 from mbcompile.passes.fake_probe import FakeProbe
+from mbcompile.planning import transcendentals
 
 __all__ = ["EXTRA_FLOPS", "Probe", "Prober", "backward_root", "nbytes"]
 
@@ -88,11 +89,20 @@ class Probe:
     #: per op: bytes of the parameters' gradients accumulated so far (the probe runs as a
     #: later microbatch, into gradients that exist: see ``first_live``)
     grads: np.ndarray | None = None
+    #: per op: transcendental values computed (exp, log, tanh, ...: ``transcendentals.py``)
+    transcendental: np.ndarray | None = None
+    #: per op: bytes of the first storage it creates, its main output (the allocation that
+    #: may get fresh pages: ``SystemSpec.fresh_allocation_bytes``)
+    allocated: np.ndarray | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
-        grads = self.grads if self.grads is not None else np.zeros_like(self.live)
+        def given(a: np.ndarray | None) -> np.ndarray:
+            return a if a is not None else np.zeros_like(self.live)
+
         return {"flops": self.flops, "act_bytes": self.act_bytes,
-                "weight_bytes": self.weight_bytes, "live": self.live, "grads": grads}
+                "weight_bytes": self.weight_bytes, "live": self.live,
+                "grads": given(self.grads), "transcendental": given(self.transcendental),
+                "allocated": given(self.allocated)}
 
     def first_live(self) -> tuple[float, float]:
         """``(live activations, gradients not made yet)`` at the peak of the step's *first*
@@ -131,7 +141,9 @@ class _Recorder(TorchDispatchMode):
         self.tag = -1  # the repeated block the forward is in (-1: none, or not tracked)
         self.tags: list[int] = []
         self.ops: list[str] = []
-        self.rows: list[tuple[float, float, float, bool, bool, bool]] = []
+        # (flops, activation bytes, weight bytes, fp32, kernel, backward, transcendental
+        # values, bytes of its first new storage) per op
+        self.rows: list[tuple[float, float, float, bool, bool, bool, float, float]] = []
         self.sizes: list[int] = []  # per storage created here
         self.born: list[int] = []  # op index that created it
         self.died: list[int | None] = []  # ops recorded when it was freed
@@ -190,6 +202,9 @@ class _Recorder(TorchDispatchMode):
             if id(st) not in seen_before:
                 self._track(st)
         allocates = len(self.sizes) > known
+        # the first new storage (the op's main output: a grad_input beside its
+        # grad_weight), not the largest, which may change with m and break the fit
+        main = float(self.sizes[known]) if allocates else 0.0
         kernel = allocates or bool(func._schema.is_mutable)
         weight = act = 0.0
         if kernel:
@@ -203,7 +218,9 @@ class _Recorder(TorchDispatchMode):
         fp32 = not dtypes or dtypes[0] in (torch.float32, torch.float64)
         self.ops.append(str(func))
         self.tags.append(_autograd_tag() if self.backward else self.tag)
-        self.rows.append((float(flops), act, weight, fp32, kernel, self.backward))
+        values = transcendentals.count(func, args, kwargs, out) if kernel else 0
+        self.rows.append((float(flops), act, weight, fp32, kernel, self.backward,
+                          float(values), main))
         return out
 
     def end(self) -> None:
@@ -211,7 +228,7 @@ class _Recorder(TorchDispatchMode):
         last op land on it."""
         self.ops.append(END)
         self.tags.append(-1)
-        self.rows.append((0.0, 0.0, 0.0, True, False, True))
+        self.rows.append((0.0, 0.0, 0.0, True, False, True, 0.0, 0.0))
 
     def live(self, exclude: set[int]) -> np.ndarray:
         """Live bytes after each op, leaving out the storages in ``exclude``."""
@@ -405,11 +422,11 @@ class Prober:
         finally:
             for p in self.params.values():
                 p.grad = None
-        rows = np.array(recorder.rows, dtype=float).reshape(-1, 6)
+        rows = np.array(recorder.rows, dtype=float).reshape(-1, 8)
         return Probe(
             m=m, ops=tuple(recorder.ops), flops=rows[:, 0], act_bytes=rows[:, 1],
             weight_bytes=rows[:, 2], fp32=rows[:, 3].astype(bool),
             kernel=rows[:, 4].astype(bool), backward=rows[:, 5].astype(bool),
             live=recorder.live(exclude), saved=saved_bytes, outputs=outputs,
             tags=np.array(recorder.tags, dtype=int), casts=recorder.casts,
-            grads=recorder.grads())
+            grads=recorder.grads(), transcendental=rows[:, 6], allocated=rows[:, 7])

@@ -30,7 +30,9 @@ answer one can follow, not about speed):
    (2%) of the fastest, by bisection: when a larger microbatch buys almost
    nothing, memory headroom is worth more (the model ignores allocator
    fragmentation, and the user may grow the model next);
-4. the answer, and why, goes into ``plan.reason``.
+4. with ``measure=True``, the fitting values modelled within 10% of the fastest are
+   timed on this host, the fastest measured taken (``tie_break.py``);
+5. the answer, and why, goes into ``plan.reason``.
 
 Its choice is thus within 2% of the fastest value ``"explore"`` finds whenever
 the curve is unimodal; ``tests/test_explore.py`` checks it on a suite of
@@ -41,8 +43,8 @@ configurations.
 reports a table and a plot.  With ``measure=True`` both also time real
 forward+backward passes on the model's device for every evaluated candidate
 (each microbatch size, best of a few repetitions) and report the microbatch
-loop they add up to beside the modelled one; the plan itself never depends
-on timing.
+loop they add up to beside the modelled one; only ``"auto"``'s tie-break (step 4)
+lets that timing choose, and without ``measure`` the plan never depends on it.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from mbcompile.planning.plan import (
     split_evenly,
 )
 from mbcompile.planning.systems import SystemSpec
+from mbcompile.planning.tie_break import AUTO_TIE_TOLERANCE, measured_tie
 
 __all__ = ["AUTO_TIME_TOLERANCE", "SYNCS", "Selector", "select_plan", "select_sharded"]
 
@@ -251,6 +254,9 @@ class Selector:
             else:
                 lo = mid
         chosen = self._seen[upto[hi]]
+        timed = measured_tie(self, fitting, best)
+        if timed is not None:
+            chosen = timed
         self._record("auto", len(candidates), chosen.mbs)
         e = self.estimate(chosen.mbs)
         top_c = self._seen[top]
@@ -258,7 +264,10 @@ class Selector:
                f"{format_bytes(top_c.peak_bytes)} of {format_bytes(self.spec.usable_bytes)}); "
                f"the fastest that fits is {best.mbs} (modelled step "
                f"{format_seconds(best.step_s)})")
-        if chosen.mbs != best.mbs:
+        if timed is not None:
+            why += (f"; measured on this host among those within {AUTO_TIE_TOLERANCE:.0%} of "
+                    f"it, mbs={chosen.mbs} was fastest")
+        elif chosen.mbs != best.mbs:
             why += (f"; mbs={chosen.mbs} is the smallest within {AUTO_TIME_TOLERANCE:.0%} of it "
                     f"({format_seconds(chosen.step_s)}) and leaves "
                     f"{format_bytes(e.memory.headroom)} free")

@@ -24,7 +24,8 @@ _GB = 1e9
 #: The ``SystemSpec`` fields that are words, not figures.
 TEXT_FIELDS = ("name", "source", "reserved_note", "optimizer_source")
 _OPTIONAL_FIELDS = ("weight_bandwidth", "cache_bandwidth", "devices_per_node",
-                    "inter_node_bandwidth", "inter_node_latency_s")
+                    "inter_node_bandwidth", "inter_node_latency_s", "transcendental_rate",
+                    "fault_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,15 @@ class SystemSpec:
       holds crosses the inter-node links (one direction of one system's share of the
       node's network), and a ring is as slow as the slowest link it crosses. ``None``:
       every system is on one node (one kind of link).
+    - ``transcendental_rate``: elements per second of an exp, log, tanh, erf or sigmoid
+      (softmax, SiLU, GELU, attention's scores); an op takes at least its count over this
+      rate. ``None``: not modelled (a GPU's special-function units keep such ops
+      memory-bound).
+    - ``fault_bandwidth`` / ``fresh_allocation_bytes``: an allocation above
+      ``fresh_allocation_bytes`` may get fresh pages (a CPU allocator maps large tensors
+      and unmaps them when freed), one from twice that size on always does, and writing
+      them costs a page fault each, at ``fault_bandwidth`` bytes per second
+      (``time_model._fresh_share``). ``None``: not modelled (caching allocators).
     """
 
     name: str
@@ -86,6 +96,9 @@ class SystemSpec:
     devices_per_node: int | None = None
     inter_node_bandwidth: float | None = None
     inter_node_latency_s: float | None = None
+    transcendental_rate: float | None = None
+    fault_bandwidth: float | None = None
+    fresh_allocation_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -102,7 +115,8 @@ class SystemSpec:
             positive = f.name in ("memory_bytes", "peak_flops", "peak_flops_fp32",
                                   "memory_bandwidth", "interconnect_bandwidth",
                                   "weight_bandwidth", "cache_bandwidth", "devices_per_node",
-                                  "inter_node_bandwidth")
+                                  "inter_node_bandwidth", "transcendental_rate",
+                                  "fault_bandwidth")
             if not math.isfinite(value) or value < 0 or (positive and value == 0):
                 need = "positive" if positive else "non-negative"
                 raise PlanError(f"SystemSpec({self.name!r}).{f.name} must be finite and "

@@ -236,6 +236,7 @@ def _text(d: dict[str, Any], cm: Any) -> str:
                if t.allreduce_hidden else "") + " + "
             f"optimizer {format_seconds(t.optimizer)}"
             + (f" + FSDP2 all-gathers {format_seconds(t.allgather)}" if t.allgather else "")
+            + (f" + joining outputs {format_seconds(t.join)}" if t.join else "")
             + (f" + two-phase extra forward {format_seconds(t.extra_forward)} + coupled part "
                f"{format_seconds(t.coupled)}" if t.extra_forward or t.coupled else "")
             + f"; {t.samples_per_second:.4g} samples/s; {t.bound}-bound")
