@@ -3,6 +3,8 @@ root; present at compile or added after)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -223,3 +225,21 @@ class BackwardPreHookLeaf(Construct):
 
     def mutate(self, root):
         self.handle.remove()
+
+
+class WeightNormLegacy(Construct):
+    """The legacy ``torch.nn.utils.weight_norm`` (a forward pre-hook that sets the plain
+    attribute ``weight`` from ``weight_g`` and ``weight_v``); mutate rescales ``weight_g``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.lin = torch.nn.utils.weight_norm(_lin())
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        with torch.no_grad():
+            self.lin.weight_g.mul_(2.0)

@@ -76,6 +76,7 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     # parametrizations
     "spectral_norm": state.SpectralNorm,  # power iteration once per step, u/v buffers
     "spectral_norm_legacy": state.SpectralNormLegacy,  # the pre-hook version
+    "weight_norm_legacy": hooks.WeightNormLegacy,  # pre-hook; plain weight set after the step
     "weight_norm": state.WeightNorm,  # stateless: exact
     # random draws (rng.py): made once per step at the full batch, or refused
     "global_rand": rng.GlobalRand,  # torch.rand(B, 1), global generator, returned
