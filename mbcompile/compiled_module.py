@@ -33,7 +33,7 @@ from mbcompile.errors import (
     RecompileWarning,
     RetainedActivationsWarning,
 )
-from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_new_hooks
+from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_hooks
 from mbcompile.execution.rank_shares import check_not_in_ddp
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
@@ -267,7 +267,7 @@ class CompiledModule(ModelFace, nn.Module):
         if self.rank is None and batch is not None and batch != self.plan.gbs:
             return for_batch(self, batch, bound.arguments)(*args, **kwargs)
         compiled = self._compiled()
-        watched = watch_new_hooks(self._live_layers, self._hooks_known)
+        watched = watch_hooks(self._live_layers, self._hooks_known)
         if not watched:
             return self._call(compiled, values, bound.arguments)
         try:

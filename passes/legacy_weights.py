@@ -9,7 +9,9 @@ restores the module's attributes after tracing; ``torch.fx`` records the write a
 effect, replayed with the traced value). ``weights_set_after`` adds an effect that sets
 it once per step, after the state write-back, as the hook would: from the step's
 ``weight_orig`` and the power iteration's updated ``u`` and ``v`` buffers (the same
-numbers eager's hook computes, with no further power iteration), in the caller's grad mode.
+numbers eager's hook computes, with no further power iteration), detached like the state
+the step writes back (eager's carries a graph to ``weight_orig``, which keeps
+``copy.deepcopy`` of the model from working).
 
 Before (legacy spectral norm on ``lin``, one compiled training step)::
 
@@ -46,10 +48,11 @@ class SetLegacyWeight:
     where: str
 
     def apply(self, flat: Sequence[Any]) -> None:
-        if isinstance(self.hook, SpectralNorm):  # u, v already hold the step's iteration
-            weight = self.hook.compute_weight(self.module, do_power_iteration=False)
-        else:
-            weight = self.hook.compute_weight(self.module)
+        with torch.no_grad():  # a leaf, as state is written back: the model stays copyable
+            if isinstance(self.hook, SpectralNorm):  # u, v hold the step's iteration already
+                weight = self.hook.compute_weight(self.module, do_power_iteration=False)
+            else:
+                weight = self.hook.compute_weight(self.module)
         setattr(self.module, self.hook.name, weight)
 
     def __repr__(self) -> str:  # compared between two captures (dynamic_shapes.py)

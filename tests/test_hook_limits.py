@@ -6,6 +6,7 @@ steps, whose parameters and state must match eager's too; a refusal must change 
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fuzz import Spec, build, make_inputs
-from fuzz.oracle import state_changes, state_of, step_errors
+from fuzz.oracle import _value_error, python_state, state_changes, state_of, step_errors
 from models import assert_close_errors, rel_err
 
 import mbcompile
@@ -39,7 +40,7 @@ def three_steps(spec: Spec, **options: Any) -> str | None:
     inputs = make_inputs(spec)
     if spec.torch_compile:
         options["torch_compile"] = {"backend": "aot_eager"}
-    before = state_of(model)
+    before, python = state_of(model), _python(model)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -47,18 +48,17 @@ def three_steps(spec: Spec, **options: Any) -> str | None:
                                    example_inputs=make_inputs(spec, spec.example_batch),
                                    recompute=spec.recompute, **options)
     except MbcompileError as err:
-        assert not state_changes(before, state_of(model)), "a refused compile changed the model"
+        _assert_unchanged(model, before, python, "a refused compile")
         return str(err)
-    assert not state_changes(before, state_of(model)), "compile changed the model"
+    _assert_unchanged(model, before, python, "compile")
     opt, ref_opt = _optimizer(model), _optimizer(ref)
     for step in range(_STEPS):
         opt.zero_grad(set_to_none=True)
-        before = state_of(model)
-        momenta = _momenta(opt)
+        before, python, momenta = state_of(model), _python(model), _momenta(opt)
         try:
             errors = step_errors(model, cm, ref, inputs, seed=spec.seed + step)
         except MbcompileError as err:
-            assert not state_changes(before, state_of(model)), f"refused step {step} changed"
+            _assert_unchanged(model, before, python, f"refused step {step}")
             assert _same(momenta, _momenta(opt)), "a refused step changed the optimizer"
             return str(err)
         assert_close_errors(errors, spec.rel)
@@ -71,6 +71,32 @@ def three_steps(spec: Spec, **options: Any) -> str | None:
                       for i, (a, b) in enumerate(zip(_momenta(opt), _momenta(ref_opt)))})
         assert_close_errors(after, spec.rel)
     return None
+
+
+def _python(model: nn.Module) -> dict[str, Any]:
+    """The modules' Python state, copied (tensors detached: legacy weight_norm's is not a
+    leaf, which ``copy.deepcopy`` refuses)."""
+    def frozen(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone()
+        if isinstance(v, dict):
+            return {k: frozen(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(frozen(x) for x in v)
+        return copy.copy(v)
+
+    return {k: frozen(v) for k, v in python_state(model).items()}
+
+
+def _assert_unchanged(model: nn.Module, before: dict[str, Any], python: dict[str, Any],
+                      what: str) -> None:
+    """Parameters, gradients, buffers, hooks, generators and every module's Python state
+    (containers and tensors in attributes too) as they were."""
+    assert not state_changes(before, state_of(model)), f"{what} changed the model"
+    now = python_state(model)
+    changed = [k for k in python.keys() | now.keys()
+               if k not in now or k not in python or _value_error(now[k], python[k]) != 0]
+    assert not changed, f"{what} changed Python state: {changed}"
 
 
 def _momenta(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
@@ -122,7 +148,7 @@ def test_the_legacy_weight_is_set_in_eval_mode_too():
         ref(x, y)
     lin, ref_lin = model.blocks[0].lin, ref.blocks[0].lin
     assert rel_err(lin.weight, ref_lin.weight) <= 1e-12
-    assert not lin.weight.requires_grad  # computed under the caller's no_grad, as eager's
+    assert not lin.weight.requires_grad
 
 
 # ------------------------------------------------------------------- torch_compile's meta run
@@ -160,3 +186,71 @@ def test_with_torch_compile_a_layer_hook_never_sees_meta_tensors():
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert rel_err(p.grad, q.grad) <= 1e-10, n
     assert devices and set(devices) == {"cpu"}, devices
+
+
+# ------------------------------------------------------------------- F6: layer hooks that record
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_a_layer_hook_that_records_is_refused_with_nothing_changed(plan):
+    """A forward hook of a torch layer that records the output in a dict and counts its calls
+    (the fuzzer's F6: it recorded each microbatch) is refused at the first step, naming what
+    it writes and both fixes; compile called it on made-up data and kept nothing of that."""
+    message = three_steps(_spec(("recording_hook_leaf",), plan))
+    assert message is not None and "self.acts['lin']" in message and "self.calls" in message
+    assert "module of your own" in message and "mbcompile.per_microbatch(hook)" in message
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_the_same_hook_on_a_module_of_ones_own_is_exact(plan):
+    """The fix the refusal names: the hook on a module wrapping the layer, keeping what it
+    records on that module, is traced and its write replayed once per step with the whole
+    batch's output, equal to eager's after each of three steps."""
+    assert three_steps(_spec(("recording_hook_wrapped",), plan)) is None
+
+
+class _Logged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
+def _logged_batch() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return _Logged().double(), tuple(torch.randn(7, 4, generator=g, dtype=torch.float64)
+                                     for _ in range(2))
+
+
+def _count(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    global _CALLS
+    _CALLS += 1
+
+
+_CALLS = 0
+
+
+@pytest.mark.parametrize("how", ["closure", "global", "print", "tensor_hook"])
+def test_every_way_a_layer_hook_records_is_refused(how, capsys):
+    """A closure's list, a module-level counter, a print, a tensor hook on the output (it
+    would fire on each microbatch's gradient): each refused, each put back, nothing
+    printed, the gradients untouched."""
+    model, batch = _logged_batch()
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    rows: list[int] = []
+    grads: list[torch.Tensor] = []
+    hooks = {
+        "closure": lambda m, args, out: rows.append(out.shape[0]),
+        "global": _count,
+        "print": lambda m, args, out: print("rows", out.shape[0]),
+        "tensor_hook": lambda m, args, out: out.register_hook(grads.append),
+    }
+    model.a.register_forward_hook(hooks[how])
+    with pytest.raises(mbcompile.CaptureError, match="per_microbatch"):
+        cm(*batch)
+    assert rows == [] and grads == [] and _CALLS == 0
+    assert "rows" not in capsys.readouterr().out
+    assert all(p.grad is None for p in model.parameters())
