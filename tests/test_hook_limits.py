@@ -166,8 +166,8 @@ class _Recorded(nn.Module):
 @pytest.mark.slow
 def test_with_torch_compile_a_layer_hook_never_sees_meta_tensors():
     """torch_compile finds which outputs require grad by a run on meta tensors; a layer with a
-    forward hook keeps autograd's path instead, so the hook sees only the step's tensors, and
-    the step is exact."""
+    forward hook keeps autograd's path instead, so the hook (marked to run per microbatch)
+    sees only the step's tensors, and the step is exact."""
     torch.manual_seed(0)
     model = _Recorded().double()
     ref = _Recorded().double()
@@ -177,7 +177,8 @@ def test_with_torch_compile_a_layer_hook_never_sees_meta_tensors():
     cm = mbcompile.compile(model, 7, 2, 2, example_inputs=(x, y),
                            torch_compile={"backend": "aot_eager"})
     devices: list[str] = []
-    model.a.register_forward_hook(lambda m, args, out: devices.append(out.device.type))
+    model.a.register_forward_hook(mbcompile.per_microbatch(
+        lambda m, args, out: devices.append(out.device.type)))
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
@@ -233,10 +234,11 @@ def _count(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
 _CALLS = 0
 
 
-@pytest.mark.parametrize("how", ["closure", "global", "print", "tensor_hook"])
+@pytest.mark.parametrize("how", ["closure", "global", "print", "tensor_hook", "backward"])
 def test_every_way_a_layer_hook_records_is_refused(how, capsys):
     """A closure's list, a module-level counter, a print, a tensor hook on the output (it
-    would fire on each microbatch's gradient): each refused, each put back, nothing
+    would fire on each microbatch's gradient), a backward hook that records the gradient's
+    rows (it runs in each microbatch's backward): each refused, each put back, nothing
     printed, the gradients untouched."""
     model, batch = _logged_batch()
     cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
@@ -248,9 +250,35 @@ def test_every_way_a_layer_hook_records_is_refused(how, capsys):
         "print": lambda m, args, out: print("rows", out.shape[0]),
         "tensor_hook": lambda m, args, out: out.register_hook(grads.append),
     }
-    model.a.register_forward_hook(hooks[how])
+    if how == "backward":
+        model.a.register_full_backward_hook(lambda m, gi, go: rows.append(go[0].shape[0]))
+    else:
+        model.a.register_forward_hook(hooks[how])
     with pytest.raises(mbcompile.CaptureError, match="per_microbatch"):
-        cm(*batch)
+        cm(*batch)  # each microbatch's backward runs inside the call
     assert rows == [] and grads == [] and _CALLS == 0
     assert "rows" not in capsys.readouterr().out
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("construct", ["recording_hook_leaf", "recording_hook_wrapped",
+                                       "forward_hook_leaf"])
+def test_layer_hooks_under_torch_compile(construct):
+    """Under torch_compile dynamo compiles the body with the layer's call in it: a hook that
+    records is refused all the same (its watch is hidden from dynamo), the fix is exact, and
+    a hook that only computes stays exact over three steps, compiled once."""
+    import torch._dynamo.utils as dynamo_utils
+
+    spec = Spec((construct,), torch_compile=True)
+    message = three_steps(spec)
+    assert (message is not None) == (construct == "recording_hook_leaf"), message
+    if construct == "forward_hook_leaf":  # no compile per call: the watch is the same object
+        model, (x, y) = build(spec), make_inputs(spec)
+        cm = mbcompile.compile(model, spec.gbs, spec.num_csx, spec.mbs, example_inputs=(x, y),
+                               torch_compile={"backend": "aot_eager"})
+        cm(x, y)[0].backward()
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        for _ in range(2):
+            cm(x, y)[0].backward()
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs

@@ -1,10 +1,11 @@
-"""Forward hooks of a layer the graph calls live, checked inside each compiled step.
+"""Hooks of a layer the graph calls live, checked inside each compiled step.
 
 A layer the fx graph calls as one node (``nn.Linear``, ...) runs its own hooks at each
-call, so on each microbatch, where eager runs them once per step on the whole batch.
-For each call of the compiled module every forward (pre-)hook of such a layer is wrapped
-in ``WatchedHook``, and put back after it. Outside a compiled step the wrapper only
-calls the hook. Inside one:
+call and in its backward, so on each microbatch, where eager runs them once per step on
+the whole batch. For each call of the compiled module every hook of such a layer
+(forward, pre, backward) is wrapped in ``WatchedHook``, and put back after it (under
+``torch_compile`` the wrapper is hidden from dynamo, which would trace it). Outside a
+compiled step the wrapper only calls the hook. Inside one:
 
 - a hook that writes Python state (``self.acts[name] = out.detach()``, a counter, a
   list it appends to, a print), or registers a tensor hook on the layer's output, would
@@ -68,7 +69,7 @@ class WatchedHook:
             result, wrote = call_sandboxed(self.fn, module, args)
             if wrote is not None:
                 raise UncheckedHookError(
-                    f"a forward hook of {type(module).__name__} {self.layer!r} writes "
+                    f"a hook of {type(module).__name__} {self.layer!r} writes "
                     f"{wrote}; the layer runs its hooks once per microbatch, on each "
                     "microbatch's rows, where eager runs them once per step on the whole "
                     "batch, so what it records would differ from eager. Fix: register the "
@@ -95,29 +96,51 @@ class WatchedHook:
         return f"WatchedHook({self.fn!r})"
 
 
-def _forward_hook_dicts(layer: torch.nn.Module) -> tuple[dict[int, Any], dict[int, Any]]:
-    """The hooks a live layer runs at its call (its backward hooks are in the mode key)."""
-    return layer._forward_pre_hooks, layer._forward_hooks
+def _hook_dicts(layer: torch.nn.Module) -> tuple[dict[int, Any], ...]:
+    """Every hook a live layer runs per microbatch: at its call, and in its backward."""
+    return (layer._forward_pre_hooks, layer._forward_hooks, layer._backward_pre_hooks,
+            layer._backward_hooks)
 
 
 def hook_keys(layers: Iterable[tuple[str, torch.nn.Module]]) -> frozenset[int]:
-    """The keys of ``layers``' forward (pre-)hooks: at compile, the ones it checked."""
-    return frozenset(k for _, layer in layers for hooks in _forward_hook_dicts(layer)
-                     for k in hooks)
+    """The keys of ``layers``' hooks: at compile, the ones it checked (a backward hook added
+    later compiles again, and is checked then)."""
+    return frozenset(k for _, layer in layers for hooks in _hook_dicts(layer) for k in hooks)
 
 
-def watch_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[int]
+def watch_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[int],
+                cache: dict[int, tuple[Any, bool, Any]], opaque: bool = False
                 ) -> list[tuple[dict[int, Any], int, Any]]:
     """Wrap, in place, every forward (pre-)hook of ``layers`` (``known``: the keys present at
     compile, which it checked; ``RemovableHandle`` numbers hooks across all modules), and
     return what ``unwatch`` puts back: the wrapping lasts one call of the compiled module,
-    so the user's hook dictionaries are theirs again after it, refused or not."""
+    so the user's hook dictionaries are theirs again after it, refused or not.
+
+    ``cache`` (key -> hook, checked, wrapper) keeps one wrapper per hook across calls:
+    with ``opaque`` (a body compiled with ``torch_compile``) each wrapper is hidden from
+    dynamo, which calls it as it is; dynamo guards on the hooks it meets, so a new wrapper
+    on every call would compile the body again on every call."""
     watched = []
     for name, layer in layers:
-        for hooks in _forward_hook_dicts(layer):
+        for hooks in _hook_dicts(layer):
             for key in list(hooks):  # per call: a truth test a layer without hooks
-                watched.append((hooks, key, hooks[key]))
-                hooks[key] = WatchedHook(hooks[key], name, key in known)
+                fn, checked = hooks[key], key in known
+                kept = cache.get(key)
+                if kept is None or kept[0] is not fn or kept[1] != checked:
+                    wrapper: Any = WatchedHook(fn, name, checked)
+                    if opaque:
+                        wrapper = torch.compiler.disable(_as_function(wrapper))
+                    kept = cache[key] = (fn, checked, wrapper)
+                watched.append((hooks, key, fn))
+                hooks[key] = kept[2]
+    for key in cache.keys() - {key for _, key, _ in watched}:
+        del cache[key]  # a hook removed: its wrapper goes with it
+    return watched
+
+
+def _as_function(hook: WatchedHook) -> Any:
+    def watched(module: torch.nn.Module, *args: Any) -> Any:
+        return hook(module, *args)
     return watched
 
 
