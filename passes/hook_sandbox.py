@@ -133,9 +133,8 @@ class _Watch:
             roots.update((f"<default {i}>", d) for i, d in enumerate(plain.__defaults__ or ()))
         snapshot = Snapshot(roots)
         versions = [(f"{path}.{n}" if path else n, t, t._version)
-                    for m, path, _, _ in snapshot.modules
-                    for n, t in (*m.named_parameters(recurse=False),
-                                 *m.named_buffers(recurse=False))]
+                    for m, path, _, slots in snapshot.modules
+                    for n, t in (*slots[0].items(), *slots[1].items()) if t is not None]
         return cls(snapshot, cells, globals_, versions)
 
     def changes(self) -> list[str]:
@@ -190,12 +189,14 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
     the second None when it wrote nothing."""
     watch = _Watch.of(fn, module if module is not None else nn.Module())
     registered: list[Any] = []
+    wrote: list[str] | None = None
     try:
         with prints_recorded() as prints, _tensor_hooks_kept(registered):
             result = fn(module, *args) if module_first else fn(*args)
         wrote = watch.changes()
     finally:
-        watch.restore()
+        if wrote != []:  # it raised, or wrote: put everything back (else nothing differs)
+            watch.restore()
     if prints:
         wrote.append(f"a print or log call at {prints[0].where}")
     if registered:
