@@ -107,7 +107,7 @@ class _Watch:
     """What one call may change, recorded before it."""
 
     snapshot: Snapshot
-    cells: list[tuple[Any, Any]] = field(default_factory=list)  # (cell, contents)
+    cells: list[tuple[str, Any, Any]] = field(default_factory=list)  # (name, cell, contents)
     globals_: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
     versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
 
@@ -122,7 +122,7 @@ class _Watch:
         if code is not None:
             for name, cell in zip(code.co_freevars, plain.__closure__ or ()):
                 with contextlib.suppress(ValueError):  # an empty cell
-                    cells.append((cell, cell.cell_contents))
+                    cells.append((name, cell, cell.cell_contents))
                     roots[name] = cell.cell_contents
             namespace = plain.__globals__
             for name in code.co_names:
@@ -139,7 +139,7 @@ class _Watch:
 
     def changes(self) -> list[str]:
         found = [c.where for c in self.snapshot.changes()]
-        found += [f"a variable of its closure ({c!r})" for c, v in self.cells
+        found += [f"{name} (a variable of its closure)" for name, c, v in self.cells
                   if c.cell_contents is not v]
         found += [f"the global {name!r}" for ns, name, v in self.globals_
                   if ns.get(name, _ABSENT) is not v]
@@ -148,7 +148,7 @@ class _Watch:
 
     def restore(self) -> None:
         self.snapshot.restore()
-        for cell, value in self.cells:
+        for _, cell, value in self.cells:
             cell.cell_contents = value
         for namespace, name, value in self.globals_:
             if namespace.get(name, _ABSENT) is not value:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -234,9 +235,21 @@ def _count(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
 _CALLS = 0
 
 
-@pytest.mark.parametrize("how", ["closure", "global", "print", "tensor_hook", "backward"])
+def _counting() -> tuple[Callable[..., None], Callable[[], int]]:
+    calls = 0
+
+    def hook(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        nonlocal calls
+        calls += 1
+
+    return hook, lambda: calls
+
+
+@pytest.mark.parametrize("how", ["closure", "nonlocal", "global", "print", "tensor_hook",
+                                 "backward"])
 def test_every_way_a_layer_hook_records_is_refused(how, capsys):
-    """A closure's list, a module-level counter, a print, a tensor hook on the output (it
+    """A closure's list, a closure's counter, a module-level counter, a print, a tensor hook
+    on the output (it
     would fire on each microbatch's gradient), a backward hook that records the gradient's
     rows (it runs in each microbatch's backward): each refused, each put back, nothing
     printed, the gradients untouched."""
@@ -244,7 +257,9 @@ def test_every_way_a_layer_hook_records_is_refused(how, capsys):
     cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
     rows: list[int] = []
     grads: list[torch.Tensor] = []
+    counting, calls = _counting()
     hooks = {
+        "nonlocal": counting,
         "closure": lambda m, args, out: rows.append(out.shape[0]),
         "global": _count,
         "print": lambda m, args, out: print("rows", out.shape[0]),
@@ -256,7 +271,7 @@ def test_every_way_a_layer_hook_records_is_refused(how, capsys):
         model.a.register_forward_hook(hooks[how])
     with pytest.raises(mbcompile.CaptureError, match="per_microbatch"):
         cm(*batch)  # each microbatch's backward runs inside the call
-    assert rows == [] and grads == [] and _CALLS == 0
+    assert rows == [] and grads == [] and _CALLS == 0 and calls() == 0
     assert "rows" not in capsys.readouterr().out
     assert all(p.grad is None for p in model.parameters())
 
