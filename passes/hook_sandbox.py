@@ -220,13 +220,12 @@ class _Quiet:
 @contextlib.contextmanager
 def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
     """While compile calls ``module`` on made-up data (a shape probe, a copy that checks
-    its hooks): its hooks (forward and backward) and the global forward ones run
-    sandboxed, so they change nothing of the user's and print nothing."""
-    from torch.nn.modules import module as module_globals
-
+    its hooks): its hooks (forward and backward) run sandboxed, so they change nothing of
+    the user's and print nothing."""
+    # (global module hooks are not: tools such as FlopCounterMode's module tracker keep
+    # state across a pre-hook and a post-hook, which a sandbox per call would undo)
     tables = [module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
-              module._backward_hooks, module_globals._global_forward_pre_hooks,
-              module_globals._global_forward_hooks]
+              module._backward_hooks]
     saved = [(t, dict(t)) for t in tables if t]
     for table, hooks in saved:
         for key, fn in hooks.items():
