@@ -112,25 +112,29 @@ class _Watch:
     versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, fn: Any, module: nn.Module) -> _Watch:
-        plain, bound = _unwrapped(fn)
+    def of(cls, fns: list[Any], module: nn.Module) -> _Watch:
         roots: dict[str, Any] = {"<the layer>": module}
-        roots.update(("self" if i == 0 else f"<bound argument {i}>", b)
-                     for i, b in enumerate(reversed(bound)))
         cells, globals_ = [], []
-        code = getattr(plain, "__code__", None)
-        if code is not None:
+        for i, fn in enumerate(fns):
+            mark = f"<hook {i}> " if len(fns) > 1 else ""  # roots by name: none overwritten
+            plain, bound = _unwrapped(fn)
+            roots.update((mark + ("self" if j == 0 else f"<bound argument {j}>"), b)
+                         for j, b in enumerate(reversed(bound)))
+            code = getattr(plain, "__code__", None)
+            if code is None:
+                continue
             for name, cell in zip(code.co_freevars, plain.__closure__ or ()):
                 with contextlib.suppress(ValueError):  # an empty cell
                     cells.append((name, cell, cell.cell_contents))
-                    roots[name] = cell.cell_contents
+                    roots[mark + name] = cell.cell_contents
             namespace = plain.__globals__
             for name in code.co_names:
                 value = namespace.get(name, _ABSENT)
                 globals_.append((namespace, name, value))
                 if value is not _ABSENT and not isinstance(value, _NOT_STATE):
-                    roots[name] = value
-            roots.update((f"<default {i}>", d) for i, d in enumerate(plain.__defaults__ or ()))
+                    roots[mark + name] = value
+            roots.update((f"{mark}<default {j}>", d)
+                         for j, d in enumerate(plain.__defaults__ or ()))
         snapshot = Snapshot(roots)
         versions = [(f"{path}.{n}" if path else n, t, t._version)
                     for m, path, _, slots in snapshot.modules
@@ -187,7 +191,7 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
     """``fn(module, *args)`` (``fn(*args)`` with ``module_first=False``), with everything it
     writes put back after it, returned or raised; returns ``(result, what it wrote)``,
     the second None when it wrote nothing."""
-    watch = _Watch.of(fn, module if module is not None else nn.Module())
+    watch = _Watch.of([fn], module if module is not None else nn.Module())
     registered: list[Any] = []
     wrote: list[str] | None = None
     try:
@@ -205,35 +209,24 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
     return result, (", ".join(wrote[:3]) if wrote else None)
 
 
-class _Quiet:
-    """A hook of a layer compile calls on made-up data: called sandboxed."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __call__(self, module: nn.Module, *args: Any) -> Any:
-        return call_sandboxed(self.fn, module, args)[0]
-
-
 @contextlib.contextmanager
 def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
     """While compile calls ``module`` on made-up data (a shape probe, a copy that checks
-    its hooks): its hooks (forward and backward) run sandboxed, so they change nothing of
-    the user's and print nothing."""
-    # (global module hooks are not: tools such as FlopCounterMode's module tracker keep
-    # state across a pre-hook and a post-hook, which a sandbox per call would undo)
-    tables = [module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
-              module._backward_hooks]
-    saved = [(t, dict(t)) for t in tables if t]
-    for table, hooks in saved:
-        for key, fn in hooks.items():
-            table[key] = _Quiet(fn)
-    try:
+    its hooks): whatever its hooks (forward and backward) write is put back when the
+    block ends, and nothing they print is printed. One watch for the whole call, so a
+    pre-hook's write that its post-hook reads (a timer) holds between them.
+
+    (Global module hooks are left as they are: unchecked, see docs/limits.md.)
+    """
+    fns = [fn for table in (module._forward_pre_hooks, module._forward_hooks,
+                            module._backward_pre_hooks, module._backward_hooks)
+           for fn in table.values()]
+    if not fns:
         yield
+        return
+    watch = _Watch.of(fns, module)
+    try:
+        with prints_recorded(), _tensor_hooks_kept([]):
+            yield
     finally:
-        for table, hooks in saved:
-            for key, fn in hooks.items():
-                if key in table:
-                    table[key] = fn
+        watch.restore()

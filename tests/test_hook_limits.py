@@ -297,3 +297,25 @@ def test_layer_hooks_under_torch_compile(construct):
         for _ in range(2):
             cm(x, y)[0].backward()
         assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compile_puts_back_a_pre_and_post_hook_pair_after_the_whole_call():
+    """A timer's pair of hooks (the post-hook reads what the pre-hook wrote), marked to run
+    per microbatch: compile's probes call the layer with both, its writes are put back
+    after the call (not between the two), and each microbatch of a step pairs them."""
+    model, batch = _logged_batch()
+    started: dict[str, int] = {}
+    spans: list[int] = []
+
+    def start(m: nn.Module, args: tuple) -> None:
+        started["a"] = args[0].shape[0]
+
+    def stop(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        spans.append(started.pop("a"))
+
+    model.a.register_forward_pre_hook(mbcompile.per_microbatch(start))
+    model.a.register_forward_hook(mbcompile.per_microbatch(stop))
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    assert started == {} and spans == []
+    cm(*batch)
+    assert spans == [2, 2, 2, 1] and started == {}
