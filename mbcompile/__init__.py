@@ -32,6 +32,7 @@ _NAMES = {
     "NoiseScale": "mbcompile.execution.noise",
     "register_batch_rule": "mbcompile.passes.rules",
     "trust_module": "mbcompile.passes.rules",
+    "per_microbatch": "mbcompile.passes.hook_sandbox",
     "MicrobatchPlan": "mbcompile.planning.plan",
     "make_plan": "mbcompile.planning.plan",
     "Validation": "mbcompile.reports.report",
@@ -94,6 +95,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run
     )
     from mbcompile.execution.noise import NoiseScale  # noqa: F401
     from mbcompile.passes.errors import *  # noqa: F401,F403
+    from mbcompile.passes.hook_sandbox import per_microbatch  # noqa: F401
     from mbcompile.passes.rules import register_batch_rule, trust_module  # noqa: F401
     from mbcompile.planning.plan import MicrobatchPlan, make_plan  # noqa: F401
     from mbcompile.planning.systems import SystemSpec, get_system  # noqa: F401

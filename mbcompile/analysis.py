@@ -37,6 +37,7 @@ from mbcompile.passes.forward_modes import (
     detach_grad_free_inputs,
 )
 from mbcompile.passes.generators import seeding_refused
+from mbcompile.passes.legacy_weights import weights_set_after
 from mbcompile.passes.microbatch_rewrite import Cut, constants_at, cut_graph
 from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
 from mbcompile.passes.sharded_export import sharded_export
@@ -263,7 +264,7 @@ def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
     inside such calls; the export graph is kept when the analysis accepts it.
     """
     with seeding_refused(model):  # a seed set in forward would be set once, at compile
-        captured = _capture(model, request)
+        captured = _weights_set_after(_capture(model, request), model)
     may_export = (request.options.capture == "auto" and captured.method != "export"
                   and not isinstance(model, fx.GraphModule))
     if may_export and has_mutations(captured.graph_module):
@@ -288,11 +289,18 @@ def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
 def _export_instead(model: nn.Module, request: Request) -> CaptureResult | CaptureError:
     """The torch.export capture, or the error that says why export cannot capture it."""
     try:
-        return export_capture(model, dict(request.example),
-                              dict(zip(request.inputs.names, request.inputs.in_dims)),
-                              symbolic=request.inputs.symbolic)
+        return _weights_set_after(export_capture(
+            model, dict(request.example), dict(zip(request.inputs.names, request.inputs.in_dims)),
+            symbolic=request.inputs.symbolic), model)
     except CaptureError as exc:
         return exc
+
+
+def _weights_set_after(captured: CaptureResult, model: nn.Module) -> CaptureResult:
+    """``captured`` that also sets legacy ``spectral_norm``'s plain ``weight`` after each
+    step (``passes/legacy_weights.py``)."""
+    effects = weights_set_after(captured.effects, model, captured.graph_module)
+    return captured if effects is captured.effects else replace(captured, effects=effects)
 
 
 def _writes_state(gm: fx.GraphModule) -> bool:

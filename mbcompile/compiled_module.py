@@ -33,7 +33,7 @@ from mbcompile.errors import (
     RecompileWarning,
     RetainedActivationsWarning,
 )
-from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_new_hooks
+from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_hooks
 from mbcompile.execution.rank_shares import check_not_in_ddp
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
@@ -135,6 +135,7 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_live_hooks", frozenset())  # layers whose hooks run live
         object.__setattr__(self, "_live_layers", ())  # (name, layer) of those layers
         object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
+        object.__setattr__(self, "_watchers", {})  # the wrappers put on them, kept across calls
         object.__setattr__(self, "_warned", False)
         # the first training call checks the autocast it runs under against the plan's
         object.__setattr__(self, "_precision_pending", True)
@@ -200,7 +201,9 @@ class CompiledModule(ModelFace, nn.Module):
         (``check_layer_hooks``), later ones are watched."""
         live = self._layers_called_live(compiled)
         object.__setattr__(self, "_live_layers", live)
-        object.__setattr__(self, "_live_hooks", frozenset(id(m) for _, m in live))
+        # under torch_compile dynamo traces the layers' calls: a hook added recompiles
+        object.__setattr__(self, "_live_hooks", frozenset(
+            id(m) for _, m in live) if self._request.torch_compile is None else frozenset())
         object.__setattr__(self, "_hooks_known", self._hooks_known | hook_keys(live))
         object.__setattr__(self, "_hooks_seen", hooks_by_module(self.module, self._live_hooks))
         self._cache.put(self._mode_key(), compiled)
@@ -208,11 +211,9 @@ class CompiledModule(ModelFace, nn.Module):
 
     def _layers_called_live(self, compiled: Lowered) -> tuple[tuple[str, nn.Module], ...]:
         """The layers an fx graph calls as single nodes (``nn.Linear``, ...), by name: they
-        run their own forward hooks at each call, so adding or removing one needs no
-        recompile (``live_hooks`` watches the added ones). A body compiled with
-        ``torch_compile`` has dynamo trace them in: every hook counts."""
-        if self._request.torch_compile is not None:
-            return ()
+        run their own forward hooks at each call, which ``live_hooks`` watches, so adding
+        or removing one needs no recompile. (A body compiled with ``torch_compile`` has
+        dynamo trace the calls in: there a hook added or removed compiles again.)"""
         names = dict.fromkeys(str(n.target) for n in compiled.original_graph_module.graph.nodes
                               if n.op == "call_module" and is_submodule(self._inner,
                                                                          str(n.target)))
@@ -292,7 +293,8 @@ class CompiledModule(ModelFace, nn.Module):
             if other is not self:
                 return other(*args, **kwargs)
         compiled = self._compiled()
-        watched = watch_new_hooks(self._live_layers, self._hooks_known)
+        watched = watch_hooks(self._live_layers, self._hooks_known, self._watchers,
+                              opaque=self._request.torch_compile is not None)
         if not watched:
             return self._call(compiled, values, bound.arguments)
         try:

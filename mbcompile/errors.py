@@ -69,4 +69,5 @@ class TwoPhaseWarning(MbcompileWarning):
 
 
 class UncheckedHookError(CaptureError):
-    """A forward hook registered after compile changed what a live layer computes."""
+    """A forward hook of a live layer wrote Python state inside a step, or, registered after
+    compile, changed what the layer computes."""

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import FSDP_PARAM
 from .facts import FACT, SHAPES, Batched
+from .hook_sandbox import hooks_sandboxed
 from .loss_shapes import needs_shape_twins, shape_twins
 
 __all__ = ["FakeProbe", "fake_copy", "holds_no_data", "resize_batch", "shaped_like"]
@@ -226,8 +227,9 @@ class FakeProbe(fx.Interpreter):
         if _cumulative_batch_norm(module):  # its factor 1 / num_batches_tracked is a read:
             module = copy.copy(module)       # any momentum gives the same shapes
             module.momentum = 0.0
-        return torch.func.functional_call(module, self.state(module), tuple(args),
-                                          dict(kwargs))
+        with hooks_sandboxed(module):  # a layer's hooks on made-up data: they change nothing
+            return torch.func.functional_call(module, self.state(module), tuple(args),
+                                              dict(kwargs))
 
 
 def _cumulative_batch_norm(module: nn.Module) -> bool:

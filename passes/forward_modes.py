@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import CaptureError
 from .facts import GRAD_ENABLED, SHAPES
+from .hook_sandbox import hooks_sandboxed
 from .ops import TensorHook
 from .sources import source_line
 
@@ -308,19 +309,20 @@ def _mixed_by_hooks(layer: torch.nn.Module, info: Any, dim: int) -> str | None:
     backward = bool(layer._backward_hooks or layer._backward_pre_hooks)
     seed: torch.Tensor | None = None
     outs, grads = [], []
-    for start, size in ((0, n), (0, n // 2), (n // 2, n - n // 2)):
-        piece = x.narrow(dim, start, size).detach().requires_grad_(backward)
-        with torch.set_grad_enabled(backward):
-            out = probe(piece)
-        if not isinstance(out, torch.Tensor) or out.dim() <= dim:
-            return None  # not a tensor-to-tensor layer: nothing this check can compare
-        outs.append(out.detach())
-        if backward and out.requires_grad and (start, size) == (0, n):
-            seed = torch.randn(out.shape, generator=generator, dtype=out.dtype)
-        if (seed is not None and out.requires_grad and seed.shape[dim] == n
-                and out.shape[dim] == size):
-            grads.append(torch.autograd.grad(out, piece, seed.narrow(dim, start, size),
-                                             allow_unused=True)[0])
+    with hooks_sandboxed(probe):  # the user's hooks, on made-up data: they change nothing
+        for start, size in ((0, n), (0, n // 2), (n // 2, n - n // 2)):
+            piece = x.narrow(dim, start, size).detach().requires_grad_(backward)
+            with torch.set_grad_enabled(backward):
+                out = probe(piece)
+            if not isinstance(out, torch.Tensor) or out.dim() <= dim:
+                return None  # not a tensor-to-tensor layer: nothing this check can compare
+            outs.append(out.detach())
+            if backward and out.requires_grad and (start, size) == (0, n):
+                seed = torch.randn(out.shape, generator=generator, dtype=out.dtype)
+            if (seed is not None and out.requires_grad and seed.shape[dim] == n
+                    and out.shape[dim] == size):
+                grads.append(torch.autograd.grad(out, piece, seed.narrow(dim, start, size),
+                                                 allow_unused=True)[0])
     if not _joined_equal(outs, dim):
         return "what the layer returns"
     if len(grads) == 3 and all(g is not None for g in grads) and not _joined_equal(grads, dim):

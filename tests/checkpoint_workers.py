@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import mbcompile
+
 FEATURES, OUT = 4, 2
 
 
@@ -51,7 +53,7 @@ class DropoutMLP(nn.Module):
         kill_at = os.environ.get("MBC_KILL_AT")
         if kill_at and _rank() == int(os.environ.get("MBC_KILL_RANK", "1")):
             self._kill_at = int(kill_at)
-            self.l2.register_forward_pre_hook(self._maybe_die)
+            self.l2.register_forward_pre_hook(mbcompile.per_microbatch(self._maybe_die))
 
     def _maybe_die(self, module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         if type(args[0]) is not torch.Tensor or not torch.is_grad_enabled():

@@ -56,7 +56,8 @@ def _step(gbs: int, world: int, mbs: int, rank: int, log: Collectives | None = N
     cm = mbcompile.compile(model, gbs, world, mbs, example_inputs=batch,
                            backend="torch.distributed")
     if log is not None:
-        model.head.register_forward_pre_hook(lambda *_: log.mark("forward"))
+        model.head.register_forward_pre_hook(
+            mbcompile.per_microbatch(lambda *_: log.mark("forward")))
         # the embedding's output gradient: late in each microbatch's backward (a parameter's
         # own tensor hooks fire once, in loss.backward(): tests/faults.py)
         on_output_gradient(model.tok, lambda g: log.mark("grad", "tok"))
@@ -119,7 +120,7 @@ def failing_step(rank: int, world: int, out_dir: str, gbs: int, where: str) -> N
 
     # Registered before compile, which checks them (a hook added later that changes what
     # a layer returns is refused); they act only once armed, after compile's own forwards.
-    model.head.register_forward_pre_hook(count)
+    model.head.register_forward_pre_hook(mbcompile.per_microbatch(count))
     model.head.register_forward_hook(poison)
     on_output_gradient(model.blocks[0].qkv, explode)  # late in the backward
     cm = mbcompile.compile(model, gbs, world, 1, example_inputs=batch,

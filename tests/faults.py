@@ -3,8 +3,9 @@
 A parameter's own tensor hooks wait for the caller's ``loss.backward()`` (they fire once
 per step, on the step's gradient, as in eager: ``handover.hooks_aside``), so they cannot
 put a failure inside the step. A tensor hook on a layer's output can: the layer's forward
-hook (which only reads: it returns None) puts it on each microbatch's output, and it fires
-in that microbatch's backward, which mbcompile runs inside the call.
+hook, marked ``mbcompile.per_microbatch`` (a hook that registers a tensor hook is refused
+otherwise), puts it on each microbatch's output, and it fires in that microbatch's
+backward, which mbcompile runs inside the call.
 
 Example::
 
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+import mbcompile
+
 __all__ = ["on_output_gradient"]
 
 
@@ -34,4 +37,5 @@ def on_output_gradient(layer: torch.nn.Module, fn: Callable[[torch.Tensor], Any]
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(fn)
 
-    return layer.register_forward_hook(hook)
+    # run on each microbatch on purpose: the failure belongs inside that microbatch
+    return layer.register_forward_hook(mbcompile.per_microbatch(hook))

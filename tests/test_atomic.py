@@ -207,7 +207,7 @@ def _nth_call_raises(k: int) -> tuple[dict[str, int], Callable[..., None]]:
         if state["calls"] - 1 == k:
             raise Injected(f"injected at call {k}")
 
-    return state, fn
+    return state, mbcompile.per_microbatch(fn)
 
 
 def _nonempty_starts(plan: mbcompile.MicrobatchPlan) -> list[int]:
@@ -370,7 +370,7 @@ def test_base_exception_in_a_microbatch_still_restores_gradients():
         if state["calls"] == 3:
             raise Interrupt()
 
-    handle = case.first.register_forward_pre_hook(hook)
+    handle = case.first.register_forward_pre_hook(mbcompile.per_microbatch(hook))
     try:
         with pytest.raises(Interrupt):
             cm(*case.batch)

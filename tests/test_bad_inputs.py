@@ -487,7 +487,7 @@ def _raise_on_call(module: nn.Module, k: int) -> dict[str, int]:
         if state["calls"] - 1 == k:
             raise Injected(f"injected failure on call {k}")
 
-    module.register_forward_pre_hook(hook)
+    module.register_forward_pre_hook(mbcompile.per_microbatch(hook))
     return state
 
 

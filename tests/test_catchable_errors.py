@@ -56,7 +56,7 @@ def test_oom_in_any_microbatch_is_an_oom_and_a_microbatch_error(where, k):
             raise torch.OutOfMemoryError(OOM_TEXT)
 
     if where == "forward":
-        model.net[0].register_forward_pre_hook(fail_kth)
+        model.net[0].register_forward_pre_hook(mbcompile.per_microbatch(fail_kth))
     else:
         on_output_gradient(model.net[0], lambda g: fail_kth())
     for p in model.parameters():

@@ -171,7 +171,8 @@ def test_in_dims_1_for_time_major_inputs() -> None:
     assert x.shape[1] == 10
     cm = mbcompile.compile(model, 10, 3, 2, example_inputs=(x, y), in_dims=1, cost_model=False)
     rows: list[int] = []
-    handle = model.inp.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[1]))
+    handle = model.inp.register_forward_pre_hook(
+        mbcompile.per_microbatch(lambda m, a: rows.append(a[0].shape[1])))
     try:
         train_and_compare(cm, model, (x, y))
     finally:

@@ -113,7 +113,7 @@ def compiled_step(cm: mbcompile.CompiledModule, model: torch.nn.Module, batch: t
     model.zero_grad(set_to_none=True)
     rows: list[int] = []
     handle = None if first_layer is None else first_layer.register_forward_pre_hook(
-        lambda module, args: rows.append(args[0].shape[0]))
+        mbcompile.per_microbatch(lambda module, args: rows.append(args[0].shape[0])))
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -376,7 +376,7 @@ def test_auto_splits_below_the_system_batch() -> None:
     assert 1 <= cm.plan.mbs < cm.plan.pbs
     rows: list[int] = []
     handle = FIRST_LAYER["cnn"](model).register_forward_pre_hook(
-        lambda m, a: rows.append(a[0].shape[0]))
+        mbcompile.per_microbatch(lambda m, a: rows.append(a[0].shape[0])))
     try:
         with torch.no_grad():
             cm(*batch)

@@ -531,14 +531,16 @@ def test_a_hook_changing_a_live_layer_added_after_compile_is_refused(hook):
         _assert_exact(model, cm, batch)
 
 
-def test_a_hook_added_after_compile_that_only_reads_runs_per_microbatch():
-    """A hook that returns None (counting, logging, injecting a failure) runs as written,
-    once per microbatch, outside a step too, and the step stays exact."""
+def test_a_hook_added_after_compile_marked_per_microbatch_runs_per_microbatch():
+    """A hook marked ``mbcompile.per_microbatch`` (counting, logging, injecting a failure)
+    runs as written, once per microbatch, outside a step too, and the step stays exact
+    (unmarked, a hook that writes Python state is refused: tests/test_hook_limits.py)."""
     torch.manual_seed(0)
     model, batch = Parametrized(lambda: nn.Linear(4, 3)), _batch()
     cm = _compile(model, batch)
     rows: list[int] = []
-    model.a.register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    model.a.register_forward_hook(
+        mbcompile.per_microbatch(lambda m, args, out: rows.append(out.shape[0])))
     with warnings.catch_warnings():
         warnings.simplefilter("error", mbcompile.RecompileWarning)
         cm(*batch)[0].backward()

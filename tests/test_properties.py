@@ -147,7 +147,8 @@ def test_compile_plans_like_make_plan_and_runs_every_microbatch_once(gbs, num_cs
                  if n.op == "call_function" and n.target.__name__ == "split")
     assert list(split.kwargs["slices"]) == nonempty
     rows: list[int] = []
-    handle = model.inp.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[0]))
+    handle = model.inp.register_forward_pre_hook(
+        mbcompile.per_microbatch(lambda mod, args: rows.append(args[0].shape[0])))
     x, y = _tiny_batch(gbs, seed=1)
     try:
         loss, pred = cm(x, y)

@@ -99,14 +99,17 @@ def _assert_same_picture(before: dict[str, Any], after: dict[str, Any], where: s
 
 
 def _with_hooks(model: nn.Module) -> list[str]:
-    """Register harmless hooks on every submodule; returns a log they append to.
+    """Register harmless hooks on every submodule; returns a log they append to (on each
+    microbatch, on purpose: ``mbcompile.per_microbatch``).
 
     (Hooks on the model itself are a separate case: fx traces ``forward`` directly.)
     """
     log: list[str] = []
     for name, m in list(model.named_modules())[1:]:
-        m.register_forward_pre_hook(lambda mod, args, name=name: log.append(f"pre {name}"))
-        m.register_forward_hook(lambda mod, args, out, name=name: log.append(f"post {name}"))
+        m.register_forward_pre_hook(mbcompile.per_microbatch(
+            lambda mod, args, name=name: log.append(f"pre {name}")))
+        m.register_forward_hook(mbcompile.per_microbatch(
+            lambda mod, args, out, name=name: log.append(f"post {name}")))
     return log
 
 
@@ -138,12 +141,23 @@ def test_compile_leaves_the_module_unchanged(name, mode):
     _assert_same_picture(before, _picture(model), "after a no_grad call")
 
 
-def test_calls_run_hooks_of_leaf_modules_per_microbatch():
+def test_a_leaf_modules_hook_that_records_is_refused_unless_marked_per_microbatch():
+    """A torch layer runs its hooks on each microbatch: one that records (F6 of the forward
+    fuzzer) would see each microbatch where eager sees the batch, so it is refused, with
+    what it wrote put back (compile calls it on made-up data, which it does not keep
+    either); marked ``per_microbatch`` it runs on each microbatch, as asked."""
     model, batch = make_mlp(GBS, dtype=DTYPE)
     rows: list[int] = []
-    model.net[0].register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0]))
+    handle = model.net[0].register_forward_hook(
+        lambda mod, args, out: rows.append(args[0].shape[0]))
     cm = _compile(model, batch)
-    rows.clear()
+    assert rows == []
+    with pytest.raises(mbcompile.CaptureError, match=r"writes rows.*per_microbatch\(hook\)"):
+        cm(*batch)
+    assert rows == [] and all(p.grad is None for p in model.parameters())
+    handle.remove()
+    model.net[0].register_forward_hook(mbcompile.per_microbatch(
+        lambda mod, args, out: rows.append(args[0].shape[0])))
     cm(*batch)
     assert rows == [2, 2, 2, 2]  # gbs 8 over 2 systems, mbs 2
 

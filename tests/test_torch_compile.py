@@ -378,7 +378,8 @@ def test_module_backward_hooks_and_saved_tensor_hooks_keep_the_autograd_path(joi
     model, batch = MODELS["mlp"](10)
     cm = mbcompile.compile(model, 10, 3, 2, example_inputs=batch, torch_compile=AOT)
     seen: list[int] = []
-    hook = model.net[2].register_full_backward_hook(lambda m, gi, go: seen.append(1))
+    hook = model.net[2].register_full_backward_hook(  # counts microbatches, on purpose
+        mbcompile.per_microbatch(lambda m, gi, go: seen.append(1)))
     with pytest.warns(mbcompile.RecompileWarning):  # its calls at compile are checks
         cm._compiled()
     seen.clear()

@@ -133,7 +133,7 @@ def test_p_runs_without_grad_then_again_with_grad(family: str) -> None:
     cm = two_phase(model, inputs)
     modes: list[bool] = []
     FIRST_P[family](model).register_forward_hook(
-        lambda *_: modes.append(torch.is_grad_enabled()))
+        mbcompile.per_microbatch(lambda *_: modes.append(torch.is_grad_enabled())))
     model(*inputs)
     per_forward = len(modes)  # SimCLR's encoder sees both views
     modes.clear()
@@ -227,7 +227,7 @@ def _on_call(number: int, when: Callable[[], bool]) -> Callable[..., None]:
             calls[0] += 1
             if calls[0] == number:
                 _raise()
-    return hook
+    return mbcompile.per_microbatch(hook)
 
 
 def _in_backward(number: int) -> Callable[..., None]:
@@ -239,7 +239,7 @@ def _in_backward(number: int) -> Callable[..., None]:
             calls[0] += 1
             if calls[0] == number:
                 out.register_hook(_raise)
-    return hook
+    return mbcompile.per_microbatch(hook)
 
 
 LAST = 4  # the last of the 2+2 | 2+1 microbatches: three have already run their phase

@@ -38,11 +38,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.func import functional_call, grad_and_value
+from torch.nn.modules import module as module_globals
 from torch.utils import _pytree as pytree
 
 from mbcompile.execution.step_checks import StepChecks
 from mbcompile.passes.generators import checkpoint_replaying
-from mbcompile.passes.ops import as_tuple
+from mbcompile.passes.ops import TensorHook, as_tuple
 from mbcompile.passes.penalties import takes_gradients
 
 __all__ = ["JointStep", "MetaFacts", "joint_step"]
@@ -80,6 +81,8 @@ class JointStep:
         # a body's parameters are fixed (compile builds a new body when the model's change)
         self._names = {id(p): n for n, p in body.named_parameters()}
         self._modules = tuple(body.modules())
+        self._tensor_hooks = any(isinstance(n.target, TensorHook) for m in self._modules
+                                 if isinstance(m, fx.GraphModule) for n in m.graph.nodes)
         self._norms = tuple(m for m in self._modules
                             if isinstance(m, torch.nn.modules.batchnorm._NormBase))
         self._step = torch.compile(_own_code(self, JointStep._step_impl), **options)
@@ -95,6 +98,14 @@ class JointStep:
         writes to a module's buffers)?"""
         return any(m._backward_hooks or m._backward_pre_hooks for m in self._modules) or any(
             m.training and m.track_running_stats for m in self._norms)
+
+    def _hooks_would_see_meta(self) -> bool:
+        """Would the meta run call a user's hook with meta tensors: a forward hook of a
+        module the body calls, a global module hook, or a tensor hook forward registers?"""
+        return self._tensor_hooks or any(
+            m._forward_hooks or m._forward_pre_hooks for m in self._modules) or any(
+            (module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks,
+             module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks))
 
     def run(self, loop: Any, names: tuple[str, ...], facts: MetaFacts,
             params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
@@ -167,7 +178,10 @@ class JointStep:
         """What the autograd path would give with ``params`` trained, found by one run of
         the body on meta tensors (no data, no device work), once per set of trained
         parameters; None where the body cannot run on meta tensors (data-dependent
-        shapes, a read of a value): the loop keeps autograd."""
+        shapes, a read of a value), or where a user's hook would be called on them: the
+        loop keeps autograd."""
+        if self._hooks_would_see_meta():
+            return None  # asked again each step: the hook may be removed
         if names not in self._facts:
             self._facts[names] = _meta_facts(self.body, names, params, fused_index, mb)
         return self._facts[names]

@@ -1,20 +1,28 @@
-"""Forward hooks added after compile to a layer the graph calls live.
+"""Hooks of a layer the graph calls live, checked inside each compiled step.
 
 A layer the fx graph calls as one node (``nn.Linear``, ...) runs its own hooks at each
-call, so on each microbatch. compile checks the hooks present when it runs (on a copy of
-the layer: ``passes.forward_modes.check_layer_hooks``). A forward hook registered later
-is not called on made-up data, since users and tests inject hooks that count rows or fail
-on purpose: it is wrapped in ``WatchedHook`` for each call of the compiled module, and put
-back after it.
-Outside a compiled step the wrapper only calls the hook. Inside one, a hook that only
-reads (returns None and changes no tensor in place) runs as written, once per microbatch.
-A hook that changes what the layer receives or returns is refused with
-``UncheckedHookError`` before the step changes anything, since nothing tells whether it
-reads the whole batch (``out - out.mean(0)``).
+call and in its backward, so on each microbatch, where eager runs them once per step on
+the whole batch. For each call of the compiled module every hook of such a layer
+(forward, pre, backward) is wrapped in ``WatchedHook``, and put back after it (under
+``torch_compile`` the wrapper is hidden from dynamo, which would trace it). Outside a
+compiled step the wrapper only calls the hook. Inside one:
+
+- a hook that writes Python state (``self.acts[name] = out.detach()``, a counter, a
+  list it appends to, a print), or registers a tensor hook on the layer's output, would
+  do so per microbatch, with each microbatch's values: it is run sandboxed
+  (``passes.hook_sandbox``), and refused with ``UncheckedHookError`` at its first write,
+  with everything it wrote put back and the step not run;
+- a hook that only computes runs per microbatch: one present at compile was checked on a
+  copy of the layer (``passes.forward_modes.check_layer_hooks``); one registered later is
+  not called on made-up data, and if it changes what the layer receives or returns it is
+  refused the same way, since nothing tells whether it reads the whole batch
+  (``out - out.mean(0)``);
+- a hook marked ``mbcompile.per_microbatch(hook)`` runs as written, once per microbatch
+  (a probe of the microbatches, an injected failure).
 
 Example: ``cm = compile(model, ...)``, then ``model.fc.register_forward_hook(lambda m, a, out:
-out * 3)``; the next ``cm(x)`` raises, naming ``fc``, and works again after
-``handle.remove()`` or after compiling again (which checks the hook).
+seen.append(out.shape[0]))``; the next ``cm(x)`` raises, naming ``fc`` and ``seen``, and
+changes nothing.
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import UncheckedHookError
+from mbcompile.passes.hook_sandbox import call_sandboxed, runs_per_microbatch
 
 __all__ = ["UncheckedHookError", "WatchedHook", "hook_keys", "in_step", "unwatch",
-           "watch_new_hooks"]
+           "watch_hooks"]
 
 
 class _Steps:
@@ -41,21 +50,37 @@ in_step = _Steps
 
 
 class WatchedHook:
-    """A user's forward (pre-)hook, called as registered; inside a compiled step it must
-    not change the layer's arguments or result (see the module docstring)."""
+    """A user's forward (pre-)hook of a live layer, called as registered outside a step,
+    checked inside one (see the module docstring); ``checked``: present at compile."""
 
-    __slots__ = ("fn", "layer")
+    __slots__ = ("checked", "fn", "layer")
 
-    def __init__(self, fn: Any, layer: str) -> None:
-        self.fn, self.layer = fn, layer
+    def __init__(self, fn: Any, layer: str, checked: bool = False) -> None:
+        self.fn, self.layer, self.checked = fn, layer, checked
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
-        if not _Steps.depth:
+        if not _Steps.depth or (self.checked and runs_per_microbatch(self.fn)):
             return self.fn(module, *args)
         tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in tensors]
-        result = self.fn(module, *args)
-        if result is not None or any(t._version != v for t, v in zip(tensors, versions)):
+        if runs_per_microbatch(self.fn):
+            result = self.fn(module, *args)
+        else:
+            result, wrote = call_sandboxed(self.fn, module, args)
+            if wrote is not None:
+                raise UncheckedHookError(
+                    f"a hook of {type(module).__name__} {self.layer!r} writes "
+                    f"{wrote}; the layer runs its hooks once per microbatch, on each "
+                    "microbatch's rows, where eager runs them once per step on the whole "
+                    "batch, so what it records would differ from eager. Fix: register the "
+                    "hook on a module of your own that wraps the layer and keep what it "
+                    "records on that module (its hooks are traced, and their writes "
+                    "replayed once per step with the whole batch's values), or mark it "
+                    "mbcompile.per_microbatch(hook) to run it on each microbatch on purpose. "
+                    "The step was not run, and what the hook wrote was put back: "
+                    "parameters, gradients and your objects are as they were")
+        if not self.checked and (
+                result is not None or any(t._version != v for t, v in zip(tensors, versions))):
             raise UncheckedHookError(
                 f"a forward hook registered on {type(module).__name__} {self.layer!r} after "
                 f"compile changes what the layer {'returns' if len(args) > 1 else 'receives'}"
@@ -71,31 +96,51 @@ class WatchedHook:
         return f"WatchedHook({self.fn!r})"
 
 
-def _forward_hook_dicts(layer: torch.nn.Module) -> tuple[dict[int, Any], dict[int, Any]]:
-    """The hooks a live layer runs at its call (its backward hooks are in the mode key)."""
-    return layer._forward_pre_hooks, layer._forward_hooks
+def _hook_dicts(layer: torch.nn.Module) -> tuple[dict[int, Any], ...]:
+    """Every hook a live layer runs per microbatch: at its call, and in its backward."""
+    return (layer._forward_pre_hooks, layer._forward_hooks, layer._backward_pre_hooks,
+            layer._backward_hooks)
 
 
 def hook_keys(layers: Iterable[tuple[str, torch.nn.Module]]) -> frozenset[int]:
-    """The keys of ``layers``' forward (pre-)hooks: at compile, the ones it checked."""
-    return frozenset(k for _, layer in layers for hooks in _forward_hook_dicts(layer)
-                     for k in hooks)
+    """The keys of ``layers``' hooks: at compile, the ones it checked (a backward hook added
+    later compiles again, and is checked then)."""
+    return frozenset(k for _, layer in layers for hooks in _hook_dicts(layer) for k in hooks)
 
 
-def watch_new_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[int]
-                    ) -> list[tuple[dict[int, Any], int, Any]]:
-    """Wrap, in place, every forward (pre-)hook of ``layers`` whose key is not in ``known``
-    (the keys present at compile; ``RemovableHandle`` numbers hooks across all modules), and
+def watch_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[int],
+                cache: dict[int, tuple[Any, bool, Any]], opaque: bool = False
+                ) -> list[tuple[dict[int, Any], int, Any]]:
+    """Wrap, in place, every forward (pre-)hook of ``layers`` (``known``: the keys present at
+    compile, which it checked; ``RemovableHandle`` numbers hooks across all modules), and
     return what ``unwatch`` puts back: the wrapping lasts one call of the compiled module,
-    so the user's hook dictionaries are theirs again after it, refused or not."""
+    so the user's hook dictionaries are theirs again after it, refused or not.
+
+    ``cache`` (key -> hook, checked, wrapper) keeps one wrapper per hook across calls:
+    with ``opaque`` (a body compiled with ``torch_compile``) each wrapper is hidden from
+    dynamo, which calls it as it is; dynamo guards on the hooks it meets, so a new wrapper
+    on every call would compile the body again on every call."""
     watched = []
     for name, layer in layers:
-        for hooks in _forward_hook_dicts(layer):
-            if not hooks or known.issuperset(hooks):  # per call: two truth tests a layer
-                continue
-            for key in [k for k in hooks if k not in known]:
-                watched.append((hooks, key, hooks[key]))
-                hooks[key] = WatchedHook(hooks[key], name)
+        for hooks in _hook_dicts(layer):
+            for key in list(hooks):  # per call: a truth test a layer without hooks
+                fn, checked = hooks[key], key in known
+                kept = cache.get(key)
+                if kept is None or kept[0] is not fn or kept[1] != checked:
+                    wrapper: Any = WatchedHook(fn, name, checked)
+                    if opaque:
+                        wrapper = torch.compiler.disable(_as_function(wrapper))
+                    kept = cache[key] = (fn, checked, wrapper)
+                watched.append((hooks, key, fn))
+                hooks[key] = kept[2]
+    for key in cache.keys() - {key for _, key, _ in watched}:
+        del cache[key]  # a hook removed: its wrapper goes with it
+    return watched
+
+
+def _as_function(hook: WatchedHook) -> Any:
+    def watched(module: torch.nn.Module, *args: Any) -> Any:
+        return hook(module, *args)
     return watched
 
 

@@ -3,6 +3,8 @@ root; present at compile or added after)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -92,7 +94,8 @@ class HookAddedLeaf(Construct):
 
 class ReadingHookAddedLeaf(Construct):
     """No hook at compile; mutate adds a hook to a leaf ``nn.Linear`` that only records
-    (returns None): it runs per microbatch, and the step is unchanged."""
+    (returns None, appends to a list): the fuzzer's F6, where it recorded each microbatch's
+    rows; now refused, with the list as it was."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -100,8 +103,6 @@ class ReadingHookAddedLeaf(Construct):
         self.seen: list[int] = []
 
     mutation_only_observes = True
-    # F6: the hook runs per microbatch (docs/limits.md), so what it records is per microbatch
-    unchecked_state = ("seen",)
 
     def forward(self, h, x):
         return h + torch.tanh(self.lin(h)), None, None
@@ -223,3 +224,71 @@ class BackwardPreHookLeaf(Construct):
 
     def mutate(self, root):
         self.handle.remove()
+
+
+class WeightNormLegacy(Construct):
+    """The legacy ``torch.nn.utils.weight_norm`` (a forward pre-hook that sets the plain
+    attribute ``weight`` from ``weight_g`` and ``weight_v``); mutate rescales ``weight_g``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.lin = torch.nn.utils.weight_norm(_lin())
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+    def mutate(self, root):
+        with torch.no_grad():
+            self.lin.weight_g.mul_(2.0)
+
+
+class RecordingHookLeaf(Construct):
+    """A forward hook on a leaf ``nn.Linear``, present at compile, that records the layer's
+    output in a dict (the usual feature-extraction hook) and counts its calls: F6, refused
+    (it would record each microbatch); nothing it wrote at compile or in the refused step
+    stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+        self.acts: dict[str, torch.Tensor] = {}
+        self.calls = 0
+        self.lin.register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        self.acts["lin"] = out.detach()
+        self.calls += 1
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
+
+
+class _Recorded(nn.Module):
+    """A module of the user's own around a leaf layer: its hooks are traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = _lin()
+
+    def forward(self, h):
+        return self.lin(h)
+
+
+def _record_last(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    module.last = out.detach()
+
+
+class RecordingHookWrapped(Construct):
+    """F6's fix: the recording hook on a module of the user's own that wraps the layer,
+    keeping what it records on that module: traced, replayed once per step with the whole
+    batch's output (exact)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Recorded()
+        self.inner.register_forward_hook(_record_last)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.inner(h)), None, None

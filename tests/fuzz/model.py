@@ -41,7 +41,9 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "forward_hook_inner": hooks.ForwardHookInner,  # on a traced submodule; removed later
     "hook_added_leaf": hooks.HookAddedLeaf,  # forward hook added after compile (leaf)
     "hook_added_inner": hooks.HookAddedInner,  # pre-hook added after compile (traced submodule)
-    "reading_hook_added_leaf": hooks.ReadingHookAddedLeaf,  # returns None: runs per microbatch
+    "reading_hook_added_leaf": hooks.ReadingHookAddedLeaf,  # appends, added later: refused (F6)
+    "recording_hook_leaf": hooks.RecordingHookLeaf,  # self.acts[...] = out, count: refused (F6)
+    "recording_hook_wrapped": hooks.RecordingHookWrapped,  # the same on a module of one's own
     "backward_hook_leaf": hooks.BackwardHookLeaf,  # g * 0.5 into the layer's input; removed later
     "backward_pre_hook_leaf": hooks.BackwardPreHookLeaf,  # g * 0.5 into the layer's output
     "backward_hook_mixing": hooks.BackwardHookMixing,  # g - g.mean(0): couples the batch
@@ -76,6 +78,7 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     # parametrizations
     "spectral_norm": state.SpectralNorm,  # power iteration once per step, u/v buffers
     "spectral_norm_legacy": state.SpectralNormLegacy,  # the pre-hook version
+    "weight_norm_legacy": hooks.WeightNormLegacy,  # pre-hook; plain weight set after the step
     "weight_norm": state.WeightNorm,  # stateless: exact
     # random draws (rng.py): made once per step at the full batch, or refused
     "global_rand": rng.GlobalRand,  # torch.rand(B, 1), global generator, returned

@@ -276,11 +276,6 @@ class SpectralNormLegacy(Construct):
             warnings.simplefilter("ignore")
             self.lin = torch.nn.utils.spectral_norm(_lin())
 
-    # F7: the weight its pre-hook sets as a plain attribute each forward keeps the value of
-    # the last eager call (the compiled step traced the hook): the step is exact, the
-    # attribute read after it is not
-    unchecked_state = ("lin.weight",)
-
     def forward(self, h, x):
         return h + torch.tanh(self.lin(h)), None, None
 

@@ -1,0 +1,232 @@
+"""Calling a user's layer hook so that it changes nothing, and saying what it would have changed.
+
+A torch layer the graph calls as one node (``nn.Linear``, ...) runs its forward hooks at
+each call: on made-up data while compile probes the layer (``fake_probe``, the check of
+``forward_modes.check_layer_hooks``), and once per microbatch in a step, where eager runs
+them once per step on the whole batch. A hook that only computes (returns a new output,
+or None) is judged by what it returns; one that also writes Python state would write at
+compile, and once per microbatch, with each microbatch's values. ``call_sandboxed`` runs
+the hook with that state recorded and puts it back, whatever the hook did:
+
+- the Python state reachable from the layer and from the hook itself (its closure cells,
+  ``self`` of a bound method, its defaults, the module-level names its code reads, a
+  ``functools.partial``'s arguments), as ``python_state.Snapshot`` records it, plus the
+  closure cells and globals it rebinds (``count += 1`` on a ``nonlocal``);
+- a ``print`` or ``logging`` call (recorded, not printed);
+- a tensor hook it registers (``out.register_hook(fn)``: it would fire on a microbatch's
+  gradient), kept, with ``fn`` itself called the same way;
+- an in-place write to a parameter or buffer of a module it reaches (which cannot be put
+  back: reported).
+
+Example::
+
+    result, wrote = call_sandboxed(hook, layer, (args, out))
+    wrote  # "self.seen (appended (7,))", or None for a hook that only computes
+
+``per_microbatch(hook)`` marks a hook its author means to run on each microbatch (a probe
+of the microbatches, an injected failure): the step then calls it as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .python_state import Snapshot
+from .side_effects import prints_recorded
+
+__all__ = ["call_sandboxed", "hooks_sandboxed", "per_microbatch", "runs_per_microbatch"]
+
+_MARK = "_mbcompile_per_microbatch"
+
+
+def per_microbatch(hook: Any) -> Any:
+    """Mark ``hook`` (a forward or forward-pre hook of a torch layer) as meant to run on
+    each microbatch of a compiled step, with each microbatch's values: a probe that counts
+    the microbatches' rows, an injected failure. Returns ``hook`` itself.
+
+    >>> rows = []
+    >>> hook = per_microbatch(lambda m, args: rows.append(args[0].shape[0]))
+    >>> runs_per_microbatch(hook)
+    True
+    """
+    try:
+        setattr(hook, _MARK, True)
+    except (AttributeError, TypeError):  # a bound method, a builtin: marked by a wrapper
+        return _Marked(hook)
+    return hook
+
+
+class _Marked:
+    """A hook that takes no attributes, marked to run per microbatch."""
+
+    __slots__ = ("fn",)
+    _mbcompile_per_microbatch = True
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def runs_per_microbatch(hook: Any) -> bool:
+    return getattr(hook, _MARK, False) is True
+
+
+def _unwrapped(fn: Any) -> tuple[Any, list[Any]]:
+    """The plain function under ``fn`` and the objects it is bound to (partial's
+    arguments, a method's ``self``, a callable object itself)."""
+    bound: list[Any] = []
+    while True:
+        if isinstance(fn, functools.partial):
+            bound.extend((*fn.args, *fn.keywords.values()))
+            fn = fn.func
+        elif isinstance(fn, types.MethodType):
+            bound.append(fn.__self__)
+            fn = fn.__func__
+        elif isinstance(vars(type(fn)).get("__call__"), types.FunctionType):
+            bound.append(fn)  # a callable object of a class of the user's
+            fn = vars(type(fn))["__call__"]
+        else:
+            return fn, bound
+
+
+_NOT_STATE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type)
+
+
+@dataclass
+class _Watch:
+    """What one call may change, recorded before it."""
+
+    snapshot: Snapshot
+    cells: list[tuple[str, Any, Any]] = field(default_factory=list)  # (name, cell, contents)
+    globals_: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
+    versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, fns: list[Any], module: nn.Module) -> _Watch:
+        roots: dict[str, Any] = {"<the layer>": module}
+        cells, globals_ = [], []
+        for i, fn in enumerate(fns):
+            mark = f"<hook {i}> " if len(fns) > 1 else ""  # roots by name: none overwritten
+            plain, bound = _unwrapped(fn)
+            roots.update((mark + ("self" if j == 0 else f"<bound argument {j}>"), b)
+                         for j, b in enumerate(reversed(bound)))
+            code = getattr(plain, "__code__", None)
+            if code is None:
+                continue
+            for name, cell in zip(code.co_freevars, plain.__closure__ or ()):
+                with contextlib.suppress(ValueError):  # an empty cell
+                    cells.append((name, cell, cell.cell_contents))
+                    roots[mark + name] = cell.cell_contents
+            namespace = plain.__globals__
+            for name in code.co_names:
+                value = namespace.get(name, _ABSENT)
+                globals_.append((namespace, name, value))
+                if value is not _ABSENT and not isinstance(value, _NOT_STATE):
+                    roots[mark + name] = value
+            roots.update((f"{mark}<default {j}>", d)
+                         for j, d in enumerate(plain.__defaults__ or ()))
+        snapshot = Snapshot(roots)
+        versions = [(f"{path}.{n}" if path else n, t, t._version)
+                    for m, path, _, slots in snapshot.modules
+                    for n, t in (*slots[0].items(), *slots[1].items()) if t is not None]
+        return cls(snapshot, cells, globals_, versions)
+
+    def changes(self) -> list[str]:
+        found = [c.where for c in self.snapshot.changes()]
+        found += [f"{name} (a variable of its closure)" for name, c, v in self.cells
+                  if c.cell_contents is not v]
+        found += [f"the global {name!r}" for ns, name, v in self.globals_
+                  if ns.get(name, _ABSENT) is not v]
+        found += [f"{name} (in place)" for name, t, v in self.versions if t._version != v]
+        return found
+
+    def restore(self) -> None:
+        self.snapshot.restore()
+        for _, cell, value in self.cells:
+            cell.cell_contents = value
+        for namespace, name, value in self.globals_:
+            if namespace.get(name, _ABSENT) is not value:
+                if value is _ABSENT:
+                    namespace.pop(name, None)
+                else:
+                    namespace[name] = value
+
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def _tensor_hooks_kept(registered: list[Any]) -> Iterator[None]:
+    """``Tensor.register_hook`` still registers, with the hook called sandboxed too; each
+    registration is listed in ``registered``."""
+    original = torch.Tensor.register_hook
+
+    def register(self: torch.Tensor, hook: Any) -> Any:
+        registered.append(hook)
+
+        def quiet(grad: torch.Tensor) -> Any:
+            return call_sandboxed(hook, None, (grad,), module_first=False)[0]
+
+        return original(self, quiet)
+
+    torch.Tensor.register_hook = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
+
+
+def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
+                   module_first: bool = True) -> tuple[Any, str | None]:
+    """``fn(module, *args)`` (``fn(*args)`` with ``module_first=False``), with everything it
+    writes put back after it, returned or raised; returns ``(result, what it wrote)``,
+    the second None when it wrote nothing."""
+    watch = _Watch.of([fn], module if module is not None else nn.Module())
+    registered: list[Any] = []
+    wrote: list[str] | None = None
+    try:
+        with prints_recorded() as prints, _tensor_hooks_kept(registered):
+            result = fn(module, *args) if module_first else fn(*args)
+        wrote = watch.changes()
+    finally:
+        if wrote != []:  # it raised, or wrote: put everything back (else nothing differs)
+            watch.restore()
+    if prints:
+        wrote.append(f"a print or log call at {prints[0].where}")
+    if registered:
+        wrote.append("a tensor hook it registers (it would fire on each microbatch's "
+                     "gradient)")
+    return result, (", ".join(wrote[:3]) if wrote else None)
+
+
+@contextlib.contextmanager
+def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
+    """While compile calls ``module`` on made-up data (a shape probe, a copy that checks
+    its hooks): whatever its hooks (forward and backward) write is put back when the
+    block ends, and nothing they print is printed. One watch for the whole call, so a
+    pre-hook's write that its post-hook reads (a timer) holds between them.
+
+    (Global module hooks are left as they are: unchecked, see docs/limits.md.)
+    """
+    fns = [fn for table in (module._forward_pre_hooks, module._forward_hooks,
+                            module._backward_pre_hooks, module._backward_hooks)
+           for fn in table.values()]
+    if not fns:
+        yield
+        return
+    watch = _Watch.of(fns, module)
+    try:
+        with prints_recorded(), _tensor_hooks_kept([]):
+            yield
+    finally:
+        watch.restore()
