@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .code_reach import reached_code
 from .custom_functions import refused_in_fx
 from .errors import CaptureError
 from .forward_modes import autocast_regions
@@ -55,6 +56,7 @@ from .guards import (
     numbers_as_inputs,
     read_number,
     recorded_reads,
+    slot_guards,
     unwritten,
 )
 from .output_spec import OutputSpec, flatten_output
@@ -234,7 +236,8 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                     prints, numbers_as_inputs(wanted), recorded_reads(
                         model, name, lambda h: _number_input(tracer, numbers, h)) as guards, \
                     refused_in_fx(name), torch.enable_grad(), \
-                    (contextlib.nullcontext() if units else StateAsProxies(tracer, model)):
+                    (contextlib.nullcontext() if units else StateAsProxies(tracer, model)), \
+                    reached_code(snapshot.add_slot, name) as reach:
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
@@ -288,7 +291,8 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
             node.stack_trace = user_stack(node.stack_trace)
     gm.recompile()
     return CaptureResult(gm, tracer.output_spec, concrete_args,
-                         guards=(*unwritten(guards, effects.written), *effects.guards),
+                         guards=(*unwritten((*guards, *slot_guards(reach.slots, name)),
+                                            effects.written), *effects.guards),
                          effects=effects)
 
 

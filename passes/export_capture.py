@@ -56,6 +56,7 @@ import torch.fx._pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from .capture import CaptureResult
+from .code_reach import reached_code
 from .custom_functions import checked_in_export
 from .errors import CaptureError
 from .export_hooks import backward_hooks_refused, tensor_hooks_refused
@@ -66,7 +67,7 @@ from .forward_modes import (
     differentiation_refused,
     inference_mode_as_no_grad,
 )
-from .guards import recorded_reads, unwritten
+from .guards import recorded_reads, slot_guards, unwritten
 from .keyword_view import keyword_view
 from .output_spec import flatten_output
 from .python_state import python_state_kept
@@ -312,7 +313,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                     checked_in_export(name), inference_mode_as_no_grad(), \
                     tensor_hooks_refused(name), differentiation_refused(name, fx_error), \
                     losses_read_values_refused(name, fx_error), \
-                    torch.enable_grad():
+                    torch.enable_grad(), reached_code(snapshot.add_slot, name) as reach:
                 try:
                     program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
                                                   dynamic_shapes=dynamic, strict=False)
@@ -402,5 +403,6 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     graph.eliminate_dead_code(is_impure_node=_changes_state)
     graph.lint()
     gm = fx.GraphModule(root, graph, type(model).__name__)
-    guards = (*unwritten(guards, effects.written), *effects.guards)
+    guards = (*unwritten((*guards, *slot_guards(reach.slots, name)), effects.written),
+              *effects.guards)
     return CaptureResult(gm, spec, concrete, "export", guards, effects)

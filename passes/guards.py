@@ -27,6 +27,7 @@ next call, which reads the new value, compiles again for it.
 from __future__ import annotations
 
 import contextlib
+import io
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -35,12 +36,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .guard_values import ATOMS, fingerprint, forward_globals, plain_object, shadowable_methods
+from .code_reach import holds_state
+from .errors import CaptureError
+from .guard_values import ATOMS, fingerprint, plain_object, shadowable_methods, user_defined
 from .python_state import MODULE_INTERNALS
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
-           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "unwritten",
-           "written_guard"]
+           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "slot_guards",
+           "unwritten", "written_guard"]
 
 _MISSING = object()
 _LOCAL = threading.local()  # .sink: the reads of the capture in progress on this thread
@@ -235,12 +238,40 @@ def recorded_reads(model: nn.Module, model_name: str = "",
             elif guard.contents is not None:
                 fingerprinted.add(id(guard.value))
             guards.append(guard)
-        # what forward reads besides its modules' attributes: module-level constants, and the
-        # methods it calls on self (an instance attribute assigned later would shadow one)
-        guards.extend(Guard(space, n, v, item=True, where=f"the global {n}")
-                      for space, n, v in forward_globals(model))
+        # the methods forward calls on self (an instance attribute assigned later would shadow
+        # one); the globals it reads: ``slot_guards``
         guards.extend(Guard(m, n, _MISSING, identity=True, where=f"{type(m).__name__}.{n}")
                       for m, n in shadowable_methods(model))
+
+
+def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
+    """The guards of the globals and closure variables forward's code reached
+    (``code_reach.Slot``: ``owner[key]``), taken as the user holds them: a plain value by
+    value, a container or plain object by its fingerprint (``unwritten`` takes it), a tensor,
+    a generator, a function, class or module of the user's by identity. A file object, a
+    numpy array or a module outside the model are refused: what forward reads of them would
+    be baked in unguarded. Anything else (torch's functions, a logger) is not guarded."""
+    guards = []
+    for slot in slots:
+        value = slot.owner.get(slot.key, _MISSING)
+        if value is _MISSING:
+            continue
+        guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where)
+        if plain(value):
+            guards.append(guard)
+        elif holds_state(value) and not callable(value):
+            guards.append(replace(guard, contents=_PENDING))
+        elif isinstance(value, (torch.Tensor, torch.Generator)) or user_defined(value) or \
+                holds_state(value):  # a callable object's attributes are slots of their own
+            guards.append(replace(guard, identity=True))
+        elif isinstance(value, (io.IOBase, nn.Module)) or \
+                type(value).__module__.startswith("numpy"):  # an array, a numpy generator
+            raise CaptureError(
+                f"{model_name}.forward reads {slot.where}, a {type(value).__name__} that is not "
+                "part of the model; what forward reads of it would be fixed at compile time. "
+                "Fix: make it a submodule or buffer of the model (a module, an array), or "
+                "keep the file outside forward")
+    return guards
 
 
 def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, ...]:

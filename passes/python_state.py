@@ -74,6 +74,8 @@ class Snapshot:
         field(default_factory=list)
     hooks: list[tuple[dict[Any, Any], dict[Any, Any]]] = field(default_factory=list)
     saved: dict[int, tuple[Any, str, Any]] = field(default_factory=dict)  # id -> obj, path, copy
+    #: ``owner[key]`` locations outside the model: globals, closure variables (``add_slot``)
+    slots: list[tuple[Any, Any, Any, str]] = field(default_factory=list)  # owner, key, before, path
 
     def __post_init__(self) -> None:
         for root, obj in self.roots.items():
@@ -115,10 +117,23 @@ class Snapshot:
         for where, item in items:
             self._visit(item, where)
 
+    def add_slot(self, slot: Any, holds_state: bool) -> None:
+        """Record ``slot.owner[slot.key]`` (a global, a closure variable: ``code_reach.Slot``)
+        from now on, and with ``holds_state`` what it holds: forward reaches it by name, not
+        from the model."""
+        before = slot.owner.get(slot.key, DELETED)
+        self.slots.append((slot.owner, slot.key, before, slot.where))
+        if holds_state:
+            self._visit(before, slot.where)
+
     # ------------------------------------------------------------------ comparing
     def changes(self) -> list[Change]:
         """What differs now from the snapshot, attributes first, in a fixed order."""
         found: list[Change] = []
+        for owner, key, before, path in self.slots:
+            now = owner.get(key, DELETED)
+            if not _same(before, now):
+                found.append(Change("item", owner, key, now, path, before))
         for mod, path, own, _ in self.modules:
             found.extend(_mapping_changes("attr", mod, mod.__dict__, own, path,
                                           skip=MODULE_INTERNALS | _torch_caches(mod)))
@@ -161,6 +176,12 @@ class Snapshot:
             for slots, before in zip(_slots_of(mod), slot_copies):
                 _put_back(slots, before)
             _put_back(mod.__dict__, own)
+        for owner, key, before, _ in reversed(self.slots):
+            if owner.get(key, DELETED) is not before:
+                if before is DELETED:
+                    owner.pop(key, None)
+                else:
+                    owner[key] = before
         for table, before in self.hooks:  # hooks a library installs on its first call
             if table.keys() != before.keys():
                 table.clear()

@@ -308,7 +308,8 @@ def record_effects(changes: Sequence[Change], prints: Sequence[_PrintCall], mode
     records: list[Effect] = []
     guards: list[Guard] = []
     for change in changes:
-        what = f"self.{change.where}" if not change.where.startswith("<") else change.where
+        # a module's attribute path, or a place named in full (an argument, a global)
+        what = change.where if change.where.startswith(("<", "the ")) else f"self.{change.where}"
         if change.where.startswith("<argument"):
             raise CaptureError(
                 f"{model_name}.forward writes into {change.where}, an object the caller "
