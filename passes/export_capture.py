@@ -313,7 +313,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                     checked_in_export(name), inference_mode_as_no_grad(), \
                     tensor_hooks_refused(name), differentiation_refused(name, fx_error), \
                     losses_read_values_refused(name, fx_error), \
-                    torch.enable_grad(), reached_code(snapshot.add_slot, name) as reach:
+                    torch.enable_grad(), reached_code(model, snapshot.add_slot, name) as reach:
                 try:
                     program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
                                                   dynamic_shapes=dynamic, strict=False)

@@ -323,7 +323,8 @@ def record_effects(changes: Sequence[Change], prints: Sequence[_PrintCall], mode
                 "mbcompile cannot replay it exactly. Fix: append to a list (or set a dict "
                 "key) in forward, or change the container outside forward")
         value = None if change.value is DELETED else rec.held(change.value, f"to {what}")
-        if (value is None or not value.traced) and not isinstance(change.owner, nn.Module):
+        if change.kind != "extend" and (value is None or not value.traced) and \
+                not isinstance(change.owner, nn.Module):
             # a plain value written into a container or object may be computed from the one
             # it replaces (a counter in a dict): exact only while that one is as traced
             guards.append(written_guard(change.owner, change.key,
