@@ -7,17 +7,19 @@ graph, and a global it writes (``LOG.append(...)``, ``global CALLS; CALLS += 1``
 functions forward calls, ``reached_code`` walks the code objects of the user's code that
 forward can reach (every module's ``forward``, the methods it names on ``self``, its hooks,
 the functions, classes and modules it names, their closures, recursively; torch's,
-mbcompile's and Python's own code are not entered) and takes each global and closure
-variable they name as a ``Slot``: recorded by the capture's ``Snapshot`` before the trace
-(so a write is put back, then replayed once per step: ``side_effects.py``) and guarded after
-it (``guards.slot_guards``). A walk of the code, not of one run, so a global read in a
-branch not taken is guarded too (a change compiles again, needlessly but exactly).
+mbcompile's, Python's own and installed packages' code is not entered) and takes each
+global and closure variable they name as a ``Slot``: recorded by the capture's ``Snapshot``
+before the trace (so a write is put back, then replayed once per step: ``side_effects.py``)
+and guarded after it (``guards.slot_guards``). A walk of the code, not of one run, so a
+global read in a branch not taken is guarded too (a change compiles again, needlessly but
+exactly).
 
 Calls whose effect cannot happen once per step later are refused, changing nothing: a
 file opened (at the call), a draw of Python's or numpy's global random numbers (found by
-their state, which is put back), the clock, a torch generator seeded or its state read
-through a name the code holds (``from torch import manual_seed``, ``GEN.manual_seed(0)``;
-``torch.manual_seed`` itself: ``generators.seeding_refused``).
+their state, which is put back), and, where the walk found the code naming one, the clock
+read or a torch generator seeded or its state read through a name the code holds
+(``from torch import manual_seed``, ``GEN.manual_seed(0)``), found as the trace makes the
+call (``torch.manual_seed`` itself: ``generators.seeding_refused``).
 
 Before::
 
@@ -54,21 +56,25 @@ from .sources import is_library, user_frame
 
 __all__ = ["Cell", "Reach", "Slot", "holds_state", "reached_code", "user_code"]
 
-_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
+#: Python's own modules, and installed packages (site-packages: transformers), whose code is
+#: a library's: their module-level values are taken as constants (docs/limits.md)
+_NOT_USERS = tuple({os.path.dirname(os.path.abspath(os.__file__)) + os.sep,
+                    *(os.path.abspath(sysconfig.get_paths()[k]) + os.sep
+                      for k in ("purelib", "platlib"))})
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"})
 _MAX_CODES = 5_000  # code objects walked per capture at most: a package is not walked whole
 
 
 def user_code(path: str | None) -> bool:
-    """A file of the user's (installed packages included), not torch's, mbcompile's or
-    Python's own."""
+    """A file of the user's, not torch's, mbcompile's, Python's own or an installed
+    package's."""
     if not path:
         return False
     found = _USER.get(path)
     if found is None:
         found = _USER[path] = not is_library(path) and \
-            not os.path.abspath(path).startswith(_STDLIB)
+            not os.path.abspath(path).startswith(_NOT_USERS)
     return found
 
 
@@ -190,12 +196,13 @@ def _refused(value: Any) -> str | None:
 
 @dataclass
 class Reach:
-    """What the walk reached: ``slots`` in the order met (each once); ``refused``: a call
-    forward's code names that cannot be replayed, with its place."""
+    """What the walk reached: ``slots`` in the order met (each once); ``refused``: the calls
+    made that cannot be replayed, with their places."""
 
     add_slot: Callable[[Slot, bool], None]  # the snapshot's: record it before the trace
     slots: list[Slot] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    suspects: bool = False  # the code names a call that cannot be replayed (``_refused``)
     _seen: set[tuple[int, str]] = field(default_factory=set)
     _walked: set[tuple[int, int, int]] = field(default_factory=set)  # code, globals, closure
 
@@ -246,11 +253,8 @@ class Reach:
               where: str = "") -> None:
         """What a name leads to: a function's code (and closure), a class's methods, a
         module's attributes this code names, a callable object's attributes."""
-        what = _refused(value)
-        if what is not None:
-            line = code.co_firstlineno
-            self.refused.append(f"{what}, named in {code.co_qualname} "
-                                f"({code.co_filename}:{line})")
+        if _refused(value) is not None:
+            self.suspects = True  # named: the trace is watched for the call itself
         elif _user_function(value):
             self.walk(value.__code__, value.__globals__, value.__closure__)
         elif isinstance(value, type) and user_code(
@@ -338,22 +342,21 @@ _OPEN = io.open
 def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str
                  ) -> Iterator[Reach]:
     """Walk the user's code ``model``'s forward reaches, handing each slot to ``add_slot``
-    (before the block, a capture's trace, runs), and watch the block: a file opened, or a
-    draw of Python's or numpy's global random numbers, is refused, and so is a call the
-    walk found that cannot be replayed; nothing is changed by a refusal."""
+    (before the block, a capture's trace, runs), and watch the block: a file opened, a draw
+    of Python's or numpy's global random numbers, and (where the walk found the code naming
+    one) a call of ``_refused`` are refused; nothing is changed by a refusal."""
     reach = Reach(add_slot)
     for fn in _roots(model):
         fn = getattr(fn, "func", fn)  # functools.partial
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):
             reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
-    if reach.refused:
-        _refuse(model_name, reach.refused[0])
     states = _other_rngs()
     try:
-        with _open_refused(reach):
+        with _open_refused(reach), _calls_watched(reach) if reach.suspects else \
+                contextlib.nullcontext():
             yield reach
-    except Exception:  # the refusal of an open, as the trace passed it on (or wrapped it)
+    except Exception:  # a refusal raised in forward, as the trace passed it on (or wrapped it)
         if not reach.refused:
             raise
     finally:
@@ -363,6 +366,37 @@ def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model
                 reach.refused.append(f"draws from {name}")
     if reach.refused:
         _refuse(model_name, reach.refused[0])
+
+
+#: the Python functions among ``_RNG`` (``fork_rng``: its generator's code), as a frame runs them
+_RNG_CODES = {getattr(f, "__wrapped__", f).__code__: what for f, what in _RNG.items()}
+
+
+@contextlib.contextmanager
+def _calls_watched(reach: Reach) -> Iterator[None]:
+    """While the block runs, a call of ``_refused`` made from the user's code is refused
+    before it runs (``sys.setprofile``: slow, so only where the walk found one named)."""
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "c_call":
+            what, caller = _refused(arg), frame
+        elif event == "call" and frame.f_code in _RNG_CODES:
+            what, caller = _RNG_CODES[frame.f_code], frame.f_back
+            while caller is not None and not user_code(caller.f_code.co_filename) and \
+                    caller.f_code.co_filename == contextlib.__file__:  # fork_rng's __enter__
+                caller = caller.f_back
+        else:
+            return
+        if what is not None and caller is not None and user_code(caller.f_code.co_filename):
+            where = user_frame(traceback.extract_stack(caller))
+            reach.refused.append(f"{what} at {where}")
+            raise CaptureError(f"forward {what} at {where}")
+
+    outer = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(outer)
 
 
 def _refuse(model_name: str, what: str) -> None:

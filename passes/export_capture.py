@@ -326,6 +326,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
             changes = snapshot.changes()
         refuse_tensors(changes, prints, name)  # plain values are replayed as they are
         effects = record_effects(changes, prints, name)
+        read = slot_guards(reach.slots, name)  # the globals as the user holds them again
         if specialised is not None:
             program = _read_len_symbolically(model, kwargs, dynamic, example, name)
             if program is None:
@@ -403,6 +404,5 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     graph.eliminate_dead_code(is_impure_node=_changes_state)
     graph.lint()
     gm = fx.GraphModule(root, graph, type(model).__name__)
-    guards = (*unwritten((*guards, *slot_guards(reach.slots, name)), effects.written),
-              *effects.guards)
+    guards = (*unwritten((*guards, *read), effects.written), *effects.guards)
     return CaptureResult(gm, spec, concrete, "export", guards, effects)
