@@ -81,6 +81,7 @@ def test_a_global_changed_after_compile_compiles_again_naming_it() -> None:
 LOG_FILE = io.StringIO()
 ARRAY = np.ones(3)
 COUNTER = 0
+ENCODER = nn.Linear(4, 4).double()
 
 
 class Refused(nn.Module):
@@ -125,6 +126,13 @@ class ReadsFile(nn.Module):
         return F.mse_loss(self.lin(x), y)
 
 
+class ReadsModule(ReadsFile):
+    """Calls a layer held in a global, not a submodule: its weights would be constants."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.lin(ENCODER(x)), y)
+
+
 class ReadsArray(ReadsFile):
     """Scales by a numpy array's sum, the array a global."""
 
@@ -141,6 +149,7 @@ REFUSALS = {
     "clock_imported": "reads the clock",
     "file_object": "the global LOG_FILE, a StringIO",
     "array": "the global ARRAY, a ndarray",
+    "module": "the global ENCODER, a Linear",
 }
 
 
@@ -149,7 +158,7 @@ def test_a_call_no_step_can_replay_is_refused_with_nothing_changed(how: str, tmp
                                                                    ) -> None:
     torch.manual_seed(0)
     path = tmp_path / "written.txt"
-    kind = {"file_object": ReadsFile, "array": ReadsArray}.get(how, Refused)
+    kind = {"file_object": ReadsFile, "array": ReadsArray, "module": ReadsModule}.get(how, Refused)
     model = kind(how, path).double()
     x, y = torch.randn(GBS, 4, dtype=torch.float64), torch.randn(GBS, 3, dtype=torch.float64)
     before = state_of(model)
