@@ -49,6 +49,7 @@ from .custom_functions import refused_in_fx
 from .errors import CaptureError
 from .forward_modes import autocast_regions
 from .fx_tracer import FlatOutputTracer, StateAsProxies, hooks_see_every_use, user_stack
+from .generators import generators_made_refused, generators_of
 from .guards import (
     Guard,
     NumberInput,
@@ -226,6 +227,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                 "are traced)")
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         versions = {n: t._version for n, t in state.items()}
+        owned = generators_of(model)  # before fx stores a generator forward made on it
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         tracer = FlatOutputTracer({id(m): m for n, m in units if n} if units else None,
                                    name)
@@ -243,6 +245,8 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                 # generator's _opaque_obj0) are there to copy; the model is then restored
                 gm = fx.GraphModule(_with_stand_ins(model, graph, units) if units else tracer.root,
                                     graph, name)
+                generators_made_refused(gm, [*owned, *(s.owner.get(s.key) for s in reach.slots)],
+                                        name)
                 for attr in numbers:
                     del model.__dict__[attr]
                 rebound = snapshot.rebound_slots()

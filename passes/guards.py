@@ -191,7 +191,7 @@ def _recording(cls: type) -> type:
             # so later reads see forward's own value and are not guarded; read first
             # (self.calls += 1): the read's guard makes the replayed write exact
             if getattr(_LOCAL, "written", None) is not None:
-                _LOCAL.written.add((id(self), name))
+                _LOCAL.written[(id(self), name)] = (self, name, value)
             super(sub, self).__setattr__(name, value)
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
@@ -204,7 +204,8 @@ def _recording(cls: type) -> type:
 
 @contextlib.contextmanager
 def recorded_reads(model: nn.Module, model_name: str = "",
-                   as_input: Callable[[NumberInput], Any] | None = None
+                   as_input: Callable[[NumberInput], Any] | None = None,
+                   writes: dict[tuple[int, str], tuple[Any, str, Any]] | None = None
                    ) -> Iterator[list[Guard]]:
     """While the block traces ``model``: record the plain attributes read from its modules.
 
@@ -215,6 +216,8 @@ def recorded_reads(model: nn.Module, model_name: str = "",
     assignment itself, ``python_state.python_state_kept``, and replays it per step.)
     ``as_input``: makes what forward reads instead of a number ``numbers_as_inputs`` names
     (the tracer's proxy of ``read_number(holder)``); each such read is guarded by type.
+    ``writes``: filled with the attributes forward assigned, ``(module, name, last value)``
+    (torch.export puts them back itself before the capture's snapshot can see them).
     """
     modules = list(model.modules())
     classes = [type(m) for m in modules]
@@ -224,11 +227,14 @@ def recorded_reads(model: nn.Module, model_name: str = "",
     guards: list[Guard] = []
     for m, cls in zip(modules, classes):
         m.__class__ = _recording(cls)
-    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = sink, set(), as_input
+    written: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = sink, written, as_input
     try:
         yield guards
     finally:
         _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = outer
+        if writes is not None:
+            writes.update(written)
         for m, cls in zip(modules, classes):
             m.__class__ = cls
         fingerprinted: set[int] = set()  # a config read by every layer: fingerprinted once

@@ -157,6 +157,25 @@ class Snapshot:
                 found.extend(_mapping_changes("attr", obj, vars(obj), copy, path))
         return found
 
+    def unseen_assignments(self, writes: Mapping[Any, tuple[Any, str, Any]]) -> list[Change]:
+        """The assignments of plain values forward made to module attributes (``writes``:
+        ``(module, name, value)``, ``guards.recorded_reads``) that the tracer itself already
+        undid (torch.export puts back what it saw set on a module: ``self._step += 1``), as
+        ``changes`` would have listed them."""
+        found: list[Change] = []
+        known = {id(mod): (path, own) for mod, path, own, _ in self.modules}
+        for mod, name, value in writes.values():
+            if id(mod) not in known or name in MODULE_INTERNALS or \
+                    name in _torch_caches(mod) or any(name in s for s in _slots_of(mod)):
+                continue
+            path, own = known[id(mod)]
+            before = own.get(name, DELETED)
+            if mod.__dict__.get(name, DELETED) is before and _plain(value) and \
+                    not _same(before, value):  # a counter, a flag (a tensor: export's own)
+                found.append(Change("attr", mod, name, value,
+                                    ".".join(filter(None, (path, name))), before))
+        return found
+
     def rebound_slots(self) -> list[str]:
         """Parameter, buffer and submodule slots forward assigned (``self.seen = seen + n``
         on a buffer): qualified names."""
@@ -201,6 +220,13 @@ class Snapshot:
                     obj.update(copy)
             elif not isinstance(obj, frozenset):
                 _put_back(vars(obj), copy)
+
+
+def _plain(value: Any) -> bool:
+    """A number, string, flag or None, or a tuple of them."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (bool, int, float, str, type(None)))
 
 
 def _same_items(now: dict[Any, Any], before: dict[Any, Any]) -> bool:

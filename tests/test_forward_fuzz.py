@@ -160,12 +160,16 @@ def specs(draw: Any, torch_compile: bool = _LONG) -> Spec:
 #: F1, a leaf's full backward hook that centres the gradient over the batch, next to a
 #: legacy spectral_norm layer; F5, a leaf's backward hook halving its input's gradient next
 #: to an in-place EMA of a buffer. Both made fx fail and torch.export capture the model,
-#: which traced without the backward hook (``passes/export_hooks.py`` refuses that now).
+#: which traced without the backward hook (``passes/export_hooks.py`` refuses that now);
+#: F8, a private counter next to a hook on the model itself, which sends the capture to
+#: torch.export: export put back ``self._step`` before the snapshot saw it move, and it
+#: stayed 0 (``Snapshot.unseen_assignments`` replays it now).
 FOUND = {
     "F1": Spec(("spectral_norm_legacy", "backward_hook_mixing"), gbs=9, mbs=2, loss="ce",
                seed=2),
     "F5": Spec(("hook_added_leaf", "backward_hook_leaf", "ema_center_before"), gbs=8, mbs=7,
                loss="ce", extras=("view_slice", "view_t"), coupled=True, example_batch=3),
+    "F8": Spec(("private_counter", "root_forward_hook"), gbs=5, num_csx=1, mbs=1),
 }
 
 

@@ -50,7 +50,18 @@ def _compile(model: nn.Module, inputs: tuple[Any, ...], **kw: Any) -> Any:
 @pytest.mark.parametrize("coupled", [False, True], ids=["split", "two_phase"])
 @pytest.mark.parametrize("name", EXACT)
 def test_module_state_is_exact_over_three_steps(name: str, coupled: bool) -> None:
-    spec = Spec((name,), coupled=coupled)
+    _three_steps(Spec((name,), coupled=coupled))
+
+
+@pytest.mark.parametrize("coupled", [False, True], ids=["split", "two_phase"])
+def test_a_private_counter_moves_once_per_step_under_export(coupled: bool) -> None:
+    """A hook on the model itself sends the capture to torch.export, which puts back the
+    attributes forward assigned before mbcompile's snapshot sees them: ``self._step += 1``
+    stayed at 0 (found by the fuzzer, F8)."""
+    _three_steps(Spec(("private_counter", "root_forward_hook"), coupled=coupled))
+
+
+def _three_steps(spec: Spec) -> None:
     model, ref = build(spec), build(spec)
     inputs = make_inputs(spec)
     cm = _compile(model, inputs)
@@ -174,7 +185,7 @@ def test_a_call_no_step_can_replay_is_refused_with_nothing_changed(how: str, tmp
 
 @pytest.mark.parametrize("name", ["global_generator_seed", "seed_imported", "fork_rng_imported",
                                   "rng_state_read", "file_write", "python_random",
-                                  "numpy_random"])
+                                  "numpy_random", "local_generator"])
 def test_seeding_and_io_by_any_name_are_refused(name: str) -> None:
     spec = Spec((name,))
     model = build(spec)
