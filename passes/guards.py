@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .code_reach import holds_state
+from .code_reach import holds_state, user_code
 from .errors import CaptureError
 from .guard_values import ATOMS, fingerprint, plain_object, shadowable_methods, user_defined
 from .python_state import MODULE_INTERNALS
@@ -184,6 +185,8 @@ def _recording(cls: type) -> type:
                     elif isinstance(value, torch.Tensor):  # a tensor kept in a plain attribute:
                         # fx holds it as a constant, so a new one (a replayed write) recompiles
                         sink.setdefault(key, Guard(self, name, value, identity=True))
+                elif name not in own and plain(value) and key not in _LOCAL.written:
+                    _class_attribute(sink, self, name, value)
             return value
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
@@ -200,6 +203,19 @@ def _recording(cls: type) -> type:
                                           "__qualname__": cls.__qualname__})
         _RECORDING[cls] = sub
     return _RECORDING[cls]
+
+
+def _class_attribute(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any
+                     ) -> None:
+    """``self.SCALE`` read from the class of the user's that defines it: guarded there, and
+    against an instance attribute that would shadow it."""
+    owner = next((c for c in type(module).__mro__[1:] if name in vars(c)), None)
+    if owner is not None and vars(owner)[name] is value and \
+            user_code(getattr(sys.modules.get(owner.__module__), "__file__", None)):
+        sink.setdefault((id(owner), name), Guard(owner, name, value,
+                                                 where=f"{owner.__name__}.{name}"))
+        sink.setdefault((id(module), name), Guard(module, name, _MISSING, identity=True,
+                                                  where=f"{type(module).__name__}.{name}"))
 
 
 @contextlib.contextmanager

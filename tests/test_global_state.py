@@ -35,6 +35,7 @@ from mbcompile import CaptureError, RecompileWarning
 
 GBS, SYSTEMS, MBS = 7, 2, 2
 EXACT = ["helper_global", "helper_swapped", "global_dict", "closure_factor", "global_counter",
+         "class_attribute",
          "global_log", "helper_writes", "global_generator"]
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -215,3 +215,15 @@ class LocalGenerator(ModuleGlobals):
         g = torch.Generator().manual_seed(0)
         noise = torch.randn(h.shape, generator=g, dtype=h.dtype)
         return h + torch.tanh(self.lin(h)) * (1 + 0.1 * noise), None, None
+
+
+class ClassAttribute(ModuleGlobals):
+    """``self.SCALE``, a class attribute (no instance one); mutate sets it on the class."""
+
+    SCALE = 0.5
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)) * self.SCALE, None, None
+
+    def mutate(self, root):
+        type(self).SCALE = 2.0

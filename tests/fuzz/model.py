@@ -106,6 +106,7 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "helper_writes": globalstate.HelperWrites,  # another module's COUNT += 1, LAST = ...
     "global_generator": globalstate.GlobalGenerator,  # per-sample noise from a global generator
     "local_generator": globalstate.LocalGenerator,  # a generator made and seeded in forward
+    "class_attribute": globalstate.ClassAttribute,  # self.SCALE set on the class
     # refused: seeding (also imported by name), I/O, Python's and numpy's random numbers
     "global_generator_seed": globalstate.GlobalGeneratorSeed,  # GEN.manual_seed(0)
     "seed_imported": globalstate.SeedImported,  # from torch import manual_seed as ...
