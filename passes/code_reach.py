@@ -292,6 +292,9 @@ def _roots(model: nn.Module) -> Iterator[Callable[..., Any]]:
                 yield from value.values()
             elif isinstance(value, types.FunctionType):
                 yield value
+            elif callable(value) and _user_instance(value):  # a schedule object it calls
+                yield from (f for f in vars(type(value)).values()
+                            if isinstance(f, types.FunctionType))
     for hooks in (nn.modules.module._global_forward_hooks,
                   nn.modules.module._global_forward_pre_hooks):
         yield from hooks.values()

@@ -185,6 +185,8 @@ def _recording(cls: type) -> type:
                     elif isinstance(value, torch.Tensor):  # a tensor kept in a plain attribute:
                         # fx holds it as a constant, so a new one (a replayed write) recompiles
                         sink.setdefault(key, Guard(self, name, value, identity=True))
+                    elif callable(value) and holds_state(value):  # a schedule object
+                        _callable_object(sink, self, name, value)
                 elif name not in own and plain(value) and key not in _LOCAL.written:
                     _class_attribute(sink, self, name, value)
             return value
@@ -203,6 +205,21 @@ def _recording(cls: type) -> type:
                                           "__qualname__": cls.__qualname__})
         _RECORDING[cls] = sub
     return _RECORDING[cls]
+
+
+def _callable_object(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any
+                     ) -> None:
+    """``self.schedule(t)``, a callable object of the user's (not a plain object, whose
+    fingerprint would be its identity): guarded by identity, and each attribute it holds
+    by value (a plain value) or contents (a container)."""
+    where = f"{type(module).__name__}.{name}"
+    sink.setdefault((id(module), name), Guard(module, name, value, identity=True, where=where))
+    for attr, held in vars(value).items():
+        guard = Guard(value, attr, held, where=f"{where}.{attr}")
+        if plain(held):
+            sink.setdefault((id(value), attr), guard)
+        elif isinstance(held, (dict, list, tuple, set, frozenset)) or plain_object(held):
+            sink.setdefault((id(value), attr), replace(guard, contents=_PENDING))
 
 
 def _class_attribute(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any

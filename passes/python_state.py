@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .code_reach import holds_state
+
 __all__ = ["DELETED", "MODULE_INTERNALS", "Change", "Snapshot", "python_state_kept"]
 
 _MISSING = object()
@@ -60,9 +62,11 @@ DELETED = object()
 
 
 def _plain_object(value: Any) -> bool:
-    """A user's object whose attributes are state (a dataclass, a namespace, a config)."""
+    """A user's object whose attributes are state (a dataclass, a namespace, a config, a
+    callable schedule of the user's own class)."""
     return (hasattr(value, "__dict__") and not isinstance(value, _OPAQUE)
-            and not callable(value) and not type(value).__module__.startswith("torch"))
+            and (not callable(value) or holds_state(value))
+            and not type(value).__module__.startswith("torch"))
 
 
 @dataclass

@@ -35,7 +35,7 @@ from mbcompile import CaptureError, RecompileWarning
 
 GBS, SYSTEMS, MBS = 7, 2, 2
 EXACT = ["helper_global", "helper_swapped", "global_dict", "closure_factor", "global_counter",
-         "class_attribute",
+         "class_attribute", "global_schedule", "held_schedule",
          "global_log", "helper_writes", "global_generator"]
 
 pytestmark = pytest.mark.filterwarnings("ignore")

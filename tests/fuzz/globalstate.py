@@ -227,3 +227,40 @@ class ClassAttribute(ModuleGlobals):
 
     def mutate(self, root):
         type(self).SCALE = 2.0
+
+
+class Schedule:
+    """A callable object holding its state (a warmup factor): ``SCHEDULE(t)``."""
+
+    def __init__(self) -> None:
+        self.factor = 0.5
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t * self.factor
+
+
+SCHEDULE = Schedule()
+
+
+class GlobalSchedule(ModuleGlobals):
+    """``SCHEDULE(t)``, a module-level callable object; mutate changes its attribute."""
+
+    def forward(self, h, x):
+        return h + SCHEDULE(torch.tanh(self.lin(h))), None, None
+
+    def mutate(self, root):
+        SCHEDULE.factor = 2.0
+
+
+class HeldSchedule(ModuleGlobals):
+    """``self.schedule(t)``, a callable object held in an attribute; mutate changes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.schedule = Schedule()
+
+    def forward(self, h, x):
+        return h + self.schedule(torch.tanh(self.lin(h))), None, None
+
+    def mutate(self, root):
+        self.schedule.factor = 2.0

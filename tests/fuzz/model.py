@@ -107,6 +107,8 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "global_generator": globalstate.GlobalGenerator,  # per-sample noise from a global generator
     "local_generator": globalstate.LocalGenerator,  # a generator made and seeded in forward
     "class_attribute": globalstate.ClassAttribute,  # self.SCALE set on the class
+    "global_schedule": globalstate.GlobalSchedule,  # SCHEDULE(t): a callable object's state
+    "held_schedule": globalstate.HeldSchedule,  # self.schedule(t): the same, an attribute
     # refused: seeding (also imported by name), I/O, Python's and numpy's random numbers
     "global_generator_seed": globalstate.GlobalGeneratorSeed,  # GEN.manual_seed(0)
     "seed_imported": globalstate.SeedImported,  # from torch import manual_seed as ...
