@@ -44,10 +44,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .code_reach import reached_code
 from .custom_functions import refused_in_fx
 from .errors import CaptureError
 from .forward_modes import autocast_regions
 from .fx_tracer import FlatOutputTracer, StateAsProxies, hooks_see_every_use, user_stack
+from .generators import generators_made_refused, generators_of
 from .guards import (
     Guard,
     NumberInput,
@@ -55,6 +57,7 @@ from .guards import (
     numbers_as_inputs,
     read_number,
     recorded_reads,
+    slot_guards,
     unrecorded,
     unwritten,
 )
@@ -225,6 +228,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                 "are traced)")
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         versions = {n: t._version for n, t in state.items()}
+        owned = generators_of(model)  # before fx stores a generator forward made on it
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
         tracer = FlatOutputTracer({id(m): m for n, m in units if n} if units else None,
                                    name)
@@ -235,13 +239,16 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                     prints, numbers_as_inputs(wanted), recorded_reads(
                         model, name, lambda h: _number_input(tracer, numbers, h)) as guards, \
                     refused_in_fx(name), torch.enable_grad(), \
-                    (contextlib.nullcontext() if units else StateAsProxies(tracer, model)):
+                    (contextlib.nullcontext() if units else StateAsProxies(tracer, model)), \
+                    reached_code(model, snapshot.add_slot, name) as reach:
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
                 with unrecorded():  # it copies the root's training flag: not forward's read
                     gm = fx.GraphModule(_with_stand_ins(model, graph, units) if units
                                         else tracer.root, graph, name)
+                generators_made_refused(gm, [*owned, *(s.owner.get(s.key) for s in reach.slots)],
+                                        name)
                 for attr in numbers:
                     del model.__dict__[attr]
                 rebound = snapshot.rebound_slots()
@@ -290,7 +297,8 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
             node.stack_trace = user_stack(node.stack_trace)
     gm.recompile()
     return CaptureResult(gm, tracer.output_spec, concrete_args,
-                         guards=(*unwritten(guards, effects.written), *effects.guards),
+                         guards=(*unwritten((*guards, *slot_guards(reach.slots, name)),
+                                            effects.written), *effects.guards),
                          effects=effects)
 
 

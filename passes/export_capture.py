@@ -56,6 +56,7 @@ import torch.fx._pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from .capture import CaptureResult
+from .code_reach import reached_code
 from .custom_functions import checked_in_export
 from .errors import CaptureError
 from .export_hooks import backward_hooks_refused, tensor_hooks_refused
@@ -66,7 +67,8 @@ from .forward_modes import (
     differentiation_refused,
     inference_mode_as_no_grad,
 )
-from .guards import recorded_reads, unwritten
+from .generators import generators_made_refused, generators_of
+from .guards import recorded_reads, slot_guards, unwritten
 from .keyword_view import keyword_view
 from .output_spec import flatten_output
 from .python_state import python_state_kept
@@ -308,11 +310,13 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         concrete = {n: v for n, v in example.items() if not has_tensor(v)}
         # what forward wrote is read after the inner block has put back its own switches
         with python_state_kept(model, concrete) as snapshot, prints_recorded() as prints:
-            with _cache_off(model, example), recorded_reads(model, name) as guards, \
+            writes: dict[Any, Any] = {}  # export puts back what forward assigned: kept here
+            with _cache_off(model, example), recorded_reads(model, name, writes=writes) as \
+                    guards, \
                     checked_in_export(name), inference_mode_as_no_grad(), \
                     tensor_hooks_refused(name), differentiation_refused(name, fx_error), \
                     losses_read_values_refused(name, fx_error), \
-                    torch.enable_grad():
+                    torch.enable_grad(), reached_code(model, snapshot.add_slot, name) as reach:
                 try:
                     program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
                                                   dynamic_shapes=dynamic, strict=False)
@@ -322,9 +326,10 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                     if not _SPECIALISED.search(str(exc)):
                         raise
                     specialised = exc
-            changes = snapshot.changes()
+            changes = snapshot.changes() + snapshot.unseen_assignments(writes)
         refuse_tensors(changes, prints, name)  # plain values are replayed as they are
         effects = record_effects(changes, prints, name)
+        read = slot_guards(reach.slots, name)  # the globals as the user holds them again
         if specialised is not None:
             program = _read_len_symbolically(model, kwargs, dynamic, example, name)
             if program is None:
@@ -402,5 +407,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     graph.eliminate_dead_code(is_impure_node=_changes_state)
     graph.lint()
     gm = fx.GraphModule(root, graph, type(model).__name__)
-    guards = (*unwritten(guards, effects.written), *effects.guards)
+    generators_made_refused(gm, [*generators_of(model), *(s.owner.get(s.key) for s in reach.slots)],
+                            type(model).__name__)
+    guards = (*unwritten((*guards, *read), effects.written), *effects.guards)
     return CaptureResult(gm, spec, concrete, "export", guards, effects)

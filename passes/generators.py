@@ -36,7 +36,8 @@ from torch.utils import _pytree as pytree
 from .errors import CaptureError
 from .sources import is_library, user_frame
 
-__all__ = ["GeneratorStates", "checkpoint_replaying", "generators_of", "seeding_refused"]
+__all__ = ["GeneratorStates", "checkpoint_replaying", "generators_made_refused", "generators_of",
+           "seeding_refused"]
 
 
 def generators_of(gm: torch.nn.Module) -> tuple[torch.Generator, ...]:
@@ -54,6 +55,24 @@ def generators_of(gm: torch.nn.Module) -> tuple[torch.Generator, ...]:
                     if isinstance(value, torch.Generator):
                         found.setdefault(id(value), value)
     return tuple(found.values())
+
+
+def generators_made_refused(gm: torch.nn.Module, known: Sequence[Any], model_name: str
+                            ) -> None:
+    """A generator the captured graph draws from that is not ``known`` (the model's own,
+    taken before the trace, and the values of the globals and closure variables its code
+    reaches) was made by forward itself (``g = torch.Generator().manual_seed(0)``): the
+    graph keeps the one made at compile time and draws on from it, where eager makes a new
+    one each call. Refused with a ``CaptureError``."""
+    held = {id(v) for v in known}
+    made = [g for g in generators_of(gm) if id(g) not in held]
+    if made:
+        raise CaptureError(
+            f"{model_name}.forward makes a torch.Generator and draws from it; the compiled "
+            "step would keep the one made at compile time and draw on from it, where eager "
+            "makes a new one (and seeds it) on every call. Fix: make the generator in "
+            "__init__ (self.g = torch.Generator().manual_seed(0)) and reseed it outside "
+            "forward, or draw the noise once in __init__ and keep it as a buffer")
 
 
 class GeneratorStates:

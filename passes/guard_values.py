@@ -14,14 +14,16 @@ global by value, a method by the absence of an instance attribute that would sha
 from __future__ import annotations
 
 import enum
+import sys
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-__all__ = ["ATOMS", "fingerprint", "forward_globals", "plain_object", "shadowable_methods"]
+from .code_reach import user_code
+
+__all__ = ["ATOMS", "fingerprint", "plain_object", "shadowable_methods", "user_defined"]
 
 #: compared by value: numbers, strings, flags, None, enum members
 ATOMS = (bool, int, float, str, type(None), enum.Enum)
@@ -92,38 +94,17 @@ def plain_object(value: Any) -> bool:
     return (_KINDS.get(type(value)) or _kind(type(value))) == "object"
 
 
-def _forwards(model: nn.Module) -> Iterator[types.FunctionType]:
-    """The ``forward`` of every module class in ``model`` that is not torch's own, and the
-    methods it calls on ``self`` by name (each function once)."""
-    seen: set[int] = set()
-    for module in model.modules():
-        fn = type(module).forward
-        if getattr(fn, "__code__", None) is None or fn.__module__.startswith("torch.nn"):
-            continue
-        helpers = [getattr(type(module), n, None) for n in fn.__code__.co_names]
-        for f in (fn, *helpers):
-            if isinstance(f, types.FunctionType) and id(f) not in seen:
-                seen.add(id(f))
-                yield f
-
-
-def forward_globals(model: nn.Module) -> list[tuple[dict[str, Any], str, Any]]:
-    """``(globals, name, value)`` of each module-level value a user's forward names that
-    holds a plain value (a number, a flag, an enum member, a tuple of them)."""
-    found = []
-    for fn in _forwards(model):
-        space = fn.__globals__
-        for name in fn.__code__.co_names:
-            value = space.get(name)
-            if name in space and _comparable(value):
-                found.append((space, name, value))
-    return found
-
-
-def _comparable(value: Any) -> bool:
-    if isinstance(value, tuple):
-        return all(_comparable(v) for v in value)
-    return isinstance(value, ATOMS)
+def user_defined(value: Any) -> bool:
+    """A function, class or module of the user's (not torch's or Python's own): a global
+    that forward calls or reads through, guarded by identity."""
+    if isinstance(value, types.FunctionType):
+        return user_code(value.__code__.co_filename)
+    if isinstance(value, types.ModuleType):
+        return user_code(getattr(value, "__file__", None))
+    if isinstance(value, type):
+        module = sys.modules.get(value.__module__)
+        return user_code(getattr(module, "__file__", None))
+    return False
 
 
 def shadowable_methods(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -27,6 +27,8 @@ next call, which reads the new value, compiles again for it.
 from __future__ import annotations
 
 import contextlib
+import io
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -35,11 +37,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .guard_values import ATOMS, fingerprint, forward_globals, plain_object, shadowable_methods
+from .code_reach import holds_state, user_code
+from .errors import CaptureError
+from .guard_values import ATOMS, fingerprint, plain_object, shadowable_methods, user_defined
 from .python_state import MODULE_INTERNALS
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
-           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "unrecorded",
+           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "slot_guards",
+           "unrecorded",
            "unwritten", "written_guard"]
 
 _MISSING = object()
@@ -194,6 +199,10 @@ def _recording(cls: type) -> type:
                     elif isinstance(value, torch.Tensor):  # a tensor kept in a plain attribute:
                         # fx holds it as a constant, so a new one (a replayed write) recompiles
                         sink.setdefault(key, Guard(self, name, value, identity=True))
+                    elif callable(value) and holds_state(value):  # a schedule object
+                        _callable_object(sink, self, name, value)
+                elif name not in own and plain(value) and key not in _LOCAL.written:
+                    _class_attribute(sink, self, name, value)
             return value
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
@@ -201,7 +210,7 @@ def _recording(cls: type) -> type:
             # so later reads see forward's own value and are not guarded; read first
             # (self.calls += 1): the read's guard makes the replayed write exact
             if getattr(_LOCAL, "written", None) is not None:
-                _LOCAL.written.add((id(self), name))
+                _LOCAL.written[(id(self), name)] = (self, name, value)
             super(sub, self).__setattr__(name, value)
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
@@ -212,9 +221,38 @@ def _recording(cls: type) -> type:
     return _RECORDING[cls]
 
 
+def _callable_object(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any
+                     ) -> None:
+    """``self.schedule(t)``, a callable object of the user's (not a plain object, whose
+    fingerprint would be its identity): guarded by identity, and each attribute it holds
+    by value (a plain value) or contents (a container)."""
+    where = f"{type(module).__name__}.{name}"
+    sink.setdefault((id(module), name), Guard(module, name, value, identity=True, where=where))
+    for attr, held in vars(value).items():
+        guard = Guard(value, attr, held, where=f"{where}.{attr}")
+        if plain(held):
+            sink.setdefault((id(value), attr), guard)
+        elif isinstance(held, (dict, list, tuple, set, frozenset)) or plain_object(held):
+            sink.setdefault((id(value), attr), replace(guard, contents=_PENDING))
+
+
+def _class_attribute(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any
+                     ) -> None:
+    """``self.SCALE`` read from the class of the user's that defines it: guarded there, and
+    against an instance attribute that would shadow it."""
+    owner = next((c for c in type(module).__mro__[1:] if name in vars(c)), None)
+    if owner is not None and vars(owner)[name] is value and \
+            user_code(getattr(sys.modules.get(owner.__module__), "__file__", None)):
+        sink.setdefault((id(owner), name), Guard(owner, name, value,
+                                                 where=f"{owner.__name__}.{name}"))
+        sink.setdefault((id(module), name), Guard(module, name, _MISSING, identity=True,
+                                                  where=f"{type(module).__name__}.{name}"))
+
+
 @contextlib.contextmanager
 def recorded_reads(model: nn.Module, model_name: str = "",
-                   as_input: Callable[[NumberInput], Any] | None = None
+                   as_input: Callable[[NumberInput], Any] | None = None,
+                   writes: dict[tuple[int, str], tuple[Any, str, Any]] | None = None
                    ) -> Iterator[list[Guard]]:
     """While the block traces ``model``: record the plain attributes read from its modules.
 
@@ -225,6 +263,8 @@ def recorded_reads(model: nn.Module, model_name: str = "",
     assignment itself, ``python_state.python_state_kept``, and replays it per step.)
     ``as_input``: makes what forward reads instead of a number ``numbers_as_inputs`` names
     (the tracer's proxy of ``read_number(holder)``); each such read is guarded by type.
+    ``writes``: filled with the attributes forward assigned, ``(module, name, last value)``
+    (torch.export puts them back itself before the capture's snapshot can see them).
     """
     modules = list(model.modules())
     classes = [type(m) for m in modules]
@@ -234,11 +274,14 @@ def recorded_reads(model: nn.Module, model_name: str = "",
     guards: list[Guard] = []
     for m, cls in zip(modules, classes):
         m.__class__ = _recording(cls)
-    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = sink, set(), as_input
+    written: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = sink, written, as_input
     try:
         yield guards
     finally:
         _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = outer
+        if writes is not None:
+            writes.update(written)
         for m, cls in zip(modules, classes):
             m.__class__ = cls
         fingerprinted: set[int] = set()  # a config read by every layer: fingerprinted once
@@ -248,12 +291,40 @@ def recorded_reads(model: nn.Module, model_name: str = "",
             elif guard.contents is not None:
                 fingerprinted.add(id(guard.value))
             guards.append(guard)
-        # what forward reads besides its modules' attributes: module-level constants, and the
-        # methods it calls on self (an instance attribute assigned later would shadow one)
-        guards.extend(Guard(space, n, v, item=True, where=f"the global {n}")
-                      for space, n, v in forward_globals(model))
+        # the methods forward calls on self (an instance attribute assigned later would shadow
+        # one); the globals it reads: ``slot_guards``
         guards.extend(Guard(m, n, _MISSING, identity=True, where=f"{type(m).__name__}.{n}")
                       for m, n in shadowable_methods(model))
+
+
+def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
+    """The guards of the globals and closure variables forward's code reached
+    (``code_reach.Slot``: ``owner[key]``), taken as the user holds them: a plain value by
+    value, a container or plain object by its fingerprint (``unwritten`` takes it), a tensor,
+    a generator, a function, class or module of the user's by identity. A file object, a
+    numpy array or a module outside the model are refused: what forward reads of them would
+    be baked in unguarded. Anything else (torch's functions, a logger) is not guarded."""
+    guards = []
+    for slot in slots:
+        value = slot.owner.get(slot.key, _MISSING)
+        if value is _MISSING:
+            continue
+        guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where)
+        if plain(value):
+            guards.append(guard)
+        elif holds_state(value) and not callable(value):
+            guards.append(replace(guard, contents=_PENDING))
+        elif isinstance(value, (torch.Tensor, torch.Generator)) or user_defined(value) or \
+                holds_state(value):  # a callable object's attributes are slots of their own
+            guards.append(replace(guard, identity=True))
+        elif isinstance(value, (io.IOBase, nn.Module)) or \
+                type(value).__module__.startswith("numpy"):  # an array, a numpy generator
+            raise CaptureError(
+                f"{model_name}.forward reads {slot.where}, a {type(value).__name__} that is not "
+                "part of the model; what forward reads of it would be fixed at compile time. "
+                "Fix: make it a submodule or buffer of the model (a module, an array), or "
+                "keep the file outside forward")
+    return guards
 
 
 def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, ...]:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .code_reach import holds_state
+
 __all__ = ["DELETED", "MODULE_INTERNALS", "Change", "Snapshot", "python_state_kept"]
 
 _MISSING = object()
@@ -60,9 +62,11 @@ DELETED = object()
 
 
 def _plain_object(value: Any) -> bool:
-    """A user's object whose attributes are state (a dataclass, a namespace, a config)."""
+    """A user's object whose attributes are state (a dataclass, a namespace, a config, a
+    callable schedule of the user's own class)."""
     return (hasattr(value, "__dict__") and not isinstance(value, _OPAQUE)
-            and not callable(value) and not type(value).__module__.startswith("torch"))
+            and (not callable(value) or holds_state(value))
+            and not type(value).__module__.startswith("torch"))
 
 
 @dataclass
@@ -74,6 +78,8 @@ class Snapshot:
         field(default_factory=list)
     hooks: list[tuple[dict[Any, Any], dict[Any, Any]]] = field(default_factory=list)
     saved: dict[int, tuple[Any, str, Any]] = field(default_factory=dict)  # id -> obj, path, copy
+    #: ``owner[key]`` locations outside the model: globals, closure variables (``add_slot``)
+    slots: list[tuple[Any, Any, Any, str]] = field(default_factory=list)  # owner, key, before, path
 
     def __post_init__(self) -> None:
         for root, obj in self.roots.items():
@@ -115,10 +121,23 @@ class Snapshot:
         for where, item in items:
             self._visit(item, where)
 
+    def add_slot(self, slot: Any, holds_state: bool) -> None:
+        """Record ``slot.owner[slot.key]`` (a global, a closure variable: ``code_reach.Slot``)
+        from now on, and with ``holds_state`` what it holds: forward reaches it by name, not
+        from the model."""
+        before = slot.owner.get(slot.key, DELETED)
+        self.slots.append((slot.owner, slot.key, before, slot.where))
+        if holds_state:
+            self._visit(before, slot.where)
+
     # ------------------------------------------------------------------ comparing
     def changes(self) -> list[Change]:
         """What differs now from the snapshot, attributes first, in a fixed order."""
         found: list[Change] = []
+        for owner, key, before, path in self.slots:
+            now = owner.get(key, DELETED)
+            if not _same(before, now):
+                found.append(Change("item", owner, key, now, path, before))
         for mod, path, own, _ in self.modules:
             found.extend(_mapping_changes("attr", mod, mod.__dict__, own, path,
                                           skip=MODULE_INTERNALS | _torch_caches(mod)))
@@ -142,6 +161,25 @@ class Snapshot:
                 found.extend(_mapping_changes("attr", obj, vars(obj), copy, path))
         return found
 
+    def unseen_assignments(self, writes: Mapping[Any, tuple[Any, str, Any]]) -> list[Change]:
+        """The assignments of plain values forward made to module attributes (``writes``:
+        ``(module, name, value)``, ``guards.recorded_reads``) that the tracer itself already
+        undid (torch.export puts back what it saw set on a module: ``self._step += 1``), as
+        ``changes`` would have listed them."""
+        found: list[Change] = []
+        known = {id(mod): (path, own) for mod, path, own, _ in self.modules}
+        for mod, name, value in writes.values():
+            if id(mod) not in known or name in MODULE_INTERNALS or \
+                    name in _torch_caches(mod) or any(name in s for s in _slots_of(mod)):
+                continue
+            path, own = known[id(mod)]
+            before = own.get(name, DELETED)
+            if mod.__dict__.get(name, DELETED) is before and _plain(value) and \
+                    not _same(before, value):  # a counter, a flag (a tensor: export's own)
+                found.append(Change("attr", mod, name, value,
+                                    ".".join(filter(None, (path, name))), before))
+        return found
+
     def rebound_slots(self) -> list[str]:
         """Parameter, buffer and submodule slots forward assigned (``self.seen = seen + n``
         on a buffer): qualified names."""
@@ -161,6 +199,12 @@ class Snapshot:
             for slots, before in zip(_slots_of(mod), slot_copies):
                 _put_back(slots, before)
             _put_back(mod.__dict__, own)
+        for owner, key, before, _ in reversed(self.slots):
+            if owner.get(key, DELETED) is not before:
+                if before is DELETED:
+                    owner.pop(key, None)
+                else:
+                    owner[key] = before
         for table, before in self.hooks:  # hooks a library installs on its first call
             if table.keys() != before.keys():
                 table.clear()
@@ -180,6 +224,13 @@ class Snapshot:
                     obj.update(copy)
             elif not isinstance(obj, frozenset):
                 _put_back(vars(obj), copy)
+
+
+def _plain(value: Any) -> bool:
+    """A number, string, flag or None, or a tuple of them."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (bool, int, float, str, type(None)))
 
 
 def _same_items(now: dict[Any, Any], before: dict[Any, Any]) -> bool:

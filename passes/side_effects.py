@@ -308,7 +308,8 @@ def record_effects(changes: Sequence[Change], prints: Sequence[_PrintCall], mode
     records: list[Effect] = []
     guards: list[Guard] = []
     for change in changes:
-        what = f"self.{change.where}" if not change.where.startswith("<") else change.where
+        # a module's attribute path, or a place named in full (an argument, a global)
+        what = change.where if change.where.startswith(("<", "the ")) else f"self.{change.where}"
         if change.where.startswith("<argument"):
             raise CaptureError(
                 f"{model_name}.forward writes into {change.where}, an object the caller "
@@ -322,7 +323,8 @@ def record_effects(changes: Sequence[Change], prints: Sequence[_PrintCall], mode
                 "mbcompile cannot replay it exactly. Fix: append to a list (or set a dict "
                 "key) in forward, or change the container outside forward")
         value = None if change.value is DELETED else rec.held(change.value, f"to {what}")
-        if (value is None or not value.traced) and not isinstance(change.owner, nn.Module):
+        if change.kind != "extend" and (value is None or not value.traced) and \
+                not isinstance(change.owner, nn.Module):
             # a plain value written into a container or object may be computed from the one
             # it replaces (a counter in a dict): exact only while that one is as traced
             guards.append(written_guard(change.owner, change.key,

@@ -52,7 +52,8 @@ RECOMPUTED = list(CONSTRUCTS) if _LONG else [
     "ema_param_attr", "input_write", "generator_noise", "generator_shared", "spectral_norm",
     "spectral_norm_legacy", "global_rand", "generator_randperm", "generator_twice",
     "param_hook_linear", "generator_in_place", "global_in_place", "private_counter",
-    "logs_stats"]
+    "logs_stats", "global_counter", "global_log", "helper_writes", "global_generator",
+    "closure_factor"]
 CASES = [(name, combination) for name in CONSTRUCTS for combination in COMBINATIONS
          if combination != "recompute" or name in RECOMPUTED]
 
@@ -117,6 +118,7 @@ TORCH_COMPILE_CASES = [
     Spec(("no_grad_teacher", "tensor_hook_linear", "forward_hook_leaf", "attr_beta"),
          torch_compile=True, coupled=True, num_csx=3, mbs=1, loss="ce"),
     Spec(("generator_noise", "global_rand", "generator_twice"), torch_compile=True, mbs=2),
+    Spec(("global_log", "global_counter", "helper_global"), torch_compile=True, coupled=True),
 ]
 
 
@@ -158,13 +160,41 @@ def specs(draw: Any, torch_compile: bool = _LONG) -> Spec:
 #: F1, a leaf's full backward hook that centres the gradient over the batch, next to a
 #: legacy spectral_norm layer; F5, a leaf's backward hook halving its input's gradient next
 #: to an in-place EMA of a buffer. Both made fx fail and torch.export capture the model,
-#: which traced without the backward hook (``passes/export_hooks.py`` refuses that now).
+#: which traced without the backward hook (``passes/export_hooks.py`` refuses that now);
+#: F8, a private counter next to a hook on the model itself, which sends the capture to
+#: torch.export: export put back ``self._step`` before the snapshot saw it move, and it
+#: stayed 0 (``Snapshot.unseen_assignments`` replays it now).
 FOUND = {
     "F1": Spec(("spectral_norm_legacy", "backward_hook_mixing"), gbs=9, mbs=2, loss="ce",
                seed=2),
     "F5": Spec(("hook_added_leaf", "backward_hook_leaf", "ema_center_before"), gbs=8, mbs=7,
                loss="ce", extras=("view_slice", "view_t"), coupled=True, example_batch=3),
+    "F8": Spec(("private_counter", "root_forward_hook"), gbs=5, num_csx=1, mbs=1),
 }
+
+
+#: every construct under every combination, torch_compile included (``-m zoo``: minutes)
+SWEEP = {**COMBINATIONS, "torch_compile": lambda name: Spec((name,), torch_compile=True)}
+
+
+@pytest.mark.slow
+@pytest.mark.zoo
+@pytest.mark.parametrize("combination", list(SWEEP))
+@pytest.mark.parametrize("construct", list(CONSTRUCTS))
+def test_every_construct_under_every_combination(construct, combination):
+    assert_ok(SWEEP[combination](construct))
+
+
+def test_the_fuzzer_reports_what_it_covers():
+    """What it runs, printed (``-s``): constructs, and the combinations of each test."""
+    counts = {"constructs": len(CONSTRUCTS), "extras": len(EXTRAS),
+              "construct cases in CI": len(CASES), "extra-output cases": 2 * len(EXTRAS),
+              "torch_compile cases (slow)": len(TORCH_COMPILE_CASES), "found": len(FOUND),
+              "random combinations": _EXAMPLES,
+              "full sweep (-m zoo)": len(CONSTRUCTS) * len(SWEEP)}
+    print("forward fuzzer:", ", ".join(f"{v} {k}" for k, v in counts.items()))
+    assert {n for n, _ in CASES} == set(CONSTRUCTS)  # every construct split and two-phase
+    assert all((n, c) in CASES for n in CONSTRUCTS for c in ("split", "two_phase"))
 
 
 @pytest.mark.parametrize("name", FOUND)

@@ -242,3 +242,48 @@ def test_seeding_in_forward_is_refused_with_nothing_changed(how):
         assert "test_rng.py" in str(info.value)  # the line that seeds
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(model.g.get_state(), g)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+
+
+class Dropped(nn.Module):
+    """Dropout (p = 0.5) in the body: the draws each microbatch makes there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (F.mse_loss(self.b(F.dropout(torch.tanh(self.a(x)), 0.5, self.training)), y),)
+
+
+@pytest.mark.slow
+def test_a_failed_joint_graph_leaves_the_draws_to_the_step_that_reruns():
+    """With ``torch_compile``, the joint graph fails at the second microbatch and the step
+    reruns the autograd way: the first microbatch's draws are made again from the same
+    state, so the step draws what a step run the autograd way from the start draws (the
+    same gradients, bitwise, and the same global RNG state after it), not twice."""
+    torch.manual_seed(0)
+    model = Dropped().to(DTYPE)
+    cm = _compile(model, torch_compile={"backend": "aot_eager"})
+    joint = cm._compiled().channels.config.joint
+    runs = []
+    for broken in (True, False):  # the autograd way from the start; after a failed attempt
+        tries: list[int] = []
+        real = joint._step
+
+        def failing(*args: Any, tries: list[int] = tries, real: Any = real) -> Any:
+            tries.append(1)
+            if len(tries) == 2:
+                raise RuntimeError("no joint graph for this op")
+            return real(*args)
+
+        joint.broken, joint._step = ("forced" if broken else None), failing
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out, grads, rng = _step(cm, model, seed=5)
+        joint._step = real
+        assert len(tries) == (0 if broken else 2)
+        runs.append((out, grads, rng))
+    (out_a, grads_a, rng_a), (out_b, grads_b, rng_b) = runs
+    assert torch.equal(rng_a, rng_b)
+    assert torch.equal(out_a[0].detach(), out_b[0].detach())
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)

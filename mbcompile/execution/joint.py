@@ -42,7 +42,7 @@ from torch.nn.modules import module as module_globals
 from torch.utils import _pytree as pytree
 
 from mbcompile.execution.step_checks import StepChecks
-from mbcompile.passes.generators import checkpoint_replaying
+from mbcompile.passes.generators import checkpoint_replaying, generators_of
 from mbcompile.passes.ops import TensorHook, as_tuple
 from mbcompile.passes.penalties import takes_gradients
 
@@ -87,6 +87,7 @@ class JointStep:
                             if isinstance(m, torch.nn.modules.batchnorm._NormBase))
         self._step = torch.compile(_own_code(self, JointStep._step_impl), **options)
         self._facts: dict[tuple[str, ...], MetaFacts | None] = {}
+        self.generators = generators_of(body)  # the model's own the body draws from
 
     def names(self, params: Sequence[torch.Tensor]) -> tuple[str, ...]:
         return tuple(self._names[id(p)] for p in params)

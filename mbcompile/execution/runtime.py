@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from mbcompile.execution.handover import FusedStep, hand_over, hooks_aside
 from mbcompile.execution.live_hooks import UncheckedHookError, in_step
 from mbcompile.execution.noise import NoiseScale
+from mbcompile.execution.replay import RngStates
 from mbcompile.execution.seeding import Seed
 from mbcompile.execution.step_checks import StepChecks, read_host
 from mbcompile.execution.step_config import StepConfig
@@ -215,11 +216,13 @@ class _Loop:
         facts = joint.facts(names, params, self.fused_index, self.microbatches[0])
         if facts is None or not any(facts.reached):
             return self._run_autograd(params)
+        drawn = RngStates(self.microbatches[0], joint.generators)
         try:
             return joint.run(self, names, facts, params)
         except Exception as exc:  # noqa: BLE001  (the autograd path says what is wrong)
             # only its text: the exception's frames hold the failed attempt's tensors
             failed = f"{type(exc).__name__}: {exc}"
+        drawn.restore()  # the microbatches the failed attempt ran drew: eager draws once
         # The joint graph failed (nothing was kept: its gradients were the step's own).
         # Run the step the autograd way: if the model is at fault, that raises the
         # model's error as usual, and the joint graph stays for the next step; if only

@@ -2,8 +2,11 @@
 ``tests/test_forward_fuzz.py``.
 
 Files: ``base`` (tolerances, ``Construct``), the constructs by kind (``modes``, ``hooks``,
-``state``, ``pystate``, ``rng``), ``model`` (the table ``CONSTRUCTS``, ``Spec``,
-``FuzzNet``), ``oracle`` (``check``, ``assert_ok``).
+``state``, ``pystate``, ``rng``, ``globalstate``: module globals, another module's
+(``global_helpers``), closures, class attributes, callable objects, and the calls no step
+can replay), ``fresh`` (a fresh copy of a module per construct, so that the compiled model
+and its eager reference never share a global), ``model`` (the table ``CONSTRUCTS``,
+``Spec``, ``FuzzNet``), ``oracle`` (``check``, ``assert_ok``).
 
 A forward does more than its ops (DESIGN.md, "Forward-time semantics and guards"):
 it switches grad mode, enters autocast regions, registers tensor hooks, runs module
@@ -30,8 +33,9 @@ The oracle, per example (``check(spec)``):
   Python numbers equal), every ``.grad`` (``None`` exactly where eager's is), every
   buffer and parameter value, every parameter still a leaf (and the same object),
   the inputs as the forward left them, each model-owned generator's state, the
-  global RNG state and every module's Python state (attributes of any name holding
-  numbers, flags, enums, containers, tensors or a config object: ``oracle.python_state``).
+  global RNG state, Python's and numpy's, every module's Python state (attributes of any
+  name holding numbers, flags, enums, containers, tensors or a config object:
+  ``oracle.python_state``) and the module globals of each ``globalstate`` construct.
   Values to 1e-10 relative in float64; with an autocast construct,
   to bf16 rounding (``BF16_REL``).
 - then a plain SGD step on both, the Python state the constructs read is changed on

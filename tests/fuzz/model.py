@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import base, hooks, modes, pystate, rng, state
+from . import base, globalstate, hooks, modes, pystate, rng, state
 from .base import (
     DTYPE,
     WIDTH,
@@ -99,6 +99,27 @@ CONSTRUCTS: dict[str, type[Construct]] = {
     "post_accumulate_hook": rng.PostAccumulateHook,  # p.grad.mul_(0.5) once per step
     "hook_writes_data": rng.HookWritesData,  # forward hook: weight.data.mul_(0.9)
     "hook_in_place_output": rng.HookInPlaceOutput,  # forward hook: out.mul_(0.5)
+    # module-level state (globalstate.py: each block has globals of its own)
+    "helper_global": globalstate.HelperGlobal,  # helpers.scaled reads another module's SCALE
+    "helper_swapped": globalstate.HelperSwapped,  # helpers.activation rebound after compile
+    "global_dict": globalstate.GlobalDict,  # SETTINGS["scale"], if SETTINGS["hard"]
+    "closure_factor": globalstate.ClosureFactor,  # a closure's variable, set by nonlocal
+    "global_counter": globalstate.GlobalCounter,  # global CALLS; CALLS += 1, read after
+    "global_log": globalstate.GlobalLog,  # LOG.append(...), STATS.calls += 1, STATS.last = ...
+    "helper_writes": globalstate.HelperWrites,  # another module's COUNT += 1, LAST = ...
+    "global_generator": globalstate.GlobalGenerator,  # per-sample noise from a global generator
+    "local_generator": globalstate.LocalGenerator,  # a generator made and seeded in forward
+    "class_attribute": globalstate.ClassAttribute,  # self.SCALE set on the class
+    "global_schedule": globalstate.GlobalSchedule,  # SCHEDULE(t): a callable object's state
+    "held_schedule": globalstate.HeldSchedule,  # self.schedule(t): the same, an attribute
+    # refused: seeding (also imported by name), I/O, Python's and numpy's random numbers
+    "global_generator_seed": globalstate.GlobalGeneratorSeed,  # GEN.manual_seed(0)
+    "seed_imported": globalstate.SeedImported,  # from torch import manual_seed as ...
+    "fork_rng_imported": globalstate.ForkRngImported,  # from torch.random import fork_rng
+    "rng_state_read": globalstate.RngStateRead,  # self.state = torch.get_rng_state()
+    "file_write": globalstate.FileWrite,  # open(...).write(...)
+    "python_random": globalstate.PythonRandom,  # random.random()
+    "numpy_random": globalstate.NumpyRandom,  # np.random.rand()
 }
 
 

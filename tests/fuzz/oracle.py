@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import enum
 import math
+import random
 import traceback
 import types
 import warnings
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 from models import (
@@ -75,6 +77,8 @@ def state_of(model: nn.Module) -> dict[str, Any]:
                   "_backward_pre_hooks"):
             out[f"module {n or 'root'} {k}"] = tuple(getattr(m, k).items())
         out[f"module {n or 'root'} attributes"] = _python_attrs(m)
+        if hasattr(m, "module_state"):  # globalstate.py: globals of its own
+            out[f"module {n or 'root'} globals"] = m.module_state()
         for k, v in vars(m).items():
             if isinstance(v, torch.Generator):
                 out[f"generator {n}.{k}"] = v.get_state()
@@ -118,6 +122,7 @@ class _Run:
     grads: dict[str, torch.Tensor | None]
     inputs: tuple[torch.Tensor, ...]
     rng: torch.Tensor
+    other_rngs: tuple[Any, Any]  # Python's and numpy's global generators
 
 
 def _run(module: nn.Module, call: Any, inputs: tuple[torch.Tensor, ...], seed: int) -> _Run:
@@ -126,10 +131,13 @@ def _run(module: nn.Module, call: Any, inputs: tuple[torch.Tensor, ...], seed: i
     module.zero_grad(set_to_none=True)
     args = _clone(inputs)
     torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
     out = call(*args)
     leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     leaves[0].backward()
-    return _Run(out, grads_of(module), args, torch.get_rng_state())
+    return _Run(out, grads_of(module), args, torch.get_rng_state(),
+                (random.getstate(), np.random.get_state()[1].tolist()))
 
 
 def _output_errors(got: Any, want: Any, scale: float) -> dict[str, float]:
@@ -191,6 +199,8 @@ def step_errors(model: nn.Module, cm: Any, ref: nn.Module, inputs: tuple[torch.T
             errors[f"generator {n} state differs"] = math.inf
     if not torch.equal(got.rng, want.rng):
         errors["global RNG state after the step differs"] = math.inf
+    if got.other_rngs != want.other_rngs:
+        errors["Python's or numpy's RNG state after the step differs"] = math.inf
     unchecked = {f"blocks.{i}.{name}" for i, block in enumerate(model.blocks)
                  for name in block.unchecked_state}
     want_state = {k: v for k, v in python_state(ref).items() if k not in unchecked}
@@ -220,6 +230,8 @@ def python_state(model: nn.Module) -> dict[str, Any]:
                 out[f"{n or 'root'}.{k}"] = v
             elif is_dataclass(v) or isinstance(v, types.SimpleNamespace):
                 out[f"{n or 'root'}.{k}"] = dict(vars(v))
+        if hasattr(m, "module_state"):  # globalstate.py: module globals of its own
+            out.update((f"{n} global {k}", v) for k, v in m.module_state().items())
     return out
 
 

@@ -1,0 +1,410 @@
+"""What forward's Python reaches beyond its modules: globals, other modules, closures.
+
+Tracing runs forward once; a global it reads (``SCALE * h``, ``helpers.scaled(h)`` reading
+another module's ``SCALE``, ``SETTINGS["hard"]``, a closure's variable) is baked into the
+graph, and a global it writes (``LOG.append(...)``, ``global CALLS; CALLS += 1``,
+``helpers.COUNT = ...``) is written once, at compile time. Like dynamo, which follows the
+functions forward calls, ``reached_code`` walks the code objects of the user's code that
+forward can reach (every module's ``forward``, the methods it names on ``self``, its hooks,
+the functions, classes and modules it names, their closures, recursively; torch's,
+mbcompile's, Python's own and installed packages' code is not entered) and takes each
+global and closure variable they name as a ``Slot``: recorded by the capture's ``Snapshot``
+before the trace (so a write is put back, then replayed once per step: ``side_effects.py``)
+and guarded after it (``guards.slot_guards``). A walk of the code, not of one run, so a
+global read in a branch not taken is guarded too (a change compiles again, needlessly but
+exactly).
+
+Calls whose effect cannot happen once per step later are refused, changing nothing: a
+file opened (at the call), a draw of Python's or numpy's global random numbers (found by
+their state, which is put back), and, where the walk found the code naming one, the clock
+read or a torch generator seeded or its state read through a name the code holds
+(``from torch import manual_seed``, ``GEN.manual_seed(0)``), found as the trace makes the
+call (``torch.manual_seed`` itself: ``generators.seeding_refused``).
+
+Before::
+
+    def forward(self, x):                  # helpers.py: def scaled(h): return h * SCALE
+        LOG.append(x.detach().sum())
+        return helpers.scaled(self.lin(x))
+
+Slots (``Reach.slots``): ``(globals of forward's module, "LOG")``, ``(…, "helpers")``,
+``(helpers.__dict__, "scaled")``, ``(globals of helpers.py, "SCALE")``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dis
+import io
+import os
+import random
+import sys
+import sysconfig
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .errors import CaptureError
+from .sources import is_library, user_frame
+
+__all__ = ["Cell", "Reach", "Slot", "holds_state", "reached_code", "user_code"]
+
+#: Python's own modules, and installed packages (site-packages: transformers), whose code is
+#: a library's: their module-level values are taken as constants (docs/limits.md)
+_NOT_USERS = tuple({os.path.dirname(os.path.abspath(os.__file__)) + os.sep,
+                    *(os.path.abspath(sysconfig.get_paths()[k]) + os.sep
+                      for k in ("purelib", "platlib"))})
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
+_ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"})
+_MAX_CODES = 5_000  # code objects walked per capture at most: a package is not walked whole
+
+
+def user_code(path: str | None) -> bool:
+    """A file of the user's, not torch's, mbcompile's, Python's own or an installed
+    package's."""
+    if not path:
+        return False
+    found = _USER.get(path)
+    if found is None:
+        found = _USER[path] = not is_library(path) and \
+            not os.path.abspath(path).startswith(_NOT_USERS)
+    return found
+
+
+_USER: dict[str, bool] = {}
+
+
+class Cell:
+    """A closure variable as a one-key mapping (``name`` -> its value), so that a guard reads
+    it and a replayed write sets it as a dict's item."""
+
+    __slots__ = ("cell", "name")
+
+    def __init__(self, cell: types.CellType, name: str) -> None:
+        self.cell, self.name = cell, name
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # not yet bound
+            return default
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.cell.cell_contents = value
+
+    def pop(self, key: str, default: Any = None) -> Any:
+        value = self.get(key, default)
+        with contextlib.suppress(ValueError):
+            del self.cell.cell_contents
+        return value
+
+
+@dataclass(frozen=True)
+class Slot:
+    """``owner[key]``: a module's globals (or a module object's ``__dict__``) and a name, or
+    a ``Cell``; ``where`` names it in messages."""
+
+    owner: Any
+    key: str
+    where: str
+
+
+def holds_state(value: Any) -> bool:
+    """Whether what ``value`` holds is the user's state, looked into (a container, a
+    namespace, an object of the user's class), not a library's object (a logger)."""
+    if isinstance(value, (dict, list, tuple, set, frozenset, types.SimpleNamespace)):
+        return True
+    return not isinstance(value, (types.FunctionType, types.ModuleType)) and \
+        _user_instance(value)
+
+
+def _user_instance(value: Any) -> bool:
+    kind = type(value)
+    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
+            and user_code(getattr(sys.modules.get(kind.__module__), "__file__", None)))
+
+
+def _user_function(value: Any) -> bool:
+    return isinstance(value, types.FunctionType) and user_code(value.__code__.co_filename)
+
+
+@dataclass(frozen=True)
+class _Code:
+    """One code object's names: globals (read or written), attribute chains on a global
+    (``helpers.scaled`` -> ``("helpers", "scaled")``), attribute names, inner code."""
+
+    globals: tuple[str, ...]
+    chains: tuple[tuple[str, ...], ...]
+    attributes: tuple[str, ...]
+    inner: tuple[types.CodeType, ...]
+
+
+_CODES: dict[types.CodeType, _Code] = {}
+
+
+def _code(code: types.CodeType) -> _Code:
+    """``code``'s names, worked out once per code object."""
+    info = _CODES.get(code)
+    if info is None:
+        names, chains, chain = [], [], None
+        for ins in dis.get_instructions(code):
+            if ins.opname == "LOAD_GLOBAL":
+                chain = [ins.argval]
+                chains.append(chain)
+            elif ins.opname in _ATTR_OPS and chain is not None:
+                chain.append(ins.argval)
+            elif ins.opname not in ("COPY", "CACHE"):
+                chain = None
+            if ins.opname in _GLOBAL_OPS:
+                names.append(ins.argval)
+        info = _CODES[code] = _Code(
+            tuple(dict.fromkeys(names)), tuple(dict.fromkeys(tuple(c) for c in chains)),
+            tuple(code.co_names), tuple(c for c in code.co_consts if isinstance(c, types.CodeType)))
+    return info
+
+
+#: what forward cannot call: it would happen once, at compile time, and never in a step
+_RNG = {torch.random.manual_seed: "seeds a random generator (torch.manual_seed)",
+        torch.random.seed: "seeds a random generator (torch.seed)",
+        torch.random.set_rng_state: "seeds a random generator (torch.set_rng_state)",
+        torch.random.get_rng_state: "reads a random generator's state (torch.get_rng_state)",
+        torch.random.fork_rng: "seeds a random generator (fork_rng)"}
+_REFUSED: dict[int, str] = {
+    **{id(f): what for f, what in _RNG.items()},
+    **{id(f): "reads the clock" for f in (time.time, time.time_ns, time.perf_counter,
+                                         time.perf_counter_ns, time.monotonic,
+                                         time.monotonic_ns, time.process_time)}}
+_GENERATOR_METHODS = frozenset({"manual_seed", "seed", "set_state", "get_state"})
+
+
+def _refused(value: Any) -> str | None:
+    """Why forward cannot call ``value`` (None: it can)."""
+    what = _REFUSED.get(id(value))
+    if what is None and isinstance(getattr(value, "__self__", None), torch.Generator) and \
+            getattr(value, "__name__", "") in _GENERATOR_METHODS:
+        kind = "reads" if value.__name__ == "get_state" else "seeds"
+        what = f"{kind} a random generator (a torch.Generator's {value.__name__})"
+    return what
+
+
+@dataclass
+class Reach:
+    """What the walk reached: ``slots`` in the order met (each once); ``refused``: the calls
+    made that cannot be replayed, with their places."""
+
+    add_slot: Callable[[Slot, bool], None]  # the snapshot's: record it before the trace
+    slots: list[Slot] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    suspects: bool = False  # the code names a call that cannot be replayed (``_refused``)
+    _seen: set[tuple[int, str]] = field(default_factory=set)
+    _walked: set[tuple[int, int, int]] = field(default_factory=set)  # code, globals, closure
+
+    def slot(self, owner: Any, key: str, where: str) -> Any:
+        """Record ``owner[key]`` once; its value (or None, absent)."""
+        value = owner.get(key, None)
+        if (id(owner), key) not in self._seen:
+            self._seen.add((id(owner), key))
+            slot = Slot(owner, key, where)
+            self.slots.append(slot)
+            self.add_slot(slot, holds_state(value))
+        return value
+
+    def walk(self, code: types.CodeType, space: dict[str, Any], closure: Any = None) -> None:
+        """The globals ``code`` names in ``space``, and what they lead to."""
+        key = (id(code), id(space), id(closure))
+        if key in self._walked or len(self._walked) >= _MAX_CODES or \
+                not user_code(code.co_filename):
+            return
+        self._walked.add(key)
+        info = _code(code)
+        for name, cell in zip(code.co_freevars, closure or ()):
+            self.value(self.slot(Cell(cell, name), name,
+                                 f"the variable {name} of {code.co_qualname}"), code)
+        for name in info.globals:
+            where = f"the global {name}"
+            self.value(self.slot(space, name, where) if name in space or name not in
+                       vars(builtins) else vars(builtins)[name], code, info, where)
+        for chain in info.chains:
+            self.chain(space, chain, code)
+        for inner in info.inner:
+            self.walk(inner, space)
+
+    def chain(self, space: dict[str, Any], chain: tuple[str, ...], code: types.CodeType) -> None:
+        """``a.b.c`` from a global: a slot for each attribute of a module of the user's,
+        and what a chain's end leads to (a function called, a generator's method)."""
+        value, where = space.get(chain[0], vars(builtins).get(chain[0])), chain[0]
+        for attr in chain[1:]:
+            where = f"{where}.{attr}"
+            if isinstance(value, types.ModuleType) and \
+                    user_code(getattr(value, "__file__", None)):
+                value = self.slot(vars(value), attr, f"the global {where}")
+            else:
+                value = getattr(value, attr, None) if not isinstance(value, nn.Module) else None
+            self.value(value, code, where=where)
+
+    def value(self, value: Any, code: types.CodeType, info: _Code | None = None,
+              where: str = "") -> None:
+        """What a name leads to: a function's code (and closure), a class's methods, a
+        module's attributes this code names, a callable object's attributes."""
+        if _refused(value) is not None:
+            self.suspects = True  # named: the trace is watched for the call itself
+        elif _user_function(value):
+            self.walk(value.__code__, value.__globals__, value.__closure__)
+        elif isinstance(value, type) and user_code(
+                getattr(sys.modules.get(value.__module__), "__file__", None)) and \
+                not issubclass(value, nn.Module):  # a module's forward is walked as one
+            for member in vars(value).values():
+                fn = getattr(member, "__func__", member)  # static and class methods
+                if _user_function(fn):
+                    self.walk(fn.__code__, fn.__globals__, fn.__closure__)
+        elif callable(value) and _user_instance(value):  # a schedule object: its attributes
+            for name in list(vars(value)):                # are slots, its methods walked
+                self.slot(vars(value), name, f"{where or 'an object'}.{name}")
+            self.value(type(value), code)
+        elif isinstance(value, types.ModuleType) and info is not None and \
+                user_code(getattr(value, "__file__", None)):
+            for attr in info.attributes:  # over-approximated: any attribute name the code uses
+                if attr in vars(value):
+                    self.value(self.slot(vars(value), attr,
+                                         f"the global {value.__name__}.{attr}"), code)
+
+
+def _roots(model: nn.Module) -> Iterator[Callable[..., Any]]:
+    """The functions forward starts from: each module's ``forward``, the methods its code
+    names on the class, the functions it holds in attributes, and its hooks."""
+    for module in model.modules():
+        kind = type(module)
+        forward = getattr(kind.forward, "__func__", kind.forward)
+        if _user_function(forward):
+            yield forward
+            for name in forward.__code__.co_names:
+                member = getattr(kind, name, None)
+                yield getattr(member, "__func__", member)
+        for key, value in vars(module).items():
+            if "hook" in key and isinstance(value, dict):
+                yield from value.values()
+            elif isinstance(value, types.FunctionType):
+                yield value
+            elif callable(value) and _user_instance(value):  # a schedule object it calls
+                yield from (f for f in vars(type(value)).values()
+                            if isinstance(f, types.FunctionType))
+    for hooks in (nn.modules.module._global_forward_hooks,
+                  nn.modules.module._global_forward_pre_hooks):
+        yield from hooks.values()
+
+
+def _other_rngs() -> list[tuple[str, Callable[[Any], Any], Any]]:
+    """Python's and numpy's global generators: (name, how to set the state, the state)."""
+    found: list[tuple[str, Callable[[Any], Any], Any]] = [
+        ("Python's random module", random.setstate, random.getstate())]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        found.append(("numpy's random generator", numpy.random.set_state,
+                      numpy.random.get_state()))
+    return found
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)  # Python's state: a tuple of numbers, compared in C
+    except ValueError:  # numpy's holds an array: an array of answers
+        return len(a) == len(b) and all(
+            bool((x == y).all()) if hasattr(x, "all") else x == y for x, y in zip(a, b))
+
+
+@contextlib.contextmanager
+def _open_refused(reach: Reach) -> Iterator[None]:
+    """``open`` called from the user's code while the block runs: refused before it opens
+    (torch's and Python's own calls, reading source lines for a stack trace, go through)."""
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_code.co_filename
+        if user_code(caller):
+            where = user_frame(traceback.extract_stack()[:-1])
+            reach.refused.append(f"opens a file at {where}")
+            raise CaptureError(f"forward opens a file at {where}")
+        return _OPEN(*args, **kwargs)
+
+    builtins.open = io.open = refusing  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        builtins.open = io.open = _OPEN  # type: ignore[assignment]
+
+
+_OPEN = io.open
+
+
+@contextlib.contextmanager
+def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str
+                 ) -> Iterator[Reach]:
+    """Walk the user's code ``model``'s forward reaches, handing each slot to ``add_slot``
+    (before the block, a capture's trace, runs), and watch the block: a file opened, a draw
+    of Python's or numpy's global random numbers, and (where the walk found the code naming
+    one) a call of ``_refused`` are refused; nothing is changed by a refusal."""
+    reach = Reach(add_slot)
+    for fn in _roots(model):
+        fn = getattr(fn, "func", fn)  # functools.partial
+        fn = getattr(fn, "__func__", fn)  # a bound method
+        if _user_function(fn):
+            reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
+    states = _other_rngs()
+    try:
+        with _open_refused(reach), _calls_watched(reach) if reach.suspects else \
+                contextlib.nullcontext():
+            yield reach
+    except Exception:  # a refusal raised in forward, as the trace passed it on (or wrapped it)
+        if not reach.refused:
+            raise
+    finally:
+        for (name, setter, before), (_, _, now) in zip(states, _other_rngs()):
+            if not _same_state(before, now):  # drawn in forward: put back, and refuse
+                setter(before)
+                reach.refused.append(f"draws from {name}")
+    if reach.refused:
+        _refuse(model_name, reach.refused[0])
+
+
+#: the Python functions among ``_RNG`` (``fork_rng``: its generator's code), as a frame runs them
+_RNG_CODES = {getattr(f, "__wrapped__", f).__code__: what for f, what in _RNG.items()}
+
+
+@contextlib.contextmanager
+def _calls_watched(reach: Reach) -> Iterator[None]:
+    """While the block runs, a call of ``_refused`` made from the user's code is refused
+    before it runs (``sys.setprofile``: slow, so only where the walk found one named)."""
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "c_call":
+            what, caller = _refused(arg), frame
+        elif event == "call" and frame.f_code in _RNG_CODES:
+            what, caller = _RNG_CODES[frame.f_code], frame.f_back
+            while caller is not None and not user_code(caller.f_code.co_filename) and \
+                    caller.f_code.co_filename == contextlib.__file__:  # fork_rng's __enter__
+                caller = caller.f_back
+        else:
+            return
+        if what is not None and caller is not None and user_code(caller.f_code.co_filename):
+            where = user_frame(traceback.extract_stack(caller))
+            reach.refused.append(f"{what} at {where}")
+            raise CaptureError(f"forward {what} at {where}")
+
+    outer = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(outer)
+
+
+def _refuse(model_name: str, what: str) -> None:
+    raise CaptureError(
+        f"{model_name}.forward {what}; capture runs forward once, at compile time, so that "
+        "call would happen once, there, and never in a step, where eager makes it on every "
+        "call. Fix: make it outside forward (in the training loop), or pass its result in "
+        "as an input; nothing was changed")
