@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import CostModelError, CostModelWarning
@@ -37,7 +38,6 @@ from mbcompile.planning.systems import SystemSpec
 from mbcompile.planning.two_phase_cost import TwoPhaseCostModel
 
 if TYPE_CHECKING:  # the compiled module imports this module
-    from mbcompile.compiled_module import CompiledModule
     from mbcompile.lowering import Lowered
     from mbcompile.request import Request
     from mbcompile.selection import Selection
@@ -229,7 +229,7 @@ def split_selection(selection: Selection, split: CallSplit, mbs: int, length: in
     return dataclasses.replace(selection, plan=new, estimate=estimate, exploration=None)
 
 
-def for_length(cm: CompiledModule, values: Sequence[Any]) -> CompiledModule:
+def for_length(cm: nn.Module, values: Sequence[Any]) -> nn.Module:
     """The module that runs ``cm``'s call of ``values`` (its inputs in placeholder order):
     ``cm`` itself where the call's length chooses ``cm``'s own MBS, else the module lowered
     for that MBS (once: ``Recompile.split``); ``cm.plan`` then shows it, at this length."""
@@ -256,7 +256,7 @@ def for_length(cm: CompiledModule, values: Sequence[Any]) -> CompiledModule:
     return target
 
 
-def last_run(cm: CompiledModule) -> tuple[CompiledModule, CallSplit | None, int | None]:
+def last_run(cm: nn.Module) -> tuple[nn.Module, CallSplit | None, int | None]:
     """The module whose plan the last call of ``cm`` showed (through the variants a call
     went on to: other keywords, a length made symbolic), the ``CallSplit`` that says how
     the split follows the length, and the last call's length (None: not known). A call at

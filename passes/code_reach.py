@@ -181,12 +181,18 @@ _REFUSED: dict[int, str] = {
     **{id(f): "reads the clock" for f in (time.time, time.time_ns, time.perf_counter,
                                          time.perf_counter_ns, time.monotonic,
                                          time.monotonic_ns, time.process_time)}}
+_RNG_NAMES = {(f.__module__, f.__name__): what for f, what in _RNG.items()}
 _GENERATOR_METHODS = frozenset({"manual_seed", "seed", "set_state", "get_state"})
 
 
 def _refused(value: Any) -> str | None:
     """Why forward cannot call ``value`` (None: it can)."""
     what = _REFUSED.get(id(value))
+    if what is None and callable(value):
+        # by name too: a wrapper of torch.manual_seed (a test's or a library's patch)
+        # is another object than the one this table was built from
+        what = _RNG_NAMES.get((getattr(value, "__module__", None),
+                               getattr(value, "__name__", None)))
     if what is None and isinstance(getattr(value, "__self__", None), torch.Generator) and \
             getattr(value, "__name__", "") in _GENERATOR_METHODS:
         kind = "reads" if value.__name__ == "get_state" else "seeds"
