@@ -49,7 +49,6 @@ lets that timing choose, and without ``measure`` the plan never depends on it.
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -73,6 +72,7 @@ from mbcompile.planning.plan import (
     plan_for,
     split_evenly,
 )
+from mbcompile.planning.progress import progress_bar
 from mbcompile.planning.systems import SystemSpec
 from mbcompile.planning.tie_break import AUTO_TIE_TOLERANCE, measured_tie
 
@@ -82,36 +82,6 @@ __all__ = ["AUTO_TIME_TOLERANCE", "SYNCS", "Selector", "select_plan", "select_sh
 #: fraction of the best it evaluated.
 AUTO_TIME_TOLERANCE = 0.02
 _INV_PHI = (5**0.5 - 1) / 2
-#: Show a progress bar (on a terminal) when more than this many candidates need
-#: real measurement or an exact probe each.
-PROGRESS_THRESHOLD = 4
-
-
-def _progress(total: int, show: bool | None) -> Any:
-    """A rich progress bar on stderr, or a disabled one.
-
-    ``show=None``: only for more than ``PROGRESS_THRESHOLD`` items and on a
-    terminal (it then vanishes when done); ``True``: always, and it stays (logs).
-    """
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    forced = show is True
-    if show is None:
-        show = total > PROGRESS_THRESHOLD and sys.stderr.isatty()
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=Console(stderr=True, force_terminal=forced or None),
-                    transient=not forced, disable=not show)
-
-
 class Selector:
     """Evaluates candidate MBS values of one (model, per-system batch sizes, system).
 
@@ -166,7 +136,7 @@ class Selector:
     def _evaluate_all(self, values: Sequence[int], what: str) -> list[Candidate]:
         slow = self.timer is not None or not self.cost.fitted
         out = []
-        with _progress(len(values), self.progress if (slow or self.progress) else False) as bar:
+        with progress_bar(len(values), self.progress if (slow or self.progress) else False) as bar:
             task = bar.add_task(what, total=len(values))
             for m in values:
                 out.append(self.evaluate(m))
