@@ -282,9 +282,12 @@ class Reach:
                                          f"the global {value.__name__}.{attr}"), code)
 
 
-def _roots(model: nn.Module) -> Iterator[Callable[..., Any]]:
+def _roots(model: nn.Module, live: Callable[[nn.Module], bool] | None
+           ) -> Iterator[Callable[..., Any]]:
     """The functions forward starts from: each module's ``forward``, the methods its code
-    names on the class, the functions it holds in attributes, and its hooks."""
+    names on the class, the functions it holds in attributes, and its hooks (but not those
+    of a module ``live`` names, a layer the graph calls as one node: its hooks run at each
+    call, reading their state then, not at compile time)."""
     for module in model.modules():
         kind = type(module)
         forward = getattr(kind.forward, "__func__", kind.forward)
@@ -295,7 +298,8 @@ def _roots(model: nn.Module) -> Iterator[Callable[..., Any]]:
                 yield getattr(member, "__func__", member)
         for key, value in vars(module).items():
             if "hook" in key and isinstance(value, dict):
-                yield from value.values()
+                if live is None or not live(module):
+                    yield from value.values()
             elif isinstance(value, types.FunctionType):
                 yield value
             elif callable(value) and _user_instance(value):  # a schedule object it calls
@@ -348,14 +352,15 @@ _OPEN = io.open
 
 
 @contextlib.contextmanager
-def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str
-                 ) -> Iterator[Reach]:
+def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str,
+                 live: Callable[[nn.Module], bool] | None = None) -> Iterator[Reach]:
     """Walk the user's code ``model``'s forward reaches, handing each slot to ``add_slot``
     (before the block, a capture's trace, runs), and watch the block: a file opened, a draw
     of Python's or numpy's global random numbers, and (where the walk found the code naming
-    one) a call of ``_refused`` are refused; nothing is changed by a refusal."""
+    one) a call of ``_refused`` are refused; nothing is changed by a refusal. ``live``: the
+    modules whose hooks the trace leaves to run at each call (fx's leaf layers)."""
     reach = Reach(add_slot)
-    for fn in _roots(model):
+    for fn in _roots(model, live):
         fn = getattr(fn, "func", fn)  # functools.partial
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):
@@ -381,6 +386,14 @@ def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model
 _RNG_CODES = {getattr(f, "__wrapped__", f).__code__: what for f, what in _RNG.items()}
 
 
+#: the frames between a call of the user's and the function it names: fork_rng's
+#: ``__enter__``, and the wrapper importing dynamo puts on ``torch.manual_seed`` (its
+#: ``_disable_dynamo``: torch/_compile.py's ``inner``, then eval_frame.py's ``_fn``)
+_WRAPPERS = frozenset({contextlib.__file__, *(
+    os.path.join(os.path.dirname(torch.__file__), f)
+    for f in ("_compile.py", os.path.join("_dynamo", "eval_frame.py")))})
+
+
 @contextlib.contextmanager
 def _calls_watched(reach: Reach) -> Iterator[None]:
     """While the block runs, a call of ``_refused`` made from the user's code is refused
@@ -390,8 +403,7 @@ def _calls_watched(reach: Reach) -> Iterator[None]:
             what, caller = _refused(arg), frame
         elif event == "call" and frame.f_code in _RNG_CODES:
             what, caller = _RNG_CODES[frame.f_code], frame.f_back
-            while caller is not None and not user_code(caller.f_code.co_filename) and \
-                    caller.f_code.co_filename == contextlib.__file__:  # fork_rng's __enter__
+            while caller is not None and caller.f_code.co_filename in _WRAPPERS:
                 caller = caller.f_back
         else:
             return

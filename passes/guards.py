@@ -91,10 +91,14 @@ class Guard:
         now = self.now()
         shown = "deleted" if now is _MISSING else repr(now)
         before = "missing" if self.value is _MISSING else repr(self.value)
+        # the same container, changed in place: only its fingerprint was kept, not its old
+        # contents (repr(self.value) would show the new ones twice)
+        change = f"changed, now {shown}" if self.contents is not None and \
+            now is self.value else f"was {before}, now {shown}"
         if self.where:
-            return f"{self.where} was {before}, now {shown}"
+            return f"{self.where} {change}"
         owner = names.get(id(self.module), type(self.module).__name__)
-        return f"{'.'.join(filter(None, (owner, self.name)))} was {before}, now {shown}"
+        return f"{'.'.join(filter(None, (owner, self.name)))} {change}"
 
 
 def written_guard(owner: Any, key: Any, before: Any, item: bool, where: str) -> Guard:

@@ -319,3 +319,36 @@ def test_compile_puts_back_a_pre_and_post_hook_pair_after_the_whole_call():
     assert started == {} and spans == []
     cm(*batch)
     assert spans == [2, 2, 2, 1] and started == {}
+
+
+def test_a_layer_hooks_own_state_is_read_live_not_guarded():
+    """A layer's hooks run at each call, so the state they read (a closure's dict, a
+    variable set after compile) is read then: arming them after compile recompiles nothing,
+    and a hook that only computes follows the new state, equal to eager's step."""
+    model, batch = _logged_batch()
+    ref = copy.deepcopy(model)
+    state = {"scale": 1.0}
+    rows: list[int] = []
+
+    def scaled(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out * state["scale"]
+
+    def count(m: nn.Module, args: tuple) -> None:
+        if state["scale"] != 1.0:
+            rows.append(args[0].shape[0])
+
+    for net in (model, ref):
+        net.a.register_forward_hook(scaled)
+    model.b.register_forward_pre_hook(mbcompile.per_microbatch(count))
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    state["scale"] = 3.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.RecompileWarning)
+        loss = cm(*batch)
+    loss.backward()
+    expected = ref(*batch)
+    expected.backward()
+    assert rows == [2, 2, 2, 1]
+    assert rel_err(loss.detach(), expected.detach(), 1e-3) < 1e-12
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad, 1e-3) < 1e-12
