@@ -26,10 +26,12 @@ from mbcompile.captures import Captures
 from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.dynamic_shapes import checked_symbolic
 from mbcompile.errors import CaptureError, MbcompileError
+from mbcompile.execution.live_hooks import global_backward_refused
 from mbcompile.integrations.transformers import trainer_keywords
 from mbcompile.length_plans import call_split
 from mbcompile.lowering import Lowered, lower
 from mbcompile.options import signature_with_options
+from mbcompile.passes import global_hooks
 from mbcompile.planning.static_memory import check_static_memory
 from mbcompile.reports.report import Validation, validation_of
 from mbcompile.request import Request, make_request
@@ -51,6 +53,7 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto",
     step fits, and ``DoesNotFitError`` when the plan exceeds the system's memory. Every
     parameter is described once, in docs/api.md.
     """
+    global_backward_refused("Nothing was compiled or changed")
     request = make_request(model, gbs, num_csx, mbs, **options)
     if request.options.validate_only:
         return _validate(request)
@@ -118,9 +121,10 @@ def _relower(request: Request, selection: Selection, captures: Captures) -> Lowe
     """The request's graph in the model's current train/eval mode and Python state
     (captured once per state, for the module and its variants), lowered again for the
     same selection; with symbolic dims checked the same at other lengths."""
-    lowered = lower(request, captures.analysed(request, plan=selection.plan), selection)
-    # symbolic dims: the graph of the new mode holds at another length too
-    _proved(request, selection, lowered, captures, adopt=False)
+    with global_hooks.hidden():  # no probe calls one (the trace shows them: code_reach)
+        lowered = lower(request, captures.analysed(request, plan=selection.plan), selection)
+        # symbolic dims: the graph of the new mode holds at another length too
+        _proved(request, selection, lowered, captures, adopt=False)
     return lowered
 
 
@@ -151,9 +155,11 @@ def _validate(request: Request) -> Validation:
 
 @contextlib.contextmanager
 def _crash_named(model: nn.Module) -> Iterator[None]:
-    """A pass that crashed (not an error of ours): say so with the model's name."""
+    """A pass that crashed (not an error of ours): say so with the model's name. The global
+    module hooks are hidden from compile's probes (``passes/global_hooks.py``)."""
     try:
-        yield
+        with global_hooks.hidden():
+            yield
     except MbcompileError:
         raise
     except Exception as exc:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import global_hooks
 from .errors import CaptureError
 from .sources import is_library, user_frame
 
@@ -305,8 +306,7 @@ def _roots(model: nn.Module, live: Callable[[nn.Module], bool] | None
             elif callable(value) and _user_instance(value):  # a schedule object it calls
                 yield from (f for f in vars(type(value)).values()
                             if isinstance(f, types.FunctionType))
-    for hooks in (nn.modules.module._global_forward_hooks,
-                  nn.modules.module._global_forward_pre_hooks):
+    for hooks in global_hooks.FORWARD:
         yield from hooks.values()
 
 
@@ -358,9 +358,19 @@ def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model
     (before the block, a capture's trace, runs), and watch the block: a file opened, a draw
     of Python's or numpy's global random numbers, and (where the walk found the code naming
     one) a call of ``_refused`` are refused; nothing is changed by a refusal. ``live``: the
-    modules whose hooks the trace leaves to run at each call (fx's leaf layers)."""
+    modules whose hooks the trace leaves to run at each call (fx's leaf layers). The global
+    module hooks compile hides from its probes run in the block (``global_hooks.shown``):
+    the trace calls them on the modules it enters, as eager's forward does."""
+    with global_hooks.shown(), _reached(model, add_slot, model_name, live) as reach:
+        yield reach
+
+
+@contextlib.contextmanager
+def _reached(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str,
+             live: Callable[[nn.Module], bool] | None) -> Iterator[Reach]:
     reach = Reach(add_slot)
     for fn in _roots(model, live):
+        fn = getattr(fn, "__wrapped__", fn)  # a global hook called on the model in its place
         fn = getattr(fn, "func", fn)  # functools.partial
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):

@@ -216,7 +216,7 @@ def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
     block ends, and nothing they print is printed. One watch for the whole call, so a
     pre-hook's write that its post-hook reads (a timer) holds between them.
 
-    (Global module hooks are left as they are: unchecked, see docs/limits.md.)
+    (Global module hooks are hidden while compile runs: ``global_hooks.hidden``.)
     """
     fns = [fn for table in (module._forward_pre_hooks, module._forward_hooks,
                             module._backward_pre_hooks, module._backward_hooks)
