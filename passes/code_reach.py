@@ -55,7 +55,7 @@ from . import global_hooks
 from .errors import CaptureError
 from .sources import is_library, user_frame
 
-__all__ = ["Cell", "Reach", "Slot", "holds_state", "reached_code", "user_code"]
+__all__ = ["Cell", "Reach", "Slot", "holds_state", "open_refused", "reached_code", "user_code"]
 
 #: Python's own modules, and installed packages (site-packages: transformers), whose code is
 #: a library's: their module-level values are taken as constants (docs/limits.md)
@@ -231,9 +231,9 @@ class Reach:
             return
         self._walked.add(key)
         info = _code(code)
-        for name, cell in zip(code.co_freevars, closure or ()):
-            self.value(self.slot(Cell(cell, name), name,
-                                 f"the variable {name} of {code.co_qualname}"), code)
+        for name, cell in zip(code.co_freevars, closure or ()):  # (a module held: its
+            self.value(self.slot(Cell(cell, name), name,          # attributes the code names)
+                                 f"the variable {name} of {code.co_qualname}"), code, info)
         for name in info.globals:
             where = f"the global {name}"
             self.value(self.slot(space, name, where) if name in space or name not in
@@ -330,25 +330,33 @@ def _same_state(a: Any, b: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _open_refused(reach: Reach) -> Iterator[None]:
-    """``open`` called from the user's code while the block runs: refused before it opens
-    (torch's and Python's own calls, reading source lines for a stack trace, go through)."""
+def open_refused(reach: Reach) -> Iterator[None]:
+    """``open`` called from the user's code while the block runs, directly or, to write,
+    through Python's own code (``Path.open("a")``): refused before it opens (torch's and
+    Python's own calls, reading source lines for a stack trace or a warning, go through)."""
     def refusing(*args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1).f_code.co_filename
-        if user_code(caller):
+        frame: types.FrameType | None = sys._getframe(1)
+        through = False  # Python's own code between (``Path.open``, ``linecache`` reading)
+        while frame is not None and frame.f_code.co_filename.startswith(_STDLIB):
+            frame, through = frame.f_back, True
+        mode = str(args[1] if len(args) > 1 else kwargs.get("mode", "r"))
+        if frame is not None and user_code(frame.f_code.co_filename) and (
+                not through or any(c in mode for c in "wax+")):  # a warning reads its line
             where = user_frame(traceback.extract_stack()[:-1])
             reach.refused.append(f"opens a file at {where}")
             raise CaptureError(f"forward opens a file at {where}")
         return _OPEN(*args, **kwargs)
 
+    outer = builtins.open, io.open
     builtins.open = io.open = refusing  # type: ignore[assignment]
     try:
         yield
     finally:
-        builtins.open = io.open = _OPEN  # type: ignore[assignment]
+        builtins.open, io.open = outer  # type: ignore[assignment]
 
 
 _OPEN = io.open
+_STDLIB = ("<frozen ", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
 
 
 @contextlib.contextmanager
@@ -377,7 +385,7 @@ def _reached(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_nam
             reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
     states = _other_rngs()
     try:
-        with _open_refused(reach), _calls_watched(reach) if reach.suspects else \
+        with open_refused(reach), _calls_watched(reach) if reach.suspects else \
                 contextlib.nullcontext():
             yield reach
     except Exception:  # a refusal raised in forward, as the trace passed it on (or wrapped it)
