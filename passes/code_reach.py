@@ -330,18 +330,23 @@ def _same_state(a: Any, b: Any) -> bool:
 
 
 @contextlib.contextmanager
-def open_refused(reach: Reach) -> Iterator[None]:
+def open_refused(reach: Reach, to_null: bool = False) -> Iterator[None]:
     """``open`` called from the user's code while the block runs, directly or, to write,
     through Python's own code (``Path.open("a")``): refused before it opens (torch's and
-    Python's own calls, reading source lines for a stack trace or a warning, go through)."""
+    Python's own calls, reading source lines for a stack trace or a warning, go through).
+    With ``to_null`` (a hook called on made-up data at compile) a file opened to write is
+    ``os.devnull`` instead, and one opened to read is read."""
     def refusing(*args: Any, **kwargs: Any) -> Any:
         frame: types.FrameType | None = sys._getframe(1)
         through = False  # Python's own code between (``Path.open``, ``linecache`` reading)
         while frame is not None and frame.f_code.co_filename.startswith(_STDLIB):
             frame, through = frame.f_back, True
         mode = str(args[1] if len(args) > 1 else kwargs.get("mode", "r"))
+        writes = any(c in mode for c in "wax+")
+        if to_null and writes:
+            return _OPEN(os.devnull, mode.replace("x", "w"))
         if frame is not None and user_code(frame.f_code.co_filename) and (
-                not through or any(c in mode for c in "wax+")):  # a warning reads its line
+                not through or writes) and not to_null:  # a warning reads its line
             where = user_frame(traceback.extract_stack()[:-1])
             reach.refused.append(f"opens a file at {where}")
             raise CaptureError(f"forward opens a file at {where}")

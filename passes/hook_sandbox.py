@@ -237,8 +237,9 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
 def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
     """While compile calls ``module`` on made-up data (a shape probe, a copy that checks
     its hooks): whatever its hooks (forward and backward) write is put back when the
-    block ends, and nothing they print is printed. One watch for the whole call, so a
-    pre-hook's write that its post-hook reads (a timer) holds between them.
+    block ends, nothing they print is printed, and no file they open is written. One
+    watch for the whole call, so a pre-hook's write that its post-hook reads (a timer)
+    holds between them.
 
     (Global module hooks are hidden while compile runs: ``global_hooks.hidden``.)
     """
@@ -249,8 +250,8 @@ def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
         yield
         return
     watch = _Watch.of(fns, module)
-    try:
-        with prints_recorded(), _tensor_hooks_kept([]):
+    try:  # a file a hook opens to write is os.devnull: written at compile, it would stay
+        with prints_recorded(), _tensor_hooks_kept([]), open_refused(watch.reach, to_null=True):
             yield
     finally:
         watch.restore()

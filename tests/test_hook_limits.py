@@ -392,18 +392,26 @@ def test_a_layer_hook_writing_through_another_function_or_a_file_is_refused(how,
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_marked_hook_writing_through_a_helper_runs_per_microbatch_only():
-    """Marked, the same helper's write runs once per microbatch in a step; compile's probes
-    called it on made-up data, and their writes, reached through the helper, were put
-    back."""
+def test_a_marked_hook_writing_through_a_helper_or_a_file_runs_per_microbatch_only(tmp_path):
+    """Marked, the same helper's write, and a file's, run once per microbatch in a step;
+    compile's probes called them on made-up data, and changed nothing: the writes reached
+    through the helper were put back, and the file opened to write was os.devnull."""
     model, batch = _logged_batch()
-    handle = model.a.register_forward_hook(
-        mbcompile.per_microbatch(lambda m, args, out: _log(out.shape[0])))
+    path = tmp_path / "rows.txt"
+
+    def to_file(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        with open(path, "a") as f:
+            f.write(f"{out.shape[0]}\n")
+
+    handles = [model.a.register_forward_hook(
+        mbcompile.per_microbatch(lambda m, args, out: _log(out.shape[0]))),
+        model.b.register_forward_hook(mbcompile.per_microbatch(to_file))]
     try:
         cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
-        assert _LOG == []
+        assert _LOG == [] and not path.exists()
         cm(*batch)
-        assert _LOG == [2, 2, 2, 1]
+        assert _LOG == [2, 2, 2, 1] and path.read_text().split() == ["2", "2", "2", "1"]
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         _LOG.clear()
