@@ -6,8 +6,9 @@ the model's (the hook sees the model, the whole batch's inputs and output), a ca
 module forward traces through is traced (its writes replayed once per step), and a call on
 a torch layer the graph calls as one node, once per microbatch, is watched as a layer's own
 hook: refused at its first write (or changed result) unless marked
-``mbcompile.per_microbatch``. A global backward hook not so marked is refused at compile
-and at a call. Plan: 7 rows over 2 systems, MBS 2, float64, against eager on a copy."""
+``mbcompile.per_microbatch``. A global backward hook is refused at compile and at a call,
+and so is a module's own backward hook where fx traces through the module. Plan: 7 rows
+over 2 systems, MBS 2, float64, against eager on a copy."""
 
 from __future__ import annotations
 
@@ -224,3 +225,24 @@ def test_torch_export_refuses_a_global_forward_hook(net):
     finally:
         handle.remove()
     assert seen == []
+
+
+def test_a_backward_hook_of_a_module_fx_traces_through_is_refused(net):
+    """Like a global backward hook on the modules forward traces through, a module's own
+    backward hook there has no place in the traced step (it never ran): refused at
+    compile, and at a call when registered after it, naming the module; nothing ran."""
+    model, batch = net
+    rows: list[int] = []
+    hook = mbcompile.per_microbatch(lambda m, gi, go: rows.append(go[0].shape[0]))
+    handle = model.block.register_full_backward_hook(hook)
+    with pytest.raises(mbcompile.CaptureError, match="'block'"):
+        _compile(model, batch)
+    handle.remove()
+    cm = _compile(model, batch)
+    handle = model.block.register_full_backward_hook(hook)
+    try:
+        with pytest.raises(mbcompile.CaptureError, match="'block'"):
+            cm(*batch)
+    finally:
+        handle.remove()
+    assert rows == [] and all(p.grad is None for p in model.parameters())
