@@ -115,7 +115,6 @@ class _Watch:
     cells: list[tuple[str, Any, Any]] = field(default_factory=list)  # (name, cell, contents)
     globals_: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
     versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
-
     reach: Reach = field(default_factory=lambda: Reach(lambda slot, state: None))
 
     @classmethod
@@ -132,9 +131,9 @@ class _Watch:
                 continue
             roots.update((f"{mark}<default {j}>", d)
                          for j, d in enumerate(plain.__defaults__ or ()))
-            if user_code(code.co_filename):  # walked below, with what it calls
+            users = user_code(code.co_filename)
+            if users:  # walked below too, with what it calls (its globals become slots)
                 walked.append(plain)
-                continue
             for name, cell in zip(code.co_freevars, plain.__closure__ or ()):
                 with contextlib.suppress(ValueError):  # an empty cell
                     cells.append((name, cell, cell.cell_contents))
@@ -142,7 +141,8 @@ class _Watch:
             namespace = plain.__globals__
             for name in code.co_names:
                 value = namespace.get(name, _ABSENT)
-                globals_.append((namespace, name, value))
+                if not users:
+                    globals_.append((namespace, name, value))
                 if value is not _ABSENT and not isinstance(value, _NOT_STATE):
                     roots[mark + name] = value
         snapshot = Snapshot(roots)
