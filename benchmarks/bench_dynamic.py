@@ -8,16 +8,18 @@ step has another sequence length: ``DataCollatorForLanguageModeling(tok, mlm=Fal
 the causal LMs (``gpt2``, ``llama``), ``DataCollatorWithPadding`` for
 ``GPT2ForSequenceClassification`` (``gpt2-cls``, a label per row) and
 ``DataCollatorForLanguageModeling(tok, mlm=True)`` for ``BertForMaskedLM`` (``bert-mlm``,
-15% of the tokens masked at random). The compiled module compiles at most twice (the
-example's, then once with the length symbolic, which the Trainer's ``num_items_in_batch``
-keyword variant is from its first step, without a warning) and runs every other length on
-that step. Both Trainers run in this one process, one after the other, compile included;
-the script prints both wall times and their ratio (goal: compiled at most 1.3x plain), the
-process's CPU time of each (this machine is shared: CPU time is the steadier figure), the
-seconds spent compiling (``compile()`` and every variant it compiled later, timed around
-compile()'s chain) and the largest difference of the trained parameters (float64 model,
-transformers' float32 regions kept in float64: <= 1e-9). ``tests/test_dynamic_shapes.py``
-runs ``run_both``: 40 steps of the causal LMs, 12 of the other two.
+15% of the tokens masked at random). ``compile()`` compiles the call as the Trainer makes
+it (its ``num_items_in_batch``, ``use_cache=False``, the padded lengths symbolic:
+``mbcompile/integrations/transformers.py``), so the Trainer runs every length on that one
+compile; ``--upfront`` does the same by hand (the example and ``dynamic=`` as the
+Trainer's call has them), as a check of it. Both Trainers run in this one process, one
+after the other, compile included; the script prints both wall times and their ratio
+(goal: compiled at most 1.3x plain), the process's CPU time of each (this machine is
+shared: CPU time is the steadier figure), the seconds spent compiling (``compile()`` and
+every variant it compiled later, timed around compile()'s chain) and the largest
+difference of the trained parameters (float64 model, transformers' float32 regions kept
+in float64: <= 1e-9). ``tests/test_dynamic_shapes.py`` runs ``run_both``: 40 steps of the
+causal LMs, 12 of the other two.
 """
 
 from __future__ import annotations
