@@ -33,7 +33,7 @@ from torch.utils.flop_counter import (
 )
 
 from mbcompile.errors import CostModelError, MbcompileError
-from mbcompile.passes.fake_probe import FakeProbe
+from mbcompile.passes.fake_probe import FakeProbe, planned_device
 from mbcompile.planning import transcendentals
 
 __all__ = ["EXTRA_FLOPS", "Probe", "Prober", "backward_root", "nbytes"]
@@ -365,9 +365,13 @@ class Prober:
 
     @property
     def device_type(self) -> str:
-        """Where the probed graph's tensors live: the device an autocast must name."""
-        tensors = [*self.params.values(), *(v for v in self.values
-                                            if isinstance(v, torch.Tensor))]
+        """Where the probed graph's tensors live: the device an autocast must name (a
+        parameter's fake copy is on its ``planned_device``: read off the parameter, so
+        that a graph probed by its blocks makes no fake copy of every layer to ask)."""
+        first = next(iter(self.gm.parameters()), None)
+        if first is not None:
+            return planned_device(first).type
+        tensors = [v for v in self.values if isinstance(v, torch.Tensor)]
         return tensors[0].device.type if tensors else "cpu"
 
     def __call__(self, m: int) -> Probe:
