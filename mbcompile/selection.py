@@ -333,7 +333,7 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
     cost = analyse_cost(replace(analysed.analysis, graph_module=checkpointed), request.values,
                         request.inputs.in_dims, pbs=request.pbs, name=request.name,
                         kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard,
-                        precision=request.precision)
+                        precision=request.precision, pinned=request.choices.pinned)
     selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                request.system, reshard=request.options.reshard_after_forward,
                                sync=request.options.gradient_sync, progress=ctx.progress,

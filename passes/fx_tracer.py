@@ -14,6 +14,7 @@ into the model's own parameters or buffers.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -221,14 +222,16 @@ _DIFFERENTIATIONS = (torch.autograd.backward,)  # grad: a penalty, kept (penalti
 _FRAME = re.compile(r'  File "([^"]+)", line \d+, in [^\n]*\n(?:    [^\n]*\n?)?')
 
 
+@functools.lru_cache(maxsize=4096)  # every node's stack names the same few files
 def _tracer_frame(path: str) -> bool:
     """torch's own frames, and this module's tracer (its call_module override)."""
+    path = os.path.abspath(path)
     return path.startswith(_TORCH_DIR) or path == os.path.abspath(__file__)
 
 
 def user_stack(stack_trace: str) -> str:
     """The recorded stack without torch's own frames (fx's printouts then show the user's line)."""
-    frames = [m.group(0) for m in _FRAME.finditer("  " + stack_trace.lstrip())]
-    kept = [f for f in frames if not _tracer_frame(os.path.abspath(_FRAME.match(f).group(1)))]
+    frames = [m for m in _FRAME.finditer("  " + stack_trace.lstrip())]
+    kept = [m.group(0) for m in frames if not _tracer_frame(m.group(1))]
     return "".join(kept).rstrip("\n") if kept else stack_trace
 

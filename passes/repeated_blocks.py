@@ -127,14 +127,15 @@ def _chain(gm: fx.GraphModule, blocks: tuple[tuple[fx.Node, ...], ...]) -> bool:
     and nothing outside the blocks reads any block but the last."""
     index = [{n: i for i, n in enumerate(b)} for b in blocks]
     members = {n: j for j, b in enumerate(blocks) for n in b}
+    leaves = {n: _leaves(n) for n in members}  # once per node: block 0's are read n-1 times
     chain: dict[fx.Node, int] = {}  # block 0's outside input -> the node of the block before
     for j in range(1, len(blocks)):
         if len(blocks[j]) != len(blocks[0]):
             return False
         for a, b in zip(blocks[0], blocks[j]):
-            if not _same_node(gm, a, b):
+            if not _same_node(gm, a, b, leaves=leaves):
                 return False
-            for x, y in zip(_leaves(a), _leaves(b)):
+            for x, y in zip(leaves[a], leaves[b]):
                 if isinstance(x, fx.Node) != isinstance(y, fx.Node):
                     return False
                 if not isinstance(x, fx.Node):
@@ -165,11 +166,14 @@ def _same_value(x: Any, y: Any) -> bool:
 
 
 def _same_node(gm: fx.GraphModule, a: fx.Node, b: fx.Node,
-               other: fx.GraphModule | None = None) -> bool:
+               other: fx.GraphModule | None = None,
+               leaves: dict[fx.Node, list[Any]] | None = None) -> bool:
     """The same op on the same shapes: targets equal, or attributes and layers alike
-    (``other``: ``b``'s graph module, when it is not ``gm``)."""
+    (``other``: ``b``'s graph module, when it is not ``gm``; ``leaves``: the nodes' argument
+    leaves, when they are known already)."""
     other = gm if other is None else other
-    if a.op != b.op or len(_leaves(a)) != len(_leaves(b)):
+    count = (lambda n: len(leaves[n])) if leaves is not None else (lambda n: len(_leaves(n)))
+    if a.op != b.op or count(a) != count(b):
         return False
     if a.meta.get(SHAPES) != b.meta.get(SHAPES):
         return False

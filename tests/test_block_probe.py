@@ -67,6 +67,37 @@ def test_per_block_figures_equal_the_whole_graphs(monkeypatch: pytest.MonkeyPatc
     _assert_within_1_percent(per_block, whole)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_pinned_mbs_probes_two_cut_graphs_and_equals_the_whole(
+        monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:
+    """An int MBS probes one size, the graph cut to one and two blocks, without the fit or
+    the three-block check (it chooses nothing), also with activation checkpointing; its
+    estimate is the whole graph's."""
+    model, batch = _gpt(8)
+    probed: list[int | str] = []  # per probe: the blocks its cut keeps, or what it is
+    real = probe.Prober.probe
+
+    def counted(self: probe.Prober, m: int) -> Any:
+        tags = getattr(self.fake_probe, "tags", None)  # a cut's prober tags its blocks
+        probed.append("whole" if tags is None else max(tags.values()) + 1 if tags
+                      else "check")
+        return real(self, m)
+
+    monkeypatch.setattr(probe.Prober, "probe", counted)
+
+    def estimate() -> Any:
+        cm = mbcompile.compile(model, 24, 2, 3, example_inputs=batch, compile_only=True,
+                               system="host", recompute=recompute)
+        return cm.estimate
+
+    per_block = estimate()
+    assert probed == [1, 2]  # one size, cut to one and two blocks: no check, no fit
+    monkeypatch.setattr(probe.Prober, "per_block", False)
+    whole = estimate()
+    assert per_block.memory.peak == pytest.approx(whole.memory.peak, rel=0.01)
+    assert per_block.time.step == pytest.approx(whole.time.step, rel=0.01)
+
+
 def _llama(transformers: Any) -> tuple[torch.nn.Module, Any]:
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=MIN_BLOCKS,

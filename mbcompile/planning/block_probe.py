@@ -11,13 +11,19 @@ after the op) is then affine in the number of blocks:
    ``v1 + (N-1) * (v2 - v1)``; the second block's ops are copied N-1 times, copy j
    ``v + j * (v - v0)``, where ``v0`` is the same op of the first block (block j+2 runs
    with j more blocks' activations alive than block 2 does);
-3. the result is checked once against an exact probe of the graph cut to three blocks.
+3. the result is checked once against an exact probe of the graph cut to three blocks,
+   where a fit is built (``check=True``): the search then compares many sizes on it.
+   A pinned MBS (``CostModel.pin``) probes one size and chooses nothing, so it trusts the
+   structure ``find_blocks`` proved (the blocks run the same ops on the same shapes, each
+   reading the one before) as it trusts its smaller microbatch's time scaled from the
+   probe: two cut probes, not three (``tests/test_block_probe.py`` compares both with the
+   whole graph's).
 
 The stacked probe lists its ops in another order than a real one (the copies come last),
 which no figure depends on: times are sums over ops, memory the largest live value.
 
 For the 80-layer 70B shape, each microbatch size costs three blocks' probing instead of
-eighty; the figures equal the whole graph's (``tests/test_block_probe.py``).
+eighty (the check six, once); the figures equal the whole graph's (``tests/test_block_probe.py``).
 """
 
 from __future__ import annotations
@@ -49,24 +55,26 @@ class BlockProber:
 
     ``make(part, tags)`` builds the prober of a cut graph whose ops are tagged with
     ``tags`` (node name -> block index). Calling it returns the whole graph's probe at
-    ``m``, or None when the blocks do not stack (then probe the graph whole).
+    ``m``, or None when the blocks do not stack (then probe the graph whole). ``check``:
+    check the first stacked probe against three blocks probed exactly (step 3).
     """
 
     def __init__(self, gm: fx.GraphModule, blocks: Blocks,
-                 make: Callable[[fx.GraphModule, dict[str, int]], Any]) -> None:
+                 make: Callable[[fx.GraphModule, dict[str, int]], Any], check: bool = True
+                 ) -> None:
         self.gm, self.blocks, self.make = gm, blocks, make
         self.one = make(truncate(gm, blocks, 1), blocks.tags(1))
         self.two = make(truncate(gm, blocks, 2), blocks.tags(2))
-        self.checked = False
+        self.checked = not check
 
     @classmethod
-    def of(cls, gm: Any, make: Callable[[fx.GraphModule, dict[str, int]], Any]
-           ) -> BlockProber | None:
+    def of(cls, gm: Any, make: Callable[[fx.GraphModule, dict[str, int]], Any],
+           check: bool = True) -> BlockProber | None:
         """The block prober of ``gm``, or None when it has fewer than ``MIN_BLOCKS``."""
         if not isinstance(gm, fx.GraphModule):
             return None
         blocks = find_blocks(gm, MIN_BLOCKS)
-        return cls(gm, blocks, make) if blocks is not None else None
+        return cls(gm, blocks, make, check) if blocks is not None else None
 
     def __call__(self, m: int) -> Any:
         p1, p2 = self.one.probe(m), self.two.probe(m)

@@ -102,9 +102,11 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
         gm = gm.graph_module if isinstance(gm, BatchAnalysis) else gm
         loss_leaves, found = None, True
     static = static_figures(gm, values, in_dims, found if fused is None else fused)
-    model = CostModel(Prober(gm, values, in_dims, loss_leaves, kept_outputs), static,
-                      name or type(gm).__name__, shard, precision)
-    if pinned is not None and fit and static.fused:
+    pin = pinned is not None and fit and static.fused
+    # a pinned MBS chooses nothing: its stacked blocks are not checked against three
+    prober = Prober(gm, values, in_dims, loss_leaves, kept_outputs, check_blocks=not pin)
+    model = CostModel(prober, static, name or type(gm).__name__, shard, precision)
+    if pin:
         model.pin(pinned)
     elif fit:
         model.build_fit(4 if pbs is None else pbs)

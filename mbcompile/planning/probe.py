@@ -15,6 +15,7 @@ A graph with a chain of repeated blocks (transformer layers) is not probed whole
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from torch.utils.flop_counter import (
 )
 
 from mbcompile.errors import CostModelError, MbcompileError
-from mbcompile.passes.fake_probe import FakeProbe
+from mbcompile.passes.fake_probe import FakeProbe, planned_device
 from mbcompile.planning import transcendentals
 
 __all__ = ["EXTRA_FLOPS", "Probe", "Prober", "backward_root", "nbytes"]
@@ -325,8 +326,8 @@ class Prober:
 
     def __init__(self, gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | None],
                  loss_leaves: tuple[int, ...] | None,
-                 kept: frozenset[int] | None = None, tags: dict[str, int] | None = None
-                 ) -> None:
+                 kept: frozenset[int] | None = None, tags: dict[str, int] | None = None,
+                 check_blocks: bool = True) -> None:
         self.gm = gm
         self.kept = kept  # the outputs a training step keeps (None: all)
         self.values = list(values)
@@ -338,12 +339,25 @@ class Prober:
             from mbcompile.planning.block_probe import BlockProber  # it builds Probers
 
             self.blocks = BlockProber.of(gm, lambda part, tags: Prober(
-                part, values, in_dims, loss_leaves, kept, tags))
+                part, values, in_dims, loss_leaves, kept, tags), check_blocks)
         self.fake_probe.extra_traceback = False  # CostModelError words the failure itself
-        self.params = {n: self.fake_probe.fake(p) for n, p in gm.named_parameters()}
-        self.buffers = {n: self.fake_probe.fake(b) for n, b in gm.named_buffers()}
-        self.param_storages = {id(p.untyped_storage()) for p in self.params.values()}
-        self.param_storages |= {id(b.untyped_storage()) for b in self.buffers.values()}
+
+    # Made on first use: a graph probed by its blocks never runs whole, so its own fake
+    # parameters (a deep model's every layer) would be copied for nothing.
+    @functools.cached_property
+    def params(self) -> dict[str, torch.Tensor]:
+        """The graph's parameters as fake tensors (the probe's mode), by name."""
+        return {n: self.fake_probe.fake(p) for n, p in self.gm.named_parameters()}
+
+    @functools.cached_property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {n: self.fake_probe.fake(b) for n, b in self.gm.named_buffers()}
+
+    @functools.cached_property
+    def param_storages(self) -> set[int]:
+        """The storages of the fake parameters and buffers (not activations)."""
+        return ({id(p.untyped_storage()) for p in self.params.values()}
+                | {id(b.untyped_storage()) for b in self.buffers.values()})
 
     def inputs(self, m: int) -> list[Any]:
         """Fake inputs at microbatch size ``m``."""
@@ -351,9 +365,13 @@ class Prober:
 
     @property
     def device_type(self) -> str:
-        """Where the probed graph's tensors live: the device an autocast must name."""
-        tensors = [*self.params.values(), *(v for v in self.values
-                                            if isinstance(v, torch.Tensor))]
+        """Where the probed graph's tensors live: the device an autocast must name (a
+        parameter's fake copy is on its ``planned_device``: read off the parameter, so
+        that a graph probed by its blocks makes no fake copy of every layer to ask)."""
+        first = next(iter(self.gm.parameters()), None)
+        if first is not None:
+            return planned_device(first).type
+        tensors = [v for v in self.values if isinstance(v, torch.Tensor)]
         return tensors[0].device.type if tensors else "cpu"
 
     def __call__(self, m: int) -> Probe:
