@@ -67,13 +67,12 @@ def test_per_block_figures_equal_the_whole_graphs(monkeypatch: pytest.MonkeyPatc
     _assert_within_1_percent(per_block, whole)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
 def test_pinned_mbs_probes_two_cut_graphs_and_equals_the_whole(
-        monkeypatch: pytest.MonkeyPatch, recompute: bool) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """An int MBS probes one size, the graph cut to one and two blocks, without the fit or
     the three-block check (it chooses nothing), also with activation checkpointing; its
     estimate is the whole graph's."""
-    model, batch = _gpt(8)
+    model, batch = _gpt(MIN_BLOCKS + 1)
     probed: list[int | str] = []  # per probe: the blocks its cut keeps, or what it is
     real = probe.Prober.probe
 
@@ -85,17 +84,19 @@ def test_pinned_mbs_probes_two_cut_graphs_and_equals_the_whole(
 
     monkeypatch.setattr(probe.Prober, "probe", counted)
 
-    def estimate() -> Any:
-        cm = mbcompile.compile(model, 24, 2, 3, example_inputs=batch, compile_only=True,
-                               system="host", recompute=recompute)
-        return cm.estimate
+    def estimate(recompute: bool) -> Any:
+        return mbcompile.compile(model, 8, 2, 2, example_inputs=batch, compile_only=True,
+                                 system="host", recompute=recompute).estimate
 
-    per_block = estimate()
-    assert probed == [1, 2]  # one size, cut to one and two blocks: no check, no fit
+    estimate(False)
+    got = estimate(True)
+    assert probed == [1, 2, 1, 2]  # one size, cut to one and two blocks: no check, no fit
+    # (unchecked, the stacked figures are those the check passes in the test above; here
+    # the checkpointed graph's, which the selection costs apart)
     monkeypatch.setattr(probe.Prober, "per_block", False)
-    whole = estimate()
-    assert per_block.memory.peak == pytest.approx(whole.memory.peak, rel=0.01)
-    assert per_block.time.step == pytest.approx(whole.time.step, rel=0.01)
+    want = estimate(True)
+    assert got.memory.peak == pytest.approx(want.memory.peak, rel=0.01)
+    assert got.time.step == pytest.approx(want.time.step, rel=0.01)
 
 
 def _llama(transformers: Any) -> tuple[torch.nn.Module, Any]:
