@@ -125,7 +125,7 @@ def _split(captures: Captures, request: Request, selection: Selection) -> Compil
     call's length chose it: ``length_plans.py``), on the capture and analysis it has."""
     with _crash_named(request.model):
         analysed = captures.analysed(request)
-        lowered = lower(request, analysed.for_plan(selection.plan), selection)
+        lowered = lower(request, analysed, selection)
     return _module(request, selection, lowered, captures)
 
 
