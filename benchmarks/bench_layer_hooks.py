@@ -10,7 +10,11 @@ back if it changed. Side by side, in one run:
    and for one whose closure holds the whole model (the walk covers every module);
 2. a compiled training step of an MLP of ``--layers`` Linear layers (gbs 32 over 2
    systems, MBS 4) with a hook that only computes (``out * 1.0``) on every layer,
-   against the same step without hooks: the ratio is what the checks cost a step.
+   against the same step without hooks: the ratio is what the checks cost a step;
+3. the same step of the MLP without hooks of its own, with a global module hook that only
+   reads (``register_module_forward_hook``, checked as a layer's hook on each layer call)
+   and with it marked ``mbcompile.per_microbatch`` (called as written), against that step
+   with the global hooks hidden (``passes/global_hooks.hidden``), in one run.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mbcompile
+from mbcompile.passes import global_hooks
 from mbcompile.passes.hook_sandbox import call_sandboxed
 
 
@@ -77,6 +82,49 @@ def _step(layers: int, hooked: bool) -> Callable[[], None]:
     return step
 
 
+def _reads(module: nn.Module, args: tuple, out: Any) -> None:
+    return None
+
+
+def _median_ratio(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """CPU seconds of each of ``fns``, alternating with the order rotating: load hits all
+    alike."""
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(4 * rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            times[name].append(_cpu(fns[name]))
+    return times
+
+
+def _global(layers: int, rounds: int) -> None:
+    """Part 3: a read-only global hook, unmarked and marked, against none."""
+    warnings.simplefilter("ignore", mbcompile.RecompileWarning)  # each hook: compiled once
+    register = torch.nn.modules.module.register_module_forward_hook
+    step = _step(layers, False)
+
+    def hidden() -> None:
+        with global_hooks.hidden():
+            step()
+
+    fns: dict[str, Callable[[], None]] = {"none": hidden}
+    handles = [register(_reads)]
+    step()  # compiled once more: the global hooks are part of the mode key
+    fns["unmarked"] = step
+    times = _median_ratio(fns, rounds)
+    handles[0].remove()
+    handles.append(register(mbcompile.per_microbatch(_reads)))
+    step()
+    times.update({k: v for k, v in _median_ratio({"none": hidden, "marked": step},
+                                                 rounds).items() if k == "marked"})
+    handles[1].remove()
+    for name in ("unmarked", "marked"):
+        ratio = statistics.median(h / p for h, p in zip(times[name], times["none"]))
+        print(f"step with a read-only global hook, {name}: "
+              f"{statistics.median(times[name]) * 1e3:8.2f} ms CPU ({ratio:.2f}x of no "
+              "global hook, median ratio)")
+
+
 def _cpu(fn: Callable[[], None]) -> float:
     gc.collect()
     start = time.process_time()
@@ -113,6 +161,7 @@ def main() -> None:
     print(f"step without hooks: {statistics.median(times['plain']) * 1e3:8.2f} ms CPU")
     print(f"step with a hook on each of {args.layers} layers: "
           f"{statistics.median(times['hooked']) * 1e3:8.2f} ms CPU ({ratio:.2f}x, median ratio)")
+    _global(args.layers, args.rounds)
 
 
 if __name__ == "__main__":

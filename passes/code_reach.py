@@ -38,7 +38,6 @@ import contextlib
 import dis
 import io
 import os
-import random
 import sys
 import sysconfig
 import time
@@ -53,6 +52,7 @@ import torch.nn as nn
 
 from . import global_hooks
 from .errors import CaptureError
+from .host_draws import draws_refused
 from .sources import is_library, user_frame
 
 __all__ = ["Cell", "Reach", "Slot", "holds_state", "open_refused", "reached_code", "user_code"]
@@ -310,25 +310,6 @@ def _roots(model: nn.Module, live: Callable[[nn.Module], bool] | None
         yield from hooks.values()
 
 
-def _other_rngs() -> list[tuple[str, Callable[[Any], Any], Any]]:
-    """Python's and numpy's global generators: (name, how to set the state, the state)."""
-    found: list[tuple[str, Callable[[Any], Any], Any]] = [
-        ("Python's random module", random.setstate, random.getstate())]
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        found.append(("numpy's random generator", numpy.random.set_state,
-                      numpy.random.get_state()))
-    return found
-
-
-def _same_state(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)  # Python's state: a tuple of numbers, compared in C
-    except ValueError:  # numpy's holds an array: an array of answers
-        return len(a) == len(b) and all(
-            bool((x == y).all()) if hasattr(x, "all") else x == y for x, y in zip(a, b))
-
-
 @contextlib.contextmanager
 def open_refused(reach: Reach, to_null: bool = False) -> Iterator[None]:
     """``open`` called from the user's code while the block runs, directly or, to write,
@@ -388,19 +369,14 @@ def _reached(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_nam
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):
             reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
-    states = _other_rngs()
-    try:
-        with open_refused(reach), _calls_watched(reach) if reach.suspects else \
-                contextlib.nullcontext():
-            yield reach
-    except Exception:  # a refusal raised in forward, as the trace passed it on (or wrapped it)
-        if not reach.refused:
-            raise
-    finally:
-        for (name, setter, before), (_, _, now) in zip(states, _other_rngs()):
-            if not _same_state(before, now):  # drawn in forward: put back, and refuse
-                setter(before)
-                reach.refused.append(f"draws from {name}")
+    with draws_refused(reach.refused):  # Python's or numpy's: put back, and refused
+        try:
+            with open_refused(reach), _calls_watched(reach) if reach.suspects else \
+                    contextlib.nullcontext():
+                yield reach
+        except Exception:  # a refusal raised in forward, as the trace passed it on
+            if not reach.refused:
+                raise
     if reach.refused:
         _refuse(model_name, reach.refused[0])
 

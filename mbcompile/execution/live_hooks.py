@@ -20,6 +20,12 @@ compiled step the wrapper only calls the hook. Inside one:
 - a hook marked ``mbcompile.per_microbatch(hook)`` runs as written, once per microbatch
   (a probe of the microbatches, an injected failure).
 
+A global module hook (``register_module_forward_hook``) is treated the same on those
+layers, as a hook registered after compile (``_OnLayers``): compile never calls one
+(``passes.global_hooks``), and in a step it is not called on mbcompile's own modules (the
+rewritten graph, its microbatch body); torch's call of the compiled module itself calls it
+on the model (``called_as``), as eager's call does. A global backward hook is refused.
+
 Example: ``cm = compile(model, ...)``, then ``model.fc.register_forward_hook(lambda m, a, out:
 seen.append(out.shape[0]))``; the next ``cm(x)`` raises, naming ``fc`` and ``seen``, and
 changes nothing.
@@ -159,7 +165,7 @@ def watch_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[
     return watched
 
 
-def _as_function(hook: WatchedHook) -> Any:
+def _as_function(hook: WatchedHook | _OnLayers) -> Any:
     def watched(module: torch.nn.Module, *args: Any) -> Any:
         return hook(module, *args)
     return watched
@@ -192,7 +198,7 @@ def called_as(compiled: torch.nn.Module, model: torch.nn.Module, call: Any,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``call(*args, **kwargs)``: torch's call of ``compiled``, where each global module
     hook torch calls on ``compiled`` is called on ``model``, as eager's call of the model
-    calls it; a global backward hook not marked per microbatch is refused first."""
+    calls it; a global backward hook is refused first."""
     if not any(global_hooks.tables):
         return call(*args, **kwargs)
     global_backward_refused("The call was not run: nothing was changed")
