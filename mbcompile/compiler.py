@@ -32,6 +32,7 @@ from mbcompile.integrations.transformers import (
     TRAINER_KEYWORDS,
     as_the_trainer_sets,
     padded_dims,
+    plain_calls,
     trainer_keywords,
 )
 from mbcompile.length_plans import call_split
@@ -77,7 +78,7 @@ def _compile_as_called(request: Request) -> CompiledModule:
     example's length, as ``"auto"`` does until a length changes (that change then says
     why it is refused). The config is the one the Trainer sets (``use_cache=False``)."""
     keywords = trainer_keywords(request.inner, request.example)
-    if not keywords:
+    if not keywords or plain_calls():  # (mbcompile's own Trainer passes none)
         return _compile_request(request)
     called = request.for_call((), {**request.example, **keywords})
     dims = padded_dims(request.inner, called.example) if request.options.dynamic == "auto" \
