@@ -27,7 +27,7 @@ from mbcompile.analysis import Analysed, analyse, at_other_sizes
 from mbcompile.captures import Captures
 from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.dynamic_shapes import checked_symbolic
-from mbcompile.errors import CaptureError, InputError, MbcompileError
+from mbcompile.errors import CaptureError, MbcompileError
 from mbcompile.integrations.transformers import (
     TRAINER_KEYWORDS,
     as_the_trainer_sets,
@@ -87,8 +87,8 @@ def _compile_as_called(request: Request) -> CompiledModule:
         if dims:
             try:
                 return _compile_request(called.for_shapes(dims))
-            except (InputError, CaptureError):
-                pass  # the length baked in: fixed until a call changes it
+            except MbcompileError:
+                pass  # the length baked in: fixed until a call changes it (which says why)
         return _compile_request(called)
 
 
