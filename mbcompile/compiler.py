@@ -27,12 +27,13 @@ from mbcompile.analysis import Analysed, analyse, at_other_sizes
 from mbcompile.captures import Captures
 from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.dynamic_shapes import checked_symbolic
-from mbcompile.errors import CaptureError, InputError, MbcompileError
+from mbcompile.errors import CaptureError, MbcompileError
 from mbcompile.execution.live_hooks import global_backward_refused
 from mbcompile.integrations.transformers import (
     TRAINER_KEYWORDS,
     as_the_trainer_sets,
     padded_dims,
+    plain_calls,
     trainer_keywords,
 )
 from mbcompile.length_plans import call_split
@@ -80,7 +81,7 @@ def _compile_as_called(request: Request) -> CompiledModule:
     example's length, as ``"auto"`` does until a length changes (that change then says
     why it is refused). The config is the one the Trainer sets (``use_cache=False``)."""
     keywords = trainer_keywords(request.inner, request.example)
-    if not keywords:
+    if not keywords or plain_calls():  # (mbcompile's own Trainer passes none)
         return _compile_request(request)
     called = request.for_call((), {**request.example, **keywords})
     dims = padded_dims(request.inner, called.example) if request.options.dynamic == "auto" \
@@ -89,8 +90,8 @@ def _compile_as_called(request: Request) -> CompiledModule:
         if dims:
             try:
                 return _compile_request(called.for_shapes(dims))
-            except (InputError, CaptureError):
-                pass  # the length baked in: fixed until a call changes it
+            except MbcompileError:
+                pass  # the length baked in: fixed until a call changes it (which says why)
         return _compile_request(called)
 
 

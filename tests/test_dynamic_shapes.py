@@ -411,6 +411,37 @@ def test_a_vit_at_another_image_size_is_refused_with_the_resize_fix(transformers
     assert_close_errors(errors, TOL)  # the key bias: zero up to rounding, hence the floor
 
 
+def test_a_transformers_model_that_bakes_the_length_in_compiles_at_the_examples(
+        transformers):
+    """compile() tries the Trainer's call with the padded length symbolic; a model whose
+    position table is sliced to one length cannot take it, so it is compiled at the
+    example's length (as ``"auto"`` leaves it), the Trainer's keyword kept, and exact there
+    (another length is then refused as ``REFUSALS``' position table is)."""
+
+    class BakedConfig(transformers.PretrainedConfig):
+        model_type = "baked-length"
+
+    class BakedLM(transformers.PreTrainedModel):
+        config_class = BakedConfig
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.emb = nn.Embedding(8, 3)
+            self.pos = nn.Parameter(torch.randn(1, 16, 3))
+
+        def forward(self, input_ids: Any, labels: Any = None, **kwargs: Any) -> Any:
+            return ((self.emb(input_ids) + self.pos[:, :5]).sum(-1) - labels).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = BakedLM(BakedConfig()).to(DTYPE)
+    batch = {"input_ids": torch.randint(0, 8, (GBS, 5)),
+             "labels": torch.randn(GBS, 5, dtype=DTYPE)}
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_kwargs=batch, cost_model=False)
+    assert not cm._request.inputs.symbolic and cm._keywords == {"num_items_in_batch"}
+    batch["num_items_in_batch"] = torch.tensor(GBS * 5)  # the Trainer's call: no compile
+    assert_close_errors(step_errors(model, cm, kwargs=batch), TOL)
+
+
 # 37-50 s: with the zoo's extra entries (-m zoo), out of CI's 20 minutes
 @pytest.mark.slow
 @pytest.mark.zoo

@@ -160,9 +160,13 @@ def test_hf_model_matches_eager_full_batch(transformers: Any, name: str, mbs: in
 
 
 def test_hf_capture_is_export_with_aten_ops_and_shared_parameters(transformers: Any) -> None:
+    from mbcompile.integrations.transformers import called_plainly
+
     model = build(transformers, "gpt2")
     batch = padded_batch()
-    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=batch)
+    with called_plainly():  # the example's own call, not the Trainer's (num_items_in_batch)
+        cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=batch)
+    assert not cm._keywords
     graph = cm.original_graph_module.graph
     targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
     assert {"aten.sym_size.int", "aten.scaled_dot_product_attention.default",

@@ -21,6 +21,7 @@ keywords and no symbolic dims.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import sys
 from collections.abc import Iterator, Mapping
@@ -29,10 +30,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["TRAINER_KEYWORDS", "as_the_trainer_sets", "padded_dims", "trainer_keywords"]
+__all__ = ["TRAINER_KEYWORDS", "as_the_trainer_sets", "called_plainly", "padded_dims",
+           "plain_calls", "trainer_keywords"]
 
 #: the keywords the Trainer adds to a call, beside the batch's columns
 TRAINER_KEYWORDS = ("num_items_in_batch",)
+
+#: set by ``called_plainly``: compile() compiles the example's own call
+_PLAIN = contextvars.ContextVar("mbcompile_plain_calls", default=False)
 
 
 def trainer_keywords(model: nn.Module, example: Mapping[str, Any]) -> dict[str, Any]:
@@ -84,3 +89,24 @@ def as_the_trainer_sets(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         config.use_cache = before
+
+
+@contextlib.contextmanager
+def called_plainly() -> Iterator[None]:
+    """While the block runs, ``compile()`` compiles a transformers model for the example's
+    own call, not the Trainer's: for a caller that never passes the Trainer's keywords
+    (``mbcompile.Trainer``), whose calls would otherwise each compile their graph again.
+
+    >>> with called_plainly():
+    ...     cm = mbcompile.compile(model, 8, 2, example_kwargs=batch)
+    """
+    token = _PLAIN.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN.reset(token)
+
+
+def plain_calls() -> bool:
+    """Whether ``compile()`` runs inside ``called_plainly``."""
+    return _PLAIN.get()

@@ -56,6 +56,7 @@ from mbcompile.compiler import CompiledModule
 from mbcompile.errors import ArgumentTypeError
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.world import resolve_backend
+from mbcompile.integrations.transformers import called_plainly
 from mbcompile.planning.plan import parse_mbs
 from mbcompile.training.batches import (
     TrainerError,
@@ -259,7 +260,8 @@ class Trainer(CheckpointingMixin, ProgressMixin):
             return trained
         args, kwargs = batch_args(batch)
         started = time.perf_counter()
-        with preserved_rng():  # a resumed run compiles at another step
+        # the example's own call: this loop never passes transformers' Trainer keywords
+        with preserved_rng(), called_plainly():  # a resumed run compiles at another step
             cm = compiler.compile(self.model, self.gbs, self.num_csx, mbs,
                                   example_inputs=args or None, example_kwargs=kwargs or None,
                                   in_dims=self.in_dims, **self._options())
