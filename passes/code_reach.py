@@ -53,6 +53,7 @@ import torch.nn as nn
 from . import global_hooks
 from .errors import CaptureError
 from .host_draws import draws_refused
+from .library_reach import walk_installed_models
 from .sources import is_library, user_frame
 
 __all__ = ["Cell", "Reach", "Slot", "holds_state", "open_refused", "reached_code", "user_code"]
@@ -223,13 +224,18 @@ class Reach:
             self.add_slot(slot, holds_state(value))
         return value
 
+    def enter(self, code: types.CodeType, space: dict[str, Any], closure: Any = None) -> bool:
+        """Whether to walk ``code`` now: not walked yet, and under the cap."""
+        key = (id(code), id(space), id(closure))
+        if key in self._walked or len(self._walked) >= _MAX_CODES:
+            return False
+        self._walked.add(key)
+        return True
+
     def walk(self, code: types.CodeType, space: dict[str, Any], closure: Any = None) -> None:
         """The globals ``code`` names in ``space``, and what they lead to."""
-        key = (id(code), id(space), id(closure))
-        if key in self._walked or len(self._walked) >= _MAX_CODES or \
-                not user_code(code.co_filename):
+        if not user_code(code.co_filename) or not self.enter(code, space, closure):
             return
-        self._walked.add(key)
         info = _code(code)
         for name, cell in zip(code.co_freevars, closure or ()):  # (a module held: its
             self.value(self.slot(Cell(cell, name), name,          # attributes the code names)
@@ -369,6 +375,7 @@ def _reached(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_nam
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):
             reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
+    walk_installed_models(model, reach, _code)  # transformers' module-level flags
     with draws_refused(reach.refused):  # Python's or numpy's: put back, and refused
         try:
             with open_refused(reach), _calls_watched(reach) if reach.suspects else \
