@@ -4,7 +4,7 @@
         [--outputs loss] [--reps 2] [--warmup 1]
 
 For GPT-2, Llama, BERT (masked LM), T5 and ViT (4 layers, width 256, sequence 128,
-each config's own vocabulary, float32, dropout 0; ``bench_memory_accuracy.build``),
+each config's own vocabulary, float32, dropout 0; ``common.build_hf``),
 gbs 16 on one system, Adam, memory not binding (the host's): ``compile(mbs="auto")``
 picks an MBS from the cost model; then every supported MBS (1, 2, 3, 4, 6, 8, 16) is
 compiled and its training step (``cm(**batch)``, ``backward()``, ``opt.step()``,
@@ -32,8 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_memory_accuracy import ARCHS, GBS, build  # noqa: E402
-from common import add_output_args, finish  # noqa: E402
+from common import HF_GBS, bench_main, build_hf, hf_parser  # noqa: E402
 
 import mbcompile  # noqa: E402
 from mbcompile.planning.plan import supported_mbs  # noqa: E402
@@ -68,22 +67,23 @@ def _cpu_seconds(cm: Any, batch: dict[str, torch.Tensor], opt: torch.optim.Optim
     return best
 
 
-def run(archs: list[str], outputs: str, warmup: int, reps: int, sizes: list[int] | None,
-        out: list[str], fig: dict[str, Any]) -> None:
-    rows, summary, worst = [], [], 0.0
-    for arch in archs:
+def run(args: argparse.Namespace, out: list[str]) -> dict[str, Any]:
+    """The section and its figures: per architecture, auto's pick and the fastest measured."""
+    outputs, warmup, reps = args.outputs, args.warmup, args.reps
+    rows, summary, worst, fig = [], [], 0.0, {}
+    for arch in args.arch:
         t0 = time.perf_counter()
-        model, batch = build(arch)
+        model, batch = build_hf(arch)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-        auto = mbcompile.compile(model, GBS, 1, "auto", example_kwargs=batch, outputs=outputs,
+        auto = mbcompile.compile(model, HF_GBS, 1, "auto", example_kwargs=batch, outputs=outputs,
                                  recompute=False)
         cost, spec = auto.selection.cost, auto.selection.system
         measured: dict[int, float] = {}
-        for mbs in sizes or supported_mbs(GBS):
-            cm = mbcompile.compile(model, GBS, 1, mbs, example_kwargs=batch, outputs=outputs,
+        for mbs in sorted({*(args.mbs or supported_mbs(HF_GBS)), auto.plan.mbs}):
+            cm = mbcompile.compile(model, HF_GBS, 1, mbs, example_kwargs=batch, outputs=outputs,
                                    recompute=False, cost_model=False)
             measured[mbs], fresh = _cpu_seconds(cm, batch, opt, warmup, reps)
-            modelled = cost.estimate(GBS, 1, mbs, spec).time.step
+            modelled = cost.estimate(HF_GBS, 1, mbs, spec).time.step
             rows.append(f"| {arch} | {mbs} | {cm.plan.num_microbatches} | {modelled:.3f} | "
                         f"{measured[mbs]:.3f} | {fresh:.0f} |"
                         f"{' auto' if mbs == auto.plan.mbs else ''} |")
@@ -99,8 +99,9 @@ def run(archs: list[str], outputs: str, warmup: int, reps: int, sizes: list[int]
         print(summary[-1], f"({time.perf_counter() - t0:.0f} s)", flush=True)
         del auto, model, opt
     fig["worst"] = worst
-    out += [f"## `auto` against the fastest measured MBS (outputs={outputs!r})", "",
-            f"gbs {GBS} on one system, 4 layers, width 256, sequence 128, float32, Adam, one "
+    out += ["# bench_auto_time", "",
+            f"## `auto` against the fastest measured MBS (outputs={outputs!r})", "",
+            f"gbs {HF_GBS} on one system, 4 layers, width 256, sequence 128, float32, Adam, one "
             f"torch thread; step in process CPU seconds, best of {reps} after {warmup} warm-up.",
             "", "| model | MBS | microbatches | modelled | measured | page faults (MiB) | |",
             "|---|---:|---:|---:|---:|---:|---|", *rows, "",
@@ -108,23 +109,18 @@ def run(archs: list[str], outputs: str, warmup: int, reps: int, sizes: list[int]
             *summary, "",
             f"Worst ratio {worst:.3f} (target <= {TARGET}): "
             f"{'holds' if worst <= TARGET else 'DOES NOT HOLD'}.", ""]
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", nargs="+", default=list(ARCHS), choices=ARCHS)
+    parser = hf_parser(__doc__.split("\n")[0])
     parser.add_argument("--outputs", default="loss", choices=("loss", "all"))
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--mbs", type=int, nargs="+",
-                        help="time these MBS values only (default: every supported one)")
-    add_output_args(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    out: list[str] = ["# bench_auto_time", ""]
-    fig: dict[str, Any] = {}
-    run(args.arch, args.outputs, args.warmup, args.reps, args.mbs, out, fig)
-    return finish(out, fig, args.markdown, args.json)
+                        help="time these MBS values and auto's pick only (default: every "
+                             "supported one)")
+    return bench_main(parser, argv, run)
 
 
 if __name__ == "__main__":

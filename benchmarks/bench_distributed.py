@@ -42,6 +42,9 @@ from mbcompile.execution import distributed as mbdist
 from mbcompile.models import IGNORE_INDEX, make_tiny_gpt
 from mbcompile.planning import buckets
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import on_two_ranks  # noqa: E402
+
 CONFIG = dict(vocab=1000, width=256, depth=4, heads=4, seq=128)
 GBS, MBS, STEPS, WARMUP = 16, 4, 6, 2
 ROUNDS = 30  # of the DDP side-by-side; each round times every contender once
@@ -153,10 +156,7 @@ def _versus_ddp(rank: int, world: int, out: str, rounds: int) -> None:
 
 
 def versus_ddp(rounds: int) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rank0.json")
-        mbdist.launch(_versus_ddp, 2, out, rounds, timeout_s=600.0)
-        got = json.load(open(out))
+    got = on_two_ranks(_versus_ddp, rounds)
     times, cpu = got["times"], got["cpu"]
     ddp, ddp_cpu = times["DDP + no_sync"], cpu["DDP + no_sync"]
     print(f"2 gloo ranks, small GPT {CONFIG}, gbs {GBS}, mbs {MBS} "

@@ -1,23 +1,26 @@
 """The HF Trainer on batches of random lengths: ``Trainer(model=cm)`` against the plain one.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_dynamic.py [--steps 200]
-        [--model gpt2|llama|gpt2-cls|bert-mlm]
+        [--model gpt2|llama|gpt2-cls|bert-mlm] [--upfront] [--floor]
 
 The collator pads each batch to its own longest row (rows of 5 to 60 tokens), so every
 step has another sequence length: ``DataCollatorForLanguageModeling(tok, mlm=False)`` for
 the causal LMs (``gpt2``, ``llama``), ``DataCollatorWithPadding`` for
 ``GPT2ForSequenceClassification`` (``gpt2-cls``, a label per row) and
 ``DataCollatorForLanguageModeling(tok, mlm=True)`` for ``BertForMaskedLM`` (``bert-mlm``,
-15% of the tokens masked at random). The compiled module compiles at most twice (the
-example's, then once with the length symbolic, which the Trainer's ``num_items_in_batch``
-keyword variant is from its first step, without a warning) and runs every other length on
-that step. Both Trainers run in this one process, one after the other, compile included;
-the script prints both wall times and their ratio (goal: compiled at most 1.3x plain), the
-process's CPU time of each (this machine is shared: CPU time is the steadier figure), the
-seconds spent compiling (``compile()`` and every variant it compiled later, timed around
-compile()'s chain) and the largest difference of the trained parameters (float64 model,
-transformers' float32 regions kept in float64: <= 1e-9). ``tests/test_dynamic_shapes.py``
-runs ``run_both``: 40 steps of the causal LMs, 12 of the other two.
+15% of the tokens masked at random). ``compile()`` compiles the call as the Trainer makes
+it (its ``num_items_in_batch``, ``use_cache=False``, the padded lengths symbolic:
+``mbcompile/integrations/transformers.py``), so the Trainer runs every length on that one
+compile; ``--upfront`` does the same by hand (the example and ``dynamic=`` as the
+Trainer's call has them), as a check of it. Both Trainers run in this one process, one
+after the other, compile included; the script prints both wall times and their ratio
+(goal: compiled at most 1.3x plain), the process's CPU time of each (this machine is
+shared: CPU time is the steadier figure), the seconds spent compiling (``compile()`` and
+every variant it compiled later, timed around compile()'s chain) and the largest
+difference of the trained parameters (float64 model, transformers' float32 regions kept
+in float64: <= 1e-9). ``tests/test_dynamic_shapes.py`` runs ``run_both``: 40 steps of the
+causal LMs, 12 of the other two. ``--floor`` times the step alone instead (no Trainer): the
+whole batch, the plan's microbatches run by hand on the model, and the compiled module.
 """
 
 from __future__ import annotations
@@ -244,16 +247,64 @@ def run_both(transformers: Any, name: str, steps: int, upfront: bool = False
             "cm": cm, "warnings": [f"{w.category.__name__}: {w.message}" for w in recompiles]}
 
 
+def step_floor(transformers: Any, name: str, steps: int) -> dict[str, float]:
+    """CPU ms of one step (forward and backward, no Trainer) on the Trainer's batches, each
+    way in turn, twice: the model on the whole batch, the model on the plan's microbatches
+    by hand (eager's cost of the same split: the floor of any microbatching) and the
+    compiled module; the last round's figures."""
+    plain = make_model(transformers, name)
+    plain.config.use_cache = False  # as the Trainer sets it
+    cm = mbcompile.compile(copy.deepcopy(plain), GBS, NUM_CSX, MBS, cost_model=False,
+                           example_kwargs=dict(collator(transformers, name)(
+                               [RandomLengths(GBS, 0)[i] for i in range(GBS)])))
+    data, pad = RandomLengths(GBS * steps, 1, labelled=name == "gpt2-cls"), \
+        collator(transformers, name)
+    batches = [dict(pad([data[i] for i in range(k * GBS, (k + 1) * GBS)]))
+               for k in range(steps)]
+    from mbcompile.integrations.transformers import trainer_keywords
+
+    for batch in batches:  # the Trainer's keyword, as it passes it
+        batch.update(trainer_keywords(plain, batch))
+    slices = [s for system in cm.plan.microbatch_slices for s in system if s[1] > s[0]]
+
+    def by_hand(batch: dict[str, Any]) -> None:
+        for a, b in slices:
+            plain(**{k: v[a:b] if v.dim() else v for k, v in batch.items()}).loss.backward()
+
+    ways = {"whole batch": lambda b: plain(**b).loss.backward(), "microbatches by hand":
+            by_hand, "compiled": lambda b: cm(**b).loss.backward()}
+    ms: dict[str, float] = {}
+    with float64_regions(transformers), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            for way, step in ways.items():
+                step(batches[0])  # warm
+                cpu = time.process_time()
+                for batch in batches:
+                    step(batch)
+                ms[way] = (time.process_time() - cpu) / steps * 1e3
+    return ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--model", choices=MODELS, default="gpt2")
     parser.add_argument("--upfront", action="store_true",
                         help="compile the Trainer's keyword and symbolic lengths up front")
+    parser.add_argument("--floor", action="store_true",
+                        help="time the step alone: whole batch, microbatches by hand, compiled")
     args = parser.parse_args()
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if args.floor:
+        ms = step_floor(transformers, args.model, args.steps)
+        whole = ms["whole batch"]
+        print(f"{args.model}, the step alone (forward and backward), {args.steps} batches:")
+        for way, t in ms.items():
+            print(f"  {way}: {t:.1f} ms CPU per step ({t / whole:.2f}x the whole batch)")
+        return
     run = run_both(transformers, args.model, args.steps, args.upfront)
     print(f"{args.model}{' (up front)' if args.upfront else ''}, {args.steps} steps of {GBS} "
           f"rows of {SHORTEST}-{LONGEST} tokens, padded per batch, {NUM_CSX} systems, mbs {MBS}:")

@@ -35,7 +35,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -46,7 +45,7 @@ from mbcompile.execution import distributed as mbdist
 from mbcompile.models import IGNORE_INDEX, make_tiny_gpt
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import alternate  # noqa: E402
+from common import alternate, on_two_ranks  # noqa: E402
 
 CONFIG = dict(vocab=1000, width=256, depth=4, heads=4, seq=128)
 GBS, MBS, WARMUP = 16, 4, 2
@@ -178,10 +177,7 @@ def _rank(rank: int, world: int, out: str, rounds: int) -> None:
 
 
 def versus_hand(rounds: int) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rank0.json")
-        mbdist.launch(_rank, 2, out, rounds, timeout_s=600.0)
-        got = json.load(open(out))
+    got = on_two_ranks(_rank, rounds)
     times, cpu = got["times"], got["cpu"]
     hand = HAND
     print(f"2 gloo ranks, small GPT {CONFIG} sharded per block and at the root (5 FSDP "

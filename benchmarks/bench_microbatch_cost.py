@@ -24,10 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    add_output_args,
     alternate,
+    bench_main,
     even_slices,
-    finish,
     hand_infer,
     hand_step,
     median,
@@ -135,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--counts", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     parser.add_argument("--threads", type=int, default=1)
-    add_output_args(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    out: list[str] = []
-    figures = run(args.rounds, args.counts, out)
-    return finish(out, figures, args.markdown, args.json)
+    return bench_main(parser, argv, lambda args, out: run(args.rounds, args.counts, out))
 
 
 if __name__ == "__main__":

@@ -35,10 +35,9 @@ from common import (  # noqa: E402
     GBS,
     GPT_CONFIG,
     SYSTEMS,
-    add_output_args,
     alternate,
+    bench_main,
     even_slices,
-    finish,
     hand_infer,
     hand_step,
     make_gpt,
@@ -181,16 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mbs", type=int, nargs="+", default=[2, 4, 16])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is steadiest on a shared 2-core machine)")
-    add_output_args(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    return bench_main(parser, argv, _with_accelerate_noted)
+
+
+def _with_accelerate_noted(args: argparse.Namespace, out: list[str]) -> dict[str, float]:
     try:
         import accelerate  # noqa: F401
     except ImportError:
         print("accelerate: skipped: accelerate not installed")
-    out: list[str] = []
-    figures = run(args.rounds, args.mbs, out)
-    return finish(out, figures, args.markdown, args.json)
+    return run(args.rounds, args.mbs, out)
 
 
 if __name__ == "__main__":

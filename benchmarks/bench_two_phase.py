@@ -50,10 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     LiveBytes,
-    add_output_args,
     alternate,
+    bench_main,
     even_slices,
-    finish,
     median,
     paired_ratio,
 )
@@ -340,12 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="gbs:mbs pairs, one system each")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is steadiest on a shared 2-core machine)")
-    add_output_args(parser)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    out: list[str] = []
-    figures = run(args.rounds, args.plans, out)
-    return finish(out, figures, args.markdown, args.json)
+    return bench_main(parser, argv, lambda args, out: run(args.rounds, args.plans, out))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: the model, the contenders, timing and a live-bytes counter.
+"""Shared pieces of the benchmarks: the models, the contenders, timing and a live-bytes counter.
 
 Every benchmark compares mbcompile against what a careful user writes by hand,
 on the same microbatch sizes, so the only difference is mbcompile itself:
@@ -14,6 +14,7 @@ each moment and keeps the peak, which is exact where RSS is not.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -21,8 +22,9 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,18 +37,27 @@ from mbcompile.planning.measure import LiveBytes
 __all__ = [
     "GBS",
     "GPT_CONFIG",
+    "HF_ARCHS",
+    "HF_GBS",
+    "HF_LAYERS",
+    "HF_SEQ",
+    "HF_WIDTH",
     "SYSTEMS",
     "LiveBytes",
     "Timings",
     "add_output_args",
     "alternate",
+    "bench_main",
+    "build_hf",
     "even_slices",
     "finish",
     "hand_infer",
     "hand_step",
+    "hf_parser",
     "machine",
     "make_gpt",
     "median",
+    "on_two_ranks",
     "paired_ratio",
     "plain_step",
 ]
@@ -76,6 +87,75 @@ def even_slices(gbs: int, systems: int, mbs: int) -> list[tuple[int, int]]:
     return [(a, b) for system in plan.microbatch_slices for a, b in system if b > a]
 
 
+# ------------------------------------------------------------ the transformers models
+#: bench_memory_accuracy's and bench_auto_time's five architectures (issue 34): 4 layers,
+#: width 256, sequence 128, each config's own vocabulary, gbs 16.
+HF_GBS, HF_SEQ, HF_LAYERS, HF_WIDTH, HF_HEADS = 16, 128, 4, 256, 4
+
+
+def _hf_config(arch: str, width: int, vocab: int | None) -> tuple[str, str, dict[str, Any]]:
+    """(model class, config class, config) of ``arch`` at ``width`` (``vocab`` None: the
+    config's own vocabulary)."""
+    common: dict[str, Any] = dict(pad_token_id=0)
+    if vocab is not None:
+        common["vocab_size"] = vocab
+    if arch == "gpt2":
+        return "GPT2LMHeadModel", "GPT2Config", dict(
+            common, n_embd=width, n_layer=HF_LAYERS, n_head=HF_HEADS, n_positions=HF_SEQ,
+            bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        return "LlamaForCausalLM", "LlamaConfig", dict(
+            common, hidden_size=width, intermediate_size=4 * width,
+            num_hidden_layers=HF_LAYERS, num_attention_heads=HF_HEADS, num_key_value_heads=HF_HEADS,
+            max_position_embeddings=HF_SEQ, bos_token_id=1, eos_token_id=2)
+    if arch == "bert":
+        return "BertForMaskedLM", "BertConfig", dict(
+            common, hidden_size=width, intermediate_size=4 * width,
+            num_hidden_layers=HF_LAYERS, num_attention_heads=HF_HEADS,
+            max_position_embeddings=HF_SEQ)
+    if arch == "t5":
+        return "T5ForConditionalGeneration", "T5Config", dict(
+            common, d_model=width, d_kv=width // HF_HEADS, d_ff=4 * width,
+            num_layers=HF_LAYERS // 2, num_decoder_layers=HF_LAYERS // 2, num_heads=HF_HEADS,
+            eos_token_id=1, decoder_start_token_id=0)
+    if arch == "vit":
+        return "ViTForImageClassification", "ViTConfig", dict(
+            image_size=64, patch_size=8, num_channels=3, hidden_size=width,
+            num_hidden_layers=HF_LAYERS, num_attention_heads=HF_HEADS,
+            intermediate_size=4 * width, num_labels=10)
+    raise ValueError(f"unknown architecture {arch!r}")
+
+
+HF_ARCHS = ("gpt2", "llama", "bert", "t5", "vit")
+
+
+def build_hf(arch: str, width: int = HF_WIDTH, gbs: int = HF_GBS, vocab: int | None = None
+             ) -> tuple[torch.nn.Module, dict]:
+    """The model of ``arch`` (float32, dropout 0, training mode) and a batch of ``gbs``
+    samples: ``model(**batch)`` returns the loss.
+
+    >>> model, batch = build_hf("llama")
+    >>> sorted(batch)
+    ['attention_mask', 'input_ids', 'labels']
+    """
+    import transformers
+
+    model_class, config_class, config = _hf_config(arch, width, vocab)
+    cfg = getattr(transformers, config_class)(**config)
+    for key, value in cfg.to_dict().items():
+        if "drop" in key and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(cfg).float().train()
+    g = torch.Generator().manual_seed(1)
+    if arch == "vit":
+        return model, {"pixel_values": torch.randn(gbs, 3, 64, 64, generator=g),
+                       "labels": torch.randint(0, 10, (gbs,), generator=g)}
+    ids = torch.randint(3, cfg.vocab_size, (gbs, HF_SEQ), generator=g)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                   "labels": ids.clone()}
+
+
 # ------------------------------------------------------------------ the hand-written loop
 def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
               slices: Sequence[tuple[int, int]], keep_outputs: bool = True
@@ -91,14 +171,9 @@ def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     microbatch's logits instead and returns (loss, None): the loop to set beside
     ``compile(..., outputs="loss")``.
     """
-    ids, labels = batch
-    counts = [(labels[a:b] != IGNORE_INDEX).sum() for a, b in slices]
-    total = sum(counts)
     loss = torch.zeros(())
     outs = []
-    for (a, b), count in zip(slices, counts):
-        mean, logits = model(ids[a:b], labels[a:b])
-        part = mean * (count / total)
+    for part, logits in _token_weighted(model, batch, slices):
         part.backward()
         loss += part.detach()
         if keep_outputs:
@@ -109,16 +184,25 @@ def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
 def hand_infer(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                slices: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Inference over the same microbatches (call under ``torch.no_grad``)."""
+    loss = torch.zeros(())
+    outs = []
+    for part, logits in _token_weighted(model, batch, slices):
+        loss += part
+        outs.append(logits)
+    return loss, torch.cat(outs)
+
+
+def _token_weighted(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                    slices: Sequence[tuple[int, int]]
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each microbatch's forward, one at a time as the caller asks: its mean loss weighted
+    by its share of the global count of real tokens, and its logits."""
     ids, labels = batch
     counts = [(labels[a:b] != IGNORE_INDEX).sum() for a, b in slices]
     total = sum(counts)
-    loss = torch.zeros(())
-    outs = []
     for (a, b), count in zip(slices, counts):
         mean, logits = model(ids[a:b], labels[a:b])
-        loss += mean * (count / total)
-        outs.append(logits)
-    return loss, torch.cat(outs)
+        yield mean * (count / total), logits
 
 
 def plain_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
@@ -201,6 +285,46 @@ def finish(out: list[str], figures: dict[str, Any], markdown: str | None,
 def add_output_args(parser: Any) -> None:
     parser.add_argument("--markdown", help="append the markdown section to this file")
     parser.add_argument("--json", help="write the headline figures to this file")
+
+
+def hf_parser(description: str) -> argparse.ArgumentParser:
+    """A parser with ``--arch``: one or more of ``HF_ARCHS`` (all by default)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--arch", nargs="+", default=list(HF_ARCHS), choices=HF_ARCHS)
+    return parser
+
+
+def bench_main(parser: argparse.ArgumentParser, argv: list[str] | None,
+               run: Callable[[argparse.Namespace, list[str]], dict[str, Any]]) -> int:
+    """A benchmark's ``main``: parse ``argv`` (``--markdown`` and ``--json`` added), take
+    ``args.threads`` torch threads (1 where the benchmark has no ``--threads``), and
+    ``finish`` with the lines ``run(args, out)`` appends to ``out`` and the figures it
+    returns.
+
+    >>> bench_main(argparse.ArgumentParser(), [], lambda args, out: out.append("# x") or {})
+    # x
+    0
+    """
+    add_output_args(parser)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(getattr(args, "threads", 1))
+    out: list[str] = []
+    figures = run(args, out)
+    return finish(out, figures, args.markdown, args.json)
+
+
+# ----------------------------------------------------------------------- two gloo ranks
+def on_two_ranks(rank_fn: Callable[..., None], *args: Any) -> dict[str, Any]:
+    """Run ``rank_fn(rank, world, out, *args)`` on two gloo ranks
+    (``mbcompile.execution.distributed.launch``) and return the JSON rank 0 wrote to
+    ``out``."""
+    from mbcompile.execution import distributed as mbdist
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rank0.json")
+        mbdist.launch(rank_fn, 2, out, *args, timeout_s=600.0)
+        with open(out) as f:
+            return json.load(f)
 
 
 # ------------------------------------------------------------------------ the machine

@@ -50,8 +50,8 @@ from mbcompile.passes.state_updates import (
 from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.request import Request
 
-__all__ = ["MODES", "Analysed", "analyse", "find", "in_current_mode", "kept_outputs",
-           "reusable"]
+__all__ = ["MODES", "Analysed", "analyse", "at_other_sizes", "find", "in_current_mode",
+           "kept_outputs", "reusable"]
 
 #: What runs: the batch split into microbatches; a two-phase step (ops that couple
 #: samples run once on the whole batch); or the captured graph as it is (one system,
@@ -310,7 +310,11 @@ def _writes_state(gm: fx.GraphModule) -> bool:
 
 
 def _analyse_captured(captured: CaptureResult, request: Request) -> Analysed:
-    state = lift_state_updates(captured.graph_module)
+    return _shaped(captured, lift_state_updates(captured.graph_module), request)
+
+
+def _shaped(captured: CaptureResult, state: StateUpdates, request: Request) -> Analysed:
+    """Shapes, hook checks and batch facts of ``state``'s graph at ``request``'s example."""
     gm = state.graph_module
     gbs = request.gbs
     try:
@@ -364,6 +368,25 @@ def in_current_mode(found: Analysed, request: Request) -> Analysed:
     with _batch_norm_rules(request.options.batch_norm):
         return _with_facts(captured, replace(found.state, graph_module=copied), request,
                            found.gbs, found.specialised)
+
+
+def at_other_sizes(found: Analysed, request: Request) -> Analysed:
+    """``found``'s capture (its symbolic dims symbolic) with shapes and batch facts found
+    again at ``request``'s example, another length: ``checked_symbolic``'s second program
+    without a second capture. The capture does not depend on the length: torch.fx never
+    sees the example's tensors, and torch.export's symbolic trace holds for every size its
+    guards admit (checked apart); what the length can change is what the shape pass, the
+    analysis and the rewrite derive from sizes, and those run again here, on a copy.
+
+    >>> other = at_other_sizes(captures.analysed(request), request.at_other_lengths())
+    """
+    gm = found.state.graph_module  # the captured graph, its state writes lifted already
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph), type(gm).__name__)
+    captured = found.captured
+    if captured.graph_module is gm:
+        captured = replace(captured, graph_module=copied)
+    with _batch_norm_rules(request.options.batch_norm):
+        return _shaped(captured, replace(found.state, graph_module=copied), request)
 
 
 def kept_outputs(option: Any, spec: OutputSpec, analysis: BatchAnalysis,

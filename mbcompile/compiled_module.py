@@ -33,7 +33,7 @@ from mbcompile.errors import (
     RecompileWarning,
     RetainedActivationsWarning,
 )
-from mbcompile.execution.live_hooks import hook_keys, unwatch, watch_hooks
+from mbcompile.execution.live_hooks import called_as, hook_keys, unwatch, watch_hooks
 from mbcompile.execution.rank_shares import check_not_in_ddp
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
@@ -267,6 +267,10 @@ class CompiledModule(ModelFace, nn.Module):
         return render(*last_run(self), fmt=fmt)
 
     # ---------------------------------------------------------------- calling
+    def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's call, where a global module hook sees the model (``called_as``)."""
+        return called_as(self, self.module, super()._call_impl, args, kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compile_only:
             raise CompileOnlyError.of(self.plan.mbs, self.exploration, shapes_only=any(
@@ -294,7 +298,7 @@ class CompiledModule(ModelFace, nn.Module):
                 return other(*args, **kwargs)
         compiled = self._compiled()
         watched = watch_hooks(self._live_layers, self._hooks_known, self._watchers,
-                              opaque=self._request.torch_compile is not None)
+                              opaque=self._request.torch_compile is not None)  # global too
         if not watched:
             return self._call(compiled, values, bound.arguments)
         try:

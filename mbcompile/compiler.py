@@ -19,17 +19,27 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
-from mbcompile.analysis import analyse
+from mbcompile.analysis import Analysed, analyse, at_other_sizes
 from mbcompile.captures import Captures
 from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.dynamic_shapes import checked_symbolic
-from mbcompile.errors import CaptureError, MbcompileError
-from mbcompile.integrations.transformers import trainer_keywords
+from mbcompile.errors import CaptureError, InputError, MbcompileError
+from mbcompile.execution.live_hooks import global_backward_refused
+from mbcompile.integrations.transformers import (
+    TRAINER_KEYWORDS,
+    as_the_trainer_sets,
+    padded_dims,
+    trainer_keywords,
+)
 from mbcompile.length_plans import call_split
 from mbcompile.lowering import Lowered, lower
 from mbcompile.options import signature_with_options
+from mbcompile.passes import global_hooks
+from mbcompile.passes.side_effects import Effects, Held
 from mbcompile.planning.static_memory import check_static_memory
 from mbcompile.reports.report import Validation, validation_of
 from mbcompile.request import Request, make_request
@@ -51,13 +61,37 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto",
     step fits, and ``DoesNotFitError`` when the plan exceeds the system's memory. Every
     parameter is described once, in docs/api.md.
     """
+    global_backward_refused("Nothing was compiled or changed")
     request = make_request(model, gbs, num_csx, mbs, **options)
     if request.options.validate_only:
         return _validate(request)
-    return _compile_request(request)
+    return _compile_as_called(request)
 
 
 compile.__signature__ = signature_with_options(compile)  # type: ignore[attr-defined]
+
+
+def _compile_as_called(request: Request) -> CompiledModule:
+    """The chain for the call the model will get. A transformers model that
+    ``transformers.Trainer`` calls with keywords of its own (``num_items_in_batch``) is
+    compiled for that call (``integrations/transformers.py``), with the lengths a padding
+    collator pads symbolic under ``dynamic="auto"``: the Trainer's steps then run this one
+    compile. Where the model cannot take the length symbolic it is compiled at the
+    example's length, as ``"auto"`` does until a length changes (that change then says
+    why it is refused). The config is the one the Trainer sets (``use_cache=False``)."""
+    keywords = trainer_keywords(request.inner, request.example)
+    if not keywords:
+        return _compile_request(request)
+    called = request.for_call((), {**request.example, **keywords})
+    dims = padded_dims(request.inner, called.example) if request.options.dynamic == "auto" \
+        else {}
+    with as_the_trainer_sets(request.inner):
+        if dims:
+            try:
+                return _compile_request(called.for_shapes(dims))
+            except (InputError, CaptureError):
+                pass  # the length baked in: fixed until a call changes it
+        return _compile_request(called)
 
 
 def _compile_request(request: Request) -> CompiledModule:
@@ -70,7 +104,7 @@ def _compile_request(request: Request) -> CompiledModule:
         selection = select(request, analysed)
         lowered = lower(request, analysed, selection)
         # symbolic dims: the step proved the same at another length, bounded where it holds
-        request = _proved(request, selection, lowered, captures)
+        request = _proved(request, selection, lowered, captures, analysed)
     return _module(request, selection, lowered, captures)
 
 
@@ -78,7 +112,8 @@ def _module(request: Request, selection: Selection, lowered: Lowered, captures: 
             ) -> CompiledModule:
     """The compiled module, handed the chain for what it meets later (``Recompile``) and
     the keywords a transformers model's Trainer will add (compiled without a warning)."""
-    expected = frozenset(trainer_keywords(request.inner, request.example))
+    example = {k: v for k, v in request.example.items() if k not in TRAINER_KEYWORDS}
+    expected = frozenset(trainer_keywords(request.inner, example))
     return CompiledModule(request, selection, lowered, Recompile(
         functools.partial(_relower, request, selection, captures),
         functools.partial(_variant, request, selection, captures), expected,
@@ -110,7 +145,7 @@ def _variant(origin: Request, first: Selection, captures: Captures, request: Req
         else:
             selection = select(request, analysed, prior=first)
         lowered = lower(request, analysed, selection)
-        request = _proved(request, selection, lowered, captures)
+        request = _proved(request, selection, lowered, captures, analysed)
     return _module(request, selection, lowered, captures)
 
 
@@ -118,26 +153,45 @@ def _relower(request: Request, selection: Selection, captures: Captures) -> Lowe
     """The request's graph in the model's current train/eval mode and Python state
     (captured once per state, for the module and its variants), lowered again for the
     same selection; with symbolic dims checked the same at other lengths."""
-    lowered = lower(request, captures.analysed(request, plan=selection.plan), selection)
-    # symbolic dims: the graph of the new mode holds at another length too
-    _proved(request, selection, lowered, captures, adopt=False)
+    with global_hooks.hidden():  # no probe calls one (the trace shows them: code_reach)
+        analysed = captures.analysed(request, plan=selection.plan)
+        lowered = lower(request, analysed, selection)
+        # symbolic dims: the graph of the new mode holds at another length too
+        _proved(request, selection, lowered, captures, analysed, adopt=False)
     return lowered
 
 
 def _proved(request: Request, selection: Selection, lowered: Lowered, captures: Captures,
-            adopt: bool = True) -> Request:
+            analysed: Analysed, adopt: bool = True) -> Request:
     """``checked_symbolic`` of ``request``'s step, once per captured graph (``Captures``:
     a variant on the same capture takes the first verdict)."""
-    relower = functools.partial(_captured_afresh, selection=selection)
+    relower = functools.partial(_at_other_lengths, selection=selection, analysed=analysed)
     return captures.proved(request, lowered.original_graph_module, lambda r: checked_symbolic(
         r, lowered, relower, adopt=adopt), adopt)
 
 
-def _captured_afresh(request: Request, selection: Selection) -> Lowered:
-    """``request``'s graph captured anew (never from the cache, whose symbolic capture
-    would prove nothing) and lowered for ``selection``: ``checked_symbolic``'s other
-    length."""
-    return lower(request, analyse(request, plan=selection.plan), selection)
+def _at_other_lengths(request: Request, selection: Selection, analysed: Analysed) -> Lowered:
+    """``request`` (the example at other lengths) lowered for ``selection`` on ``analysed``'s
+    capture, its shapes and facts found again there (``at_other_sizes``): what
+    ``checked_symbolic`` compares with the first step. A capture whose side effects write a
+    symbolic size into Python state is captured anew instead, which compares them too."""
+    if _sizes_written(analysed.captured.effects):
+        found = None  # never from the cache, whose symbolic capture would prove nothing
+    else:
+        found = at_other_sizes(analysed, request)
+    return lower(request, analyse(request, plan=selection.plan, found=found), selection)
+
+
+def _sizes_written(effects: Effects) -> bool:
+    """Whether a side effect writes a value built from sizes without a traced tensor (a
+    ``SymInt``): traced values are graph outputs, which the other length's step has too."""
+    held = [h for r in effects.records for h in (getattr(r, "value", None),
+                                                  getattr(r, "values", None),
+                                                  getattr(r, "args", None),
+                                                  getattr(r, "kwargs", None))
+            if isinstance(h, Held) and not h.traced]
+    return any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool))
+               for h in held for leaf in pytree.tree_leaves(h.value))
 
 
 def _validate(request: Request) -> Validation:
@@ -151,9 +205,11 @@ def _validate(request: Request) -> Validation:
 
 @contextlib.contextmanager
 def _crash_named(model: nn.Module) -> Iterator[None]:
-    """A pass that crashed (not an error of ours): say so with the model's name."""
+    """A pass that crashed (not an error of ours): say so with the model's name. The global
+    module hooks are hidden from compile's probes (``passes/global_hooks.py``)."""
     try:
-        yield
+        with global_hooks.hidden():
+            yield
     except MbcompileError:
         raise
     except Exception as exc:

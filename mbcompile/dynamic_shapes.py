@@ -10,8 +10,10 @@
 ``False``: none; a dict: those, with bounds). A symbolic dim is captured symbolic
 (torch.export's ``Dim.DYNAMIC``; a torch.fx trace reads sizes off the tensors already),
 and ``checked_symbolic`` proves the compiled step does not depend on its value: the
-request goes through the chain again at other lengths (``Request.at_other_lengths``),
-and the two rewritten programs must be the same program, code, side effects and all.
+request goes through the chain again at other lengths (``Request.at_other_lengths``) on
+the same capture (its shapes, batch facts and rewrite found again: ``at_other_sizes``;
+the capture itself holds for every size its guards admit, checked here), and the two
+rewritten programs must be the same program, code, side effects and all.
 A model that bakes a length in (a size read off the input used as a number after the
 loop, a random draw shaped by it, a Python loop over it) lowers differently at the two
 lengths, or fails at one of them: refused with an ``InputError`` that names the padding

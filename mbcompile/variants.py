@@ -52,8 +52,8 @@ def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, .
         def listed(names: frozenset[str]) -> str:
             return ", ".join(map(repr, sorted(names))) or "none"
 
-        expected = through > cm._keywords and (
-            through - cm._keywords <= cm._recompile.expected_keywords)  # only those added
+        # only those the Trainer adds, added or (compiled with them) left out
+        expected = through ^ cm._keywords <= cm._recompile.expected_keywords
         variant = _variant(
             cm, through, cm._request.for_call(args, kwargs),
             f"a call passes {listed(through)} to {type(cm._inner).__name__}.forward's "

@@ -217,11 +217,11 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
     name = type(model).__name__
     units = fsdp_modules(model)
     with fsdp_view(model, units):
-        root_hooks = [k for k in ("_forward_pre_hooks", "_forward_hooks")
-                      if getattr(model, k, None)]
+        root_hooks = [k for k in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                                  "_backward_pre_hooks") if getattr(model, k, None)]
         if root_hooks:
             raise CaptureError(
-                f"{name} has forward hooks on the model itself ({', '.join(root_hooks)}); "
+                f"{name} has hooks on the model itself ({', '.join(root_hooks)}); "
                 "torch.fx traces forward directly, so they would never run in the compiled "
                 "module. Fix: move their work into forward, register them on a submodule, or "
                 "compile a wrapper Module whose forward calls the model (hooks of submodules "

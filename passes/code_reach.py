@@ -51,10 +51,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import global_hooks
 from .errors import CaptureError
 from .sources import is_library, user_frame
 
-__all__ = ["Cell", "Reach", "Slot", "holds_state", "reached_code", "user_code"]
+__all__ = ["Cell", "Reach", "Slot", "holds_state", "open_refused", "reached_code", "user_code"]
 
 #: Python's own modules, and installed packages (site-packages: transformers), whose code is
 #: a library's: their module-level values are taken as constants (docs/limits.md)
@@ -230,9 +231,9 @@ class Reach:
             return
         self._walked.add(key)
         info = _code(code)
-        for name, cell in zip(code.co_freevars, closure or ()):
-            self.value(self.slot(Cell(cell, name), name,
-                                 f"the variable {name} of {code.co_qualname}"), code)
+        for name, cell in zip(code.co_freevars, closure or ()):  # (a module held: its
+            self.value(self.slot(Cell(cell, name), name,          # attributes the code names)
+                                 f"the variable {name} of {code.co_qualname}"), code, info)
         for name in info.globals:
             where = f"the global {name}"
             self.value(self.slot(space, name, where) if name in space or name not in
@@ -305,8 +306,7 @@ def _roots(model: nn.Module, live: Callable[[nn.Module], bool] | None
             elif callable(value) and _user_instance(value):  # a schedule object it calls
                 yield from (f for f in vars(type(value)).values()
                             if isinstance(f, types.FunctionType))
-    for hooks in (nn.modules.module._global_forward_hooks,
-                  nn.modules.module._global_forward_pre_hooks):
+    for hooks in global_hooks.FORWARD:
         yield from hooks.values()
 
 
@@ -330,25 +330,38 @@ def _same_state(a: Any, b: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _open_refused(reach: Reach) -> Iterator[None]:
-    """``open`` called from the user's code while the block runs: refused before it opens
-    (torch's and Python's own calls, reading source lines for a stack trace, go through)."""
+def open_refused(reach: Reach, to_null: bool = False) -> Iterator[None]:
+    """``open`` called from the user's code while the block runs, directly or, to write,
+    through Python's own code (``Path.open("a")``): refused before it opens (torch's and
+    Python's own calls, reading source lines for a stack trace or a warning, go through).
+    With ``to_null`` (a hook called on made-up data at compile) a file opened to write is
+    ``os.devnull`` instead, and one opened to read is read."""
     def refusing(*args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1).f_code.co_filename
-        if user_code(caller):
+        frame: types.FrameType | None = sys._getframe(1)
+        through = False  # Python's own code between (``Path.open``, ``linecache`` reading)
+        while frame is not None and frame.f_code.co_filename.startswith(_STDLIB):
+            frame, through = frame.f_back, True
+        mode = str(args[1] if len(args) > 1 else kwargs.get("mode", "r"))
+        writes = any(c in mode for c in "wax+")
+        if to_null and writes:
+            return _OPEN(os.devnull, mode.replace("x", "w"))
+        if frame is not None and user_code(frame.f_code.co_filename) and (
+                not through or writes) and not to_null:  # a warning reads its line
             where = user_frame(traceback.extract_stack()[:-1])
             reach.refused.append(f"opens a file at {where}")
             raise CaptureError(f"forward opens a file at {where}")
         return _OPEN(*args, **kwargs)
 
+    outer = builtins.open, io.open
     builtins.open = io.open = refusing  # type: ignore[assignment]
     try:
         yield
     finally:
-        builtins.open = io.open = _OPEN  # type: ignore[assignment]
+        builtins.open, io.open = outer  # type: ignore[assignment]
 
 
 _OPEN = io.open
+_STDLIB = ("<frozen ", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
 
 
 @contextlib.contextmanager
@@ -358,16 +371,26 @@ def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model
     (before the block, a capture's trace, runs), and watch the block: a file opened, a draw
     of Python's or numpy's global random numbers, and (where the walk found the code naming
     one) a call of ``_refused`` are refused; nothing is changed by a refusal. ``live``: the
-    modules whose hooks the trace leaves to run at each call (fx's leaf layers)."""
+    modules whose hooks the trace leaves to run at each call (fx's leaf layers). The global
+    module hooks compile hides from its probes run in the block (``global_hooks.shown``):
+    the trace calls them on the modules it enters, as eager's forward does."""
+    with global_hooks.shown(), _reached(model, add_slot, model_name, live) as reach:
+        yield reach
+
+
+@contextlib.contextmanager
+def _reached(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str,
+             live: Callable[[nn.Module], bool] | None) -> Iterator[Reach]:
     reach = Reach(add_slot)
     for fn in _roots(model, live):
+        fn = getattr(fn, "__wrapped__", fn)  # a global hook called on the model in its place
         fn = getattr(fn, "func", fn)  # functools.partial
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):
             reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
     states = _other_rngs()
     try:
-        with _open_refused(reach), _calls_watched(reach) if reach.suspects else \
+        with open_refused(reach), _calls_watched(reach) if reach.suspects else \
                 contextlib.nullcontext():
             yield reach
     except Exception:  # a refusal raised in forward, as the trace passed it on (or wrapped it)

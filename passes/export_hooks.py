@@ -27,9 +27,10 @@ import torch
 from torch.nn.modules import module as module_globals
 
 from .errors import CaptureError
+from .global_hooks import forward_hooks
 from .sources import user_frame
 
-__all__ = ["backward_hooks_refused", "tensor_hooks_refused"]
+__all__ = ["backward_hooks_refused", "global_hooks_refused", "tensor_hooks_refused"]
 
 
 def backward_hooks_refused(model: torch.nn.Module, model_name: str,
@@ -48,6 +49,24 @@ def backward_hooks_refused(model: torch.nn.Module, model_name: str,
             "them), so their gradients would change silently. Fix: make the forward "
             "traceable by torch.fx and compile with capture='fx' (it calls a hooked layer "
             "with its hooks), or remove the hooks while training"
+            + (f"\n  torch.fx.symbolic_trace failed first: {fx_error}" if fx_error else ""))
+
+
+def global_hooks_refused(model_name: str, fx_error: BaseException | None = None) -> None:
+    """A ``CaptureError`` where a global module forward hook is registered: export calls it
+    on fake tensors, more than once per module, and on its own wrapper modules, so what it
+    records would not be eager's (global backward hooks: ``live_hooks``)."""
+    hooks = forward_hooks()  # hidden while compile runs
+    if hooks:
+        fn = getattr(hooks[0], "__wrapped__", hooks[0])
+        raise CaptureError(
+            f"{model_name}: torch.export cannot keep the global module hook "
+            f"{getattr(fn, '__qualname__', type(fn).__name__)!r} (register_module_forward_hook)"
+            ": it calls it on fake tensors, more than once per module, and on its own "
+            "wrapper modules, so what it records or changes would not be eager's. Fix: make "
+            "the forward traceable by torch.fx and compile with capture='fx' (it traces the "
+            "hook where forward enters a module, and watches it on each torch layer), or "
+            "remove the hook while compiling and training; nothing was changed"
             + (f"\n  torch.fx.symbolic_trace failed first: {fx_error}" if fx_error else ""))
 
 

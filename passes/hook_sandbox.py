@@ -13,6 +13,9 @@ the hook with that state recorded and puts it back, whatever the hook did:
   ``functools.partial``'s arguments), as ``python_state.Snapshot`` records it, plus the
   closure cells and globals it rebinds (``count += 1`` on a ``nonlocal``);
 - a ``print`` or ``logging`` call (recorded, not printed);
+- the globals and closure variables its code reaches through the functions it calls
+  (``passes.code_reach``: a helper's ``LOG.append``), recorded and put back the same way;
+- a file it opens (refused before it opens, as in forward);
 - a tensor hook it registers (``out.register_hook(fn)``: it would fire on a microbatch's
   gradient), kept, with ``fn`` itself called the same way;
 - an in-place write to a parameter or buffer of a module it reaches (which cannot be put
@@ -39,6 +42,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .code_reach import Cell, Reach, Slot, open_refused, user_code
+from .errors import CaptureError
 from .python_state import Snapshot
 from .side_effects import prints_recorded
 
@@ -110,11 +115,12 @@ class _Watch:
     cells: list[tuple[str, Any, Any]] = field(default_factory=list)  # (name, cell, contents)
     globals_: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
     versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+    reach: Reach = field(default_factory=lambda: Reach(lambda slot, state: None))
 
     @classmethod
     def of(cls, fns: list[Any], module: nn.Module) -> _Watch:
         roots: dict[str, Any] = {"<the layer>": module}
-        cells, globals_ = [], []
+        cells, globals_, walked = [], [], []
         for i, fn in enumerate(fns):
             mark = f"<hook {i}> " if len(fns) > 1 else ""  # roots by name: none overwritten
             plain, bound = _unwrapped(fn)
@@ -123,6 +129,11 @@ class _Watch:
             code = getattr(plain, "__code__", None)
             if code is None:
                 continue
+            roots.update((f"{mark}<default {j}>", d)
+                         for j, d in enumerate(plain.__defaults__ or ()))
+            users = user_code(code.co_filename)
+            if users:  # walked below too, with what it calls (its globals become slots)
+                walked.append(plain)
             for name, cell in zip(code.co_freevars, plain.__closure__ or ()):
                 with contextlib.suppress(ValueError):  # an empty cell
                     cells.append((name, cell, cell.cell_contents))
@@ -130,16 +141,22 @@ class _Watch:
             namespace = plain.__globals__
             for name in code.co_names:
                 value = namespace.get(name, _ABSENT)
-                globals_.append((namespace, name, value))
+                if not users:
+                    globals_.append((namespace, name, value))
                 if value is not _ABSENT and not isinstance(value, _NOT_STATE):
                     roots[mark + name] = value
-            roots.update((f"{mark}<default {j}>", d)
-                         for j, d in enumerate(plain.__defaults__ or ()))
         snapshot = Snapshot(roots)
+        # the globals and closure variables the hook's code reaches, through the functions
+        # it calls too (a helper's ``LOG.append``, ``helpers.COUNT += 1``), as forward's are
+        reach = Reach(lambda slot, state: snapshot.add_slot(
+            Slot(slot.owner, slot.key, slot.key) if isinstance(slot.owner, Cell) else slot,
+            state))  # a closure variable by its name, as the hook's author wrote it
+        for plain in walked:
+            reach.walk(plain.__code__, plain.__globals__, plain.__closure__)
         versions = [(f"{path}.{n}" if path else n, t, t._version)
                     for m, path, _, slots in snapshot.modules
                     for n, t in (*slots[0].items(), *slots[1].items()) if t is not None]
-        return cls(snapshot, cells, globals_, versions)
+        return cls(snapshot, cells, globals_, versions, reach)
 
     def changes(self) -> list[str]:
         found = [c.where for c in self.snapshot.changes()]
@@ -195,12 +212,19 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
     registered: list[Any] = []
     wrote: list[str] | None = None
     try:
-        with prints_recorded() as prints, _tensor_hooks_kept(registered):
+        with prints_recorded() as prints, _tensor_hooks_kept(registered), \
+                open_refused(watch.reach):
             result = fn(module, *args) if module_first else fn(*args)
         wrote = watch.changes()
+    except CaptureError:  # a file opened: refused before it opened
+        if not watch.reach.refused:
+            raise
+        result, wrote = None, watch.changes()
     finally:
-        if wrote != []:  # it raised, or wrote: put everything back (else nothing differs)
+        if wrote != [] or watch.reach.refused:  # it raised, or wrote: put everything back
             watch.restore()
+    if watch.reach.refused:  # (also where the hook caught the refusal itself)
+        wrote.insert(0, f"a file (it {watch.reach.refused[0]})")
     if prints:
         wrote.append(f"a print or log call at {prints[0].where}")
     if registered:
@@ -213,10 +237,11 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
 def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
     """While compile calls ``module`` on made-up data (a shape probe, a copy that checks
     its hooks): whatever its hooks (forward and backward) write is put back when the
-    block ends, and nothing they print is printed. One watch for the whole call, so a
-    pre-hook's write that its post-hook reads (a timer) holds between them.
+    block ends, nothing they print is printed, and no file they open is written. One
+    watch for the whole call, so a pre-hook's write that its post-hook reads (a timer)
+    holds between them.
 
-    (Global module hooks are left as they are: unchecked, see docs/limits.md.)
+    (Global module hooks are hidden while compile runs: ``global_hooks.hidden``.)
     """
     fns = [fn for table in (module._forward_pre_hooks, module._forward_hooks,
                             module._backward_pre_hooks, module._backward_hooks)
@@ -225,8 +250,8 @@ def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
         yield
         return
     watch = _Watch.of(fns, module)
-    try:
-        with prints_recorded(), _tensor_hooks_kept([]):
+    try:  # a file a hook opens to write is os.devnull: written at compile, it would stay
+        with prints_recorded(), _tensor_hooks_kept([]), open_refused(watch.reach, to_null=True):
             yield
     finally:
         watch.restore()

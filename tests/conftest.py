@@ -100,6 +100,7 @@ def _write_groups(units: dict[pytest.Item, str]) -> None:
 # the tests that use one go to the same xdist worker (one work unit of --dist loadgroup),
 # so that the fixture runs once, not once per worker. Keyed by "<file>::<fixture>".
 SHARED_FIXTURES = {
+    "tests/test_cli.py::fits",
     "tests/test_cost.py::costs",
     "tests/test_explore.py::costs",
     "tests/test_fsdp_memory.py::measured",

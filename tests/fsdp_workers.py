@@ -434,3 +434,33 @@ def mixed_precision_step(rank: int, world: int, out_dir: str, kind: str) -> None
                 "reshard": cm.plan.reshard_after_forward,
                 "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}},
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def post_accumulate_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: int,
+                          sync: str) -> None:
+    """Two compiled steps of the sharded model with a post-accumulate-grad hook on every
+    parameter (SGD between them) that records how often it fires and the local shard of
+    the gradient it sees; saves those, and each step's full gradients."""
+    net = shard(make_net())
+    cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=make_batch(gbs),
+                           backend="torch.distributed", gradient_sync=sync)
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n, _ in net.named_parameters()}
+    for name, p in net.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda q, name=name: seen[name].append(q.grad.to_local().clone()))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    record = []
+    for step in range(2):
+        loss = cm(*mbdist.shard(make_batch(gbs, seed=1 + step), cm.plan, rank))
+        fired = {n: len(s) for n, s in seen.items()}
+        loss.backward()
+        record.append({"fired_in_call": fired,
+                       "seen": {n: s[-1] if s else None for n, s in seen.items()},
+                       "count": {n: len(s) for n, s in seen.items()},
+                       "local": {n: p.grad.to_local().clone() for n, p in net.named_parameters()},
+                       "grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()}})
+        for s in seen.values():
+            s.clear()
+        opt.step()
+        opt.zero_grad()
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))

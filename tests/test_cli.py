@@ -21,6 +21,7 @@ import sys
 import textwrap
 import threading
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -107,24 +108,43 @@ def test_compile_writes_the_artifacts(tmp_path, example):
     assert "artifacts in" in result.stdout and "Graphviz" not in result.stderr
 
 
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory
+         ) -> Callable[[Path], tuple[subprocess.CompletedProcess[str], Path]]:
+    """``mbcompile fit EXAMPLE --max-steps 2``, run once per example in this module (a
+    subprocess is seconds): what it printed and its run folder. test_fit_two_steps checks
+    them; the ranks test compares its ranks with mlp's one process (conftest.py's
+    SHARED_FIXTURES keeps these tests on one xdist worker)."""
+    done: dict[Path, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+    def fit(example: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+        if example not in done:
+            cwd = tmp_path_factory.mktemp(f"fit_{example.stem}")
+            done[example] = (run("fit", str(example), "--max-steps", "2", "--out", "run",
+                                 cwd=cwd), cwd / "run")
+        return done[example]
+
+    return fit
+
+
 @pytest.mark.parametrize("example", tiered(EXAMPLE_FILES, fast=("tiny_gpt",)))
-def test_fit_two_steps(tmp_path, example):
-    result = run("fit", str(example), "--max-steps", "2", "--out", "run", cwd=tmp_path)
+def test_fit_two_steps(fits, example):
+    result, out = fits(example)
     assert result.returncode == 0, result.stderr
     assert "trained 2 steps" in result.stdout
     assert "Traceback" not in result.stderr
-    with open(tmp_path / "run" / "metrics.csv") as f:
+    with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows if r["phase"] == "train"] == ["1", "2"]
     assert any(r["phase"] == "validate" for r in rows)
-    assert (tmp_path / "run" / "metrics.jsonl").exists()
+    assert (out / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
-def test_fit_on_cpu_ranks_matches_one_process(tmp_path):
-    # mlp.yaml: gbs 20 over 3 systems (7, 7, 6); three gloo ranks must train the same model.
-    one = run("fit", str(EXAMPLES / "mlp.yaml"), "--max-steps", "2", "--out", "one",
-              cwd=tmp_path)
+def test_fit_on_cpu_ranks_matches_one_process(tmp_path, fits):
+    # mlp.yaml: gbs 20 over 3 systems (7, 7, 6); three gloo ranks must train the same model
+    # as one process does (test_fit_two_steps[mlp]'s run)
+    one, _ = fits(EXAMPLES / "mlp.yaml")
     ranks = run("fit", str(EXAMPLES / "mlp.yaml"), "--max-steps", "2", "--nproc", "3",
                 "--out", "ranks", cwd=tmp_path, timeout=240)
     assert one.returncode == 0 and ranks.returncode == 0, ranks.stderr

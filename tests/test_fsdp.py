@@ -401,3 +401,20 @@ def test_reshard_after_forward_is_checked(value, message):
     with pytest.raises(InputError, match=message):
         mbcompile.compile(fsdp_workers.make_net(), 4, 1, 2, reshard_after_forward=value,
                           example_inputs=fsdp_workers.make_batch(4))
+
+
+def test_post_accumulate_grad_hooks_fire_once_per_step_on_the_full_gradient(tmp_path):
+    """FSDP2 calls a sharded parameter's post-accumulate-grad hooks after each of its
+    reduce-scatters (here every microbatch: gradient_sync="microbatch"; with "step", once,
+    inside the call, before the gradient is scaled): the step sets them aside, so each
+    fires once, in the caller's backward, on the step's whole gradient (the shard it holds
+    after the step), equal to the full-batch gradient over two steps."""
+    _run(fsdp_workers.post_accumulate_steps, 2, str(tmp_path), 7, 2, "microbatch")
+    reference = _reference(7, 2)
+    for rank in range(2):
+        for step, (_, grads) in zip(torch.load(tmp_path / f"rank{rank}.pt"), reference):
+            assert set(step["fired_in_call"].values()) == {0}
+            assert set(step["count"].values()) == {1}
+            for name, g in grads.items():
+                assert torch.equal(step["seen"][name], step["local"][name]), (rank, name)
+                assert relative_error(step["grads"][name], g) <= 1e-10, (rank, name)

@@ -352,3 +352,66 @@ def test_a_layer_hooks_own_state_is_read_live_not_guarded():
     assert rel_err(loss.detach(), expected.detach(), 1e-3) < 1e-12
     for p, q in zip(model.parameters(), ref.parameters()):
         assert rel_err(p.grad, q.grad, 1e-3) < 1e-12
+
+
+_LOG: list[int] = []
+
+
+def _log(rows: int) -> None:
+    _LOG.append(rows)
+
+
+@pytest.mark.parametrize("how", ["helper", "other_module", "file"])
+def test_a_layer_hook_writing_through_another_function_or_a_file_is_refused(how, tmp_path):
+    """The sandbox walks the hook's code as forward's is walked (``code_reach``): a global
+    written by a helper it calls, another module's globals written by that module's
+    function, and a file it opens are seen; each refused at its first call in a step, with
+    the globals put back, no file made and no gradient."""
+    from fuzz import global_helpers
+
+    model, batch = _logged_batch()
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    before = (global_helpers.COUNT, global_helpers.LAST)
+    path = tmp_path / "rows.txt"
+    hooks = {
+        "helper": lambda m, args, out: _log(out.shape[0]),
+        "other_module": lambda m, args, out: global_helpers.record(out.detach()),
+        "file": lambda m, args, out: path.open("a").write(f"{out.shape[0]}\n"),
+    }
+    handle = model.a.register_forward_hook(hooks[how])
+    try:
+        with pytest.raises(mbcompile.CaptureError, match="per_microbatch") as refusal:
+            cm(*batch)
+    finally:
+        handle.remove()
+    named = {"helper": "the global _LOG", "other_module": "the global COUNT",
+             "file": "a file (it opens a file at"}[how]
+    assert named in str(refusal.value)
+    assert _LOG == [] and (global_helpers.COUNT, global_helpers.LAST) == before
+    assert not path.exists()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_marked_hook_writing_through_a_helper_or_a_file_runs_per_microbatch_only(tmp_path):
+    """Marked, the same helper's write, and a file's, run once per microbatch in a step;
+    compile's probes called them on made-up data, and changed nothing: the writes reached
+    through the helper were put back, and the file opened to write was os.devnull."""
+    model, batch = _logged_batch()
+    path = tmp_path / "rows.txt"
+
+    def to_file(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        with open(path, "a") as f:
+            f.write(f"{out.shape[0]}\n")
+
+    handles = [model.a.register_forward_hook(
+        mbcompile.per_microbatch(lambda m, args, out: _log(out.shape[0]))),
+        model.b.register_forward_hook(mbcompile.per_microbatch(to_file))]
+    try:
+        cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+        assert _LOG == [] and not path.exists()
+        cm(*batch)
+        assert _LOG == [2, 2, 2, 1] and path.read_text().split() == ["2", "2", "2", "1"]
+    finally:
+        for handle in handles:
+            handle.remove()
+        _LOG.clear()

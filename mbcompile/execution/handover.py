@@ -12,7 +12,7 @@ Post-accumulate-grad hooks (``p.register_post_accumulate_grad_hook``, an optimiz
 stepping in backward) and a parameter's tensor hooks (``p.register_hook``) are set aside
 while the step's own backwards run (``hooks_aside``): they fire once per step, on the
 full gradient, when autograd accumulates the handed-over gradient into ``.grad``, as in
-eager.
+eager (on an FSDP2-sharded model too, where FSDP calls them after its reduce-scatter).
 """
 
 from __future__ import annotations

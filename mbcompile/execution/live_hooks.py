@@ -34,10 +34,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import UncheckedHookError
+from mbcompile.passes import global_hooks
 from mbcompile.passes.hook_sandbox import call_sandboxed, runs_per_microbatch
 
-__all__ = ["UncheckedHookError", "WatchedHook", "hook_keys", "in_step", "unwatch",
-           "watch_hooks"]
+__all__ = ["UncheckedHookError", "WatchedHook", "called_as", "global_backward_refused",
+           "hook_keys", "in_step", "unwatch", "watch_hooks"]
 
 
 class _Steps:
@@ -53,10 +54,11 @@ class WatchedHook:
     """A user's forward (pre-)hook of a live layer, called as registered outside a step,
     checked inside one (see the module docstring); ``checked``: present at compile."""
 
-    __slots__ = ("checked", "fn", "layer")
+    __slots__ = ("checked", "fn", "global_", "layer")
 
-    def __init__(self, fn: Any, layer: str, checked: bool = False) -> None:
-        self.fn, self.layer, self.checked = fn, layer, checked
+    def __init__(self, fn: Any, layer: str, checked: bool = False, global_: bool = False
+                 ) -> None:
+        self.fn, self.layer, self.checked, self.global_ = fn, layer, checked, global_
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
         if not _Steps.depth or (self.checked and runs_per_microbatch(self.fn)):
@@ -69,11 +71,10 @@ class WatchedHook:
             result, wrote = call_sandboxed(self.fn, module, args)
             if wrote is not None:
                 raise UncheckedHookError(
-                    f"a hook of {type(module).__name__} {self.layer!r} writes "
-                    f"{wrote}; the layer runs its hooks once per microbatch, on each "
-                    "microbatch's rows, where eager runs them once per step on the whole "
-                    "batch, so what it records would differ from eager. Fix: register the "
-                    "hook on a module of your own that wraps the layer and keep what it "
+                    f"{self._what(module)} writes {wrote}; the layer runs its hooks once "
+                    "per microbatch, on each microbatch's rows, where eager runs them once "
+                    "per step on the whole batch, so what it records would differ from "
+                    f"eager. Fix: register the hook on {_OWN[self.global_]} and keep what it "
                     "records on that module (its hooks are traced, and their writes "
                     "replayed once per step with the whole batch's values), or mark it "
                     "mbcompile.per_microbatch(hook) to run it on each microbatch on purpose. "
@@ -82,18 +83,37 @@ class WatchedHook:
         if not self.checked and (
                 result is not None or any(t._version != v for t, v in zip(tensors, versions))):
             raise UncheckedHookError(
-                f"a forward hook registered on {type(module).__name__} {self.layer!r} after "
-                f"compile changes what the layer {'returns' if len(args) > 1 else 'receives'}"
-                " (it returned a value or wrote a tensor in place); the layer runs its hooks "
-                "once per microbatch, and compile checks only the hooks present when it ran, "
-                "so the step could differ from eager. Fix: register the hook before "
-                "mbcompile.compile() (or compile again after registering it), or make it only "
-                "read (return None). The step was not run: parameters and gradients are as "
-                "they were")
+                f"{self._what(module, later=True)} changes what the layer "
+                f"{'returns' if len(args) > 1 else 'receives'} (it returned a value or wrote "
+                "a tensor in place); the layer runs its hooks once per microbatch, and "
+                f"compile checks only {_CHECKED[self.global_]}, so the step could differ "
+                f"from eager. Fix: {_FIX[self.global_]}, or make it only read (return "
+                "None). The step was not run: parameters and gradients are as they were")
         return result
+
+    def _what(self, module: torch.nn.Module, later: bool = False) -> str:
+        layer = f"{type(module).__name__} {self.layer!r}"
+        if self.global_:
+            return f"the global module hook {_name(self.fn)}, called on {layer},"
+        return f"a forward hook registered on {layer} after compile" if later else \
+            f"a hook of {layer}"
 
     def __repr__(self) -> str:
         return f"WatchedHook({self.fn!r})"
+
+
+_OWN = {False: "a module of your own that wraps the layer",
+        True: "the layers you mean (on a module of your own that wraps a torch layer)"}
+_CHECKED = {False: "the hooks present when it ran",
+            True: "a layer's own hooks (global module hooks are not called on made-up data)"}
+_FIX = {False: "register the hook before mbcompile.compile() (or compile again after "
+               "registering it)",
+        True: "register it on the layer itself before mbcompile.compile()"}
+
+
+def _name(fn: Any) -> str:
+    fn = getattr(fn, "fn", fn)  # a per_microbatch mark's wrapper
+    return repr(getattr(fn, "__qualname__", None) or type(fn).__name__)
 
 
 def _hook_dicts(layer: torch.nn.Module) -> tuple[dict[int, Any], ...]:
@@ -114,13 +134,14 @@ def watch_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[
     """Wrap, in place, every forward (pre-)hook of ``layers`` (``known``: the keys present at
     compile, which it checked; ``RemovableHandle`` numbers hooks across all modules), and
     return what ``unwatch`` puts back: the wrapping lasts one call of the compiled module,
-    so the user's hook dictionaries are theirs again after it, refused or not.
+    so the user's hook dictionaries are theirs again after it, refused or not. The global
+    module hooks are wrapped too (``_OnLayers``).
 
     ``cache`` (key -> hook, checked, wrapper) keeps one wrapper per hook across calls:
     with ``opaque`` (a body compiled with ``torch_compile``) each wrapper is hidden from
     dynamo, which calls it as it is; dynamo guards on the hooks it meets, so a new wrapper
     on every call would compile the body again on every call."""
-    watched = []
+    watched = _watch_global(layers, cache, opaque) if any(global_hooks.tables) else []
     for name, layer in layers:
         for hooks in _hook_dicts(layer):
             for key in list(hooks):  # per call: a truth test a layer without hooks
@@ -148,3 +169,97 @@ def unwatch(watched: list[tuple[dict[int, Any], int, Any]]) -> None:
     for hooks, key, fn in watched:
         if key in hooks:  # a hook may remove itself
             hooks[key] = fn
+
+
+class _OnModel:
+    """A global module hook called on the compiled module: called on the user's model in its
+    place (eager calls it on the model, with the same inputs and outputs)."""
+
+    __slots__ = ("compiled", "fn", "model")
+
+    def __init__(self, fn: Any, compiled: torch.nn.Module, model: torch.nn.Module) -> None:
+        self.fn, self.compiled, self.model = fn, compiled, model
+
+    @property
+    def __wrapped__(self) -> Any:  # what code_reach walks
+        return self.fn
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
+        return self.fn(self.model if module is self.compiled else module, *args)
+
+
+def called_as(compiled: torch.nn.Module, model: torch.nn.Module, call: Any,
+              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``call(*args, **kwargs)``: torch's call of ``compiled``, where each global module
+    hook torch calls on ``compiled`` is called on ``model``, as eager's call of the model
+    calls it; a global backward hook not marked per microbatch is refused first."""
+    if not any(global_hooks.tables):
+        return call(*args, **kwargs)
+    global_backward_refused("The call was not run: nothing was changed")
+    watched = []
+    for table in global_hooks.tables:
+        for key, fn in list(table.items()):
+            watched.append((table, key, fn))
+            table[key] = _OnModel(fn, compiled, model)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        unwatch(watched)
+
+
+class _OnLayers:
+    """A global module hook in a step: called on the user's layers the graph calls as one
+    node (``live``: their names by id), watched there as a layer's hook registered after
+    compile is (``WatchedHook``), or as written where marked ``per_microbatch``; never on
+    mbcompile's own modules (the rewritten graph, its microbatch body)."""
+
+    __slots__ = ("fn", "live")
+
+    def __init__(self, fn: Any, live: dict[int, str]) -> None:
+        self.fn, self.live = fn, live
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
+        name = self.live.get(id(module))
+        if name is None:
+            return None
+        return WatchedHook(self.fn, name, global_=True)(module, *args)
+
+
+def _watch_global(layers: tuple[tuple[str, torch.nn.Module], ...],
+                  cache: dict[int, tuple[Any, Any, Any]], opaque: bool
+                  ) -> list[tuple[dict[int, Any], int, Any]]:
+    """``watch_hooks``'s part for the global module hooks: each wrapped in ``_OnLayers``."""
+    live = {id(m): name for name, m in layers}
+    watched = []
+    for table in global_hooks.tables:
+        for key, held in list(table.items()):
+            fn = held.fn if isinstance(held, _OnModel) else held
+            kept = cache.get(key)
+            if kept is None or kept[0] is not fn or kept[1] != live:
+                wrapper: Any = _OnLayers(fn, live)
+                if opaque:
+                    wrapper = torch.compiler.disable(_as_function(wrapper))
+                kept = cache[key] = (fn, live, wrapper)
+            watched.append((table, key, held))
+            table[key] = kept[2]
+    return watched
+
+
+def global_backward_refused(what: str) -> None:
+    """``UncheckedHookError`` for a global module backward hook
+    (``register_module_full_backward_hook``), marked per microbatch or not: it would run in
+    each microbatch's backward of each layer the graph calls as one node, with that
+    microbatch's gradients, and not at all on a module forward traces through, where eager
+    runs it once per step on each (``what``: nothing was compiled, or the call not run)."""
+    for table in global_hooks.BACKWARD:
+        for fn in table.values():
+            fn = fn.fn if isinstance(fn, _OnModel) else fn
+            raise UncheckedHookError(
+                f"the global module backward hook {_name(fn)} "
+                "(register_module_full_backward_hook) would run in each microbatch's backward "
+                "of each torch layer the graph calls as one node, with that microbatch's "
+                "gradients, and not on the modules forward traces through, where eager runs "
+                "it once per step on each module with the whole batch's. Fix: register "
+                "backward hooks on the torch layers themselves (compile checks a layer's own "
+                "backward hooks, and refuses one a microbatch would change), or remove it "
+                f"while training with the compiled module. {what}")

@@ -271,8 +271,9 @@ class _Loop:
         try:
             results = []
             schedule = self._schedule()
-            aside = hooks_aside(params) if self.sharded is None else contextlib.nullcontext()
-            with torch.enable_grad(), self._step(), aside:
+            # (FSDP2 calls a sharded parameter's post-accumulate-grad hooks after each
+            # reduce-scatter: set aside too, they fire in the caller's backward, once)
+            with torch.enable_grad(), self._step(), hooks_aside(params):
                 if checks.noise:  # after the user's hooks are set aside: these run per microbatch
                     hooks = [p.register_hook(checks.add_square) for p in params]
                 for k, i, real in schedule:

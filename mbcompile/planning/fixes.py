@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from mbcompile.errors import CostModelError, DoesNotFitError
+from mbcompile.planning.bisection import first_true
 from mbcompile.planning.cost import CostModel
 from mbcompile.planning.cost_analysis import static_figures
 from mbcompile.planning.estimates import MemoryEstimate, format_bytes
@@ -288,14 +289,7 @@ def _fewest_systems(cost: CostModel, spec: SystemSpec, gbs: int, num_csx: int) -
 
     if num_csx >= gbs or not fits(gbs):
         return None
-    lo, hi = num_csx, gbs  # fits(lo) is False (the caller's plan), fits(hi) True
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return first_true(fits, num_csx, gbs)  # fits(num_csx) is False (the caller's plan)
 
 
 def with_recompute_tried(plain: DoesNotFitError, checkpointed: DoesNotFitError

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mbcompile.errors import DoesNotFitError, PlanError
+from mbcompile.planning.bisection import first_true
 from mbcompile.planning.cost import format_bytes
 from mbcompile.planning.mbs_policy import tokens_mbs
 from mbcompile.planning.plan import num_microbatches
@@ -201,10 +202,5 @@ def _longest_fitting(fits: Callable[[int], bool], shortest: int, longest: int | 
     while high < top and fits(high):  # doubling: the step's memory grows with the length
         low, step = high, step * 2
         high = min(top, low + step)
-    while high - low > 1:  # fits(low), not fits(high)
-        mid = (low + high) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid
-    return low
+    # fits(low), not fits(high): the last that fits is just before the first that doesn't
+    return first_true(lambda n: not fits(n), low, high) - 1

@@ -57,6 +57,7 @@ from typing import Any
 
 from mbcompile.errors import CostModelError, CostModelWarning, DoesNotFitError
 from mbcompile.passes.sources import user_stacklevel
+from mbcompile.planning.bisection import first_true
 from mbcompile.planning.cost import CostModel, Estimate, format_bytes, format_seconds
 from mbcompile.planning.exploration import Candidate, Choice, Exploration
 from mbcompile.planning.fixes import (
@@ -145,18 +146,15 @@ class Selector:
 
     def largest_fitting(self, candidates: Sequence[int]) -> int | None:
         """Binary search: the largest candidate whose modelled peak fits (None if none)."""
-        lo, hi = 0, len(candidates) - 1
         if self.evaluate(candidates[-1]).fits:  # the common case on a large system
             return candidates[-1]
         if not self.evaluate(candidates[0]).fits:
             return None
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.evaluate(candidates[mid]).fits:
-                lo = mid
-            else:
-                hi = mid - 1
-        return candidates[lo]
+        # the first index that does not fit, from (0, len]: the end stands for "none",
+        # never asked, so the midpoints (the evaluations recorded) are a plain bisection's
+        first_over = first_true(lambda i: not self.evaluate(candidates[i]).fits,
+                                0, len(candidates))
+        return candidates[first_over - 1]
 
     def fitting(self, candidates: Sequence[int]) -> list[int]:
         """The candidates whose modelled peak fits. Memory grows with the MBS while a
@@ -217,12 +215,7 @@ class Selector:
         hi = min(i for i in seen if self._seen[upto[i]].step_s <= limit)
         lo = max((i for i in seen if i < hi and self._seen[upto[i]].step_s > limit),
                  default=-1)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.evaluate(upto[mid]).step_s <= limit:
-                hi = mid
-            else:
-                lo = mid
+        hi = first_true(lambda i: self.evaluate(upto[i]).step_s <= limit, lo, hi)
         chosen = self._seen[upto[hi]]
         timed = measured_tie(self, fitting, best)
         if timed is not None:

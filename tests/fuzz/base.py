@@ -52,8 +52,15 @@ def _lin() -> nn.Linear:
 
 
 class WithLinear(Construct):
-    """A construct with one ``nn.Linear`` ``lin`` and, when ``seed`` is given, a model-owned
-    generator ``g`` seeded with it."""
+    """A construct with one ``nn.Linear`` ``lin`` (made first, so its draws from the seeded
+    global generator come before any other layer's) and, when ``seed`` is given, a
+    model-owned generator ``g`` seeded with it. Its forward is the tanh residual
+    ``h + tanh(lin(h))``: a construct whose point is elsewhere (a hook, a mutation) keeps it.
+
+    >>> class Halved(WithLinear):
+    ...     def mutate(self, root):
+    ...         self.lin.register_forward_hook(_halve_output)
+    """
 
     seed: int | None = None
 
@@ -62,6 +69,9 @@ class WithLinear(Construct):
         self.lin = _lin()
         if self.seed is not None:
             self.g = torch.Generator().manual_seed(self.seed)
+
+    def forward(self, h, x):
+        return h + torch.tanh(self.lin(h)), None, None
 
 
 # hooks as module-level functions, as users write them
@@ -89,12 +99,5 @@ def _halve_root_x(module: nn.Module, args: tuple) -> tuple:
     return (args[0] * 0.5, *args[1:])
 
 
-class Plain(Construct):
+class Plain(WithLinear):
     """Control: a tanh residual, nothing forward-time."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = _lin()
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from .base import (
     Construct,
+    WithLinear,
     _center_output,
     _double_input,
     _halve_output,
@@ -33,31 +34,23 @@ class _Inner(nn.Module):
         return torch.tanh(self.lin(h))
 
 
-class ForwardHookLeaf(Construct):
+class ForwardHookLeaf(WithLinear):
     """A forward hook on a leaf ``nn.Linear``, present at compile; mutate removes it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.handle = self.lin.register_forward_hook(_halve_output)
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
     def mutate(self, root):
         self.handle.remove()
 
 
-class ForwardPreHookLeaf(Construct):
+class ForwardPreHookLeaf(WithLinear):
     """A forward pre-hook on a leaf ``nn.Linear``, present at compile; mutate adds another."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.lin.register_forward_pre_hook(_double_input)
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
     def mutate(self, root):
         self.lin.register_forward_pre_hook(_shift_input)
@@ -78,34 +71,23 @@ class ForwardHookInner(Construct):
         self.handle.remove()
 
 
-class HookAddedLeaf(Construct):
+class HookAddedLeaf(WithLinear):
     """No hook at compile; mutate adds a forward hook to a leaf ``nn.Linear``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = _lin()
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
     def mutate(self, root):
         self.lin.register_forward_hook(_halve_output)
 
 
-class ReadingHookAddedLeaf(Construct):
+class ReadingHookAddedLeaf(WithLinear):
     """No hook at compile; mutate adds a hook to a leaf ``nn.Linear`` that only records
     (returns None, appends to a list): the fuzzer's F6, where it recorded each microbatch's
     rows; now refused, with the list as it was."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.seen: list[int] = []
 
     mutation_only_observes = True
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
     def mutate(self, root):
         self.lin.register_forward_hook(lambda m, args, out: self.seen.append(out.shape[0]))
@@ -119,32 +101,24 @@ def _center_grad_input(module: nn.Module, grad_input: tuple, grad_output: tuple)
     return tuple(None if g is None else g - g.mean(0) for g in grad_input)  # mixes samples
 
 
-class BackwardHookLeaf(Construct):
+class BackwardHookLeaf(WithLinear):
     """A full backward hook on a leaf ``nn.Linear`` halving the gradient it passes back,
     present at compile; mutate removes it (a live layer's backward hooks recompile)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.handle = self.lin.register_full_backward_hook(_halve_grad_input)
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
     def mutate(self, root):
         self.handle.remove()
 
 
-class BackwardHookMixing(Construct):
+class BackwardHookMixing(WithLinear):
     """A full backward hook centring the gradient over the batch: couples samples."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.lin.register_full_backward_hook(_center_grad_input)
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
 
 class HookAddedInner(Construct):
@@ -161,16 +135,12 @@ class HookAddedInner(Construct):
         self.inner.register_forward_pre_hook(_double_input)
 
 
-class ForwardHookMixing(Construct):
+class ForwardHookMixing(WithLinear):
     """A forward hook that centres a Linear's output over the batch (``out - out.mean(0)``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.lin.register_forward_hook(_center_output)
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
 
 class RootForwardHook(Construct):
@@ -210,17 +180,13 @@ def _halve_grad_output(module: nn.Module, grad_output: tuple) -> tuple:
     return tuple(None if g is None else g * 0.5 for g in grad_output)
 
 
-class BackwardPreHookLeaf(Construct):
+class BackwardPreHookLeaf(WithLinear):
     """A full backward pre-hook on a leaf ``nn.Linear`` halving the gradient it receives,
     present at compile; mutate removes it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.handle = self.lin.register_full_backward_pre_hook(_halve_grad_output)
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
     def mutate(self, root):
         self.handle.remove()
@@ -244,7 +210,7 @@ class WeightNormLegacy(Construct):
             self.lin.weight_g.mul_(2.0)
 
 
-class RecordingHookLeaf(Construct):
+class RecordingHookLeaf(WithLinear):
     """A forward hook on a leaf ``nn.Linear``, present at compile, that records the layer's
     output in a dict (the usual feature-extraction hook) and counts its calls: F6, refused
     (it would record each microbatch); nothing it wrote at compile or in the refused step
@@ -252,7 +218,6 @@ class RecordingHookLeaf(Construct):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.acts: dict[str, torch.Tensor] = {}
         self.calls = 0
         self.lin.register_forward_hook(self._record)
@@ -260,9 +225,6 @@ class RecordingHookLeaf(Construct):
     def _record(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         self.acts["lin"] = out.detach()
         self.calls += 1
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
 
 class _Recorded(nn.Module):

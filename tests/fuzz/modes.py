@@ -7,19 +7,19 @@ import torch
 from .base import (
     BF16_REL,
     WIDTH,
-    Construct,
+    WithLinear,
     _lin,
 )
 
 # ----- grad-mode regions --------------------------------------------------- #
 
 
-class NoGradTeacher(Construct):
+class NoGradTeacher(WithLinear):
     """``with torch.no_grad():`` teacher branch multiplying the student's output."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.teacher = _lin(), _lin()
+        self.teacher = _lin()
 
     def forward(self, h, x):
         with torch.no_grad():
@@ -27,12 +27,12 @@ class NoGradTeacher(Construct):
         return self.lin(h) * (1 + t), None, None
 
 
-class SetGradEnabledAttr(Construct):
+class SetGradEnabledAttr(WithLinear):
     """``with torch.set_grad_enabled(self.train_aux):``; mutate turns it on."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.aux = _lin(), _lin()
+        self.aux = _lin()
         self.train_aux = False
 
     def forward(self, h, x):
@@ -44,12 +44,12 @@ class SetGradEnabledAttr(Construct):
         self.train_aux = True
 
 
-class SetGradEnabledCall(Construct):
+class SetGradEnabledCall(WithLinear):
     """``torch.set_grad_enabled(False)`` called as a function, then the mode restored."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.aux = _lin(), _lin()
+        self.aux = _lin()
 
     def forward(self, h, x):
         prev = torch.is_grad_enabled()
@@ -59,12 +59,12 @@ class SetGradEnabledCall(Construct):
         return self.lin(h) * (1 + t), None, None
 
 
-class InferenceMode(Construct):
+class InferenceMode(WithLinear):
     """``torch.inference_mode()`` region, its result ``.clone()``d for autograd as users must."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.aux = _lin(), _lin()
+        self.aux = _lin()
 
     def forward(self, h, x):
         with torch.inference_mode():
@@ -72,12 +72,12 @@ class InferenceMode(Construct):
         return self.lin(h) * (1 + t.clone()), None, None
 
 
-class NoGradDecorated(Construct):
+class NoGradDecorated(WithLinear):
     """A helper decorated with ``@torch.no_grad()`` (a distillation target)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.aux = _lin(), _lin()
+        self.aux = _lin()
 
     @torch.no_grad()
     def target(self, h):
@@ -87,12 +87,12 @@ class NoGradDecorated(Construct):
         return self.lin(h) + self.target(h) * h, None, None
 
 
-class EnableGradNested(Construct):
+class EnableGradNested(WithLinear):
     """``torch.enable_grad()`` nested inside ``torch.no_grad()``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.aux = _lin(), _lin()
+        self.aux = _lin()
 
     def forward(self, h, x):
         with torch.no_grad():
@@ -102,15 +102,8 @@ class EnableGradNested(Construct):
         return a * b + b, None, None
 
 
-class RequiresGradToggle(Construct):
+class RequiresGradToggle(WithLinear):
     """A weight whose ``requires_grad`` is switched off after compile (eager: ``.grad`` None)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = _lin()
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
     def mutate(self, root):
         self.lin.weight.requires_grad_(False)
@@ -119,7 +112,7 @@ class RequiresGradToggle(Construct):
 # ----- autocast ---------------------------------------------------------------- #
 
 
-class AutocastBf16(Construct):
+class AutocastBf16(WithLinear):
     """``torch.autocast("cpu", dtype=torch.bfloat16)`` around a float32 Linear on ``h.float()``.
 
     Eager: the Linear runs in bf16 (autocast casts float32 only; the model's float64 values
@@ -136,7 +129,6 @@ class AutocastBf16(Construct):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.register_buffer("eye", torch.eye(WIDTH))
         self.amp = True
 
@@ -152,15 +144,11 @@ class AutocastBf16(Construct):
         self.amp = False
 
 
-class AutocastDecorated(Construct):
+class AutocastDecorated(WithLinear):
     """A helper decorated with ``@torch.autocast("cpu", dtype=torch.bfloat16)``."""
 
     rel = BF16_REL
     keep_float32 = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = _lin()
 
     @torch.autocast("cpu", dtype=torch.bfloat16)
     def project(self, h):
@@ -174,12 +162,11 @@ class AutocastDecorated(Construct):
 # ----- tensor hooks -------------------------------------------------------------- #
 
 
-class TensorHookLinear(Construct):
+class TensorHookLinear(WithLinear):
     """``h.register_hook(lambda g: g * self.scale)``: linear in the gradient; mutate rescales."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.scale = 0.5
 
     def forward(self, h, x):
@@ -191,13 +178,12 @@ class TensorHookLinear(Construct):
         self.scale = 3.0
 
 
-class TensorHookClamp(Construct):
+class TensorHookClamp(WithLinear):
     """``h.register_hook(lambda g: g.clamp(-c, c))``: per element but not linear (the gradient's
     scale, 1/B in a mean loss, decides what is clipped)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.clip = 0.01
 
     def forward(self, h, x):
@@ -206,12 +192,8 @@ class TensorHookClamp(Construct):
         return h, None, None
 
 
-class TensorHookNorm(Construct):
+class TensorHookNorm(WithLinear):
     """``h.register_hook(lambda g: g / g.norm())``: the norm is over the whole batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = _lin()
 
     def forward(self, h, x):
         h = torch.tanh(self.lin(h))

@@ -103,9 +103,6 @@ class ParamHookLinear(WithLinear):
         super().__init__()
         self.lin.weight.register_hook(lambda g: g * 0.5)
 
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
-
 
 class PostAccumulateHook(WithLinear):
     """``register_post_accumulate_grad_hook`` scaling ``p.grad`` in place (optimizer in
@@ -114,9 +111,6 @@ class PostAccumulateHook(WithLinear):
     def __init__(self) -> None:
         super().__init__()
         self.lin.weight.register_post_accumulate_grad_hook(_halve_grad)
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
 
 def _halve_grad(p: torch.Tensor) -> None:
@@ -138,9 +132,6 @@ class HookWritesData(WithLinear):
         super().__init__()
         self.lin.register_forward_hook(_shrink_weight_data)
 
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
-
 
 class HookInPlaceOutput(WithLinear):
     """A forward hook on a leaf ``nn.Linear`` halving its output in place."""
@@ -148,9 +139,6 @@ class HookInPlaceOutput(WithLinear):
     def __init__(self) -> None:
         super().__init__()
         self.lin.register_forward_hook(_halve_in_place)
-
-    def forward(self, h, x):
-        return h + torch.tanh(self.lin(h)), None, None
 
 
 class GeneratorInPlaceAlias(WithLinear):

@@ -13,18 +13,18 @@ from .base import (
     DTYPE,
     WIDTH,
     Construct,
+    WithLinear,
     _lin,
 )
 
 # ----- attribute reads ------------------------------------------------------------ #
 
 
-class AttrBeta(Construct):
+class AttrBeta(WithLinear):
     """``self.beta * loss_term`` added to the loss; mutate changes beta."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.beta = 0.5
 
     def forward(self, h, x):
@@ -35,12 +35,11 @@ class AttrBeta(Construct):
         self.beta = 2.0
 
 
-class AttrFlag(Construct):
+class AttrFlag(WithLinear):
     """A Python flag in an ``if``; mutate flips it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.flag = True
 
     def forward(self, h, x):
@@ -52,12 +51,8 @@ class AttrFlag(Construct):
         self.flag = False
 
 
-class TrainingBranch(Construct):
+class TrainingBranch(WithLinear):
     """``if self.training:``; mutate puts this block (only) in eval."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = _lin()
 
     def forward(self, h, x):
         if self.training:
@@ -68,12 +63,11 @@ class TrainingBranch(Construct):
         self.eval()
 
 
-class DropoutAttr(Construct):
+class DropoutAttr(WithLinear):
     """``F.dropout(..., p=self.p, training=self.training)`` with p 0, then 1 (no draws)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.p = 0.0
 
     def forward(self, h, x):
@@ -83,12 +77,12 @@ class DropoutAttr(Construct):
         self.p = 1.0
 
 
-class DropoutModuleP(Construct):
+class DropoutModuleP(WithLinear):
     """``nn.Dropout(0.0)`` whose ``p`` is set to 1.0 after compile."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.drop = _lin(), nn.Dropout(0.0)
+        self.drop = nn.Dropout(0.0)
 
     def forward(self, h, x):
         return h + self.drop(torch.tanh(self.lin(h))), None, None
@@ -97,12 +91,12 @@ class DropoutModuleP(Construct):
         self.drop.p = 1.0
 
 
-class DropoutModuleEval(Construct):
+class DropoutModuleEval(WithLinear):
     """``nn.Dropout(1.0)`` (all zeros in training) put in eval after compile."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.drop = _lin(), nn.Dropout(1.0)
+        self.drop = nn.Dropout(1.0)
 
     def forward(self, h, x):
         return h + self.drop(torch.tanh(self.lin(h))), None, None
@@ -114,12 +108,11 @@ class DropoutModuleEval(Construct):
 # ----- state writes ------------------------------------------------------------------ #
 
 
-class BufferCounter(Construct):
+class BufferCounter(WithLinear):
     """``self.seen += h.shape[0]`` (a long buffer: samples seen); mutate resets it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.register_buffer("seen", torch.zeros((), dtype=torch.long))
 
     def forward(self, h, x):
@@ -130,12 +123,11 @@ class BufferCounter(Construct):
         self.seen.zero_()
 
 
-class BufferCounterRead(Construct):
+class BufferCounterRead(WithLinear):
     """``self.seen.add_(h.shape[0])`` then the updated count read as a factor."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = _lin()
         self.register_buffer("seen", torch.ones((), dtype=torch.long))
 
     def forward(self, h, x):
@@ -219,13 +211,10 @@ class InputWrite(Construct):
 # ----- model-owned generators ------------------------------------------------------- #
 
 
-class GeneratorNoise(Construct):
+class GeneratorNoise(WithLinear):
     """Per-sample noise ``torch.randn(h.shape, generator=self.g)``; mutate reseeds."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = _lin()
-        self.g = torch.Generator().manual_seed(7)
+    seed = 7
 
     def forward(self, h, x):
         noise = torch.randn(h.shape, generator=self.g, dtype=h.dtype)
@@ -235,13 +224,10 @@ class GeneratorNoise(Construct):
         self.g.manual_seed(1234)
 
 
-class GeneratorShared(Construct):
+class GeneratorShared(WithLinear):
     """One draw shared by all samples, ``torch.randn(4, generator=self.g)`` (batch-free)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = _lin()
-        self.g = torch.Generator().manual_seed(11)
+    seed = 11
 
     def forward(self, h, x):
         noise = torch.randn(WIDTH, generator=self.g, dtype=DTYPE)
