@@ -12,7 +12,7 @@ Everything here works on a :class:`~mbcompile.planning.cost.CostModel` and a
 (``mbcompile/selection.py``) builds the cost model and calls :func:`select_sharded`
 (:func:`select_plan`, and a sharded model's FSDP2 settings), which chooses among the
 values the request allows (``MbsChoices``: ``"auto"`` or ``"explore"``), hands the
-choice to :func:`~mbcompile.planning.plan.plan_for` and then checks that the plan fits.
+choice to ``MbsChoices.plan`` and then checks that the plan fits.
 
 ``"auto"`` evaluates a few candidates only, O(log n) of the n supported values
 (each evaluation is arithmetic on the cost model's fit, so "few" is about an
@@ -70,7 +70,6 @@ from mbcompile.planning.plan import (
     MbsChoices,
     MbsPolicy,
     check_policy,
-    plan_for,
     split_evenly,
 )
 from mbcompile.planning.progress import progress_bar
@@ -313,10 +312,11 @@ def select_plan(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel | Non
             if cost.build_error is None:  # the model was built: a later question failed
                 raise
             cost_error = cost.build_error
-    return _unchecked(sizes, policy, spec, cost_error, compile_only)
+    return _unchecked(choices or check_policy(sizes, policy, True), policy, spec, cost_error,
+                      compile_only)
 
 
-def _unchecked(sizes: tuple[int, ...], policy: MbsPolicy, spec: SystemSpec,
+def _unchecked(choices: MbsChoices, policy: MbsPolicy, spec: SystemSpec,
                cost_error: str | None, compile_only: bool) -> Choice:
     """The plan without a cost model (``select_plan``'s ``cost=None``)."""
     if policy.mode == "auto" and compile_only:  # read as an answer: nothing says it fits
@@ -331,7 +331,7 @@ def _unchecked(sizes: tuple[int, ...], policy: MbsPolicy, spec: SystemSpec,
                       "default of about 4 microbatches per system, unchecked against "
                       "memory. Pass an int mbs to silence this.", CostModelWarning,
                       stacklevel=user_stacklevel())
-    plan = plan_for(sizes, policy)
+    plan = choices.plan()
     if policy.mode == "auto":
         plan = replace(plan, reason=f"{plan.reason} (cost model unavailable: {cost_error})")
     return Choice(plan, None, None, None, cost_error)
@@ -349,7 +349,7 @@ def _checked(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel, spec: S
         raise selector.does_not_fit(1, policy.mode)
     choose = None if pinned else selector.auto if policy.mode == "auto" else selector.explore
     chosen = choose(selector.pbs, choices.allowed) if choose is not None else None
-    plan = plan_for(selector.sizes, policy, chosen=chosen)  # the choice handed on
+    plan = choices.plan(chosen)  # the choice handed on
     if not selector.evaluate(plan.mbs).fits:
         if pinned and not unsplit and plan.mbs > 1 and not selector.evaluate(1).fits:
             raise selector.does_not_fit(1, policy.mode)  # whatever was asked, nothing runs
