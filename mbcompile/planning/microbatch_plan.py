@@ -161,14 +161,14 @@ class MbsChoices:
     #: mbs='none'``)
     single: bool
     #: the per-system batch sizes, larger first (``Request.per_system_batch_sizes``)
-    sizes: tuple[int, ...] = (1,)
+    sizes: tuple[int, ...]
     #: the policy's mode and the user's ``mbs`` as the plan keeps it (``requested_mbs``)
-    mode: str = "auto"
-    requested: int | str = "auto"
+    mode: str
+    requested: int | str
     #: why a pinned policy runs ``pinned``; the warnings the plan carries (an int adjusted
     #: to the closest supported value, a clamped explore range), warned when it is made
-    reason: str = ""
-    notes: tuple[str, ...] = ()
+    reason: str
+    notes: tuple[str, ...]
 
     def plan(self, chosen: tuple[int, str] | None = None) -> MicrobatchPlan:
         """The plan: the pinned MBS, or ``chosen`` (``(mbs, reason)``, one of ``allowed``,
