@@ -173,13 +173,7 @@ def _select(request: Request, analysed: Analysed, progress: bool | None,
         return _without_cost_model(ctx, recompute is True and may_recompute)
     if recompute is True and may_recompute and ctx.checkpointed() is not None:
         return _with_recompute(ctx, None)
-    cost, error = _cost_model(ctx)
-    if cost is None and request.options.compile_only and request.policy.mode == "auto":
-        # a compile-only plan is read as an answer: without the cost model nothing says
-        # whether any MBS fits, so there is none to give
-        raise CostModelError(
-            f"compile_only=True with mbs='auto' needs the cost model to check an MBS against "
-            f"{request.system.name}'s memory, and it could not run: {error}")
+    cost, error = _cost_model(ctx)  # built on the search's first question
     if request.measure and _holds_no_data(request):
         raise InputError(
             "measure=True times real forward and backward passes on this host, "
@@ -193,7 +187,8 @@ def _select(request: Request, analysed: Analysed, progress: bool | None,
                                    request.system, reshard=request.options.reshard_after_forward,
                                    sync=request.options.gradient_sync, timer=timer,
                                    progress=progress, cost_error=error, unsplit=unsplit,
-                                   choices=request.choices)
+                                   choices=request.choices,
+                                   compile_only=request.options.compile_only)
     except DoesNotFitError as exc:
         if two_phase and isinstance(cost, TwoPhaseCostModel):
             raise _two_phase_too_big(ctx, cost, exc) from exc
@@ -235,7 +230,9 @@ def _holds_no_data(request: Request) -> bool:
 
 def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
     """The cost model of the graph as it runs, or why it could not be built (a variant's:
-    the prior selection's, when it was built for the same kind of step)."""
+    the prior selection's, when it was built for the same kind of step). A plain step's
+    model is probed on the search's first question, which plans without it when that
+    fails (``select_plan``)."""
     request, analysed = ctx.request, ctx.analysed
     if (ctx.prior is not None and analysed.mode == "split"
             and not isinstance(ctx.prior.cost, TwoPhaseCostModel)
@@ -252,7 +249,7 @@ def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
                             name=request.name, fit=analysed.mode != "unsplit",
                             kept_outputs=analysed.kept, fused=analysed.fused,
                             shard=request.shard, precision=request.precision,
-                            pinned=request.choices.pinned), None
+                            pinned=request.choices.pinned, lazy=True), None
     except CostModelError as exc:
         return None, str(exc)
 

@@ -291,6 +291,31 @@ def test_measured_best_is_what_the_clock_says_and_the_plan_what_the_model_says(
     assert (f"mbs={fastest} was fastest" in plan.reason) == (fastest != model_best)
 
 
+def test_a_deferred_cost_model_that_fails_is_planned_without() -> None:
+    """The search builds the model on its first question; a build that fails plans as
+    ``cost=None`` does (auto warns, compile_only refuses), a later failure is raised."""
+    model, batch = make_mlp(8)
+    host = get_system("host")
+
+    def broken() -> CostModel:
+        cost = analyse_cost(model, batch, (0, 0), pbs=16, lazy=True)
+        assert cost.probes_run == 0  # nothing probed until asked
+        cost._prober = None  # cannot probe: its build raises CostModelError
+        return cost
+
+    with pytest.warns(CostModelWarning, match="could not run.*cannot probe"):
+        s = select_plan(split(32, 2), parse_mbs("auto"), broken(), host)
+    assert s.cost is None and s.estimate is None and "cannot probe" in (s.cost_error or "")
+    with pytest.raises(CostModelError, match="compile_only=True with mbs='auto'"):
+        select_plan(split(32, 2), parse_mbs("auto"), broken(), host, compile_only=True)
+    built = analyse_cost(model, batch, (0, 0), pbs=16, fit=False, lazy=True)  # m=16 only
+    assert select_plan(split(32, 2), parse_mbs("none"), built, host).estimate is not None
+    assert built.probes_run == 1 and built.build_error is None
+    built._prober = None  # built: a question it cannot answer is an error, not a fallback
+    with pytest.raises(CostModelError, match="cannot probe"):
+        select_plan(split(32, 2), parse_mbs(5), built, host)
+
+
 def test_without_a_cost_model_auto_warns_and_explore_fails(costs) -> None:
     host = get_system("host")
     with pytest.warns(CostModelWarning, match="could not run"):

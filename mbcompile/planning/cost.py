@@ -112,7 +112,7 @@ class CostModel(TimeModel):
         self._prober = prober
         # the autocast every probe runs under (None: whatever is in force when it runs)
         self.precision = precision
-        self.static = static
+        self._static = static
         self.name = name
         self._exact: dict[int, Probe] = {}
         self._fit: Fit | None = None
@@ -121,10 +121,45 @@ class CostModel(TimeModel):
         self.probes_run = 0
         self.shard = shard  # FSDP2: parameters sharded over ranks (None: not sharded)
         self._pinned: int | None = None  # the one size ``pin`` probed
+        # the build left to the first question (``defer``), and why it failed, if it did
+        self._pending: tuple[str, int] | None = None
+        self.build_error: str | None = None
+
+    @property
+    def static(self) -> StaticFigures:
+        """The figures that do not depend on the MBS (the per-sample outputs from the probes:
+        asking for them runs a deferred build)."""
+        self.ready()
+        return self._static
+
+    @static.setter
+    def static(self, value: StaticFigures) -> None:
+        self._static = value
+
+    def defer(self, how: str, m: int) -> None:
+        """Leave the probes to the first question, so that the model is built where it is
+        asked (the search) and only if it is: ``how`` is ``"pin"`` (``pin(m)``), ``"fit"``
+        (``build_fit(m)``) or ``"whole"`` (``probe_whole(m)``)."""
+        self._pending = (how, m)
+
+    def ready(self) -> None:
+        """Run the deferred build, if any; a ``CostModelError`` it raises is kept in
+        ``build_error`` (the search then plans without the model, as ``select_plan`` says)."""
+        pending = self.__dict__.get("_pending")
+        if pending is None:
+            return
+        self._pending = None
+        how, m = pending
+        try:
+            {"pin": self.pin, "fit": self.build_fit, "whole": self.probe_whole}[how](m)
+        except CostModelError as exc:
+            self.build_error = str(exc)
+            raise
 
     def with_shard(self, shard: ShardSpec | None) -> CostModel:
         """The same model costed with ``shard`` (another ``reshard_after_forward``): a copy
         that shares this one's probes and fit, so nothing is probed twice."""
+        self.ready()
         other = copy.copy(self)
         other.shard = shard
         return other
@@ -197,6 +232,13 @@ class CostModel(TimeModel):
                          "time scaled from it)")
         self._set_outputs()
 
+    def probe_whole(self, pbs: int) -> None:
+        """Probe ``pbs`` only: the plan runs the whole per-system batch as one microbatch
+        (a graph run unsplit, where smaller sizes may not even run)."""
+        self.probe(pbs)
+        self.fit_note = "one microbatch of the whole per-system batch: probed at that size only"
+        self._set_outputs()
+
     def _set_outputs(self) -> None:
         # Per-sample outputs (logits) are the slope of the output bytes in m.
         sizes = sorted(self._exact)
@@ -212,6 +254,7 @@ class CostModel(TimeModel):
 
     @property
     def fitted(self) -> bool:
+        self.ready()
         return self._fit is not None
 
     def verify_fit(self, sizes: Sequence[int]) -> dict[int, bool]:
@@ -220,6 +263,7 @@ class CostModel(TimeModel):
         For tests and benchmarks: this is the check ``build_fit`` runs at ``pbs``,
         at any sizes you like.
         """
+        self.ready()
         if self._fit is None or self._prober is None:
             return {m: False for m in sizes}
         return {m: reproduces(self._fit, self._prober(m)) for m in sizes}
@@ -243,6 +287,7 @@ class CostModel(TimeModel):
 
     # ------------------------------------------------------------ figures
     def figures(self, m: int) -> MicrobatchFigures:
+        self.ready()
         p, exact = self._at(m)
         fwd = ~p.backward
         first_peak, pending = p.first_live()
@@ -397,7 +442,7 @@ class CostModel(TimeModel):
                         self.figures(mbs))
 
     def describe(self) -> str:
-        s = self.static
+        s = self.static  # builds a deferred model
         return (f"{self.name}: {s.num_params:,} parameters ({format_bytes(s.param_bytes)}), "
                 f"{'one loss, backward per microbatch' if s.fused else 'no single loss'}; "
                 f"{self.fit_note}; {self.probes_run} fake probes")

@@ -71,7 +71,7 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
                  name: str | None = None, fit: bool = True,
                  kept_outputs: frozenset[int] | None = None, fused: bool | None = None,
                  shard: ShardSpec | None = None, precision: Precision | None = None,
-                 pinned: int | None = None) -> CostModel:
+                 pinned: int | None = None, lazy: bool = False) -> CostModel:
     """Build the cost model of ``gm``: best the batch analysis of the captured graph
     (it says which outputs are trained losses and whether backward runs per
     microbatch), or any module (assumed to return one scalar loss first).
@@ -88,7 +88,8 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     analysis's word, or True for a module); ``shard``: the FSDP2 sharding it is costed with.
     ``pinned``: the MBS a pinned policy (an int or ``"none"``) runs
     (``MbsChoices.pinned``): that one size is probed and the fit is left until another
-    size is asked for (``CostModel.pin``).
+    size is asked for (``CostModel.pin``). ``lazy``: the probes run on the model's first
+    question (``CostModel.defer``), and a ``CostModelError`` they raise is raised there.
 
     >>> model, batch = make_mlp(8)
     >>> cost = analyse_cost(model, batch, (0, 0), pbs=8)
@@ -106,12 +107,11 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     # a pinned MBS chooses nothing: its stacked blocks are not checked against three
     prober = Prober(gm, values, in_dims, loss_leaves, kept_outputs, check_blocks=not pin)
     model = CostModel(prober, static, name or type(gm).__name__, shard, precision)
-    if pin:
-        model.pin(pinned)
-    elif fit:
-        model.build_fit(4 if pbs is None else pbs)
+    size = 4 if pbs is None else pbs
+    if pinned is not None and pin:
+        model.defer("pin", pinned)
     else:
-        model.probe(4 if pbs is None else pbs)
-        model.fit_note = "one microbatch of the whole per-system batch: probed at that size only"
-        model._set_outputs()
+        model.defer("fit" if fit else "whole", size)
+    if not lazy:
+        model.ready()
     return model

@@ -24,20 +24,22 @@ The rules, walked through one running example (gbs 10 over 3 systems, mbs 2):
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import cast
 
-from mbcompile.passes.errors import MbsAdjustedWarning, PlanError
-from mbcompile.passes.sources import user_stacklevel
+from mbcompile.passes.errors import PlanError
 from mbcompile.planning.mbs_policy import (
     MbsPolicy,
     check_int,
     is_int,
     parse_mbs,
 )
-from mbcompile.planning.microbatch_plan import MicrobatchPlan
+from mbcompile.planning.microbatch_plan import (
+    DEFAULT_AUTO_MICROBATCHES,
+    MbsChoices,
+    MicrobatchPlan,
+    split_evenly,
+)
 
 __all__ = [
     "DEFAULT_AUTO_MICROBATCHES",
@@ -61,32 +63,9 @@ __all__ = [
 #: asks no callback: its search chooses first and hands ``plan_for`` the choice.)
 AutoChooser = Callable[[int, tuple[int, ...]], tuple[int, str]]
 
-#: Without a cost model, ``"auto"`` aims for this many microbatches per system:
-#: enough to cut activation memory about fourfold, few enough that the fixed
-#: per-microbatch cost stays small.
-DEFAULT_AUTO_MICROBATCHES = 4
-
 # --------------------------------------------------------------------------- #
 # The arithmetic
 # --------------------------------------------------------------------------- #
-
-
-def split_evenly(n: int, parts: int) -> tuple[int, ...]:
-    """Split ``n`` into ``parts`` sizes that differ by at most one, larger first.
-
-    Sizes may be zero when ``n < parts``.
-
-    >>> split_evenly(10, 3)
-    (4, 3, 3)
-    >>> split_evenly(1, 2)
-    (1, 0)
-    """
-    n = check_int("n", n, 0)
-    parts = check_int("parts", parts, 1)
-    q, r = divmod(n, parts)
-    # Larger first so that system 0 / microbatch 0 is always the biggest: the
-    # first one to run is then the one that sets peak memory.
-    return (q + 1,) * r + (q,) * (parts - r)
 
 
 def per_system_batch_sizes(gbs: int, num_csx: int) -> tuple[int, ...]:
@@ -163,35 +142,6 @@ def _nearby(value: int, supported: tuple[int, ...], count: int = 2) -> tuple[int
 # --------------------------------------------------------------------------- #
 
 
-def _warn_user(message: str) -> None:
-    # at the first frame outside mbcompile and torch, however deep the call into the package
-    # was (compile() -> select() -> make_plan() -> here)
-    warnings.warn(message, MbsAdjustedWarning, stacklevel=user_stacklevel())
-
-
-def _default_auto(pbs: int, supported: tuple[int, ...]) -> tuple[int, str]:
-    k = min(DEFAULT_AUTO_MICROBATCHES, pbs)
-    mbs = -(-pbs // k)
-    return mbs, (
-        f"auto (no cost model): about {k} microbatches per system, "
-        f"mbs = ceil(pbs / min({DEFAULT_AUTO_MICROBATCHES}, pbs)) = ceil({pbs} / {k}) = {mbs}"
-    )
-
-
-def _checked_choice(name: str, chosen: tuple[int, str], pbs: int,
-                    candidates: tuple[int, ...]) -> tuple[int, str]:
-    # A choice is our own cost model's, but a wrong answer from it must not turn
-    # into a silently different plan: reject anything outside the candidates.
-    mbs, reason = chosen
-    if not is_int(mbs) or int(mbs) not in candidates:
-        raise PlanError(
-            f"the {name} returned mbs={mbs!r}, which is not one of the "
-            f"{len(candidates)} candidate values ({candidates[0]}..{candidates[-1]}, "
-            f"supported for per-system batch size {pbs}); fix the {name}"
-        )
-    return int(mbs), str(reason)
-
-
 def make_plan(
     gbs: int,
     num_csx: int,
@@ -211,15 +161,10 @@ def make_plan(
     >>> p.per_system_batch_sizes, p.num_microbatches, p.microbatch_sizes
     ((4, 3, 3), 2, ((2, 2), (2, 1), (2, 1)))
     """
-    sizes, policy = per_system_batch_sizes(gbs, num_csx), parse_mbs(mbs)
-    pick = chooser if policy.mode == "auto" else explorer if policy.mode == "explore" else None
-    chosen = None
-    if pick is not None:
-        with warnings.catch_warnings():  # a clamped range warns once, when it is planned
-            warnings.simplefilter("ignore")
-            allowed = check_policy(sizes, policy, planning_only=True).allowed
-        chosen = pick(sizes[0], allowed)
-    return plan_for(sizes, policy, chosen=chosen)
+    choices = check_policy(per_system_batch_sizes(gbs, num_csx), parse_mbs(mbs),
+                           planning_only=True)
+    pick = {"auto": chooser, "explore": explorer}.get(choices.mode)
+    return choices.plan(pick(choices.sizes[0], choices.allowed) if pick is not None else None)
 
 
 def plan_for(
@@ -229,75 +174,15 @@ def plan_for(
     chosen: tuple[int, str] | None = None,
 ) -> MicrobatchPlan:
     """:func:`make_plan` for per-system batch sizes already split (``Request``'s) and an
-    ``mbs`` already parsed: what ``compile()``'s stages call. ``chosen``: the ``(mbs,
-    reason)`` a search chose for ``"auto"`` or ``"explore"`` among ``MbsChoices.allowed``
-    (``planning/search.py``); ``"auto"`` without one takes the default.
+    ``mbs`` already parsed: ``check_policy(...).plan(chosen)`` (``compile()``'s search
+    asks the request's ``MbsChoices`` directly). ``chosen``: the ``(mbs, reason)`` a
+    search chose for ``"auto"`` or ``"explore"`` among ``MbsChoices.allowed``;
+    ``"auto"`` without one takes the default.
 
     >>> plan_for((4, 3, 3), parse_mbs(2)).microbatch_sizes
     ((2, 2), (2, 1), (2, 1))
     """
-    gbs, num_csx = sum(system_sizes), len(system_sizes)
-    pbs = system_sizes[0]  # larger first, so this is ceil(gbs / num_csx)
-    supported = supported_mbs(pbs)
-    where = _where(system_sizes)
-    notes: list[str] = []
-
-    if policy.mode == "int":
-        requested = cast(int, policy.value)  # parse_mbs sets it for "int"
-        if requested > pbs:
-            raise PlanError(
-                f"mbs={requested} must be at most the per-system batch size {pbs} "
-                f"({where}); use mbs={pbs} (or mbs='none') for one microbatch per "
-                f"system, or a smaller mbs for more microbatches"
-            )
-        effective = closest_supported(requested, supported)
-        if effective == requested:
-            reason = f"requested mbs={requested}"
-        else:
-            message = (
-                f"mbs={requested} is not supported for per-system batch size {pbs} "
-                f"({where}): supported values are ceil({pbs} / k) for k microbatches; "
-                f"using mbs={effective}, the closest (ties go to the smaller). "
-                f"Nearby supported values: "
-                f"{', '.join(map(str, _nearby(requested, supported)))}"
-            )
-            notes.append(message)
-            _warn_user(message)
-            reason = f"requested mbs={requested}, adjusted to the closest supported {effective}"
-    elif policy.mode == "none":
-        effective = pbs
-        reason = "mbs='none': one microbatch per system (mbs = pbs)"
-    elif policy.mode == "auto":
-        if chosen is None:
-            effective, reason = _default_auto(pbs, supported)
-        else:
-            effective, reason = _checked_choice("auto chooser", chosen, pbs, supported)
-    else:  # explore, whole range or bounded
-        candidates = _explore_candidates(policy, pbs, supported, where, notes)
-        if chosen is None:
-            raise PlanError(
-                f"mbs={_requested_form(policy.request)!r} needs the cost model to compare MBS "
-                f"values, and no explorer was given; run it through compile_only "
-                f"(which reports the best mbs to pin), or pass mbs='auto' or an int"
-            )
-        effective, reason = _checked_choice("explorer", chosen, pbs, candidates)
-
-    count = num_microbatches(pbs, effective)
-    # Every system runs the same count (lock step for the all-reduce); smaller
-    # systems spread their fewer samples over it, possibly leaving empties.
-    microbatch_sizes = tuple(split_evenly(size, count) for size in system_sizes)
-    return MicrobatchPlan(
-        gbs=gbs,
-        num_csx=num_csx,
-        per_system_batch_sizes=system_sizes,
-        requested_mbs=_requested_form(policy.request),
-        mbs=effective,
-        num_microbatches=count,
-        microbatch_sizes=microbatch_sizes,
-        supported_mbs=supported,
-        warnings=tuple(notes),
-        reason=reason,
-    )
+    return check_policy(system_sizes, policy, planning_only=True).plan(chosen)
 
 
 def _requested_form(mbs: object) -> int | str:
@@ -327,8 +212,7 @@ def _explore_candidates(
             f"clamped to [{clamped_lo}, {clamped_hi}]: "
             f"mbs can be at most the per-system batch size {pbs} ({where})"
         )
-        notes.append(message)
-        _warn_user(message)
+        notes.append(message)  # warned when the plan is made (MbsChoices.plan)
     candidates = tuple(s for s in supported if clamped_lo <= s <= clamped_hi)
     if not candidates:
         raise PlanError(
@@ -339,52 +223,45 @@ def _explore_candidates(
     return candidates
 
 
-@dataclass(frozen=True)
-class MbsChoices:
-    """What an MBS policy leaves to choose at given per-system batch sizes, worked out
-    once, before any tracing (``make_request``), and handed to the stages that choose.
-
-    >>> c = check_policy((10,), parse_mbs(9), planning_only=False)
-    >>> c.allowed, c.pinned, c.single, c.counts[5]   # 9 is not supported: 10 is closest
-    ((10,), 10, True, 2)
-    """
-
-    #: every supported MBS -> microbatches per system at it, ascending
-    counts: Mapping[int, int]
-    #: the values the selection chooses among: the one a pinned policy runs (an int's
-    #: closest supported value, ``"none"``'s whole batch), every supported value for
-    #: ``"auto"``, those in range for ``"explore"``
-    allowed: tuple[int, ...]
-    #: the MBS a pinned policy (an int or ``"none"``) runs; None when it is chosen
-    pinned: int | None
-    #: whatever is chosen, one system runs one microbatch: nothing is split, so a graph the
-    #: batch analysis rejects still runs (the fix its errors suggest: ``num_csx=1,
-    #: mbs='none'``)
-    single: bool
-
-
 def check_policy(system_sizes: tuple[int, ...], policy: MbsPolicy, planning_only: bool
                  ) -> MbsChoices:
-    """The choices ``policy`` leaves at ``system_sizes``. Fails fast, before any tracing, on
-    what the arguments alone rule out: an int MBS above the per-system batch size, an
-    explore range with no supported value in it, and ``"explore"`` without
-    ``compile_only=True`` (``planning_only``)."""
+    """The choices ``policy`` leaves at ``system_sizes``, and what the plan made of them
+    needs (``MbsChoices.plan``). Fails fast, before any tracing, on what the arguments
+    alone rule out: an int MBS above the per-system batch size, an explore range with no
+    supported value in it, and ``"explore"`` without ``compile_only=True``
+    (``planning_only``)."""
     pbs = system_sizes[0]
     supported = supported_mbs(pbs)
+    where = _where(system_sizes)
     pinned: int | None = None
-    if policy.mode == "int" and (policy.value or 0) > pbs:
-        plan_for(system_sizes, policy)  # raises the plan's own "must be at most" error
+    reason, notes = "", []
     if policy.mode == "int":
-        pinned = closest_supported(cast(int, policy.value), supported)
+        requested = cast(int, policy.value)  # parse_mbs sets it for "int"
+        if requested > pbs:
+            raise PlanError(
+                f"mbs={requested} must be at most the per-system batch size {pbs} "
+                f"({where}); use mbs={pbs} (or mbs='none') for one microbatch per "
+                f"system, or a smaller mbs for more microbatches"
+            )
+        pinned = closest_supported(requested, supported)
+        reason = f"requested mbs={requested}"
+        if pinned != requested:
+            notes.append(
+                f"mbs={requested} is not supported for per-system batch size {pbs} "
+                f"({where}): supported values are ceil({pbs} / k) for k microbatches; "
+                f"using mbs={pinned}, the closest (ties go to the smaller). "
+                f"Nearby supported values: "
+                f"{', '.join(map(str, _nearby(requested, supported)))}"
+            )
+            reason += f", adjusted to the closest supported {pinned}"
     elif policy.mode == "none":
         pinned = pbs
+        reason = "mbs='none': one microbatch per system (mbs = pbs)"
     allowed = supported
     if pinned is not None:
         allowed = (pinned,)
     elif policy.mode == "explore":  # range errors; a clamped range warns when it is planned
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            allowed = _explore_candidates(policy, pbs, supported, _where(system_sizes), [])
+        allowed = _explore_candidates(policy, pbs, supported, where, notes)
     if policy.mode == "explore" and not planning_only:
         raise PlanError(
             f"mbs={policy.request!r} explores MBS values and reports the best one to pin; it does "
@@ -393,4 +270,7 @@ def check_policy(system_sizes: tuple[int, ...], policy: MbsPolicy, planning_only
             f"compile(model, gbs, num_csx, mbs={policy.request!r}, compile_only=True, ...)")
     return MbsChoices(counts={m: num_microbatches(pbs, m) for m in supported},
                       allowed=allowed, pinned=pinned,
-                      single=len(system_sizes) == 1 and allowed == (pbs,))
+                      single=len(system_sizes) == 1 and allowed == (pbs,),
+                      sizes=system_sizes, mode=policy.mode,
+                      requested=_requested_form(policy.request), reason=reason,
+                      notes=tuple(notes))

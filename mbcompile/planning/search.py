@@ -12,7 +12,7 @@ Everything here works on a :class:`~mbcompile.planning.cost.CostModel` and a
 (``mbcompile/selection.py``) builds the cost model and calls :func:`select_sharded`
 (:func:`select_plan`, and a sharded model's FSDP2 settings), which chooses among the
 values the request allows (``MbsChoices``: ``"auto"`` or ``"explore"``), hands the
-choice to :func:`~mbcompile.planning.plan.plan_for` and then checks that the plan fits.
+choice to ``MbsChoices.plan`` and then checks that the plan fits.
 
 ``"auto"`` evaluates a few candidates only, O(log n) of the n supported values
 (each evaluation is arithmetic on the cost model's fit, so "few" is about an
@@ -70,7 +70,6 @@ from mbcompile.planning.plan import (
     MbsChoices,
     MbsPolicy,
     check_policy,
-    plan_for,
     split_evenly,
 )
 from mbcompile.planning.progress import progress_bar
@@ -290,32 +289,58 @@ class Selector:
 def select_plan(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel | None,
                 spec: SystemSpec, *, timer: Callable[[int], float] | None = None,
                 progress: bool | None = None, cost_error: str | None = None,
-                unsplit: bool = False, choices: MbsChoices | None = None) -> Choice:
+                unsplit: bool = False, choices: MbsChoices | None = None,
+                compile_only: bool = False) -> Choice:
     """Plan per-system batches of ``sizes`` (``Request.per_system_batch_sizes``) with
     ``policy`` and the cost model, and check that it fits. ``choices``: what the policy
     leaves to choose at ``sizes`` (``Request.choices``; default: worked out here).
 
-    ``cost=None`` (the model could not run; ``cost_error`` says why): ints and
-    ``"none"`` are planned as asked, ``"auto"`` falls back to the plan's default
-    with a :class:`CostModelWarning`, ``"explore"`` fails.  Otherwise every mode
+    ``cost=None`` (``cost_error`` says why), or a deferred model whose build fails on its
+    first question (``CostModel.build_error``): ints and ``"none"`` are planned as asked,
+    ``"auto"`` falls back to the plan's default with a :class:`CostModelWarning` (a
+    ``compile_only`` answer is never an MBS unchecked against memory: it raises
+    :class:`CostModelError`), ``"explore"`` fails.  Otherwise every mode
     raises :class:`DoesNotFitError` with the numbers when even MBS 1 does not fit,
     and ints and ``"none"`` when their MBS does not fit.  ``unsplit``: the request
     runs the whole per-system batch as one microbatch (the analysis's ``"unsplit"``
     mode), so only that size is checked.
     """
-    if cost is None:
-        if policy.mode == "explore":
-            raise CostModelError(f"mbs={policy.request!r} needs the cost model, which failed: "
-                                 f"{cost_error}")
-        if policy.mode == "auto":
-            warnings.warn(f"the cost model could not run ({cost_error}); mbs='auto' uses the "
-                          "default of about 4 microbatches per system, unchecked against "
-                          "memory. Pass an int mbs to silence this.", CostModelWarning,
-                          stacklevel=user_stacklevel())
-        plan = plan_for(sizes, policy)
-        if policy.mode == "auto":
-            plan = replace(plan, reason=f"{plan.reason} (cost model unavailable: {cost_error})")
-        return Choice(plan, None, None, None, cost_error)
+    if cost is not None:
+        try:
+            return _checked(sizes, policy, cost, spec, timer, progress, unsplit, choices)
+        except CostModelError:
+            if cost.build_error is None:  # the model was built: a later question failed
+                raise
+            cost_error = cost.build_error
+    return _unchecked(choices or check_policy(sizes, policy, True), policy, spec, cost_error,
+                      compile_only)
+
+
+def _unchecked(choices: MbsChoices, policy: MbsPolicy, spec: SystemSpec,
+               cost_error: str | None, compile_only: bool) -> Choice:
+    """The plan without a cost model (``select_plan``'s ``cost=None``)."""
+    if policy.mode == "auto" and compile_only:  # read as an answer: nothing says it fits
+        raise CostModelError(
+            f"compile_only=True with mbs='auto' needs the cost model to check an MBS against "
+            f"{spec.name}'s memory, and it could not run: {cost_error}")
+    if policy.mode == "explore":
+        raise CostModelError(f"mbs={policy.request!r} needs the cost model, which failed: "
+                             f"{cost_error}")
+    if policy.mode == "auto":
+        warnings.warn(f"the cost model could not run ({cost_error}); mbs='auto' uses the "
+                      "default of about 4 microbatches per system, unchecked against "
+                      "memory. Pass an int mbs to silence this.", CostModelWarning,
+                      stacklevel=user_stacklevel())
+    plan = choices.plan()
+    if policy.mode == "auto":
+        plan = replace(plan, reason=f"{plan.reason} (cost model unavailable: {cost_error})")
+    return Choice(plan, None, None, None, cost_error)
+
+
+def _checked(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel, spec: SystemSpec,
+             timer: Callable[[int], float] | None, progress: bool | None, unsplit: bool,
+             choices: MbsChoices | None) -> Choice:
+    """The plan chosen and checked with the cost model (``select_plan``)."""
     choices = choices if choices is not None else check_policy(sizes, policy, True)
     selector = Selector(cost, spec, sizes, counts=choices.counts, timer=timer,
                         progress=progress)
@@ -324,7 +349,7 @@ def select_plan(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel | Non
         raise selector.does_not_fit(1, policy.mode)
     choose = None if pinned else selector.auto if policy.mode == "auto" else selector.explore
     chosen = choose(selector.pbs, choices.allowed) if choose is not None else None
-    plan = plan_for(selector.sizes, policy, chosen=chosen)  # the choice handed on
+    plan = choices.plan(chosen)  # the choice handed on
     if not selector.evaluate(plan.mbs).fits:
         if pinned and not unsplit and plan.mbs > 1 and not selector.evaluate(1).fits:
             raise selector.does_not_fit(1, policy.mode)  # whatever was asked, nothing runs
@@ -357,6 +382,12 @@ def select_sharded(sizes: tuple[int, ...], policy: MbsPolicy, cost: CostModel | 
     if shard is None:
         return select_plan(sizes, policy, cost, spec, **kwargs)
     assert cost is not None
+    try:  # its copies share one build
+        cost.ready()
+    except CostModelError:
+        if cost.build_error is None:
+            raise
+        return select_plan(sizes, policy, None, spec, **{**kwargs, "cost_error": cost.build_error})
     reshards = (reshard,) if isinstance(reshard, bool) else (True, False)
     syncs = (sync,) if sync in SYNCS else SYNCS
     # the least memory first: it is the one whose refusal is reported when none fits
