@@ -69,7 +69,9 @@ SLOW = {"longt5", "funnel", "qwen3_moe", "mbart", "olmoe", "t5", "qwen2_moe", "g
         "bart", "pegasus", "umt5", "swin", "convbert", "blenderbot_small", "mt5", "starcoder2",
         "mamba", "falcon", "gpt2_classification", "deberta", "gpt_neo", "gemma3", "gemma2",
         "deberta_v2", "resnet", "phi3", "llama_classification", "stablelm", "phi", "cohere",
-        "mistral", "codegen", "qwen2", "olmo2", "olmo", "gptj"}
+        "mistral", "codegen", "qwen2", "olmo2", "olmo", "gptj",
+        # each family keeps its quickest entries in CI (gpt2, opt, llama; bert, roberta, ...)
+        "gpt_neox", "bloom", "qwen3", "gemma", "granite", "mpnet", "roformer"}
 
 
 def _param(entry: ZooModel) -> Any:
