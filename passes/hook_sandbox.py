@@ -16,6 +16,9 @@ the hook with that state recorded and puts it back, whatever the hook did:
 - the globals and closure variables its code reaches through the functions it calls
   (``passes.code_reach``: a helper's ``LOG.append``), recorded and put back the same way;
 - a file it opens (refused before it opens, as in forward);
+- a call into an installed package's code (``wandb.log``), which writes where nothing can
+  be put back: refused before it runs where the hook's code names one (``library_calls``),
+  and at compile ended there, as if the hook returned None;
 - a tensor hook it registers (``out.register_hook(fn)``: it would fire on a microbatch's
   gradient), kept, with ``fn`` itself called the same way;
 - an in-place write to a parameter or buffer of a module it reaches (which cannot be put
