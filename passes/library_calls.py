@@ -25,6 +25,7 @@ import sys
 import sysconfig
 import traceback
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -58,15 +59,23 @@ _INSTALLED: dict[str, bool] = {}
 
 def _file_of(value: Any) -> str | None:
     """The file ``value``'s Python code lives in: a module's, a function's, a class's (an
-    object's: its class's)."""
+    object's: its class's). No attribute lookup on other objects: an ``nn.Module``'s
+    ``__getattr__`` fails slowly."""
+    if isinstance(value, types.MethodType):
+        value = value.__func__
+    if isinstance(value, types.FunctionType):
+        return value.__code__.co_filename
     if isinstance(value, types.ModuleType):
         return getattr(value, "__file__", None)
-    value = getattr(value, "__func__", value)  # a bound method
-    code = getattr(value, "__code__", None)
-    if code is not None:
-        return code.co_filename
     kind = value if isinstance(value, type) else type(value)
-    return getattr(sys.modules.get(kind.__module__), "__file__", None)
+    found = _CLASS_FILES.get(kind, _UNSEEN)
+    if found is _UNSEEN:  # a module without a file (builtins) fails its lookup slowly
+        found = _CLASS_FILES[kind] = getattr(sys.modules.get(kind.__module__), "__file__", None)
+    return found
+
+
+_CLASS_FILES: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()
+_UNSEEN = object()
 
 
 def names_library(values: Iterable[Any]) -> bool:
