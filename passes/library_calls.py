@@ -25,9 +25,11 @@ import sys
 import sysconfig
 import traceback
 import types
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import torch
+import torch.nn as nn
 
 from .code_reach import holds_state, user_code
 from .errors import CaptureError
@@ -41,17 +43,32 @@ SITE_DIRS: tuple[str, ...] = tuple({
     for p in (*(sysconfig.get_paths()[k] for k in ("purelib", "platlib")),
               *getattr(site, "getsitepackages", list)())})
 _STDLIB = ("<frozen ", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
+#: torch's own code whose job is to write where nothing can be put back (an event file)
+_WRITERS = {os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "utils",
+                         "tensorboard") + os.sep: "torch.utils.tensorboard"}
 
 
 def installed(path: str | None) -> bool:
-    """Whether ``path`` is a file of an installed package other than torch and mbcompile."""
+    """Whether ``path`` is a file of an installed package other than torch and mbcompile
+    (or of torch's ``SummaryWriter``)."""
     if not path:
         return False
     found = _INSTALLED.get(path)
     if found is None:
-        found = _INSTALLED[path] = os.path.abspath(path).startswith(SITE_DIRS) and \
-            not is_library(path)
+        full = os.path.abspath(path)
+        found = _INSTALLED[path] = full.startswith(tuple(_WRITERS)) or (
+            full.startswith(SITE_DIRS) and not is_library(path))
     return found
+
+
+def _package(path: str) -> str:
+    """The installed package ``path`` is a file of, by name."""
+    full = os.path.abspath(path)
+    writer = next((name for d, name in _WRITERS.items() if full.startswith(d)), None)
+    if writer is not None:
+        return writer
+    inside = next((full[len(d):] for d in SITE_DIRS if full.startswith(d)), full)
+    return inside.split(os.sep)[0].removesuffix(".py")
 
 
 _INSTALLED: dict[str, bool] = {}
@@ -74,23 +91,28 @@ def _file_of(value: Any) -> str | None:
     return found
 
 
-_CLASS_FILES: weakref.WeakKeyDictionary[type, str | None] = weakref.WeakKeyDictionary()
+_CLASS_FILES: dict[type, str | None] = {}
 _UNSEEN = object()
 
 
 def names_library(values: Iterable[Any]) -> bool:
     """Whether one of ``values`` (what the walk of a hook's code found: its globals, closure
-    variables, bound objects), or a member of one that holds state (a dict of writers,
-    ``self.writer``), is an installed package's module, function or object."""
+    variables, bound objects, the layer), or a member of one that holds state (a dict of
+    writers, ``self.writer``, the layer's ``m.writer``), is an installed package's module,
+    function or object."""
     for value in values:
         if installed(_file_of(value)):
             return True
-        if holds_state(value):
+        if isinstance(value, nn.Module):  # ``m.writer``: its own attributes, not torch's
+            members: Iterable[Any] = [v for k, v in vars(value).items() if k[0] != "_"]
+        elif holds_state(value):
             members = value.values() if isinstance(value, dict) else \
                 value if isinstance(value, (list, tuple, set, frozenset)) else \
                 vars(value).values()
-            if any(installed(_file_of(m)) for m in list(members)):
-                return True
+        else:
+            continue
+        if any(installed(_file_of(m)) for m in list(members)):
+            return True
     return False
 
 
@@ -115,10 +137,8 @@ def library_calls_refused(refused: list[str]) -> Iterator[Callable[[], None]]:
                 installed(caller.f_code.co_filename):
             return
         where = user_frame(traceback.extract_stack(caller))
-        package = os.path.abspath(frame.f_code.co_filename)
-        package = next(package[len(d):] for d in SITE_DIRS if package.startswith(d))
         what = (f"a call of {frame.f_code.co_qualname} in the installed package "
-                f"{package.split(os.sep)[0].removesuffix('.py')!r} at {where}")
+                f"{_package(frame.f_code.co_filename)!r} at {where}")
         refused.append(what)
         raise CaptureError(f"a hook makes {what}")
 

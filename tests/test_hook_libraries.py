@@ -12,6 +12,7 @@ a ``tqdm`` bar's ``update``. Plan: 7 rows over 2 systems, MBS 2, float64."""
 from __future__ import annotations
 
 import io
+import os
 from typing import Any
 
 import pytest
@@ -30,6 +31,10 @@ STREAM = io.StringIO()
 
 def _dump_rows(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
     yaml.safe_dump({"rows": out.shape[0]}, STREAM)
+
+
+def _dump_through_layer(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    module.dump({"rows": out.shape[0]}, STREAM)  # the library's function, held by the layer
 
 
 def _progress() -> tuple[Any, Any]:
@@ -62,7 +67,8 @@ def _compile(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Any:
     return mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
 
 
-@pytest.mark.parametrize("kind", ["yaml on the layer", "tqdm on the layer", "tqdm global"])
+@pytest.mark.parametrize("kind", ["yaml on the layer", "tqdm on the layer", "tqdm global",
+                                  "yaml held by the layer"])
 def test_a_hook_calling_an_installed_package_is_refused_with_nothing_changed(kind):
     """Compile's probes make no call into the library; the step is refused at the call,
     naming it and the fixes, with the parameters, gradients and the library's object
@@ -73,6 +79,8 @@ def test_a_hook_calling_an_installed_package_is_refused_with_nothing_changed(kin
     STREAM.truncate()
     bar, update = _progress()
     hook = update if kind.startswith("tqdm") else _dump_rows
+    if kind.endswith("held by the layer"):
+        model.b.dump, hook = yaml.safe_dump, _dump_through_layer
     handle = torch.nn.modules.module.register_module_forward_hook(hook) \
         if kind.endswith("global") else model.b.register_forward_hook(hook)
     try:
@@ -106,3 +114,14 @@ def test_a_marked_hook_calls_the_library_once_per_microbatch_and_not_at_compile(
         handle.remove()
     rows = [d["rows"] for d in yaml.safe_load_all(STREAM.getvalue().replace("rows", "---\nrows"))]
     assert sorted(rows) == [1, 2, 2, 2]
+
+
+def test_torchs_summary_writer_counts_as_an_installed_package():
+    """``torch.utils.tensorboard``'s ``SummaryWriter`` writes an event file: a call into it
+    is a library's (``tensorboard`` itself is not installed here to call)."""
+    from mbcompile.passes.library_calls import installed
+
+    torch_dir = os.path.dirname(torch.__file__)
+    assert installed(os.path.join(torch_dir, "utils", "tensorboard", "writer.py"))
+    assert installed(yaml.__file__)
+    assert not installed(torch.nn.functional.__file__) and not installed(__file__)
