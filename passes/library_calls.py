@@ -95,6 +95,20 @@ _CLASS_FILES: dict[type, str | None] = {}
 _UNSEEN = object()
 
 
+def _c_file(fn: Any) -> str | None:
+    """The file of the module a built-in function (or a C object's method) belongs to."""
+    module = getattr(fn, "__module__", None)
+    if module is None:
+        module = type(getattr(fn, "__self__", None)).__module__
+    found = _MODULE_FILES.get(module, _UNSEEN)
+    if found is _UNSEEN:
+        found = _MODULE_FILES[module] = getattr(sys.modules.get(module), "__file__", None)
+    return found
+
+
+_MODULE_FILES: dict[str, str | None] = {}
+
+
 def names_library(values: Iterable[Any]) -> bool:
     """Whether one of ``values`` (what the walk of a hook's code found: its globals, closure
     variables, bound objects, the layer), or a member of one that holds state (a dict of
@@ -119,8 +133,9 @@ def names_library(values: Iterable[Any]) -> bool:
 @contextlib.contextmanager
 def library_calls_refused(refused: list[str]) -> Iterator[Callable[[], None]]:
     """While the block runs, a call from the user's code (through Python's own, as
-    ``functools`` calls) into an installed package's Python code raises ``CaptureError``
-    before the callee's first line, and is named in ``refused``. Python unsets a profile
+    ``functools`` calls) into an installed package's Python code, or a built-in function
+    of one (a C extension's, as ``numpy.empty``), raises ``CaptureError`` before the
+    callee runs, and is named in ``refused``. Python unsets a profile
     function that raises: the block gets a function that sets it again (after catching
     the refusal, to go on watching)."""
     outer = sys.getprofile()
@@ -128,17 +143,19 @@ def library_calls_refused(refused: list[str]) -> Iterator[Callable[[], None]]:
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
         if outer is not None:
             outer(frame, event, arg)
-        if event != "call" or not installed(frame.f_code.co_filename):
+        if event == "call" and installed(frame.f_code.co_filename):
+            caller, path, name = frame.f_back, frame.f_code.co_filename, frame.f_code.co_qualname
+        elif event == "c_call" and installed(path := _c_file(arg)):  # a C extension's
+            caller, name = frame, getattr(arg, "__qualname__", arg.__name__)
+        else:
             return
-        caller = frame.f_back
         while caller is not None and caller.f_code.co_filename.startswith(_STDLIB):
             caller = caller.f_back
         if caller is None or not user_code(caller.f_code.co_filename) or \
                 installed(caller.f_code.co_filename):
             return
         where = user_frame(traceback.extract_stack(caller))
-        what = (f"a call of {frame.f_code.co_qualname} in the installed package "
-                f"{_package(frame.f_code.co_filename)!r} at {where}")
+        what = f"a call of {name} in the installed package {_package(str(path))!r} at {where}"
         refused.append(what)
         raise CaptureError(f"a hook makes {what}")
 

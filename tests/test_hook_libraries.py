@@ -25,12 +25,17 @@ from mbcompile.errors import UncheckedHookError
 
 yaml = pytest.importorskip("yaml")
 tqdm = pytest.importorskip("tqdm")
+np = pytest.importorskip("numpy")
 
 STREAM = io.StringIO()
 
 
 def _dump_rows(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
     yaml.safe_dump({"rows": out.shape[0]}, STREAM)
+
+
+def _numpy_rows(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    np.empty(out.shape[0])  # a C extension's built-in function
 
 
 def _dump_through_layer(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -68,7 +73,7 @@ def _compile(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Any:
 
 
 @pytest.mark.parametrize("kind", ["yaml on the layer", "tqdm on the layer", "tqdm global",
-                                  "yaml held by the layer"])
+                                  "yaml held by the layer", "numpy on the layer"])
 def test_a_hook_calling_an_installed_package_is_refused_with_nothing_changed(kind):
     """Compile's probes make no call into the library; the step is refused at the call,
     naming it and the fixes, with the parameters, gradients and the library's object
@@ -79,6 +84,8 @@ def test_a_hook_calling_an_installed_package_is_refused_with_nothing_changed(kin
     STREAM.truncate()
     bar, update = _progress()
     hook = update if kind.startswith("tqdm") else _dump_rows
+    if kind.startswith("numpy"):
+        hook = _numpy_rows
     if kind.endswith("held by the layer"):
         model.b.dump, hook = yaml.safe_dump, _dump_through_layer
     handle = torch.nn.modules.module.register_module_forward_hook(hook) \
@@ -91,7 +98,7 @@ def test_a_hook_calling_an_installed_package_is_refused_with_nothing_changed(kin
     finally:
         handle.remove()
     message = str(refusal.value)
-    package = "tqdm" if kind.startswith("tqdm") else "yaml"
+    package = kind.split()[0]
     assert f"installed package {package!r}" in message and "training loop" in message
     assert "test_hook_libraries.py" in message  # the hook's line that makes the call
     assert STREAM.getvalue() == "" and bar.n == 0
