@@ -16,6 +16,9 @@ the hook with that state recorded and puts it back, whatever the hook did:
 - the globals and closure variables its code reaches through the functions it calls
   (``passes.code_reach``: a helper's ``LOG.append``), recorded and put back the same way;
 - a file it opens (refused before it opens, as in forward);
+- a call into an installed package's code (``wandb.log``), which writes where nothing can
+  be put back: refused before it runs where the hook's code names one (``library_calls``),
+  and at compile ended there, as if the hook returned None;
 - a tensor hook it registers (``out.register_hook(fn)``: it would fire on a microbatch's
   gradient), kept, with ``fn`` itself called the same way;
 - an in-place write to a parameter or buffer of a module it reaches (which cannot be put
@@ -44,6 +47,7 @@ import torch.nn as nn
 
 from .code_reach import Cell, Reach, Slot, open_refused, user_code
 from .errors import CaptureError
+from .library_calls import library_calls_refused, names_library
 from .python_state import Snapshot
 from .side_effects import prints_recorded
 
@@ -116,6 +120,8 @@ class _Watch:
     globals_: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
     versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
     reach: Reach = field(default_factory=lambda: Reach(lambda slot, state: None))
+    library: bool = False  # its code names an installed package's module, function, object
+    libraries: list[str] = field(default_factory=list)  # the calls into one, refused
 
     @classmethod
     def of(cls, fns: list[Any], module: nn.Module) -> _Watch:
@@ -156,7 +162,15 @@ class _Watch:
         versions = [(f"{path}.{n}" if path else n, t, t._version)
                     for m, path, _, slots in snapshot.modules
                     for n, t in (*slots[0].items(), *slots[1].items()) if t is not None]
-        return cls(snapshot, cells, globals_, versions, reach)
+        library = names_library((*roots.values(), *(
+            s.owner.get(s.key, None) for s in reach.slots)))
+        return cls(snapshot, cells, globals_, versions, reach, library)
+
+    def libraries_refused(self) -> contextlib.AbstractContextManager[Any]:
+        """A call of the hook's into an installed package refused (``library_calls``),
+        watched only where its code names one."""
+        return library_calls_refused(self.libraries) if self.library else \
+            contextlib.nullcontext(lambda: None)
 
     def changes(self) -> list[str]:
         found = [c.where for c in self.snapshot.changes()]
@@ -213,18 +227,22 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
     wrote: list[str] | None = None
     try:
         with prints_recorded() as prints, _tensor_hooks_kept(registered), \
-                open_refused(watch.reach):
+                open_refused(watch.reach), watch.libraries_refused():
             result = fn(module, *args) if module_first else fn(*args)
         wrote = watch.changes()
-    except CaptureError:  # a file opened: refused before it opened
-        if not watch.reach.refused:
+    except CaptureError:  # a file opened, a library called: refused before it ran
+        if not (watch.reach.refused or watch.libraries):
             raise
         result, wrote = None, watch.changes()
     finally:
-        if wrote != [] or watch.reach.refused:  # it raised, or wrote: put everything back
-            watch.restore()
+        if wrote != [] or watch.reach.refused or watch.libraries:  # it raised, or wrote:
+            watch.restore()                                         # put everything back
     if watch.reach.refused:  # (also where the hook caught the refusal itself)
         wrote.insert(0, f"a file (it {watch.reach.refused[0]})")
+    if watch.libraries:
+        wrote.insert(0, f"through {watch.libraries[0]} (what an installed package writes "
+                     "cannot be seen or put back, so the call was refused before it ran: "
+                     "log from the training loop instead)")
     if prints:
         wrote.append(f"a print or log call at {prints[0].where}")
     if registered:
@@ -243,15 +261,49 @@ def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
 
     (Global module hooks are hidden while compile runs: ``global_hooks.hidden``.)
     """
-    fns = [fn for table in (module._forward_pre_hooks, module._forward_hooks,
-                            module._backward_pre_hooks, module._backward_hooks)
-           for fn in table.values()]
+    tables = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+              module._backward_hooks)
+    fns = [fn for table in tables for fn in table.values()]
     if not fns:
         yield
         return
     watch = _Watch.of(fns, module)
     try:  # a file a hook opens to write is os.devnull: written at compile, it would stay
-        with prints_recorded(), _tensor_hooks_kept([]), open_refused(watch.reach, to_null=True):
+        with prints_recorded(), _tensor_hooks_kept([]), \
+                open_refused(watch.reach, to_null=True), \
+                watch.libraries_refused() as rearm, _libraries_skipped(tables, watch, rearm):
             yield
     finally:
         watch.restore()
+
+
+@contextlib.contextmanager
+def _libraries_skipped(tables: tuple[dict[int, Any], ...], watch: _Watch,
+                       rearm: Any) -> Iterator[None]:
+    """Where the hooks name an installed package: each hook, called on made-up data, ends
+    at a call into one (refused before it ran), as if it returned None, and the probe goes
+    on (the step refuses the hook, or, marked ``per_microbatch``, makes the call there)."""
+    if not watch.library:
+        yield
+        return
+
+    def skipping(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            made = len(watch.libraries)
+            try:
+                return fn(*args, **kwargs)
+            except CaptureError:
+                if len(watch.libraries) == made:
+                    raise
+                rearm()  # Python unset the profile function that raised
+                return None
+        return call
+
+    held = [(table, key, fn) for table in tables for key, fn in table.items()]
+    for table, key, fn in held:
+        table[key] = skipping(fn)
+    try:
+        yield
+    finally:
+        for table, key, fn in held:
+            table[key] = fn

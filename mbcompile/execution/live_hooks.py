@@ -8,8 +8,9 @@ the whole batch. For each call of the compiled module every hook of such a layer
 compiled step the wrapper only calls the hook. Inside one:
 
 - a hook that writes Python state (``self.acts[name] = out.detach()``, a counter, a
-  list it appends to, a print), or registers a tensor hook on the layer's output, would
-  do so per microbatch, with each microbatch's values: it is run sandboxed
+  list it appends to, a print, a call into an installed package: ``wandb.log``), or
+  registers a tensor hook on the layer's output, would do so per microbatch, with each
+  microbatch's values: it is run sandboxed
   (``passes.hook_sandbox``), and refused with ``UncheckedHookError`` at its first write,
   with everything it wrote put back and the step not run;
 - a hook that only computes runs per microbatch: one present at compile was checked on a
