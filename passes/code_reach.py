@@ -39,7 +39,6 @@ import dis
 import io
 import os
 import sys
-import sysconfig
 import time
 import traceback
 import types
@@ -54,15 +53,13 @@ from . import global_hooks
 from .errors import CaptureError
 from .host_draws import draws_refused
 from .library_reach import walk_installed_models
-from .sources import is_library, user_frame
+from .sources import SITE_DIRS, is_library, user_frame
 
 __all__ = ["Cell", "Reach", "Slot", "holds_state", "open_refused", "reached_code", "user_code"]
 
 #: Python's own modules, and installed packages (site-packages: transformers), whose code is
 #: a library's: their module-level values are taken as constants (docs/limits.md)
-_NOT_USERS = tuple({os.path.dirname(os.path.abspath(os.__file__)) + os.sep,
-                    *(os.path.abspath(sysconfig.get_paths()[k]) + os.sep
-                      for k in ("purelib", "platlib"))})
+_NOT_USERS = (os.path.dirname(os.path.abspath(os.__file__)) + os.sep, *SITE_DIRS)
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"})
 _MAX_CODES = 5_000  # code objects walked per capture at most: a package is not walked whole

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import site
 import sys
-import sysconfig
 import traceback
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -33,15 +31,10 @@ import torch.nn as nn
 
 from .code_reach import holds_state, user_code
 from .errors import CaptureError
-from .sources import is_library, user_frame
+from .sources import SITE_DIRS, installed_package, user_frame
 
 __all__ = ["installed", "library_calls_refused", "names_library"]
 
-#: where installed packages live (the venv's site-packages, the user's, the system's)
-SITE_DIRS: tuple[str, ...] = tuple({
-    os.path.abspath(p) + os.sep
-    for p in (*(sysconfig.get_paths()[k] for k in ("purelib", "platlib")),
-              *getattr(site, "getsitepackages", list)())})
 _STDLIB = ("<frozen ", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
 #: torch's own code whose job is to write where nothing can be put back (an event file)
 _WRITERS = {os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "utils",
@@ -56,8 +49,7 @@ def installed(path: str | None) -> bool:
     found = _INSTALLED.get(path)
     if found is None:
         full = os.path.abspath(path)
-        found = _INSTALLED[path] = full.startswith(tuple(_WRITERS)) or (
-            full.startswith(SITE_DIRS) and not is_library(path))
+        found = _INSTALLED[path] = full.startswith(tuple(_WRITERS)) or installed_package(path)
     return found
 
 

@@ -18,27 +18,15 @@ Example: ``modeling_x.py`` holds ``SCALE = 2.0`` and ``XModel.forward`` returns
 
 from __future__ import annotations
 
-import os
-import sysconfig
 import types
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch.nn as nn
 
-from .sources import is_library
+from .sources import installed_package
 
-__all__ = ["installed", "walk_installed_models"]
-
-_INSTALLED = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
-                    for k in ("purelib", "platlib")})
-
-
-def installed(path: str | None) -> bool:
-    """A file of an installed package other than torch and mbcompile (transformers')."""
-    return bool(path) and not is_library(path) and \
-        os.path.abspath(path).startswith(_INSTALLED)  # type: ignore[arg-type]
-
+__all__ = ["walk_installed_models"]
 
 class Reach(Protocol):
     """What the walk records into (``code_reach.Reach``)."""
@@ -92,7 +80,7 @@ _ABSENT = object()
 
 
 def _installed_function(value: Any) -> bool:
-    return isinstance(value, types.FunctionType) and installed(value.__code__.co_filename)
+    return isinstance(value, types.FunctionType) and installed_package(value.__code__.co_filename)
 
 
 def _plain(value: Any) -> bool:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import site
 import sys
+import sysconfig
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,12 +19,27 @@ if TYPE_CHECKING:
 
     import torch.fx as fx
 
-__all__ = ["is_library", "source_line", "user_frame", "user_stacklevel"]
+__all__ = ["SITE_DIRS", "installed_package", "is_library", "source_line", "user_frame",
+           "user_stacklevel"]
 
 # found without importing torch: plan arithmetic warns through here and stays torch-free
 _TORCH_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec("torch").origin)) + os.sep
 _PASSES_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PACKAGE = (__package__ or "").rpartition(".")[0]  # "mbcompile": imported before its passes
+
+
+#: where installed packages live (the venv's site-packages, the user's, the system's)
+SITE_DIRS: tuple[str, ...] = tuple({
+    os.path.abspath(p) + os.sep
+    for p in (*(sysconfig.get_paths()[k] for k in ("purelib", "platlib")),
+              *getattr(site, "getsitepackages", list)())})
+
+
+def installed_package(path: str | None) -> bool:
+    """A file of an installed package (site-packages: transformers') other than torch and
+    mbcompile."""
+    return bool(path) and os.path.abspath(path).startswith(SITE_DIRS) and \
+        not is_library(path)  # type: ignore[arg-type]
 
 
 def _package_dir() -> str:

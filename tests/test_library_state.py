@@ -23,7 +23,7 @@ import torch
 from models import rel_err
 
 import mbcompile
-from mbcompile.passes import code_reach, library_reach
+from mbcompile.passes import code_reach, library_reach, sources
 
 _SOURCE = '''
 import torch
@@ -58,7 +58,7 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     (tmp_path / "fake_installed_modeling.py").write_text(textwrap.dedent(_SOURCE))
     folder = str(tmp_path) + os.sep
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(library_reach, "_INSTALLED", (*library_reach._INSTALLED, folder))
+    monkeypatch.setattr(sources, "SITE_DIRS", (*sources.SITE_DIRS, folder))
     monkeypatch.setattr(code_reach, "_NOT_USERS", (*code_reach._NOT_USERS, folder))
     monkeypatch.setattr(code_reach, "_USER", {})  # where each file was classified
     module = importlib.import_module("fake_installed_modeling")
