@@ -240,9 +240,7 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
     if watch.reach.refused:  # (also where the hook caught the refusal itself)
         wrote.insert(0, f"a file (it {watch.reach.refused[0]})")
     if watch.libraries:
-        wrote.insert(0, f"through {watch.libraries[0]} (what an installed package writes "
-                     "cannot be seen or put back, so the call was refused before it ran: "
-                     "log from the training loop instead)")
+        wrote.insert(0, f"through {watch.libraries[0]}")
     if prints:
         wrote.append(f"a print or log call at {prints[0].where}")
     if registered:

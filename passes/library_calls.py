@@ -33,7 +33,9 @@ from .code_reach import holds_state, user_code
 from .errors import CaptureError
 from .sources import SITE_DIRS, installed_package, user_frame
 
-__all__ = ["installed", "library_calls_refused", "names_library"]
+__all__ = ["IN_PACKAGE", "installed", "library_calls_refused", "names_library"]
+
+IN_PACKAGE = "in the installed package"  # how a refused call is named: ``live_hooks`` tells by it
 
 _STDLIB = ("<frozen ", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
 #: torch's own code whose job is to write where nothing can be put back (an event file)
@@ -147,7 +149,7 @@ def library_calls_refused(refused: list[str]) -> Iterator[Callable[[], None]]:
                 installed(caller.f_code.co_filename):
             return
         where = user_frame(traceback.extract_stack(caller))
-        what = f"a call of {name} in the installed package {_package(str(path))!r} at {where}"
+        what = f"a call of {name} {IN_PACKAGE} {_package(str(path))!r} at {where}"
         refused.append(what)
         raise CaptureError(f"a hook makes {what}")
 

@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 from mbcompile.errors import UncheckedHookError
 from mbcompile.passes import global_hooks
 from mbcompile.passes.hook_sandbox import call_sandboxed, runs_per_microbatch
+from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
 
 __all__ = ["UncheckedHookError", "WatchedHook", "called_as", "global_backward_refused",
            "hook_keys", "in_step", "unwatch", "watch_hooks"]
@@ -76,6 +77,16 @@ class WatchedHook:
             result = self.fn(module, *args)
         else:
             result, wrote = call_sandboxed(self.fn, module, args)
+            if wrote is not None and _LIBRARY in wrote:
+                raise UncheckedHookError(
+                    f"{self._what(module)} makes {wrote.removeprefix('through ')}; the layer "
+                    "runs its hooks once per microbatch, where eager runs them once per "
+                    "step on the whole batch, and what a library writes (a log, a file, a "
+                    "socket) cannot be put back. Fix: make the call from the training loop "
+                    "(after the step, with the values you keep), or mark the hook "
+                    "mbcompile.per_microbatch(hook) to make it on each microbatch on "
+                    "purpose. The step was not run, and the call was refused before it ran: "
+                    "parameters, gradients and your objects are as they were")
             if wrote is not None:
                 raise UncheckedHookError(
                     f"{self._what(module)} writes {wrote}; the layer runs its hooks once "
