@@ -300,9 +300,7 @@ def _mixed_by_hooks(layer: torch.nn.Module, info: Any, dim: int) -> str | None:
     """What the layer's hooks make depend on the whole batch (None: nothing found): the
     layer is run on a random batch and on its two halves, and with backward hooks the
     gradient of a random seed is taken back to the input too."""
-    import copy
-
-    probe = copy.deepcopy(layer)  # its running statistics and buffers stay the user's
+    probe = _copy_of(layer)  # its running statistics and buffers stay the user's
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(info.shape_a, generator=generator, dtype=info.dtype)
     n = info.shape_a[dim]
@@ -328,6 +326,19 @@ def _mixed_by_hooks(layer: torch.nn.Module, info: Any, dim: int) -> str | None:
     if len(grads) == 3 and all(g is not None for g in grads) and not _joined_equal(grads, dim):
         return "the gradient it passes back"
     return None
+
+
+def _copy_of(layer: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``layer`` for the check; a hook object that cannot be copied (one holding
+    a tqdm bar, a file) is shared by the copy instead (its calls are sandboxed)."""
+    import copy
+
+    try:
+        return copy.deepcopy(layer)
+    except Exception:  # noqa: BLE001 - any failure of a user object's copy: share it instead
+        hooks = (layer._forward_hooks, layer._forward_pre_hooks, layer._backward_hooks,
+                 layer._backward_pre_hooks)
+        return copy.deepcopy(layer, {id(h): h for d in hooks for h in d.values()})
 
 
 def _joined_equal(pieces: list[torch.Tensor], dim: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -415,3 +416,32 @@ def test_a_marked_hook_writing_through_a_helper_or_a_file_runs_per_microbatch_on
         for handle in handles:
             handle.remove()
         _LOG.clear()
+
+
+class _LockedScale:
+    """A hook object holding what cannot be copied (a lock, as a progress bar holds)."""
+
+    def __init__(self) -> None:
+        self.lock, self.scale = threading.Lock(), 2.0
+
+    def __call__(self, m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            return out * self.scale
+
+
+def test_a_hook_object_that_cannot_be_copied_is_checked_on_the_layer_copy_as_is():
+    """Compile's check runs a layer's hooks on a copy of the layer; a hook object that
+    cannot be deep-copied is shared by the copy (it used to fail in mbcompile itself), and
+    the step is eager's."""
+    model, batch = _logged_batch()
+    ref = copy.deepcopy(model)
+    model.a.register_forward_hook(_LockedScale())
+    ref.a.register_forward_hook(lambda m, args, out: out * 2.0)
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    loss = cm(*batch)
+    loss.backward()
+    expected = ref(*batch)
+    expected.backward()
+    assert rel_err(loss.detach(), expected.detach(), 1e-3) < 1e-12
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad, 1e-3) < 1e-12
