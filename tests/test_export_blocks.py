@@ -45,7 +45,8 @@ def _llama(tf: Any) -> nn.Module:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("make", [_gpt2, pytest.param(_llama, marks=pytest.mark.zoo)],
+                         ids=["gpt2", "llama"])
 def test_transformers_trained_by_blocks_equal_eager(make: Any,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     tf = pytest.importorskip("transformers")

@@ -231,7 +231,7 @@ def test_the_cost_model_knows_sharding(tmp_path):
 @pytest.mark.parametrize("world,gbs,mbs,recompute", [
     (2, 7, 2, "auto"),  # 4 + 3 samples: microbatches 2, 2 and 2, 1
     # 3 + 2 + 2: an empty third microbatch; each decoder layer recomputed in its backward
-    pytest.param(3, 7, 1, True, marks=pytest.mark.slow),
+    pytest.param(3, 7, 1, True, marks=[pytest.mark.slow, pytest.mark.zoo]),  # CI: the first
 ])
 def test_a_sharded_transformers_model_trains_exactly(tmp_path, world, gbs, mbs, recompute):
     """A transformers Llama sharded with fully_shard, which only torch.export captures
@@ -288,7 +288,7 @@ def test_a_sharded_transformers_model_trains_exactly(tmp_path, world, gbs, mbs, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama", "tokennet"])
+@pytest.mark.parametrize("kind", [pytest.param("llama", marks=pytest.mark.zoo), "tokennet"])
 def test_mixed_precision_shards_compute_in_their_param_dtype(tmp_path, kind):
     """A float64 model sharded with MixedPrecisionPolicy(param_dtype=float32): the step
     computes in float32 as FSDP's eager step does (export traces the gathered dtype and

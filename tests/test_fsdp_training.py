@@ -166,6 +166,7 @@ def test_trainer_shards_and_trains_exactly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.zoo  # the launchers: test_launchers; the example's plan: planned in one process
 def test_the_example_runs_with_nproc_2_and_under_torchrun(tmp_path):
     result = fit(tmp_path, str(EXAMPLE), "--nproc", "2", "--max-steps", "2", "--out", "run")
     assert result.returncode == 0, result.stderr
@@ -190,6 +191,7 @@ def test_the_example_runs_with_nproc_2_and_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.zoo  # a sharded resume in CI: test_elastic_resume's fsdp case
 def test_a_sharded_run_stopped_by_sigterm_resumes_exactly(tmp_path):
     """Reference run; a run whose ranks get SIGTERM in step STOP_AT (they agree to stop
     after the next step and write a DCP checkpoint of their shards); its resume to the

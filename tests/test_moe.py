@@ -581,9 +581,9 @@ def test_hf_moe_matches_eager_full_batch(transformers: Any, name: str) -> None:
     assert_close_errors(errors, FLOAT32_TOL)
 
 
-# Mixtral's aux loss: test_two_phase.py (RNG, no retained activations).
+# Mixtral's aux loss: test_two_phase.py (RNG, no retained activations), in CI; these in -m zoo.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2_moe", *_more(["qwen3_moe", "olmoe", "granitemoe"])])
+@pytest.mark.parametrize("name", _more(["qwen2_moe", "qwen3_moe", "olmoe", "granitemoe"]))
 def test_hf_moe_with_router_aux_loss_runs_as_an_exact_two_phase_step(transformers: Any,
                                                                      name: str) -> None:
     """The load-balancing loss averages the router's probabilities over the whole batch:

@@ -90,6 +90,7 @@ def test_every_family_on_ranks(tmp_path, world, gbs, mbs):
 
 
 @pytest.mark.slow
+@pytest.mark.zoo  # two-phase steps on ranks in CI: test_every_family_on_ranks
 def test_mixtral_with_its_router_aux_loss_on_ranks(tmp_path):
     """The global-batch load-balancing loss: each rank's loss and gradients equal the
     single-process full batch's, in float32 (grouped_mm has no float64) to its rounding."""
