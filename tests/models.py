@@ -405,6 +405,17 @@ class UnbatchedInputNet(nn.Module):
         return F.cross_entropy(logits, y), logits
 
 
+class TanhPairNet(nn.Module):
+    """Two 4-wide ``nn.Linear`` layers around a tanh, an MSE loss: layers to hang hooks on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
 class TimeMajorNet(nn.Module):
     """(T, B, F) inputs, batch dim 1 (``in_dims=1``): a per-step regression."""
 
@@ -433,6 +444,14 @@ def tiny_gpt(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:
     """TinyGPT (width 16, seq 8) on right-padded token labels (-100)."""
     return make_tiny_gpt(batch, seed=seed, dtype=DTYPE, vocab=32, width=16, depth=2, heads=2,
                          seq=8)
+
+
+def tanh_pair() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """``TanhPairNet`` (seed 0) and a batch of 7 (generator seed 1), float64."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return TanhPairNet().double(), tuple(torch.randn(7, 4, generator=g, dtype=torch.float64)
+                                         for _ in range(2))
 
 
 def mlp(batch: int, seed: int = 0) -> tuple[nn.Module, tuple[Any, ...]]:

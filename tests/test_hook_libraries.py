@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from models import tanh_pair
 
 import mbcompile
 from mbcompile.errors import UncheckedHookError
@@ -52,22 +52,6 @@ def _progress() -> tuple[Any, Any]:
     return bar, update
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
-
-
-def _net() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    return _Net().double(), tuple(torch.randn(7, 4, generator=g, dtype=torch.float64)
-                                  for _ in range(2))
-
-
 def _compile(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> Any:
     return mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
 
@@ -78,7 +62,7 @@ def test_a_hook_calling_an_installed_package_is_refused_with_nothing_changed(kin
     """Compile's probes make no call into the library; the step is refused at the call,
     naming it and the fixes, with the parameters, gradients and the library's object
     (the stream's text, the bar's count) as they were."""
-    model, batch = _net()
+    model, batch = tanh_pair()
     params = [p.detach().clone() for p in model.parameters()]
     STREAM.seek(0)
     STREAM.truncate()
@@ -110,7 +94,7 @@ def test_a_hook_calling_an_installed_package_is_refused_with_nothing_changed(kin
 def test_a_marked_hook_calls_the_library_once_per_microbatch_and_not_at_compile():
     """Marked ``per_microbatch``: never watched, so the step makes the call on each
     microbatch (2, 2, 2, 1 rows); compile's probes made none."""
-    model, batch = _net()
+    model, batch = tanh_pair()
     STREAM.seek(0)
     STREAM.truncate()
     handle = model.b.register_forward_hook(mbcompile.per_microbatch(_dump_rows))

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from fuzz import Spec, build, make_inputs
 from fuzz.oracle import _value_error, python_state, state_changes, state_of, step_errors
-from models import assert_close_errors, rel_err
+from models import assert_close_errors, rel_err, tanh_pair
 
 import mbcompile
 from mbcompile import MbcompileError
@@ -156,26 +155,13 @@ def test_the_legacy_weight_is_set_in_eval_mode_too():
 # ------------------------------------------------------------------- torch_compile's meta run
 
 
-class _Recorded(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
-
-
 @pytest.mark.slow
 def test_with_torch_compile_a_layer_hook_never_sees_meta_tensors():
     """torch_compile finds which outputs require grad by a run on meta tensors; a layer with a
     forward hook keeps autograd's path instead, so the hook (marked to run per microbatch)
     sees only the step's tensors, and the step is exact."""
-    torch.manual_seed(0)
-    model = _Recorded().double()
-    ref = _Recorded().double()
-    ref.load_state_dict(model.state_dict())
-    g = torch.Generator().manual_seed(1)
-    x, y = (torch.randn(7, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    model, (x, y) = tanh_pair()
+    ref = copy.deepcopy(model)
     cm = mbcompile.compile(model, 7, 2, 2, example_inputs=(x, y),
                            torch_compile={"backend": "aot_eager"})
     devices: list[str] = []
@@ -212,22 +198,6 @@ def test_the_same_hook_on_a_module_of_ones_own_is_exact(plan):
     assert three_steps(_spec(("recording_hook_wrapped",), plan)) is None
 
 
-class _Logged(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
-
-
-def _logged_batch() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    return _Logged().double(), tuple(torch.randn(7, 4, generator=g, dtype=torch.float64)
-                                     for _ in range(2))
-
-
 def _count(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
     global _CALLS
     _CALLS += 1
@@ -254,7 +224,7 @@ def test_every_way_a_layer_hook_records_is_refused(how, capsys):
     would fire on each microbatch's gradient), a backward hook that records the gradient's
     rows (it runs in each microbatch's backward): each refused, each put back, nothing
     printed, the gradients untouched."""
-    model, batch = _logged_batch()
+    model, batch = tanh_pair()
     cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
     rows: list[int] = []
     grads: list[torch.Tensor] = []
@@ -304,7 +274,7 @@ def test_compile_puts_back_a_pre_and_post_hook_pair_after_the_whole_call():
     """A timer's pair of hooks (the post-hook reads what the pre-hook wrote), marked to run
     per microbatch: compile's probes call the layer with both, its writes are put back
     after the call (not between the two), and each microbatch of a step pairs them."""
-    model, batch = _logged_batch()
+    model, batch = tanh_pair()
     started: dict[str, int] = {}
     spans: list[int] = []
 
@@ -326,7 +296,7 @@ def test_a_layer_hooks_own_state_is_read_live_not_guarded():
     """A layer's hooks run at each call, so the state they read (a closure's dict, a
     variable set after compile) is read then: arming them after compile recompiles nothing,
     and a hook that only computes follows the new state, equal to eager's step."""
-    model, batch = _logged_batch()
+    model, batch = tanh_pair()
     ref = copy.deepcopy(model)
     state = {"scale": 1.0}
     rows: list[int] = []
@@ -370,7 +340,7 @@ def test_a_layer_hook_writing_through_another_function_or_a_file_is_refused(how,
     the globals put back, no file made and no gradient."""
     from fuzz import global_helpers
 
-    model, batch = _logged_batch()
+    model, batch = tanh_pair()
     cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
     before = (global_helpers.COUNT, global_helpers.LAST)
     path = tmp_path / "rows.txt"
@@ -397,7 +367,7 @@ def test_a_marked_hook_writing_through_a_helper_or_a_file_runs_per_microbatch_on
     """Marked, the same helper's write, and a file's, run once per microbatch in a step;
     compile's probes called them on made-up data, and changed nothing: the writes reached
     through the helper were put back, and the file opened to write was os.devnull."""
-    model, batch = _logged_batch()
+    model, batch = tanh_pair()
     path = tmp_path / "rows.txt"
 
     def to_file(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -433,7 +403,7 @@ def test_a_hook_object_that_cannot_be_copied_is_checked_on_the_layer_copy_as_is(
     """Compile's check runs a layer's hooks on a copy of the layer; a hook object that
     cannot be deep-copied is shared by the copy (it used to fail in mbcompile itself), and
     the step is eager's."""
-    model, batch = _logged_batch()
+    model, batch = tanh_pair()
     ref = copy.deepcopy(model)
     model.a.register_forward_hook(_LockedScale())
     ref.a.register_forward_hook(lambda m, args, out: out * 2.0)
