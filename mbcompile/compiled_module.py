@@ -292,7 +292,9 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_ran", None)
         if self.rank is None and batch is not None and batch != gbs:
             return for_batch(self, batch, bound.arguments)(*args, **kwargs)
-        if self._split is not None and batch == gbs:  # the call's length chooses its split
+        # the call's length chooses its split (on ranks: the rank's share, checked above)
+        if self._split is not None and batch is not None and (
+                batch == gbs or self.rank is not None):
             other = for_length(self, values)
             if other is not self:
                 return other(*args, **kwargs)

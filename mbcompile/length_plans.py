@@ -11,6 +11,14 @@ than its own plan's runs in a module lowered for it from the same capture and an
 (no capture, no probe: a plan and a lowering), made once per MBS and kept. The length
 model (``planning/length_cost.py``) is built once per cost model and kept with it, so the
 module's variants (another batch size) reuse it.
+
+On ranks (``backend="torch.distributed"``) each rank chooses the split of its own call, at
+its own length: ranks may run different numbers of microbatches in one step. That is
+exact because a step's collectives never depend on the split: one all-reduce of the
+trained loss's count before the first forward (a scalar per rank), the gradient
+all-reduce once, from the last microbatch's backward (buckets laid out by parameters), the
+status all-reduce and one all-reduce of the packed partial sums after the loop (one
+accumulated value per sum, whatever the number of microbatches that made it).
 """
 
 from __future__ import annotations
@@ -98,9 +106,10 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
     """How calls of ``request``'s module (planned as ``selection``, lowered as ``lowered``)
     split by their length (an int MBS, or ``"auto"`` without a memory budget: the example's
     split at every length, its plan shown at the call's length); None where nothing
-    follows it (no symbolic dim, on ranks, a forward-only variant, a graph run unsplit)."""
+    follows it (no symbolic dim, a forward-only variant, a graph run unsplit). On ranks each
+    rank chooses its own call's split (why that is exact: the module's docstring)."""
     symbolic, policy, plan = request.inputs.symbolic, request.policy, selection.plan
-    if (not symbolic or selection.rank is not None or request.forward_only
+    if (not symbolic or request.forward_only
             or lowered.graph_module is lowered.original_graph_module):
         return None
     names = request.inputs.names
@@ -108,9 +117,19 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
                  for n, ds in symbolic.items() for d in ds)
     common = dict(supported=plan.supported_mbs, pbs=plan.pbs, example_mbs=plan.mbs)
     tokens = _token_ids(request)
+    if policy.tokens is not None and tokens is None:
+        return None
+    fixed = _fixed_on_ranks(request, selection, lowered)
+    if fixed is not None:
+        if policy.tokens is not None or (policy.mode == "auto"
+                                          and request.options.system is not None):
+            warnings.warn(f"{request.name}'s split cannot follow the sequence length ({fixed}): "
+                          f"every call runs the example's plan (mbs {plan.mbs}); compile with "
+                          "an example of the longest rows so that they fit", CostModelWarning,
+                          stacklevel=user_stacklevel())
+        return CallSplit(LengthSplit("fixed", plan.pbs, plan.supported_mbs, plan.mbs,
+                                     dims[0][2], note=fixed), dims, tokens)
     if policy.tokens is not None:
-        if tokens is None:
-            return None
         index, dim = tokens
         length = int(request.values[index].shape[dim])
         return CallSplit(tokens_split(policy.tokens, example_length=length, **common), dims,
@@ -164,6 +183,20 @@ class _Memory:
 
     def peak(self, length: int, mbs: int) -> float:
         return float(self.estimate(length, mbs).peak)
+
+
+def _fixed_on_ranks(request: Request, selection: Selection, lowered: Lowered) -> str | None:
+    """Why this rank's calls keep the example's split whatever their length (None: they
+    need not): FSDP2 issues its collectives once per microbatch, so every rank must run
+    as many as the others; a two-phase step gathers its frontier over ranks."""
+    if selection.rank is None:
+        return None
+    if request.shard is not None:
+        return ("on ranks, FSDP2's collectives run once per microbatch: every rank runs the "
+                "example's split")
+    if lowered.analysis.two_phase:
+        return "on ranks, a two-phase step keeps the example's split so far"
+    return None
 
 
 def _bounds(symbolic: Any) -> list[tuple[int | None, int | None]]:

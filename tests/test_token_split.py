@@ -16,9 +16,10 @@ import warnings
 from typing import Any
 
 import pytest
+import token_split_workers
 import torch
 import torch.nn as nn
-from models import TOL, assert_close_errors, step_errors
+from models import TOL, assert_close_errors, rel_err, step_errors
 from test_dynamic_shapes import unchanged
 
 import mbcompile
@@ -145,6 +146,44 @@ def test_a_transformers_model_follows_the_length_exactly():
             plans[n] = cm.plan
     assert plans[5].num_microbatches < plans[16].num_microbatches
     assert "split by length" in cm.report() and "last call: length 8" in cm.report()
+
+
+# "auto" runs the same per-rank mechanism with a length model probed on each rank
+# (45 s on 2 shared cores): -m zoo
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["tokens", pytest.param("auto", marks=pytest.mark.zoo)])
+def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
+    """On ranks each rank's share comes padded to its own length and each rank chooses its
+    own split: a step where rank 0's rows are short and rank 1's long runs one microbatch
+    on rank 0 and three on rank 1, and equals eager's step on the whole batch (the short
+    rows' labels past their length ignored: the model is causal). The gradient all-reduce
+    and the loss's global count do not depend on the split."""
+    from test_distributed import _run
+
+    _run(token_split_workers.split_steps, 2, str(tmp_path), policy)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    for step, lengths in enumerate(token_split_workers.LENGTHS):
+        ids, labels = token_split_workers.step_batch(step)
+        rows = torch.arange(GBS) >= ranks[0][step]["share"]  # rank 1's rows
+        labels = labels.clone()
+        labels[:, lengths[0]:][~rows] = -100  # rank 0's rows end at its length
+        labels[:, lengths[1]:][rows] = -100
+        model.zero_grad(set_to_none=True)
+        loss, logits = model(*(t[:, :max(lengths)].contiguous() for t in (ids, labels)))
+        loss.backward()
+        for rank, length in enumerate(lengths):
+            got = ranks[rank][step]
+            mine = logits[rows] if rank else logits[~rows]
+            assert rel_err(got["loss"], loss) <= TOL, (step, rank)
+            assert rel_err(got["logits"], mine[:, :length]) <= TOL, (step, rank)
+            for name, p in model.named_parameters():
+                assert rel_err(got["grads"][name], p.grad) <= TOL, (step, rank, name)
+    short, long, mixed = zip(*ranks)  # per step: (rank 0's, rank 1's)
+    # the same budget runs a rank's short rows in fewer microbatches than its long ones
+    assert short[0]["microbatches"] < long[0]["microbatches"]
+    assert [r["mbs"] for r in mixed] == [short[0]["mbs"], long[1]["mbs"]]
+    assert mixed[0]["microbatches"] < mixed[1]["microbatches"]  # one step, two splits
 
 
 # --------------------------------------------------------------------------- #
