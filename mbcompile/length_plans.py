@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import CostModelError, CostModelWarning
+from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.planning.cost import CostModel
 from mbcompile.planning.estimates import MemoryEstimate
@@ -221,14 +222,16 @@ def _length_model(request: Request, selection: Selection, lowered: Lowered
     cost = selection.cost
     if cost is None:
         return f"no cost model ({selection.cost_error})"
-    if isinstance(cost, TwoPhaseCostModel) or selection.plan.recompute or cost.shard:
-        return ("a two-phase step, activation checkpointing and FSDP2 are planned at the "
-                "example's length only so far")
+    if isinstance(cost, TwoPhaseCostModel) or cost.shard:
+        return "a two-phase step and FSDP2 are planned at the example's length only so far"
     key = repr(sorted((n, sorted(ds.items())) for n, ds in request.inputs.symbolic.items()))
     known = _LENGTHS.setdefault(cost, {})
     if key not in known:
+        # with activation checkpointing, the graph its cost model probed: checkpointed
+        gm = lowered.analysis.graph_module
+        gm = checkpoint_blocks(gm) if selection.plan.recompute else gm
         try:
-            known[key] = length_cost(cost, lowered.analysis.graph_module, request.inputs.names,
+            known[key] = length_cost(cost, gm, request.inputs.names,
                                      request.inputs.symbolic, request.example, request.pbs)
         except CostModelError as exc:
             known[key] = f"no model of memory over lengths: {exc}"

@@ -105,18 +105,55 @@ def test_a_call_too_long_for_any_split_is_refused_and_changes_nothing():
         cm(ids, labels)
 
 
+# 12 s of CPU (the checkpointed graph probed at four lengths): -m zoo; CI runs the same
+# length model on the plain graph (test_auto_cuts_each_call_by_its_length_exactly)
+@pytest.mark.slow
+@pytest.mark.zoo
+def test_activation_checkpointing_follows_the_length_exactly():
+    """recompute=True: the length model is probed on the checkpointed graph, and each
+    call's split (with checkpointing per block) follows its length (1.2 MB: one microbatch
+    of 4 up to 22 tokens, four of 1 from 31)."""
+    tight = SystemSpec("tight", memory_bytes=1.2e6, peak_flops=1e12, peak_flops_fp32=1e12,
+                       memory_bandwidth=1e11, optimizer_bytes_per_param=8)
+    model, cm = _gpt("auto", dynamic=True, system=tight, recompute=True)
+    assert cm._split.split.mode == "auto"
+    short, long = _step(model, cm, 8), _step(model, cm, 40)
+    assert short.recompute and long.recompute
+    assert short.num_microbatches < long.num_microbatches
+    lengths = cm._split.lengths
+    for n, plan in ((8, short), (40, long)):  # the largest MBS that fits, checkpointed
+        fits = [m for m in plan.supported_mbs if lengths.at(n - EXAMPLE).memory(
+            4, m, -(-4 // m), tight).fits]
+        assert plan.mbs == max(fits), (n, fits)
+
+
+class _RootGPT(nn.Module):
+    """The tiny GPT's loss under a square root: a function of the batch mean, so the step
+    runs two-phase."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        loss, logits = self.gpt(ids, labels)
+        return loss.sqrt(), logits
+
+
 @pytest.mark.slow
 def test_a_plan_that_cannot_follow_the_length_says_so_and_keeps_its_split():
-    """Activation checkpointing is planned at the example's length only: a
-    CostModelWarning says the split cannot follow the length; every call runs the example's
-    split, exactly."""
+    """A two-phase step is planned at the example's length only: a CostModelWarning says
+    the split cannot follow the length; every call runs the example's split, exactly."""
     roomy = SystemSpec("roomy", memory_bytes=1e9, peak_flops=1e12, peak_flops_fp32=1e12,
                        memory_bandwidth=1e11, optimizer_bytes_per_param=8)
+    gpt, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    model = _RootGPT(gpt)
     with pytest.warns(CostModelWarning, match="cannot follow the sequence length.*"
-                      "activation checkpointing"):
-        model, cm = _gpt("auto", dynamic=True, system=roomy, recompute=True)
+                      "two-phase step"):
+        cm = mbcompile.compile(model, GBS, NUM_CSX, "auto", system=roomy, dynamic=True,
+                               example_inputs=(ids[:, :EXAMPLE], labels[:, :EXAMPLE]))
     mbs = cm.plan.mbs
-    assert cm.plan.recompute and cm._split.split.mode == "fixed"
+    assert cm._split.split.mode == "fixed"
     assert {_step(model, cm, n).mbs for n in (6, 30)} == {mbs} and not cm._variants
     assert f"the example's plan (mbs {mbs}) at every length" in cm.report()
 
