@@ -161,7 +161,7 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
                        example_length=length, shortest=shortest,
                        longest=length + min(highs) if highs else None,
                        capacity=memory.system.usable_bytes, system=memory.system.name,
-                       note=lengths.note,
+                       note=lengths.note, recompute=plan.recompute,
                        **common)
     return CallSplit(split, dims, tokens, lengths)
 

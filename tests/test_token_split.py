@@ -125,6 +125,10 @@ def test_activation_checkpointing_follows_the_length_exactly():
         fits = [m for m in plan.supported_mbs if lengths.at(n - EXAMPLE).memory(
             4, m, -(-4 // m), tight).fits]
         assert plan.mbs == max(fits), (n, fits)
+    ids, labels = token_batch(GBS, 64, seed=1)  # too long even checkpointed: refused
+    with unchanged(model, cm), pytest.raises(DoesNotFitError, match="more memory$"):
+        cm(ids, labels)
+    assert "each block checkpointed" in cm.report()
 
 
 class _RootGPT(nn.Module):

@@ -66,6 +66,8 @@ class LengthSplit:
     peak: Callable[[int, int], float] | None = field(default=None, compare=False, repr=False)
     capacity: float = 0.0
     system: str = ""
+    #: auto: the plans checkpoint each block (the example's choice, kept at every length)
+    recompute: bool = False
     _chosen: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -103,8 +105,9 @@ class LengthSplit:
             f"a call of length {length} does not fit {self.system} at any MBS: even mbs "
             f"{smallest} needs {format_bytes(needed)} of {format_bytes(self.capacity)} (modelled); "
             f"nothing ran. Lengths up to {top} fit: cut the samples shorter (the tokenizer's "
-            "max_length=, truncation=True), compile for a system with more memory, or with "
-            "recompute=True", mbs=smallest, needed=needed, available=self.capacity)
+            "max_length=, truncation=True), compile for a system with more memory"
+            + ("" if self.recompute else ", or with recompute=True"),
+            mbs=smallest, needed=needed, available=self.capacity)
 
     def rows(self) -> list[tuple[int, int | None, int, int]]:
         """``(shortest, longest, mbs, microbatches per system)`` for each range of lengths
@@ -144,6 +147,7 @@ class LengthSplit:
                     f"length: {self.note}"]
         what = (f"mbs='auto': the largest MBS whose modelled peak at the call's length fits "
                 f"{self.system} ({format_bytes(self.capacity)})"
+                + (", each block checkpointed" if self.recompute else "")
                 + (f", at most the example's mbs {self.cap} (chosen for time at length "
                    f"{self.example_length})" if self.cap is not None else "")
                 if self.mode == "auto" else
@@ -161,7 +165,7 @@ class LengthSplit:
 def auto_split(fits: Callable[[int, int], bool], peak: Callable[[int, int], float], *,
                supported: Sequence[int], pbs: int, example_mbs: int, example_length: int,
                shortest: int, longest: int | None, capacity: float, system: str,
-               note: str = "") -> LengthSplit:
+               note: str = "", recompute: bool = False) -> LengthSplit:
     """``mbs="auto"``'s split at every length: each supported MBS's longest length that
     ``fits(length, mbs)`` (a doubling search, then bisection: memory grows with the
     length), found once. ``shortest`` / ``longest``: the lengths the symbolic dims allow.
@@ -179,7 +183,8 @@ def auto_split(fits: Callable[[int, int], bool], peak: Callable[[int, int], floa
     return LengthSplit("auto", pbs, tuple(supported), example_mbs, example_length,
                        note=note, limits=tuple(limits),
                        cap=None if bound or example_mbs >= max(supported) else example_mbs,
-                       shortest=shortest, peak=peak, capacity=capacity, system=system)
+                       shortest=shortest, peak=peak, capacity=capacity, system=system,
+                       recompute=recompute)
 
 
 def tokens_split(budget: int, *, supported: Sequence[int], pbs: int, example_mbs: int,
