@@ -162,6 +162,18 @@ def test_a_plan_that_cannot_follow_the_length_says_so_and_keeps_its_split():
     assert f"the example's plan (mbs {mbs}) at every length" in cm.report()
 
 
+def test_a_token_budget_cuts_a_two_phase_step_by_its_length_exactly():
+    """A token budget needs no model of memory: a two-phase step follows it too, each
+    split exact (the three phases run per microbatch; F is joined over them)."""
+    gpt, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    model = _RootGPT(gpt)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, {"tokens": 24}, dynamic=True, cost_model=False,
+                           example_inputs=(ids[:, :EXAMPLE], labels[:, :EXAMPLE]))
+    assert cm._split.split.mode == "tokens" and hasattr(cm.graph_module, "coupled")
+    short, long = _step(model, cm, 6), _step(model, cm, 20)
+    assert (short.mbs, long.mbs) == (4, 1) and short.num_microbatches < long.num_microbatches
+
+
 # 25-55 s (an export capture, made symbolic at the first other length): -m zoo
 @pytest.mark.slow
 @pytest.mark.zoo
