@@ -18,7 +18,10 @@ exact because a step's collectives never depend on the split: one all-reduce of 
 trained loss's count before the first forward (a scalar per rank), the gradient
 all-reduce once, from the last microbatch's backward (buckets laid out by parameters), the
 status all-reduce and one all-reduce of the packed partial sums after the loop (one
-accumulated value per sum, whatever the number of microbatches that made it).
+accumulated value per sum, whatever the number of microbatches that made it). A call that
+one rank refuses (its length fits no split) cannot simply raise there, since the others are
+in the step already: the rank runs the step's collectives with the example's split and
+raises in it (``StepChannels.refused``), so every rank stops the step and changes nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from mbcompile.errors import CostModelError, CostModelWarning
+from mbcompile.errors import CostModelError, CostModelWarning, DoesNotFitError, PlanError
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.planning.cost import CostModel
@@ -188,13 +191,14 @@ class _Memory:
 
 def _fixed_on_ranks(request: Request, selection: Selection, lowered: Lowered) -> str | None:
     """Why this rank's calls keep the example's split whatever their length (None: they
-    need not): FSDP2 issues its collectives once per microbatch, so every rank must run
-    as many as the others; a two-phase step gathers its frontier over ranks."""
+    need not): FSDP2 runs collectives in every microbatch round, and a two-phase step
+    gathers its frontier over ranks; neither is checked with splits that differ between
+    ranks yet."""
     if selection.rank is None:
         return None
     if request.shard is not None:
-        return ("on ranks, FSDP2's collectives run once per microbatch: every rank runs the "
-                "example's split")
+        return ("on ranks, FSDP2 keeps the example's split (splits that differ between ranks "
+                "are not checked with its collectives yet)")
     if lowered.analysis.two_phase:
         return "on ranks, a two-phase step keeps the example's split so far"
     return None
@@ -270,7 +274,18 @@ def for_length(cm: nn.Module, values: Sequence[Any]) -> nn.Module:
     ``cm`` itself where the call's length chooses ``cm``'s own MBS, else the module lowered
     for that MBS (once: ``Recompile.split``); ``cm.plan`` then shows it, at this length."""
     split = cm._split
-    mbs, length = split.mbs_for(values)
+    if cm.rank is not None:
+        channels = cm._compiled().channels
+        channels.refused = None  # a refusal a failed call left behind
+        try:
+            mbs, length = split.mbs_for(values)
+        except (DoesNotFitError, PlanError) as exc:
+            # the other ranks are in this step already: this one joins its collectives
+            # with the example's split and raises there, so every rank stops it
+            channels.refused = exc
+            return cm
+    else:
+        mbs, length = split.mbs_for(values)
     key = (mbs, length)
     shown = split.shown.get(key)
     target = cm if mbs == cm._selection.plan.mbs else cm._variants.get(("split", mbs))

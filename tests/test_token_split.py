@@ -214,7 +214,8 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     from test_distributed import _run
 
     _run(token_split_workers.split_steps, 2, str(tmp_path), policy)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    saved = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = [r["steps"] for r in saved]
     model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
     for step, lengths in enumerate(token_split_workers.LENGTHS):
         ids, labels = token_split_workers.step_batch(step)
@@ -237,6 +238,16 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     assert short[0]["microbatches"] < long[0]["microbatches"]
     assert [r["mbs"] for r in mixed] == [short[0]["mbs"], long[1]["mbs"]]
     assert mixed[0]["microbatches"] < mixed[1]["microbatches"]  # one step, two splits
+    # a call one rank refuses (too long for any split) stops the step on every rank, before
+    # any gradient changed, and they step on together after it
+    first, second = (r["refused"] for r in saved)
+    error, text = {"tokens": ("PlanError", "one sample has 64 tokens"),
+                   "auto": ("DoesNotFitError", "length 64 does not fit")}[policy]
+    assert second["error"] == error and text in second["message"], second
+    assert first["error"] == "MicrobatchError" and "rank(s) [1] failed" in first["message"]
+    assert first["unchanged"] and second["unchanged"]
+    for r in range(2):
+        assert torch.equal(saved[r]["refused"]["loss_after"], ranks[r][0]["loss"])
 
 
 # --------------------------------------------------------------------------- #

@@ -19,6 +19,8 @@ from mbcompile.planning.systems import SystemSpec
 GBS, EXAMPLE, LONGEST = 7, 12, 40
 #: per step, each rank's length: both short, both long, then rank 0 short and rank 1 long
 LENGTHS = ((8, 8), (LONGEST, LONGEST), (8, LONGEST))
+#: then rank 1's rows longer than any split holds (40 tokens per microbatch; 1.5 MB)
+REFUSED = (8, 64)
 #: the split policies a rank test may ask for: ``"tokens"``, 40 tokens per microbatch, cuts
 #: a rank of 4 samples into one microbatch of 4 at length 8, four of 1 at length 40 (no
 #: cost model: the cheap one); ``"auto"``, the largest MBS whose modelled peak fits the tiny
@@ -56,4 +58,19 @@ def split_steps(rank: int, world: int, out_dir: str, policy: str) -> None:
                       "grads": {n: p.grad for n, p in model.named_parameters()},
                       "mbs": cm.plan.mbs, "microbatches": cm.plan.num_microbatches,
                       "share": cm.plan.per_system_batch_sizes[rank]})
-    torch.save(steps, os.path.join(out_dir, f"rank{rank}.pt"))
+    # rank 1's rows too long for any split: refused on rank 1, and every rank stops the step
+    grads = [p.grad.clone() for p in model.parameters()]
+    length = REFUSED[rank]
+    ids, labels = (t[:, :length].contiguous() for t in mbdist.shard(
+        token_batch(GBS, max(REFUSED), seed=99), cm.plan, rank))
+    try:
+        cm(ids, labels)
+        refused: dict[str, Any] = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - the test reads which, and its text
+        refused = {"error": type(exc).__name__, "message": str(exc)}
+    refused["unchanged"] = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    # and the ranks step on together after it: the first step again, the same loss
+    ids, labels = (t[:, :LENGTHS[0][rank]].contiguous()
+                   for t in mbdist.shard(step_batch(0), cm.plan, rank))
+    refused["loss_after"] = cm(ids, labels)[0].detach()
+    torch.save({"steps": steps, "refused": refused}, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -53,12 +53,16 @@ class StepChannels:
     ``noise``: a ``NoiseScale`` the training step updates (None: not measured);
     ``config``: the run-time options compile time chose for this graph (``StepConfig``);
     ``last_counts``: the last call's per-microbatch counts of the trained loss's mean
-    (references to device values, never read by the loop itself).
+    (references to device values, never read by the loop itself); ``refused``: on ranks,
+    the error of a call this rank refuses (its length fits no split:
+    ``length_plans.for_length``), raised by the next loop once the step's first
+    collective is joined, so that every rank stops the step (taken by that loop).
     """
 
     noise: NoiseScale | None = None
     config: StepConfig = field(default_factory=StepConfig)
     last_counts: tuple[Any, ...] | None = None
+    refused: BaseException | None = None
 
 
 class _Loop:
@@ -97,6 +101,7 @@ class _Loop:
         # (``distributed.OverlappedReduce``); None: reduced in ``backward`` instead.
         self.reducer: Any = None
         self.reduced: list[bool] | None = None  # per parameter: mbcompile all-reduces its grad
+        self.refused: BaseException | None = None  # raised in the step (StepChannels.refused)
 
     def where(self, index: int) -> tuple[int, int]:
         """(system, microbatch within it) of the ``index``-th non-empty microbatch."""
@@ -108,6 +113,8 @@ class _Loop:
 
     def run(self) -> list[tuple[Any, ...]]:
         def loop() -> list[tuple[Any, ...]]:
+            if self.refused is not None:
+                raise self.refused
             with self._step():
                 outs = [(real, self._in_microbatch(i, lambda i=i: self._call(i)))
                         for _, i, real in self._schedule()]
@@ -247,7 +254,7 @@ class _Loop:
         the step's gradient (``handover.hooks_aside``)."""
         joint = self.joint
         if (joint is None or joint.broken is not None or self.sharded is not None
-                or self.noise is not None or self.reducer is not None
+                or self.noise is not None or self.reducer is not None or self.refused is not None
                 or joint.needs_autograd()
                 or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
             return None
@@ -269,6 +276,8 @@ class _Loop:
         count = None if seeding is None else seeding.global_count(
             self.microbatches, self.systems, self.distributed)
         try:
+            if self.refused is not None:  # after the count's all-reduce: the ranks agree
+                raise self.refused
             results = []
             schedule = self._schedule()
             # (FSDP2 calls a sharded parameter's post-accumulate-grad hooks after each
@@ -364,6 +373,7 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
         config = channels.config
         loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes,
                      channels.noise, sharded, joint, config.seed, config.nonfinite)
+        loop.refused, channels.refused = channels.refused, None
         results = _run(loop, params)
         if count_index is not None:  # kept for reports (token counts); no copy, no sync
             channels.last_counts = tuple(r[count_index] for r in results)
