@@ -82,6 +82,8 @@ class CallSplit:
         default_factory=dict, repr=False, compare=False)
     #: the last call's length (None: no call yet); set as calls come
     last_length: int | None = dataclasses.field(default=None, compare=False)
+    #: on ranks, the ``StepChannels`` the last call's refusal was left in (None: none)
+    refused_in: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def length(self, values: Sequence[Any]) -> int:
         """The call's length (``values``: its inputs in placeholder order)."""
@@ -274,18 +276,20 @@ def for_length(cm: nn.Module, values: Sequence[Any]) -> nn.Module:
     ``cm`` itself where the call's length chooses ``cm``'s own MBS, else the module lowered
     for that MBS (once: ``Recompile.split``); ``cm.plan`` then shows it, at this length."""
     split = cm._split
-    if cm.rank is not None:
-        channels = cm._compiled().channels
-        channels.refused = None  # a refusal a failed call left behind
-        try:
-            mbs, length = split.mbs_for(values)
-        except (DoesNotFitError, PlanError) as exc:
-            # the other ranks are in this step already: this one joins its collectives
-            # with the example's split and raises there, so every rank stops it
-            channels.refused = exc
-            return cm
-    else:
+    if split.refused_in is not None:  # a refusal the last call left, if it never ran
+        split.refused_in.refused = None
+        object.__setattr__(split, "refused_in", None)
+    try:
         mbs, length = split.mbs_for(values)
+    except (DoesNotFitError, PlanError) as exc:
+        if cm.rank is None:
+            raise
+        # the other ranks are in this step already: this one joins its collectives with
+        # the example's split and raises there, so every rank stops it
+        channels = cm._compiled().channels
+        channels.refused = exc
+        object.__setattr__(split, "refused_in", channels)
+        return cm
     key = (mbs, length)
     shown = split.shown.get(key)
     target = cm if mbs == cm._selection.plan.mbs else cm._variants.get(("split", mbs))
