@@ -13,6 +13,7 @@ buffer (``step_errors``). Refusals change nothing (``unchanged``).
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from test_dynamic_shapes import unchanged
 
 import mbcompile
 from mbcompile.errors import CostModelWarning, DoesNotFitError, InputError, PlanError
+from mbcompile.length_plans import _fixed_on_ranks
 from mbcompile.models import make_tiny_gpt, token_batch
 from mbcompile.planning.length_split import auto_split, tokens_split
 from mbcompile.planning.mbs_policy import parse_mbs
@@ -300,6 +302,18 @@ def test_a_token_budget_needs_token_ids():
     with pytest.raises(InputError, match="counts the tokens of a \\(batch, length\\) integer"):
         mbcompile.compile(model, GBS, NUM_CSX, {"tokens": 8},
                           example_inputs=(torch.randn(GBS, 3, dtype=DTYPE),))
+
+
+def test_on_ranks_fsdp2_and_a_two_phase_step_keep_the_example_split():
+    """Which steps a rank may cut by its own length: not FSDP2's (collectives in every
+    microbatch round) nor a two-phase step's (its frontier gathered over ranks); in one
+    process, both may."""
+    def why(rank: int | None, shard: object = None, two_phase: bool = False) -> str | None:
+        return _fixed_on_ranks(SimpleNamespace(shard=shard), SimpleNamespace(rank=rank),
+                               SimpleNamespace(analysis=SimpleNamespace(two_phase=two_phase)))
+
+    assert why(0) is None and why(None, shard=object(), two_phase=True) is None
+    assert "FSDP2" in why(1, shard=object()) and "two-phase" in why(0, two_phase=True)
 
 
 # --------------------------------------------------------------------------- #
