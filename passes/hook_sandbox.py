@@ -47,6 +47,7 @@ import torch.nn as nn
 
 from .code_reach import Cell, Reach, Slot, open_refused, user_code
 from .errors import CaptureError
+from .hook_reads import reads_only
 from .library_calls import library_calls_refused, names_library
 from .python_state import Snapshot
 from .side_effects import prints_recorded
@@ -221,7 +222,10 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
                    module_first: bool = True) -> tuple[Any, str | None]:
     """``fn(module, *args)`` (``fn(*args)`` with ``module_first=False``), with everything it
     writes put back after it, returned or raised; returns ``(result, what it wrote)``,
-    the second None when it wrote nothing."""
+    the second None when it wrote nothing. A hook whose code provably writes nothing
+    (``hook_reads.reads_only``: it only reads, and calls nothing) is called as it is."""
+    if reads_only(fn, (module, *args) if module_first else args):
+        return (fn(module, *args) if module_first else fn(*args)), None
     watch = _Watch.of([fn], module if module is not None else nn.Module())
     registered: list[Any] = []
     wrote: list[str] | None = None

@@ -69,11 +69,16 @@ class WatchedHook:
         self.fn, self.layer, self.checked, self.global_ = fn, layer, checked, global_
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
-        if not _Steps.depth or (self.checked and runs_per_microbatch(self.fn)):
+        if not _Steps.depth:
             return self.fn(module, *args)
-        tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+        marked = runs_per_microbatch(self.fn)
+        if self.checked and marked:
+            return self.fn(module, *args)
+        # a hook compile did not check: its in-place writes to what the layer gets, seen
+        tensors = [] if self.checked else \
+            [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in tensors]
-        if runs_per_microbatch(self.fn):
+        if marked:
             result = self.fn(module, *args)
         else:
             result, wrote = call_sandboxed(self.fn, module, args)

@@ -1,0 +1,216 @@
+"""The sandbox's shortcut for a hook whose code provably writes nothing
+(``passes/hook_reads.py``): taken for hooks that only read, never where a write could
+happen, whatever the code or the values it reaches (issue 35's cost of the hook checks).
+
+Each case that must not take the shortcut is also called through the sandbox, which must
+see its write: the shortcut skipping it would lose that refusal."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from models import tanh_pair
+
+import mbcompile
+from mbcompile.errors import UncheckedHookError
+from mbcompile.passes import hook_sandbox
+from mbcompile.passes.hook_reads import reads_only
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+SCALE: Any = 2.0
+SEEN: list[int] = []
+TABLE: Any = {}
+
+
+class _Writes:
+    """An object whose operators and attributes write its own list."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def __rmul__(self, other: Any) -> Any:
+        self.seen.append(1)
+        return other
+
+    def __bool__(self) -> bool:
+        self.seen.append(2)
+        return True
+
+    @property
+    def factor(self) -> float:
+        self.seen.append(3)
+        return 1.0
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _layer_and_call() -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
+    layer = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    return layer, x, layer(x)
+
+
+def _scaled(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out * SCALE
+
+
+def _checks(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    # (no ``assert``: pytest rewrites it into calls)
+    if out.shape[0] > 0 and out.dtype is torch.float64 and m.bias is not None and out.ndim > 5:
+        return (out + m.bias[0],)[0]
+    return None
+
+
+def _appends(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    SEEN.append(out.shape[0])
+
+
+def _counts(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    global SCALE
+    SCALE = SCALE + 1
+
+
+def _sets(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    m.last = out
+
+
+def _in_place(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    count = m.count
+    count += 1
+
+
+def _looks_up(m: nn.Module, args: tuple, out: torch.Tensor) -> Any:
+    return TABLE["rows"]
+
+
+def _reads_factor(m: nn.Module, args: tuple, out: torch.Tensor) -> Any:
+    return out * m.stats.factor
+
+
+@pytest.mark.parametrize("hook", [lambda m, args, out: None, _scaled, _checks,
+                                  lambda m, args: (args[0] * 2.0,)])
+def test_a_hook_that_only_reads_is_called_without_the_sandbox(hook, monkeypatch):
+    """No watch is built for it (the sandbox fails if it is), and it returns as called."""
+    layer, x, out = _layer_and_call()
+    monkeypatch.setattr(hook_sandbox._Watch, "of", None)  # the sandbox: fails if used
+    args = ((x,),) if hook.__code__.co_argcount == 2 else ((x,), out)
+    result, wrote = hook_sandbox.call_sandboxed(hook, layer, args)
+    assert wrote is None
+    expected = hook(layer, *args)
+    assert (result is None) == (expected is None)
+
+
+def _closure_writes() -> Any:
+    factor: Any = 2.0
+
+    def hook(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out * factor
+
+    def rebind() -> _Writes:
+        nonlocal factor
+        factor = _Writes()
+        return factor
+
+    return hook, rebind
+
+
+@pytest.mark.parametrize("case", [
+    "call", "global store", "attribute store", "in place", "closure rebound to an object",
+    "global rebound to an object", "defaultdict read", "layer holds an object",
+    "tensor subclass", "layer of the user's class"])
+def test_a_hook_that_may_write_is_sandboxed_and_its_write_seen(case):
+    """Code that calls or stores, or a read whose operator, property or lookup runs the
+    user's code (a closure variable rebound after the code was first seen, a global, an
+    attribute of the layer, a defaultdict, a tensor subclass, a layer of the user's class):
+    never the shortcut, and the sandbox sees what it writes and puts it back."""
+    global SCALE, TABLE
+    layer, x, out = _layer_and_call()
+    hook: Any = {"call": _appends, "global store": _counts, "attribute store": _sets,
+                 "in place": _in_place, "defaultdict read": _looks_up}.get(case, _scaled)
+    watched: Any = None
+    if case == "closure rebound to an object":
+        hook, rebind = _closure_writes()
+        assert reads_only(hook, (layer, (x,), out))  # the same code: the shortcut, then
+        watched = rebind()
+    elif case == "global rebound to an object":
+        assert reads_only(hook, (layer, (x,), out))
+        SCALE = watched = _Writes()
+    elif case == "in place":
+        layer.register_buffer("count", torch.zeros(()))
+    elif case == "defaultdict read":
+        TABLE = collections.defaultdict(list)
+    elif case == "layer holds an object":
+        hook, layer.stats = _reads_factor, _Writes()
+        watched = layer.stats
+    elif case == "tensor subclass":
+        out = out.detach().as_subclass(_Sub)
+    elif case == "layer of the user's class":
+        layer = type("MyLinear", (nn.Linear,), {"__module__": __name__})(4, 4)
+        hook = _checks
+    try:
+        assert not reads_only(hook, (layer, (x,), out))
+        if case in ("tensor subclass", "layer of the user's class"):
+            return  # nothing of it writes: sandboxed, and clean
+        _, wrote = hook_sandbox.call_sandboxed(hook, layer, ((x,), out))
+        assert wrote is not None, case
+        assert SEEN == [] and not TABLE and SCALE in (2.0, watched) and \
+            "last" not in vars(layer)
+        assert watched is None or watched.seen == []
+    finally:
+        SCALE, TABLE = 2.0, {}
+
+
+@pytest.mark.parametrize("how", ["call", "operator"])
+def test_a_hook_that_writes_on_a_later_call_of_a_step_is_refused(how):
+    """A hook that writes only on the step's last microbatch call (1 row, after three of
+    2): each call is judged, not the first one per step, so the step is refused with what
+    it wrote put back and nothing changed."""
+    model, batch = tanh_pair()
+    rows: list[int] = []
+
+    class _Late:
+        def __init__(self) -> None:
+            self.rows: list[int] = []
+
+        def __rmul__(self, out: torch.Tensor) -> torch.Tensor:
+            if out.shape[0] == 1:
+                self.rows.append(1)
+            return out
+
+    late = _Late()
+
+    def by_call(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if out.shape[0] == 1:
+            rows.append(1)
+
+    def by_operator(m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out * late
+
+    model.a.register_forward_hook(by_call if how == "call" else by_operator)
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    with pytest.raises(UncheckedHookError, match="per_microbatch"):
+        cm(*batch)
+    assert rows == late.rows == [] and all(p.grad is None for p in model.parameters())
+
+
+def test_a_read_only_hook_whose_closure_changes_after_compile_is_refused():
+    """A hook that only reads runs each call without the sandbox; its closure variable
+    rebound after compile to an object whose operator writes: the next step sandboxes it
+    and refuses, with nothing changed."""
+    model, batch = tanh_pair()
+    hook, rebind = _closure_writes()
+    model.a.register_forward_hook(hook)
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    cm(*batch).backward()
+    model.zero_grad(set_to_none=True)
+    writes = rebind()
+    with pytest.raises(UncheckedHookError, match="factor"):
+        cm(*batch)
+    assert writes.seen == [] and all(p.grad is None for p in model.parameters())
