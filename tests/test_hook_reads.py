@@ -1,13 +1,16 @@
-"""The sandbox's shortcut for a hook whose code provably writes nothing
-(``passes/hook_reads.py``): taken for hooks that only read, never where a write could
-happen, whatever the code or the values it reaches (issue 35's cost of the hook checks).
+"""The hook sandbox's two shortcuts (issue 35's cost of the hook checks): a hook whose code
+provably writes nothing is called without it (``passes/hook_reads.py``), never where a
+write could happen, whatever the code or the values it reaches; and a sandboxed hook's
+watch is kept between calls that wrote nothing, and walked afresh when anything it
+reaches changed (``hook_sandbox._watch``).
 
-Each case that must not take the shortcut is also called through the sandbox, which must
+Each case that must not take a shortcut is also called through the sandbox, which must
 see its write: the shortcut skipping it would lose that refusal."""
 
 from __future__ import annotations
 
 import collections
+import types
 from typing import Any
 
 import pytest
@@ -214,3 +217,82 @@ def test_a_read_only_hook_whose_closure_changes_after_compile_is_refused():
     with pytest.raises(UncheckedHookError, match="factor"):
         cm(*batch)
     assert writes.seen == [] and all(p.grad is None for p in model.parameters())
+
+
+SINK: Any = None
+
+
+def _into_global(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    if SINK is not None:
+        SINK.append(out.shape[0])
+
+
+def _armed(case: str, layer: nn.Module) -> tuple[Any, Any]:
+    """A hook that calls (so sandboxed) and writes only once armed, and its arming: a new
+    list put where the hook looks, between two calls (returns the hook and the arm)."""
+    holder = types.SimpleNamespace(sink=None)
+    box: Any = None
+
+    def into_closure(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if box is not None:
+            box.append(out.shape[0])
+
+    def into_object(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if holder.sink is not None:
+            holder.sink.append(out.shape[0])
+
+    def into_layer(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if getattr(m, "sink", None) is not None:
+            m.sink.append(out.shape[0])
+
+    def into_default(m: nn.Module, args: tuple, out: torch.Tensor, sink: Any = None) -> None:
+        if sink is not None:
+            sink.append(out.shape[0])
+
+    def arm() -> list[int]:
+        global SINK
+        nonlocal box
+        sink: list[int] = []
+        if case == "global":
+            SINK = sink
+        elif case == "closure":
+            box = sink
+        elif case == "object attribute":
+            holder.sink = sink
+        elif case == "layer attribute":
+            layer.sink = sink
+        else:
+            into_default.__defaults__ = (sink,)
+        return sink
+
+    hooks = {"global": _into_global, "closure": into_closure, "object attribute": into_object,
+             "layer attribute": into_layer, "default": into_default}
+    return hooks[case], arm
+
+
+@pytest.mark.parametrize("case", ["global", "closure", "object attribute", "layer attribute",
+                                  "default"])
+def test_a_kept_watch_is_walked_again_when_what_the_hook_reaches_changes(case, monkeypatch):
+    """A sandboxed hook's watch is kept after a call that wrote nothing, and used again
+    (no walk); a new list put where the hook looks between two calls (a global, a closure
+    variable, an object's or the layer's attribute, a default) is seen: the next call is
+    walked afresh, its append seen and put back, and the user's new binding kept."""
+    global SINK
+    layer, x, out = _layer_and_call()
+    hook, arm = _armed(case, layer)
+    kept: hook_sandbox.Kept = {}  # a step's wrapper of the hook holds one
+    try:
+        assert hook_sandbox.call_sandboxed(hook, layer, ((x,), out), kept=kept)[1] is None
+        walks = []
+        monkeypatch.setattr(hook_sandbox._Watch, "of", classmethod(
+            lambda cls, *a, _of=hook_sandbox._Watch.of.__func__: walks.append(1) or
+            _of(cls, *a)))
+        assert hook_sandbox.call_sandboxed(hook, layer, ((x,), out), kept=kept)[1] is None
+        assert walks == []  # kept: nothing it reaches changed
+        sink = arm()
+        _, wrote = hook_sandbox.call_sandboxed(hook, layer, ((x,), out), kept=kept)
+        assert wrote is not None and sink == [] and walks == [1] and layer not in kept
+        assert {"global": lambda: SINK, "layer attribute": lambda: layer.sink}.get(
+            case, lambda: sink)() is sink
+    finally:
+        SINK = None

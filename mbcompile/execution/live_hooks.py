@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import UncheckedHookError
 from mbcompile.passes import global_hooks
-from mbcompile.passes.hook_sandbox import call_sandboxed, runs_per_microbatch
+from mbcompile.passes.hook_sandbox import Kept, call_sandboxed, runs_per_microbatch
 from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
 
 __all__ = ["UncheckedHookError", "WatchedHook", "called_as", "global_backward_refused",
@@ -62,11 +62,12 @@ class WatchedHook:
     """A user's forward (pre-)hook of a live layer, called as registered outside a step,
     checked inside one (see the module docstring); ``checked``: present at compile."""
 
-    __slots__ = ("checked", "fn", "global_", "layer")
+    __slots__ = ("checked", "fn", "global_", "kept", "layer")
 
-    def __init__(self, fn: Any, layer: str, checked: bool = False, global_: bool = False
-                 ) -> None:
+    def __init__(self, fn: Any, layer: str, checked: bool = False, global_: bool = False,
+                 kept: Kept | None = None) -> None:
         self.fn, self.layer, self.checked, self.global_ = fn, layer, checked, global_
+        self.kept: Kept = {} if kept is None else kept  # the sandbox's watch, per layer
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
         if not _Steps.depth:
@@ -81,7 +82,7 @@ class WatchedHook:
         if marked:
             result = self.fn(module, *args)
         else:
-            result, wrote = call_sandboxed(self.fn, module, args)
+            result, wrote = call_sandboxed(self.fn, module, args, kept=self.kept)
             if wrote is not None and _LIBRARY in wrote:
                 raise UncheckedHookError(
                     f"{self._what(module)} makes {wrote.removeprefix('through ')}; the layer "
@@ -236,16 +237,17 @@ class _OnLayers:
     compile is (``WatchedHook``), or as written where marked ``per_microbatch``; never on
     mbcompile's own modules (the rewritten graph, its microbatch body)."""
 
-    __slots__ = ("fn", "live")
+    __slots__ = ("fn", "kept", "live")
 
     def __init__(self, fn: Any, live: dict[int, str]) -> None:
         self.fn, self.live = fn, live
+        self.kept: Kept = {}  # the sandbox's watch, per layer
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
         name = self.live.get(id(module))
         if name is None:
             return None
-        return WatchedHook(self.fn, name, global_=True)(module, *args)
+        return WatchedHook(self.fn, name, global_=True, kept=self.kept)(module, *args)
 
 
 def _watch_global(layers: tuple[tuple[str, torch.nn.Module], ...],
