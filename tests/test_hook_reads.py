@@ -296,3 +296,17 @@ def test_a_kept_watch_is_walked_again_when_what_the_hook_reaches_changes(case, m
             case, lambda: sink)() is sink
     finally:
         SINK = None
+
+
+def test_a_read_only_hook_added_after_compile_that_returns_an_output_is_refused():
+    """Run without the sandbox, a hook registered after compile that returns a new output
+    (``out * 2.0``: nothing tells whether it reads the whole batch) is still refused at its
+    first call, the step not run."""
+    model, batch = tanh_pair()
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    hook = lambda m, args, out: out * 2.0  # noqa: E731
+    assert reads_only(hook, (model.a, (batch[0],), batch[0]))
+    model.a.register_forward_hook(hook)
+    with pytest.raises(UncheckedHookError, match="changes what the layer returns"):
+        cm(*batch)
+    assert all(p.grad is None for p in model.parameters())

@@ -42,6 +42,7 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import UncheckedHookError
 from mbcompile.passes import global_hooks
+from mbcompile.passes.hook_reads import reads_only
 from mbcompile.passes.hook_sandbox import Kept, call_sandboxed, runs_per_microbatch
 from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
 
@@ -64,10 +65,10 @@ class WatchedHook:
 
     __slots__ = ("checked", "fn", "global_", "kept", "layer")
 
-    def __init__(self, fn: Any, layer: str, checked: bool = False, global_: bool = False,
-                 kept: Kept | None = None) -> None:
+    def __init__(self, fn: Any, layer: str, checked: bool = False, global_: bool = False
+                 ) -> None:
         self.fn, self.layer, self.checked, self.global_ = fn, layer, checked, global_
-        self.kept: Kept = {} if kept is None else kept  # the sandbox's watch, per layer
+        self.kept: Kept = {}  # the sandbox's watch of its last clean call (per layer)
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
         if not _Steps.depth:
@@ -75,11 +76,14 @@ class WatchedHook:
         marked = runs_per_microbatch(self.fn)
         if self.checked and marked:
             return self.fn(module, *args)
+        # a hook whose code provably writes nothing (no call, no in-place operator): run as
+        # it is, and its tensors cannot be written in place either (``hook_reads``)
+        pure = not marked and reads_only(self.fn, (module, *args))
         # a hook compile did not check: its in-place writes to what the layer gets, seen
-        tensors = [] if self.checked else \
+        tensors = [] if self.checked or pure else \
             [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in tensors]
-        if marked:
+        if marked or pure:
             result = self.fn(module, *args)
         else:
             result, wrote = call_sandboxed(self.fn, module, args, kept=self.kept)
@@ -237,17 +241,20 @@ class _OnLayers:
     compile is (``WatchedHook``), or as written where marked ``per_microbatch``; never on
     mbcompile's own modules (the rewritten graph, its microbatch body)."""
 
-    __slots__ = ("fn", "kept", "live")
+    __slots__ = ("fn", "live", "watched")
 
     def __init__(self, fn: Any, live: dict[int, str]) -> None:
         self.fn, self.live = fn, live
-        self.kept: Kept = {}  # the sandbox's watch, per layer
+        self.watched: dict[int, WatchedHook] = {}  # per layer (by id, as ``live``)
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
-        name = self.live.get(id(module))
-        if name is None:
-            return None
-        return WatchedHook(self.fn, name, global_=True, kept=self.kept)(module, *args)
+        watched = self.watched.get(id(module))
+        if watched is None:
+            name = self.live.get(id(module))
+            if name is None:
+                return None
+            watched = self.watched[id(module)] = WatchedHook(self.fn, name, global_=True)
+        return watched(module, *args)
 
 
 def _watch_global(layers: tuple[tuple[str, torch.nn.Module], ...],
