@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mbcompile
+from mbcompile.execution import live_hooks
 from mbcompile.passes import global_hooks, hook_sandbox
 from mbcompile.passes.hook_sandbox import call_sandboxed
 
@@ -47,12 +48,13 @@ from mbcompile.passes.hook_sandbox import call_sandboxed
 def shortcuts_off() -> Iterator[None]:
     """The check as before the shortcuts: every call sandboxed, its state walked afresh."""
     reads_only, watch = hook_sandbox.reads_only, hook_sandbox._watch
-    hook_sandbox.reads_only = lambda fn, passed: False
+    hook_sandbox.reads_only = live_hooks.reads_only = lambda fn, passed: False
     hook_sandbox._watch = lambda fn, module, kept: watch(fn, module, None)
     try:
         yield
     finally:
-        hook_sandbox.reads_only, hook_sandbox._watch = reads_only, watch
+        hook_sandbox.reads_only = live_hooks.reads_only = reads_only
+        hook_sandbox._watch = watch
 
 
 class Net(nn.Module):
