@@ -24,6 +24,12 @@ the hook with that state recorded and puts it back, whatever the hook did:
 - an in-place write to a parameter or buffer of a module it reaches (which cannot be put
   back: reported).
 
+Two shortcuts keep a step's calls cheap, neither skipping a write: a hook whose code
+provably writes nothing (``hook_reads.reads_only``) is called as it is; and the watch of a
+call that wrote nothing is kept (``kept``, one per hook in the step's wrapper) and used
+again on the same layer while everything it recorded is as it was, by identity
+(``state_unchanged``), else the hook's state is walked afresh.
+
 Example::
 
     result, wrote = call_sandboxed(hook, layer, (args, out))

@@ -11,7 +11,8 @@ compiled step the wrapper only calls the hook. Inside one:
   list it appends to, a print, a call into an installed package: ``wandb.log``), or
   registers a tensor hook on the layer's output, would do so per microbatch, with each
   microbatch's values: it is run sandboxed
-  (``passes.hook_sandbox``), and refused with ``UncheckedHookError`` at its first write,
+  (``passes.hook_sandbox``; one whose code provably writes nothing, not:
+  ``passes.hook_reads``), and refused with ``UncheckedHookError`` at its first write,
   with everything it wrote put back and the step not run;
 - a hook that only computes runs per microbatch: one present at compile was checked on a
   copy of the layer (``passes.forward_modes.check_layer_hooks``); one registered later is
