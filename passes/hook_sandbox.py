@@ -131,6 +131,7 @@ class _Watch:
     reach: Reach = field(default_factory=lambda: Reach(lambda slot, state: None))
     library: bool = False  # its code names an installed package's module, function, object
     libraries: list[str] = field(default_factory=list)  # the calls into one, refused
+    busy: bool = False  # a call under it runs (a hook that calls its layer: not shared)
 
     @classmethod
     def of(cls, fns: list[Any], module: nn.Module) -> _Watch:
@@ -249,8 +250,8 @@ def _watch(fn: Any, module: nn.Module | None, kept: Kept | None) -> _Watch:
     if kept is None or module is None or type(fn) is not types.FunctionType:
         return _Watch.of([fn], module if module is not None else nn.Module())
     held = kept.get(module)
-    if held is not None and held[1] is fn and all(map(operator.is_, held[2], _read(fn))) \
-            and held[0].unchanged():
+    if held is not None and not held[0].busy and held[1] is fn and \
+            all(map(operator.is_, held[2], _read(fn))) and held[0].unchanged():
         held[0].renew()
         return held[0]
     watch = _Watch.of([fn], module)
@@ -293,6 +294,7 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
     watch = _watch(fn, module, kept)
     registered: list[Any] = []
     wrote: list[str] | None = None
+    watch.busy = True
     try:
         with prints_recorded() as prints, _tensor_hooks_kept(registered), \
                 open_refused(watch.reach), watch.libraries_refused():
@@ -303,6 +305,7 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
             raise
         result, wrote = None, watch.changes()
     finally:
+        watch.busy = False
         if wrote != [] or watch.reach.refused or watch.libraries:  # it raised, or wrote:
             watch.restore()                                         # put everything back
             if kept is not None:

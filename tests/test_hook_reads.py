@@ -10,6 +10,7 @@ see its write: the shortcut skipping it would lose that refusal."""
 from __future__ import annotations
 
 import collections
+import os
 import types
 from typing import Any
 
@@ -20,6 +21,7 @@ from models import tanh_pair
 
 import mbcompile
 from mbcompile.errors import UncheckedHookError
+from mbcompile.execution import live_hooks
 from mbcompile.passes import hook_sandbox
 from mbcompile.passes.hook_reads import reads_only
 
@@ -310,3 +312,30 @@ def test_a_read_only_hook_added_after_compile_that_returns_an_output_is_refused(
     with pytest.raises(UncheckedHookError, match="changes what the layer returns"):
         cm(*batch)
     assert all(p.grad is None for p in model.parameters())
+
+
+def _calls_its_layer(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    if out.shape[0] == 2:  # the outer call: a file opened (refused, the refusal caught),
+        try:               # then the layer again, so this hook's check inside this one
+            open(os.devnull, "w")  # noqa: SIM115
+        except Exception:  # noqa: S110
+            pass
+        m(args[0][:1])
+
+
+def test_a_hook_called_inside_its_own_call_does_not_share_the_outer_watch():
+    """A hook that calls its layer again (so its own check) while its first call runs, in
+    a step: the inner call gets a watch of its own, so the outer call still holds the
+    refusal of the file it opened (sharing the kept one, the inner call would clear it)
+    and is refused."""
+    layer, x, _ = _layer_and_call()
+    watched = live_hooks.WatchedHook(_calls_its_layer, "lin", checked=True)
+    layer.register_forward_hook(watched)
+    live_hooks.in_step.depth += 1
+    try:
+        layer(x[:1])
+        assert layer in watched.kept  # kept: the next call would use it
+        with pytest.raises(UncheckedHookError, match="a file"):
+            layer(x)
+    finally:
+        live_hooks.in_step.depth -= 1
