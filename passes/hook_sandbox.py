@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ from .hook_reads import reads_only
 from .library_calls import library_calls_refused, names_library
 from .python_state import Snapshot
 from .side_effects import prints_recorded
-from .state_unchanged import unchanged
+from .state_unchanged import definition, definitions_unchanged, unchanged
 
 __all__ = ["Kept", "call_sandboxed", "hooks_sandboxed", "per_microbatch", "runs_per_microbatch"]
 
@@ -164,7 +165,7 @@ class _Watch:
         snapshot = Snapshot(roots)
         # the globals and closure variables the hook's code reaches, through the functions
         # it calls too (a helper's ``LOG.append``, ``helpers.COUNT += 1``), as forward's are
-        reach = Reach(lambda slot, state: snapshot.add_slot(
+        reach = _Reach(lambda slot, state: snapshot.add_slot(
             Slot(slot.owner, slot.key, slot.key) if isinstance(slot.owner, Cell) else slot,
             state))  # a closure variable by its name, as the hook's author wrote it
         for plain in walked:
@@ -174,10 +175,11 @@ class _Watch:
         return cls(snapshot, cells, globals_, _versions(snapshot), reach, library)
 
     def unchanged(self) -> bool:
-        """Whether nothing it records differs now (``changes`` would find nothing), told
-        cheaply; False where unsure (``state_unchanged``)."""
+        """Whether nothing it records differs now (``changes`` would find nothing), nor the
+        code its walk entered, told cheaply; False where unsure (``state_unchanged``)."""
         try:
             return unchanged(self.snapshot) and \
+                definitions_unchanged(getattr(self.reach, "defs", ())) and \
                 all(c.cell_contents is v for _, c, v in self.cells) and \
                 all(ns.get(name, _ABSENT) is v for ns, name, v in self.globals_) and \
                 all(t._version == v for _, t, v in self.versions)
@@ -219,6 +221,30 @@ class _Watch:
 
 
 _ABSENT = object()
+
+
+@dataclass
+class _Reach(Reach):
+    """``Reach`` that also lists the user's functions and classes its walk entered, with
+    their definitions (``state_unchanged.definition``): a kept watch is walked afresh
+    where one changed."""
+
+    defs: list[tuple[Any, Any]] = field(default_factory=list)
+    _defined: set[int] = field(default_factory=set)
+
+    def value(self, value: Any, code: types.CodeType, info: Any = None, where: str = ""
+              ) -> None:
+        if id(value) not in self._defined and _users_definition(value):
+            self._defined.add(id(value))
+            self.defs.append((value, definition(value)))
+        super().value(value, code, info, where)
+
+
+def _users_definition(value: Any) -> bool:
+    if isinstance(value, types.FunctionType):
+        return user_code(value.__code__.co_filename)
+    return isinstance(value, type) and \
+        user_code(getattr(sys.modules.get(value.__module__), "__file__", None))
 
 
 def _versions(snapshot: Snapshot) -> list[tuple[str, torch.Tensor, int]]:

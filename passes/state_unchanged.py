@@ -19,12 +19,13 @@ Example::
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from operator import is_
 from typing import Any
 
 from .python_state import DELETED, Snapshot
 
-__all__ = ["unchanged"]
+__all__ = ["definition", "definitions_unchanged", "unchanged"]
 
 
 def _same(now: dict[Any, Any], before: dict[Any, Any]) -> bool:
@@ -58,5 +59,25 @@ def unchanged(snapshot: Snapshot) -> bool:
             if obj != copy:
                 return False
         elif not isinstance(obj, frozenset) and not _same(vars(obj), copy):
+            return False
+    return True
+
+
+def definition(obj: Any) -> Any:
+    """What a walk of the user's code read of a function or class it entered: the
+    function's code and defaults, or a copy of the class's namespace (its methods)."""
+    if isinstance(obj, type):
+        return dict(vars(obj))
+    return obj.__code__, obj.__defaults__, obj.__kwdefaults__
+
+
+def definitions_unchanged(defs: Iterable[tuple[Any, Any]]) -> bool:
+    """Whether each function and class of ``defs`` (``(obj, definition(obj))``) is defined
+    as it was, by identity: a method or ``__code__`` swapped leads a walk elsewhere."""
+    for obj, before in defs:
+        if isinstance(obj, type):
+            if not _same(vars(obj), before):  # type: ignore[arg-type]
+                return False
+        elif not all(map(is_, definition(obj), before)):
             return False
     return True

@@ -339,3 +339,31 @@ def test_a_hook_called_inside_its_own_call_does_not_share_the_outer_watch():
             layer(x)
     finally:
         live_hooks.in_step.depth -= 1
+
+
+LOG: list[int] = []
+
+
+def _helper(out: torch.Tensor) -> None:
+    return None
+
+
+def _logging_helper(out: torch.Tensor) -> None:
+    LOG.append(out.shape[0])
+
+
+def _calls_helper(m: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    _helper(out)
+
+
+def test_a_kept_watch_is_walked_again_when_a_function_it_entered_is_redefined(monkeypatch):
+    """The walk follows the helper the hook calls; the helper's code swapped between two
+    calls for one that appends to another global: the kept watch, which never recorded
+    that global, is not used, and the append is seen and put back."""
+    layer, x, out = _layer_and_call()
+    kept: hook_sandbox.Kept = {}
+    assert hook_sandbox.call_sandboxed(_calls_helper, layer, ((x,), out), kept=kept)[1] is None
+    assert layer in kept
+    monkeypatch.setattr(_helper, "__code__", _logging_helper.__code__)
+    _, wrote = hook_sandbox.call_sandboxed(_calls_helper, layer, ((x,), out), kept=kept)
+    assert wrote is not None and "LOG" in wrote and LOG == []
