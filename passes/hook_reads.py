@@ -10,8 +10,9 @@ write from its bytecode, ``reads_only`` proves that of a call, in two parts:
   store other than to its own locals (``STORE_ATTR``, ``STORE_SUBSCR``, ``STORE_GLOBAL``,
   ``STORE_DEREF``, deletes), no in-place operator (``+=`` writes a tensor or calls a
   user's ``__iadd__``), no import, iteration (a generator's ``next`` is a write), ``with``,
-  ``try``, inner function, ``yield``, nor a dunder attribute (``__dict__``); only
-  loads, operators, comparisons, subscripts, tuples, jumps and ``assert``;
+  ``try``, inner function, ``yield``, nor a private attribute (``m.__dict__``) or one
+  leading into autograd's graph (``out.grad_fn``); only loads, operators, comparisons,
+  subscripts, tuples, jumps and ``assert``;
 - on each call (``_inert``): every value its code can load from outside its locals (the
   arguments it reads, its defaults, closure variables and the globals it names) is one
   whose operators, attributes, truth and subscripts run only Python's or torch's code: a
@@ -59,6 +60,9 @@ _SAFE = frozenset({
     "UNPACK_SEQUENCE", "LOAD_ASSERTION_ERROR", "RAISE_VARARGS", "NOT_TAKEN",
 })
 _LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST"})
+#: attributes through which torch's objects lead to what ``_inert`` does not look into (an
+#: autograd node's ``metadata`` dict); private ones (``m.__dict__``, ``t._base``) too
+_LEADS_OUT = frozenset({"grad_fn", "metadata", "next_functions"})
 _NOT_PLAIN = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | \
     inspect.CO_ITERABLE_COROUTINE
 
@@ -94,7 +98,7 @@ def _plan(code: types.CodeType) -> _Plan | None:
         if op == "RAISE_VARARGS" and previous != "LOAD_ASSERTION_ERROR":  # not ``assert``
             return None
         if op == "LOAD_ATTR":
-            if ins.argval.startswith("__"):  # ``m.__dict__``, ``fn.__globals__``
+            if ins.argval.startswith("_") or ins.argval in _LEADS_OUT:
                 return None
             attributes.add(ins.argval)
         elif op == "LOAD_GLOBAL":

@@ -367,3 +367,16 @@ def test_a_kept_watch_is_walked_again_when_a_function_it_entered_is_redefined(mo
     monkeypatch.setattr(_helper, "__code__", _logging_helper.__code__)
     _, wrote = hook_sandbox.call_sandboxed(_calls_helper, layer, ((x,), out), kept=kept)
     assert wrote is not None and "LOG" in wrote and LOG == []
+
+
+@pytest.mark.parametrize("hook", [
+    lambda m, args, out: out.grad_fn,  # autograd's graph: its metadata dict is the user's
+    lambda m, args, out: m._parameters,  # a private attribute
+    lambda m, args, out: [t for t in args],  # an inner function (a comprehension)
+    lambda m, args, out: tuple(args),  # a call
+    lambda m, args, out: (yield out),  # a generator
+], ids=["grad_fn", "private", "comprehension", "call", "generator"])
+def test_code_the_scan_cannot_prove_never_takes_the_shortcut(hook):
+    """Each shape of code the bytecode scan does not prove writes nothing: sandboxed."""
+    layer, x, out = _layer_and_call()
+    assert not reads_only(hook, (layer, (x,), out))
