@@ -24,6 +24,12 @@ the hook with that state recorded and puts it back, whatever the hook did:
 - an in-place write to a parameter or buffer of a module it reaches (which cannot be put
   back: reported).
 
+Two shortcuts keep a step's calls cheap, neither skipping a write: a hook whose code
+provably writes nothing (``hook_reads.reads_only``) is called as it is; and the watch of a
+call that wrote nothing is kept (``kept``, one per hook in the step's wrapper) and used
+again on the same layer while everything it recorded is as it was, by identity
+(``state_unchanged``), else the hook's state is walked afresh.
+
 Example::
 
     result, wrote = call_sandboxed(hook, layer, (args, out))
@@ -37,6 +43,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
+import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,11 +55,13 @@ import torch.nn as nn
 
 from .code_reach import Cell, Reach, Slot, open_refused, user_code
 from .errors import CaptureError
+from .hook_reads import reads_only
 from .library_calls import library_calls_refused, names_library
 from .python_state import Snapshot
 from .side_effects import prints_recorded
+from .state_unchanged import definition, definitions_unchanged, unchanged
 
-__all__ = ["call_sandboxed", "hooks_sandboxed", "per_microbatch", "runs_per_microbatch"]
+__all__ = ["Kept", "call_sandboxed", "hooks_sandboxed", "per_microbatch", "runs_per_microbatch"]
 
 _MARK = "_mbcompile_per_microbatch"
 
@@ -122,6 +132,7 @@ class _Watch:
     reach: Reach = field(default_factory=lambda: Reach(lambda slot, state: None))
     library: bool = False  # its code names an installed package's module, function, object
     libraries: list[str] = field(default_factory=list)  # the calls into one, refused
+    busy: bool = False  # a call under it runs (a hook that calls its layer: not shared)
 
     @classmethod
     def of(cls, fns: list[Any], module: nn.Module) -> _Watch:
@@ -154,17 +165,33 @@ class _Watch:
         snapshot = Snapshot(roots)
         # the globals and closure variables the hook's code reaches, through the functions
         # it calls too (a helper's ``LOG.append``, ``helpers.COUNT += 1``), as forward's are
-        reach = Reach(lambda slot, state: snapshot.add_slot(
+        reach = _Reach(lambda slot, state: snapshot.add_slot(
             Slot(slot.owner, slot.key, slot.key) if isinstance(slot.owner, Cell) else slot,
             state))  # a closure variable by its name, as the hook's author wrote it
         for plain in walked:
             reach.walk(plain.__code__, plain.__globals__, plain.__closure__)
-        versions = [(f"{path}.{n}" if path else n, t, t._version)
-                    for m, path, _, slots in snapshot.modules
-                    for n, t in (*slots[0].items(), *slots[1].items()) if t is not None]
         library = names_library((*roots.values(), *(
             s.owner.get(s.key, None) for s in reach.slots)))
-        return cls(snapshot, cells, globals_, versions, reach, library)
+        return cls(snapshot, cells, globals_, _versions(snapshot), reach, library)
+
+    def unchanged(self) -> bool:
+        """Whether nothing it records differs now (``changes`` would find nothing), nor the
+        code its walk entered, told cheaply; False where unsure (``state_unchanged``)."""
+        try:
+            return unchanged(self.snapshot) and \
+                definitions_unchanged(getattr(self.reach, "defs", ())) and \
+                all(c.cell_contents is v for _, c, v in self.cells) and \
+                all(ns.get(name, _ABSENT) is v for ns, name, v in self.globals_) and \
+                all(t._version == v for _, t, v in self.versions)
+        except ValueError:  # a closure cell emptied
+            return False
+
+    def renew(self) -> None:
+        """Made ready for another call on the state it recorded, which ``unchanged`` found
+        as it was: the in-place counters as they are now (an optimizer step moves them)."""
+        self.versions = [(name, t, t._version) for name, t, _ in self.versions]
+        self.reach.refused.clear()
+        self.libraries.clear()
 
     def libraries_refused(self) -> contextlib.AbstractContextManager[Any]:
         """A call of the hook's into an installed package refused (``library_calls``),
@@ -196,6 +223,68 @@ class _Watch:
 _ABSENT = object()
 
 
+@dataclass
+class _Reach(Reach):
+    """``Reach`` that also lists the user's functions and classes its walk entered, with
+    their definitions (``state_unchanged.definition``): a kept watch is walked afresh
+    where one changed."""
+
+    defs: list[tuple[Any, Any]] = field(default_factory=list)
+    _defined: set[int] = field(default_factory=set)
+
+    def value(self, value: Any, code: types.CodeType, info: Any = None, where: str = ""
+              ) -> None:
+        if id(value) not in self._defined and _users_definition(value):
+            self._defined.add(id(value))
+            self.defs.append((value, definition(value)))
+        super().value(value, code, info, where)
+
+
+def _users_definition(value: Any) -> bool:
+    if isinstance(value, types.FunctionType):
+        return user_code(value.__code__.co_filename)
+    return isinstance(value, type) and \
+        user_code(getattr(sys.modules.get(value.__module__), "__file__", None))
+
+
+def _versions(snapshot: Snapshot) -> list[tuple[str, torch.Tensor, int]]:
+    """The in-place counters of the parameters and buffers of the modules ``snapshot``
+    records: a write to one cannot be put back, only reported."""
+    return [(f"{path}.{n}" if path else n, t, t._version)
+            for m, path, _, slots in snapshot.modules
+            for n, t in (*slots[0].items(), *slots[1].items()) if t is not None]
+
+
+#: ``call_sandboxed``'s ``kept``: per layer, the watch of the hook's last call that wrote
+#: nothing, the hook, and what ``_Watch.of`` read of it; a walk per call of an unchanged
+#: layer and hook would find the same objects, with the same contents
+Kept = dict[nn.Module, tuple[_Watch, Any, tuple[Any, ...]]]
+
+
+def _read(fn: types.FunctionType) -> tuple[Any, ...]:
+    """What ``_Watch.of`` reads of a plain function beyond the objects it records."""
+    namespace = fn.__globals__
+    return (fn.__code__, fn.__defaults__, fn.__kwdefaults__,
+            *[namespace.get(name, _ABSENT) for name in fn.__code__.co_names])
+
+
+def _watch(fn: Any, module: nn.Module | None, kept: Kept | None) -> _Watch:
+    """A watch of ``fn``'s call on ``module``: the one in ``kept`` where nothing it records
+    or read has changed since (by identity: ``_Watch.unchanged``), else a new walk, kept.
+    Only a plain function's is kept: a bound method's or a partial's state is read
+    through objects ``_read`` does not cover."""
+    if kept is None or module is None or type(fn) is not types.FunctionType:
+        return _Watch.of([fn], module if module is not None else nn.Module())
+    held = kept.get(module)
+    if held is not None and not held[0].busy and held[1] is fn and \
+            all(map(operator.is_, held[2], _read(fn))) and held[0].unchanged():
+        held[0].renew()
+        return held[0]
+    watch = _Watch.of([fn], module)
+    kept[module] = (watch, fn, _read(fn))
+    return watch
+
+
 @contextlib.contextmanager
 def _tensor_hooks_kept(registered: list[Any]) -> Iterator[None]:
     """``Tensor.register_hook`` still registers, with the hook called sandboxed too; each
@@ -218,25 +307,35 @@ def _tensor_hooks_kept(registered: list[Any]) -> Iterator[None]:
 
 
 def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
-                   module_first: bool = True) -> tuple[Any, str | None]:
+                   module_first: bool = True, kept: Kept | None = None
+                   ) -> tuple[Any, str | None]:
     """``fn(module, *args)`` (``fn(*args)`` with ``module_first=False``), with everything it
     writes put back after it, returned or raised; returns ``(result, what it wrote)``,
-    the second None when it wrote nothing."""
-    watch = _Watch.of([fn], module if module is not None else nn.Module())
+    the second None when it wrote nothing. A hook whose code provably writes nothing
+    (``hook_reads.reads_only``: it only reads, and calls nothing) is called as it is.
+    ``kept`` (the caller's, one per hook): the watch of a call that wrote nothing, used
+    again by the next call on the same layer while nothing it records has changed."""
+    if reads_only(fn, (module, *args) if module_first else args):
+        return (fn(module, *args) if module_first else fn(*args)), None
+    watch = _watch(fn, module, kept)
     registered: list[Any] = []
     wrote: list[str] | None = None
+    watch.busy = True
     try:
         with prints_recorded() as prints, _tensor_hooks_kept(registered), \
                 open_refused(watch.reach), watch.libraries_refused():
             result = fn(module, *args) if module_first else fn(*args)
-        wrote = watch.changes()
+        wrote = [] if watch.unchanged() else watch.changes()
     except CaptureError:  # a file opened, a library called: refused before it ran
         if not (watch.reach.refused or watch.libraries):
             raise
         result, wrote = None, watch.changes()
     finally:
+        watch.busy = False
         if wrote != [] or watch.reach.refused or watch.libraries:  # it raised, or wrote:
             watch.restore()                                         # put everything back
+            if kept is not None:
+                kept.pop(module, None)  # type: ignore[arg-type]
     if watch.reach.refused:  # (also where the hook caught the refusal itself)
         wrote.insert(0, f"a file (it {watch.reach.refused[0]})")
     if watch.libraries:

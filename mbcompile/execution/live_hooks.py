@@ -11,7 +11,8 @@ compiled step the wrapper only calls the hook. Inside one:
   list it appends to, a print, a call into an installed package: ``wandb.log``), or
   registers a tensor hook on the layer's output, would do so per microbatch, with each
   microbatch's values: it is run sandboxed
-  (``passes.hook_sandbox``), and refused with ``UncheckedHookError`` at its first write,
+  (``passes.hook_sandbox``; one whose code provably writes nothing, not:
+  ``passes.hook_reads``), and refused with ``UncheckedHookError`` at its first write,
   with everything it wrote put back and the step not run;
 - a hook that only computes runs per microbatch: one present at compile was checked on a
   copy of the layer (``passes.forward_modes.check_layer_hooks``); one registered later is
@@ -42,7 +43,8 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import UncheckedHookError
 from mbcompile.passes import global_hooks
-from mbcompile.passes.hook_sandbox import call_sandboxed, runs_per_microbatch
+from mbcompile.passes.hook_reads import reads_only
+from mbcompile.passes.hook_sandbox import Kept, call_sandboxed, runs_per_microbatch
 from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
 
 __all__ = ["UncheckedHookError", "WatchedHook", "called_as", "global_backward_refused",
@@ -62,21 +64,30 @@ class WatchedHook:
     """A user's forward (pre-)hook of a live layer, called as registered outside a step,
     checked inside one (see the module docstring); ``checked``: present at compile."""
 
-    __slots__ = ("checked", "fn", "global_", "layer")
+    __slots__ = ("checked", "fn", "global_", "kept", "layer")
 
     def __init__(self, fn: Any, layer: str, checked: bool = False, global_: bool = False
                  ) -> None:
         self.fn, self.layer, self.checked, self.global_ = fn, layer, checked, global_
+        self.kept: Kept = {}  # the sandbox's watch of its last clean call (per layer)
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
-        if not _Steps.depth or (self.checked and runs_per_microbatch(self.fn)):
+        if not _Steps.depth:
             return self.fn(module, *args)
-        tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+        marked = runs_per_microbatch(self.fn)
+        if self.checked and marked:
+            return self.fn(module, *args)
+        # a hook whose code provably writes nothing (no call, no in-place operator): run as
+        # it is, and its tensors cannot be written in place either (``hook_reads``)
+        pure = not marked and reads_only(self.fn, (module, *args))
+        # a hook compile did not check: its in-place writes to what the layer gets, seen
+        tensors = [] if self.checked or pure else \
+            [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in tensors]
-        if runs_per_microbatch(self.fn):
+        if marked or pure:
             result = self.fn(module, *args)
         else:
-            result, wrote = call_sandboxed(self.fn, module, args)
+            result, wrote = call_sandboxed(self.fn, module, args, kept=self.kept)
             if wrote is not None and _LIBRARY in wrote:
                 raise UncheckedHookError(
                     f"{self._what(module)} makes {wrote.removeprefix('through ')}; the layer "
@@ -231,16 +242,20 @@ class _OnLayers:
     compile is (``WatchedHook``), or as written where marked ``per_microbatch``; never on
     mbcompile's own modules (the rewritten graph, its microbatch body)."""
 
-    __slots__ = ("fn", "live")
+    __slots__ = ("fn", "live", "watched")
 
     def __init__(self, fn: Any, live: dict[int, str]) -> None:
         self.fn, self.live = fn, live
+        self.watched: dict[int, WatchedHook] = {}  # per layer (by id, as ``live``)
 
     def __call__(self, module: torch.nn.Module, *args: Any) -> Any:
-        name = self.live.get(id(module))
-        if name is None:
-            return None
-        return WatchedHook(self.fn, name, global_=True)(module, *args)
+        watched = self.watched.get(id(module))
+        if watched is None:
+            name = self.live.get(id(module))
+            if name is None:
+                return None
+            watched = self.watched[id(module)] = WatchedHook(self.fn, name, global_=True)
+        return watched(module, *args)
 
 
 def _watch_global(layers: tuple[tuple[str, torch.nn.Module], ...],
