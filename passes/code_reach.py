@@ -372,11 +372,14 @@ def _reached(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_nam
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):
             reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
+    named = [s.owner.get(s.key) for s in reach.slots]  # the user's code's, not a package's
     walk_installed_models(model, reach, _code)  # transformers' module-level flags
+    from .library_writes import library_writes_watched  # (it imports this module)
+
     with draws_refused(reach.refused):  # Python's or numpy's: put back, and refused
         try:
             with open_refused(reach), _calls_watched(reach) if reach.suspects else \
-                    contextlib.nullcontext():
+                    contextlib.nullcontext(), library_writes_watched(model, named, reach.refused):
                 yield reach
         except Exception:  # a refusal raised in forward, as the trace passed it on
             if not reach.refused:
@@ -424,8 +427,15 @@ def _calls_watched(reach: Reach) -> Iterator[None]:
 
 
 def _refuse(model_name: str, what: str) -> None:
+    from .library_calls import IN_PACKAGE  # (it imports this module)
+
+    fix = "Fix: make it outside forward (in the training loop), or pass its result in as an " \
+        "input; nothing was changed"
+    if IN_PACKAGE in what:  # a library's write: print and logging are replayed
+        fix = "Fix: make the call from the training loop (after the step, with what forward " \
+            "returns), or log with print or logging, which are replayed once per step; " \
+            "nothing was changed"
     raise CaptureError(
         f"{model_name}.forward {what}; capture runs forward once, at compile time, so that "
-        "call would happen once, there, and never in a step, where eager makes it on every "
-        "call. Fix: make it outside forward (in the training loop), or pass its result in "
-        "as an input; nothing was changed")
+        f"call would happen once, there, and never in a step, where eager makes it on every "
+        f"call. {fix}")
