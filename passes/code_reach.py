@@ -113,6 +113,7 @@ class Slot:
     owner: Any
     key: str
     where: str
+    library: bool = False  # an installed package's: guarded, never forward's state to replay
 
 
 def holds_state(value: Any) -> bool:
@@ -211,14 +212,14 @@ class Reach:
     _seen: set[tuple[int, str]] = field(default_factory=set)
     _walked: set[tuple[int, int, int]] = field(default_factory=set)  # code, globals, closure
 
-    def slot(self, owner: Any, key: str, where: str) -> Any:
+    def slot(self, owner: Any, key: str, where: str, library: bool = False) -> Any:
         """Record ``owner[key]`` once; its value (or None, absent)."""
         value = owner.get(key, None)
         if (id(owner), key) not in self._seen:
             self._seen.add((id(owner), key))
-            slot = Slot(owner, key, where)
+            slot = Slot(owner, key, where, library)
             self.slots.append(slot)
-            self.add_slot(slot, holds_state(value))
+            self.add_slot(slot, holds_state(value) and not library)
         return value
 
     def enter(self, code: types.CodeType, space: dict[str, Any], closure: Any = None) -> bool:
