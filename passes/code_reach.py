@@ -53,7 +53,7 @@ from . import global_hooks
 from .errors import CaptureError
 from .host_draws import draws_refused
 from .library_reach import walk_installed_models
-from .sources import SITE_DIRS, is_library, user_frame
+from .sources import SITE_DIRS, installed_package, is_library, user_frame
 
 __all__ = ["Cell", "Reach", "Slot", "holds_state", "open_refused", "reached_code", "user_code"]
 
@@ -330,8 +330,9 @@ def open_refused(reach: Reach, to_null: bool = False) -> Iterator[None]:
         writes = any(c in mode for c in "wax+")
         if to_null and writes:
             return _OPEN(os.devnull, mode.replace("x", "w"))
-        if frame is not None and user_code(frame.f_code.co_filename) and (
-                not through or writes) and not to_null:  # a warning reads its line
+        if frame is not None and not to_null and (  # a warning reads its line: let through
+                (user_code(frame.f_code.co_filename) and (not through or writes)) or
+                (writes and installed_package(frame.f_code.co_filename))):  # np.save's
             where = user_frame(traceback.extract_stack()[:-1])
             reach.refused.append(f"opens a file at {where}")
             raise CaptureError(f"forward opens a file at {where}")

@@ -7,7 +7,7 @@ the capture records and replays (``bar.update(1)`` on a ``tqdm`` bar, ``wandb.lo
 ``SummaryWriter``'s ``add_scalar``, ``yaml.dump`` into a stream) would happen once, there,
 and never in a step. So while the capture traces a forward whose code names such a package
 (``names_other_package``: a global, a closure variable, an attribute of a module of the
-user's, a base class of one), each call from the user's code into an installed package's
+user's, what those hold, a base class of such a module), each call from the user's code into an installed package's
 Python code or built-in functions (``sys.setprofile``: slow, so only there) is told
 apart before it runs:
 
@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .code_reach import user_code
+from .code_reach import holds_state, user_code
 from .errors import CaptureError
 from .library_calls import IN_PACKAGE, installed, names_library, package_of, users_call
 from .sources import user_frame
@@ -85,21 +85,48 @@ def names_other_package(model: nn.Module, named: Iterable[Any], allowed: frozens
                         ) -> bool:
     """Whether the user's code forward reaches names an installed package outside
     ``allowed``: one of ``named`` (the walk's globals and closure variables), an attribute
-    of a module whose ``forward`` is the user's (``self.bar``), or a base class of one
-    (a trainer framework's module, whose methods ``self.log`` calls)."""
-    if names_library(named, allowed):
-        return True
+    of a module whose ``forward`` is the user's (``self.bar``), what those hold at any
+    depth (``self.loggers["bar"]``), or a base class of such a module (a trainer
+    framework's, whose methods ``self.log`` calls)."""
+    roots = list(named)
     for module in model.modules():
         kind = type(module)
         forward = getattr(kind.forward, "__func__", kind.forward)
         if not isinstance(forward, types.FunctionType) or \
                 not user_code(forward.__code__.co_filename):
             continue
-        if names_library([module], allowed) or any(
-                installed(p := _class_file(base)) and package_of(str(p)) not in allowed
-                for base in kind.__mro__):
+        roots.append(module)
+        if any(installed(p := _class_file(base)) and package_of(str(p)) not in allowed
+               for base in kind.__mro__):
             return True
+    return _reaches_package(roots, allowed)
+
+
+def _reaches_package(roots: list[Any], allowed: frozenset[str]) -> bool:
+    """Whether a package's module, function or object outside ``allowed`` is among
+    ``roots`` or what they hold (containers, plain objects, a module's public attributes),
+    at any depth, up to ``_LIMIT`` objects and ``_ITEMS`` entries of each container."""
+    seen: set[int] = set()
+    while roots and len(seen) < _LIMIT:
+        value = roots.pop()
+        if isinstance(value, _SKIPPED) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        if names_library([value], allowed):
+            return True
+        if isinstance(value, dict):
+            roots.extend(list(value.values())[:_ITEMS])
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            roots.extend(list(value)[:_ITEMS])
+        elif isinstance(value, nn.Module):
+            roots.extend(v for k, v in vars(value).items() if k[0] != "_")
+        elif holds_state(value):
+            roots.extend(vars(value).values())
     return False
+
+
+_LIMIT, _ITEMS = 20_000, 1_000
+_SKIPPED = (torch.Tensor, str, bytes, int, float, bool, type(None))  # hold no package's object
 
 
 def _traced(value: Any, depth: int = 2) -> bool:

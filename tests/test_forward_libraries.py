@@ -84,6 +84,8 @@ class _Logged(nn.Module):
         self.lin = nn.Linear(4, 1)
         self.how = how
         self.bar = tqdm.tqdm(total=100, file=io.StringIO(), mininterval=0)
+        self.loggers = {"progress": [self.bar]}  # a package's object two levels down
+        self.path = ""  # where np.save writes
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.mse_loss(self.lin(x), y)
@@ -91,6 +93,10 @@ class _Logged(nn.Module):
             BAR.update(1)
         elif self.how == "own bar":
             self.bar.update(x.shape[0])
+        elif self.how == "deep bar":
+            self.loggers["progress"][0].update(1)
+        elif self.how == "np.save":
+            np.save(self.path, np.zeros(2))
         elif self.how == "yaml":
             yaml.dump({"calls": 1}, STREAM)
         elif self.how == "log":
@@ -120,7 +126,8 @@ class _Inner(nn.Module):
 
 @pytest.mark.parametrize(("how", "capture", "package"), [
     ("global bar", "fx", "tqdm"), ("global bar", "export", "tqdm"), ("own bar", "export", "tqdm"),
-    ("yaml", "fx", "yaml"), ("log", "export", "fake_metrics_lib"), ("hook", "fx", "tqdm")])
+    ("deep bar", "fx", "tqdm"), ("yaml", "fx", "yaml"), ("log", "export", "fake_metrics_lib"),
+    ("hook", "fx", "tqdm")])
 def test_a_call_made_for_its_effect_is_refused_with_nothing_changed(fake, how, capture,
                                                                     package):
     """Refused at compile, naming the package, the line and the fixes; the bar's count, the
@@ -139,6 +146,16 @@ def test_a_call_made_for_its_effect_is_refused_with_nothing_changed(fake, how, c
     assert STREAM.getvalue() == "" and fake.RECORDS == []
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+
+
+def test_a_file_a_package_writes_is_refused_before_it_is_written(tmp_path):
+    """``np.save(path, ...)``: numpy computes, but its file writers open a file: refused
+    there, the file not written."""
+    model = _Logged("np.save").double()
+    model.path = str(tmp_path / "h.npy")
+    with pytest.raises(CaptureError, match="opens a file"):
+        mbcompile.compile(model, 7, 2, 2, example_inputs=_batch(), capture="fx")
+    assert not os.path.exists(model.path)
 
 
 def test_a_logging_call_given_the_loss_is_refused_as_it_returns(fake):
