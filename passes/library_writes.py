@@ -7,9 +7,9 @@ the capture records and replays (``bar.update(1)`` on a ``tqdm`` bar, ``wandb.lo
 ``SummaryWriter``'s ``add_scalar``, ``yaml.dump`` into a stream) would happen once, there,
 and never in a step. So while the capture traces a forward whose code names such a package
 (``names_other_package``: a global, a closure variable, an attribute of a module of the
-user's, what those hold, a base class of such a module), each call from the user's code into an installed package's
-Python code or built-in functions (``sys.setprofile``: slow, so only there) is told
-apart before it runs:
+user's, what those hold, a base class of such a module), each call from the user's code
+into an installed package's Python code or built-in functions (``sys.setprofile``: slow,
+so only there) is told apart before it runs:
 
 - the model's own packages (those its modules' classes come from: transformers, peft), and
   ``COMPUTE`` packages (numpy, except its file writers, einops): made;
@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dis
 import sys
 import traceback
 import types
@@ -63,6 +64,7 @@ _READS = frozenset({"__getattribute__", "__getattr__", "__getitem__", "__contain
                     "__repr__", "__str__", "__format__", "__instancecheck__",
                     "__subclasscheck__", "get", "keys", "values", "items"})
 _TRACED = (torch.Tensor, fx.Proxy, torch.SymInt, torch.SymFloat, torch.SymBool)
+_RETURN = dis.opmap["RETURN_VALUE"]
 _GENERATOR = 0x20 | 0x80 | 0x200  # CO_GENERATOR, CO_COROUTINE, CO_ASYNC_GENERATOR
 
 
@@ -188,7 +190,8 @@ def library_writes_refused(allowed: frozenset[str], refused: list[str]) -> Itera
         if outer is not None:
             outer(frame, event, arg)
         if event == "return":
-            if pending.pop(id(frame), None) is frame and not _traced(arg):
+            if pending.pop(id(frame), None) is frame and not _traced(arg) and \
+                    frame.f_code.co_code[frame.f_lasti] == _RETURN:  # (not an exception)
                 refuse(frame.f_code.co_qualname, frame.f_code.co_filename, frame.f_back or frame,
                        "it was given traced values and returns none, so it was made for its "
                        "effect, once, on the trace's values")

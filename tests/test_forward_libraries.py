@@ -51,6 +51,10 @@ def log(values) -> None:
 
 def log_unannotated(values):
     RECORDS.append(values)
+
+
+def checked(h):
+    raise ValueError("rows must be sorted")
 '''
 
 BAR = tqdm.tqdm(total=100, file=io.StringIO(), mininterval=0)
@@ -103,6 +107,8 @@ class _Logged(nn.Module):
             FAKE.log({"loss": loss.detach()})
         elif self.how == "log unannotated":
             FAKE.log_unannotated({"loss": loss.detach()})
+        elif self.how == "raises":
+            FAKE.checked(loss)
         return loss
 
 
@@ -167,6 +173,10 @@ def test_a_logging_call_given_the_loss_is_refused_as_it_returns(fake):
     with pytest.raises(CaptureError, match="returns none"):
         mbcompile.compile(model, 7, 2, 2, example_inputs=_batch(), capture="fx")
     assert all(p.grad is None for p in model.parameters())
+    model.how = "raises"  # an error the package raises is the one named, not "returns none"
+    with pytest.raises(CaptureError, match="rows must be sorted") as failure:
+        mbcompile.compile(model, 7, 2, 2, example_inputs=_batch(), capture="fx")
+    assert "returns none" not in str(failure.value)
 
 
 class _Computes(nn.Module):
