@@ -189,7 +189,9 @@ def library_writes_refused(allowed: frozenset[str], refused: list[str]) -> Itera
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
         if outer is not None:
             outer(frame, event, arg)
-        if event == "return":
+        if event == "return" or event == "c_return":  # most events: checked first
+            if not pending or event == "c_return":
+                return
             if pending.pop(id(frame), None) is frame and not _traced(arg) and \
                     frame.f_code.co_code[frame.f_lasti] == _RETURN:  # (not an exception)
                 refuse(frame.f_code.co_qualname, frame.f_code.co_filename, frame.f_back or frame,
