@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .code_reach import user_code
+from .whose_code import user_code
 
 __all__ = ["ATOMS", "entries_of", "fingerprint", "plain_object", "shadowable_methods",
            "user_defined"]

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .code_reach import holds_state, user_code
 from .errors import CaptureError
 from .guard_values import (
     ATOMS,
@@ -48,6 +47,7 @@ from .guard_values import (
     user_defined,
 )
 from .python_state import MODULE_INTERNALS
+from .whose_code import holds_state, user_code
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
            "numbers_as_inputs", "plain", "read_number", "recorded_reads", "slot_guards",

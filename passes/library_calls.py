@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .code_reach import holds_state, user_code
 from .errors import CaptureError
 from .sources import SITE_DIRS, installed_package, user_frame
+from .whose_code import holds_state, user_code
 
 __all__ = ["IN_PACKAGE", "c_file", "installed", "library_calls_refused", "names_library",
            "package_of", "users_call"]

@@ -46,10 +46,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .code_reach import holds_state, user_code
 from .errors import CaptureError
 from .library_calls import IN_PACKAGE, installed, names_library, package_of, users_call
 from .sources import user_frame
+from .whose_code import holds_state, user_code
 
 __all__ = ["COMPUTE", "library_writes_refused", "library_writes_watched", "model_packages",
            "names_other_package"]

@@ -30,7 +30,7 @@ from test_library_state import _batch
 
 import mbcompile
 from mbcompile.errors import CaptureError
-from mbcompile.passes import code_reach, library_calls, sources
+from mbcompile.passes import library_calls, sources, whose_code
 
 tqdm = pytest.importorskip("tqdm")
 yaml = pytest.importorskip("yaml")
@@ -71,8 +71,8 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(tmp_path))
     for owner in (sources, library_calls):
         monkeypatch.setattr(owner, "SITE_DIRS", (*sources.SITE_DIRS, folder))
-    monkeypatch.setattr(code_reach, "_NOT_USERS", (*code_reach._NOT_USERS, folder))
-    monkeypatch.setattr(code_reach, "_USER", {})
+    monkeypatch.setattr(whose_code, "_NOT_USERS", (*whose_code._NOT_USERS, folder))
+    monkeypatch.setattr(whose_code, "_USER", {})
     monkeypatch.setattr(library_calls, "_INSTALLED", {})
     FAKE = importlib.import_module("fake_metrics_lib")
     yield FAKE

@@ -23,7 +23,7 @@ import torch
 from models import rel_err
 
 import mbcompile
-from mbcompile.passes import code_reach, sources
+from mbcompile.passes import sources, whose_code
 
 _SOURCE = '''
 import torch
@@ -76,8 +76,8 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     folder = str(tmp_path) + os.sep
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sources, "SITE_DIRS", (*sources.SITE_DIRS, folder))
-    monkeypatch.setattr(code_reach, "_NOT_USERS", (*code_reach._NOT_USERS, folder))
-    monkeypatch.setattr(code_reach, "_USER", {})  # where each file was classified
+    monkeypatch.setattr(whose_code, "_NOT_USERS", (*whose_code._NOT_USERS, folder))
+    monkeypatch.setattr(whose_code, "_USER", {})  # where each file was classified
     module = importlib.import_module("fake_installed_modeling")
     yield module
     sys.modules.pop("fake_installed_modeling", None)
