@@ -13,7 +13,10 @@ compiled; then, side by side in one run:
    runs to name the guard that failed when the fast check says no);
 2. ``CompiledModule._compiled()``: the whole lookup a call makes before it runs the graph
    (the mode key, the cache of guarded states, the guards), µs per call;
-3. one eager forward of the model under ``no_grad`` for scale, and the ratio of (2) to it.
+3. one eager forward of the model under ``no_grad`` for scale, and the ratio of (2) to it;
+4. with transformers installed, a tiny GPT-2's guard check, beside the check of its guards
+   on what transformers' own code reads at module level alone (its flags, and its
+   registries by their entries: ``ALL_ATTENTION_FUNCTIONS``, ``passes/library_reach.py``).
 """
 
 from __future__ import annotations
@@ -129,6 +132,30 @@ def main() -> None:
     print(f"whole lookup:    {lookup:7.2f} µs per call")
     print(f"eager forward:   {eager:7.2f} µs per call (no_grad, for scale)")
     print(f"lookup / eager forward: {lookup / eager:.3f}")
+    _transformers_guards(args.calls)
+
+
+def _transformers_guards(calls: int) -> None:
+    """Section 4: a tiny GPT-2 LM's guard check, and that of its guards on transformers'
+    code alone."""
+    try:
+        import transformers as tf
+    except ImportError:
+        return
+    tf.logging.set_verbosity_error()
+    config = tf.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                           attn_implementation="sdpa")
+    model = tf.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 50, (8, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = mbcompile.compile(model, 8, 2, 2, example_inputs=(ids,), cost_model=False)
+    guards = cm._compiled().guards
+    package = [g for g in guards if "transformers." in g.where]  # on the package's code
+    full, alone = _per_call(fast_check(guards), calls), _per_call(fast_check(package), calls)
+    print(f"GPT-2 guards: {len(guards)}, {len(package)} on transformers' code")
+    print(f"GPT-2 guard check:{full:7.2f} µs per call; those on transformers' code alone: "
+          f"{alone:.2f} µs ({alone / full:.2f} of it)")
 
 
 if __name__ == "__main__":

@@ -52,32 +52,17 @@ import torch.nn as nn
 from . import global_hooks
 from .errors import CaptureError
 from .host_draws import draws_refused
+from .library_calls import IN_PACKAGE
 from .library_reach import walk_installed_models
-from .sources import SITE_DIRS, is_library, user_frame
+from .library_writes import library_writes_watched
+from .sources import installed_package, user_frame
+from .whose_code import holds_state, user_code, user_instance
 
 __all__ = ["Cell", "Reach", "Slot", "holds_state", "open_refused", "reached_code", "user_code"]
 
-#: Python's own modules, and installed packages (site-packages: transformers), whose code is
-#: a library's: their module-level values are taken as constants (docs/limits.md)
-_NOT_USERS = (os.path.dirname(os.path.abspath(os.__file__)) + os.sep, *SITE_DIRS)
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"})
 _MAX_CODES = 5_000  # code objects walked per capture at most: a package is not walked whole
-
-
-def user_code(path: str | None) -> bool:
-    """A file of the user's, not torch's, mbcompile's, Python's own or an installed
-    package's."""
-    if not path:
-        return False
-    found = _USER.get(path)
-    if found is None:
-        found = _USER[path] = not is_library(path) and \
-            not os.path.abspath(path).startswith(_NOT_USERS)
-    return found
-
-
-_USER: dict[str, bool] = {}
 
 
 class Cell:
@@ -113,21 +98,7 @@ class Slot:
     owner: Any
     key: str
     where: str
-
-
-def holds_state(value: Any) -> bool:
-    """Whether what ``value`` holds is the user's state, looked into (a container, a
-    namespace, an object of the user's class), not a library's object (a logger)."""
-    if isinstance(value, (dict, list, tuple, set, frozenset, types.SimpleNamespace)):
-        return True
-    return not isinstance(value, (types.FunctionType, types.ModuleType)) and \
-        _user_instance(value)
-
-
-def _user_instance(value: Any) -> bool:
-    kind = type(value)
-    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type))
-            and user_code(getattr(sys.modules.get(kind.__module__), "__file__", None)))
+    library: bool = False  # an installed package's: guarded, never forward's state to replay
 
 
 def _user_function(value: Any) -> bool:
@@ -211,14 +182,14 @@ class Reach:
     _seen: set[tuple[int, str]] = field(default_factory=set)
     _walked: set[tuple[int, int, int]] = field(default_factory=set)  # code, globals, closure
 
-    def slot(self, owner: Any, key: str, where: str) -> Any:
+    def slot(self, owner: Any, key: str, where: str, library: bool = False) -> Any:
         """Record ``owner[key]`` once; its value (or None, absent)."""
         value = owner.get(key, None)
         if (id(owner), key) not in self._seen:
             self._seen.add((id(owner), key))
-            slot = Slot(owner, key, where)
+            slot = Slot(owner, key, where, library)
             self.slots.append(slot)
-            self.add_slot(slot, holds_state(value))
+            self.add_slot(slot, holds_state(value) and not library)
         return value
 
     def enter(self, code: types.CodeType, space: dict[str, Any], closure: Any = None) -> bool:
@@ -274,7 +245,7 @@ class Reach:
                 fn = getattr(member, "__func__", member)  # static and class methods
                 if _user_function(fn):
                     self.walk(fn.__code__, fn.__globals__, fn.__closure__)
-        elif callable(value) and _user_instance(value):  # a schedule object: its attributes
+        elif callable(value) and user_instance(value):  # a schedule object: its attributes
             for name in list(vars(value)):                # are slots, its methods walked
                 self.slot(vars(value), name, f"{where or 'an object'}.{name}")
             self.value(type(value), code)
@@ -306,7 +277,7 @@ def _roots(model: nn.Module, live: Callable[[nn.Module], bool] | None
                     yield from value.values()
             elif isinstance(value, types.FunctionType):
                 yield value
-            elif callable(value) and _user_instance(value):  # a schedule object it calls
+            elif callable(value) and user_instance(value):  # a schedule object it calls
                 yield from (f for f in vars(type(value)).values()
                             if isinstance(f, types.FunctionType))
     for hooks in global_hooks.FORWARD:
@@ -329,8 +300,9 @@ def open_refused(reach: Reach, to_null: bool = False) -> Iterator[None]:
         writes = any(c in mode for c in "wax+")
         if to_null and writes:
             return _OPEN(os.devnull, mode.replace("x", "w"))
-        if frame is not None and user_code(frame.f_code.co_filename) and (
-                not through or writes) and not to_null:  # a warning reads its line
+        if frame is not None and not to_null and (  # a warning reads its line: let through
+                (user_code(frame.f_code.co_filename) and (not through or writes)) or
+                (writes and installed_package(frame.f_code.co_filename))):  # np.save's
             where = user_frame(traceback.extract_stack()[:-1])
             reach.refused.append(f"opens a file at {where}")
             raise CaptureError(f"forward opens a file at {where}")
@@ -372,11 +344,12 @@ def _reached(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_nam
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):
             reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
+    named = [s.owner.get(s.key) for s in reach.slots]  # the user's code's, not a package's
     walk_installed_models(model, reach, _code)  # transformers' module-level flags
     with draws_refused(reach.refused):  # Python's or numpy's: put back, and refused
         try:
             with open_refused(reach), _calls_watched(reach) if reach.suspects else \
-                    contextlib.nullcontext():
+                    contextlib.nullcontext(), library_writes_watched(model, named, reach.refused):
                 yield reach
         except Exception:  # a refusal raised in forward, as the trace passed it on
             if not reach.refused:
@@ -424,8 +397,13 @@ def _calls_watched(reach: Reach) -> Iterator[None]:
 
 
 def _refuse(model_name: str, what: str) -> None:
+    fix = "Fix: make it outside forward (in the training loop), or pass its result in as an " \
+        "input; nothing was changed"
+    if IN_PACKAGE in what:  # a library's write: print and logging are replayed
+        fix = "Fix: make the call from the training loop (after the step, with what forward " \
+            "returns), or log with print or logging, which are replayed once per step; " \
+            "nothing was changed"
     raise CaptureError(
         f"{model_name}.forward {what}; capture runs forward once, at compile time, so that "
-        "call would happen once, there, and never in a step, where eager makes it on every "
-        "call. Fix: make it outside forward (in the training loop), or pass its result in "
-        "as an input; nothing was changed")
+        f"call would happen once, there, and never in a step, where eager makes it on every "
+        f"call. {fix}")

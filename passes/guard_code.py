@@ -51,6 +51,9 @@ def fast_check(guards: Sequence[Guard]) -> Callable[[], bool]:
         elif guard.identity:
             env[f"V{i}"] = guard.value
             terms.append(f"{now} is V{i}")
+        elif guard.entries is not None:  # an installed package's registry: the same one,
+            env[f"V{i}"], env[f"E{i}"] = guard.value, guard.entries  # the same entries
+            terms.append(f"((_v := {now}) is V{i} and {_entries_code(guard.value)} == E{i})")
         elif walk is not None:  # a flat one needs no record of the containers seen
             env[f"W{i}"] = walk
             terms.append(f"W{i}({now}, {'None' if _flat(guard.contents) else 'set()'})")
@@ -58,6 +61,13 @@ def fast_check(guards: Sequence[Guard]) -> Callable[[], bool]:
             env[f"T{i}"], env[f"V{i}"] = type(guard.value), guard.value
             terms.append(f"(type(_v := {now}) is T{i} and _v == V{i})")
     return eval(f"lambda: {' and '.join(terms) or 'True'}", env)  # noqa: S307 (our own text)
+
+
+def _entries_code(value: Any) -> str:
+    """``guard_values.entries_of(_v)`` inlined for ``value``'s type (a call costs more)."""
+    if isinstance(value, dict):
+        return "tuple(_v.items())"
+    return "frozenset(_v)" if isinstance(value, (set, frozenset)) else "tuple(_v)"
 
 
 def _walker(image: Any) -> _Walk | None:

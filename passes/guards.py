@@ -37,10 +37,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .code_reach import holds_state, user_code
 from .errors import CaptureError
-from .guard_values import ATOMS, fingerprint, plain_object, shadowable_methods, user_defined
+from .guard_values import (
+    ATOMS,
+    entries_of,
+    fingerprint,
+    plain_object,
+    shadowable_methods,
+    user_defined,
+)
 from .python_state import MODULE_INTERNALS
+from .whose_code import holds_state, user_code
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
            "numbers_as_inputs", "plain", "read_number", "recorded_reads", "slot_guards",
@@ -66,6 +73,7 @@ class Guard:
     feeds: NumberInput | None = None  # a graph input: any number of the type, fed each call
     contents: Any = None  # a container or object: its fingerprint (guard_values.py)
     reached: frozenset[int] = frozenset()  # the containers and objects that fingerprint read
+    entries: Any = None  # an installed package's container, the same one: its entries
 
 
     def now(self) -> Any:
@@ -83,6 +91,8 @@ class Guard:
             return True
         if self.identity:
             return now is self.value
+        if self.entries is not None:
+            return now is self.value and entries_of(now) == self.entries
         if self.contents is not None:
             return fingerprint(now)[0] == self.contents
         return type(now) is type(self.value) and now == self.value
@@ -93,8 +103,9 @@ class Guard:
         before = "missing" if self.value is _MISSING else repr(self.value)
         # the same container, changed in place: only its fingerprint was kept, not its old
         # contents (repr(self.value) would show the new ones twice)
-        change = f"changed, now {shown}" if self.contents is not None and \
-            now is self.value else f"was {before}, now {shown}"
+        change = f"changed, now {shown}" if (self.contents is not None or self.entries is
+                                             not None) and now is self.value else \
+            f"was {before}, now {shown}"
         if self.where:
             return f"{self.where} {change}"
         owner = names.get(id(self.module), type(self.module).__name__)
@@ -316,6 +327,9 @@ def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
         guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where)
         if plain(value):
             guards.append(guard)
+        elif slot.library:  # an installed package's container (its entries) or object
+            guards.append(replace(guard, entries=entries_of(value)) if isinstance(
+                value, (dict, list, tuple, set, frozenset)) else replace(guard, identity=True))
         elif holds_state(value) and not callable(value):
             guards.append(replace(guard, contents=_PENDING))
         elif isinstance(value, (torch.Tensor, torch.Generator)) or user_defined(value) or \

@@ -29,15 +29,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .code_reach import holds_state, user_code
 from .errors import CaptureError
 from .sources import SITE_DIRS, installed_package, user_frame
+from .whose_code import holds_state, user_code
 
-__all__ = ["IN_PACKAGE", "installed", "library_calls_refused", "names_library"]
+__all__ = ["IN_PACKAGE", "c_file", "installed", "library_calls_refused", "names_library",
+           "package_of", "users_call"]
 
 IN_PACKAGE = "in the installed package"  # how a refused call is named: ``live_hooks`` tells by it
 
-_STDLIB = ("<frozen ", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
+_STDLIB = ("<", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
 #: torch's own code whose job is to write where nothing can be put back (an event file)
 _WRITERS = {os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "utils",
                          "tensorboard") + os.sep: "torch.utils.tensorboard"}
@@ -55,7 +56,7 @@ def installed(path: str | None) -> bool:
     return found
 
 
-def _package(path: str) -> str:
+def package_of(path: str) -> str:
     """The installed package ``path`` is a file of, by name."""
     full = os.path.abspath(path)
     writer = next((name for d, name in _WRITERS.items() if full.startswith(d)), None)
@@ -89,7 +90,7 @@ _CLASS_FILES: dict[type, str | None] = {}
 _UNSEEN = object()
 
 
-def _c_file(fn: Any) -> str | None:
+def c_file(fn: Any) -> str | None:
     """The file of the module a built-in function (or a C object's method) belongs to."""
     module = getattr(fn, "__module__", None)
     if module is None:
@@ -103,13 +104,17 @@ def _c_file(fn: Any) -> str | None:
 _MODULE_FILES: dict[str, str | None] = {}
 
 
-def names_library(values: Iterable[Any]) -> bool:
+def names_library(values: Iterable[Any], besides: frozenset[str] = frozenset()) -> bool:
     """Whether one of ``values`` (what the walk of a hook's code found: its globals, closure
     variables, bound objects, the layer), or a member of one that holds state (a dict of
     writers, ``self.writer``, the layer's ``m.writer``), is an installed package's module,
-    function or object."""
+    function or object (of a package not in ``besides``)."""
+    def other(value: Any) -> bool:
+        path = _file_of(value)
+        return installed(path) and package_of(str(path)) not in besides
+
     for value in values:
-        if installed(_file_of(value)):
+        if other(value):
             return True
         if isinstance(value, nn.Module):  # ``m.writer``: its own attributes, not torch's
             members: Iterable[Any] = [v for k, v in vars(value).items() if k[0] != "_"]
@@ -119,9 +124,30 @@ def names_library(values: Iterable[Any]) -> bool:
                 vars(value).values()
         else:
             continue
-        if any(installed(_file_of(m)) for m in list(members)):
+        if any(other(m) for m in list(members)):
             return True
     return False
+
+
+def users_call(frame: types.FrameType, event: str, arg: Any
+               ) -> tuple[str, types.FrameType] | None:
+    """For a profile event: the callee's file and the user's frame that made the call, where
+    it is a call (``"call"``: of Python code, ``"c_call"``: of a built-in function) from the
+    user's code (through Python's own, as ``functools`` calls) into an installed package."""
+    if event == "call":
+        path, caller = frame.f_code.co_filename, frame.f_back
+    elif event == "c_call":
+        path, caller = c_file(arg), frame
+    else:
+        return None
+    if not installed(path):
+        return None
+    while caller is not None and caller.f_code.co_filename.startswith(_STDLIB):
+        caller = caller.f_back
+    if caller is None or not user_code(caller.f_code.co_filename) or \
+            installed(caller.f_code.co_filename):
+        return None
+    return str(path), caller
 
 
 @contextlib.contextmanager
@@ -137,19 +163,14 @@ def library_calls_refused(refused: list[str]) -> Iterator[Callable[[], None]]:
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
         if outer is not None:
             outer(frame, event, arg)
-        if event == "call" and installed(frame.f_code.co_filename):
-            caller, path, name = frame.f_back, frame.f_code.co_filename, frame.f_code.co_qualname
-        elif event == "c_call" and installed(path := _c_file(arg)):  # a C extension's
-            caller, name = frame, getattr(arg, "__qualname__", arg.__name__)
-        else:
+        found = users_call(frame, event, arg)
+        if found is None:
             return
-        while caller is not None and caller.f_code.co_filename.startswith(_STDLIB):
-            caller = caller.f_back
-        if caller is None or not user_code(caller.f_code.co_filename) or \
-                installed(caller.f_code.co_filename):
-            return
+        path, caller = found
+        name = frame.f_code.co_qualname if event == "call" else \
+            getattr(arg, "__qualname__", arg.__name__)
         where = user_frame(traceback.extract_stack(caller))
-        what = f"a call of {name} {IN_PACKAGE} {_package(str(path))!r} at {where}"
+        what = f"a call of {name} {IN_PACKAGE} {package_of(str(path))!r} at {where}"
         refused.append(what)
         raise CaptureError(f"a hook makes {what}")
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .code_reach import holds_state
+from .whose_code import holds_state
 
 __all__ = ["DELETED", "MODULE_INTERNALS", "Change", "Snapshot", "python_state_kept"]
 

@@ -23,7 +23,7 @@ import torch
 from models import rel_err
 
 import mbcompile
-from mbcompile.passes import code_reach, library_reach, sources
+from mbcompile.passes import sources, whose_code
 
 _SOURCE = '''
 import torch
@@ -32,11 +32,28 @@ import torch.nn.functional as F
 
 SCALE = 2.0
 CLAMP = (None, 4)
-REGISTRY = {"scale": 1.0}  # an object of the package's: not looked into
+ACTIVATIONS = {"tanh": torch.tanh, "sigmoid": torch.sigmoid}  # a registry: its entries
+UNREAD = {"scale": 1.0}  # named by no code of the model's: not guarded
+
+
+class Interface:
+    """A registry object, as transformers' ``AttentionInterface``: a mapping the class
+    shares, and one of the instance's own that overrides it."""
+
+    _shared = {"offset": 0.0}
+
+    def __init__(self):
+        self._own = {}
+
+    def get(self, key):
+        return self._own.get(key, self._shared.get(key))
+
+
+OFFSETS = Interface()
 
 
 def _scaled(h):
-    return h * SCALE
+    return ACTIVATIONS["tanh"](h * SCALE) + OFFSETS.get("offset")
 
 
 class Net(nn.Module):
@@ -59,8 +76,8 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     folder = str(tmp_path) + os.sep
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sources, "SITE_DIRS", (*sources.SITE_DIRS, folder))
-    monkeypatch.setattr(code_reach, "_NOT_USERS", (*code_reach._NOT_USERS, folder))
-    monkeypatch.setattr(code_reach, "_USER", {})  # where each file was classified
+    monkeypatch.setattr(whose_code, "_NOT_USERS", (*whose_code._NOT_USERS, folder))
+    monkeypatch.setattr(whose_code, "_USER", {})  # where each file was classified
     module = importlib.import_module("fake_installed_modeling")
     yield module
     sys.modules.pop("fake_installed_modeling", None)
@@ -89,7 +106,7 @@ def _assert_step_like_eager(cm: mbcompile.CompiledModule, model: torch.nn.Module
 def test_a_module_level_value_of_installed_model_code_is_guarded(installed):
     """``SCALE``, read by a function the model's method calls, and ``CLAMP``, a tuple read
     by the method: each change after compile compiles again (a warning naming it), exact;
-    the package's dict is not guarded (its change compiles nothing)."""
+    a dict the code does not name is not guarded (its change compiles nothing)."""
     torch.manual_seed(0)
     model = installed.Net().double()
     ref = copy.deepcopy(model)
@@ -101,34 +118,78 @@ def test_a_module_level_value_of_installed_model_code_is_guarded(installed):
     installed.CLAMP = (None, 0.1)
     with pytest.warns(mbcompile.RecompileWarning, match="fake_installed_modeling.CLAMP"):
         _assert_step_like_eager(cm, model, ref)
-    installed.REGISTRY["scale"] = 5.0
+    installed.UNREAD["scale"] = 5.0
     with warnings.catch_warnings():
         warnings.simplefilter("error", mbcompile.RecompileWarning)
         _assert_step_like_eager(cm, model, ref)
 
 
-def test_transformers_models_have_no_module_level_value_guarded():
-    """GPT-2's and Llama's modeling code read no plain module-level value: the walk adds
-    no guard to them (their per-call cost is unchanged)."""
-    import transformers
+def test_a_registry_of_installed_model_code_is_guarded_by_its_entries(installed):
+    """An entry of a module-level dict replaced, and a registry object's mappings (its own,
+    its class's) written after compile: each compiles again, exact, as eager follows it;
+    the same entries put back are the first compile's state again."""
+    torch.manual_seed(0)
+    model = installed.Net().double()
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=_batch())
+    _assert_step_like_eager(cm, model, ref)
+    installed.ACTIVATIONS["tanh"] = torch.sigmoid
+    with pytest.warns(mbcompile.RecompileWarning, match="ACTIVATIONS changed"):
+        _assert_step_like_eager(cm, model, ref)
+    installed.OFFSETS._own["offset"] = 0.5  # the instance's own mapping
+    with pytest.warns(mbcompile.RecompileWarning, match="OFFSETS._own changed"):
+        _assert_step_like_eager(cm, model, ref)
+    installed.Interface._shared["offset"] = 0.25  # the class's: shadowed here, still guarded
+    with pytest.warns(mbcompile.RecompileWarning, match="Interface._shared changed"):
+        _assert_step_like_eager(cm, model, ref)
 
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
-                                     n_positions=16)
-    model = transformers.GPT2LMHeadModel(config)
-    found: list[str] = []
 
-    class Recorder:
-        def slot(self, owner: object, key: str, where: str) -> None:
-            found.append(where)
+class _Attending(torch.nn.Module):
+    """A model of the user's around one transformers attention layer (its decorated
+    ``forward`` reads the attention function from ``ALL_ATTENTION_FUNCTIONS``)."""
 
-        def enter(self, code: object, space: object) -> bool:
-            key = (id(code), id(space))
-            if key in seen:
-                return False
-            seen.add(key)
-            return True
+    def __init__(self, tf):
+        super().__init__()
+        config = tf.GPT2Config(n_embd=8, n_head=2, attn_pdrop=0.0, resid_pdrop=0.0,
+                               attn_implementation="sdpa")
+        self.attn = tf.models.gpt2.modeling_gpt2.GPT2Attention(config)
 
-    seen: set[tuple[int, int]] = set()
-    library_reach.walk_installed_models(model, Recorder(), code_reach._code)
-    assert len(seen) > 3  # the walk entered GPT-2's code
-    assert found == []
+    def forward(self, h, y):
+        return torch.nn.functional.mse_loss(self.attn(h)[0].sum(-1), y)
+
+
+def test_an_attention_function_registered_after_compile_is_followed():
+    """transformers' ``ALL_ATTENTION_FUNCTIONS["sdpa"] = f`` after compile (its own
+    mapping): compiles again, exact against eager with ``f``; taken back (``del``), the
+    first compile's state again, without a compile."""
+    tf = pytest.importorskip("transformers")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def halved(*args, **kwargs):
+        out, weights = sdpa_attention_forward(*args, **kwargs)
+        return out * 0.5, weights
+
+    torch.manual_seed(0)
+    model = _Attending(tf).double()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(7, 3, 8, generator=g, dtype=torch.float64),
+             torch.randn(7, 3, generator=g, dtype=torch.float64))
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    first = cm(*batch).detach()
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = halved
+    try:
+        with pytest.warns(mbcompile.RecompileWarning, match="ALL_ATTENTION_FUNCTIONS._local"):
+            loss = cm(*batch)
+        expected = ref(*batch)
+        loss.backward()
+        expected.backward()
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert rel_err(loss.detach(), expected.detach()) < 1e-12 and rel_err(loss, first) > 1e-6
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad, 1e-3) < 1e-12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mbcompile.RecompileWarning)
+        assert torch.equal(cm(*batch).detach(), first)
