@@ -249,9 +249,17 @@ def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
                             name=request.name, fit=analysed.mode != "unsplit",
                             kept_outputs=analysed.kept, fused=analysed.fused,
                             shard=request.shard, precision=request.precision,
-                            pinned=request.choices.pinned, lazy=True), None
+                            pinned=request.choices.pinned, variants=_may_vary(request),
+                            lazy=True), None
     except CostModelError as exc:
         return None, str(exc)
+
+
+def _may_vary(request: Request) -> bool:
+    """Whether the module may train at other batch sizes (``variants.for_batch``), whose
+    figures a pinned cost model then fits from the size below the MBS, probed at compile:
+    a variant probes nothing."""
+    return request.options.batch_sizes == "any" and not request.options.planning_only
 
 
 def _without_cost_model(ctx: _Context, recompute: bool) -> Choice:
@@ -330,7 +338,8 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
     cost = analyse_cost(replace(analysed.analysis, graph_module=checkpointed), request.values,
                         request.inputs.in_dims, pbs=request.pbs, name=request.name,
                         kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard,
-                        precision=request.precision, pinned=request.choices.pinned)
+                        precision=request.precision, pinned=request.choices.pinned,
+                        variants=_may_vary(request))
     selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                request.system, reshard=request.options.reshard_after_forward,
                                sync=request.options.gradient_sync, progress=ctx.progress,

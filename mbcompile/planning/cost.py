@@ -120,7 +120,9 @@ class CostModel(TimeModel):
         self.fit_note = "not built: every size is probed exactly"
         self.probes_run = 0
         self.shard = shard  # FSDP2: parameters sharded over ranks (None: not sharded)
-        self._pinned: int | None = None  # the one size ``pin`` probed
+        self._pinned: int | None = None  # the size ``pin`` probed
+        # the affine fit through ``pin``'s two probes: a variant's other sizes (None: none)
+        self._pin_fit: Fit | None = None
         # the build left to the first question (``defer``), and why it failed, if it did
         self._pending: tuple[str, int] | None = None
         self.build_error: str | None = None
@@ -138,8 +140,9 @@ class CostModel(TimeModel):
 
     def defer(self, how: str, m: int) -> None:
         """Leave the probes to the first question, so that the model is built where it is
-        asked (the search) and only if it is: ``how`` is ``"pin"`` (``pin(m)``), ``"fit"``
-        (``build_fit(m)``) or ``"whole"`` (``probe_whole(m)``)."""
+        asked (the search) and only if it is: ``how`` is ``"pin"`` (``pin(m)``),
+        ``"pin variants"`` (``pin(m, variants=True)``), ``"fit"`` (``build_fit(m)``) or
+        ``"whole"`` (``probe_whole(m)``)."""
         self._pending = (how, m)
 
     def ready(self) -> None:
@@ -151,7 +154,8 @@ class CostModel(TimeModel):
         self._pending = None
         how, m = pending
         try:
-            {"pin": self.pin, "fit": self.build_fit, "whole": self.probe_whole}[how](m)
+            {"pin": self.pin, "pin variants": lambda m: self.pin(m, variants=True),
+             "fit": self.build_fit, "whole": self.probe_whole}[how](m)
         except CostModelError as exc:
             self.build_error = str(exc)
             raise
@@ -220,16 +224,29 @@ class CostModel(TimeModel):
         self._set_outputs()
         return self._fit is not None
 
-    def pin(self, mbs: int) -> None:
-        """Probe ``mbs`` only: the MBS is pinned (an int, or ``"none"``), so the plan runs
-        that size and, on an uneven split, one smaller. The smaller one's time is scaled
-        from the probe (``fit.scaled``); any other figure asked for (the memory of the
-        smaller one when per-sample outputs are kept beside it, an error's smaller MBS)
-        is probed exactly at its size: no fit is built."""
+    def pin(self, mbs: int, variants: bool = False) -> None:
+        """Probe ``mbs``: the MBS is pinned (an int, or ``"none"``), so the plan runs that
+        size and, on an uneven split, a smaller one; no search, no fit checked at a third
+        size. A smaller microbatch's time is scaled from the probe (``fit.scaled``).
+
+        ``variants``: the module may run other batch sizes (``batch_sizes="any"``, not
+        compile-only), so ``mbs - 1`` is probed too and the two make an affine fit
+        (``fit.fit``) that answers every other size a variant's plan runs (another batch
+        size, its trailing microbatch: ``variants.for_batch``): a training variant probes
+        nothing. Without it, or where the two do not fit (the op sequence changes with
+        the size), any other size asked for is probed exactly.
+
+        >>> cost.pin(2, variants=True)
+        >>> cost.probes_run, cost.figures(1).exact, cost.figures(3).exact
+        (2, True, False)
+        """
         self.probe(mbs)
         self._pinned = mbs
-        self.fit_note = (f"the MBS is pinned: probed at m={mbs} only (a smaller microbatch's "
-                         "time scaled from it)")
+        if variants and mbs > 1 and self._static.training:
+            self._pin_fit = fit(self.probe(mbs - 1), self._exact[mbs])
+        self.fit_note = f"the MBS is pinned: probed at m={mbs}" + (
+            f",{mbs - 1}, other sizes affine in m from them" if self._pin_fit is not None
+            else " only") + " (a smaller microbatch's time scaled from it)"
         self._set_outputs()
 
     def probe_whole(self, pbs: int) -> None:
@@ -271,9 +288,11 @@ class CostModel(TimeModel):
     def _at(self, m: int) -> tuple[Probe, bool]:
         if m in self._exact:
             return self._exact[m], True
-        if self._pinned is not None:  # another size after all (a smaller microbatch's
-            if self._prober is None:  # outputs, an error's fix): probed exactly, or, copied
-                return scaled(self._exact[self._pinned], m), False  # to a rank, scaled
+        if self._pinned is not None:  # another size after all (a variant's, an error's fix):
+            if self._pin_fit is not None:  # from the two probes, or probed exactly, or,
+                return self._pin_fit.at(m), False  # copied to a rank, scaled
+            if self._prober is None:
+                return scaled(self._exact[self._pinned], m), False
             return self.probe(m), True
         if self._fit is not None and m >= self._fit_from:
             return self._fit.at(m), False
