@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import mbcompile
+from mbcompile.execution import seeding
 from mbcompile.execution.seeding import Seed
 from mbcompile.models import IGNORE_INDEX, make_mlp, make_tiny_gpt
 from mbcompile.passes.loss_counts import count_graph
@@ -54,6 +55,7 @@ def test_every_backward_is_seeded_with_eagers_gradient_bit_for_bit(weight, monke
     replays, replay = [], Seed._replay
     monkeypatch.setattr(Seed, "_replay", lambda self, *args: replays.append(1) or replay(
         self, *args))
+    monkeypatch.setattr(seeding, "TRACE_AFTER", 1)  # traced at its first replay
     for step in range(3):
         before = len(replays)
         (cm(ids, labels)[0] * weight).backward()

@@ -60,7 +60,7 @@ class Seed:
         self.counts = counts  # inputs -> a microbatch's count (None: read off the body)
         self.outer: torch.Tensor | None = None  # the gradient L received last (None: 1)
         self.last: torch.Tensor | None = None  # the gradient dL/dS was last (no tail)
-        # the replay traced per kind of input (``_kind``); False: it could not be traced
+        # per kind of input (``_kind``): its replays so far, then its trace (False: none)
         self._traced: dict[tuple[Any, ...], Any] = {}
 
     def watch(self, flat: Sequence[Any]) -> None:
@@ -107,11 +107,13 @@ class Seed:
         """The seed of every microbatch's backward (None: seed with 1, as a plain
         ``backward()``): the tail's ``dL/dS`` for the guessed gradient of ``L``.
 
-        The replay (``_replay``: the tail's forward, then autograd's backward) is traced
-        once per kind of input (``_kind``: shapes, dtypes, devices, Python numbers) into
-        the aten ops autograd runs (``make_fx``), so that a step calls those few ops,
-        not the autograd engine: the same kernels on the same values, the same seed bit
-        for bit (``tests/test_seeded_backward.py``)."""
+        The replay (``_replay``: the tail's forward, then autograd's backward) of a kind of
+        input (``_kind``: shapes, dtypes, devices, Python numbers) replayed
+        ``TRACE_AFTER`` times is traced into the aten ops autograd runs (``make_fx``), so
+        that later steps call those few ops, not the autograd engine: the same kernels on
+        the same values, the same seed bit for bit (``tests/test_seeded_backward.py``).
+        Not sooner: a trace costs about a hundred replays, which a variant or a short run
+        would not earn back."""
         if self.tail is None or (self.counted and count is None):
             return self.last if self.last is not None and self.last.dtype == partial.dtype \
                 else None
@@ -119,8 +121,11 @@ class Seed:
                 *((count,) if self.counted else ()), *(first[i] for i in self.free))
         kind = _kind(args)
         traced = self._traced.get(kind) if kind is not None else None
-        if traced is None and kind is not None and len(self._traced) < TRACED:
-            traced = self._traced[kind] = _trace(self._replay, args)
+        if type(traced) is int or (traced is None and kind is not None
+                                   and len(self._traced) < TRACED):  # another replay
+            replays = (traced or 0) + 1
+            self._traced[kind] = replays if replays < TRACE_AFTER else _trace(
+                self._replay, args)
         try:
             if isinstance(traced, fx.GraphModule):
                 with torch.no_grad():
@@ -160,9 +165,12 @@ class Seed:
         return torch.where(g == seed, torch.ones_like(g), g / seed)
 
 
-#: Kinds of input whose replay is traced (``Seed.seed``): a count that is a Python int
-#: and changes every step would trace every step; past these it is replayed instead.
+#: Kinds of input whose replays are counted and traced (``Seed.seed``): a count that is a
+#: Python int and changes every step would make a kind per step; past these, replayed.
 TRACED = 4
+#: Replays of one kind of input before it is traced: a trace costs about a hundred
+#: replays (17 ms against 0.12 ms saved per step on bench_dynamic's GPT-2, CPU).
+TRACE_AFTER = 32
 
 
 def _kind(values: Sequence[Any]) -> tuple[Any, ...] | None:
