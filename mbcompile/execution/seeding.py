@@ -63,6 +63,10 @@ class Seed:
         # per kind of input (``_kind``): its replays so far, then its trace (False: none)
         self._traced: dict[tuple[Any, ...], Any] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the traces are remade where the copy runs (a few steps' replays)
+        return {**self.__dict__, "_traced": {}}
+
     def watch(self, flat: Sequence[Any]) -> None:
         """Record the gradient the caller sends into ``L`` this step, for the next."""
         if self.loss_pos is None:
@@ -175,9 +179,11 @@ TRACE_AFTER = 32
 
 def _kind(values: Sequence[Any]) -> tuple[Any, ...] | None:
     """What a traced replay depends on besides the tensors' values: each tensor's shape,
-    dtype and device, each Python number's value (traced as a constant), and whether an
-    autocast is on (its casts are traced); None where a value is neither."""
-    key: list[Any] = [torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")]
+    dtype and device, each Python number's value (traced as a constant); None where a value
+    is neither, or under an autocast."""
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return None  # its casts would be traced, and then cast again: replayed instead
+    key: list[Any] = []
     for v in values:
         if type(v) is torch.Tensor:  # not a subclass: a fake or distributed tensor replays
             key.append((tuple(v.shape), v.dtype, v.device, v.layout))
