@@ -100,6 +100,17 @@ def test_forward_only_calls_and_a_training_batch_size_probe_nothing(counted):
     assert not cost.figures(3).exact and counted["probe"] == probed  # the fit's size
 
 
+def test_a_training_batch_size_of_a_recomputing_plan_probes_nothing(counted):
+    """recompute=True: the variant's plan is costed with the checkpointed graph's model the
+    first plan was chosen with (``selection._Context.prior_recomputed``), not probed again."""
+    model, _, cm = _gpt(recompute=True)
+    probed = counted["probe"]
+    assert_close_errors(step_errors(model, cm, tiny_gpt(3, seed=3)[1]), TOL)
+    variant = cm._variants[(3, False)]
+    assert counted["probe"] == probed and cm.plan.recompute and variant.plan.recompute
+    assert variant.selection.cost is cm.selection.cost
+
+
 def test_a_train_eval_switch_reuses_the_first_capture(counted):
     """No layer's batch facts read the mode and forward reads no ``training``: the training
     capture serves eval as it is, only what a step keeps is decided anew."""
