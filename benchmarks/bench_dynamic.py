@@ -20,7 +20,8 @@ every variant it compiled later, timed around compile()'s chain) and the largest
 difference of the trained parameters (float64 model, transformers' float32 regions kept
 in float64: <= 1e-9). ``tests/test_dynamic_shapes.py`` runs ``run_both``: 40 steps of the
 causal LMs, 12 of the other two. ``--floor`` times the step alone instead (no Trainer): the
-whole batch, the plan's microbatches run by hand on the model, and the compiled module.
+whole batch, the plan's microbatches run by hand on the model, and the compiled module;
+then the seed of a step's backwards, replayed and traced (``seed_costs``).
 """
 
 from __future__ import annotations
@@ -283,7 +284,37 @@ def step_floor(transformers: Any, name: str, steps: int) -> dict[str, float]:
                 for batch in batches:
                     step(batch)
                 ms[way] = (time.process_time() - cpu) / steps * 1e3
+        ms.update(seed_costs(cm, batches[0]))
     return ms
+
+
+def seed_costs(cm: Any, batch: dict[str, Any], calls: int = 2000) -> dict[str, float]:
+    """CPU ms of the seed of one step's backwards (``execution/seeding.py``), computed the
+    two ways a step does, on that step's inputs: replayed (the loss's tail, then autograd's
+    backward) and as the aten ops that replay ran, traced (after ``TRACE_AFTER`` steps)."""
+    from mbcompile.execution import seeding
+
+    seed = cm._compiled().channels.config.seed
+    seen: list[tuple[Any, ...]] = []
+    real = seed.seed
+    seed.seed = lambda *args: seen.append(args) or real(*args)  # the step's own inputs
+    try:
+        cm(**batch).loss.backward()
+    finally:
+        del seed.seed
+    partial, count, first = seen[0]
+    args = (partial.detach(), seed.outer, *((count,) if seed.counted else ()),
+            *(first[i] for i in seed.free))
+    traced = seeding._trace(seed._replay, args)
+    ways = {"seed, replayed": lambda: seed._replay(*args), "seed, traced": lambda: traced(*args)}
+    best = {way: float("inf") for way in ways}
+    for _ in range(3):  # in turn; the best of three rounds
+        for way, fn in ways.items():
+            cpu = time.process_time()
+            for _ in range(calls):
+                fn()
+            best[way] = min(best[way], (time.process_time() - cpu) / calls * 1e3)
+    return best
 
 
 def main() -> None:
@@ -303,6 +334,9 @@ def main() -> None:
         whole = ms["whole batch"]
         print(f"{args.model}, the step alone (forward and backward), {args.steps} batches:")
         for way, t in ms.items():
+            if way.startswith("seed"):
+                print(f"  {way}: {t * 1e3:.0f} us CPU per step")
+                continue
             print(f"  {way}: {t:.1f} ms CPU per step ({t / whole:.2f}x the whole batch)")
         return
     run = run_both(transformers, args.model, args.steps, args.upfront)

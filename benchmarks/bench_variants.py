@@ -1,6 +1,6 @@
 """What a call compile() did not see costs: another batch size, or a train/eval switch.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_variants.py [--gbs 7] [--mbs 2]
+    OMP_NUM_THREADS=1 python benchmarks/bench_variants.py [--gbs 7] [--mbs 2] [--recompute]
 
 The tiny GPT of the tests (``tests/models.py``: 2 layers, width 16, sequence 8, vocabulary
 32, float64) compiled for gbs 7 over 2 systems at mbs 2, with the cost model on (its
@@ -20,7 +20,10 @@ compile's:
 
 Goal (issue 34): each new batch size and the mode switch <= 50 ms of CPU time. Before
 (commit e237a40) each size captured, analysed and probed again: 0.4-1.1 s per size on the
-same machine; the switch captured the eval graph again until commit dc6f031 (~340 ms).
+same machine; the switch captured the eval graph again until commit dc6f031 (~340 ms); a
+training size whose plan ends on another microbatch size (9: 2+2+1) probed that size
+until branch variants3 (~500 ms; now compile probes the pinned MBS and the size below it
+and fits the others: ``CostModel.pin``).
 """
 
 from __future__ import annotations
@@ -59,14 +62,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gbs", type=int, default=7)
     parser.add_argument("--mbs", default="2", help="an int, or auto")
+    parser.add_argument("--recompute", action="store_true",
+                        help="compile with recompute=True (activation checkpointing per block)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
     gbs, mbs = args.gbs, (int(args.mbs) if args.mbs.isdigit() else args.mbs)
     model, batch = make_tiny_gpt(gbs, dtype=torch.float64, **CONFIG)
     holder: dict[str, Any] = {}
+    options = {"recompute": True} if args.recompute else {}
     first = _cpu_ms(lambda: holder.setdefault("cm", mbcompile.compile(
-        model, gbs, 2, mbs, example_inputs=batch)))
+        model, gbs, 2, mbs, example_inputs=batch, **options)))
     cm = holder["cm"]
     print(f"tiny GPT {CONFIG}, gbs {gbs} over 2 systems, mbs={mbs}: first compile "
           f"{first:.0f} ms CPU (plan mbs {cm.plan.mbs})")

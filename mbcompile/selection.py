@@ -93,6 +93,16 @@ class _Context:
             self._checkpointed.append(checkpoint_blocks(self.analysed.analysis.graph_module))
         return self._checkpointed[0]
 
+    def prior_recomputed(self) -> CostModel | None:
+        """The cost model of the checkpointed graph that the prior request's plan was chosen
+        with (a variant of a plan that recomputes, on the same capture): nothing to probe
+        or checkpoint again."""
+        prior = self.prior
+        if (prior is None or not prior.plan.recompute or self.analysed.mode != "split"
+                or isinstance(prior.cost, TwoPhaseCostModel)):
+            return None
+        return prior.cost
+
 
 def select(request: Request, analysed: Analysed, *, progress: bool | None = None,
            prior: Selection | None = None) -> Selection:
@@ -171,7 +181,8 @@ def _select(request: Request, analysed: Analysed, progress: bool | None,
     may_recompute = not (two_phase or unsplit or recompute is False)
     if not request.options.cost_model:
         return _without_cost_model(ctx, recompute is True and may_recompute)
-    if recompute is True and may_recompute and ctx.checkpointed() is not None:
+    if recompute is True and may_recompute and (ctx.prior_recomputed() is not None
+                                                or ctx.checkpointed() is not None):
         return _with_recompute(ctx, None)
     cost, error = _cost_model(ctx)  # built on the search's first question
     if request.measure and _holds_no_data(request):
@@ -249,9 +260,17 @@ def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
                             name=request.name, fit=analysed.mode != "unsplit",
                             kept_outputs=analysed.kept, fused=analysed.fused,
                             shard=request.shard, precision=request.precision,
-                            pinned=request.choices.pinned, lazy=True), None
+                            pinned=request.choices.pinned, variants=_may_vary(request),
+                            lazy=True), None
     except CostModelError as exc:
         return None, str(exc)
+
+
+def _may_vary(request: Request) -> bool:
+    """Whether the module may train at other batch sizes (``variants.for_batch``), whose
+    figures a pinned cost model then fits from the size below the MBS, probed at compile:
+    a variant probes nothing."""
+    return request.options.batch_sizes == "any" and not request.options.planning_only
 
 
 def _without_cost_model(ctx: _Context, recompute: bool) -> Choice:
@@ -325,12 +344,16 @@ def _with_recompute(ctx: _Context, without: DoesNotFitError | None,
     """The plan with activation checkpointing per block, its cost probed as it runs
     (``asked``: recompute=True; else chosen beside the plan without it)."""
     request, analysed = ctx.request, ctx.analysed
-    checkpointed = ctx.checkpointed()
-    assert checkpointed is not None
-    cost = analyse_cost(replace(analysed.analysis, graph_module=checkpointed), request.values,
-                        request.inputs.in_dims, pbs=request.pbs, name=request.name,
-                        kept_outputs=analysed.kept, fused=analysed.fused, shard=request.shard,
-                        precision=request.precision, pinned=request.choices.pinned)
+    cost = ctx.prior_recomputed()
+    if cost is None:
+        checkpointed = ctx.checkpointed()
+        assert checkpointed is not None
+        cost = analyse_cost(replace(analysed.analysis, graph_module=checkpointed),
+                            request.values, request.inputs.in_dims, pbs=request.pbs,
+                            name=request.name, kept_outputs=analysed.kept,
+                            fused=analysed.fused, shard=request.shard,
+                            precision=request.precision, pinned=request.choices.pinned,
+                            variants=_may_vary(request))
     selection = select_sharded(request.per_system_batch_sizes, request.policy, cost,
                                request.system, reshard=request.options.reshard_after_forward,
                                sync=request.options.gradient_sync, progress=ctx.progress,

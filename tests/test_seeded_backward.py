@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import mbcompile
+from mbcompile.execution import seeding
+from mbcompile.execution.seeding import Seed
 from mbcompile.models import IGNORE_INDEX, make_mlp, make_tiny_gpt
 from mbcompile.passes.loss_counts import count_graph
 
@@ -46,12 +48,20 @@ def _seeded_hand_loop(model: torch.nn.Module, ids: torch.Tensor, labels: torch.T
 
 
 @pytest.mark.parametrize("weight", [3.0, 1.0])
-def test_every_backward_is_seeded_with_eagers_gradient_bit_for_bit(weight):
+def test_every_backward_is_seeded_with_eagers_gradient_bit_for_bit(weight, monkeypatch):
     model, (ids, labels) = make_tiny_gpt(GBS)  # float32
     hand = copy.deepcopy(model)
     cm = mbcompile.compile(model, GBS, 1, MBS, example_inputs=(ids, labels))
+    replays, replay = [], Seed._replay
+    monkeypatch.setattr(Seed, "_replay", lambda self, *args: replays.append(1) or replay(
+        self, *args))
+    monkeypatch.setattr(seeding, "TRACE_AFTER", 1)  # traced at its first replay
     for step in range(3):
+        before = len(replays)
         (cm(ids, labels)[0] * weight).backward()
+        # the seed's replay (autograd on the loss's tail) is traced at the first two steps
+        # (no guess, then the gradient seen), then the traced aten ops run: no replay
+        assert (len(replays) > before) == (step < 2), step
         got = _grads(model)
         want = _seeded_hand_loop(hand, ids, labels, weight)
         if step or weight == 1.0:  # the first step guesses 1: right for weight 1 only

@@ -71,7 +71,7 @@ def test_training_batches_of_other_sizes_reuse_the_capture_and_are_exact(counted
     assert counted["capture"] == made  # one capture served every batch size
 
 
-def test_forward_only_calls_probe_nothing_and_match_eager(counted):
+def test_forward_only_calls_and_a_training_batch_size_probe_nothing(counted):
     model, _, cm = _gpt()  # mbs pinned, the cost model on: compile() probed
     cm.eval()
     made, probed = counted["capture"], counted["probe"]
@@ -88,6 +88,27 @@ def test_forward_only_calls_probe_nothing_and_match_eager(counted):
                                 TOL)
     assert counted["probe"] == probed and (2, True) in cm._variants
     assert counted["capture"] == made  # the training graph is the first capture
+    # Training at 9 runs 2+2+1 on a system where compile's plan ran 2+2 and 2+1: the
+    # pinned cost model probed m=2 and m=1 at compile (``CostModel.pin``), so the memory
+    # of the trailing microbatch beside the earlier ones' logits is exact, and the
+    # variant probes nothing
+    assert_close_errors(step_errors(model, cm, tiny_gpt(9, seed=9)[1]), TOL)
+    assert counted["probe"] == probed
+    variant, cost = cm._variants[(9, False)], cm.selection.cost
+    assert variant.selection.cost is cost and variant.plan.num_microbatches == 3
+    assert variant.estimate.figures.exact and cost.figures(1).exact
+    assert not cost.figures(3).exact and counted["probe"] == probed  # the fit's size
+
+
+def test_a_training_batch_size_of_a_recomputing_plan_probes_nothing(counted):
+    """recompute=True: the variant's plan is costed with the checkpointed graph's model the
+    first plan was chosen with (``selection._Context.prior_recomputed``), not probed again."""
+    model, _, cm = _gpt(recompute=True)
+    probed = counted["probe"]
+    assert_close_errors(step_errors(model, cm, tiny_gpt(3, seed=3)[1]), TOL)
+    variant = cm._variants[(3, False)]
+    assert counted["probe"] == probed and cm.plan.recompute and variant.plan.recompute
+    assert variant.selection.cost is cm.selection.cost
 
 
 def test_a_train_eval_switch_reuses_the_first_capture(counted):

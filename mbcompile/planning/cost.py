@@ -28,27 +28,7 @@ rebuilt from ``m = 2, pbs``, checked at ``m = 3``, and ``m = 1`` keeps its own p
 when no fit holds every size is probed exactly.  Peak memory stays exact under
 the fit: the peak is the max over ops of affine functions, evaluated at ``m``.
 
-**Memory** (per system; docs/mbs.md, "The cost model")::
-
-    static      = parameters + buffers + gradients + optimizer state
-                  (only buffers on device for weight-streaming systems)
-    inputs      = the system's share of the batch
-    activations = peak live bytes of one microbatch's forward+backward
-                = saved for backward + the largest transient on top of them
-                  (probed as a later microbatch: each new gradient a temporary until
-                  it is added in; with one microbatch, the first's, whose gradients
-                  are made while its activations are freed: Probe.first_live)
-    outputs     = per-sample outputs (logits) kept for the caller
-    peak        = static + inputs + the largest of
-                    outputs of the earlier microbatches + activations  (the loop:
-                      the last microbatch of each size, CostModel._loop_peak)
-                    2 x outputs                  (joining the microbatches' pieces)
-                    outputs + 2 x largest parameter   (an Adam-like update)
-
-The outputs and update terms are in docs/mbs.md's formula because a model that
-returns logits keeps ``pbs * seq * vocab`` floats alive whatever the MBS (on a
-GPT-sized vocabulary as much as the activations), and for a small model the
-optimizer's temporaries can set the peak.
+**Memory** is ``memory_model.py``'s (``MemoryModel``, which this class extends).
 
 **Time** is ``time_model.py``'s (``TimeModel``, which this class extends).
 """
@@ -73,6 +53,7 @@ from mbcompile.planning.estimates import (
     format_seconds,
 )
 from mbcompile.planning.fit import FIT_TOLERANCE, Fit, fit, reproduces, scaled
+from mbcompile.planning.memory_model import MemoryModel, split_counts
 from mbcompile.planning.plan import num_microbatches, per_system_batch_sizes
 from mbcompile.planning.precision import Precision, probe_precision
 from mbcompile.planning.probe import Probe
@@ -92,13 +73,7 @@ __all__ = [
 ]
 
 
-def _split_counts(size: int, k: int) -> list[tuple[int, int]]:
-    """``(microbatch size, how many)`` for ``size`` samples over ``k`` microbatches."""
-    q, r = divmod(size, k)
-    return [(s, c) for s, c in ((q + 1, r), (q, k - r)) if s > 0 and c > 0]
-
-
-class CostModel(TimeModel):
+class CostModel(MemoryModel, TimeModel):
     """Per-MBS figures of one captured graph, and memory/time estimates for a system.
 
     Build it with ``cost_analysis.analyse_cost``.  ``figures(m)`` answers from the verified
@@ -120,7 +95,9 @@ class CostModel(TimeModel):
         self.fit_note = "not built: every size is probed exactly"
         self.probes_run = 0
         self.shard = shard  # FSDP2: parameters sharded over ranks (None: not sharded)
-        self._pinned: int | None = None  # the one size ``pin`` probed
+        self._pinned: int | None = None  # the size ``pin`` probed
+        # the affine fit through ``pin``'s two probes: a variant's other sizes (None: none)
+        self._pin_fit: Fit | None = None
         # the build left to the first question (``defer``), and why it failed, if it did
         self._pending: tuple[str, int] | None = None
         self.build_error: str | None = None
@@ -138,8 +115,9 @@ class CostModel(TimeModel):
 
     def defer(self, how: str, m: int) -> None:
         """Leave the probes to the first question, so that the model is built where it is
-        asked (the search) and only if it is: ``how`` is ``"pin"`` (``pin(m)``), ``"fit"``
-        (``build_fit(m)``) or ``"whole"`` (``probe_whole(m)``)."""
+        asked (the search) and only if it is: ``how`` is ``"pin"`` (``pin(m)``),
+        ``"pin variants"`` (``pin(m, variants=True)``), ``"fit"`` (``build_fit(m)``) or
+        ``"whole"`` (``probe_whole(m)``)."""
         self._pending = (how, m)
 
     def ready(self) -> None:
@@ -151,7 +129,8 @@ class CostModel(TimeModel):
         self._pending = None
         how, m = pending
         try:
-            {"pin": self.pin, "fit": self.build_fit, "whole": self.probe_whole}[how](m)
+            {"pin": self.pin, "pin variants": lambda m: self.pin(m, variants=True),
+             "fit": self.build_fit, "whole": self.probe_whole}[how](m)
         except CostModelError as exc:
             self.build_error = str(exc)
             raise
@@ -220,16 +199,29 @@ class CostModel(TimeModel):
         self._set_outputs()
         return self._fit is not None
 
-    def pin(self, mbs: int) -> None:
-        """Probe ``mbs`` only: the MBS is pinned (an int, or ``"none"``), so the plan runs
-        that size and, on an uneven split, one smaller. The smaller one's time is scaled
-        from the probe (``fit.scaled``); any other figure asked for (the memory of the
-        smaller one when per-sample outputs are kept beside it, an error's smaller MBS)
-        is probed exactly at its size: no fit is built."""
+    def pin(self, mbs: int, variants: bool = False) -> None:
+        """Probe ``mbs``: the MBS is pinned (an int, or ``"none"``), so the plan runs that
+        size and, on an uneven split, a smaller one; no search, no fit checked at a third
+        size. A smaller microbatch's time is scaled from the probe (``fit.scaled``).
+
+        ``variants``: the module may run other batch sizes (``batch_sizes="any"``, not
+        compile-only), so ``mbs - 1`` is probed too and the two make an affine fit
+        (``fit.fit``) that answers every other size a variant's plan runs (another batch
+        size, its trailing microbatch: ``variants.for_batch``): a training variant probes
+        nothing. Without it, or where the two do not fit (the op sequence changes with
+        the size), any other size asked for is probed exactly.
+
+        >>> cost.pin(2, variants=True)
+        >>> cost.probes_run, cost.figures(1).exact, cost.figures(3).exact
+        (2, True, False)
+        """
         self.probe(mbs)
         self._pinned = mbs
-        self.fit_note = (f"the MBS is pinned: probed at m={mbs} only (a smaller microbatch's "
-                         "time scaled from it)")
+        if variants and mbs > 1 and self._static.training:
+            self._pin_fit = fit(self.probe(mbs - 1), self._exact[mbs])
+        self.fit_note = f"the MBS is pinned: probed at m={mbs}" + (
+            f",{mbs - 1}, other sizes affine in m from them" if self._pin_fit is not None
+            else " only") + " (a smaller microbatch's time scaled from it)"
         self._set_outputs()
 
     def probe_whole(self, pbs: int) -> None:
@@ -271,9 +263,11 @@ class CostModel(TimeModel):
     def _at(self, m: int) -> tuple[Probe, bool]:
         if m in self._exact:
             return self._exact[m], True
-        if self._pinned is not None:  # another size after all (a smaller microbatch's
-            if self._prober is None:  # outputs, an error's fix): probed exactly, or, copied
-                return scaled(self._exact[self._pinned], m), False  # to a rank, scaled
+        if self._pinned is not None:  # another size after all (a variant's, an error's fix):
+            if self._pin_fit is not None:  # from the two probes, or probed exactly, or,
+                return self._pin_fit.at(m), False  # copied to a rank, scaled
+            if self._prober is None:
+                return scaled(self._exact[self._pinned], m), False
             return self.probe(m), True
         if self._fit is not None and m >= self._fit_from:
             return self._fit.at(m), False
@@ -301,79 +295,6 @@ class CostModel(TimeModel):
             kernels=int(p.kernel.sum()), exact=exact, first_peak_bytes=first_peak,
             first_grads_pending=pending)
 
-    # ------------------------------------------------------------- memory
-    def memory(self, pbs: int, mbs: int, num_microbatches: int, spec: SystemSpec
-               ) -> MemoryEstimate:
-        """Peak memory of a system running ``pbs`` samples in microbatches of ``mbs``."""
-        s = self.static
-        f = self.figures(mbs)
-        on_device = not spec.weight_streaming
-        trained = on_device and s.training
-        params = s.param_bytes if on_device else 0.0
-        grads = s.trainable_bytes if trained else 0.0
-        optimizer = spec.optimizer_bytes_per_param * s.num_trainable if trained else 0.0
-        gathered = 0.0
-        if self.shard is not None and on_device:  # one rank's shards, units gathered
-            w = self.shard.world
-            params, optimizer = params / w, optimizer / w
-            grads, gathered = self.shard.held(grads, num_microbatches)
-        # autocast's copies of the weights: made in the first microbatch, cached to the end
-        casts = max((p.casts for p in self._exact.values()), default=0.0) if on_device else 0.0
-        static = params + s.buffer_bytes + grads + optimizer + casts
-        inputs = s.input_bytes_fixed + s.input_bytes_per_sample * pbs
-        saved, act = f.saved_bytes, f.activation_peak_bytes
-        earlier, pending = s.output_bytes_per_sample * (pbs - mbs), 0.0
-        if not s.fused and s.training and num_microbatches > 1:
-            # no single loss: one backward makes the gradients (its peak the first
-            # microbatch's, before some exist), and autograd keeps every microbatch's
-            # saved activations until then
-            kept = self.figures(pbs).saved_bytes - saved
-            act, pending = f.first_peak_bytes + kept, f.first_grads_pending
-            saved += kept
-        elif self.shard is None:
-            earlier, act, pending = self._loop_peak(pbs, num_microbatches)
-        out_all = s.output_bytes_per_sample * pbs
-        # (phase, outputs, activations, update temporaries, gradients not made yet) alive
-        # at each candidate peak
-        phases = [("microbatch loop", earlier, act, 0.0, pending)]
-        if num_microbatches > 1:  # the pieces and their concatenation, briefly
-            phases.append(("joining outputs", 2 * out_all, 0.0, 0.0, 0.0))
-        if trained and spec.optimizer_bytes_per_param > 0:
-            # An Adam-like update makes two temporaries the size of the parameter it
-            # updates (sqrt of the second moment, then the step); torch's for-loop
-            # implementation does it one tensor at a time.  (foreach implementations
-            # batch all parameters and need up to twice the gradient bytes.)
-            phases.append(("optimizer update", out_all, 0.0, 2 * s.largest_param_bytes, 0.0))
-        phase, outputs, activations, update, pending = max(
-            phases, key=lambda p: p[1] + p[2] + p[3] - p[4])
-        grads -= pending
-        static -= pending
-        return MemoryEstimate(
-            params=params, buffers=s.buffer_bytes, grads=grads, optimizer=optimizer,
-            inputs=inputs, outputs=outputs, activations=activations, update=update,
-            saved=saved, transient=max(0.0, act - saved),
-            peak=static + inputs + outputs + activations + update + gathered,
-            capacity=spec.usable_bytes, phase=phase, gathered=gathered, casts=casts)
-
-    def _loop_peak(self, pbs: int, k: int) -> tuple[float, float, float]:
-        """``(earlier microbatches' outputs, activations, gradients not made yet)`` at the
-        loop's peak: the first microbatch (it makes the gradients as it goes:
-        ``Probe.first_live``) or the last of each size after it (every gradient alive),
-        larger ones first as the plan runs them. Without per-sample outputs a smaller
-        microbatch cannot set the peak after a larger one, so no other size is probed."""
-        per_sample = self.static.output_bytes_per_sample
-        sizes = _split_counts(pbs, k)
-        first = self.figures(sizes[0][0])
-        peaks = [(0.0, first.first_peak_bytes, first.first_grads_pending)]
-        done = 0
-        for i, (size, count) in enumerate(sizes):
-            done += size * count
-            if count - (i == 0) <= 0 or (per_sample == 0 and len(peaks) > 1):
-                continue
-            later = (per_sample * (done - size), self.figures(size).activation_peak_bytes, 0.0)
-            peaks.append(later)
-        return max(peaks, key=lambda p: p[0] + p[1] - p[2])
-
     # ----------------------------------------------------------- estimate
     def estimate(self, gbs: int, num_csx: int, mbs: int, spec: SystemSpec) -> Estimate:
         """Memory and step time of the plan ``make_plan(gbs, num_csx, mbs)`` on ``spec``."""
@@ -396,7 +317,7 @@ class CostModel(TimeModel):
                 continue
             total = roof = over = 0.0
             nonempty = 0
-            for m, c in _split_counts(size, k):
+            for m, c in split_counts(size, k):
                 t, body, o, bound = self.microbatch_seconds(m, spec)
                 total += c * t
                 roof += c * body
@@ -422,7 +343,7 @@ class CostModel(TimeModel):
             allgather = k * ((w - 1) / w * gathered / bandwidth + gathers * latency)
         # the last microbatch (the smallest of the largest system) runs its backward while
         # the first buckets are reduced
-        last = min(size for size, _ in _split_counts(pbs, k))
+        last = min(size for size, _ in split_counts(pbs, k))
         hidden = self.hidden_seconds(allreduce, self.backward_seconds(last, spec)) \
             if allreduce > 0 else 0.0
         if self.shard is not None and self.shard.world > 1 and rounds > 1:

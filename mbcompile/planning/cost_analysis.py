@@ -71,7 +71,8 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
                  name: str | None = None, fit: bool = True,
                  kept_outputs: frozenset[int] | None = None, fused: bool | None = None,
                  shard: ShardSpec | None = None, precision: Precision | None = None,
-                 pinned: int | None = None, lazy: bool = False) -> CostModel:
+                 pinned: int | None = None, variants: bool = False, lazy: bool = False
+                 ) -> CostModel:
     """Build the cost model of ``gm``: best the batch analysis of the captured graph
     (it says which outputs are trained losses and whether backward runs per
     microbatch), or any module (assumed to return one scalar loss first).
@@ -88,8 +89,10 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     analysis's word, or True for a module); ``shard``: the FSDP2 sharding it is costed with.
     ``pinned``: the MBS a pinned policy (an int or ``"none"``) runs
     (``MbsChoices.pinned``): that one size is probed and the fit is left until another
-    size is asked for (``CostModel.pin``). ``lazy``: the probes run on the model's first
-    question (``CostModel.defer``), and a ``CostModelError`` they raise is raised there.
+    size is asked for (``CostModel.pin``); ``variants``: the module may run other batch
+    sizes, so the size below it is probed too and other sizes fitted from the two.
+    ``lazy``: the probes run on the model's first question (``CostModel.defer``), and a
+    ``CostModelError`` they raise is raised there.
 
     >>> model, batch = make_mlp(8)
     >>> cost = analyse_cost(model, batch, (0, 0), pbs=8)
@@ -109,7 +112,7 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     model = CostModel(prober, static, name or type(gm).__name__, shard, precision)
     size = 4 if pbs is None else pbs
     if pinned is not None and pin:
-        model.defer("pin", pinned)
+        model.defer("pin variants" if variants else "pin", pinned)
     else:
         model.defer("fit" if fit else "whole", size)
     if not lazy:
