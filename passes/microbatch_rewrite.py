@@ -214,10 +214,29 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     rewritten = fx.GraphModule(root, top, "Microbatched" + type(gm).__name__)
     # sizes whose users became constants (1 / x.size(0) -> 1 / 7); owned graphs only, since
     # fx asks the owning module whether a call_module is impure
-    if rewritten.graph.eliminate_dead_code():
-        rewritten.recompile()
+    _eliminate_dead_code(rewritten)
     rewritten.graph.lint()
     return rewritten
+
+
+def _eliminate_dead_code(gm: fx.GraphModule) -> bool:
+    """fx's ``Graph.eliminate_dead_code`` on ``gm`` and the graph modules its ``get_attr``
+    nodes name (the body, the coupled part), recompiling only those it changed: fx
+    recompiles each of them whether it changed or not, which for the body is the whole
+    model's code generated again on every compile. True if anything was removed."""
+    gm.graph.lint()
+    changed = False
+    for node in reversed(gm.graph.nodes):  # users first: their inputs lose a user
+        if not node.users and not node.is_impure():
+            gm.graph.erase_node(node)
+            changed = True
+    named = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, child in gm.named_children():
+        if name in named and isinstance(child, fx.GraphModule):
+            changed |= _eliminate_dead_code(child)
+    if changed:
+        gm.recompile()
+    return changed
 
 
 def constants_at(part: Partition, batch: int) -> dict[fx.Node, int | float]:

@@ -178,10 +178,12 @@ MIN_BLOCKS = 4
 def _run(gm: fx.GraphModule, inputs: Sequence[Any], in_dims: Sequence[Any], gbs: int,
          whole: fx.GraphModule) -> dict[str, Any]:
     """Each node's merged ``ValueInfo`` by name, from fake runs at ``gbs`` and ``gbs + 1``;
-    a failure names ``whole``'s node (``gm`` may be its cut)."""
+    a failure names ``whole``'s node (``gm`` may be its cut). Both runs are one recorder's:
+    one fake mode and one fake copy of the parameters."""
     runs = []
+    recorder = _Recorder(gm, gbs, gbs)
     for batch in (gbs, gbs + 1):
-        recorder = _Recorder(gm, batch, gbs)
+        recorder.batch, recorder.infos = batch, {}
         try:
             recorder.run(*recorder.inputs(inputs, in_dims, batch))
         except ShapePropagationError as exc:

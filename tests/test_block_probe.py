@@ -26,7 +26,7 @@ from mbcompile.passes.recompute import block_of, checkpoint_blocks
 from mbcompile.passes.repeated_blocks import find_blocks, truncate
 from mbcompile.passes.shape_prop import propagate_shapes
 from mbcompile.planning import probe
-from mbcompile.planning.block_probe import MIN_BLOCKS, BlockProber
+from mbcompile.planning.block_probe import MIN_BLOCKS, BlockProber, first_block
 from mbcompile.planning.cost import CostModel
 from mbcompile.planning.cost_analysis import analyse_cost
 from mbcompile.request import make_request
@@ -67,11 +67,12 @@ def test_per_block_figures_equal_the_whole_graphs(monkeypatch: pytest.MonkeyPatc
     _assert_within_1_percent(per_block, whole)
 
 
-def test_pinned_mbs_probes_two_cut_graphs_and_equals_the_whole(
+def test_pinned_mbs_runs_one_probe_and_equals_the_whole(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """An int MBS probes one size, the graph cut to one and two blocks, without the fit or
-    the three-block check (it chooses nothing), also with activation checkpointing; its
-    estimate is the whole graph's."""
+    """An int MBS runs one probe, the graph cut to two blocks (the one-block figures are
+    derived from it: ``first_block``), without the fit or the three-block check (it
+    chooses nothing), also with activation checkpointing; its estimate is the whole
+    graph's."""
     model, batch = _gpt(MIN_BLOCKS + 1)
     probed: list[int | str] = []  # per probe: the blocks its cut keeps, or what it is
     real = probe.Prober.probe
@@ -90,13 +91,30 @@ def test_pinned_mbs_probes_two_cut_graphs_and_equals_the_whole(
 
     estimate(False)
     got = estimate(True)
-    assert probed == [1, 2, 1, 2]  # one size, cut to one and two blocks: no check, no fit
+    assert probed == [2, 2]  # one size, cut to two blocks: no one-block probe, no check, no fit
     # (unchecked, the stacked figures are those the check passes in the test above; here
     # the checkpointed graph's, which the selection costs apart)
     monkeypatch.setattr(probe.Prober, "per_block", False)
     want = estimate(True)
     assert got.memory.peak == pytest.approx(want.memory.peak, rel=0.01)
     assert got.time.step == pytest.approx(want.time.step, rel=0.01)
+
+
+def test_first_block_derived_from_two_equals_the_one_block_probe() -> None:
+    """P1 taken out of P2's run (its ops without the second block's, its storages without
+    what the second block's forward made) is the probe of the graph cut to one block: every
+    per-op figure, the saved bytes, the gradients' timeline; with checkpointed blocks too."""
+    model, batch = _gpt(MIN_BLOCKS)
+    cm = mbcompile.compile(model, 8, 2, 2, example_inputs=batch, cost_model=False)
+    gm = cm.analysis.graph_module
+    for graph in (gm, checkpoint_blocks(gm)):
+        blocks = probe.Prober(graph, list(batch), [0, 0], cm.analysis.loss_outputs).blocks
+        for m in (1, 3):  # m = 1: size-1 dims broadcast
+            want, got = blocks.one.probe(m), first_block(blocks.two.probe(m))
+            assert got.ops == want.ops and got.tags.tolist() == want.tags.tolist()
+            for key, value in want.arrays().items():
+                assert got.arrays()[key].tolist() == value.tolist(), key
+            assert (got.saved, got.outputs, got.casts) == (want.saved, want.outputs, want.casts)
 
 
 def _llama(transformers: Any) -> tuple[torch.nn.Module, Any]:

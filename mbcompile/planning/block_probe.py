@@ -16,8 +16,9 @@ after the op) is then affine in the number of blocks:
    A pinned MBS (``CostModel.pin``) probes one size and chooses nothing, so it trusts the
    structure ``find_blocks`` proved (the blocks run the same ops on the same shapes, each
    reading the one before) as it trusts its smaller microbatch's time scaled from the
-   probe: two cut probes, not three (``tests/test_block_probe.py`` compares both with the
-   whole graph's).
+   probe, and it runs one probe, P2: P1 is P2 without the second block's ops and what
+   its forward made (``first_block``; ``tests/test_block_probe.py`` compares it with a
+   probed P1, and both paths with the whole graph's).
 
 The stacked probe lists its ops in another order than a real one (the copies come last),
 which no figure depends on: times are sums over ops, memory the largest live value.
@@ -28,6 +29,7 @@ eighty (the check six, once); the figures equal the whole graph's (``tests/test_
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -63,9 +65,14 @@ class BlockProber:
                  make: Callable[[fx.GraphModule, dict[str, int]], Any], check: bool = True
                  ) -> None:
         self.gm, self.blocks, self.make = gm, blocks, make
-        self.one = make(truncate(gm, blocks, 1), blocks.tags(1))
         self.two = make(truncate(gm, blocks, 2), blocks.tags(2))
-        self.checked = not check
+        self.checked = self.derive = not check
+
+    # Made on first use: a pinned MBS derives P1 from P2 and never probes one block alone.
+    @functools.cached_property
+    def one(self) -> Any:
+        """The prober of the graph cut to one block."""
+        return self.make(truncate(self.gm, self.blocks, 1), self.blocks.tags(1))
 
     @classmethod
     def of(cls, gm: Any, make: Callable[[fx.GraphModule, dict[str, int]], Any],
@@ -77,7 +84,10 @@ class BlockProber:
         return cls(gm, blocks, make, check) if blocks is not None else None
 
     def __call__(self, m: int) -> Any:
-        p1, p2 = self.one.probe(m), self.two.probe(m)
+        p2 = self.two.probe(m)
+        p1 = first_block(p2) if self.derive else None
+        if p1 is None:
+            p1 = self.one.probe(m)
         stacked = stack(p1, p2, self.blocks.count)
         if stacked is None:
             return None
@@ -127,7 +137,30 @@ def stack(p1: Any, p2: Any, n: int) -> Any:
     return replace(p2, ops=ops, tags=None, **arrays, **flags,
                    saved=p1.saved + (n - 1) * (p2.saved - p1.saved),
                    outputs=p1.outputs + (n - 1) * (p2.outputs - p1.outputs),
-                   casts=p1.casts + (n - 1) * (p2.casts - p1.casts))
+                   casts=p1.casts + (n - 1) * (p2.casts - p1.casts), timeline=None)
+
+
+def first_block(p2: Any) -> Any:
+    """The probe of the graph cut to one block, from P2, its cut to two (step 1 without
+    its first probe): P2's ops without the second block's, and its storages without those
+    the second block's forward made. The head reads the last block kept, so it runs on
+    the same shapes in both; what the second block keeps alive (its saved activations,
+    its output) and the gradients of its parameters are what P1 lacks. In backward the
+    gradient flowing into the first block is made by the second block's ops in P2 and by
+    the head's in P1: the same bytes, alive over the same ops of P1. Returns None when P2
+    has no timeline or no second block."""
+    t = p2.timeline
+    if t is None or p2.tags is None or not (p2.tags == 1).any():
+        return None
+    base = np.flatnonzero(p2.tags != 1)
+    second = (p2.tags == 1) & ~p2.backward  # the second block's forward ops
+    arrays = {key: value[base] for key, value in p2.arrays().items()}
+    arrays["live"] = t.live(~t.gradient & ~second[t.born])[base]
+    arrays["grads"] = t.grads(t.added_tags != 1)[base]
+    flags = {key: getattr(p2, key)[base] for key in _FLAGS}
+    return replace(p2, ops=tuple(p2.ops[i] for i in base), tags=p2.tags[base], **arrays,
+                   **flags, saved=t.saved_bytes(~second[t.born]),
+                   casts=p2.casts - t.casts.get(1, 0.0), timeline=None)
 
 
 def same_figures(a: Any, b: Any) -> bool:

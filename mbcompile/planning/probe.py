@@ -35,6 +35,7 @@ from torch.utils.flop_counter import (
 from mbcompile.errors import CostModelError, MbcompileError
 from mbcompile.passes.fake_probe import FakeProbe, planned_device
 from mbcompile.planning import transcendentals
+from mbcompile.planning.timeline import Timeline
 
 __all__ = ["EXTRA_FLOPS", "Probe", "Prober", "backward_root", "nbytes"]
 
@@ -95,6 +96,9 @@ class Probe:
     #: per op: bytes of the first storage it creates, its main output (the allocation that
     #: may get fresh pages: ``SystemSpec.fresh_allocation_bytes``)
     allocated: np.ndarray | None = None
+    #: the storages behind ``live`` and ``grads`` (``timeline.py``): a cut graph's probe
+    #: keeps it, to derive the probe of fewer blocks (``block_probe.first_block``)
+    timeline: Timeline | None = None
 
     def arrays(self) -> dict[str, np.ndarray]:
         def given(a: np.ndarray | None) -> np.ndarray:
@@ -137,7 +141,7 @@ class _Recorder(TorchDispatchMode):
         self.counter = counter
         self.param_storages = param_storages
         self.grad_storages = grad_storages or set()  # the gradients a microbatch adds into
-        self.accumulated: list[tuple[int, int]] = []  # (op index, bytes) per addition
+        self.accumulated: list[tuple[int, int, int]] = []  # (op index, bytes, block) each
         self.backward = False
         self.tag = -1  # the repeated block the forward is in (-1: none, or not tracked)
         self.tags: list[int] = []
@@ -151,6 +155,7 @@ class _Recorder(TorchDispatchMode):
         self.by_id: dict[int, int] = {}  # id(storage) -> index, while alive
         self._refs: list[weakref.ref[Any]] = []
         self.casts = 0.0  # bytes of the parameters' casts (autocast's weight copies)
+        self.block_casts: dict[int, float] = {}  # the same, by the block that made them
         self.autocast = _autocasting()  # read here: a dispatch mode runs with it switched off
 
     def _track(self, storage: Any) -> None:
@@ -180,7 +185,7 @@ class _Recorder(TorchDispatchMode):
                 id(target.untyped_storage()) in self.grad_storages:
             # autograd adding a microbatch's gradient into ``.grad``: its time is the cost
             # model's accumulation term, so no row; from the next op on it is accumulated
-            self.accumulated.append((len(self.ops), nbytes(target)))
+            self.accumulated.append((len(self.ops), nbytes(target), _autograd_tag()))
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         # torch's FLOP formulas, called here rather than by entering FlopCounterMode: its
@@ -196,6 +201,7 @@ class _Recorder(TorchDispatchMode):
                 if id(t.untyped_storage()) not in self.param_storages:
                     self.param_storages.add(id(t.untyped_storage()))
                     self.casts += nbytes(t)
+                    self.block_casts[self.tag] = self.block_casts.get(self.tag, 0) + nbytes(t)
         known = len(self.sizes)
         seen_before = {id(t.untyped_storage()) for t in ins.values()}
         for t in outs.values():
@@ -231,27 +237,18 @@ class _Recorder(TorchDispatchMode):
         self.tags.append(-1)
         self.rows.append((0.0, 0.0, 0.0, True, False, True, 0.0, 0.0))
 
-    def live(self, exclude: set[int]) -> np.ndarray:
-        """Live bytes after each op, leaving out the storages in ``exclude``."""
-        n = len(self.ops)
-        delta = np.zeros(n + 1)
-        for i, (size, born, died) in enumerate(zip(self.sizes, self.born, self.died)):
-            if i in exclude:
-                continue
-            # created by op `born` (0-based: the op appended as index born); freed
-            # before op `died` ran, so it counts for ops born .. died-1.
-            delta[born] += size
-            if died is not None:
-                delta[died] -= size
-        return np.cumsum(delta)[:n]
-
-    def grads(self) -> np.ndarray:
-        """Per op: bytes of gradients accumulated up to it (in the ops that follow)."""
-        n = len(self.ops)
-        delta = np.zeros(n + 1)
-        for index, size in self.accumulated:
-            delta[index] += size
-        return np.cumsum(delta)[:n]
+    def timeline(self, saved: set[int], gradients: set[int]) -> Timeline:
+        """The storages made, by index (``saved`` and ``gradients`` name some of them), and
+        the gradients added, as arrays."""
+        n, count = len(self.ops), len(self.sizes)
+        index = np.arange(count)
+        added = np.array(self.accumulated, dtype=float).reshape(-1, 3)
+        return Timeline(
+            n=n, sizes=np.array(self.sizes, dtype=float), born=np.array(self.born, dtype=int),
+            died=np.array([n if d is None else d for d in self.died], dtype=int),
+            saved=np.isin(index, list(saved)), gradient=np.isin(index, list(gradients)),
+            added=added[:, 0].astype(int), added_bytes=added[:, 1],
+            added_tags=added[:, 2].astype(int), casts=dict(self.block_casts))
 
 
 #: The probe's last row: the end of backward (``_Recorder.end``).
@@ -426,8 +423,8 @@ class Prober:
                 recorder.end()
                 grads = {id(p.grad.untyped_storage()) for p in self.params.values()
                          if p.grad is not None}
-                exclude = {recorder.by_id[g] for g in grads if g in recorder.by_id}
-                saved_bytes = float(sum(recorder.sizes[i] for i in saved))
+                timeline = recorder.timeline(saved, {recorder.by_id[g] for g in grads
+                                                     if g in recorder.by_id})
                 del outs, flat, loss
         except MbcompileError:
             raise
@@ -445,6 +442,7 @@ class Prober:
             m=m, ops=tuple(recorder.ops), flops=rows[:, 0], act_bytes=rows[:, 1],
             weight_bytes=rows[:, 2], fp32=rows[:, 3].astype(bool),
             kernel=rows[:, 4].astype(bool), backward=rows[:, 5].astype(bool),
-            live=recorder.live(exclude), saved=saved_bytes, outputs=outputs,
-            tags=np.array(recorder.tags, dtype=int), casts=recorder.casts,
-            grads=recorder.grads(), transcendental=rows[:, 6], allocated=rows[:, 7])
+            live=timeline.live(~timeline.gradient), saved=timeline.saved_bytes(),
+            outputs=outputs, tags=np.array(recorder.tags, dtype=int), casts=recorder.casts,
+            grads=timeline.grads(np.ones(len(timeline.added), dtype=bool)),
+            transcendental=rows[:, 6], allocated=rows[:, 7], timeline=timeline)
