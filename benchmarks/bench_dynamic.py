@@ -12,7 +12,10 @@ the causal LMs (``gpt2``, ``llama``), ``DataCollatorWithPadding`` for
 it (its ``num_items_in_batch``, ``use_cache=False``, the padded lengths symbolic:
 ``mbcompile/integrations/transformers.py``), so the Trainer runs every length on that one
 compile; ``--upfront`` does the same by hand (the example and ``dynamic=`` as the
-Trainer's call has them), as a check of it. Both Trainers run in this one process, one
+Trainer's call has them), as a check of it. A third run is the plain Trainer with its own
+gradient accumulation in batches of ``MBS`` rows: the loop a user writes when ``GBS`` rows
+do not fit, at the compiled module's microbatch size (each microbatch padded to its own
+longest row). The Trainers run in this one process, one
 after the other, compile included; the script prints both wall times and their ratio
 (goal: compiled at most 1.3x plain), the process's CPU time of each (this machine is
 shared: CPU time is the steadier figure), the seconds spent compiling (``compile()`` and
@@ -162,12 +165,16 @@ def float64_regions(transformers: Any) -> Iterator[None]:
         norm.forward = forward
 
 
-def train(transformers: Any, model: nn.Module, name: str, steps: int, out: Path
-          ) -> tuple[float, float]:
+def train(transformers: Any, model: nn.Module, name: str, steps: int, out: Path,
+          accumulate: bool = False) -> tuple[float, float]:
     """``steps`` Trainer steps of batches of ``GBS`` rows, padded per batch: (wall, CPU)
-    seconds."""
+    seconds. ``accumulate``: each step as the Trainer's own gradient accumulation, in
+    batches of ``MBS`` rows (each padded to its own longest row), the hand-written loop a
+    user runs when ``GBS`` rows do not fit."""
+    per_batch = MBS if accumulate else GBS
     args = transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=GBS, max_steps=steps,
+        output_dir=str(out), per_device_train_batch_size=per_batch, max_steps=steps,
+        gradient_accumulation_steps=GBS // per_batch,
         learning_rate=1e-3, seed=0, use_cpu=True, report_to=[], save_strategy="no",
         disable_tqdm=True, logging_strategy="no", dataloader_drop_last=True)
     trainer = transformers.Trainer(
@@ -207,8 +214,8 @@ def compiles_timed() -> Iterator[list[tuple[float, float]]]:
             setattr(compiler, name, run)
 
 
-def run_both(transformers: Any, name: str, steps: int, upfront: bool = False
-             ) -> dict[str, Any]:
+def run_both(transformers: Any, name: str, steps: int, upfront: bool = False,
+             accumulate: bool = False) -> dict[str, Any]:
     """The plain Trainer and the compiled one from the same start, in this process: wall
     seconds of each (compile included), compile seconds, compiles, parameter errors.
 
@@ -217,7 +224,7 @@ def run_both(transformers: Any, name: str, steps: int, upfront: bool = False
     config as the Trainer sets it (``use_cache=False``, a value forward reads): one
     compile, no variant at the first step."""
     plain = make_model(transformers, name)
-    model = copy.deepcopy(plain)
+    model, accumulated = copy.deepcopy(plain), copy.deepcopy(plain)
     data = RandomLengths(GBS, 0, labelled=name == "gpt2-cls")
     example = dict(collator(transformers, name)([data[i] for i in range(GBS)]))
     options: dict[str, Any] = {}
@@ -231,6 +238,11 @@ def run_both(transformers: Any, name: str, steps: int, upfront: bool = False
             warnings.catch_warnings(record=True) as seen, compiles_timed() as variants:
         warnings.simplefilter("always")
         plain_s, plain_cpu = train(transformers, plain, name, steps, Path(out) / "plain")
+        accum_s = accum_cpu = float("nan")
+        if accumulate:
+            accumulated.config.use_cache = plain.config.use_cache
+            accum_s, accum_cpu = train(transformers, accumulated, name, steps,
+                                       Path(out) / "accumulated", accumulate=True)
         start, cpu = time.perf_counter(), time.process_time()
         cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_kwargs=example,
                                cost_model=False, **options)
@@ -238,14 +250,20 @@ def run_both(transformers: Any, name: str, steps: int, upfront: bool = False
         compiled_s, compiled_cpu = train(transformers, cm, name, steps, Path(out) / "compiled")
     recompiles = [w for w in seen if issubclass(w.category, mbcompile.MbcompileWarning)
                   and "compiled once" in str(w.message)]
-    want, got = plain.state_dict(), model.state_dict()
-    errors = {k: float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-300))
-              for k in want}
     runs = [first, *variants]
     return {"plain_s": plain_s, "compiled_s": first[0] + compiled_s, "plain_cpu": plain_cpu,
+            "accumulated_s": accum_s, "accumulated_cpu": accum_cpu,
+            "accumulated_errors": _errors(plain, accumulated), "errors": _errors(plain, model),
             "compiled_cpu": first[1] + compiled_cpu, "compile_s": sum(w for w, _ in runs),
-            "compile_cpu": sum(c for _, c in runs), "compiles": len(runs), "errors": errors,
+            "compile_cpu": sum(c for _, c in runs), "compiles": len(runs),
             "cm": cm, "warnings": [f"{w.category.__name__}: {w.message}" for w in recompiles]}
+
+
+def _errors(want_model: nn.Module, got_model: nn.Module) -> dict[str, float]:
+    """Each parameter's largest difference, relative to its largest value."""
+    want, got = want_model.state_dict(), got_model.state_dict()
+    return {k: float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-300))
+            for k in want}
 
 
 def step_floor(transformers: Any, name: str, steps: int) -> dict[str, float]:
@@ -339,19 +357,25 @@ def main() -> None:
                 continue
             print(f"  {way}: {t:.1f} ms CPU per step ({t / whole:.2f}x the whole batch)")
         return
-    run = run_both(transformers, args.model, args.steps, args.upfront)
+    run = run_both(transformers, args.model, args.steps, args.upfront, accumulate=True)
     print(f"{args.model}{' (up front)' if args.upfront else ''}, {args.steps} steps of {GBS} "
           f"rows of {SHORTEST}-{LONGEST} tokens, padded per batch, {NUM_CSX} systems, mbs {MBS}:")
     print(f"  Trainer(model=model): {run['plain_s']:.2f} s ({run['plain_cpu']:.2f} s CPU)")
     print(f"  Trainer(model=cm):    {run['compiled_s']:.2f} s ({run['compiled_cpu']:.2f} s CPU),"
           f" of which compiling {run['compile_s']:.2f} s ({run['compile_cpu']:.2f} s CPU) in "
           f"{run['compiles']} compiles")
+    print(f"  Trainer(model=model), gradient_accumulation_steps={GBS // MBS} of {MBS} rows: "
+          f"{run['accumulated_s']:.2f} s ({run['accumulated_cpu']:.2f} s CPU)")
     steps_cpu = run["compiled_cpu"] - run["compile_cpu"]
     print(f"  ratio compiled / plain: {run['compiled_s'] / run['plain_s']:.2f} wall, "
           f"{run['compiled_cpu'] / run['plain_cpu']:.2f} CPU (goal <= 1.3); the steps alone "
           f"{steps_cpu / run['plain_cpu']:.2f} CPU")
+    print(f"  ratio compiled / accumulated by the Trainer (the same microbatch size): "
+          f"{run['compiled_s'] / run['accumulated_s']:.2f} wall, "
+          f"{run['compiled_cpu'] / run['accumulated_cpu']:.2f} CPU")
     print(f"  largest relative difference of a trained parameter: "
-          f"{max(run['errors'].values()):.1e}")
+          f"{max(run['errors'].values()):.1e} (the Trainer's accumulation: "
+          f"{max(run['accumulated_errors'].values()):.1e})")
 
 
 if __name__ == "__main__":
