@@ -48,6 +48,9 @@ VALUES: dict[str, tuple[Any, bool]] = {
     "namespace": (types.SimpleNamespace(p=0.1, on=True), True),
     "empty": ({}, True),
     "shared": ({"a": [1], "b": None}, True),
+    "twins": ({"a": [1], "b": [1]}, True),  # equal lists: one object under both keys is not
+    "labels": (types.SimpleNamespace(p=0.1, id2label={0: "x", 1: "y"}, heads=[2, (4, 8)]),
+               True),  # a transformers config: plain values, dicts and lists in its dict
     "ordered": (collections.OrderedDict(a=1), True),  # walked, but not a dict: the guard says
     "named": (Point(1, 2), False),
     "with_tensor": ({"t": TENSOR}, False),  # an identity in the image
@@ -70,6 +73,7 @@ CHANGES: list[Callable[[Any], Any]] = [
     lambda v: _set_attr(v, "beta", 0.25),
     lambda v: _set_attr(v, "p", 0.1 + 1e-9),
     lambda v: _share(v),
+    lambda v: _relabel(v),
     lambda v: {("tuple", (1,)), ("tuple", (2, 3))} if isinstance(v, set) else v,  # its image
 ]
 
@@ -78,6 +82,13 @@ def _set_attr(v: Any, name: str, value: Any) -> Any:
     if hasattr(v, "__dict__") and name in vars(v):
         v = copy.copy(v)
         setattr(v, name, value)
+    return v
+
+
+def _relabel(v: Any) -> Any:
+    """One value deep inside a config object changed (a label, a head count)."""
+    if isinstance(v, types.SimpleNamespace) and "id2label" in vars(v):
+        v.id2label[1], v.heads[1] = "z", (4, 9)
     return v
 
 
@@ -139,3 +150,51 @@ def test_identity_items_fed_numbers_and_many_guards_at_once():
         change()
         assert not _fast_never_looser(guards)
     assert fast_check([])()
+
+
+class _Scaled:
+    SCALE = 2.0
+
+
+class _Holder:
+    def __init__(self, **attrs: Any) -> None:
+        vars(self).update(attrs)
+
+
+def test_the_guards_on_one_object_read_the_dict_it_holds_now():
+    """The guards on one object's attributes share one fetch of its ``__dict__``: one given
+    a new ``__dict__`` (equal or not), a fed number and a container among them, a class
+    attribute (a mappingproxy) and a global all still answer as the guards do, with the
+    check made once (as ``GuardCache`` keeps it)."""
+    feeds = NumberInput(0.5)
+    holder, space = _Holder(n=0.5, a=1.0, t=TENSOR, on=True, d={"k": 1}), {"flag": True}
+    guards = [Guard(holder, "n", 0.5, feeds=feeds), Guard(holder, "a", 1.0),
+              Guard(holder, "t", TENSOR, identity=True), Guard(holder, "on", True),
+              Guard(holder, "d", holder.d, contents=fingerprint(holder.d)[0]),
+              Guard(space, "flag", True, item=True), Guard(_Scaled, "SCALE", 2.0)]
+    check = fast_check(guards)
+
+    def never_looser() -> bool:
+        assert not check() or failed_guard(guards) is None, "says a failed guard holds"
+        return check()
+
+    assert never_looser()
+    kept = holder.__dict__
+    holder.__dict__ = dict(kept)  # equal: the guards hold, the fast check may not
+    never_looser()
+    holder.__dict__ = {**kept, "a": 0.5}  # the dict read at compile still says 1.0
+    assert not never_looser()
+    holder.__dict__ = kept
+    assert never_looser()
+    for change, undo in [(lambda: setattr(holder, "on", 1), lambda: setattr(holder, "on", True)),
+                         (lambda: holder.d.update(k=2), lambda: holder.d.update(k=1)),
+                         (lambda: delattr(holder, "a"), lambda: setattr(holder, "a", 1.0)),
+                         (lambda: space.update(flag=1), lambda: space.update(flag=True)),
+                         (lambda: setattr(_Scaled, "SCALE", 3.0),
+                          lambda: setattr(_Scaled, "SCALE", 2.0)),
+                         (lambda: setattr(holder, "t", TENSOR.clone()),
+                          lambda: setattr(holder, "t", TENSOR))]:
+        change()
+        assert not never_looser()
+        undo()
+        assert never_looser()
