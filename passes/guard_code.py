@@ -2,11 +2,20 @@
 
 ``failed_guard`` asks each ``Guard`` in turn (``Guard.holds``: a method call, and a
 container's whole ``fingerprint`` rebuilt as tuples), about 2.4 µs a guard. Like
-dynamo's guard code, ``fast_check(guards)`` writes them once as one expression, each
-plain value a dict lookup and a type test, each container or config object an expression
-written from its recorded image, which fetches and compares its plain values in C::
+dynamo's guard code, ``fast_check(guards)`` writes them once as one function. Its tests
+fetch each object's ``__dict__`` once, compare identities and walk down to the containers
+a config object holds; every plain value (an attribute, a key of a config's dict, a
+list's length) then lands in one tuple, built in C by ``itemgetter``, compared with the
+recorded one by type and by value, two comparisons for all of them::
 
-    lambda: (type(_v := M0.__dict__.get(N0, MISSING)) is T0 and _v == V0) and C1() and ...
+    def check():
+        try:
+            return (type(_d0 := M0.__dict__) is dict and _d0[N1] is V1        # a tensor
+                    and type(_c0 := _d0[N2]) is Config and ...                # a config
+                    and tuple(map(type, _a := (*I0(_d0), *_c1, *I3(_c1)))) == TYPES
+                    and _a == VALUES)
+        except Exception:  # a key gone, an index out of range: not "holds for sure"
+            return False
 
 It answers only "every guard holds for sure". When it says no, the caller asks
 ``failed_guard``, whose answer (and the guard it names) is the one that counts, so the
@@ -22,6 +31,7 @@ fast check can be stricter than the guards (a dict's exact type) but never loose
 from __future__ import annotations
 
 import operator
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,53 +40,24 @@ from .guards import MISSING, Guard
 
 __all__ = ["fast_check"]
 
-_Walk = Callable[[Any, None], bool]  # (value, None): a generated walk (``_walker``)
+#: the kinds of ``__dict__`` and global namespace read by subscript: no ``__missing__``
+_SPACES = (dict, types.MappingProxyType)
 
 
 def fast_check(guards: Sequence[Guard]) -> Callable[[], bool]:
     """One function: True when every guard in ``guards`` holds (False: ask
     ``failed_guard``, which may still find that they all hold)."""
-    env: dict[str, Any] = {"MISSING": MISSING}
-    terms, held = [], None  # held: (the object, item) whose dict _d holds, at this term
-    for i, guard in sorted(enumerate(guards), key=lambda p: (id(p[1].module), p[1].item)):
-        # the guards on one object in a row: its __dict__ fetched once, as _d
-        env[f"M{i}"], env[f"N{i}"] = guard.module, guard.name
-        space = "_d" if held == (id(guard.module), guard.item) else \
-            f"(_d := M{i}{'' if guard.item else '.__dict__'})"
-        now = f"{space}.get(N{i}, MISSING)"
-        walk = None if guard.contents is None else _walker(guard.contents)
-        if walk is not None and not walk(guard.value, None):
-            walk = None  # its type is stricter than the image (an OrderedDict): never walked
-        if guard.feeds is not None or (guard.contents is not None and walk is None
-                                       and not guard.identity):
-            env[f"G{i}"] = guard  # fed a number, or a container with no fast walk: as is
-            terms.append(f"G{i}.holds()")
-            continue  # _d is as it was
-        if guard.identity or guard.value is MISSING or guard.value is None or \
-                type(guard.value) is bool:  # one object of its type: the same one
-            env[f"V{i}"] = guard.value
-            terms.append(f"{now} is V{i}")
-        elif guard.entries is not None:  # an installed package's registry: the same one,
-            env[f"V{i}"], env[f"E{i}"] = guard.value, guard.entries  # the same entries
-            terms.append(f"((_v := {now}) is V{i} and {_entries_code(guard.value)} == E{i})")
-        elif walk is not None:
-            env[f"W{i}"] = walk
-            terms.append(f"W{i}({now}, None)")
-        else:
-            env[f"T{i}"], env[f"V{i}"] = type(guard.value), guard.value
-            terms.append(f"(type(_v := {now}) is T{i} and _v == V{i})")
-        held = (id(guard.module), guard.item)
-    return eval(f"lambda: {' and '.join(terms) or 'True'}", env)  # noqa: S307 (our own text)
+    code = _Code()
+    held: tuple[int, bool] | None = None  # (id, item) of the object whose space is _d now
+    for guard in sorted(guards, key=lambda g: (id(g.module), g.item)):  # by object
+        if (id(guard.module), guard.item) != held:
+            held = (id(guard.module), guard.item) if code.space(guard) else None
+        if held is None or not code.guard(guard):
+            code.tests.append(f"{code.const(guard)}.holds()")  # fed a number, or as is
+    return code.function()
 
 
-def _entries_code(value: Any) -> str:
-    """``guard_values.entries_of(_v)`` inlined for ``value``'s type (a call costs more)."""
-    if isinstance(value, dict):
-        return "tuple(_v.items())"
-    return "frozenset(_v)" if isinstance(value, (set, frozenset)) else "tuple(_v)"
-
-
-def _walker(image: Any) -> _Walk | None:
+def _walker(image: Any) -> Callable[[Any, None], bool] | None:
     """A function telling whether a value's ``fingerprint`` is ``image`` for sure, or None
     where the image holds an identity (``("id", n)``: an opaque object, a repeat, or a
     limit of ``guard_values._image`` reached), a set, or a key that is not a plain value:
@@ -84,93 +65,159 @@ def _walker(image: Any) -> _Walk | None:
 
     An image without identities comes from a tree of plain values under every limit, with
     no container twice; a value that walks the same tree (exact types, no container met
-    twice) has the same image. The walk is one generated expression: each container's
-    plain values fetched and compared in C (``itemgetter``, tuples, ``map(type, ...)``),
-    its containers walked in turn, their ids all distinct at the end::
-
-        type(_c0 := v) is Config and type(_c1 := OGA(_c0, "__dict__")) is dict
-        and list(_c1) == K1 and tuple(map(type, I2(_c1))) == K3 and I2(_c1) == K4
-        and ... and len({id(_c0), id(_c1), ...}) == 3
+    twice) has the same image.
 
     >>> from mbcompile.passes.guard_values import fingerprint
     >>> walk = _walker(fingerprint({"beta": 0.5, "sizes": [2, 3]})[0])
     >>> walk({"beta": 0.5, "sizes": [2, 3]}, None), walk({"beta": 0.5, "sizes": [2]}, None)
     (True, False)
     """
-    code = _Code()
-    test = code.match(image, "v")
-    if test is None:
+    if not _walkable(image):
         return None
-    if len(code.containers) > 1:  # a container met twice would have an identity image
-        ids = ", ".join(f"id({c})" for c in code.containers)
-        test += f" and len({{{ids}}}) == {len(code.containers)}"
-    return eval(f"lambda v, seen: {test}", code.env)  # noqa: S307 (our own text)
+    code = _Code()
+    code.walk(image, "v")
+    return code.function()
+
+
+def _walkable(image: Any) -> bool:
+    """``_Code.walk`` can write a test for ``image``."""
+    if isinstance(image, ATOMS):
+        return True
+    if not isinstance(image, tuple) or len(image) == 2 and image[0] == "id" and \
+            isinstance(image[1], int):  # a set's image (a frozenset), an identity
+        return False
+    if len(image) == 2 and isinstance(image[0], type):  # a plain object: (type, its dict)
+        return _walkable(image[1])
+    if len(image) == 2 and image[0] in ("list", "tuple") and isinstance(image[1], tuple):
+        return all(map(_walkable, image[1]))
+    return all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], ATOMS)
+               and _walkable(p[1]) for p in image)  # a dict: its items, plain keys
 
 
 class _Code:
-    """The text of one walk, the constants it names (``env``) and its containers."""
+    """One check being written: its tests (in order), the plain values it fetches into one
+    tuple (``leaves``: expressions, starred ones give several) and their recorded values."""
 
     def __init__(self) -> None:
-        self.env: dict[str, Any] = {"OGA": object.__getattribute__}
-        self.containers: list[str] = []
+        self.env: dict[str, Any] = {"OGA": object.__getattribute__, "MISSING": MISSING}
+        self.tests: list[str] = []
+        self.leaves: list[str] = []
+        self.values: list[Any] = []
+        self.plain: list[tuple[Any, Any]] = []  # (key, value) read from self.at, to fetch
+        self.spaces = self.containers = 0  # names made: _d0, _d1, ...; _c0, _c1, ...
+        self.at = ""  # the expression of the space in _d now, as ``_d0``
 
     def const(self, value: Any) -> str:
         name = f"K{len(self.env)}"
         self.env[name] = value
         return name
 
-    def container(self) -> str:
-        self.containers.append(f"_c{len(self.containers)}")
-        return self.containers[-1]
+    def function(self) -> Callable[..., bool]:
+        self.flush()
+        tests = list(self.tests)
+        if self.leaves:
+            tests.append(f"tuple(map(type, _a := ({', '.join(self.leaves)},))) == "
+                         f"{self.const(tuple(map(type, self.values)))} and _a == "
+                         f"{self.const(tuple(self.values))}")
+        body = " and ".join(tests) or "True"
+        exec("def check(v=None, seen=None):\n    try:\n"  # noqa: S102 (our own text)
+             f"        return {body}\n    except Exception:\n        return False\n", self.env)
+        return self.env.pop("check")
 
-    def match(self, image: Any, x: str) -> str | None:
-        """An expression true when the value of ``x`` has this image for sure, or None."""
+    def space(self, guard: Guard) -> bool:
+        """Fetch the dict ``guard``'s object holds its attributes in (its keys, for a
+        dict) as ``_dN``: False where it is no plain dict or class namespace."""
+        self.flush()
+        space = guard.module if guard.item else getattr(guard.module, "__dict__", None)
+        if type(space) not in _SPACES:
+            return False
+        if guard.item:  # the same dict object for good: no test
+            self.at = self.const(space)
+        else:  # ``obj.__dict__ = {...}`` gives it another
+            self.at = f"_d{self.spaces}"
+            self.spaces += 1
+            self.tests.append(f"type({self.at} := {self.const(guard.module)}.__dict__) is "
+                              f"{self.const(type(space))}")
+        return True
+
+    def flush(self) -> None:
+        """The plain values read from the space ``self.at``, fetched in one call."""
+        if len(self.plain) > 1:
+            get = self.const(operator.itemgetter(*(k for k, _ in self.plain)))
+            self.leaves.append(f"*{get}({self.at})")
+        elif self.plain:
+            self.leaves.append(f"{self.at}[{self.const(self.plain[0][0])}]")
+        self.values.extend(v for _, v in self.plain)
+        self.plain = []
+
+    def guard(self, guard: Guard) -> bool:
+        """Write the test of ``guard``, whose space is ``self.at``: False where it is fed a
+        number or is a container with no walk (the caller asks ``holds``)."""
+        now, key = guard.now(), self.const(guard.name)
+        if guard.feeds is not None:
+            return False
+        if guard.value is MISSING:  # absent, as when read
+            self.tests.append(f"{key} not in {self.at}")
+        elif guard.identity:
+            self.tests.append(f"{self.at}[{key}] is {self.const(guard.value)}")
+        elif guard.entries is not None:  # an installed package's registry: the same one,
+            self.tests.append(  # the same entries
+                f"(_v := {self.at}[{key}]) is {self.const(guard.value)} and "
+                f"{_entries_code(guard.value)} == {self.const(guard.entries)}")
+        elif guard.contents is not None:
+            walk = _walker(guard.contents)
+            if walk is None or now is not guard.value or not walk(guard.value, None):
+                return False  # its type is stricter than the image (an OrderedDict)
+            self.walk(guard.contents, f"{self.at}[{key}]")
+        else:
+            self.plain.append((guard.name, guard.value))
+        return True
+
+    def walk(self, image: Any, x: str) -> None:
+        """Tests and leaves true when the value of ``x`` has this (walkable) image for sure:
+        the containers' exact types in the tests, their keys and plain values among the
+        leaves (a dict's keys in order, a list's length), their ids all distinct."""
+        containers: list[str] = []
+        self._walk(image, x, containers)
+        if len(containers) > 1:  # a container met twice would have an identity image
+            ids = ", ".join(f"id({c})" for c in containers)
+            self.tests.append(f"len({{{ids}}}) == {len(containers)}")
+
+    def _walk(self, image: Any, x: str, containers: list[str]) -> None:
         if isinstance(image, ATOMS):
-            return f"(type(_a := {x}) is {self.const(type(image))} and _a == {self.const(image)})"
-        if not isinstance(image, tuple):  # a set's image (a frozenset)
-            return None
-        if len(image) == 2 and image[0] == "id" and isinstance(image[1], int):
-            return None
-        if len(image) == 2 and isinstance(image[0], type):  # a plain object: (type, its dict)
-            c = self.container()
-            inner = self.match(image[1], f"OGA({c}, '__dict__')")
-            return None if inner is None else \
-                f"type({c} := {x}) is {self.const(image[0])} and {inner}"
+            self.leaves.append(x)
+            self.values.append(image)
+            return
+        c = f"_c{self.containers}"
+        self.containers += 1
+        containers.append(c)
+        if len(image) == 2 and isinstance(image[0], type):  # a plain object
+            self.tests.append(f"type({c} := {x}) is {self.const(image[0])}")
+            self._walk(image[1], f"OGA({c}, '__dict__')", containers)
+            return
         if len(image) == 2 and image[0] in ("list", "tuple") and isinstance(image[1], tuple):
-            c = self.container()
-            kind = self.const(list if image[0] == "list" else tuple)
-            items = self.items(c, list(enumerate(image[1])))
-            return None if items is None else \
-                f"type({c} := {x}) is {kind} and len({c}) == {len(image[1])}{items}"
-        if all(isinstance(p, tuple) and len(p) == 2 for p in image):  # a dict: items in order
-            if not all(isinstance(k, ATOMS) for k, _ in image):
-                return None
-            c = self.container()
-            keys = [k for k, _ in image]
-            items = self.items(c, list(image))
-            return None if items is None else (
-                f"type({c} := {x}) is dict and list(map(type, {c})) == "
-                f"{self.const([type(k) for k in keys])} and list({c}) == {self.const(keys)}"
-                f"{items}")
-        return None
+            kind = list if image[0] == "list" else tuple
+            self.tests.append(f"type({c} := {x}) is {self.const(kind)}")
+            self.leaves.append(f"len({c})")
+            self.values.append(len(image[1]))
+            pairs = list(enumerate(image[1]))
+        else:  # a dict: its keys in order, then its values
+            self.tests.append(f"type({c} := {x}) is dict")
+            self.leaves.append(f"*{c}")
+            self.values.extend(k for k, _ in image)
+            pairs = list(image)
+        atoms = [(k, v) for k, v in pairs if isinstance(v, ATOMS)]
+        if len(atoms) > 1:  # fetched in one call
+            self.leaves.append(f"*{self.const(operator.itemgetter(*(k for k, _ in atoms)))}({c})")
+            self.values.extend(v for _, v in atoms)
+        for k, v in pairs:
+            if len(atoms) != 1 and isinstance(v, ATOMS):
+                continue
+            self._walk(v, f"{c}[{self.const(k)}]", containers)
 
-    def items(self, c: str, pairs: list[tuple[Any, Any]]) -> str | None:
-        """`` and ...`` testing the entries ``c[key]`` (their presence already tested): the
-        plain ones in one fetch, types first (a tensor's ``==`` is no answer), the others
-        walked one by one."""
-        atoms = [(k, x) for k, x in pairs if isinstance(x, ATOMS)]
-        text = ""
-        if len(atoms) == 1:
-            text = f" and {self.match(atoms[0][1], f'{c}[{self.const(atoms[0][0])}]')}"
-        elif atoms:
-            get = self.const(operator.itemgetter(*(k for k, _ in atoms)))
-            text = (f" and tuple(map(type, {get}({c}))) == "
-                    f"{self.const(tuple(type(x) for _, x in atoms))} and {get}({c}) == "
-                    f"{self.const(tuple(x for _, x in atoms))}")
-        for k, x in pairs:
-            if not isinstance(x, ATOMS):
-                inner = self.match(x, f"{c}[{self.const(k)}]")
-                if inner is None:
-                    return None
-                text += f" and {inner}"
-        return text
+
+def _entries_code(value: Any) -> str:
+    """``guard_values.entries_of(_v)`` inlined for ``value``'s type (a call costs more)."""
+    if isinstance(value, dict):
+        return "tuple(_v.items())"
+    return "frozenset(_v)" if isinstance(value, (set, frozenset)) else "tuple(_v)"
