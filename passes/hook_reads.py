@@ -273,7 +273,8 @@ _TORCH_LAYERS: dict[type, bool] = {}
 
 
 def _library(value: Any) -> bool:
-    """A builtin or torch function or class: loaded, never called (the code calls nothing)."""
+    """A builtin or torch function or class: loaded, not called (the calls it makes are
+    ``_PURE_CALLS``, each checked by ``_builtins_called``)."""
     kind = type(value)
     if kind is not types.BuiltinFunctionType and not issubclass(kind, type):
         return False
