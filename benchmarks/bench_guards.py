@@ -16,16 +16,26 @@ compiled; then, side by side in one run:
 3. one eager forward of the model under ``no_grad`` for scale, and the ratio of (2) to it;
 4. with transformers installed, a tiny GPT-2's guard check, beside the check of its guards
    on what transformers' own code reads at module level alone (its flags, and its
-   registries by their entries: ``ALL_ATTENTION_FUNCTIONS``, ``passes/library_reach.py``).
+   registries by their entries: ``ALL_ATTENTION_FUNCTIONS``, ``passes/library_reach.py``),
+   and the guard on its config alone (a ``PretrainedConfig`` of some 40 values and two
+   dicts, compared by value);
+5. with ``--before REV``: sections 1 and 4's checks as ``passes/guard_code.py`` at git
+   revision ``REV`` writes them, in turns with today's, on the same guards.
 """
 
 from __future__ import annotations
 
 import argparse
 import enum
+import importlib.util
+import statistics
+import subprocess
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -108,10 +118,48 @@ def _per_call(fn, calls: int) -> float:
     return sorted(rounds)[2]
 
 
+def _fast_check_at(rev: str) -> Callable[[Sequence[Any]], Callable[[], bool]]:
+    """``fast_check`` as ``passes/guard_code.py`` at git revision ``rev`` writes it (run
+    against today's guards and guard values)."""
+    root = Path(__file__).resolve().parents[1]
+    text = subprocess.run(["git", "show", f"{rev}:passes/guard_code.py"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout
+    spec = importlib.util.spec_from_loader("mbcompile.passes._guard_code_before", loader=None)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    module.__package__ = "mbcompile.passes"
+    exec(compile(text, f"{rev}:passes/guard_code.py", "exec"), vars(module))  # noqa: S102
+    return module.fast_check
+
+
+def _side_by_side(label: str, guards: Sequence[Any], before: Callable | None, calls: int
+                  ) -> None:
+    """Today's check and ``before``'s of ``guards`` in 21 short rounds, in turns (a loaded
+    machine hits both alike): µs per call, median and best round, and the ratio."""
+    if before is None:
+        return
+    checks = {"now": fast_check(guards), "before": before(guards)}
+    assert all(check() for check in checks.values())
+    times: dict[str, list[float]] = {"now": [], "before": []}
+    n = max(calls // 20, 100)
+    for _ in range(21):
+        for name, check in checks.items():
+            start = time.perf_counter()
+            for _ in range(n):
+                check()
+            times[name].append((time.perf_counter() - start) / n * 1e6)
+    mid = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+    print(f"{label}: now {mid['now']:6.2f} µs (best {best['now']:.2f}), before "
+          f"{mid['before']:6.2f} µs (best {best['before']:.2f}) per call; before / now "
+          f"{mid['before'] / mid['now']:.1f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20_000)
+    parser.add_argument("--before", metavar="REV", help="also time guard_code.py at REV")
     args = parser.parse_args()
+    before = _fast_check_at(args.before) if args.before else None
     torch.manual_seed(0)
     model = Net()
     x, y = torch.randn(8, 16), torch.randn(8, 3)
@@ -132,10 +180,11 @@ def main() -> None:
     print(f"whole lookup:    {lookup:7.2f} µs per call")
     print(f"eager forward:   {eager:7.2f} µs per call (no_grad, for scale)")
     print(f"lookup / eager forward: {lookup / eager:.3f}")
-    _transformers_guards(args.calls)
+    _side_by_side("guard check", guards, before, args.calls)
+    _transformers_guards(args.calls, before)
 
 
-def _transformers_guards(calls: int) -> None:
+def _transformers_guards(calls: int, before: Callable | None) -> None:
     """Section 4: a tiny GPT-2 LM's guard check, and that of its guards on transformers'
     code alone."""
     try:
@@ -154,8 +203,12 @@ def _transformers_guards(calls: int) -> None:
     package = [g for g in guards if "transformers." in g.where]  # on the package's code
     full, alone = _per_call(fast_check(guards), calls), _per_call(fast_check(package), calls)
     print(f"GPT-2 guards: {len(guards)}, {len(package)} on transformers' code")
+    config = [g for g in guards if g.name == "config" and g.contents is not None]
     print(f"GPT-2 guard check:{full:7.2f} µs per call; those on transformers' code alone: "
-          f"{alone:.2f} µs ({alone / full:.2f} of it)")
+          f"{alone:.2f} µs ({alone / full:.2f} of it); the config's alone: "
+          f"{_per_call(fast_check(config), calls):.2f} µs")
+    _side_by_side(f"GPT-2 guard check ({len(guards)} guards)", guards, before, calls)
+    _side_by_side("GPT-2 config guard", config, before, calls)
 
 
 if __name__ == "__main__":

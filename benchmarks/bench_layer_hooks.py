@@ -11,8 +11,10 @@ with both shortcuts off (every call sandboxed and walked afresh, as before issue
 cost work), measured side by side in the same run:
 
 1. one checked call against the bare call, µs, for a hook that only reads its layer, one
-   that calls a function (sandboxed) and reaches its layer, and one that calls and whose
-   closure holds the whole model (the record covers every module);
+   that calls a builtin (``isinstance``: read-only too, ``hook_reads._PURE_CALLS``) and
+   reaches its layer, and one that calls and whose closure holds the whole model (the
+   record covers every module: sandboxed), each also sandboxed with its watch kept (what
+   a hook that calls anything cost before ``_PURE_CALLS``);
 2. a compiled training step of an MLP of ``--layers`` Linear layers (gbs 32 over 2
    systems, MBS 4) with a hook that only computes (``out * 1.0``) on every layer,
    checked, before, and marked ``per_microbatch`` (run unchecked: the hook's own
@@ -45,11 +47,14 @@ from mbcompile.passes.hook_sandbox import call_sandboxed
 
 
 @contextlib.contextmanager
-def shortcuts_off() -> Iterator[None]:
-    """The check as before the shortcuts: every call sandboxed, its state walked afresh."""
+def shortcuts_off(keep_watch: bool = False) -> Iterator[None]:
+    """The check as before the shortcuts: every call sandboxed, its state walked afresh
+    (``keep_watch``: only the first shortcut off, each call sandboxed with its watch kept,
+    as a hook that calls a builtin was before ``hook_reads`` let it call ``isinstance``)."""
     reads_only, watch = hook_sandbox.reads_only, hook_sandbox._watch
     hook_sandbox.reads_only = live_hooks.reads_only = lambda fn, passed: False
-    hook_sandbox._watch = lambda fn, module, kept: watch(fn, module, None)
+    if not keep_watch:
+        hook_sandbox._watch = lambda fn, module, kept: watch(fn, module, None)
     try:
         yield
     finally:
@@ -188,11 +193,15 @@ def _per_call(layers: int, rounds: int) -> None:
         bare = _best(lambda h=hook: h(layer, (x,), out), 200, rounds)
         now = _best(lambda h=hook, k=kept: call_sandboxed(h, layer, ((x,), out), kept=k), 200,
                     rounds)
+        with shortcuts_off(keep_watch=True):
+            boxed = _best(lambda h=hook, k=kept: call_sandboxed(h, layer, ((x,), out), kept=k),
+                          200, rounds)
         with shortcuts_off():
             before = _best(lambda h=hook, k=kept: call_sandboxed(h, layer, ((x,), out), kept=k),
                            200, rounds)
-        print(f"hook that {name} ({layers} layers): checked {now * 1e6:8.1f} µs, before "
-              f"{before * 1e6:8.1f} µs, bare {bare * 1e6:6.2f} µs per call")
+        print(f"hook that {name} ({layers} layers): checked {now * 1e6:8.1f} µs, sandboxed "
+              f"(watch kept) {boxed * 1e6:8.1f} µs, before {before * 1e6:8.1f} µs, bare "
+              f"{bare * 1e6:6.2f} µs per call")
 
 
 def main() -> None:

@@ -2,11 +2,20 @@
 
 ``failed_guard`` asks each ``Guard`` in turn (``Guard.holds``: a method call, and a
 container's whole ``fingerprint`` rebuilt as tuples), about 2.4 µs a guard. Like
-dynamo's guard code, ``fast_check(guards)`` writes them once as one expression, each
-plain value a dict lookup and a type test, each container or config object a walk of
-closures made from its recorded image that builds nothing::
+dynamo's guard code, ``fast_check(guards)`` writes them once as one function. Its tests
+fetch each object's ``__dict__`` once, compare identities and walk down to the containers
+a config object holds; every plain value (an attribute, a key of a config's dict, a
+list's length) then lands in one tuple, built in C by ``itemgetter``, compared with the
+recorded one by type and by value, two comparisons for all of them::
 
-    lambda: (type(_v := M0.__dict__.get(N0, MISSING)) is T0 and _v == V0) and C1() and ...
+    def check():
+        try:
+            return (type(_d0 := M0.__dict__) is dict and _d0[N1] is V1        # a tensor
+                    and type(_c0 := _d0[N2]) is Config and ...                # a config
+                    and tuple(map(type, _a := (*I0(_d0), *_c1, *I3(_c1)))) == TYPES
+                    and _a == VALUES)
+        except Exception:  # a key gone, an index out of range: not "holds for sure"
+            return False
 
 It answers only "every guard holds for sure". When it says no, the caller asks
 ``failed_guard``, whose answer (and the guard it names) is the one that counts, so the
@@ -21,6 +30,8 @@ fast check can be stricter than the guards (a dict's exact type) but never loose
 
 from __future__ import annotations
 
+import operator
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,38 +40,180 @@ from .guards import MISSING, Guard
 
 __all__ = ["fast_check"]
 
-_Walk = Callable[[Any, "set[int] | None"], bool]  # (value, the containers seen: None if flat)
+#: the kinds of ``__dict__`` and global namespace read by subscript: no ``__missing__``
+_SPACES = (dict, types.MappingProxyType)
 
 
 def fast_check(guards: Sequence[Guard]) -> Callable[[], bool]:
     """One function: True when every guard in ``guards`` holds (False: ask
     ``failed_guard``, which may still find that they all hold)."""
-    env: dict[str, Any] = {"MISSING": MISSING}
-    terms = []
-    for i, guard in enumerate(guards):
-        source = f"M{i}" if guard.item else f"M{i}.__dict__"
-        env[f"M{i}"], env[f"N{i}"] = guard.module, guard.name
-        now = f"{source}.get(N{i}, MISSING)"
-        walk = None if guard.contents is None else _walker(guard.contents)
-        if walk is not None and not walk(guard.value, set()):
-            walk = None  # its type is stricter than the image (an OrderedDict): never walked
-        if guard.feeds is not None or (guard.contents is not None and walk is None
-                                       and not guard.identity):
-            env[f"G{i}"] = guard  # fed a number, or a container with no fast walk: as is
-            terms.append(f"G{i}.holds()")
+    code = _Code()
+    held: tuple[int, bool] | None = None  # (id, item) of the object whose space is _d now
+    for guard in sorted(guards, key=lambda g: (id(g.module), g.item)):  # by object
+        if (id(guard.module), guard.item) != held:
+            held = (id(guard.module), guard.item) if code.space(guard) else None
+        if held is None or not code.guard(guard):
+            code.tests.append(f"{code.const(guard)}.holds()")  # fed a number, or as is
+    return code.function()
+
+
+def _walker(image: Any) -> Callable[[Any, None], bool] | None:
+    """A function telling whether a value's ``fingerprint`` is ``image`` for sure, or None
+    where the image holds an identity (``("id", n)``: an opaque object, a repeat, or a
+    limit of ``guard_values._image`` reached), a set, or a key that is not a plain value:
+    those are left to ``holds``.
+
+    An image without identities comes from a tree of plain values under every limit, with
+    no container twice; a value that walks the same tree (exact types, no container met
+    twice) has the same image.
+
+    >>> from mbcompile.passes.guard_values import fingerprint
+    >>> walk = _walker(fingerprint({"beta": 0.5, "sizes": [2, 3]})[0])
+    >>> walk({"beta": 0.5, "sizes": [2, 3]}, None), walk({"beta": 0.5, "sizes": [2]}, None)
+    (True, False)
+    """
+    if not _walkable(image):
+        return None
+    code = _Code()
+    code.walk(image, "v")
+    return code.function()
+
+
+def _walkable(image: Any) -> bool:
+    """``_Code.walk`` can write a test for ``image``."""
+    if isinstance(image, ATOMS):
+        return True
+    if not isinstance(image, tuple) or len(image) == 2 and image[0] == "id" and \
+            isinstance(image[1], int):  # a set's image (a frozenset), an identity
+        return False
+    if len(image) == 2 and isinstance(image[0], type):  # a plain object: (type, its dict)
+        return _walkable(image[1])
+    if len(image) == 2 and image[0] in ("list", "tuple") and isinstance(image[1], tuple):
+        return all(map(_walkable, image[1]))
+    return all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], ATOMS)
+               and _walkable(p[1]) for p in image)  # a dict: its items, plain keys
+
+
+class _Code:
+    """One check being written: its tests (in order), the plain values it fetches into one
+    tuple (``leaves``: expressions, starred ones give several) and their recorded values."""
+
+    def __init__(self) -> None:
+        self.env: dict[str, Any] = {"OGA": object.__getattribute__, "MISSING": MISSING}
+        self.tests: list[str] = []
+        self.leaves: list[str] = []
+        self.values: list[Any] = []
+        self.plain: list[tuple[Any, Any]] = []  # (key, value) read from self.at, to fetch
+        self.spaces = self.containers = 0  # names made: _d0, _d1, ...; _c0, _c1, ...
+        self.at = ""  # the expression of the space in _d now, as ``_d0``
+
+    def const(self, value: Any) -> str:
+        name = f"K{len(self.env)}"
+        self.env[name] = value
+        return name
+
+    def function(self) -> Callable[..., bool]:
+        self.flush()
+        tests = list(self.tests)
+        if self.leaves:
+            tests.append(f"tuple(map(type, _a := ({', '.join(self.leaves)},))) == "
+                         f"{self.const(tuple(map(type, self.values)))} and _a == "
+                         f"{self.const(tuple(self.values))}")
+        body = " and ".join(tests) or "True"
+        exec("def check(v=None, seen=None):\n    try:\n"  # noqa: S102 (our own text)
+             f"        return {body}\n    except Exception:\n        return False\n", self.env)
+        return self.env.pop("check")
+
+    def space(self, guard: Guard) -> bool:
+        """Fetch the dict ``guard``'s object holds its attributes in (its keys, for a
+        dict) as ``_dN``: False where it is no plain dict or class namespace."""
+        self.flush()
+        space = guard.module if guard.item else getattr(guard.module, "__dict__", None)
+        if type(space) not in _SPACES:
+            return False
+        if guard.item:  # the same dict object for good: no test
+            self.at = self.const(space)
+        else:  # ``obj.__dict__ = {...}`` gives it another
+            self.at = f"_d{self.spaces}"
+            self.spaces += 1
+            self.tests.append(f"type({self.at} := {self.const(guard.module)}.__dict__) is "
+                              f"{self.const(type(space))}")
+        return True
+
+    def flush(self) -> None:
+        """The plain values read from the space ``self.at``, fetched in one call."""
+        if len(self.plain) > 1:
+            get = self.const(operator.itemgetter(*(k for k, _ in self.plain)))
+            self.leaves.append(f"*{get}({self.at})")
+        elif self.plain:
+            self.leaves.append(f"{self.at}[{self.const(self.plain[0][0])}]")
+        self.values.extend(v for _, v in self.plain)
+        self.plain = []
+
+    def guard(self, guard: Guard) -> bool:
+        """Write the test of ``guard``, whose space is ``self.at``: False where it is fed a
+        number or is a container with no walk (the caller asks ``holds``)."""
+        now, key = guard.now(), self.const(guard.name)
+        if guard.feeds is not None:
+            return False
+        if guard.value is MISSING:  # absent, as when read
+            self.tests.append(f"{key} not in {self.at}")
         elif guard.identity:
-            env[f"V{i}"] = guard.value
-            terms.append(f"{now} is V{i}")
+            self.tests.append(f"{self.at}[{key}] is {self.const(guard.value)}")
         elif guard.entries is not None:  # an installed package's registry: the same one,
-            env[f"V{i}"], env[f"E{i}"] = guard.value, guard.entries  # the same entries
-            terms.append(f"((_v := {now}) is V{i} and {_entries_code(guard.value)} == E{i})")
-        elif walk is not None:  # a flat one needs no record of the containers seen
-            env[f"W{i}"] = walk
-            terms.append(f"W{i}({now}, {'None' if _flat(guard.contents) else 'set()'})")
+            self.tests.append(  # the same entries
+                f"(_v := {self.at}[{key}]) is {self.const(guard.value)} and "
+                f"{_entries_code(guard.value)} == {self.const(guard.entries)}")
+        elif guard.contents is not None:
+            walk = _walker(guard.contents)
+            if walk is None or now is not guard.value or not walk(guard.value, None):
+                return False  # its type is stricter than the image (an OrderedDict)
+            self.walk(guard.contents, f"{self.at}[{key}]")
         else:
-            env[f"T{i}"], env[f"V{i}"] = type(guard.value), guard.value
-            terms.append(f"(type(_v := {now}) is T{i} and _v == V{i})")
-    return eval(f"lambda: {' and '.join(terms) or 'True'}", env)  # noqa: S307 (our own text)
+            self.plain.append((guard.name, guard.value))
+        return True
+
+    def walk(self, image: Any, x: str) -> None:
+        """Tests and leaves true when the value of ``x`` has this (walkable) image for sure:
+        the containers' exact types in the tests, their keys and plain values among the
+        leaves (a dict's keys in order, a list's length), their ids all distinct."""
+        containers: list[str] = []
+        self._walk(image, x, containers)
+        if len(containers) > 1:  # a container met twice would have an identity image
+            ids = ", ".join(f"id({c})" for c in containers)
+            self.tests.append(f"len({{{ids}}}) == {len(containers)}")
+
+    def _walk(self, image: Any, x: str, containers: list[str]) -> None:
+        if isinstance(image, ATOMS):
+            self.leaves.append(x)
+            self.values.append(image)
+            return
+        c = f"_c{self.containers}"
+        self.containers += 1
+        containers.append(c)
+        if len(image) == 2 and isinstance(image[0], type):  # a plain object
+            self.tests.append(f"type({c} := {x}) is {self.const(image[0])}")
+            self._walk(image[1], f"OGA({c}, '__dict__')", containers)
+            return
+        if len(image) == 2 and image[0] in ("list", "tuple") and isinstance(image[1], tuple):
+            kind = list if image[0] == "list" else tuple
+            self.tests.append(f"type({c} := {x}) is {self.const(kind)}")
+            self.leaves.append(f"len({c})")
+            self.values.append(len(image[1]))
+            pairs = list(enumerate(image[1]))
+        else:  # a dict: its keys in order, then its values
+            self.tests.append(f"type({c} := {x}) is dict")
+            self.leaves.append(f"*{c}")
+            self.values.extend(k for k, _ in image)
+            pairs = list(image)
+        atoms = [(k, v) for k, v in pairs if isinstance(v, ATOMS)]
+        if len(atoms) > 1:  # fetched in one call
+            self.leaves.append(f"*{self.const(operator.itemgetter(*(k for k, _ in atoms)))}({c})")
+            self.values.extend(v for _, v in atoms)
+        for k, v in pairs:
+            if len(atoms) != 1 and isinstance(v, ATOMS):
+                continue
+            self._walk(v, f"{c}[{self.const(k)}]", containers)
 
 
 def _entries_code(value: Any) -> str:
@@ -68,94 +221,3 @@ def _entries_code(value: Any) -> str:
     if isinstance(value, dict):
         return "tuple(_v.items())"
     return "frozenset(_v)" if isinstance(value, (set, frozenset)) else "tuple(_v)"
-
-
-def _walker(image: Any) -> _Walk | None:
-    """A function telling whether a value's ``fingerprint`` is ``image`` for sure, or None
-    where the image holds an identity (``("id", n)``: an opaque object, a repeat, or a
-    limit of ``guard_values._image`` reached) or a set: those are left to ``holds``.
-
-    An image without identities comes from a tree of plain values under every limit, with
-    no container twice; a value that walks the same tree (exact types, no repeat, tracked
-    in ``seen``) has the same image."""
-    if isinstance(image, ATOMS):  # an atom: its own image
-        kind = type(image)
-        return lambda v, seen: type(v) is kind and v == image
-    if not isinstance(image, tuple):  # a set's image (a frozenset)
-        return None
-    if len(image) == 2 and image[0] == "id" and isinstance(image[1], int):
-        return None
-    if len(image) == 2 and isinstance(image[0], type):  # a plain object: (type, its dict)
-        cls, inner = image[0], _walker(image[1])
-        if inner is None:
-            return None
-
-        def walk_object(v: Any, seen: set[int] | None) -> bool:
-            if type(v) is not cls or seen is not None and id(v) in seen:
-                return False
-            if seen is not None:
-                seen.add(id(v))
-            return inner(object.__getattribute__(v, "__dict__"), seen)
-        return walk_object
-    if len(image) == 2 and image[0] in ("list", "tuple") and isinstance(image[1], tuple):
-        seq = list if image[0] == "list" else tuple
-        items = [_walker(x) for x in image[1]]
-        if any(w is None for w in items):
-            return None
-        return _sequence(seq, items)  # type: ignore[arg-type]
-    if all(isinstance(p, tuple) and len(p) == 2 for p in image):  # a dict: its items in order
-        if _flat(image):
-            return _flat_mapping(image)
-        pairs = [(_walker(k), _walker(x)) for k, x in image]
-        if any(k is None or x is None for k, x in pairs):
-            return None
-        return _mapping(pairs)  # type: ignore[arg-type]
-    return None
-
-
-def _flat(image: Any) -> bool:
-    """A dict of plain values, or a plain object holding one: no container inside, so no
-    container can be met twice."""
-    if isinstance(image, tuple) and len(image) == 2 and isinstance(image[0], type):
-        image = image[1]
-    return isinstance(image, tuple) and all(
-        isinstance(p, tuple) and len(p) == 2 and all(isinstance(a, ATOMS) for a in p)
-        for p in image)
-
-
-def _sequence(seq: type, items: list[_Walk]) -> _Walk:
-    n = len(items)
-
-    def walk_sequence(v: Any, seen: set[int]) -> bool:
-        if type(v) is not seq or len(v) != n or id(v) in seen:
-            return False
-        seen.add(id(v))
-        return all(w(x, seen) for w, x in zip(items, v))
-    return walk_sequence
-
-
-def _mapping(pairs: list[tuple[_Walk, _Walk]]) -> _Walk:
-    n = len(pairs)
-
-    def walk_mapping(v: Any, seen: set[int]) -> bool:
-        if type(v) is not dict or len(v) != n or id(v) in seen:
-            return False
-        seen.add(id(v))
-        return all(wk(k, seen) and wv(x, seen) for (wk, wv), (k, x) in zip(pairs, v.items()))
-    return walk_mapping
-
-
-def _flat_mapping(image: tuple[tuple[Any, Any], ...]) -> _Walk:
-    """A dict of plain keys and values (a dict of flags, an object's attributes): three
-    comparisons of lists made in C, types first (a tensor's ``==`` is no answer)."""
-    items = list(image)
-    key_types, value_types = [type(k) for k, _ in image], [type(x) for _, x in image]
-
-    def walk_flat(v: Any, seen: set[int] | None) -> bool:
-        if type(v) is not dict or seen is not None and id(v) in seen:
-            return False
-        if seen is not None:
-            seen.add(id(v))
-        return (list(map(type, v)) == key_types and list(map(type, v.values())) == value_types
-                and list(v.items()) == items)
-    return walk_flat

@@ -6,8 +6,11 @@ global module hook). Most hooks a step runs per microbatch only read (``return N
 ``out * SCALE``, ``assert out.shape[-1] == 64``). Like dynamo, which knows what a frame can
 write from its bytecode, ``reads_only`` proves that of a call, in two parts:
 
-- once per code object (``_plan``): its bytecode holds no call (``CALL``, ``PRECALL``), no
-  store other than to its own locals (``STORE_ATTR``, ``STORE_SUBSCR``, ``STORE_GLOBAL``,
+- once per code object (``_plan``): its bytecode holds no call but of a builtin that only
+  reads (``isinstance``, ``len``: ``_PURE_CALLS``, each by its global name, with the
+  number of arguments it may take; ``setattr``, ``print``, ``exec``, a method or a
+  function held in a variable are calls like any other), no store other than to its own
+  locals (``STORE_ATTR``, ``STORE_SUBSCR``, ``STORE_GLOBAL``,
   ``STORE_DEREF``, deletes), no in-place operator (``+=`` writes a tensor or calls a
   user's ``__iadd__``), no import, iteration (a generator's ``next`` is a write), ``with``,
   ``try``, inner function, ``yield``, nor a private attribute (``m.__dict__``) or one
@@ -21,7 +24,8 @@ write from its bytecode, ``reads_only`` proves that of a call, in two parts:
   ``math``'s modules, a builtin. A user's object (its ``__mul__``, a property,
   ``__bool__``), a ``defaultdict`` (a read inserts), a tensor subclass
   (``__torch_function__``) fails it, and the call is sandboxed as before. Checked on each
-  call, as the values can change between calls (a closure variable rebound after compile).
+  call, as the values can change between calls (a closure variable rebound after compile),
+  and so is each builtin it calls: still Python's own, not shadowed by a global.
 
 Such a call cannot print, open a file, call an installed package, register a tensor hook,
 or write any object: nothing of it could be put back, so the sandbox has nothing to do.
@@ -38,6 +42,7 @@ import builtins
 import dis
 import inspect
 import math
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +65,25 @@ _SAFE = frozenset({
     "UNPACK_SEQUENCE", "LOAD_ASSERTION_ERROR", "RAISE_VARARGS", "NOT_TAKEN",
 })
 _LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST"})
+#: builtins a hook that only reads may call (``isinstance(out, torch.Tensor)``), by name,
+#: with the numbers of positional arguments allowed: on values ``_inert`` accepts each runs
+#: only Python's or torch's code (the dunder method named) and writes nothing
+_PURE_CALLS: dict[str, tuple[Any, tuple[int, ...]]] = {
+    "isinstance": (builtins.isinstance, (2,)),  # type(x), C.__instancecheck__
+    "issubclass": (builtins.issubclass, (2,)),  # C.__subclasscheck__
+    "len": (builtins.len, (1,)),  # x.__len__
+    "abs": (builtins.abs, (1,)),  # x.__abs__
+    "min": (builtins.min, (1, 2, 3)),  # iteration, __lt__ (no ``key=``: a call of its own)
+    "max": (builtins.max, (1, 2, 3)),  # iteration, __gt__
+    "round": (builtins.round, (1, 2)),  # x.__round__
+    "int": (builtins.int, (1,)),  # x.__int__, __index__ (a tensor's item)
+    "float": (builtins.float, (1,)),  # x.__float__
+    "bool": (builtins.bool, (1,)),  # x.__bool__, __len__
+    "type": (builtins.type, (1,)),  # the type of x (three arguments make a class)
+    "callable": (builtins.callable, (1,)),  # a slot's presence
+}
+_CALLS = frozenset({"PRECALL", "CALL"})  # 3.11's call takes two opcodes, later ones one
+_METHOD_LOADS = sys.version_info >= (3, 12)  # LOAD_ATTR's low bit: a method, to be called
 #: attributes through which torch's objects lead to what ``_inert`` does not look into (an
 #: autograd node's ``metadata`` dict); private ones (``m.__dict__``, ``t._base``) too
 _LEADS_OUT = frozenset({"grad_fn", "metadata", "next_functions"})
@@ -75,6 +99,7 @@ class _Plan:
     star: bool  # it reads ``*args``
     globals: tuple[str, ...]
     attributes: frozenset[str]  # every attribute name it loads, on whatever
+    calls: tuple[str, ...] = ()  # the builtins it calls (``_PURE_CALLS``)
 
 
 _PLANS: dict[types.CodeType, _Plan | None] = {}
@@ -88,11 +113,22 @@ def _plan(code: types.CodeType) -> _Plan | None:
     loads: set[str] = set()
     globals_: list[str] = []
     attributes: set[str] = set()
+    callees: list[str | None] = []  # what each call to come calls: a builtin's name, or not
+    calls: set[str] = set()
     previous = ""
     for ins in dis.get_instructions(code):
         op = ins.opname
-        if op not in _SAFE and "JUMP" not in op:  # a call, a store, an import, iteration
-            return None
+        if op not in _SAFE and op not in _CALLS and "JUMP" not in op:  # a store, an import,
+            return None                                                 # iteration
+        if op == "CALL":
+            callee = callees.pop() if callees else None
+            if callee not in _PURE_CALLS or ins.arg not in _PURE_CALLS[callee][1]:
+                return None  # anything but a builtin that only reads, or with keywords
+            calls.add(callee)
+        elif op == "PUSH_NULL" or op == "LOAD_ATTR" and _METHOD_LOADS and ins.arg & 1:
+            callees.append(None)  # a call of a variable's function, or of a method
+        elif op == "LOAD_GLOBAL" and ins.arg & 1:  # a global to call (3.11+: NULL pushed)
+            callees.append(ins.argval)
         if op == "BINARY_OP" and ins.argrepr.endswith("="):  # in place: ``x += 1``
             return None
         if op == "RAISE_VARARGS" and previous != "LOAD_ASSERTION_ERROR":  # not ``assert``
@@ -109,7 +145,7 @@ def _plan(code: types.CodeType) -> _Plan | None:
     named = code.co_argcount + code.co_kwonlyargcount
     star = bool(code.co_flags & inspect.CO_VARARGS) and code.co_varnames[named] in loads
     return _Plan(tuple(i for i in range(code.co_argcount) if code.co_varnames[i] in loads),
-                 star, tuple(dict.fromkeys(globals_)), frozenset(attributes))
+                 star, tuple(dict.fromkeys(globals_)), frozenset(attributes), tuple(calls))
 
 
 def reads_only(fn: Any, passed: tuple[Any, ...]) -> bool:
@@ -142,6 +178,8 @@ def reads_only(fn: Any, passed: tuple[Any, ...]) -> bool:
         if not _inert(value, names):
             return False
     namespace = fn.__globals__
+    if plan.calls and not _builtins_called(plan.calls, namespace):
+        return False
     for name in plan.globals:
         value = namespace.get(name, _UNSEEN)
         if value is _UNSEEN:
@@ -151,6 +189,16 @@ def reads_only(fn: Any, passed: tuple[Any, ...]) -> bool:
         elif not _inert(value, names):
             return False
     return True
+
+
+def _builtins_called(calls: tuple[str, ...], namespace: dict[str, Any]) -> bool:
+    """Each name in ``calls`` is Python's own builtin there: not shadowed by a global of
+    the module, nor replaced in ``builtins``, whose namespace the module's code uses."""
+    space = namespace.get("__builtins__", _BUILTINS)
+    if space is not builtins and space is not _BUILTINS:
+        return False
+    return all(name not in namespace and _BUILTINS.get(name) is _PURE_CALLS[name][0]
+               for name in calls)
 
 
 _UNSEEN: Any = object()
@@ -225,7 +273,8 @@ _TORCH_LAYERS: dict[type, bool] = {}
 
 
 def _library(value: Any) -> bool:
-    """A builtin or torch function or class: loaded, never called (the code calls nothing)."""
+    """A builtin or torch function or class: loaded, not called (the calls it makes are
+    ``_PURE_CALLS``, each checked by ``_builtins_called``)."""
     kind = type(value)
     if kind is not types.BuiltinFunctionType and not issubclass(kind, type):
         return False

@@ -312,7 +312,8 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
     """``fn(module, *args)`` (``fn(*args)`` with ``module_first=False``), with everything it
     writes put back after it, returned or raised; returns ``(result, what it wrote)``,
     the second None when it wrote nothing. A hook whose code provably writes nothing
-    (``hook_reads.reads_only``: it only reads, and calls nothing) is called as it is.
+    (``hook_reads.reads_only``: it only reads, and calls no more than a builtin that reads)
+    is called as it is.
     ``kept`` (the caller's, one per hook): the watch of a call that wrote nothing, used
     again by the next call on the same layer while nothing it records has changed."""
     if reads_only(fn, (module, *args) if module_first else args):

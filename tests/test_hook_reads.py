@@ -99,8 +99,15 @@ def _reads_factor(m: nn.Module, args: tuple, out: torch.Tensor) -> Any:
     return out * m.stats.factor
 
 
+def _calls_builtins(m: nn.Module, args: tuple, out: torch.Tensor) -> Any:
+    if isinstance(out, torch.Tensor) and len(args) == 1 and int(out.shape[0]) > 0 and \
+            type(out) is torch.Tensor and max(out.shape) == abs(-4) and bool(callable(m)):
+        return out * 2.0
+    return None
+
+
 @pytest.mark.parametrize("hook", [lambda m, args, out: None, _scaled, _checks,
-                                  lambda m, args: (args[0] * 2.0,)])
+                                  lambda m, args: (args[0] * 2.0,), _calls_builtins])
 def test_a_hook_that_only_reads_is_called_without_the_sandbox(hook, monkeypatch):
     """No watch is built for it (the sandbox fails if it is), and it returns as called."""
     layer, x, out = _layer_and_call()
@@ -380,3 +387,55 @@ def test_code_the_scan_cannot_prove_never_takes_the_shortcut(hook):
     """Each shape of code the bytecode scan does not prove writes nothing: sandboxed."""
     layer, x, out = _layer_and_call()
     assert not reads_only(hook, (layer, (x,), out))
+
+
+def _writes_seen(*args: Any) -> bool:
+    SEEN.append(1)
+    return True
+
+
+def _shadowed(name: str) -> Any:
+    """``lambda m, args, out: <name>(out, torch.Tensor)`` in a module whose global ``name``
+    is a function of the user's that writes."""
+    namespace = {"torch": torch, name: _writes_seen, "__builtins__": vars(__builtins__)
+                 if isinstance(__builtins__, types.ModuleType) else __builtins__}
+    return eval(f"lambda m, args, out: {name}(out, torch.Tensor)", namespace)  # noqa: S307
+
+
+@pytest.mark.parametrize("case", ["setattr", "print", "exec", "shadowed isinstance",
+                                  "replaced builtin", "keyword", "held in a variable",
+                                  "three-argument type", "user's class"])
+def test_a_hook_whose_builtin_call_may_write_is_sandboxed(case, monkeypatch, capsys):
+    """Only a builtin that reads, Python's own, by its name, with its positional arguments,
+    on values that run only Python's or torch's code, is called without the sandbox: one
+    that writes, prints or runs code, one shadowed by a global or replaced in
+    ``builtins``, a keyword, a builtin held in a variable, ``type`` making a class, or
+    ``isinstance`` of a class of the user's are sandboxed, and any write seen and put
+    back."""
+    layer, x, out = _layer_and_call()
+    hook = {
+        "setattr": lambda m, args, out: setattr(m, "seen", 1),
+        "print": lambda m, args, out: print("rows", out.shape[0]),
+        "exec": lambda m, args, out: exec("m.seen = 1"),
+        "shadowed isinstance": _shadowed("isinstance"),
+        "replaced builtin": lambda m, args, out: abs(-1),
+        "keyword": lambda m, args, out: min(args, key=len),
+        "held in a variable": lambda m, args, out, f=isinstance: f(out, torch.Tensor),
+        "three-argument type": lambda m, args, out: type("Seen", (), {}),
+        "user's class": lambda m, args, out: isinstance(out, _Writes),
+    }[case]
+    try:
+        if case == "replaced builtin":  # (only while asked: pytest itself calls builtins)
+            monkeypatch.setattr("builtins.abs", print)  # a builtin too, which prints
+            assert not reads_only(hook, (layer, (x,), out))
+            monkeypatch.undo()
+            assert reads_only(hook, (layer, (x,), out))
+            return
+        assert not reads_only(hook, (layer, (x,), out))
+        if case in ("keyword", "held in a variable", "three-argument type", "user's class"):
+            return  # nothing of it writes: sandboxed, and clean
+        _, wrote = hook_sandbox.call_sandboxed(hook, layer, ((x,), out))
+        assert wrote is not None, case
+        assert "seen" not in vars(layer) and capsys.readouterr().out == "" and SEEN == []
+    finally:
+        SEEN.clear()
