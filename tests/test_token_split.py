@@ -133,19 +133,6 @@ def test_activation_checkpointing_follows_the_length_exactly():
     assert "each block checkpointed" in cm.report()
 
 
-class _RootGPT(nn.Module):
-    """The tiny GPT's loss under a square root: a function of the batch mean, so the step
-    runs two-phase."""
-
-    def __init__(self, gpt: nn.Module) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
-        loss, logits = self.gpt(ids, labels)
-        return loss.sqrt(), logits
-
-
 @pytest.mark.slow
 def test_a_plan_that_cannot_follow_the_length_says_so_and_keeps_its_split():
     """A two-phase step is planned at the example's length only: a CostModelWarning says
@@ -153,7 +140,7 @@ def test_a_plan_that_cannot_follow_the_length_says_so_and_keeps_its_split():
     roomy = SystemSpec("roomy", memory_bytes=1e9, peak_flops=1e12, peak_flops_fp32=1e12,
                        memory_bandwidth=1e11, optimizer_bytes_per_param=8)
     gpt, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
-    model = _RootGPT(gpt)
+    model = token_split_workers.RootGPT(gpt)
     with pytest.warns(CostModelWarning, match="cannot follow the sequence length.*"
                       "two-phase step"):
         cm = mbcompile.compile(model, GBS, NUM_CSX, "auto", system=roomy, dynamic=True,
@@ -168,7 +155,7 @@ def test_a_token_budget_cuts_a_two_phase_step_by_its_length_exactly():
     """A token budget needs no model of memory: a two-phase step follows it too, each
     split exact (the three phases run per microbatch; F is joined over them)."""
     gpt, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
-    model = _RootGPT(gpt)
+    model = token_split_workers.RootGPT(gpt)
     cm = mbcompile.compile(model, GBS, NUM_CSX, {"tokens": 24}, dynamic=True, cost_model=False,
                            example_inputs=(ids[:, :EXAMPLE], labels[:, :EXAMPLE]))
     assert cm._split.split.mode == "tokens" and hasattr(cm.graph_module, "coupled")
@@ -220,14 +207,7 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     ranks = [r["steps"] for r in saved]
     model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
     for step, lengths in enumerate(token_split_workers.LENGTHS):
-        ids, labels = token_split_workers.step_batch(step)
-        rows = torch.arange(GBS) >= ranks[0][step]["share"]  # rank 1's rows
-        labels = labels.clone()
-        labels[:, lengths[0]:][~rows] = -100  # rank 0's rows end at its length
-        labels[:, lengths[1]:][rows] = -100
-        model.zero_grad(set_to_none=True)
-        loss, logits = model(*(t[:, :max(lengths)].contiguous() for t in (ids, labels)))
-        loss.backward()
+        loss, logits, rows = _eager_step(model, step, lengths, ranks[0][step]["share"])
         for rank, length in enumerate(lengths):
             got = ranks[rank][step]
             mine = logits[rows] if rank else logits[~rows]
@@ -250,6 +230,65 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     assert first["unchanged"] and second["unchanged"]
     for r in range(2):
         assert torch.equal(saved[r]["refused"]["loss_after"], ranks[r][0]["loss"])
+
+
+def _eager_step(model: nn.Module, step: int, lengths: tuple[int, int], share: int) -> Any:
+    """Eager's step on the whole batch of ``token_split_workers``' step ``step``, where rank
+    0's ``share`` rows end at its length and rank 1's at its own (their labels past it
+    ignored: the model is causal); the loss, the logits and which rows are rank 1's."""
+    ids, labels = token_split_workers.step_batch(step)
+    rows = torch.arange(GBS) >= share  # rank 1's rows
+    labels = labels.clone()
+    labels[:, lengths[0]:][~rows] = -100  # rank 0's rows end at its length
+    labels[:, lengths[1]:][rows] = -100
+    model.zero_grad(set_to_none=True)
+    loss, logits = model(*(t[:, :max(lengths)].contiguous() for t in (ids, labels)))
+    loss.backward()
+    return loss, logits, rows
+
+
+@pytest.mark.slow
+def test_a_two_phase_step_on_ranks_of_other_lengths_is_exact_or_refused(tmp_path):
+    """The tiny GPT's loss under a square root (a two-phase step) on ranks whose batches are
+    padded to their own lengths (the frontier gathered over ranks aborted the process group
+    before). Returning the loss only, the frontier is the loss's partial sums, one shape at
+    every length: every step is eager's on the whole batch. Returning the logits too, a step
+    where rank 0 holds 8 tokens and rank 1 40 has no whole batch of logits: it is refused on
+    every rank, naming the fix, with no gradient made; at one length it is eager's. A rank
+    failing in phase 1 at 40 tokens (not the example's 12) stops every rank, which then step
+    on together."""
+    from test_distributed import _run
+
+    _run(token_split_workers.two_phase_steps, 2, str(tmp_path))
+    saved = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = token_split_workers.RootGPT(make_tiny_gpt(GBS, dtype=DTYPE, seq=64)[0])
+    share = saved[0]["after"]["share"]
+    for outputs, steps in token_split_workers.TWO_PHASE_STEPS.items():
+        for step in steps:
+            lengths = token_split_workers.LENGTHS[step]
+            loss, logits, _ = _eager_step(model, step, lengths, share)
+            for rank in range(2):
+                got = saved[rank][outputs][step]
+                if outputs == "all" and lengths[0] != lengths[1]:  # refused on every rank
+                    assert got["error"] == "InputError", got
+                    assert "value 'gpt_head'" in got["message"] and "(3, 40, 64)" in \
+                        got["message"] and "outputs='loss'" in got["message"]
+                    assert got["unchanged"]
+                    continue
+                assert rel_err(got["loss"], loss) <= TOL, (step, rank)
+                for name, p in model.named_parameters():
+                    assert rel_err(got["grads"][name], p.grad) <= TOL, (step, rank, name)
+                # the loss only, or the whole batch's logits on every rank
+                assert (got["logits"] is None) == (outputs == "loss")
+                assert outputs == "loss" or rel_err(got["logits"], logits) <= TOL
+    failed = [saved[r]["failed"] for r in range(2)]
+    assert failed[1]["error"] == "MicrobatchError" and "injected failure" in failed[1]["message"]
+    assert failed[0]["error"] == "MicrobatchError" and "rank(s) [1] failed" in failed[0]["message"]
+    assert failed[0]["unchanged"] and failed[1]["unchanged"]
+    loss, logits, _ = _eager_step(model, 0, token_split_workers.LENGTHS[0], share)
+    for r in range(2):
+        assert rel_err(saved[r]["after"]["loss"], loss) <= TOL
+        assert rel_err(saved[r]["after"]["logits"], logits) <= TOL
 
 
 # --------------------------------------------------------------------------- #

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 import mbcompile
 from mbcompile.execution import distributed as mbdist
@@ -74,3 +75,63 @@ def split_steps(rank: int, world: int, out_dir: str, policy: str) -> None:
                    for t in mbdist.shard(step_batch(0), cm.plan, rank))
     refused["loss_after"] = cm(ids, labels)[0].detach()
     torch.save({"steps": steps, "refused": refused}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+class RootGPT(nn.Module):
+    """The tiny GPT's loss under a square root: a function of the batch mean, so the step
+    runs two-phase."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        loss, logits = self.gpt(ids, labels)
+        return loss.sqrt(), logits
+
+
+#: ``two_phase_steps``' steps (as ``LENGTHS``' indices) per outputs: the loss only at two
+#: lengths; the logits too at two lengths (refused) and at one
+TWO_PHASE_STEPS = {"loss": (2,), "all": (2, 1)}
+
+
+def two_phase_steps(rank: int, world: int, out_dir: str) -> None:
+    """``RootGPT`` (float64) compiled for ranks at mbs 2, returning the loss only, then the
+    logits too; the steps of ``TWO_PHASE_STEPS`` with each, each from no gradients, on this
+    rank's share cut to its length. Then, returning the logits, rank 1 fails in phase 1 of
+    a step at the longest length (not the example's), and both ranks step on after it.
+    Saves each step's loss and logits, or its error and whether no gradient appeared."""
+    saved: dict[str, Any] = {}
+    for outputs, steps in TWO_PHASE_STEPS.items():
+        model = RootGPT(make_tiny_gpt(GBS, dtype=torch.float64, seq=64)[0])
+        cm = mbcompile.compile(model, GBS, world, 2, dynamic=True, backend="torch.distributed",
+                               cost_model=False, outputs=outputs, example_inputs=tuple(
+                                   t[:, :EXAMPLE].contiguous() for t in step_batch(0)))
+        saved[outputs] = {step: _two_phase_step(cm, model, step, LENGTHS[step][rank], rank)
+                          for step in steps}
+
+    def fail(module: nn.Module, args: Any) -> None:
+        if rank == 1 and not torch.is_grad_enabled():
+            raise RuntimeError("injected failure in phase 1")
+
+    hook = model.gpt.head.register_forward_pre_hook(fail)
+    saved["failed"] = _two_phase_step(cm, model, 1, LONGEST, rank)
+    hook.remove()
+    saved["after"] = _two_phase_step(cm, model, 0, LENGTHS[0][rank], rank)
+    torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _two_phase_step(cm: Any, model: nn.Module, step: int, length: int, rank: int
+                    ) -> dict[str, Any]:
+    ids, labels = (t[:, :length].contiguous()
+                   for t in mbdist.shard(step_batch(step), cm.plan, rank))
+    model.zero_grad(set_to_none=True)
+    try:
+        loss, logits = cm(ids, labels)
+        loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the test reads which, and its text
+        return {"error": type(exc).__name__, "message": str(exc),
+                "unchanged": all(p.grad is None for p in model.parameters())}
+    return {"loss": loss.detach(), "logits": None if logits is None else logits.detach(),
+            "grads": {n: p.grad for n, p in model.named_parameters()},
+            "share": cm.plan.per_system_batch_sizes[rank]}

@@ -38,3 +38,6 @@ class StepConfig:
     #: A non-finite loss: "return" it (and its gradients) as eager does, or "raise"
     #: ``MicrobatchError`` with the step rolled back.
     nonfinite: str = "return"
+    #: A dim of the inputs is symbolic: on ranks a two-phase step's frontier may have other
+    #: shapes on other ranks, which they exchange before gathering it (``frontier_gather``).
+    lengths_vary: bool = False
