@@ -199,7 +199,8 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     own split: a step where rank 0's rows are short and rank 1's long runs one microbatch
     on rank 0 and three on rank 1, and equals eager's step on the whole batch (the short
     rows' labels past their length ignored: the model is causal). The gradient all-reduce
-    and the loss's global count do not depend on the split."""
+    and the loss's global count do not depend on the split. With a token budget, a two-phase
+    step too, in the same ranks (``_check_two_phase_ranks``)."""
     from test_distributed import _run
 
     _run(token_split_workers.split_steps, 2, str(tmp_path), policy)
@@ -230,6 +231,8 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     assert first["unchanged"] and second["unchanged"]
     for r in range(2):
         assert torch.equal(saved[r]["refused"]["loss_after"], ranks[r][0]["loss"])
+    if policy == "tokens":  # a two-phase step cuts each rank's length too, in the same ranks
+        _check_two_phase_ranks([r["two_phase"] for r in saved])
 
 
 def _eager_step(model: nn.Module, step: int, lengths: tuple[int, int], share: int) -> Any:
@@ -247,20 +250,17 @@ def _eager_step(model: nn.Module, step: int, lengths: tuple[int, int], share: in
     return loss, logits, rows
 
 
-@pytest.mark.slow
-def test_a_two_phase_step_on_ranks_of_other_lengths_is_exact_or_refused(tmp_path):
+def _check_two_phase_ranks(saved: list[dict[str, Any]]) -> None:
     """The tiny GPT's loss under a square root (a two-phase step) on ranks whose batches are
-    padded to their own lengths (the frontier gathered over ranks aborted the process group
-    before). Returning the loss only, the frontier is the loss's partial sums, one shape at
-    every length: every step is eager's on the whole batch. Returning the logits too, a step
-    where rank 0 holds 8 tokens and rank 1 40 has no whole batch of logits: it is refused on
-    every rank, naming the fix, with no gradient made; at one length it is eager's. A rank
-    failing in phase 1 at 40 tokens (not the example's 12) stops every rank, which then step
-    on together."""
-    from test_distributed import _run
-
-    _run(token_split_workers.two_phase_steps, 2, str(tmp_path))
-    saved = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    padded to their own lengths, under a token budget: each rank cuts its own length (rank
+    0's 8 tokens in one microbatch, rank 1's 40 in three), and the frontier is gathered over
+    ranks (which aborted the process group before). Returning the loss only, the frontier is
+    the loss's partial sums, one shape at every length: the step is eager's on the whole
+    batch. Returning the logits too, a step at two lengths has no whole batch of logits: it
+    is refused on every rank, naming the fix, with no gradient made; at one length it is
+    eager's. A call one rank refuses (too long for the budget), and a rank failing in phase
+    1 at 40 tokens (not the example's 12), stop every rank, which then step on together.
+    ``saved``: each rank's ``token_split_workers.two_phase_steps``."""
     model = token_split_workers.RootGPT(make_tiny_gpt(GBS, dtype=DTYPE, seq=64)[0])
     share = saved[0]["after"]["share"]
     for outputs, steps in token_split_workers.TWO_PHASE_STEPS.items():
@@ -281,10 +281,17 @@ def test_a_two_phase_step_on_ranks_of_other_lengths_is_exact_or_refused(tmp_path
                 # the loss only, or the whole batch's logits on every rank
                 assert (got["logits"] is None) == (outputs == "loss")
                 assert outputs == "loss" or rel_err(got["logits"], logits) <= TOL
-    failed = [saved[r]["failed"] for r in range(2)]
-    assert failed[1]["error"] == "MicrobatchError" and "injected failure" in failed[1]["message"]
-    assert failed[0]["error"] == "MicrobatchError" and "rank(s) [1] failed" in failed[0]["message"]
-    assert failed[0]["unchanged"] and failed[1]["unchanged"]
+    mixed = [saved[r]["loss"][2] for r in range(2)]  # one step, two splits (the plan's)
+    assert [(m["mbs"], m["microbatches"]) for m in mixed] == [(4, 1), (1, 4)]
+    for stopped, error, text in (("refused", "PlanError", "one sample has 64 tokens"),
+                                 ("failed", "MicrobatchError", "injected failure")):
+        for outputs in ("loss", "all") if stopped == "refused" else (None,):
+            got = [saved[r][outputs][stopped] if outputs else saved[r][stopped]
+                   for r in range(2)]
+            assert got[1]["error"] == error and text in got[1]["message"], got[1]
+            assert got[0]["error"] == "MicrobatchError" and "rank(s) [1] failed" in \
+                got[0]["message"]
+            assert got[0]["unchanged"] and got[1]["unchanged"]
     loss, logits, _ = _eager_step(model, 0, token_split_workers.LENGTHS[0], share)
     for r in range(2):
         assert rel_err(saved[r]["after"]["loss"], loss) <= TOL
@@ -343,16 +350,15 @@ def test_a_token_budget_needs_token_ids():
                           example_inputs=(torch.randn(GBS, 3, dtype=DTYPE),))
 
 
-def test_on_ranks_fsdp2_and_a_two_phase_step_keep_the_example_split():
+def test_on_ranks_fsdp2_keeps_the_example_split():
     """Which steps a rank may cut by its own length: not FSDP2's (collectives in every
-    microbatch round) nor a two-phase step's (its frontier gathered over ranks); in one
-    process, both may."""
-    def why(rank: int | None, shard: object = None, two_phase: bool = False) -> str | None:
-        return _fixed_on_ranks(SimpleNamespace(shard=shard), SimpleNamespace(rank=rank),
-                               SimpleNamespace(analysis=SimpleNamespace(two_phase=two_phase)))
+    microbatch round); a two-phase step's may (its frontier is joined over the rank's own
+    microbatches before it is gathered); in one process, both may."""
+    def why(rank: int | None, shard: object = None) -> str | None:
+        return _fixed_on_ranks(SimpleNamespace(shard=shard), SimpleNamespace(rank=rank))
 
-    assert why(0) is None and why(None, shard=object(), two_phase=True) is None
-    assert "FSDP2" in why(1, shard=object()) and "two-phase" in why(0, two_phase=True)
+    assert why(0) is None and why(None, shard=object()) is None
+    assert "FSDP2" in why(1, shard=object())
 
 
 # --------------------------------------------------------------------------- #

@@ -42,7 +42,8 @@ def step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def split_steps(rank: int, world: int, out_dir: str, policy: str) -> None:
     """The tiny GPT (float64, the same init on every rank) compiled for ranks with
     ``POLICIES[policy]``; one step per entry of ``LENGTHS``, each from no gradients, on this
-    rank's share cut to its length. Saves each step's loss, logits, gradients and plan."""
+    rank's share cut to its length. Saves each step's loss, logits, gradients and plan (and
+    with a token budget, ``two_phase_steps``': one process of ranks for both, to save time)."""
     model, _ = make_tiny_gpt(GBS, dtype=torch.float64, seq=64)
     cm = mbcompile.compile(model, GBS, world, dynamic=True, backend="torch.distributed",
                            **POLICIES[policy],
@@ -74,7 +75,9 @@ def split_steps(rank: int, world: int, out_dir: str, policy: str) -> None:
     ids, labels = (t[:, :LENGTHS[0][rank]].contiguous()
                    for t in mbdist.shard(step_batch(0), cm.plan, rank))
     refused["loss_after"] = cm(ids, labels)[0].detach()
-    torch.save({"steps": steps, "refused": refused}, os.path.join(out_dir, f"rank{rank}.pt"))
+    two_phase = two_phase_steps(rank, world) if policy == "tokens" else None
+    torch.save({"steps": steps, "refused": refused, "two_phase": two_phase},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 class RootGPT(nn.Module):
@@ -95,36 +98,39 @@ class RootGPT(nn.Module):
 TWO_PHASE_STEPS = {"loss": (2,), "all": (2, 1)}
 
 
-def two_phase_steps(rank: int, world: int, out_dir: str) -> None:
-    """``RootGPT`` (float64) compiled for ranks at mbs 2, returning the loss only, then the
-    logits too; the steps of ``TWO_PHASE_STEPS`` with each, each from no gradients, on this
-    rank's share cut to its length. Then, returning the logits, rank 1 fails in phase 1 of
-    a step at the longest length (not the example's), and both ranks step on after it.
-    Saves each step's loss and logits, or its error and whether no gradient appeared."""
+def two_phase_steps(rank: int, world: int) -> dict[str, Any]:
+    """``RootGPT`` (float64) compiled for ranks with a token budget (``POLICIES["tokens"]``),
+    returning the loss only, then the logits too; the steps of ``TWO_PHASE_STEPS`` with
+    each, each from no gradients, on this rank's share cut to its length, then a step
+    with rank 1's rows too long for any split (``REFUSED``). Then, returning the logits,
+    rank 1 fails in phase 1 of a step at the longest length (not the example's), and both
+    ranks step on after it. Each step's loss, logits and plan, or its error and whether no
+    gradient appeared."""
     saved: dict[str, Any] = {}
     for outputs, steps in TWO_PHASE_STEPS.items():
         model = RootGPT(make_tiny_gpt(GBS, dtype=torch.float64, seq=64)[0])
-        cm = mbcompile.compile(model, GBS, world, 2, dynamic=True, backend="torch.distributed",
-                               cost_model=False, outputs=outputs, example_inputs=tuple(
+        cm = mbcompile.compile(model, GBS, world, dynamic=True, backend="torch.distributed",
+                               outputs=outputs, **POLICIES["tokens"], example_inputs=tuple(
                                    t[:, :EXAMPLE].contiguous() for t in step_batch(0)))
-        saved[outputs] = {step: _two_phase_step(cm, model, step, LENGTHS[step][rank], rank)
-                          for step in steps}
+        saved[outputs] = {step: _two_phase_step(cm, model, step_batch(step),
+                                                LENGTHS[step][rank], rank) for step in steps}
+        saved[outputs]["refused"] = _two_phase_step(
+            cm, model, token_batch(GBS, max(REFUSED), seed=99), REFUSED[rank], rank)
 
     def fail(module: nn.Module, args: Any) -> None:
         if rank == 1 and not torch.is_grad_enabled():
             raise RuntimeError("injected failure in phase 1")
 
     hook = model.gpt.head.register_forward_pre_hook(fail)
-    saved["failed"] = _two_phase_step(cm, model, 1, LONGEST, rank)
+    saved["failed"] = _two_phase_step(cm, model, step_batch(1), LONGEST, rank)
     hook.remove()
-    saved["after"] = _two_phase_step(cm, model, 0, LENGTHS[0][rank], rank)
-    torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
+    saved["after"] = _two_phase_step(cm, model, step_batch(0), LENGTHS[0][rank], rank)
+    return saved
 
 
-def _two_phase_step(cm: Any, model: nn.Module, step: int, length: int, rank: int
+def _two_phase_step(cm: Any, model: nn.Module, batch: Any, length: int, rank: int
                     ) -> dict[str, Any]:
-    ids, labels = (t[:, :length].contiguous()
-                   for t in mbdist.shard(step_batch(step), cm.plan, rank))
+    ids, labels = (t[:, :length].contiguous() for t in mbdist.shard(batch, cm.plan, rank))
     model.zero_grad(set_to_none=True)
     try:
         loss, logits = cm(ids, labels)
@@ -134,4 +140,5 @@ def _two_phase_step(cm: Any, model: nn.Module, step: int, length: int, rank: int
                 "unchanged": all(p.grad is None for p in model.parameters())}
     return {"loss": loss.detach(), "logits": None if logits is None else logits.detach(),
             "grads": {n: p.grad for n, p in model.named_parameters()},
-            "share": cm.plan.per_system_batch_sizes[rank]}
+            "share": cm.plan.per_system_batch_sizes[rank], "mbs": cm.plan.mbs,
+            "microbatches": cm.plan.num_microbatches}

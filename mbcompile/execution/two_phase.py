@@ -74,6 +74,9 @@ class _Step:
         self.frozen = _without_gradient(body)  # F pieces that carry no gradient (detached)
         self.generators = generators_of(body)  # the model's own, replayed with torch's
         self.replayed: torch.Tensor | None = None  # phase 3 recomputed phase 1's frontier
+        # on ranks, the error of a call this rank refuses (StepChannels.refused): it joins
+        # the step's collectives as a rank whose phase 1 failed, so every rank stops
+        self.refused: BaseException | None = None
         # the loss's backward is seeded with the gradient it got last step (seeding.py)
         self.seeding, self.seed_value, self.nonfinite = seeding, None, nonfinite
 
@@ -145,6 +148,8 @@ class _Step:
         where the ranks exchange their shapes first, reports it there (no zeros)."""
         results: list[tuple[Any, ...]] = []
         try:
+            if self.refused is not None:  # this rank's call fits no split (runs no microbatch)
+                raise self.refused
             for i, mb in enumerate(self.microbatches):
                 if states is not None:
                     states.append(RngStates(mb, self.generators))
@@ -410,6 +415,7 @@ def make_two_phase(channels: StepChannels, gather: RankGather | None = None,
         step = _Step(body, coupled, microbatches, free, outputs, loss_index, systems, sizes,
                      gather, sums, keep_coupled_grads, config.frontier_template, config.seed,
                      config.nonfinite)
+        step.refused, channels.refused = channels.refused, None
         params = list(dict.fromkeys(
             p for m in (body, coupled) for p in m.parameters() if p.requires_grad))
         if not params or not torch.is_grad_enabled() or loss_index is None:
