@@ -225,19 +225,23 @@ def _length_model(request: Request, selection: Selection, lowered: Lowered
     cost = selection.cost
     if cost is None:
         return f"no cost model ({selection.cost_error})"
-    if isinstance(cost, TwoPhaseCostModel) or cost.shard:
-        return "a two-phase step and FSDP2 are planned at the example's length only so far"
+    if cost.shard:
+        return "FSDP2 is planned at the example's length only so far"
     key = repr(sorted((n, sorted(ds.items())) for n, ds in request.inputs.symbolic.items()))
     known = _LENGTHS.setdefault(cost, {})
     if key not in known:
         # with activation checkpointing, the graph its cost model probed: checkpointed
         gm = lowered.analysis.graph_module
         gm = checkpoint_blocks(gm) if selection.plan.recompute else gm
+        if isinstance(cost, TwoPhaseCostModel):  # its P, whose outputs are the frontier
+            gm = lowered.graph_module.body
         try:
             known[key] = length_cost(cost, gm, request.inputs.names,
                                      request.inputs.symbolic, request.example, request.pbs)
         except CostModelError as exc:
             known[key] = f"no model of memory over lengths: {exc}"
+            if isinstance(cost, TwoPhaseCostModel):
+                known[key] = f"a two-phase step with {known[key]}"
         except Exception as exc:  # noqa: BLE001 - a probe at another length crashed
             known[key] = (f"no model of memory over lengths: probing another length failed "
                           f"({type(exc).__name__}: {exc})")

@@ -151,6 +151,41 @@ def test_a_plan_that_cannot_follow_the_length_says_so_and_keeps_its_split():
     assert f"the example's plan (mbs {mbs}) at every length" in cm.report()
 
 
+class _RootLoss(nn.Module):
+    """The tiny GPT's loss under a square root, returned alone: the frontier is the loss's
+    partial sums, one size at every length."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.gpt(ids, labels)[0].sqrt()
+
+
+@pytest.mark.slow
+def test_auto_cuts_a_two_phase_step_by_its_length_exactly():
+    """A two-phase step whose frontier keeps one size at every length follows the length
+    with "auto": P's memory fitted over lengths as a plain body's, F and C a fixed cost;
+    each call's MBS the largest whose modelled two-phase peak at its length fits, exact."""
+    gpt, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    model = _RootLoss(gpt)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, "auto", dynamic=True, system=BUDGET,
+                           example_inputs=(ids[:, :EXAMPLE], labels[:, :EXAMPLE]))
+    assert cm._split.split.mode == "auto" and hasattr(cm.graph_module, "coupled")
+    plans = {n: _step(model, cm, n) for n in (8, 40)}
+    assert plans[8].num_microbatches < plans[40].num_microbatches
+    example = cm._selection.cost
+    for n, plan in plans.items():
+        at = cm._split.lengths.at(n - EXAMPLE)
+        fits = [m for m in plan.supported_mbs if at.memory(4, m, -(-4 // m), BUDGET).fits]
+        assert plan.mbs == max(fits), (n, fits)
+        memory = at.memory(4, plan.mbs, -(-4 // plan.mbs), BUDGET)  # F and C: the example's
+        assert (memory.frontier, memory.coupled) == (2 * example.frontier_bytes,
+                                                     example.coupled_bytes)
+    assert "split by length" in cm.report()
+
+
 def test_a_token_budget_cuts_a_two_phase_step_by_its_length_exactly():
     """A token budget needs no model of memory: a two-phase step follows it too, each
     split exact (the three phases run per microbatch; F is joined over them)."""
