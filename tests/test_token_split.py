@@ -292,21 +292,22 @@ def _check_two_phase_ranks(saved: list[dict[str, Any]]) -> None:
     ranks (which aborted the process group before). Returning the loss only, the frontier is
     the loss's partial sums, one shape at every length: the step is eager's on the whole
     batch. Returning the logits too, a step at two lengths has no whole batch of logits: it
-    is refused on every rank, naming the fix, with no gradient made; at one length it is
-    eager's. A call one rank refuses (too long for the budget), and a rank failing in phase
-    1 at 40 tokens (not the example's 12), stop every rank, which then step on together.
-    ``saved``: each rank's ``token_split_workers.two_phase_steps``."""
+    is refused on every rank, naming the fix, with no gradient made, also where one rank
+    runs the module compiled at the example's length and the other the one its length made
+    symbolic (``dynamic="auto"``); at one length it is eager's. A call one rank refuses (too
+    long for the budget), and a rank failing in phase 1 at 40 tokens (not the example's 12),
+    stop every rank, which then step on together. ``saved``: each rank's
+    ``token_split_workers.two_phase_steps``."""
     model = token_split_workers.RootGPT(make_tiny_gpt(GBS, dtype=DTYPE, seq=64)[0])
     share = saved[0]["after"]["share"]
     for outputs, steps in token_split_workers.TWO_PHASE_STEPS.items():
-        for step in steps:
-            lengths = token_split_workers.LENGTHS[step]
+        for k, (step, lengths) in enumerate(steps):
             loss, logits, _ = _eager_step(model, step, lengths, share)
             for rank in range(2):
-                got = saved[rank][outputs][step]
+                got = saved[rank][outputs][k]
                 if outputs == "all" and lengths[0] != lengths[1]:  # refused on every rank
                     assert got["error"] == "InputError", got
-                    assert "value 'gpt_head'" in got["message"] and "(3, 40, 64)" in \
+                    assert "value 'gpt_head'" in got["message"] and "(4, 12, 64)" in \
                         got["message"] and "outputs='loss'" in got["message"]
                     assert got["unchanged"]
                     continue
@@ -316,7 +317,7 @@ def _check_two_phase_ranks(saved: list[dict[str, Any]]) -> None:
                 # the loss only, or the whole batch's logits on every rank
                 assert (got["logits"] is None) == (outputs == "loss")
                 assert outputs == "loss" or rel_err(got["logits"], logits) <= TOL
-    mixed = [saved[r]["loss"][2] for r in range(2)]  # one step, two splits (the plan's)
+    mixed = [saved[r]["loss"][0] for r in range(2)]  # one step, two splits (the plan's)
     assert [(m["mbs"], m["microbatches"]) for m in mixed] == [(4, 1), (1, 4)]
     for stopped, error, text in (("refused", "PlanError", "one sample has 64 tokens"),
                                  ("failed", "MicrobatchError", "injected failure")):

@@ -93,27 +93,31 @@ class RootGPT(nn.Module):
         return loss.sqrt(), logits
 
 
-#: ``two_phase_steps``' steps (as ``LENGTHS``' indices) per outputs: the loss only at two
-#: lengths; the logits too at two lengths (refused) and at one
-TWO_PHASE_STEPS = {"loss": (2,), "all": (2, 1)}
+#: ``two_phase_steps``' steps per outputs, as (``step_batch``'s step, each rank's length):
+#: the loss only at two lengths; the logits too at two lengths (refused: rank 0 at the
+#: example's, so that it runs the module compiled for it while rank 1 runs the one its
+#: length made symbolic) and at one
+TWO_PHASE_STEPS = {"loss": ((2, (8, LONGEST)),),
+                   "all": ((2, (EXAMPLE, LONGEST)), (1, (LONGEST, LONGEST)))}
 
 
 def two_phase_steps(rank: int, world: int) -> dict[str, Any]:
     """``RootGPT`` (float64) compiled for ranks with a token budget (``POLICIES["tokens"]``),
-    returning the loss only, then the logits too; the steps of ``TWO_PHASE_STEPS`` with
-    each, each from no gradients, on this rank's share cut to its length, then a step
-    with rank 1's rows too long for any split (``REFUSED``). Then, returning the logits,
-    rank 1 fails in phase 1 of a step at the longest length (not the example's), and both
-    ranks step on after it. Each step's loss, logits and plan, or its error and whether no
-    gradient appeared."""
+    returning the loss only (``dynamic=True``), then the logits too (``"auto"``); the steps
+    of ``TWO_PHASE_STEPS`` with each, each from no gradients, on this rank's share cut to
+    its length, then a step with rank 1's rows too long for any split (``REFUSED``). Then,
+    returning the logits, rank 1 fails in phase 1 of a step at the longest length (not the
+    example's), and both ranks step on after it. Each step's loss, logits and plan, or its
+    error and whether no gradient appeared."""
     saved: dict[str, Any] = {}
     for outputs, steps in TWO_PHASE_STEPS.items():
         model = RootGPT(make_tiny_gpt(GBS, dtype=torch.float64, seq=64)[0])
-        cm = mbcompile.compile(model, GBS, world, dynamic=True, backend="torch.distributed",
-                               outputs=outputs, **POLICIES["tokens"], example_inputs=tuple(
+        cm = mbcompile.compile(model, GBS, world, dynamic=True if outputs == "loss" else "auto",
+                               backend="torch.distributed", outputs=outputs,
+                               **POLICIES["tokens"], example_inputs=tuple(
                                    t[:, :EXAMPLE].contiguous() for t in step_batch(0)))
-        saved[outputs] = {step: _two_phase_step(cm, model, step_batch(step),
-                                                LENGTHS[step][rank], rank) for step in steps}
+        saved[outputs] = {k: _two_phase_step(cm, model, step_batch(step), lengths[rank], rank)
+                          for k, (step, lengths) in enumerate(steps)}
         saved[outputs]["refused"] = _two_phase_step(
             cm, model, token_batch(GBS, max(REFUSED), seed=99), REFUSED[rank], rank)
 

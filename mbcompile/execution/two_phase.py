@@ -196,6 +196,8 @@ class _Step:
     def _three_phases(self, params: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], Any]:
         # 1. P per microbatch, no grad: F's pieces, and the RNG state each started from
         states: list[RngStates] = []
+        # what phase 1 updates in place, for a step the ranks stop after it (RankGather.agree)
+        running = RunningStatistics(self.body) if self.exchanges else None
         with torch.no_grad():
             results, failure = self._per_microbatch(states, _PHASES[0])
         pieces = [[r[i].shape[dim] if kind == "cat" else 0 for r in results]
@@ -204,9 +206,11 @@ class _Step:
                    if kind == "cat" and _differentiable(r[i])] for r in results]
         try:
             joined, offsets = self._join(results, failure)
-        except BaseException:
-            if states:  # refused on every rank (or failed): the RNG as before the step
+        except BaseException:  # refused on every rank (or failed): as before the step
+            if states:
                 states[0].restore()
+            if running is not None:
+                running.restore()
             raise
         del results
         if failure is not None:
