@@ -5,10 +5,12 @@ the rank's microbatches, is padded along its batch dim to the largest share, all
 trimmed and concatenated in batch order, so that the coupled part C reads the whole batch's
 F on every rank (gbs 7 on 2 ranks: rows 0-3 from rank 0, 4-6 from rank 1).
 
-A module whose length is symbolic can be called at another length on each rank (each
-collator pads its own batch), so a rank cannot size what it receives from its own shapes.
-Such a step first exchanges, in one small all-gather (and one host read), whether each
-rank's phase 1 failed and the shape of each value it holds. Every rank then takes the
+Where lengths may vary (a symbolic dim, or ``dynamic="auto"``, where a rank at the
+example's length runs the module compiled for it and another rank the one its length made
+symbolic), each rank may be called at another length (each collator pads its own batch),
+so a rank cannot size what it receives from its own shapes. Such a step first exchanges,
+in one small all-gather (and one host read), whether each rank's phase 1 failed (or its
+call was refused) and the shape of each value it holds. Every rank then takes the
 same decision from the same numbers, before the first value is gathered:
 
 1. a rank failed: every rank stops the step here (it would otherwise join the gather
@@ -21,7 +23,7 @@ same decision from the same numbers, before the first value is gathered:
 
 >>> gather = RankGather(shares=(4, 3), rank=0, exchange=True)
 >>> rows = gather.agree([(4, 8, 64)], [3], [0], ["logits"], None, read)  # or raises
->>> whole, offset = gather.gather(local, 1, rows[0])                  # (7, 8, 64), 0
+>>> whole, offset = gather.gather(local, 0, rows[0])                  # (7, 8, 64), 0
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ class _Step:
                  ops.accumulate_sum(results, i, self.systems) if results else None
                  for i, (kind, dim) in enumerate(self.outputs)]
         rows: list[list[int] | None] = [None] * len(local)
-        if self.gather is not None:
+        if self.exchanges:
+            assert self.gather is not None
             rows = self.gather.agree(
                 None if failure is not None else [tuple(v.shape) if isinstance(
                     v, torch.Tensor) else () for v in local], self._ndims(),
