@@ -135,14 +135,15 @@ def test_activation_checkpointing_follows_the_length_exactly():
 
 @pytest.mark.slow
 def test_a_plan_that_cannot_follow_the_length_says_so_and_keeps_its_split():
-    """A two-phase step is planned at the example's length only: a CostModelWarning says
-    the split cannot follow the length; every call runs the example's split, exactly."""
+    """A two-phase step whose frontier grows with the length (the logits it returns) is
+    planned at the example's length only: a CostModelWarning says the split cannot follow
+    the length; every call runs the example's split, exactly."""
     roomy = SystemSpec("roomy", memory_bytes=1e9, peak_flops=1e12, peak_flops_fp32=1e12,
                        memory_bandwidth=1e11, optimizer_bytes_per_param=8)
     gpt, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
     model = token_split_workers.RootGPT(gpt)
     with pytest.warns(CostModelWarning, match="cannot follow the sequence length.*"
-                      "two-phase step"):
+                      "two-phase step.*frontier.*grows with the length"):
         cm = mbcompile.compile(model, GBS, NUM_CSX, "auto", system=roomy, dynamic=True,
                                example_inputs=(ids[:, :EXAMPLE], labels[:, :EXAMPLE]))
     mbs = cm.plan.mbs
