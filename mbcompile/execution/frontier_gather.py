@@ -85,9 +85,9 @@ class RankGather:
             if failure is not None:
                 raise mark_sent(failure)
             raise mark_sent(MicrobatchError(
-                f"rank(s) {failed} failed in their microbatches (phase 1 of the two-phase "
-                f"step); this rank ({self.rank}) stops the step too, with parameters and "
-                "gradients as they were"))
+                f"rank(s) {failed} failed in phase 1 of the two-phase step (a microbatch "
+                f"raised, or that rank refused its call); this rank ({self.rank}) stops the "
+                "step too, with parameters and gradients as they were"))
         rows: list[list[int] | None] = []
         for k, (dim, name) in enumerate(zip(dims, names)):
             start = 1 + sum(ndims[:k])
