@@ -18,7 +18,8 @@ exact because a step's collectives never depend on the split: one all-reduce of 
 trained loss's count before the first forward (a scalar per rank), the gradient
 all-reduce once, from the last microbatch's backward (buckets laid out by parameters), the
 status all-reduce and one all-reduce of the packed partial sums after the loop (one
-accumulated value per sum, whatever the number of microbatches that made it). A call that
+accumulated value per sum, whatever the number of microbatches that made it); a two-phase
+step joins its frontier over its own microbatches before it gathers it over ranks. A call that
 one rank refuses (its length fits no split) cannot simply raise there, since the others are
 in the step already: the rank runs the step's collectives with the example's split and
 raises in it (``StepChannels.refused``), so every rank stops the step and changes nothing.
@@ -125,7 +126,7 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
     tokens = _token_ids(request)
     if policy.tokens is not None and tokens is None:
         return None
-    fixed = _fixed_on_ranks(request, selection, lowered)
+    fixed = _fixed_on_ranks(request, selection)
     if fixed is not None:
         if policy.tokens is not None or (policy.mode == "auto"
                                           and request.options.system is not None):
@@ -191,18 +192,14 @@ class _Memory:
         return float(self.estimate(length, mbs).peak)
 
 
-def _fixed_on_ranks(request: Request, selection: Selection, lowered: Lowered) -> str | None:
+def _fixed_on_ranks(request: Request, selection: Selection) -> str | None:
     """Why this rank's calls keep the example's split whatever their length (None: they
-    need not): FSDP2 runs collectives in every microbatch round, and a two-phase step
-    gathers its frontier over ranks; neither is checked with splits that differ between
-    ranks yet."""
-    if selection.rank is None:
-        return None
-    if request.shard is not None:
+    need not): FSDP2 runs collectives in every microbatch round, not checked with splits
+    that differ between ranks yet. (A two-phase step may: it joins its frontier over its
+    own microbatches before gathering it over ranks, ``frontier_gather.py``.)"""
+    if selection.rank is not None and request.shard is not None:
         return ("on ranks, FSDP2 keeps the example's split (splits that differ between ranks "
                 "are not checked with its collectives yet)")
-    if lowered.analysis.two_phase:
-        return "on ranks, a two-phase step keeps the example's split so far"
     return None
 
 
@@ -228,19 +225,23 @@ def _length_model(request: Request, selection: Selection, lowered: Lowered
     cost = selection.cost
     if cost is None:
         return f"no cost model ({selection.cost_error})"
-    if isinstance(cost, TwoPhaseCostModel) or cost.shard:
-        return "a two-phase step and FSDP2 are planned at the example's length only so far"
+    if cost.shard:
+        return "FSDP2 is planned at the example's length only so far"
     key = repr(sorted((n, sorted(ds.items())) for n, ds in request.inputs.symbolic.items()))
     known = _LENGTHS.setdefault(cost, {})
     if key not in known:
         # with activation checkpointing, the graph its cost model probed: checkpointed
         gm = lowered.analysis.graph_module
         gm = checkpoint_blocks(gm) if selection.plan.recompute else gm
+        if isinstance(cost, TwoPhaseCostModel):  # its P, whose outputs are the frontier
+            gm = lowered.graph_module.body
         try:
             known[key] = length_cost(cost, gm, request.inputs.names,
                                      request.inputs.symbolic, request.example, request.pbs)
         except CostModelError as exc:
             known[key] = f"no model of memory over lengths: {exc}"
+            if isinstance(cost, TwoPhaseCostModel):
+                known[key] = f"a two-phase step with {known[key]}"
         except Exception as exc:  # noqa: BLE001 - a probe at another length crashed
             known[key] = (f"no model of memory over lengths: probing another length failed "
                           f"({type(exc).__name__}: {exc})")

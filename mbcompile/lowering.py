@@ -108,7 +108,8 @@ def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
         joint = joint_step(rewritten.body, {**_static(request), **request.torch_compile})
     return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync,
                       step_seed(rewritten, analysed.analysis.loss_outputs),
-                      request.options.nonfinite)
+                      request.options.nonfinite, lengths_vary=bool(request.inputs.symbolic)
+                      or request.options.dynamic == "auto")
 
 
 def _static(request: Request) -> dict[str, Any]:

@@ -133,29 +133,17 @@ def test_activation_checkpointing_follows_the_length_exactly():
     assert "each block checkpointed" in cm.report()
 
 
-class _RootGPT(nn.Module):
-    """The tiny GPT's loss under a square root: a function of the batch mean, so the step
-    runs two-phase."""
-
-    def __init__(self, gpt: nn.Module) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
-        loss, logits = self.gpt(ids, labels)
-        return loss.sqrt(), logits
-
-
 @pytest.mark.slow
 def test_a_plan_that_cannot_follow_the_length_says_so_and_keeps_its_split():
-    """A two-phase step is planned at the example's length only: a CostModelWarning says
-    the split cannot follow the length; every call runs the example's split, exactly."""
+    """A two-phase step whose frontier grows with the length (the logits it returns) is
+    planned at the example's length only: a CostModelWarning says the split cannot follow
+    the length; every call runs the example's split, exactly."""
     roomy = SystemSpec("roomy", memory_bytes=1e9, peak_flops=1e12, peak_flops_fp32=1e12,
                        memory_bandwidth=1e11, optimizer_bytes_per_param=8)
     gpt, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
-    model = _RootGPT(gpt)
+    model = token_split_workers.RootGPT(gpt)
     with pytest.warns(CostModelWarning, match="cannot follow the sequence length.*"
-                      "two-phase step"):
+                      "two-phase step.*frontier.*grows with the length"):
         cm = mbcompile.compile(model, GBS, NUM_CSX, "auto", system=roomy, dynamic=True,
                                example_inputs=(ids[:, :EXAMPLE], labels[:, :EXAMPLE]))
     mbs = cm.plan.mbs
@@ -164,11 +152,46 @@ def test_a_plan_that_cannot_follow_the_length_says_so_and_keeps_its_split():
     assert f"the example's plan (mbs {mbs}) at every length" in cm.report()
 
 
+class _RootLoss(nn.Module):
+    """The tiny GPT's loss under a square root, returned alone: the frontier is the loss's
+    partial sums, one size at every length."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.gpt(ids, labels)[0].sqrt()
+
+
+@pytest.mark.slow
+def test_auto_cuts_a_two_phase_step_by_its_length_exactly():
+    """A two-phase step whose frontier keeps one size at every length follows the length
+    with "auto": P's memory fitted over lengths as a plain body's, F and C a fixed cost;
+    each call's MBS the largest whose modelled two-phase peak at its length fits, exact."""
+    gpt, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    model = _RootLoss(gpt)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, "auto", dynamic=True, system=BUDGET,
+                           example_inputs=(ids[:, :EXAMPLE], labels[:, :EXAMPLE]))
+    assert cm._split.split.mode == "auto" and hasattr(cm.graph_module, "coupled")
+    plans = {n: _step(model, cm, n) for n in (8, 40)}
+    assert plans[8].num_microbatches < plans[40].num_microbatches
+    example = cm._selection.cost
+    for n, plan in plans.items():
+        at = cm._split.lengths.at(n - EXAMPLE)
+        fits = [m for m in plan.supported_mbs if at.memory(4, m, -(-4 // m), BUDGET).fits]
+        assert plan.mbs == max(fits), (n, fits)
+        memory = at.memory(4, plan.mbs, -(-4 // plan.mbs), BUDGET)  # F and C: the example's
+        assert (memory.frontier, memory.coupled) == (2 * example.frontier_bytes,
+                                                     example.coupled_bytes)
+    assert "split by length" in cm.report()
+
+
 def test_a_token_budget_cuts_a_two_phase_step_by_its_length_exactly():
     """A token budget needs no model of memory: a two-phase step follows it too, each
     split exact (the three phases run per microbatch; F is joined over them)."""
     gpt, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
-    model = _RootGPT(gpt)
+    model = token_split_workers.RootGPT(gpt)
     cm = mbcompile.compile(model, GBS, NUM_CSX, {"tokens": 24}, dynamic=True, cost_model=False,
                            example_inputs=(ids[:, :EXAMPLE], labels[:, :EXAMPLE]))
     assert cm._split.split.mode == "tokens" and hasattr(cm.graph_module, "coupled")
@@ -212,7 +235,8 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     own split: a step where rank 0's rows are short and rank 1's long runs one microbatch
     on rank 0 and three on rank 1, and equals eager's step on the whole batch (the short
     rows' labels past their length ignored: the model is causal). The gradient all-reduce
-    and the loss's global count do not depend on the split."""
+    and the loss's global count do not depend on the split. With a token budget, a two-phase
+    step too, in the same ranks (``_check_two_phase_ranks``)."""
     from test_distributed import _run
 
     _run(token_split_workers.split_steps, 2, str(tmp_path), policy)
@@ -220,14 +244,7 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     ranks = [r["steps"] for r in saved]
     model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
     for step, lengths in enumerate(token_split_workers.LENGTHS):
-        ids, labels = token_split_workers.step_batch(step)
-        rows = torch.arange(GBS) >= ranks[0][step]["share"]  # rank 1's rows
-        labels = labels.clone()
-        labels[:, lengths[0]:][~rows] = -100  # rank 0's rows end at its length
-        labels[:, lengths[1]:][rows] = -100
-        model.zero_grad(set_to_none=True)
-        loss, logits = model(*(t[:, :max(lengths)].contiguous() for t in (ids, labels)))
-        loss.backward()
+        loss, logits, rows = _eager_step(model, step, lengths, ranks[0][step]["share"])
         for rank, length in enumerate(lengths):
             got = ranks[rank][step]
             mine = logits[rows] if rank else logits[~rows]
@@ -250,6 +267,72 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     assert first["unchanged"] and second["unchanged"]
     for r in range(2):
         assert torch.equal(saved[r]["refused"]["loss_after"], ranks[r][0]["loss"])
+    if policy == "tokens":  # a two-phase step cuts each rank's length too, in the same ranks
+        _check_two_phase_ranks([r["two_phase"] for r in saved])
+
+
+def _eager_step(model: nn.Module, step: int, lengths: tuple[int, int], share: int) -> Any:
+    """Eager's step on the whole batch of ``token_split_workers``' step ``step``, where rank
+    0's ``share`` rows end at its length and rank 1's at its own (their labels past it
+    ignored: the model is causal); the loss, the logits and which rows are rank 1's."""
+    ids, labels = token_split_workers.step_batch(step)
+    rows = torch.arange(GBS) >= share  # rank 1's rows
+    labels = labels.clone()
+    labels[:, lengths[0]:][~rows] = -100  # rank 0's rows end at its length
+    labels[:, lengths[1]:][rows] = -100
+    model.zero_grad(set_to_none=True)
+    loss, logits = model(*(t[:, :max(lengths)].contiguous() for t in (ids, labels)))
+    loss.backward()
+    return loss, logits, rows
+
+
+def _check_two_phase_ranks(saved: list[dict[str, Any]]) -> None:
+    """The tiny GPT's loss under a square root (a two-phase step) on ranks whose batches are
+    padded to their own lengths, under a token budget: each rank cuts its own length (rank
+    0's 8 tokens in one microbatch, rank 1's 40 in three), and the frontier is gathered over
+    ranks (which aborted the process group before). Returning the loss only, the frontier is
+    the loss's partial sums, one shape at every length: the step is eager's on the whole
+    batch. Returning the logits too, a step at two lengths has no whole batch of logits: it
+    is refused on every rank, naming the fix, with no gradient made, also where one rank
+    runs the module compiled at the example's length and the other the one its length made
+    symbolic (``dynamic="auto"``); at one length it is eager's. A call one rank refuses (too
+    long for the budget), and a rank failing in phase 1 at 40 tokens (not the example's 12),
+    stop every rank, which then step on together. ``saved``: each rank's
+    ``token_split_workers.two_phase_steps``."""
+    model = token_split_workers.RootGPT(make_tiny_gpt(GBS, dtype=DTYPE, seq=64)[0])
+    share = saved[0]["after"]["share"]
+    for outputs, steps in token_split_workers.TWO_PHASE_STEPS.items():
+        for k, (step, lengths) in enumerate(steps):
+            loss, logits, _ = _eager_step(model, step, lengths, share)
+            for rank in range(2):
+                got = saved[rank][outputs][k]
+                if outputs == "all" and lengths[0] != lengths[1]:  # refused on every rank
+                    assert got["error"] == "InputError", got
+                    assert "value 'gpt_head'" in got["message"] and "(4, 12, 64)" in \
+                        got["message"] and "outputs='loss'" in got["message"]
+                    assert got["unchanged"]
+                    continue
+                assert rel_err(got["loss"], loss) <= TOL, (step, rank)
+                for name, p in model.named_parameters():
+                    assert rel_err(got["grads"][name], p.grad) <= TOL, (step, rank, name)
+                # the loss only, or the whole batch's logits on every rank
+                assert (got["logits"] is None) == (outputs == "loss")
+                assert outputs == "loss" or rel_err(got["logits"], logits) <= TOL
+    mixed = [saved[r]["loss"][0] for r in range(2)]  # one step, two splits (the plan's)
+    assert [(m["mbs"], m["microbatches"]) for m in mixed] == [(4, 1), (1, 4)]
+    for stopped, error, text in (("refused", "PlanError", "one sample has 64 tokens"),
+                                 ("failed", "MicrobatchError", "injected failure")):
+        for outputs in ("loss", "all") if stopped == "refused" else (None,):
+            got = [saved[r][outputs][stopped] if outputs else saved[r][stopped]
+                   for r in range(2)]
+            assert got[1]["error"] == error and text in got[1]["message"], got[1]
+            assert got[0]["error"] == "MicrobatchError" and "rank(s) [1] failed" in \
+                got[0]["message"]
+            assert got[0]["unchanged"] and got[1]["unchanged"]
+    loss, logits, _ = _eager_step(model, 0, token_split_workers.LENGTHS[0], share)
+    for r in range(2):
+        assert rel_err(saved[r]["after"]["loss"], loss) <= TOL
+        assert rel_err(saved[r]["after"]["logits"], logits) <= TOL
 
 
 # --------------------------------------------------------------------------- #
@@ -304,16 +387,15 @@ def test_a_token_budget_needs_token_ids():
                           example_inputs=(torch.randn(GBS, 3, dtype=DTYPE),))
 
 
-def test_on_ranks_fsdp2_and_a_two_phase_step_keep_the_example_split():
+def test_on_ranks_fsdp2_keeps_the_example_split():
     """Which steps a rank may cut by its own length: not FSDP2's (collectives in every
-    microbatch round) nor a two-phase step's (its frontier gathered over ranks); in one
-    process, both may."""
-    def why(rank: int | None, shard: object = None, two_phase: bool = False) -> str | None:
-        return _fixed_on_ranks(SimpleNamespace(shard=shard), SimpleNamespace(rank=rank),
-                               SimpleNamespace(analysis=SimpleNamespace(two_phase=two_phase)))
+    microbatch round); a two-phase step's may (its frontier is joined over the rank's own
+    microbatches before it is gathered); in one process, both may."""
+    def why(rank: int | None, shard: object = None) -> str | None:
+        return _fixed_on_ranks(SimpleNamespace(shard=shard), SimpleNamespace(rank=rank))
 
-    assert why(0) is None and why(None, shard=object(), two_phase=True) is None
-    assert "FSDP2" in why(1, shard=object()) and "two-phase" in why(0, two_phase=True)
+    assert why(0) is None and why(None, shard=object()) is None
+    assert "FSDP2" in why(1, shard=object())
 
 
 # --------------------------------------------------------------------------- #

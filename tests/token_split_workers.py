@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 import mbcompile
 from mbcompile.execution import distributed as mbdist
@@ -41,7 +42,8 @@ def step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def split_steps(rank: int, world: int, out_dir: str, policy: str) -> None:
     """The tiny GPT (float64, the same init on every rank) compiled for ranks with
     ``POLICIES[policy]``; one step per entry of ``LENGTHS``, each from no gradients, on this
-    rank's share cut to its length. Saves each step's loss, logits, gradients and plan."""
+    rank's share cut to its length. Saves each step's loss, logits, gradients and plan (and
+    with a token budget, ``two_phase_steps``': one process of ranks for both, to save time)."""
     model, _ = make_tiny_gpt(GBS, dtype=torch.float64, seq=64)
     cm = mbcompile.compile(model, GBS, world, dynamic=True, backend="torch.distributed",
                            **POLICIES[policy],
@@ -73,4 +75,74 @@ def split_steps(rank: int, world: int, out_dir: str, policy: str) -> None:
     ids, labels = (t[:, :LENGTHS[0][rank]].contiguous()
                    for t in mbdist.shard(step_batch(0), cm.plan, rank))
     refused["loss_after"] = cm(ids, labels)[0].detach()
-    torch.save({"steps": steps, "refused": refused}, os.path.join(out_dir, f"rank{rank}.pt"))
+    two_phase = two_phase_steps(rank, world) if policy == "tokens" else None
+    torch.save({"steps": steps, "refused": refused, "two_phase": two_phase},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+class RootGPT(nn.Module):
+    """The tiny GPT's loss under a square root: a function of the batch mean, so the step
+    runs two-phase."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        loss, logits = self.gpt(ids, labels)
+        return loss.sqrt(), logits
+
+
+#: ``two_phase_steps``' steps per outputs, as (``step_batch``'s step, each rank's length):
+#: the loss only at two lengths; the logits too at two lengths (refused: rank 0 at the
+#: example's, so that it runs the module compiled for it while rank 1 runs the one its
+#: length made symbolic) and at one
+TWO_PHASE_STEPS = {"loss": ((2, (8, LONGEST)),),
+                   "all": ((2, (EXAMPLE, LONGEST)), (1, (LONGEST, LONGEST)))}
+
+
+def two_phase_steps(rank: int, world: int) -> dict[str, Any]:
+    """``RootGPT`` (float64) compiled for ranks with a token budget (``POLICIES["tokens"]``),
+    returning the loss only (``dynamic=True``), then the logits too (``"auto"``); the steps
+    of ``TWO_PHASE_STEPS`` with each, each from no gradients, on this rank's share cut to
+    its length, then a step with rank 1's rows too long for any split (``REFUSED``). Then,
+    returning the logits, rank 1 fails in phase 1 of a step at the longest length (not the
+    example's), and both ranks step on after it. Each step's loss, logits and plan, or its
+    error and whether no gradient appeared."""
+    saved: dict[str, Any] = {}
+    for outputs, steps in TWO_PHASE_STEPS.items():
+        model = RootGPT(make_tiny_gpt(GBS, dtype=torch.float64, seq=64)[0])
+        cm = mbcompile.compile(model, GBS, world, dynamic=True if outputs == "loss" else "auto",
+                               backend="torch.distributed", outputs=outputs,
+                               **POLICIES["tokens"], example_inputs=tuple(
+                                   t[:, :EXAMPLE].contiguous() for t in step_batch(0)))
+        saved[outputs] = {k: _two_phase_step(cm, model, step_batch(step), lengths[rank], rank)
+                          for k, (step, lengths) in enumerate(steps)}
+        saved[outputs]["refused"] = _two_phase_step(
+            cm, model, token_batch(GBS, max(REFUSED), seed=99), REFUSED[rank], rank)
+
+    def fail(module: nn.Module, args: Any) -> None:
+        if rank == 1 and not torch.is_grad_enabled():
+            raise RuntimeError("injected failure in phase 1")
+
+    hook = model.gpt.head.register_forward_pre_hook(fail)
+    saved["failed"] = _two_phase_step(cm, model, step_batch(1), LONGEST, rank)
+    hook.remove()
+    saved["after"] = _two_phase_step(cm, model, step_batch(0), LENGTHS[0][rank], rank)
+    return saved
+
+
+def _two_phase_step(cm: Any, model: nn.Module, batch: Any, length: int, rank: int
+                    ) -> dict[str, Any]:
+    ids, labels = (t[:, :length].contiguous() for t in mbdist.shard(batch, cm.plan, rank))
+    model.zero_grad(set_to_none=True)
+    try:
+        loss, logits = cm(ids, labels)
+        loss.backward()
+    except Exception as exc:  # noqa: BLE001 - the test reads which, and its text
+        return {"error": type(exc).__name__, "message": str(exc),
+                "unchanged": all(p.grad is None for p in model.parameters())}
+    return {"loss": loss.detach(), "logits": None if logits is None else logits.detach(),
+            "grads": {n: p.grad for n, p in model.named_parameters()},
+            "share": cm.plan.per_system_batch_sizes[rank], "mbs": cm.plan.mbs,
+            "microbatches": cm.plan.num_microbatches}

@@ -38,3 +38,8 @@ class StepConfig:
     #: A non-finite loss: "return" it (and its gradients) as eager does, or "raise"
     #: ``MicrobatchError`` with the step rolled back.
     nonfinite: str = "return"
+    #: Other ranks may be called at other lengths (a symbolic dim, or ``dynamic="auto"``,
+    #: where any rank's call at another length makes one): a two-phase step's frontier may
+    #: have other shapes there, which the ranks exchange before gathering it
+    #: (``frontier_gather``). The same on every rank, whichever variant each one runs.
+    lengths_vary: bool = False

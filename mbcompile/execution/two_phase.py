@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from mbcompile.execution import runtime
+from mbcompile.execution.frontier_gather import RankGather, mark_sent
 from mbcompile.execution.handover import hand_over, hooks_aside
 from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
 from mbcompile.execution.runtime import StepChannels, _Loop, read_host
@@ -39,11 +40,7 @@ from mbcompile.passes.fake_probe import FakeProbe
 from mbcompile.passes.generators import generators_of
 from mbcompile.passes.ops import as_tuple
 
-__all__ = ["Gather", "frontier_template", "make_two_phase", "rank_gather"]
-
-#: Joins one rank's frontier with every other rank's: ``(pieces, dim) -> (whole, offset)``,
-#: ``offset`` being where this rank's rows start along ``dim``; None in one process.
-Gather = Callable[[torch.Tensor, int], tuple[torch.Tensor, int]]
+__all__ = ["frontier_template", "make_two_phase"]
 
 _PHASES = ("forward without grad (phase 1 of 3)", "forward again with grad (phase 3 of 3)",
            "backward of its slice of dL/dF (phase 3 of 3)")
@@ -55,7 +52,7 @@ class _Step:
     def __init__(self, body: fx.GraphModule, coupled: fx.GraphModule,
                  microbatches: list[tuple[Any, ...]], free: tuple[Any, ...],
                  outputs: Sequence[tuple[str, int]], loss_index: int | None,
-                 systems: Sequence[int], sizes: Sequence[int], gather: Gather | None,
+                 systems: Sequence[int], sizes: Sequence[int], gather: RankGather | None,
                  sums: Callable[..., tuple[Any, ...]], keep_coupled_grads: bool,
                  template: Sequence[tuple[Any, ...]] | None = None,
                  seeding: Any = None, nonfinite: str = "return") -> None:
@@ -66,6 +63,8 @@ class _Step:
         self.systems = systems
         self.gather, self.sums = gather, sums
         self.keep_coupled_grads = keep_coupled_grads  # C's gradients counted on one rank
+        # on ranks, whether they exchange F's shapes before gathering it (frontier_gather.py)
+        self.exchanges = gather is not None and gather.exchange and any(self._ndims())
         self.loop = _Loop(body, microbatches, None, systems, gather is not None, sizes=sizes)
         self.step_grads: list[torch.Tensor | None] | None = None
         self.layout: list[bool] = []
@@ -75,29 +74,59 @@ class _Step:
         self.frozen = _without_gradient(body)  # F pieces that carry no gradient (detached)
         self.generators = generators_of(body)  # the model's own, replayed with torch's
         self.replayed: torch.Tensor | None = None  # phase 3 recomputed phase 1's frontier
+        # on ranks, the error of a call this rank refuses (StepChannels.refused): it joins
+        # the step's collectives as a rank whose phase 1 failed, so every rank stops
+        self.refused: BaseException | None = None
         # the loss's backward is seeded with the gradient it got last step (seeding.py)
         self.seeding, self.seed_value, self.nonfinite = seeding, None, nonfinite
 
     # ------------------------------------------------------------ helpers
-    def _join(self, results: list[tuple[Any, ...]]) -> tuple[list[Any], list[int]]:
-        """F over microbatches (and ranks): each value, and where this rank's rows start."""
+    def _join(self, results: list[tuple[Any, ...]], failure: BaseException | None = None
+              ) -> tuple[list[Any], list[int]]:
+        """F over microbatches (and ranks): each value, and where this rank's rows start.
+        On ranks whose shapes may differ, they are exchanged first (``RankGather.agree``):
+        a failure on any rank, or shapes that make no whole batch, raise on every rank."""
+        local = [ops.accumulate_cat(results, i, dim) if kind == "cat" and results else
+                 ops.accumulate_sum(results, i, self.systems) if results else None
+                 for i, (kind, dim) in enumerate(self.outputs)]
+        rows: list[list[int] | None] = [None] * len(local)
+        if self.exchanges:
+            assert self.gather is not None
+            rows = self.gather.agree(
+                None if failure is not None else [tuple(v.shape) if isinstance(
+                    v, torch.Tensor) else () for v in local], self._ndims(),
+                [dim if kind == "cat" else None for kind, dim in self.outputs],
+                self._names(), failure, runtime.read_host, self._device(), self._returned())
         joined: list[Any] = []
         offsets: list[int] = []
         for i, (kind, dim) in enumerate(self.outputs):
-            if kind == "cat":
-                whole = ops.accumulate_cat(results, i, dim)
-                offset = 0
-                if self.gather is not None:
-                    whole, offset = self.gather(whole, dim)
-                joined.append(whole)
-                offsets.append(offset)
-            else:
-                joined.append(ops.accumulate_sum(results, i, self.systems))
-                offsets.append(0)
+            offset = 0
+            if kind == "cat" and self.gather is not None:
+                local[i], offset = self.gather.gather(local[i], dim, rows[i])
+            joined.append(local[i])
+            offsets.append(offset)
         sums = [i for i, (kind, _) in enumerate(self.outputs) if kind == "sum"]
         for i, total in zip(sums, self.sums(*(joined[i] for i in sums))):
             joined[i] = total
         return joined, offsets
+
+    def _ndims(self) -> list[int]:
+        """Each body output's number of dims, from the frontier template (0: a number)."""
+        if self.template is None:
+            return [0] * len(self.outputs)
+        return [len(o[0]) if isinstance(o, tuple) else 0 for o in self.template[0]]
+
+    def _device(self) -> Any:
+        first = self.template[0] if self.template else ()
+        return next((o[2] for o in first if isinstance(o, tuple)), "cpu")
+
+    def _names(self) -> list[str]:
+        return [n.name for n in self.coupled.graph.nodes if n.op == "placeholder"]
+
+    def _returned(self) -> list[bool]:
+        """Per joined value: whether C only returns it (its placeholder feeds the output)."""
+        return [all(u.op == "output" for u in n.users)
+                for n in self.coupled.graph.nodes if n.op == "placeholder"]
 
     def _coupled(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
         try:
@@ -116,9 +145,12 @@ class _Step:
         """P on every microbatch (keeping each one's RNG state in ``states``), and the
         failure, if any. On ranks F is gathered next, and every rank must issue the same
         collectives: a failing rank goes on with zeros shaped like its F and reports the
-        failure in the step's one status all-reduce (the others run on, then stop)."""
+        failure in the step's one status all-reduce (the others run on, then stop), or,
+        where the ranks exchange their shapes first, reports it there (no zeros)."""
         results: list[tuple[Any, ...]] = []
         try:
+            if self.refused is not None:  # this rank's call fits no split (runs no microbatch)
+                raise self.refused
             for i, mb in enumerate(self.microbatches):
                 if states is not None:
                     states.append(RngStates(mb, self.generators))
@@ -127,7 +159,7 @@ class _Step:
         except Exception as exc:
             if self.gather is None:
                 raise
-            return _stand_ins(self.template), exc
+            return ([] if self.exchanges else _stand_ins(self.template)), exc
         return results, None
 
     # -------------------------------------------------------------- phases
@@ -135,15 +167,16 @@ class _Step:
         """The reference meaning, with grad as the caller has it (nothing fused). On ranks a
         failing rank still joins the gather (with zeros) and the status all-reduce."""
         results, failure = self._per_microbatch()
-        joined, _ = self._join(results)
         if self.gather is None:
-            return self._coupled(joined)
+            return self._coupled(self._join(results)[0])
         try:
+            joined, _ = self._join(results, failure)
             if failure is not None:
                 raise failure
             outs = self._coupled(joined)
         except Exception as exc:
-            _agreed_status(exc)  # raises here, and an error on every other rank
+            if not getattr(exc, "_mbcompile_status_sent", False):
+                _agreed_status(exc)  # raises here, and an error on every other rank
             raise
         _agreed_status(None)
         return outs
@@ -164,13 +197,22 @@ class _Step:
     def _three_phases(self, params: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], Any]:
         # 1. P per microbatch, no grad: F's pieces, and the RNG state each started from
         states: list[RngStates] = []
+        # what phase 1 updates in place, for a step the ranks stop after it (RankGather.agree)
+        running = RunningStatistics(self.body) if self.exchanges else None
         with torch.no_grad():
             results, failure = self._per_microbatch(states, _PHASES[0])
         pieces = [[r[i].shape[dim] if kind == "cat" else 0 for r in results]
                   for i, (kind, dim) in enumerate(self.outputs)]
         prints = [[fingerprint(r[i]) for i, (kind, _) in enumerate(self.outputs)
                    if kind == "cat" and _differentiable(r[i])] for r in results]
-        joined, offsets = self._join(results)
+        try:
+            joined, offsets = self._join(results, failure)
+        except BaseException:  # refused on every rank (or failed): as before the step
+            if states:
+                states[0].restore()
+            if running is not None:
+                running.restore()
+            raise
         del results
         if failure is not None:
             raise failure
@@ -343,7 +385,7 @@ def _agreed_status(error: BaseException | None, checks: torch.Tensor | None = No
     try:
         return step_status(error, checks, failed, read=runtime.read_host)  # counted by tests
     except BaseException as exc:
-        exc._mbcompile_status_sent = True  # type: ignore[attr-defined]
+        mark_sent(exc)
         raise
 
 
@@ -358,29 +400,7 @@ def _agreed(step: _Step, params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
         raise
 
 
-def rank_gather(shares: Sequence[int], rank: int) -> Gather:
-    """Join a frontier value over ranks in batch order (rank ``r`` holds ``shares[r]``
-    samples): padded to the largest share, all-gathered, trimmed and concatenated."""
-    import torch.distributed as dist
-
-    def gather(local: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
-        per_sample = local.shape[dim] // shares[rank]  # rows per sample (tokens, views)
-        rows = [s * per_sample for s in shares]
-        padded = local
-        if local.shape[dim] < max(rows):
-            shape = list(local.shape)
-            shape[dim] = max(rows) - local.shape[dim]
-            padded = torch.cat([local, local.new_zeros(shape)], dim)
-        padded = padded.contiguous()
-        pieces = [torch.empty_like(padded) for _ in shares]
-        dist.all_gather(pieces, padded)
-        whole = torch.cat([p.narrow(dim, 0, r) for p, r in zip(pieces, rows)], dim)
-        return whole, sum(rows[:rank])
-
-    return gather
-
-
-def make_two_phase(channels: StepChannels, gather: Gather | None = None,
+def make_two_phase(channels: StepChannels, gather: RankGather | None = None,
                    sums: Callable[..., tuple[Any, ...]] = ops.all_reduce_sums,
                    keep_coupled_grads: bool = True) -> Callable[..., Any]:
     """The step a backend binds for ``passes.ops.two_phase_step``.
@@ -400,6 +420,7 @@ def make_two_phase(channels: StepChannels, gather: Gather | None = None,
         step = _Step(body, coupled, microbatches, free, outputs, loss_index, systems, sizes,
                      gather, sums, keep_coupled_grads, config.frontier_template, config.seed,
                      config.nonfinite)
+        step.refused, channels.refused = channels.refused, None
         params = list(dict.fromkeys(
             p for m in (body, coupled) for p in m.parameters() if p.requires_grad))
         if not params or not torch.is_grad_enabled() or loss_index is None:

@@ -37,6 +37,7 @@ from mbcompile.planning.fit import Fit, fit, reproduces
 from mbcompile.planning.precision import probe_precision
 from mbcompile.planning.probe import Probe, Prober, nbytes
 from mbcompile.planning.tolerance import close
+from mbcompile.planning.two_phase_cost import TwoPhaseCostModel
 
 __all__ = ["LengthCost", "length_cost", "probe_steps", "scaled_in_length"]
 
@@ -100,7 +101,8 @@ class LengthCost:
             if len(self._at) > 256:  # lengths seen are few; a sweep should not keep them all
                 self._at.clear()
             fitted = self.fit_at(delta)
-            model = _AtLength(fitted, self.base, self.one_at(delta))
+            kind = _TwoPhaseAtLength if isinstance(self.base, TwoPhaseCostModel) else _AtLength
+            model = kind(fitted, self.base, self.one_at(delta))
             per_sample = sum(w * b for w, b in zip(self.weights(delta), self._inputs))
             model.static = replace(self.base.static, input_bytes_per_sample=max(0.0, per_sample),
                                    output_bytes_per_sample=max(0.0, fitted.outputs[1]))
@@ -124,6 +126,15 @@ class _AtLength(CostModel):
         if m < self._fit_from and self._one is not None:
             return self._one, False
         return self._fit.at(m), False
+
+
+class _TwoPhaseAtLength(TwoPhaseCostModel, _AtLength):
+    """A two-phase step's model at one length: P's figures from the length fit, the frontier
+    F and the coupled part C as probed at the example (``length_cost`` checked that F's
+    size does not follow the length, so neither does C's input)."""
+
+    def __init__(self, fitted: Fit, base: CostModel, one: Probe | None = None) -> None:
+        _AtLength.__init__(self, fitted, base, one)  # base's F and C terms come with it
 
 
 def scaled_in_length(base: CostModel, ratio: float) -> CostModel:
@@ -164,7 +175,10 @@ def length_cost(base: CostModel, gm: Any, names: Sequence[str], symbolic: Mappin
     """The length model of ``base`` (the cost model at the example, with an affine fit in
     ``m``): ``gm`` (the graph with the symbolic dims) probed at ``m = 1, 2`` (``1, 2, 3``
     where ``base``'s fit starts at 2) at three steps of ``probe_steps`` and checked at the
-    fourth; raises ``CostModelError`` with the reason where none holds."""
+    fourth; raises ``CostModelError`` with the reason where none holds. For a two-phase
+    step ``gm`` is its per-sample part P (the body), whose outputs are the frontier: it
+    holds where they keep one size at every length (a loss's partial sums), F and C then
+    a fixed cost at every length."""
     prober = base._prober
     if prober is None or base._fit is None:
         raise CostModelError("the cost model at the example's length has no affine fit in m "
@@ -193,6 +207,11 @@ def length_cost(base: CostModel, gm: Any, names: Sequence[str], symbolic: Mappin
         if fitted is None or (fits and fitted.base.ops != fits[0].base.ops) or (
                 apart and ones[-1].ops != ones[0].ops):
             raise CostModelError(f"the op sequence changes with the length (step {step:+d})")
+        if isinstance(base, TwoPhaseCostModel) and fits and not close(
+                np.array(fitted.outputs), np.array(fits[0].outputs)):
+            raise CostModelError("the two-phase step's frontier (what its coupled part reads "
+                                 "of the whole batch) grows with the length, and the coupled "
+                                 "part has no model over lengths yet")
         fits.append(fitted)
         inputs.append(_input_bytes_per_sample(values, prober.in_dims))
     model = LengthCost(base, steps[:3], fits, ones, inputs, steps[3])
