@@ -196,14 +196,18 @@ class _HookHandle(fx.Proxy):
             "Fix: keep the hook registered, or register it outside forward")
 
 
-def hooks_see_every_use(graph: fx.Graph) -> None:
+def hooks_see_every_use(graph: fx.Graph) -> bool:
     """Each ``tensor_hook(h)`` node stands for ``h`` in every use, earlier ones too: in eager
-    the hook sees the gradient of ``h`` from all its uses, whenever it was registered."""
+    the hook sees the gradient of ``h`` from all its uses, whenever it was registered.
+    Returns whether the graph has such a node (then it changed)."""
+    changed = False
     for node in list(graph.nodes):
         if isinstance(node.target, TensorHook):
             (h,) = node.args
             h.replace_all_uses_with(node, delete_user_cb=lambda user, hook=node: user is not hook)
             h.append(node)
+            changed = True
+    return changed
 
 
 def _runs_more_than_forward(m: torch.nn.Module) -> bool:
