@@ -271,9 +271,12 @@ def _roots(model: nn.Module, live: Callable[[nn.Module], bool] | None
             for name in forward.__code__.co_names:
                 member = getattr(kind, name, None)
                 yield getattr(member, "__func__", member)
+        called: bool | None = None  # live(module), asked once for its dozen hook dicts
         for key, value in vars(module).items():
             if "hook" in key and isinstance(value, dict):
-                if live is None or not live(module):
+                if called is None:
+                    called = live is not None and live(module)
+                if not called:
                     yield from value.values()
             elif isinstance(value, types.FunctionType):
                 yield value

@@ -1,12 +1,12 @@
 """The fx tracer of the capture pass: source lines, flat outputs, and what fx would miss.
 
-``FlatOutputTracer`` records every node's stack (fx's printouts then show the user's
-line), flattens forward's output into leaves (``output_spec``), stamps grad-mode and
-autocast state on each node, keeps a tensor hook forward registers as a
-``tensor_hook`` node, traces into layers whose call runs more than forward (hooks,
-parametrizations) and brackets the calls of FSDP2 units. ``StateAsProxies`` makes a
-node of a call fx would not see because no proxy flows in: a random draw, or a write
-into the model's own parameters or buffers.
+``FlatOutputTracer`` records the user's frames of every node's stack (``trace_stacks.py``:
+fx's printouts then show the user's line), flattens forward's output into leaves
+(``output_spec``), stamps grad-mode and autocast state on each node, keeps a tensor hook
+forward registers as a ``tensor_hook`` node, traces into layers whose call runs more
+than forward (hooks, parametrizations) and brackets the calls of FSDP2 units.
+``StateAsProxies`` makes a node of a call fx would not see because no proxy flows in: a
+random draw, or a write into the model's own parameters or buffers.
 
 >>> tracer = FlatOutputTracer(model_name="Net")
 >>> graph = tracer.trace(net)          # returns a tuple of leaves; tracer.output_spec
@@ -14,10 +14,8 @@ into the model's own parameters or buffers.
 
 from __future__ import annotations
 
-import functools
 import inspect
-import os
-import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +32,7 @@ from .forward_modes import autocast_state, differentiation_error, stamp_modes
 from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
 from .output_spec import OutputSpec, flatten_output, through_leaves
 from .sources import source_line
+from .trace_stacks import FX_STACK, traced_stack, user_stack
 
 __all__ = ["FlatOutputTracer", "StateAsProxies", "hooks_see_every_use", "user_stack"]
 
@@ -49,7 +48,7 @@ class FlatOutputTracer(fx.Tracer):
                  model_name: str = "") -> None:
         super().__init__()
         self.model_name = model_name
-        self.record_stack_traces = True
+        self.record_stack_traces = False  # per node, where fx's own text is needed
         self.output_spec: OutputSpec | None = None
         self.units = units
         self.ambient_autocast = autocast_state()
@@ -66,8 +65,13 @@ class FlatOutputTracer(fx.Tracer):
         return super().create_proxy(kind, target, args, kwargs, *rest, **more)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        # the grad mode and autocast state forward's own regions set (passes/forward_modes.py)
+        # the user's frames of the stack, as fx would record it and user_stack keep them
+        stack = traced_stack(sys._getframe(1))
+        self.record_stack_traces = stack is FX_STACK
         node = super().create_node(*args, **kwargs)
+        if isinstance(stack, str) and not node.stack_trace:
+            node.stack_trace = stack
+        # the grad mode and autocast state forward's own regions set (passes/forward_modes.py)
         stamp_modes(node, self.ambient_autocast)
         return node
 
@@ -192,14 +196,18 @@ class _HookHandle(fx.Proxy):
             "Fix: keep the hook registered, or register it outside forward")
 
 
-def hooks_see_every_use(graph: fx.Graph) -> None:
+def hooks_see_every_use(graph: fx.Graph) -> bool:
     """Each ``tensor_hook(h)`` node stands for ``h`` in every use, earlier ones too: in eager
-    the hook sees the gradient of ``h`` from all its uses, whenever it was registered."""
+    the hook sees the gradient of ``h`` from all its uses, whenever it was registered.
+    Returns whether the graph has such a node (then it changed)."""
+    changed = False
     for node in list(graph.nodes):
         if isinstance(node.target, TensorHook):
             (h,) = node.args
             h.replace_all_uses_with(node, delete_user_cb=lambda user, hook=node: user is not hook)
             h.append(node)
+            changed = True
+    return changed
 
 
 def _runs_more_than_forward(m: torch.nn.Module) -> bool:
@@ -217,21 +225,4 @@ def _runs_more_than_forward(m: torch.nn.Module) -> bool:
 _WEIGHT_HOOKS = (_LegacySpectralNorm, _LegacyWeightNorm)
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DIFFERENTIATIONS = (torch.autograd.backward,)  # grad: a penalty, kept (penalties.py)
-_FRAME = re.compile(r'  File "([^"]+)", line \d+, in [^\n]*\n(?:    [^\n]*\n?)?')
-
-
-@functools.lru_cache(maxsize=4096)  # every node's stack names the same few files
-def _tracer_frame(path: str) -> bool:
-    """torch's own frames, and this module's tracer (its call_module override)."""
-    path = os.path.abspath(path)
-    return path.startswith(_TORCH_DIR) or path == os.path.abspath(__file__)
-
-
-def user_stack(stack_trace: str) -> str:
-    """The recorded stack without torch's own frames (fx's printouts then show the user's line)."""
-    frames = [m for m in _FRAME.finditer("  " + stack_trace.lstrip())]
-    kept = [m.group(0) for m in frames if not _tracer_frame(m.group(1))]
-    return "".join(kept).rstrip("\n") if kept else stack_trace
-

@@ -98,6 +98,7 @@ class CostModel(MemoryModel, TimeModel):
         self._pinned: int | None = None  # the size ``pin`` probed
         # the affine fit through ``pin``'s two probes: a variant's other sizes (None: none)
         self._pin_fit: Fit | None = None
+        self._pin_below = False  # the size below the pinned one is left to the first need
         # the build left to the first question (``defer``), and why it failed, if it did
         self._pending: tuple[str, int] | None = None
         self.build_error: str | None = None
@@ -159,7 +160,10 @@ class CostModel(MemoryModel, TimeModel):
 
     def __getstate__(self) -> dict[str, Any]:
         # Fake tensors and the graph stay behind: a copy answers from the fit and
-        # the probes already run (what a compiled module's report needs).
+        # the probes already run (what a compiled module's report needs), the pinned
+        # size's second probe included (a copy cannot run it later).
+        if self.__dict__.get("_pin_below") and self._prober is not None:
+            self._probe_below()
         state = dict(self.__dict__)
         state["_prober"] = None
         return state
@@ -205,20 +209,38 @@ class CostModel(MemoryModel, TimeModel):
         size. A smaller microbatch's time is scaled from the probe (``fit.scaled``).
 
         ``variants``: the module may run other batch sizes (``batch_sizes="any"``, not
-        compile-only), so ``mbs - 1`` is probed too and the two make an affine fit
-        (``fit.fit``) that answers every other size a variant's plan runs (another batch
-        size, its trailing microbatch: ``variants.for_batch``): a training variant probes
-        nothing. Without it, or where the two do not fit (the op sequence changes with
-        the size), any other size asked for is probed exactly.
+        compile-only), so the first question about another size (an uneven plan's
+        trailing microbatch, a variant's plan: ``variants.for_batch``) probes ``mbs - 1``
+        and makes the affine fit through the two (``fit.fit``) that answers every other
+        size: one probe in all, and none at a compile whose plan runs ``mbs`` only.
+        Without it, or where the two do not fit (the op sequence changes with the size),
+        any other size asked for is probed exactly.
 
         >>> cost.pin(2, variants=True)
-        >>> cost.probes_run, cost.figures(1).exact, cost.figures(3).exact
-        (2, True, False)
+        >>> cost.probes_run, cost.figures(1).exact, cost.figures(3).exact, cost.probes_run
+        (1, True, False, 2)
         """
         self.probe(mbs)
         self._pinned = mbs
-        if variants and mbs > 1 and self._static.training:
-            self._pin_fit = fit(self.probe(mbs - 1), self._exact[mbs])
+        self._pin_below = variants and mbs > 1 and self._static.training
+        self.fit_note = f"the MBS is pinned: probed at m={mbs}" + (
+            f" (m={mbs - 1} too at the first other size: other sizes affine in m from the "
+            "two)" if self._pin_below else " only") + \
+            " (a smaller microbatch's time scaled from it)"
+        self._set_outputs()
+
+    def _below_for(self, m: int) -> None:
+        """``pin``'s second probe, where a size it has not probed is asked for first."""
+        if m not in self._exact and self.__dict__.get("_pin_below") and \
+                self._prober is not None:
+            self._probe_below()
+
+    def _probe_below(self) -> None:
+        """``pin``'s second probe, at the size below the pinned one, and the fit."""
+        self._pin_below = False
+        mbs = self._pinned
+        assert mbs is not None
+        self._pin_fit = fit(self.probe(mbs - 1), self._exact[mbs])
         self.fit_note = f"the MBS is pinned: probed at m={mbs}" + (
             f",{mbs - 1}, other sizes affine in m from them" if self._pin_fit is not None
             else " only") + " (a smaller microbatch's time scaled from it)"
@@ -261,6 +283,7 @@ class CostModel(MemoryModel, TimeModel):
         return {m: reproduces(self._fit, self._prober(m)) for m in sizes}
 
     def _at(self, m: int) -> tuple[Probe, bool]:
+        self._below_for(m)
         if m in self._exact:
             return self._exact[m], True
         if self._pinned is not None:  # another size after all (a variant's, an error's fix):
@@ -275,6 +298,7 @@ class CostModel(MemoryModel, TimeModel):
 
     def _timed(self, m: int) -> Probe:
         """The probe whose ops time a microbatch of ``m`` samples."""
+        self._below_for(m)
         if self._pinned is not None and m not in self._exact:
             return scaled(self._exact[self._pinned], m)
         return self._at(m)[0]
