@@ -81,3 +81,37 @@ def test_a_pinned_mbs_that_does_not_fit_still_names_the_mbs_that_does() -> None:
         mbcompile.compile(model, GBS, 1, 3, example_inputs=batch, compile_only=True,
                           system=small, recompute=False)
     assert any("mbs=2" in fix for fix in info.value.fixes)
+
+
+
+class _Patches(torch.nn.Module):
+    """A ViT-like stem and head (patch embedding, mean over patches, classifier) that
+    writes a setting on its first call and reads it, as transformers' classifiers set
+    ``config.problem_type``: compiled before that call, it compiles again at the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Conv2d(3, 64, 8, stride=8)
+        self.head = torch.nn.Linear(64, 10)
+        self.problem_type: str | None = None
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.problem_type is None:
+            self.problem_type = "single_label_classification"
+        logits = self.head(self.embed(images).flatten(2).mean(2))
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def test_a_step_that_compiles_again_is_measured_without_the_compiles_fake_tensors() -> None:
+    # training_step_peak's first step is its warm-up, so the step it measures is the one
+    # that compiles again; torch.export and the fake probe of that compile run under the
+    # measurement's dispatch mode, and their fake tensors hold no memory (ViT at MBS 1,
+    # bench_memory_accuracy: 133.5 MiB measured for a 55.5 MiB step)
+    model = _Patches()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(8, 3, 128, 128, generator=g), torch.randint(0, 10, (8,), generator=g))
+    cm = mbcompile.compile(model, 8, 1, 2, example_inputs=batch, batch_sizes="fixed")
+    with pytest.warns(mbcompile.RecompileWarning, match="problem_type"):
+        measured = training_step_peak(model, lambda: cm(*batch), batch)
+    assert LOW <= cm.estimate.memory.peak / measured <= HIGH, (cm.estimate.memory.peak, measured)

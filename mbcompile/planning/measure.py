@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -117,7 +118,10 @@ class LiveBytes(TorchDispatchMode):
     subtracted when the storage is freed (a ``weakref.finalize`` on it), so
     views cost nothing and in-place ops add nothing. ``track(...)`` adds tensors
     that already exist (parameters, inputs) to the count. Kernel-internal
-    scratch buffers are not op outputs and are not counted.
+    scratch buffers are not op outputs and are not counted, nor are fake and meta
+    tensors: a compile inside the measured code (a module compiled again for a new
+    state) runs torch.export and the fake probe through this mode, and their
+    tensors hold no memory.
 
     >>> with LiveBytes() as mem:
     ...     x = torch.ones(1000) + 1  # 4000 bytes, and 4000 more while the sum is made
@@ -136,7 +140,7 @@ class LiveBytes(TorchDispatchMode):
         self.live -= nbytes
 
     def _add(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
+        if t.device.type == "meta" or is_fake(t):
             return
         storage = t.untyped_storage()
         key = id(storage)
