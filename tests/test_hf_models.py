@@ -22,6 +22,7 @@ tolerance:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -35,6 +36,7 @@ from models import (
     grad_errors,
     grads_of,
     keyword_steps,
+    plan_free,
     rel_err,
     step_errors,
 )
@@ -145,11 +147,19 @@ def test_hf_model_matches_eager_full_batch(transformers: Any, name: str, mbs: in
         from transformers.models.llama import modeling_llama
 
         monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
+    from mbcompile.integrations.transformers import called_plainly
+
     model = build(transformers, name)
     batch = padded_batch()
-    cm = mbcompile.compile(model, GBS, NUM_CSX, mbs, example_kwargs=batch)
+    # mbs1: compiled for the Trainer's call (the default), so this plain call runs the
+    # variant made for it, silently; mbs2: compiled for the plain call itself (one
+    # export, not two). The plan is as asked: no cost model (test_hf_capture_... has it).
+    with called_plainly() if mbs == 2 else contextlib.nullcontext():
+        cm = mbcompile.compile(model, GBS, NUM_CSX, mbs, example_kwargs=batch,
+                               **plan_free(mbs))
     assert cm.plan.per_system_batch_sizes == (2, 2, 1, 1)
     out, got, ref, want = keyword_steps(model, cm, batch)
+    assert bool(cm._variants) == (mbs == 1)
 
     assert type(out).__name__ == OUTPUT_TYPES[name] and type(out) is type(ref)
     assert rel_err(out.loss, ref.loss) <= TOL
