@@ -22,6 +22,7 @@ tolerance:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -35,6 +36,7 @@ from models import (
     grad_errors,
     grads_of,
     keyword_steps,
+    plan_free,
     rel_err,
     step_errors,
 )
@@ -145,11 +147,19 @@ def test_hf_model_matches_eager_full_batch(transformers: Any, name: str, mbs: in
         from transformers.models.llama import modeling_llama
 
         monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
+    from mbcompile.integrations.transformers import called_plainly
+
     model = build(transformers, name)
     batch = padded_batch()
-    cm = mbcompile.compile(model, GBS, NUM_CSX, mbs, example_kwargs=batch)
+    # mbs1: compiled for the Trainer's call (the default), so this plain call runs the
+    # variant made for it, silently; mbs2: compiled for the plain call itself (one
+    # export, not two). The plan is as asked: no cost model (test_hf_capture_... has it).
+    with called_plainly() if mbs == 2 else contextlib.nullcontext():
+        cm = mbcompile.compile(model, GBS, NUM_CSX, mbs, example_kwargs=batch,
+                               **plan_free(mbs))
     assert cm.plan.per_system_batch_sizes == (2, 2, 1, 1)
     out, got, ref, want = keyword_steps(model, cm, batch)
+    assert bool(cm._variants) == (mbs == 1)
 
     assert type(out).__name__ == OUTPUT_TYPES[name] and type(out) is type(ref)
     assert rel_err(out.loss, ref.loss) <= TOL
@@ -201,9 +211,12 @@ def test_hf_without_labels_returns_per_sample_logits(transformers: Any) -> None:
 
 def test_hf_stock_code_matches_eager_to_float32_precision(transformers: Any) -> None:
     """Llama as shipped: float32 RMSNorm and the loss's float32 upcast."""
+    from mbcompile.integrations.transformers import called_plainly
+
     model = build(transformers, "llama", stock=True)
     batch = padded_batch()
-    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=batch)
+    with called_plainly():  # the call made below (one export, not two)
+        cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=batch)
     out, got, ref, want = keyword_steps(model, cm, batch)
     assert out.loss.dtype == torch.float32  # the upcast is there
     assert rel_err(out.loss, ref.loss) <= FLOAT32_TOL
@@ -303,7 +316,8 @@ def test_resnet_batchnorm_in_training_runs_as_an_exact_two_phase_step(capture: s
 def test_resnet_batchnorm_exact_in_eval(capture: str) -> None:
     model, batch = resnet_and_batch()
     model.eval()
-    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=batch, capture=capture)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=batch, capture=capture,
+                           **plan_free(2))
     model.zero_grad(set_to_none=True)
     loss, logits = cm(*batch)
     loss.backward()
