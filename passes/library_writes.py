@@ -20,9 +20,11 @@ so only there) is told apart before it runs:
 - a function (or a method of a module) given no traced value (a tensor, an fx proxy, a
   symbolic size): it can compute nothing of the graph, so it is made for its effect:
   refused before it runs; a built-in function (its arguments are not seen): refused;
-- a function given a traced value: made, unless it is declared to return None (refused
-  before it runs), and refused when it returns none (a logging function handed the loss:
-  then made once, on the trace's values, and never in a step).
+- a function given a traced value: made, unless it is declared to return None or its code
+  can return nothing else (every ``return`` returns the constant None: ``_only_none``, read
+  from its bytecode once per code object), both refused before it runs; and refused when it
+  returns none anyway (a function that returns a value on another path: then made once, on
+  the trace's values, and never in a step).
 
 Example::
 
@@ -161,6 +163,36 @@ def library_writes_watched(model: nn.Module, named: Iterable[Any], refused: list
         model, named, allowed) else contextlib.nullcontext()
 
 
+def _only_none(code: types.CodeType) -> bool:
+    """Whether every path out of ``code`` returns the constant None (``RECORDS.append(v)``
+    with no ``return``): each ``RETURN_VALUE`` comes straight after ``LOAD_CONST None``
+    and is no jump's target (``return v or None`` jumps to it with ``v``), and one at least
+    is there (a check that only raises is made: its error is the answer). Worked out once
+    per code object.
+
+    >>> _only_none((lambda v: None).__code__), _only_none((lambda v: v).__code__)
+    (True, False)
+    """
+    found = _ONLY_NONE.get(code)
+    if found is None:
+        found, before, returns = True, None, False
+        for ins in dis.get_instructions(code):
+            returns = returns or ins.opname.startswith("RETURN_")
+            if ins.opname == "RETURN_CONST" and ins.argval is not None or \
+                    ins.opname == "RETURN_VALUE" and (ins.is_jump_target or before is None or
+                                                      before.opname != "LOAD_CONST" or
+                                                      before.argval is not None):
+                found = False
+                break
+            if ins.opname not in ("CACHE", "EXTENDED_ARG"):
+                before = ins
+        found = _ONLY_NONE[code] = found and returns
+    return found
+
+
+_ONLY_NONE: dict[types.CodeType, bool] = {}
+
+
 def _returns_none(frame: types.FrameType) -> bool:
     """Whether the function ``frame`` runs (found among its module's globals) is annotated
     ``-> None``."""
@@ -226,8 +258,12 @@ def library_writes_refused(allowed: frozenset[str], refused: list[str]) -> Itera
         if _returns_none(frame):
             refuse(code.co_qualname, path, caller, "it is declared to return None, so it is "
                    "made for its effect")
-        if not code.co_flags & _GENERATOR:
-            pending[id(frame)] = frame
+        if code.co_flags & _GENERATOR:
+            return
+        if _only_none(code):
+            refuse(code.co_qualname, path, caller, "its code returns nothing but None, so it "
+                   "is made for its effect")
+        pending[id(frame)] = frame
 
     sys.setprofile(profile)
     try:
