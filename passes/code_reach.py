@@ -37,12 +37,13 @@ import builtins
 import contextlib
 import dis
 import io
+import itertools
 import os
 import sys
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,11 +278,15 @@ def _roots(model: nn.Module, live: Callable[[nn.Module], bool] | None
                     yield from value.values()
             elif isinstance(value, types.FunctionType):
                 yield value
-            elif callable(value) and user_instance(value):  # a schedule object it calls
-                yield from (f for f in vars(type(value)).values()
-                            if isinstance(f, types.FunctionType))
+            elif user_instance(value):  # a schedule object it calls, a logger, a config
+                yield from _methods(value)
     for hooks in global_hooks.FORWARD:
         yield from hooks.values()
+
+
+def _methods(value: Any) -> Iterator[types.FunctionType]:
+    """The functions ``value``'s class defines (those its forward can call on it)."""
+    yield from (f for f in vars(type(value)).values() if isinstance(f, types.FunctionType))
 
 
 @contextlib.contextmanager
@@ -322,29 +327,36 @@ _STDLIB = ("<frozen ", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
 
 @contextlib.contextmanager
 def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str,
-                 live: Callable[[nn.Module], bool] | None = None) -> Iterator[Reach]:
+                 live: Callable[[nn.Module], bool] | None = None,
+                 arguments: Mapping[str, Any] | None = None) -> Iterator[Reach]:
     """Walk the user's code ``model``'s forward reaches, handing each slot to ``add_slot``
     (before the block, a capture's trace, runs), and watch the block: a file opened, a draw
     of Python's or numpy's global random numbers, and (where the walk found the code naming
     one) a call of ``_refused`` are refused; nothing is changed by a refusal. ``live``: the
     modules whose hooks the trace leaves to run at each call (fx's leaf layers). The global
     module hooks compile hides from its probes run in the block (``global_hooks.shown``):
-    the trace calls them on the modules it enters, as eager's forward does."""
-    with global_hooks.shown(), _reached(model, add_slot, model_name, live) as reach:
+    the trace calls them on the modules it enters, as eager's forward does. ``arguments``:
+    the call's non-tensor arguments, looked into for a package's object as the model is
+    (``model(x, logger)`` whose forward calls ``logger.log(loss)``)."""
+    with global_hooks.shown(), _reached(model, add_slot, model_name, live,
+                                        arguments or {}) as reach:
         yield reach
 
 
 @contextlib.contextmanager
 def _reached(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str,
-             live: Callable[[nn.Module], bool] | None) -> Iterator[Reach]:
+             live: Callable[[nn.Module], bool] | None, arguments: Mapping[str, Any]
+             ) -> Iterator[Reach]:
     reach = Reach(add_slot)
-    for fn in _roots(model, live):
+    held = (m for v in arguments.values() if user_instance(v) for m in _methods(v))
+    for fn in itertools.chain(_roots(model, live), held):  # ``model(x, cfg)``: cfg's too
         fn = getattr(fn, "__wrapped__", fn)  # a global hook called on the model in its place
         fn = getattr(fn, "func", fn)  # functools.partial
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):
             reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
     named = [s.owner.get(s.key) for s in reach.slots]  # the user's code's, not a package's
+    named.extend(arguments.values())
     walk_installed_models(model, reach, _code)  # transformers' module-level flags
     with draws_refused(reach.refused):  # Python's or numpy's: put back, and refused
         try:

@@ -88,10 +88,12 @@ def model_packages(model: nn.Module) -> frozenset[str]:
 def names_other_package(model: nn.Module, named: Iterable[Any], allowed: frozenset[str]
                         ) -> bool:
     """Whether the user's code forward reaches names an installed package outside
-    ``allowed``: one of ``named`` (the walk's globals and closure variables), an attribute
-    of a module whose ``forward`` is the user's (``self.bar``), what those hold at any
-    depth (``self.loggers["bar"]``), or a base class of such a module (a trainer
-    framework's, whose methods ``self.log`` calls)."""
+    ``allowed``: one of ``named`` (the walk's globals and closure variables, the call's
+    non-tensor arguments), an attribute of a module whose ``forward`` is the user's
+    (``self.bar``), what those hold at any depth (``self.loggers["bar"]``), what the
+    methods of an object of the user's held there name (``self.logger.log(loss)``, where
+    ``log`` calls ``yaml.dump``), or a base class of such a module (a trainer framework's,
+    whose methods ``self.log`` calls)."""
     roots = list(named)
     for module in model.modules():
         kind = type(module)
@@ -108,8 +110,9 @@ def names_other_package(model: nn.Module, named: Iterable[Any], allowed: frozens
 
 def _reaches_package(roots: list[Any], allowed: frozenset[str]) -> bool:
     """Whether a package's module, function or object outside ``allowed`` is among
-    ``roots`` or what they hold (containers, plain objects, a module's public attributes),
-    at any depth, up to ``_LIMIT`` objects and ``_ITEMS`` entries of each container."""
+    ``roots`` or what they hold (containers, plain objects, a module's public attributes,
+    what the user's functions and the methods of the user's objects name), at any depth, up
+    to ``_LIMIT`` objects and ``_ITEMS`` entries of each container."""
     seen: set[int] = set()
     while roots and len(seen) < _LIMIT:
         value = roots.pop()
@@ -124,9 +127,27 @@ def _reaches_package(roots: list[Any], allowed: frozenset[str]) -> bool:
             roots.extend(list(value)[:_ITEMS])
         elif isinstance(value, nn.Module):
             roots.extend(v for k, v in vars(value).items() if k[0] != "_")
+        elif isinstance(value, types.FunctionType) and user_code(value.__code__.co_filename):
+            roots.extend(_named_by(value))  # a helper of the user's: what its code names
         elif holds_state(value):
             roots.extend(vars(value).values())
+            roots.extend(f for kind in type(value).__mro__ for f in vars(kind).values()
+                         if isinstance(f, types.FunctionType))  # ``self.logger.log(loss)``
     return False
+
+
+def _named_by(fn: types.FunctionType) -> list[Any]:
+    """The globals ``fn``'s code (and its inner code) names, and its closure's values."""
+    codes, names = [fn.__code__], []
+    while codes:
+        code = codes.pop()
+        names.extend(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    found = [fn.__globals__[n] for n in names if n in fn.__globals__]
+    for cell in fn.__closure__ or ():
+        with contextlib.suppress(ValueError):  # not yet bound
+            found.append(cell.cell_contents)
+    return found
 
 
 _LIMIT, _ITEMS = 20_000, 1_000
