@@ -40,6 +40,7 @@ import torch.nn as nn
 from .errors import CaptureError
 from .guard_values import (
     ATOMS,
+    Unguardable,
     entries_of,
     fingerprint,
     plain_object,
@@ -328,8 +329,9 @@ def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
         if plain(value):
             guards.append(guard)
         elif slot.library:  # an installed package's container (its entries) or object
-            guards.append(replace(guard, entries=entries_of(value)) if isinstance(
-                value, (dict, list, tuple, set, frozenset)) else replace(guard, identity=True))
+            guards.append(replace(guard, entries=_entries(value, slot.where, model_name))
+                          if isinstance(value, (dict, list, tuple, set, frozenset))
+                          else replace(guard, identity=True))
         elif holds_state(value) and not callable(value):
             guards.append(replace(guard, contents=_PENDING))
         elif isinstance(value, (torch.Tensor, torch.Generator)) or user_defined(value) or \
@@ -343,6 +345,19 @@ def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
                 "Fix: make it a submodule or buffer of the model (a module, an array), or "
                 "keep the file outside forward")
     return guards
+
+
+def _entries(value: Any, where: str, model_name: str) -> Any:
+    """``entries_of(value)``, or the ``CaptureError`` that says why it cannot be guarded."""
+    try:
+        return entries_of(value)
+    except Unguardable as exc:
+        raise CaptureError(
+            f"{model_name}.forward reads {where}, an installed package's container that "
+            f"holds {exc}; a change in place there could not be seen, so what forward "
+            "reads of it would be fixed at compile time. Fix: keep what forward reads of it "
+            "flatter (plain values, functions, classes), or read it outside forward and "
+            "pass the value in; nothing was changed") from None
 
 
 def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, ...]:
