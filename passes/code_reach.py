@@ -44,7 +44,7 @@ import time
 import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -100,6 +100,7 @@ class Slot:
     key: str
     where: str
     library: bool = False  # an installed package's: guarded, never forward's state to replay
+    read: bool = False  # loaded other than to append to it (``len(LOG)``): ``guards.unwritten``
 
 
 def _user_function(value: Any) -> bool:
@@ -115,6 +116,8 @@ class _Code:
     chains: tuple[tuple[str, ...], ...]
     attributes: tuple[str, ...]
     inner: tuple[types.CodeType, ...]
+    #: globals and closure variables loaded other than to append to them (``len(LOG)``)
+    whole: frozenset[str] = frozenset()
 
 
 _CODES: dict[types.CodeType, _Code] = {}
@@ -124,8 +127,12 @@ def _code(code: types.CodeType) -> _Code:
     """``code``'s names, worked out once per code object."""
     info = _CODES.get(code)
     if info is None:
-        names, chains, chain = [], [], None
+        names, chains, chain, whole, loaded = [], [], None, set(), None
         for ins in dis.get_instructions(code):
+            if loaded is not None and (ins.opname not in ("LOAD_METHOD", "LOAD_ATTR") or
+                                       ins.argval not in ("append", "extend")):
+                whole.add(loaded)
+            loaded = ins.argval if ins.opname in ("LOAD_GLOBAL", "LOAD_DEREF") else None
             if ins.opname == "LOAD_GLOBAL":
                 chain = [ins.argval]
                 chains.append(chain)
@@ -137,7 +144,8 @@ def _code(code: types.CodeType) -> _Code:
                 names.append(ins.argval)
         info = _CODES[code] = _Code(
             tuple(dict.fromkeys(names)), tuple(dict.fromkeys(tuple(c) for c in chains)),
-            tuple(code.co_names), tuple(c for c in code.co_consts if isinstance(c, types.CodeType)))
+            tuple(code.co_names), tuple(c for c in code.co_consts if isinstance(c, types.CodeType)),
+            frozenset(whole))
     return info
 
 
@@ -180,15 +188,20 @@ class Reach:
     slots: list[Slot] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     suspects: bool = False  # the code names a call that cannot be replayed (``_refused``)
-    _seen: set[tuple[int, str]] = field(default_factory=set)
+    _seen: dict[tuple[int, str], int] = field(default_factory=dict)  # -> its index in slots
     _walked: set[tuple[int, int, int]] = field(default_factory=set)  # code, globals, closure
 
-    def slot(self, owner: Any, key: str, where: str, library: bool = False) -> Any:
-        """Record ``owner[key]`` once; its value (or None, absent)."""
+    def slot(self, owner: Any, key: str, where: str, library: bool = False,
+             read: bool = False) -> Any:
+        """Record ``owner[key]`` once (``read``: by one code at least, other than to append
+        to it); its value (or None, absent)."""
         value = owner.get(key, None)
-        if (id(owner), key) not in self._seen:
-            self._seen.add((id(owner), key))
-            slot = Slot(owner, key, where, library)
+        index = self._seen.get((id(owner), key))
+        if index is not None and read and not self.slots[index].read:
+            self.slots[index] = replace(self.slots[index], read=True)
+        if index is None:
+            self._seen[(id(owner), key)] = len(self.slots)
+            slot = Slot(owner, key, where, library, read)
             self.slots.append(slot)
             self.add_slot(slot, holds_state(value) and not library)
         return value
@@ -208,10 +221,12 @@ class Reach:
         info = _code(code)
         for name, cell in zip(code.co_freevars, closure or ()):  # (a module held: its
             self.value(self.slot(Cell(cell, name), name,          # attributes the code names)
-                                 f"the variable {name} of {code.co_qualname}"), code, info)
+                                 f"the variable {name} of {code.co_qualname}",
+                                 read=name in info.whole), code, info)
         for name in info.globals:
             where = f"the global {name}"
-            self.value(self.slot(space, name, where) if name in space or name not in
+            self.value(self.slot(space, name, where, read=name in info.whole)
+                       if name in space or name not in
                        vars(builtins) else vars(builtins)[name], code, info, where)
         for chain in info.chains:
             self.chain(space, chain, code)

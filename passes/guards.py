@@ -27,9 +27,11 @@ next call, which reads the new value, compiles again for it.
 from __future__ import annotations
 
 import contextlib
+import dis
 import io
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -75,6 +77,7 @@ class Guard:
     contents: Any = None  # a container or object: its fingerprint (guard_values.py)
     reached: frozenset[int] = frozenset()  # the containers and objects that fingerprint read
     entries: Any = None  # an installed package's container, the same one: its entries
+    read: bool = False  # a list read other than to append to it (``len(self.history)``)
 
 
     def now(self) -> Any:
@@ -209,6 +212,8 @@ def _recording(cls: type) -> type:
                         sink.setdefault(key, Guard(self, name, value))
                     elif isinstance(value, (dict, list, tuple, set, frozenset)) or \
                             plain_object(value):  # a dict of flags, a config object
+                        if isinstance(value, list) and not _appends(sys._getframe(1)):
+                            _LOCAL.lists_read.add(key)
                         # fingerprinted once the capture has put back what it switched
                         # for the trace (export's use_cache=False): ``unwritten``
                         sink.setdefault(key, Guard(self, name, value, contents=_PENDING))
@@ -235,6 +240,21 @@ def _recording(cls: type) -> type:
                                           "__qualname__": cls.__qualname__})
         _RECORDING[cls] = sub
     return _RECORDING[cls]
+
+
+def _appends(frame: types.FrameType) -> bool:
+    """Whether the attribute ``frame`` loads now is only appended to: the next instruction
+    loads its ``append`` or ``extend`` method (worked out once per code object)."""
+    code = frame.f_code
+    after = _NEXT.get(code)
+    if after is None:
+        ins = list(dis.get_instructions(code))
+        after = _NEXT[code] = {a.offset: b.argval if b.opname in ("LOAD_METHOD", "LOAD_ATTR")
+                               else None for a, b in zip(ins, ins[1:])}
+    return after.get(frame.f_lasti) in ("append", "extend")
+
+
+_NEXT: dict[types.CodeType, dict[int, Any]] = {}
 
 
 def _callable_object(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any
@@ -286,22 +306,26 @@ def recorded_reads(model: nn.Module, model_name: str = "",
     classes = [type(m) for m in modules]
     sink: dict[tuple[int, str], Guard] = {}
     outer = (getattr(_LOCAL, "sink", None), getattr(_LOCAL, "written", None),
-             getattr(_LOCAL, "as_input", None))
+             getattr(_LOCAL, "as_input", None), getattr(_LOCAL, "lists_read", None))
     guards: list[Guard] = []
     for m, cls in zip(modules, classes):
         m.__class__ = _recording(cls)
     written: dict[tuple[int, str], tuple[Any, str, Any]] = {}
-    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = sink, written, as_input
+    lists_read: set[tuple[int, str]] = set()
+    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.lists_read = \
+        sink, written, as_input, lists_read
     try:
         yield guards
     finally:
-        _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = outer
+        _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.lists_read = outer
         if writes is not None:
             writes.update(written)
         for m, cls in zip(modules, classes):
             m.__class__ = cls
         fingerprinted: set[int] = set()  # a config read by every layer: fingerprinted once
-        for guard in sink.values():
+        for key, guard in sink.items():
+            if key in lists_read:
+                guard = replace(guard, read=True)
             if guard.contents is not None and id(guard.value) in fingerprinted:
                 guard = replace(guard, contents=None, reached=frozenset(), identity=True)
             elif guard.contents is not None:
@@ -325,7 +349,8 @@ def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
         value = slot.owner.get(slot.key, _MISSING)
         if value is _MISSING:
             continue
-        guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where)
+        guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where,
+                      read=slot.read and isinstance(value, list))
         if plain(value):
             guards.append(guard)
         elif slot.library:  # an installed package's container (its entries) or object
@@ -370,6 +395,14 @@ def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, 
     for guard in guards:
         if guard.contents is _PENDING:
             image, reached = fingerprint(guard.value)
+            if guard.read and id(guard.value) in written:
+                name = guard.where or f"self.{guard.name}"
+                raise CaptureError(
+                    f"forward reads {name}, a list it also appends to, other than to append "
+                    "(its length, an index, a loop over it); the trace fixed what it read "
+                    "there, which eager reads afresh on every call. Fix: keep a count in a "
+                    "number attribute (self.seen += 1 is guarded), or read the list outside "
+                    "forward; nothing was changed")
             if reached & written:
                 continue
             guard = replace(guard, contents=image, reached=reached)

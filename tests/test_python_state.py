@@ -236,6 +236,15 @@ class Refused(nn.Module):
             self.history.append(loss.detach())
         elif self.kind == "fstring":
             print(f"loss {loss.detach()}")
+        elif self.kind == "list read":  # eager weighs by 1, 2, 3, ... as the list grows
+            self.history.append(loss.detach())
+            return loss * len(self.history)
+        elif self.kind == "global list read":
+            SEEN.append(loss.detach())
+            return loss * len(SEEN)
+        elif self.kind == "print container":  # eager shows [1.0] first, then what it grew to
+            print("history", self.history, len(self.history))
+            self.history.append(loss.detach())
         elif self.kind == "argument":
             opts["loss"] = loss.detach()
         return loss
@@ -245,6 +254,10 @@ class Refused(nn.Module):
     ("item", ["self.history", ".item()", "loss.detach()"]),
     ("pop", ["self.queue", "append"]),
     ("fstring", ["print", "its own argument"]),
+    ("list read", ["reads self.history, a list it also appends to", "self.seen += 1"]),
+    ("global list read", ["the global SEEN, a list it also appends to"]),
+    ("print container", ["prints a container or object it also changes",
+                         "print the values themselves"]),
     ("argument", ["'opts'", "return the value"]),
 ])
 def test_a_side_effect_that_cannot_be_exact_is_refused_and_changes_nothing(kind, names):
@@ -258,7 +271,10 @@ def test_a_side_effect_that_cannot_be_exact_is_refused_and_changes_nothing(kind,
     for name in names:
         assert name in str(err.value), (name, str(err.value))
     after, after_ids = _picture(model)
-    assert after_ids == ids and after == before and opts == {}
+    assert after_ids == ids and after == before and opts == {} and SEEN == []
+
+
+SEEN: list[Any] = []  # a global list forward appends to
 
 
 def test_a_side_effect_holding_a_tensor_under_export_is_refused():
@@ -472,3 +488,32 @@ def test_a_logging_call_in_forward_logs_once_per_step(capsys, caplog):
             call(*_batch())
     got, want = (r.getMessage() for r in caplog.records)
     assert got == want and "on 7 rows" in got
+
+
+def test_a_logging_call_follows_the_logger_level_and_keeps_its_line(caplog):
+    """Compiled with the logger at WARNING, ``LOGGER.info`` in forward logs nothing; set to
+    INFO afterwards, the next call compiles again (the level is guarded) and logs each step
+    as eager does, its record at forward's file and line; back at WARNING it logs nothing,
+    as eager, with no compile (that state is cached)."""
+    torch.manual_seed(0)
+    model = Logged()
+    ref = copy.deepcopy(model)
+    LOGGER.setLevel(logging.WARNING)
+    try:
+        cm = _compile(model, _batch())
+        records = []
+        for level in (logging.INFO, logging.INFO, logging.WARNING):
+            LOGGER.setLevel(level)
+            caplog.clear()
+            with caplog.at_level(level, logger=LOGGER.name), warnings.catch_warnings():
+                warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+                cm(*_batch())
+                ref(*_batch())
+            records.append([(r.getMessage(), r.pathname, r.lineno, r.funcName)
+                            for r in caplog.records])
+    finally:
+        LOGGER.setLevel(logging.NOTSET)
+    for got in records[:2]:
+        assert len(got) == 2 and got[0] == got[1], got  # compiled, then eager
+        assert got[0][1] == __file__ and got[0][3] == "forward"
+    assert records[2] == []
