@@ -31,10 +31,11 @@ ATOMS = (bool, int, float, str, type(None), enum.Enum)
 _DEPTH, _ITEMS = 6, 2_000  # deeper or larger: compared by identity only
 
 
-def fingerprint(value: Any) -> tuple[Any, frozenset[int]]:
+def fingerprint(value: Any, opaque: frozenset[int] = frozenset()) -> tuple[Any, frozenset[int]]:
     """A comparable image of ``value`` (plain values by value, other objects by ``id``)
-    and the ``id`` of every container and object it went through."""
-    reached: set[int] = set()
+    and the ``id`` of every container and object it went through; those in ``opaque`` (a
+    list forward appends to) by ``id`` only, as a repeat is."""
+    reached: set[int] = set(opaque)
     budget = [_ITEMS]
     return _image(value, reached, _DEPTH, budget), frozenset(reached)
 

@@ -77,7 +77,10 @@ class Guard:
     contents: Any = None  # a container or object: its fingerprint (guard_values.py)
     reached: frozenset[int] = frozenset()  # the containers and objects that fingerprint read
     entries: Any = None  # an installed package's container, the same one: its entries
-    read: bool = False  # a list read other than to append to it (``len(self.history)``)
+    #: the paths of constant keys (``()``: itself) through which forward read it other than
+    #: to append or write (``len(self.box["seen"])``: ``("seen",)``), checked by ``unwritten``
+    reads: frozenset[tuple[Any, ...]] = frozenset()
+    opaque: frozenset[int] = frozenset()  # inside ``contents``: forward writes them, by id
 
 
     def now(self) -> Any:
@@ -98,7 +101,7 @@ class Guard:
         if self.entries is not None:
             return now is self.value and entries_of(now) == self.entries
         if self.contents is not None:
-            return fingerprint(now)[0] == self.contents
+            return fingerprint(now, self.opaque)[0] == self.contents
         return type(now) is type(self.value) and now == self.value
 
     def describe(self, names: dict[int, str]) -> str:
@@ -212,8 +215,9 @@ def _recording(cls: type) -> type:
                         sink.setdefault(key, Guard(self, name, value))
                     elif isinstance(value, (dict, list, tuple, set, frozenset)) or \
                             plain_object(value):  # a dict of flags, a config object
-                        if isinstance(value, list) and not _appends(sys._getframe(1)):
-                            _LOCAL.lists_read.add(key)
+                        path = _read_path(sys._getframe(1))
+                        if path is not None:
+                            _LOCAL.paths.setdefault(key, set()).add(path)
                         # fingerprinted once the capture has put back what it switched
                         # for the trace (export's use_cache=False): ``unwritten``
                         sink.setdefault(key, Guard(self, name, value, contents=_PENDING))
@@ -242,16 +246,41 @@ def _recording(cls: type) -> type:
     return _RECORDING[cls]
 
 
-def _appends(frame: types.FrameType) -> bool:
-    """Whether the attribute ``frame`` loads now is only appended to: the next instruction
-    loads its ``append`` or ``extend`` method (worked out once per code object)."""
+def _read_path(frame: types.FrameType) -> tuple[Any, ...] | None:
+    """The constant keys through which the attribute ``frame`` loads now is read
+    (``self.box["seen"]`` then anything: ``("seen",)``), or None where what it leads to is
+    only appended to (``.append``, ``.extend``) or written (``self.stats["k"] = v``, ``+=``:
+    guarded where written). Worked out once per code object."""
     code = frame.f_code
     after = _NEXT.get(code)
     if after is None:
-        ins = list(dis.get_instructions(code))
-        after = _NEXT[code] = {a.offset: b.argval if b.opname in ("LOAD_METHOD", "LOAD_ATTR")
-                               else None for a, b in zip(ins, ins[1:])}
-    return after.get(frame.f_lasti) in ("append", "extend")
+        ins = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+        after = _NEXT[code] = {a.offset: _path(ins, n + 1) for n, a in enumerate(ins)
+                               if a.opname == "LOAD_ATTR"}
+    return after.get(frame.f_lasti, ())
+
+
+def _path(ins: list[dis.Instruction], n: int) -> tuple[Any, ...] | None:
+    path: list[Any] = []
+    while n + 1 < len(ins) and ins[n].opname == "LOAD_CONST" and \
+            ins[n + 1].opname == "BINARY_SUBSCR":
+        path.append(ins[n].argval)
+        n += 2
+    if n >= len(ins):
+        return tuple(path)
+    if ins[n].opname in ("LOAD_METHOD", "LOAD_ATTR") and ins[n].argval in ("append", "extend"):
+        return None
+    return None if ins[n].opname == "LOAD_CONST" else tuple(path)  # a key written
+
+
+def _at(value: Any, path: tuple[Any, ...]) -> Any:
+    """``value[k1][k2]...`` for ``path``, or None where a key is missing."""
+    for key in path:
+        try:
+            value = value[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
 
 
 _NEXT: dict[types.CodeType, dict[int, Any]] = {}
@@ -306,26 +335,25 @@ def recorded_reads(model: nn.Module, model_name: str = "",
     classes = [type(m) for m in modules]
     sink: dict[tuple[int, str], Guard] = {}
     outer = (getattr(_LOCAL, "sink", None), getattr(_LOCAL, "written", None),
-             getattr(_LOCAL, "as_input", None), getattr(_LOCAL, "lists_read", None))
+             getattr(_LOCAL, "as_input", None), getattr(_LOCAL, "paths", None))
     guards: list[Guard] = []
     for m, cls in zip(modules, classes):
         m.__class__ = _recording(cls)
     written: dict[tuple[int, str], tuple[Any, str, Any]] = {}
-    lists_read: set[tuple[int, str]] = set()
-    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.lists_read = \
-        sink, written, as_input, lists_read
+    paths: dict[tuple[int, str], set[tuple[Any, ...]]] = {}
+    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.paths = sink, written, as_input, paths
     try:
         yield guards
     finally:
-        _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.lists_read = outer
+        _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.paths = outer
         if writes is not None:
             writes.update(written)
         for m, cls in zip(modules, classes):
             m.__class__ = cls
         fingerprinted: set[int] = set()  # a config read by every layer: fingerprinted once
         for key, guard in sink.items():
-            if key in lists_read:
-                guard = replace(guard, read=True)
+            if key in paths:
+                guard = replace(guard, reads=frozenset(paths[key]))
             if guard.contents is not None and id(guard.value) in fingerprinted:
                 guard = replace(guard, contents=None, reached=frozenset(), identity=True)
             elif guard.contents is not None:
@@ -350,7 +378,7 @@ def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
         if value is _MISSING:
             continue
         guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where,
-                      read=slot.read and isinstance(value, list))
+                      reads=frozenset({()}) if slot.read else frozenset())
         if plain(value):
             guards.append(guard)
         elif slot.library:  # an installed package's container (its entries) or object
@@ -389,22 +417,29 @@ def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, 
     """``guards`` with the containers and objects forward read fingerprinted as the user
     holds them (called after the capture put back its state), without those forward
     itself writes (``written``: their ids): their new contents come from forward, replayed
-    each step (``side_effects.py``), and a key it reads there is guarded where it is
-    written (``written_guard``)."""
+    each step (``side_effects.py``), a key it reads there is guarded where it is written
+    (``written_guard``), and the others beside it (``side_effects._unwritten_keys``). One
+    that holds such a container keeps its guard, with that container by identity."""
     done = []
     for guard in guards:
         if guard.contents is _PENDING:
             image, reached = fingerprint(guard.value)
-            if guard.read and id(guard.value) in written:
-                name = guard.where or f"self.{guard.name}"
+            read = next((p for p in guard.reads if id(_at(guard.value, p)) in written and
+                         isinstance(_at(guard.value, p), list)), None)
+            if read is not None:
+                name = (guard.where or f"self.{guard.name}") + "".join(f"[{k!r}]" for k in read)
                 raise CaptureError(
                     f"forward reads {name}, a list it also appends to, other than to append "
                     "(its length, an index, a loop over it); the trace fixed what it read "
                     "there, which eager reads afresh on every call. Fix: keep a count in a "
                     "number attribute (self.seen += 1 is guarded), or read the list outside "
                     "forward; nothing was changed")
-            if reached & written:
+            if id(guard.value) in written:
                 continue
+            if reached & written:  # what it holds beside them is guarded: by id only
+                opaque = reached & written
+                image, reached = fingerprint(guard.value, opaque)
+                guard = replace(guard, opaque=opaque)
             guard = replace(guard, contents=image, reached=reached)
         done.append(guard)
     return tuple(done)

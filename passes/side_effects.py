@@ -34,6 +34,8 @@ written, the call's own arguments written.
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +45,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .errors import CaptureError
-from .guards import MISSING, Guard, written_guard
+from .guards import MISSING, Guard, plain, written_guard
 from .print_calls import LevelRead, PrintCall, level_guard, prints_recorded
 from .python_state import DELETED, Change
 from .sources import source_line
@@ -294,6 +296,7 @@ def record_effects(changes: Sequence[Change], prints: Sequence[PrintCall | Level
     written = frozenset(id(c.owner) for c in changes)
     # a module's repr shows its layers, not the attributes forward assigns
     containers = frozenset(id(c.owner) for c in changes if not isinstance(c.owner, nn.Module))
+    guards.extend(_unwritten_keys(changes))
     guards.extend(level_guard(r) for r in prints if isinstance(r, LevelRead))
     for call in prints:
         if isinstance(call, LevelRead):
@@ -314,6 +317,41 @@ def record_effects(changes: Sequence[Change], prints: Sequence[PrintCall | Level
         records.append(Print(call.target, rec.held(call.args, f"to print at {call.where}"),
                              rec.held(call.kwargs, f"to print at {call.where}"), call.where))
     return Effects(tuple(records), tuple(rec.outputs), tuple(guards), written)
+
+
+def _unwritten_keys(changes: Sequence[Change]) -> list[Guard]:
+    """Guards on the keys of each dict, and the attributes of each object (not a module's:
+    those are guarded as read), that forward writes some of and leaves the others
+    (``self.stats["loss"] = ...`` beside ``self.stats["scale"]``): the container's own guard
+    is dropped (``guards.unwritten``), so what forward reads of the others would be fixed.
+    A plain value is guarded by value, anything else by identity."""
+    written: dict[int, set[Any]] = {}
+    owners: dict[int, tuple[Any, str]] = {}
+    for change in changes:
+        written.setdefault(id(change.owner), set()).add(change.key)
+        cut = "[" if change.kind == "item" else "."
+        what = change.where if change.where.startswith(("<", "the ")) else f"self.{change.where}"
+        # a global or closure variable itself (no ``[``) is a slot, guarded as read
+        if change.kind in ("attr", "item") and cut in what and (
+                isinstance(change.owner, dict) or hasattr(change.owner, "__dict__")) and \
+                not isinstance(change.owner, (nn.Module, types.ModuleType)) and \
+                not _namespace(change.owner):
+            owners[id(change.owner)] = (change.owner, what.rsplit(cut, 1)[0])
+    guards = []
+    for key, (owner, path) in owners.items():
+        item = isinstance(owner, dict)
+        for name, value in list((owner if item else vars(owner)).items()):
+            if name in written[key]:
+                continue
+            where = f"{path}[{name!r}]" if item else f"{path}.{name}"
+            guards.append(Guard(owner, name, value, item, where, identity=not plain(value)))
+    return guards
+
+
+def _namespace(owner: Any) -> bool:
+    """A module's globals (written through ``global``; each guarded as read)."""
+    module = sys.modules.get(owner.get("__name__", "")) if isinstance(owner, dict) else None
+    return module is not None and vars(module) is owner
 
 
 def _holds(value: Any, ids: frozenset[int], depth: int = 4) -> bool:
