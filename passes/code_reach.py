@@ -56,6 +56,7 @@ from .host_draws import draws_refused
 from .library_calls import IN_PACKAGE
 from .library_reach import walk_installed_models
 from .library_writes import library_writes_watched
+from .read_paths import path_after
 from .sources import installed_package, user_frame
 from .whose_code import holds_state, user_code, user_instance
 
@@ -100,7 +101,9 @@ class Slot:
     key: str
     where: str
     library: bool = False  # an installed package's: guarded, never forward's state to replay
-    read: bool = False  # loaded other than to append to it (``len(LOG)``): ``guards.unwritten``
+    #: the constant keys the code read it through, other than to append or write (``()``:
+    #: itself, ``len(LOG)``): ``guards.unwritten`` refuses such a read of a list appended
+    reads: frozenset[tuple[Any, ...]] = frozenset()
 
 
 def _user_function(value: Any) -> bool:
@@ -116,8 +119,9 @@ class _Code:
     chains: tuple[tuple[str, ...], ...]
     attributes: tuple[str, ...]
     inner: tuple[types.CodeType, ...]
-    #: globals and closure variables loaded other than to append to them (``len(LOG)``)
-    whole: frozenset[str] = frozenset()
+    #: globals and closure variables read other than to append or write: name -> the
+    #: constant keys read through (``len(LOGS["seen"])``: ``("seen",)``; ``read_paths``)
+    reads: dict[str, frozenset[tuple[Any, ...]]] = field(default_factory=dict)
 
 
 _CODES: dict[types.CodeType, _Code] = {}
@@ -127,12 +131,14 @@ def _code(code: types.CodeType) -> _Code:
     """``code``'s names, worked out once per code object."""
     info = _CODES.get(code)
     if info is None:
-        names, chains, chain, whole, loaded = [], [], None, set(), None
-        for ins in dis.get_instructions(code):
-            if loaded is not None and (ins.opname not in ("LOAD_METHOD", "LOAD_ATTR") or
-                                       ins.argval not in ("append", "extend")):
-                whole.add(loaded)
-            loaded = ins.argval if ins.opname in ("LOAD_GLOBAL", "LOAD_DEREF") else None
+        names, chains, chain = [], [], None
+        every = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+        reads: dict[str, set[tuple[Any, ...]]] = {}
+        for n, ins in enumerate(every):
+            path = path_after(every, n + 1) if ins.opname in ("LOAD_GLOBAL", "LOAD_DEREF") \
+                else None
+            if path is not None:
+                reads.setdefault(ins.argval, set()).add(path)
             if ins.opname == "LOAD_GLOBAL":
                 chain = [ins.argval]
                 chains.append(chain)
@@ -145,7 +151,7 @@ def _code(code: types.CodeType) -> _Code:
         info = _CODES[code] = _Code(
             tuple(dict.fromkeys(names)), tuple(dict.fromkeys(tuple(c) for c in chains)),
             tuple(code.co_names), tuple(c for c in code.co_consts if isinstance(c, types.CodeType)),
-            frozenset(whole))
+            {k: frozenset(v) for k, v in reads.items()})
     return info
 
 
@@ -192,16 +198,16 @@ class Reach:
     _walked: set[tuple[int, int, int]] = field(default_factory=set)  # code, globals, closure
 
     def slot(self, owner: Any, key: str, where: str, library: bool = False,
-             read: bool = False) -> Any:
-        """Record ``owner[key]`` once (``read``: by one code at least, other than to append
-        to it); its value (or None, absent)."""
+             reads: frozenset[tuple[Any, ...]] = frozenset()) -> Any:
+        """Record ``owner[key]`` once (``reads``: a code's paths of reading it, gathered
+        over every code that names it); its value (or None, absent)."""
         value = owner.get(key, None)
         index = self._seen.get((id(owner), key))
-        if index is not None and read and not self.slots[index].read:
-            self.slots[index] = replace(self.slots[index], read=True)
+        if index is not None and not reads <= self.slots[index].reads:
+            self.slots[index] = replace(self.slots[index], reads=self.slots[index].reads | reads)
         if index is None:
             self._seen[(id(owner), key)] = len(self.slots)
-            slot = Slot(owner, key, where, library, read)
+            slot = Slot(owner, key, where, library, reads)
             self.slots.append(slot)
             self.add_slot(slot, holds_state(value) and not library)
         return value
@@ -222,10 +228,10 @@ class Reach:
         for name, cell in zip(code.co_freevars, closure or ()):  # (a module held: its
             self.value(self.slot(Cell(cell, name), name,          # attributes the code names)
                                  f"the variable {name} of {code.co_qualname}",
-                                 read=name in info.whole), code, info)
+                                 reads=info.reads.get(name, frozenset())), code, info)
         for name in info.globals:
             where = f"the global {name}"
-            self.value(self.slot(space, name, where, read=name in info.whole)
+            self.value(self.slot(space, name, where, reads=info.reads.get(name, frozenset()))
                        if name in space or name not in
                        vars(builtins) else vars(builtins)[name], code, info, where)
         for chain in info.chains:

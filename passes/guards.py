@@ -50,6 +50,7 @@ from .guard_values import (
     user_defined,
 )
 from .python_state import MODULE_INTERNALS
+from .read_paths import at, path_after
 from .whose_code import holds_state, user_code
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
@@ -255,32 +256,9 @@ def _read_path(frame: types.FrameType) -> tuple[Any, ...] | None:
     after = _NEXT.get(code)
     if after is None:
         ins = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
-        after = _NEXT[code] = {a.offset: _path(ins, n + 1) for n, a in enumerate(ins)
+        after = _NEXT[code] = {a.offset: path_after(ins, n + 1) for n, a in enumerate(ins)
                                if a.opname == "LOAD_ATTR"}
     return after.get(frame.f_lasti, ())
-
-
-def _path(ins: list[dis.Instruction], n: int) -> tuple[Any, ...] | None:
-    path: list[Any] = []
-    while n + 1 < len(ins) and ins[n].opname == "LOAD_CONST" and \
-            ins[n + 1].opname == "BINARY_SUBSCR":
-        path.append(ins[n].argval)
-        n += 2
-    if n >= len(ins):
-        return tuple(path)
-    if ins[n].opname in ("LOAD_METHOD", "LOAD_ATTR") and ins[n].argval in ("append", "extend"):
-        return None
-    return None if ins[n].opname == "LOAD_CONST" else tuple(path)  # a key written
-
-
-def _at(value: Any, path: tuple[Any, ...]) -> Any:
-    """``value[k1][k2]...`` for ``path``, or None where a key is missing."""
-    for key in path:
-        try:
-            value = value[key]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return value
 
 
 _NEXT: dict[types.CodeType, dict[int, Any]] = {}
@@ -378,7 +356,7 @@ def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
         if value is _MISSING:
             continue
         guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where,
-                      reads=frozenset({()}) if slot.read else frozenset())
+                      reads=slot.reads)
         if plain(value):
             guards.append(guard)
         elif slot.library:  # an installed package's container (its entries) or object
@@ -424,8 +402,8 @@ def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, 
     for guard in guards:
         if guard.contents is _PENDING:
             image, reached = fingerprint(guard.value)
-            read = next((p for p in guard.reads if id(_at(guard.value, p)) in written and
-                         isinstance(_at(guard.value, p), list)), None)
+            read = next((p for p in guard.reads if id(at(guard.value, p)) in written and
+                         isinstance(at(guard.value, p), list)), None)
             if read is not None:
                 name = (guard.where or f"self.{guard.name}") + "".join(f"[{k!r}]" for k in read)
                 raise CaptureError(

@@ -243,6 +243,9 @@ class Refused(nn.Module):
         elif self.kind == "nested list read":
             self.box["seen"].append(loss.detach())
             return loss * len(self.box["seen"])
+        elif self.kind == "global nested list read":
+            BOXES["seen"].append(loss.detach())
+            return loss * len(BOXES["seen"])
         elif self.kind == "global list read":
             SEEN.append(loss.detach())
             return loss * len(SEEN)
@@ -261,6 +264,7 @@ class Refused(nn.Module):
     ("list read", ["reads self.history, a list it also appends to", "self.seen += 1"]),
     ("global list read", ["the global SEEN, a list it also appends to"]),
     ("nested list read", ["self.box['seen'], a list it also appends to"]),
+    ("global nested list read", ["the global BOXES['seen'], a list it also appends to"]),
     ("print container", ["prints a container or object it also changes",
                          "print the values themselves"]),
     ("argument", ["'opts'", "return the value"]),
@@ -276,10 +280,12 @@ def test_a_side_effect_that_cannot_be_exact_is_refused_and_changes_nothing(kind,
     for name in names:
         assert name in str(err.value), (name, str(err.value))
     after, after_ids = _picture(model)
-    assert after_ids == ids and after == before and opts == {} and SEEN == []
+    assert after_ids == ids and after == before and opts == {}
+    assert SEEN == [] and BOXES == {"seen": []}
 
 
 SEEN: list[Any] = []  # a global list forward appends to
+BOXES: dict[str, list[Any]] = {"seen": []}  # and one inside a global dict
 
 
 def test_a_side_effect_holding_a_tensor_under_export_is_refused():
