@@ -37,7 +37,7 @@ from mbcompile.execution.live_hooks import called_as, hook_keys, unwatch, watch_
 from mbcompile.execution.rank_shares import check_not_in_ddp
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
-from mbcompile.inputs import batch_size, check_layout, input_layout, same_value
+from mbcompile.inputs import batch_size, check_layout, check_unchanged, input_layout
 from mbcompile.length_plans import CallSplit, for_length, last_run
 from mbcompile.lowering import Lowered
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
@@ -323,13 +323,7 @@ class CompiledModule(ModelFace, nn.Module):
             raise InputError(f"call does not match forward{self._signature}: {exc}") from None
         bound.apply_defaults()
         values = [bound.arguments[n] for n in self._inputs.names]
-        for name, expected in self._inputs.concrete.items():
-            got = bound.arguments[name]
-            if got is not expected and not same_value(got, expected):
-                raise InputError(
-                    f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "
-                    "non-tensor arguments are fixed when compiling: compile again with the "
-                    "new value")
+        check_unchanged(self._inputs, bound.arguments)  # its non-tensor arguments
         batch = batch_size(self._inputs, values)
         varying = check_layout(self._inputs, values, self._layout, self._request.options.dynamic)
         if self.rank is not None:

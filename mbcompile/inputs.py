@@ -21,8 +21,11 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import ArgumentTypeError, CaptureError, InputError
+from mbcompile.passes.guard_values import fingerprint
+from mbcompile.passes.guards import plain
 
-__all__ = ["Inputs", "batch_size", "bind_example", "check_layout", "input_layout",
+__all__ = ["Inputs", "batch_size", "bind_example", "check_unchanged", "check_layout",
+           "input_layout",
            "keywords_through", "leaf_name", "leaves", "same_value", "tokens_per_sample",
            "with_keywords"]
 
@@ -38,6 +41,9 @@ class Inputs:
     #: dim -> inclusive (min, max) bounds, None where unbounded
     symbolic: Mapping[str, Mapping[int, tuple[int | None, int | None]]] = field(
         default_factory=dict)
+    #: of those that hold state (a config object, a dict of flags): their ``fingerprint``,
+    #: compared on each call, since a change in place keeps them ``is`` the example's
+    images: Mapping[str, Any] = field(default_factory=dict)
 
 
 
@@ -121,7 +127,8 @@ def bind_example(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_
     concrete = {n: values[n] for n, d in zip(names, dims)
                 if d is None and not any(isinstance(t, torch.Tensor)
                                          for t in pytree.tree_leaves(values[n]))}
-    inputs = Inputs(names, tuple(dims), concrete)
+    images = {n: fingerprint(v)[0] for n, v in concrete.items() if not plain(v)}
+    inputs = Inputs(names, tuple(dims), concrete, images=images)
     batch_size(inputs, [values[n] for n in names], check_ndim=True)
     return sig, values, inputs
 
@@ -304,6 +311,29 @@ def _layout_error(name: str, t: Any, d: int | None, want: tuple[Any, ...] | None
 
 def _shown(shape: tuple[Any, ...] | None) -> tuple[int | str, ...]:
     return tuple("B" if s is None else s for s in shape or ())
+
+
+def check_unchanged(inputs: Inputs, arguments: Mapping[str, Any]) -> None:
+    """Raise ``InputError`` where a non-tensor argument of the call is not the example's
+    value, or, holding state, not what the example's held at compile time (``cfg.temp =
+    0.5`` on the example's ``cfg``: the same object, so ``is`` it still). forward's reads
+    of it (``loss * cfg.temp``) are fixed in the graph, so the call is refused before it
+    runs."""
+    for name, expected in inputs.concrete.items():
+        got = arguments[name]
+        if got is not expected and not same_value(got, expected):
+            raise InputError(
+                f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "
+                "non-tensor arguments are fixed when compiling: compile again with the "
+                "new value")
+    for name, image in inputs.images.items():
+        if fingerprint(arguments[name])[0] != image:
+            raise InputError(
+                f"argument {name!r} changed in place since compile time (what it holds, or "
+                "its attributes); forward's reads of a non-tensor argument are fixed when "
+                "compiling, so this call would run the old values. Fix: pass the value as a "
+                "tensor, keep it on the model (an attribute: a change compiles again), or "
+                "compile again; nothing was run")
 
 
 def same_value(a: Any, b: Any) -> bool:

@@ -241,7 +241,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                     refused_in_fx(name), torch.enable_grad(), \
                     (contextlib.nullcontext() if units else StateAsProxies(tracer, model)), \
                     reached_code(model, snapshot.add_slot, name,
-                                 lambda m: tracer.is_leaf_module(m, "")) as reach:
+                                 lambda m: tracer.is_leaf_module(m, ""), concrete_args) as reach:
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored

@@ -37,13 +37,14 @@ import builtins
 import contextlib
 import dis
 import io
+import itertools
 import os
 import sys
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ from .host_draws import draws_refused
 from .library_calls import IN_PACKAGE
 from .library_reach import walk_installed_models
 from .library_writes import library_writes_watched
+from .read_paths import path_after
 from .sources import installed_package, user_frame
 from .whose_code import holds_state, user_code, user_instance
 
@@ -99,6 +101,9 @@ class Slot:
     key: str
     where: str
     library: bool = False  # an installed package's: guarded, never forward's state to replay
+    #: the constant keys the code read it through, other than to append or write (``()``:
+    #: itself, ``len(LOG)``): ``guards.unwritten`` refuses such a read of a list appended
+    reads: frozenset[tuple[Any, ...]] = frozenset()
 
 
 def _user_function(value: Any) -> bool:
@@ -114,6 +119,9 @@ class _Code:
     chains: tuple[tuple[str, ...], ...]
     attributes: tuple[str, ...]
     inner: tuple[types.CodeType, ...]
+    #: globals and closure variables read other than to append or write: name -> the
+    #: constant keys read through (``len(LOGS["seen"])``: ``("seen",)``; ``read_paths``)
+    reads: dict[str, frozenset[tuple[Any, ...]]] = field(default_factory=dict)
 
 
 _CODES: dict[types.CodeType, _Code] = {}
@@ -124,7 +132,13 @@ def _code(code: types.CodeType) -> _Code:
     info = _CODES.get(code)
     if info is None:
         names, chains, chain = [], [], None
-        for ins in dis.get_instructions(code):
+        every = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+        reads: dict[str, set[tuple[Any, ...]]] = {}
+        for n, ins in enumerate(every):
+            path = path_after(every, n + 1) if ins.opname in ("LOAD_GLOBAL", "LOAD_DEREF") \
+                else None
+            if path is not None:
+                reads.setdefault(ins.argval, set()).add(path)
             if ins.opname == "LOAD_GLOBAL":
                 chain = [ins.argval]
                 chains.append(chain)
@@ -136,7 +150,8 @@ def _code(code: types.CodeType) -> _Code:
                 names.append(ins.argval)
         info = _CODES[code] = _Code(
             tuple(dict.fromkeys(names)), tuple(dict.fromkeys(tuple(c) for c in chains)),
-            tuple(code.co_names), tuple(c for c in code.co_consts if isinstance(c, types.CodeType)))
+            tuple(code.co_names), tuple(c for c in code.co_consts if isinstance(c, types.CodeType)),
+            {k: frozenset(v) for k, v in reads.items()})
     return info
 
 
@@ -179,15 +194,20 @@ class Reach:
     slots: list[Slot] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     suspects: bool = False  # the code names a call that cannot be replayed (``_refused``)
-    _seen: set[tuple[int, str]] = field(default_factory=set)
+    _seen: dict[tuple[int, str], int] = field(default_factory=dict)  # -> its index in slots
     _walked: set[tuple[int, int, int]] = field(default_factory=set)  # code, globals, closure
 
-    def slot(self, owner: Any, key: str, where: str, library: bool = False) -> Any:
-        """Record ``owner[key]`` once; its value (or None, absent)."""
+    def slot(self, owner: Any, key: str, where: str, library: bool = False,
+             reads: frozenset[tuple[Any, ...]] = frozenset()) -> Any:
+        """Record ``owner[key]`` once (``reads``: a code's paths of reading it, gathered
+        over every code that names it); its value (or None, absent)."""
         value = owner.get(key, None)
-        if (id(owner), key) not in self._seen:
-            self._seen.add((id(owner), key))
-            slot = Slot(owner, key, where, library)
+        index = self._seen.get((id(owner), key))
+        if index is not None and not reads <= self.slots[index].reads:
+            self.slots[index] = replace(self.slots[index], reads=self.slots[index].reads | reads)
+        if index is None:
+            self._seen[(id(owner), key)] = len(self.slots)
+            slot = Slot(owner, key, where, library, reads)
             self.slots.append(slot)
             self.add_slot(slot, holds_state(value) and not library)
         return value
@@ -207,10 +227,12 @@ class Reach:
         info = _code(code)
         for name, cell in zip(code.co_freevars, closure or ()):  # (a module held: its
             self.value(self.slot(Cell(cell, name), name,          # attributes the code names)
-                                 f"the variable {name} of {code.co_qualname}"), code, info)
+                                 f"the variable {name} of {code.co_qualname}",
+                                 reads=info.reads.get(name, frozenset())), code, info)
         for name in info.globals:
             where = f"the global {name}"
-            self.value(self.slot(space, name, where) if name in space or name not in
+            self.value(self.slot(space, name, where, reads=info.reads.get(name, frozenset()))
+                       if name in space or name not in
                        vars(builtins) else vars(builtins)[name], code, info, where)
         for chain in info.chains:
             self.chain(space, chain, code)
@@ -280,11 +302,15 @@ def _roots(model: nn.Module, live: Callable[[nn.Module], bool] | None
                     yield from value.values()
             elif isinstance(value, types.FunctionType):
                 yield value
-            elif callable(value) and user_instance(value):  # a schedule object it calls
-                yield from (f for f in vars(type(value)).values()
-                            if isinstance(f, types.FunctionType))
+            elif user_instance(value):  # a schedule object it calls, a logger, a config
+                yield from _methods(value)
     for hooks in global_hooks.FORWARD:
         yield from hooks.values()
+
+
+def _methods(value: Any) -> Iterator[types.FunctionType]:
+    """The functions ``value``'s class defines (those its forward can call on it)."""
+    yield from (f for f in vars(type(value)).values() if isinstance(f, types.FunctionType))
 
 
 @contextlib.contextmanager
@@ -325,29 +351,36 @@ _STDLIB = ("<frozen ", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
 
 @contextlib.contextmanager
 def reached_code(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str,
-                 live: Callable[[nn.Module], bool] | None = None) -> Iterator[Reach]:
+                 live: Callable[[nn.Module], bool] | None = None,
+                 arguments: Mapping[str, Any] | None = None) -> Iterator[Reach]:
     """Walk the user's code ``model``'s forward reaches, handing each slot to ``add_slot``
     (before the block, a capture's trace, runs), and watch the block: a file opened, a draw
     of Python's or numpy's global random numbers, and (where the walk found the code naming
     one) a call of ``_refused`` are refused; nothing is changed by a refusal. ``live``: the
     modules whose hooks the trace leaves to run at each call (fx's leaf layers). The global
     module hooks compile hides from its probes run in the block (``global_hooks.shown``):
-    the trace calls them on the modules it enters, as eager's forward does."""
-    with global_hooks.shown(), _reached(model, add_slot, model_name, live) as reach:
+    the trace calls them on the modules it enters, as eager's forward does. ``arguments``:
+    the call's non-tensor arguments, looked into for a package's object as the model is
+    (``model(x, logger)`` whose forward calls ``logger.log(loss)``)."""
+    with global_hooks.shown(), _reached(model, add_slot, model_name, live,
+                                        arguments or {}) as reach:
         yield reach
 
 
 @contextlib.contextmanager
 def _reached(model: nn.Module, add_slot: Callable[[Slot, bool], None], model_name: str,
-             live: Callable[[nn.Module], bool] | None) -> Iterator[Reach]:
+             live: Callable[[nn.Module], bool] | None, arguments: Mapping[str, Any]
+             ) -> Iterator[Reach]:
     reach = Reach(add_slot)
-    for fn in _roots(model, live):
+    held = (m for v in arguments.values() if user_instance(v) for m in _methods(v))
+    for fn in itertools.chain(_roots(model, live), held):  # ``model(x, cfg)``: cfg's too
         fn = getattr(fn, "__wrapped__", fn)  # a global hook called on the model in its place
         fn = getattr(fn, "func", fn)  # functools.partial
         fn = getattr(fn, "__func__", fn)  # a bound method
         if _user_function(fn):
             reach.walk(fn.__code__, fn.__globals__, fn.__closure__)
     named = [s.owner.get(s.key) for s in reach.slots]  # the user's code's, not a package's
+    named.extend(arguments.values())
     walk_installed_models(model, reach, _code)  # transformers' module-level flags
     with draws_refused(reach.refused):  # Python's or numpy's: put back, and refused
         try:

@@ -8,7 +8,7 @@ its ``fingerprint`` (plain values by value, anything else by identity, recursive
 global by value, a method by the absence of an instance attribute that would shadow it.
 
 >>> fingerprint({"hard": False, "sizes": (2, 3)})[0]
-(('hard', False), ('sizes', (2, 3)))
+(('hard', False), ('sizes', ('tuple', (2, 3))))
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ import torch.nn as nn
 
 from .whose_code import user_code
 
-__all__ = ["ATOMS", "entries_of", "fingerprint", "plain_object", "shadowable_methods",
-           "user_defined"]
+__all__ = ["ATOMS", "Unguardable", "entries_of", "fingerprint", "plain_object",
+           "shadowable_methods", "user_defined"]
 
 #: compared by value: numbers, strings, flags, None, enum members
 ATOMS = (bool, int, float, str, type(None), enum.Enum)
 _DEPTH, _ITEMS = 6, 2_000  # deeper or larger: compared by identity only
 
 
-def fingerprint(value: Any) -> tuple[Any, frozenset[int]]:
+def fingerprint(value: Any, opaque: frozenset[int] = frozenset()) -> tuple[Any, frozenset[int]]:
     """A comparable image of ``value`` (plain values by value, other objects by ``id``)
-    and the ``id`` of every container and object it went through."""
-    reached: set[int] = set()
+    and the ``id`` of every container and object it went through; those in ``opaque`` (a
+    list forward appends to) by ``id`` only, as a repeat is."""
+    reached: set[int] = set(opaque)
     budget = [_ITEMS]
     return _image(value, reached, _DEPTH, budget), frozenset(reached)
 
@@ -63,20 +64,105 @@ _KINDS: dict[type, str] = {}
 
 
 def entries_of(value: Any) -> Any:
-    """A container's entries, one level deep, compared with ``==`` on every call: functions,
-    classes and objects by identity, plain values by value (an installed package's registry:
-    ``ACT2FN``, an attention interface's mapping). Cheap: no walk, C-level copies.
+    """A container's entries, compared with ``==`` on every call (an installed package's
+    registry: ``ACT2FN``, an attention interface's mapping, transformers'
+    ``_CAN_RECORD_REGISTRY``): functions, classes, modules and tensors by identity, plain
+    values by value, and what an entry holds to ``_ENTRY_DEPTH`` levels as it is now: a
+    dict, list or tuple inside copied (so that one changed in place compares unequal), a
+    plain object as its attributes (``_Held``). The guard compares the live container's
+    items with this in C (``tuple(_v.items()) == E``), so a registry of functions costs
+    what it did one level deep. Raises ``Unguardable`` for what cannot be compared so: an
+    entry deeper than ``_ENTRY_DEPTH``, more than ``_ENTRY_ITEMS`` values inside entries,
+    an object whose own ``==`` would answer for a copy (a custom ``__eq__``).
 
     >>> entries_of({"tanh": abs}) == entries_of({"tanh": abs})
     True
     >>> entries_of([1, 2]) == entries_of([1, 3])
     False
+    >>> inner = {"max": 10}
+    >>> image = entries_of({"gelu_10": (abs, inner)})
+    >>> inner["max"] = 5
+    >>> tuple({"gelu_10": (abs, inner)}.items()) == image
+    False
     """
+    budget = [_ENTRY_ITEMS]
     if isinstance(value, dict):
-        return tuple(value.items())
+        return tuple((k, _entry(v, _ENTRY_DEPTH, (), budget)) for k, v in value.items())
     if isinstance(value, (set, frozenset)):
+        for v in value:
+            _entry(v, _ENTRY_DEPTH, (), budget)  # hashable: refused if it holds state
         return frozenset(value)
-    return tuple(value)
+    return tuple(_entry(v, _ENTRY_DEPTH, (), budget) for v in value)
+
+
+class Unguardable(Exception):
+    """What an installed package's container holds cannot be guarded (``entries_of``)."""
+
+
+_ENTRY_DEPTH, _ENTRY_ITEMS = 6, 2_000
+
+
+def _entry(value: Any, depth: int, path: tuple[int, ...], budget: list[int]) -> Any:
+    """``value`` as the guard compares it: itself (an atom, an opaque object), or a copy of
+    the containers and plain objects it holds (``path``: the ids above it, for cycles)."""
+    kind = _KINDS.get(type(value)) or _kind(type(value))
+    if kind in ("atom", "id"):
+        return value
+    if id(value) in path:
+        return _Same(value)  # a cycle: the same object again
+    budget[0] -= 1
+    if depth == 0 or budget[0] < 0:
+        raise Unguardable(f"a {type(value).__name__} nested deeper than {_ENTRY_DEPTH} "
+                          f"levels, or more than {_ENTRY_ITEMS} values inside entries")
+    path, depth = (*path, id(value)), depth - 1
+    if kind == "dict":
+        return {k: _entry(v, depth, path, budget) for k, v in value.items()}
+    if kind == "seq":
+        copied = [_entry(v, depth, path, budget) for v in value]
+        return copied if isinstance(value, list) else tuple(copied)
+    if kind == "set":
+        for v in value:
+            _entry(v, depth, path, budget)
+        return frozenset(value)
+    if type(value).__eq__(value, _PROBE) is not NotImplemented:
+        raise Unguardable(f"a {type(value).__name__} with its own ==")
+    return _Held(type(value), _entry(vars(value), depth, path, budget))
+
+
+class _Held:
+    """A plain object inside a registry's entry as it was: equal to an object of its type
+    whose attributes are equal (``live == held`` asks this, as the object's own ``==``
+    answers ``NotImplemented`` for another type)."""
+
+    __slots__ = ("attributes", "kind")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, kind: type, attributes: dict[str, Any]) -> None:
+        self.kind, self.attributes = kind, attributes
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _Held):
+            return self.kind is other.kind and self.attributes == other.attributes
+        return type(other) is self.kind and other.__dict__ == self.attributes
+
+    def __repr__(self) -> str:
+        return f"{self.kind.__name__}({self.attributes!r})"
+
+
+class _Same:
+    """An object met again inside itself: equal to that object only."""
+
+    __slots__ = ("value",)
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return (other.value if isinstance(other, _Same) else other) is self.value
+
+
+_PROBE = _Same(None)  # no object's ``==`` knows it: a plain one answers NotImplemented
 
 
 def _kind(t: type) -> str:

@@ -27,9 +27,11 @@ next call, which reads the new value, compiles again for it.
 from __future__ import annotations
 
 import contextlib
+import dis
 import io
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,6 +42,7 @@ import torch.nn as nn
 from .errors import CaptureError
 from .guard_values import (
     ATOMS,
+    Unguardable,
     entries_of,
     fingerprint,
     plain_object,
@@ -47,6 +50,7 @@ from .guard_values import (
     user_defined,
 )
 from .python_state import MODULE_INTERNALS
+from .read_paths import at, path_after
 from .whose_code import holds_state, user_code
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
@@ -74,6 +78,10 @@ class Guard:
     contents: Any = None  # a container or object: its fingerprint (guard_values.py)
     reached: frozenset[int] = frozenset()  # the containers and objects that fingerprint read
     entries: Any = None  # an installed package's container, the same one: its entries
+    #: the paths of constant keys (``()``: itself) through which forward read it other than
+    #: to append or write (``len(self.box["seen"])``: ``("seen",)``), checked by ``unwritten``
+    reads: frozenset[tuple[Any, ...]] = frozenset()
+    opaque: frozenset[int] = frozenset()  # inside ``contents``: forward writes them, by id
 
 
     def now(self) -> Any:
@@ -94,7 +102,7 @@ class Guard:
         if self.entries is not None:
             return now is self.value and entries_of(now) == self.entries
         if self.contents is not None:
-            return fingerprint(now)[0] == self.contents
+            return fingerprint(now, self.opaque)[0] == self.contents
         return type(now) is type(self.value) and now == self.value
 
     def describe(self, names: dict[int, str]) -> str:
@@ -208,6 +216,9 @@ def _recording(cls: type) -> type:
                         sink.setdefault(key, Guard(self, name, value))
                     elif isinstance(value, (dict, list, tuple, set, frozenset)) or \
                             plain_object(value):  # a dict of flags, a config object
+                        path = _read_path(sys._getframe(1))
+                        if path is not None:
+                            _LOCAL.paths.setdefault(key, set()).add(path)
                         # fingerprinted once the capture has put back what it switched
                         # for the trace (export's use_cache=False): ``unwritten``
                         sink.setdefault(key, Guard(self, name, value, contents=_PENDING))
@@ -234,6 +245,23 @@ def _recording(cls: type) -> type:
                                           "__qualname__": cls.__qualname__})
         _RECORDING[cls] = sub
     return _RECORDING[cls]
+
+
+def _read_path(frame: types.FrameType) -> tuple[Any, ...] | None:
+    """The constant keys through which the attribute ``frame`` loads now is read
+    (``self.box["seen"]`` then anything: ``("seen",)``), or None where what it leads to is
+    only appended to (``.append``, ``.extend``) or written (``self.stats["k"] = v``, ``+=``:
+    guarded where written). Worked out once per code object."""
+    code = frame.f_code
+    after = _NEXT.get(code)
+    if after is None:
+        ins = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+        after = _NEXT[code] = {a.offset: path_after(ins, n + 1) for n, a in enumerate(ins)
+                               if a.opname == "LOAD_ATTR"}
+    return after.get(frame.f_lasti, ())
+
+
+_NEXT: dict[types.CodeType, dict[int, Any]] = {}
 
 
 def _callable_object(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any
@@ -285,22 +313,25 @@ def recorded_reads(model: nn.Module, model_name: str = "",
     classes = [type(m) for m in modules]
     sink: dict[tuple[int, str], Guard] = {}
     outer = (getattr(_LOCAL, "sink", None), getattr(_LOCAL, "written", None),
-             getattr(_LOCAL, "as_input", None))
+             getattr(_LOCAL, "as_input", None), getattr(_LOCAL, "paths", None))
     guards: list[Guard] = []
     for m, cls in zip(modules, classes):
         m.__class__ = _recording(cls)
     written: dict[tuple[int, str], tuple[Any, str, Any]] = {}
-    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = sink, written, as_input
+    paths: dict[tuple[int, str], set[tuple[Any, ...]]] = {}
+    _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.paths = sink, written, as_input, paths
     try:
         yield guards
     finally:
-        _LOCAL.sink, _LOCAL.written, _LOCAL.as_input = outer
+        _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.paths = outer
         if writes is not None:
             writes.update(written)
         for m, cls in zip(modules, classes):
             m.__class__ = cls
         fingerprinted: set[int] = set()  # a config read by every layer: fingerprinted once
-        for guard in sink.values():
+        for key, guard in sink.items():
+            if key in paths:
+                guard = replace(guard, reads=frozenset(paths[key]))
             if guard.contents is not None and id(guard.value) in fingerprinted:
                 guard = replace(guard, contents=None, reached=frozenset(), identity=True)
             elif guard.contents is not None:
@@ -324,12 +355,14 @@ def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
         value = slot.owner.get(slot.key, _MISSING)
         if value is _MISSING:
             continue
-        guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where)
+        guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where,
+                      reads=slot.reads)
         if plain(value):
             guards.append(guard)
         elif slot.library:  # an installed package's container (its entries) or object
-            guards.append(replace(guard, entries=entries_of(value)) if isinstance(
-                value, (dict, list, tuple, set, frozenset)) else replace(guard, identity=True))
+            guards.append(replace(guard, entries=_entries(value, slot.where, model_name))
+                          if isinstance(value, (dict, list, tuple, set, frozenset))
+                          else replace(guard, identity=True))
         elif holds_state(value) and not callable(value):
             guards.append(replace(guard, contents=_PENDING))
         elif isinstance(value, (torch.Tensor, torch.Generator)) or user_defined(value) or \
@@ -345,18 +378,46 @@ def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
     return guards
 
 
+def _entries(value: Any, where: str, model_name: str) -> Any:
+    """``entries_of(value)``, or the ``CaptureError`` that says why it cannot be guarded."""
+    try:
+        return entries_of(value)
+    except Unguardable as exc:
+        raise CaptureError(
+            f"{model_name}.forward reads {where}, an installed package's container that "
+            f"holds {exc}; a change in place there could not be seen, so what forward "
+            "reads of it would be fixed at compile time. Fix: keep what forward reads of it "
+            "flatter (plain values, functions, classes), or read it outside forward and "
+            "pass the value in; nothing was changed") from None
+
+
 def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, ...]:
     """``guards`` with the containers and objects forward read fingerprinted as the user
     holds them (called after the capture put back its state), without those forward
     itself writes (``written``: their ids): their new contents come from forward, replayed
-    each step (``side_effects.py``), and a key it reads there is guarded where it is
-    written (``written_guard``)."""
+    each step (``side_effects.py``), a key it reads there is guarded where it is written
+    (``written_guard``), and the others beside it (``side_effects._unwritten_keys``). One
+    that holds such a container keeps its guard, with that container by identity."""
     done = []
     for guard in guards:
         if guard.contents is _PENDING:
             image, reached = fingerprint(guard.value)
-            if reached & written:
+            read = next((p for p in guard.reads if id(at(guard.value, p)) in written and
+                         isinstance(at(guard.value, p), list)), None)
+            if read is not None:
+                name = (guard.where or f"self.{guard.name}") + "".join(f"[{k!r}]" for k in read)
+                raise CaptureError(
+                    f"forward reads {name}, a list it also appends to, other than to append "
+                    "(its length, an index, a loop over it); the trace fixed what it read "
+                    "there, which eager reads afresh on every call. Fix: keep a count in a "
+                    "number attribute (self.seen += 1 is guarded), or read the list outside "
+                    "forward; nothing was changed")
+            if id(guard.value) in written:
                 continue
+            if reached & written:  # what it holds beside them is guarded: by id only
+                opaque = reached & written
+                image, reached = fingerprint(guard.value, opaque)
+                guard = replace(guard, opaque=opaque)
             guard = replace(guard, contents=image, reached=reached)
         done.append(guard)
     return tuple(done)

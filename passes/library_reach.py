@@ -14,15 +14,18 @@ on its class and the installed functions it names, and takes as slots:
 - the containers (a dict, a list, a tuple, a set; ``ACT2FN``), and the containers an
   object of the package's holds in its attributes or its class's (``ALL_ATTENTION_FUNCTIONS``:
   its ``_local_mapping``, its class's ``_global_mapping``), ``library`` slots: guarded by
-  their entries one level deep (functions and classes by identity, plain values by value:
-  ``guard_values.entries``), and never taken as forward's own state to replay.
+  their entries (functions and classes by identity, plain values by value, and what an
+  entry holds, containers and plain objects, to six levels: ``guard_values.entries_of``;
+  what cannot be compared so is refused at compile), and never taken as forward's own
+  state to replay.
 
 Each guard is checked on every call (``guards.slot_guards``): a change compiles again, with
 a ``RecompileWarning`` that names it. A logger (a class of Python's own) is not looked into.
 
 Example: ``modeling_x.py`` holds ``SCALE = 2.0`` and ``XModel.forward`` returns
 ``SCALE * h``; ``modeling_x.SCALE = 3.0`` after compile recompiles the step for 3.0, and so
-does ``modeling_x.ACTIVATIONS["tanh"] = torch.sigmoid`` where forward reads that entry.
+does ``modeling_x.ACTIVATIONS["tanh"] = torch.sigmoid`` where forward reads that entry, and
+``modeling_x.ACTIVATIONS["clip"][1]["max"] = 5`` (a dict inside an entry, changed in place).
 """
 
 from __future__ import annotations

@@ -20,9 +20,11 @@ so only there) is told apart before it runs:
 - a function (or a method of a module) given no traced value (a tensor, an fx proxy, a
   symbolic size): it can compute nothing of the graph, so it is made for its effect:
   refused before it runs; a built-in function (its arguments are not seen): refused;
-- a function given a traced value: made, unless it is declared to return None (refused
-  before it runs), and refused when it returns none (a logging function handed the loss:
-  then made once, on the trace's values, and never in a step).
+- a function given a traced value: made, unless it is declared to return None or its code
+  can return nothing else (every ``return`` returns the constant None: ``_only_none``, read
+  from its bytecode once per code object), both refused before it runs; and refused when it
+  returns none anyway (a function that returns a value on another path: then made once, on
+  the trace's values, and never in a step).
 
 Example::
 
@@ -86,10 +88,12 @@ def model_packages(model: nn.Module) -> frozenset[str]:
 def names_other_package(model: nn.Module, named: Iterable[Any], allowed: frozenset[str]
                         ) -> bool:
     """Whether the user's code forward reaches names an installed package outside
-    ``allowed``: one of ``named`` (the walk's globals and closure variables), an attribute
-    of a module whose ``forward`` is the user's (``self.bar``), what those hold at any
-    depth (``self.loggers["bar"]``), or a base class of such a module (a trainer
-    framework's, whose methods ``self.log`` calls)."""
+    ``allowed``: one of ``named`` (the walk's globals and closure variables, the call's
+    non-tensor arguments), an attribute of a module whose ``forward`` is the user's
+    (``self.bar``), what those hold at any depth (``self.loggers["bar"]``), what the
+    methods of an object of the user's held there name (``self.logger.log(loss)``, where
+    ``log`` calls ``yaml.dump``), or a base class of such a module (a trainer framework's,
+    whose methods ``self.log`` calls)."""
     roots = list(named)
     for module in model.modules():
         kind = type(module)
@@ -106,8 +110,9 @@ def names_other_package(model: nn.Module, named: Iterable[Any], allowed: frozens
 
 def _reaches_package(roots: list[Any], allowed: frozenset[str]) -> bool:
     """Whether a package's module, function or object outside ``allowed`` is among
-    ``roots`` or what they hold (containers, plain objects, a module's public attributes),
-    at any depth, up to ``_LIMIT`` objects and ``_ITEMS`` entries of each container."""
+    ``roots`` or what they hold (containers, plain objects, a module's public attributes,
+    what the user's functions and the methods of the user's objects name), at any depth, up
+    to ``_LIMIT`` objects and ``_ITEMS`` entries of each container."""
     seen: set[int] = set()
     while roots and len(seen) < _LIMIT:
         value = roots.pop()
@@ -122,9 +127,27 @@ def _reaches_package(roots: list[Any], allowed: frozenset[str]) -> bool:
             roots.extend(list(value)[:_ITEMS])
         elif isinstance(value, nn.Module):
             roots.extend(v for k, v in vars(value).items() if k[0] != "_")
+        elif isinstance(value, types.FunctionType) and user_code(value.__code__.co_filename):
+            roots.extend(_named_by(value))  # a helper of the user's: what its code names
         elif holds_state(value):
             roots.extend(vars(value).values())
+            roots.extend(f for kind in type(value).__mro__ for f in vars(kind).values()
+                         if isinstance(f, types.FunctionType))  # ``self.logger.log(loss)``
     return False
+
+
+def _named_by(fn: types.FunctionType) -> list[Any]:
+    """The globals ``fn``'s code (and its inner code) names, and its closure's values."""
+    codes, names = [fn.__code__], []
+    while codes:
+        code = codes.pop()
+        names.extend(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    found = [fn.__globals__[n] for n in names if n in fn.__globals__]
+    for cell in fn.__closure__ or ():
+        with contextlib.suppress(ValueError):  # not yet bound
+            found.append(cell.cell_contents)
+    return found
 
 
 _LIMIT, _ITEMS = 20_000, 1_000
@@ -159,6 +182,36 @@ def library_writes_watched(model: nn.Module, named: Iterable[Any], refused: list
     allowed = model_packages(model) | COMPUTE
     return library_writes_refused(allowed, refused) if names_other_package(
         model, named, allowed) else contextlib.nullcontext()
+
+
+def _only_none(code: types.CodeType) -> bool:
+    """Whether every path out of ``code`` returns the constant None (``RECORDS.append(v)``
+    with no ``return``): each ``RETURN_VALUE`` comes straight after ``LOAD_CONST None``
+    and is no jump's target (``return v or None`` jumps to it with ``v``), and one at least
+    is there (a check that only raises is made: its error is the answer). Worked out once
+    per code object.
+
+    >>> _only_none((lambda v: None).__code__), _only_none((lambda v: v).__code__)
+    (True, False)
+    """
+    found = _ONLY_NONE.get(code)
+    if found is None:
+        found, before, returns = True, None, False
+        for ins in dis.get_instructions(code):
+            returns = returns or ins.opname.startswith("RETURN_")
+            if ins.opname == "RETURN_CONST" and ins.argval is not None or \
+                    ins.opname == "RETURN_VALUE" and (ins.is_jump_target or before is None or
+                                                      before.opname != "LOAD_CONST" or
+                                                      before.argval is not None):
+                found = False
+                break
+            if ins.opname not in ("CACHE", "EXTENDED_ARG"):
+                before = ins
+        found = _ONLY_NONE[code] = found and returns
+    return found
+
+
+_ONLY_NONE: dict[types.CodeType, bool] = {}
 
 
 def _returns_none(frame: types.FrameType) -> bool:
@@ -226,8 +279,12 @@ def library_writes_refused(allowed: frozenset[str], refused: list[str]) -> Itera
         if _returns_none(frame):
             refuse(code.co_qualname, path, caller, "it is declared to return None, so it is "
                    "made for its effect")
-        if not code.co_flags & _GENERATOR:
-            pending[id(frame)] = frame
+        if code.co_flags & _GENERATOR:
+            return
+        if _only_none(code):
+            refuse(code.co_qualname, path, caller, "its code returns nothing but None, so it "
+                   "is made for its effect")
+        pending[id(frame)] = frame
 
     sys.setprofile(profile)
     try:

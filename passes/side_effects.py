@@ -34,13 +34,9 @@ written, the call's own arguments written.
 
 from __future__ import annotations
 
-import builtins
-import contextlib
-import functools
-import logging
 import sys
-import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +45,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .errors import CaptureError
-from .guards import MISSING, Guard, written_guard
+from .guards import MISSING, Guard, plain, written_guard
+from .print_calls import LevelRead, PrintCall, level_guard, prints_recorded
 from .python_state import DELETED, Change
-from .sources import is_library, source_line, user_frame
+from .sources import source_line
 
 __all__ = ["NO_EFFECTS", "Effects", "Extend", "Held", "Print", "SetAttr", "SetItem",
            "prints_recorded", "record_effects", "refuse_tensors", "replay"]
@@ -170,48 +167,6 @@ def replay(effects: Effects, flat: Sequence[Any]) -> None:
 # --------------------------------------------------------------------------- recording
 
 
-@dataclass(frozen=True)
-class _PrintCall:
-    target: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    where: str
-
-
-@contextlib.contextmanager
-def prints_recorded() -> Iterator[list[_PrintCall]]:
-    """While the block traces: ``print`` and the ``logging`` calls a logger would emit
-    record their call instead of printing or logging."""
-    calls: list[_PrintCall] = []
-
-    def where() -> str:  # the caller's line (not logging's own frames)
-        return user_frame([f for f in traceback.extract_stack()[:-2]
-                           if f.filename != logging.__file__])
-
-    def printed(*args: Any, **kwargs: Any) -> None:
-        calls.append(_PrintCall(_PRINT, args, kwargs, where()))
-
-    def logged(self: logging.Logger, level: int, msg: Any, args: Any, **kwargs: Any) -> None:
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename == logging.__file__:
-            frame = frame.f_back
-        if frame is None or is_library(frame.f_code.co_filename):  # torch's own logs
-            _LOG(self, level, msg, args, **kwargs)
-            return
-        calls.append(_PrintCall(functools.partial(_LOG, self, level), (msg, args), kwargs,
-                                where()))
-
-    builtins.print = printed
-    logging.Logger._log = logged  # type: ignore[method-assign]
-    try:
-        yield calls
-    finally:
-        builtins.print = _PRINT
-        logging.Logger._log = _LOG  # type: ignore[method-assign]
-
-
-_PRINT = builtins.print
-_LOG = logging.Logger._log
 
 
 def _map(value: Any, fn: Callable[[Any], Any], kind: type) -> Any:
@@ -297,10 +252,11 @@ def _check_no_hidden_proxy(value: Any, what: str, model_name: str) -> None:
             "only. Fix: store the tensor itself, or a dict of tensors")
 
 
-def record_effects(changes: Sequence[Change], prints: Sequence[_PrintCall], model_name: str,
-                   first_output: int = 0, returned: Mapping[fx.Node, int] | None = None
-                   ) -> Effects:
-    """The effects of one trace: ``changes`` (``Snapshot.changes``) and ``prints``. Traced
+def record_effects(changes: Sequence[Change], prints: Sequence[PrintCall | LevelRead],
+                   model_name: str, first_output: int = 0,
+                   returned: Mapping[fx.Node, int] | None = None) -> Effects:
+    """The effects of one trace: ``changes`` (``Snapshot.changes``) and ``prints`` (with the
+    logger levels forward asked about, guarded: ``print_calls.level_guard``). Traced
     values become outputs numbered from ``first_output``, except those forward returns
     (``returned``: node -> its output index). Raises ``CaptureError`` for a change that
     cannot be replayed exactly, naming it and the fix."""
@@ -337,24 +293,85 @@ def record_effects(changes: Sequence[Change], prints: Sequence[_PrintCall], mode
         else:
             assert value is not None
             records.append(Extend(change.owner, value, what))
+    written = frozenset(id(c.owner) for c in changes)
+    # a module's repr shows its layers, not the attributes forward assigns
+    containers = frozenset(id(c.owner) for c in changes if not isinstance(c.owner, nn.Module))
+    guards.extend(_unwritten_keys(changes))
+    guards.extend(level_guard(r) for r in prints if isinstance(r, LevelRead))
     for call in prints:
-        if any(isinstance(a, str) and "Proxy(" in a for a in (*call.args, *call.kwargs.values())):
+        if isinstance(call, LevelRead):
+            continue
+        shown = (*call.args, *call.kwargs.values())
+        if _holds(shown, containers):
+            raise CaptureError(
+                f"{model_name}.forward prints a container or object it also changes at "
+                f"{call.where}; a print is replayed after the step's writes, with the values "
+                "the trace held, so it would not show what eager shows there. Fix: print "
+                "the values themselves (print('loss', loss.detach())), or print the "
+                "container from the training loop")
+        if any(isinstance(a, str) and "Proxy(" in a for a in shown):
             raise CaptureError(
                 f"{model_name}.forward formats a traced tensor into a string it prints at "
                 f"{call.where}; the string holds no value to print at each step. Fix: pass "
                 "the tensor to print as its own argument (print('loss', loss.detach()))")
         records.append(Print(call.target, rec.held(call.args, f"to print at {call.where}"),
                              rec.held(call.kwargs, f"to print at {call.where}"), call.where))
-    return Effects(tuple(records), tuple(rec.outputs), tuple(guards),
-                   frozenset(id(c.owner) for c in changes))
+    return Effects(tuple(records), tuple(rec.outputs), tuple(guards), written)
 
 
-def refuse_tensors(changes: Sequence[Change], prints: Sequence[_PrintCall], model_name: str
-                   ) -> None:
+def _unwritten_keys(changes: Sequence[Change]) -> list[Guard]:
+    """Guards on the keys of each dict, and the attributes of each object (not a module's:
+    those are guarded as read), that forward writes some of and leaves the others
+    (``self.stats["loss"] = ...`` beside ``self.stats["scale"]``): the container's own guard
+    is dropped (``guards.unwritten``), so what forward reads of the others would be fixed.
+    A plain value is guarded by value, anything else by identity."""
+    written: dict[int, set[Any]] = {}
+    owners: dict[int, tuple[Any, str]] = {}
+    for change in changes:
+        written.setdefault(id(change.owner), set()).add(change.key)
+        cut = "[" if change.kind == "item" else "."
+        what = change.where if change.where.startswith(("<", "the ")) else f"self.{change.where}"
+        # a global or closure variable itself (no ``[``) is a slot, guarded as read
+        if change.kind in ("attr", "item") and cut in what and (
+                isinstance(change.owner, dict) or hasattr(change.owner, "__dict__")) and \
+                not isinstance(change.owner, (nn.Module, types.ModuleType)) and \
+                not _namespace(change.owner):
+            owners[id(change.owner)] = (change.owner, what.rsplit(cut, 1)[0])
+    guards = []
+    for key, (owner, path) in owners.items():
+        item = isinstance(owner, dict)
+        for name, value in list((owner if item else vars(owner)).items()):
+            if name in written[key]:
+                continue
+            where = f"{path}[{name!r}]" if item else f"{path}.{name}"
+            guards.append(Guard(owner, name, value, item, where, identity=not plain(value)))
+    return guards
+
+
+def _namespace(owner: Any) -> bool:
+    """A module's globals (written through ``global``; each guarded as read)."""
+    module = sys.modules.get(owner.get("__name__", "")) if isinstance(owner, dict) else None
+    return module is not None and vars(module) is owner
+
+
+def _holds(value: Any, ids: frozenset[int], depth: int = 4) -> bool:
+    """Whether ``value`` is, or holds in a tuple, list or dict (``depth`` levels down), an
+    object whose ``id`` is in ``ids``."""
+    if id(value) in ids:
+        return True
+    if depth and isinstance(value, (tuple, list)):
+        return any(_holds(v, ids, depth - 1) for v in value)
+    if depth and isinstance(value, dict):
+        return any(_holds(v, ids, depth - 1) for v in value.values())
+    return False
+
+
+def refuse_tensors(changes: Sequence[Change], prints: Sequence[PrintCall | LevelRead],
+                   model_name: str) -> None:
     """Under torch.export: an effect that holds a tensor is refused (export traces fake
     tensors, and mbcompile does not map them to graph outputs yet)."""
     held = [(c.where, c.value) for c in changes] + [
-        (f"print at {p.where}", (p.args, p.kwargs)) for p in prints]
+        (f"print at {p.where}", (p.args, p.kwargs)) for p in prints if isinstance(p, PrintCall)]
     for where, value in held:
         found: list[Any] = []
         _map(value, found.append, torch.Tensor)

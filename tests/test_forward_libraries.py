@@ -53,6 +53,13 @@ def log_unannotated(values):
     RECORDS.append(values)
 
 
+def log_or_reduce(values, reduce=False):
+    """Returns a value on one path: whether it returns none is known only as it returns."""
+    if reduce:
+        return values["loss"] * 2
+    RECORDS.append(values)
+
+
 def checked(h):
     raise ValueError("rows must be sorted")
 '''
@@ -107,6 +114,8 @@ class _Logged(nn.Module):
             FAKE.log({"loss": loss.detach()})
         elif self.how == "log unannotated":
             FAKE.log_unannotated({"loss": loss.detach()})
+        elif self.how == "log or reduce":
+            FAKE.log_or_reduce({"loss": loss.detach()})
         elif self.how == "raises":
             FAKE.checked(loss)
         return loss
@@ -164,16 +173,28 @@ def test_a_file_a_package_writes_is_refused_before_it_is_written(tmp_path):
     assert not os.path.exists(model.path)
 
 
-def test_a_logging_call_given_the_loss_is_refused_as_it_returns(fake):
-    """Not declared to return None: made (it might compute), and refused when it returns
-    nothing traced; the model is unchanged (the package's own list holds what the trace
-    handed it: made once, at compile, as the message says)."""
+def test_a_logging_call_given_the_loss_is_refused_before_it_runs(fake):
+    """Not declared to return None, but its code returns nothing else (read from its
+    bytecode): refused before it runs, the package's own list and the model unchanged."""
     torch.manual_seed(0)
     model = _Logged("log unannotated").double()
+    with pytest.raises(CaptureError, match="returns nothing but None"):
+        mbcompile.compile(model, 7, 2, 2, example_inputs=_batch(), capture="fx")
+    assert fake.RECORDS == []
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_call_that_returns_none_on_one_path_is_refused_as_it_returns(fake):
+    """Code that returns a value on another path: made (it might compute), and refused when
+    it returns nothing traced (the package's list holds what the trace handed it, once, as
+    the message says); an error the package raises is the one named, not "returns none"."""
+    torch.manual_seed(0)
+    model = _Logged("log or reduce").double()
     with pytest.raises(CaptureError, match="returns none"):
         mbcompile.compile(model, 7, 2, 2, example_inputs=_batch(), capture="fx")
+    assert len(fake.RECORDS) == 1
     assert all(p.grad is None for p in model.parameters())
-    model.how = "raises"  # an error the package raises is the one named, not "returns none"
+    model.how = "raises"
     with pytest.raises(CaptureError, match="rows must be sorted") as failure:
         mbcompile.compile(model, 7, 2, 2, example_inputs=_batch(), capture="fx")
     assert "returns none" not in str(failure.value)

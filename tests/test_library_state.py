@@ -52,8 +52,33 @@ class Interface:
 OFFSETS = Interface()
 
 
+class Recorder:
+    """A plain object a registry's entry holds (as transformers' ``OutputRecorder``)."""
+
+    def __init__(self, factor):
+        self.factor = factor
+
+
+#: entries that hold containers and objects (as ``ACT2FN["gelu_10"]``'s keyword dict)
+CLIPS = {"clip": (torch.clamp, {"min": -10.0, "max": 10.0}), "by": [Recorder(1.0)]}
+
+
+class Matches:
+    """An object whose own ``==`` says equal to anything: no copy of it can be compared."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
+ODD = {"odd": [Matches()]}
+
+
 def _scaled(h):
-    return ACTIVATIONS["tanh"](h * SCALE) + OFFSETS.get("offset")
+    clamp, bounds = CLIPS["clip"]
+    h = clamp(ACTIVATIONS["tanh"](h * SCALE), **bounds) * CLIPS["by"][0].factor
+    return h + OFFSETS.get("offset")
 
 
 class Net(nn.Module):
@@ -66,6 +91,11 @@ class Net(nn.Module):
 
     def head(self, x):
         return _scaled(self.lin(x)).clamp(max=CLAMP[1])
+
+
+class OddNet(Net):
+    def forward(self, x, y):
+        return F.mse_loss(self.head(x), y) * len(ODD["odd"])
 '''
 
 
@@ -142,6 +172,28 @@ def test_a_registry_of_installed_model_code_is_guarded_by_its_entries(installed)
     installed.Interface._shared["offset"] = 0.25  # the class's: shadowed here, still guarded
     with pytest.warns(mbcompile.RecompileWarning, match="Interface._shared changed"):
         _assert_step_like_eager(cm, model, ref)
+
+
+def test_what_a_registry_entry_holds_is_guarded_deeper(installed):
+    """A dict inside an entry's tuple, and a plain object inside an entry's list, changed in
+    place after compile: each compiles again (a warning naming the registry), exact, as
+    eager follows it. An entry holding an object whose own ``==`` answers for a copy cannot
+    be guarded: refused at compile, naming it, with the parameters unchanged."""
+    torch.manual_seed(0)
+    model = installed.Net().double()
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=_batch())
+    _assert_step_like_eager(cm, model, ref)
+    installed.CLIPS["clip"][1]["max"] = 0.05
+    with pytest.warns(mbcompile.RecompileWarning, match="CLIPS changed"):
+        _assert_step_like_eager(cm, model, ref)
+    installed.CLIPS["by"][0].factor = 3.0
+    with pytest.warns(mbcompile.RecompileWarning, match="CLIPS changed"):
+        _assert_step_like_eager(cm, model, ref)
+    odd = installed.OddNet().double()
+    with pytest.raises(mbcompile.CaptureError, match="ODD, an installed package's container"):
+        mbcompile.compile(odd, 7, 2, 2, example_inputs=_batch())
+    assert all(p.grad is None for p in odd.parameters())
 
 
 class _Attending(torch.nn.Module):

@@ -225,6 +225,7 @@ class Refused(nn.Module):
         self.a, self.kind = nn.Linear(4, 3), kind
         self.history: list[Any] = [1.0]
         self.queue: list[Any] = [1, 2]
+        self.box: dict[str, Any] = {"seen": []}
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, opts: dict | None = None
                 ) -> torch.Tensor:
@@ -236,6 +237,21 @@ class Refused(nn.Module):
             self.history.append(loss.detach())
         elif self.kind == "fstring":
             print(f"loss {loss.detach()}")
+        elif self.kind == "list read":  # eager weighs by 1, 2, 3, ... as the list grows
+            self.history.append(loss.detach())
+            return loss * len(self.history)
+        elif self.kind == "nested list read":
+            self.box["seen"].append(loss.detach())
+            return loss * len(self.box["seen"])
+        elif self.kind == "global nested list read":
+            BOXES["seen"].append(loss.detach())
+            return loss * len(BOXES["seen"])
+        elif self.kind == "global list read":
+            SEEN.append(loss.detach())
+            return loss * len(SEEN)
+        elif self.kind == "print container":  # eager shows [1.0] first, then what it grew to
+            print("history", self.history, len(self.history))
+            self.history.append(loss.detach())
         elif self.kind == "argument":
             opts["loss"] = loss.detach()
         return loss
@@ -245,6 +261,12 @@ class Refused(nn.Module):
     ("item", ["self.history", ".item()", "loss.detach()"]),
     ("pop", ["self.queue", "append"]),
     ("fstring", ["print", "its own argument"]),
+    ("list read", ["reads self.history, a list it also appends to", "self.seen += 1"]),
+    ("global list read", ["the global SEEN, a list it also appends to"]),
+    ("nested list read", ["self.box['seen'], a list it also appends to"]),
+    ("global nested list read", ["the global BOXES['seen'], a list it also appends to"]),
+    ("print container", ["prints a container or object it also changes",
+                         "print the values themselves"]),
     ("argument", ["'opts'", "return the value"]),
 ])
 def test_a_side_effect_that_cannot_be_exact_is_refused_and_changes_nothing(kind, names):
@@ -259,6 +281,11 @@ def test_a_side_effect_that_cannot_be_exact_is_refused_and_changes_nothing(kind,
         assert name in str(err.value), (name, str(err.value))
     after, after_ids = _picture(model)
     assert after_ids == ids and after == before and opts == {}
+    assert SEEN == [] and BOXES == {"seen": []}
+
+
+SEEN: list[Any] = []  # a global list forward appends to
+BOXES: dict[str, list[Any]] = {"seen": []}  # and one inside a global dict
 
 
 def test_a_side_effect_holding_a_tensor_under_export_is_refused():
@@ -472,3 +499,89 @@ def test_a_logging_call_in_forward_logs_once_per_step(capsys, caplog):
             call(*_batch())
     got, want = (r.getMessage() for r in caplog.records)
     assert got == want and "on 7 rows" in got
+
+
+def test_a_logging_call_follows_the_logger_level_and_keeps_its_line(caplog):
+    """Compiled with the logger at WARNING, ``LOGGER.info`` in forward logs nothing; set to
+    INFO afterwards, the next call compiles again (the level is guarded) and logs each step
+    as eager does, its record at forward's file and line; back at WARNING it logs nothing,
+    as eager, with no compile (that state is cached)."""
+    torch.manual_seed(0)
+    model = Logged()
+    ref = copy.deepcopy(model)
+    LOGGER.setLevel(logging.WARNING)
+    try:
+        cm = _compile(model, _batch())
+        records = []
+        for level in (logging.INFO, logging.INFO, logging.WARNING):
+            LOGGER.setLevel(level)
+            caplog.clear()
+            with caplog.at_level(level, logger=LOGGER.name), warnings.catch_warnings():
+                warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+                cm(*_batch())
+                ref(*_batch())
+            records.append([(r.getMessage(), r.pathname, r.lineno, r.funcName)
+                            for r in caplog.records])
+    finally:
+        LOGGER.setLevel(logging.NOTSET)
+    for got in records[:2]:
+        assert len(got) == 2 and got[0] == got[1], got  # compiled, then eager
+        assert got[0][1] == __file__ and got[0][3] == "forward"
+    assert records[2] == []
+
+
+class Settings:
+    """A plain object forward writes one attribute of and reads another."""
+
+    def __init__(self) -> None:
+        self.temp, self.last = 2.0, None
+
+
+class HalfWritten(nn.Module):
+    """Writes one key of a dict and one attribute of an object, reads the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.stats: dict[str, Any] = {"scale": 2.0}
+        self.settings = Settings()
+        self.box: dict[str, Any] = {"seen": [], "shift": 0.0}  # a list appended, beside
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.a(x), y)
+        self.stats["loss"] = loss.detach()
+        self.settings.last = loss.detach()
+        self.box["seen"].append(loss.detach())
+        return loss * self.stats["scale"] / self.settings.temp + self.box["shift"]
+
+
+def test_what_forward_reads_beside_what_it_writes_is_guarded():
+    """``stats["scale"]`` and ``settings.temp``, read beside the key and attribute forward
+    writes, and ``box["shift"]`` beside a list it appends to: a change after compile
+    compiles again (a warning naming it), the list growing does not; exact against eager
+    over five steps, the written values replayed."""
+    torch.manual_seed(0)
+    model = HalfWritten()
+    ref = copy.deepcopy(model)
+    cm = _compile(model, _batch())
+    changes = [(2.0, 2.0, 0.0, None), (3.0, 2.0, 0.0, "scale"), (3.0, 0.5, 0.0, "temp"),
+               (3.0, 0.5, 0.0, None), (3.0, 0.5, 1.0, "box")]
+    for step, (scale, temp, shift, named) in enumerate(changes):
+        for net in (model, ref):
+            net.stats["scale"], net.settings.temp, net.box["shift"] = scale, temp, shift
+            net.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", mbcompile.RecompileWarning)
+            got = cm(*_batch())
+        recompiled = [str(w.message) for w in caught
+                      if issubclass(w.category, mbcompile.RecompileWarning)]
+        assert (named in recompiled[0]) if named else recompiled == [], (step, recompiled)
+        want = ref(*_batch())
+        got.backward()
+        want.backward()
+        _same(got.detach(), want.detach(), f"step {step + 1} loss")
+        _same([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()],
+              f"step {step + 1} grads")
+        _same(model.stats, ref.stats, f"step {step + 1} stats")
+        _same(model.settings.last, ref.settings.last, f"step {step + 1} settings.last")
+        _same(model.box, ref.box, f"step {step + 1} box")
