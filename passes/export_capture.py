@@ -102,14 +102,15 @@ class _Leaf:
 def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic: Any, strict: bool
             ) -> torch.export.ExportedProgram:
     """``torch.export.export`` of ``model`` called with ``kwargs``, without fake tensors'
-    dispatch cache: ``export(model, {"input_ids": ids}, {"input_ids": {0: batch}}, False)``.
+    dispatch cache: ``_export(model, {"input_ids": ids}, {"input_ids": {0: batch}}, False)``.
 
     With a symbolic dim (the batch dim always is) an op's cache entry is kept in the
     export's own shape environment, thrown away with it, and making an entry builds the
     op's output a second time to check it: on ``bench_dynamic.py``'s GPT-2, a third of
     export's time (1.5 s of CPU against 1.0 s without), for the few hits one trace
-    has. The cache only replays outputs it checked: the graph is the same op for op
-    (``benchmarks/RESULTS.md``, "Where compile()'s fixed cost goes").
+    has. The cache only replays outputs it checked: the graph has the same ops (the
+    numbering of a node's name may differ: ``benchmarks/RESULTS.md``, "Where compile()'s
+    fixed cost goes").
     """
     from torch._dynamo import config  # imported with torch.export already
 
