@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import networkx as nx
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -110,6 +109,8 @@ def _qualname(obj: object) -> str:
 
 def _path_from_inputs(node: fx.Node, sources: Sequence[fx.Node]) -> list[fx.Node]:
     """The shortest path of nodes from a batched input to ``node`` (networkx on the graph)."""
+    import networkx as nx  # here: only a refusal's message needs it (0.2 s to import)
+
     graph = nx.DiGraph()
     for n in node.graph.nodes:
         graph.add_node(n)

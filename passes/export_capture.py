@@ -99,6 +99,26 @@ class _Leaf:
         return f"_Leaf({self.index}, {self.path})"
 
 
+def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic: Any, strict: bool
+            ) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of ``model`` called with ``kwargs``, without fake tensors'
+    dispatch cache: ``_export(model, {"input_ids": ids}, {"input_ids": {0: batch}}, False)``.
+
+    With a symbolic dim (the batch dim always is) an op's cache entry is kept in the
+    export's own shape environment, thrown away with it, and making an entry builds the
+    op's output a second time to check it: on ``bench_dynamic.py``'s GPT-2, a third of
+    export's time (1.5 s of CPU against 1.0 s without), for the few hits one trace
+    has. The cache only replays outputs it checked: the graph has the same ops (the
+    numbering of a node's name may differ: ``benchmarks/RESULTS.md``, "Where compile()'s
+    fixed cost goes").
+    """
+    from torch._dynamo import config  # imported with torch.export already
+
+    with config.patch(fake_tensor_cache_enabled=False):
+        return torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
+                                   dynamic_shapes=dynamic, strict=strict)
+
+
 @contextlib.contextmanager
 def _cache_off(model: torch.nn.Module, example: Mapping[str, Any]) -> Iterator[None]:
     """``config.use_cache = False`` on every config of ``model`` while export traces it, then
@@ -215,8 +235,7 @@ def _read_len_symbolically(model: torch.nn.Module, kwargs: dict[str, Any],
     try:
         with python_state_kept(model), _cache_off(model, example), checked_in_export(name), \
                 torch.enable_grad(), _quiet_dynamo():
-            return torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
-                                       dynamic_shapes=dynamic, strict=True)
+            return _export(model, kwargs, dynamic, strict=True)
     except CaptureError:  # a custom Function's check: about the model, reported as it is
         raise
     except Exception:  # noqa: BLE001 - the first trace's error is the one to report
@@ -319,8 +338,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                     losses_read_values_refused(name, fx_error), \
                     torch.enable_grad(), reached_code(model, snapshot.add_slot, name) as reach:
                 try:
-                    program = torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
-                                                  dynamic_shapes=dynamic, strict=False)
+                    program = _export(model, kwargs, dynamic, strict=False)
                 except Exception as exc:
                     # export traced the whole forward before it refused the specialised
                     # batch dim: the recorders above still judge that trace when it ends
