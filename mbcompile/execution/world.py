@@ -30,10 +30,13 @@ from mbcompile.execution import BACKENDS
 from mbcompile.passes.errors import InputError
 
 __all__ = ["AUTO", "group_world_size", "join_launcher_group", "launcher_world_size",
-           "resolve_backend", "under_launcher"]
+           "leave_launcher_group", "resolve_backend", "under_launcher"]
 
 #: The default backend: ranks under an initialised group of several, else simulated.
 AUTO = "auto"
+
+#: Whether ``join_launcher_group`` initialised the default group (then this process leaves it).
+_joined: list[bool] = [False]
 
 
 def group_world_size() -> int:
@@ -66,7 +69,20 @@ def join_launcher_group(backend: str = "gloo") -> int:
     there is none to join; returns the world size (1 without a group)."""
     if not dist.is_initialized() and launcher_world_size() > 1:
         dist.init_process_group(backend)
+        _joined[0] = True
     return group_world_size()
+
+
+def leave_launcher_group() -> None:
+    """Leave the group ``join_launcher_group`` joined, once every rank is done: a barrier,
+    then ``destroy_process_group``. A rank that exits with the group alive closes the
+    connections the other ranks' gloo threads still use, and one of them can abort at exit
+    ("terminate called without an active exception", seen under torchrun on a loaded
+    machine). A group the caller initialised is the caller's to end."""
+    if _joined[0] and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    _joined[0] = False
 
 
 def resolve_backend(backend: str, num_csx: int, world: int | None = None) -> str:

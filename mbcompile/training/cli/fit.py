@@ -26,6 +26,7 @@ from mbcompile.errors import InputError
 from mbcompile.execution.world import (
     join_launcher_group,
     launcher_world_size,
+    leave_launcher_group,
     resolve_backend,
     under_launcher,
 )
@@ -75,7 +76,9 @@ def run_fit(args: argparse.Namespace) -> int:
         return _launch_ranks(args, out)
     if cfg.backend == "torch.distributed" or launcher_world_size() > 1:
         _init_from_environment(cfg)
-    return _fit(cfg, args, out, _rank())
+    code = _fit(cfg, args, out, _rank())
+    leave_launcher_group()  # only after a run every rank finished: a barrier
+    return code
 
 
 def _launch_ranks(args: argparse.Namespace, out: Path) -> int:
@@ -242,4 +245,5 @@ def run_validate(args: argparse.Namespace) -> int:
     if not rank:
         echo(f"validated {summary['steps']} steps: mean loss {summary['loss']:.4f} "
              f"(mbs {summary['mbs']}); metrics: {out / 'metrics.csv'}")
+    leave_launcher_group()
     return EXIT_OK
