@@ -171,7 +171,7 @@ def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     microbatch's logits instead and returns (loss, None): the loop to set beside
     ``compile(..., outputs="loss")``.
     """
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=batch[0].device)
     outs = []
     for part, logits in _token_weighted(model, batch, slices):
         part.backward()
@@ -184,7 +184,7 @@ def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
 def hand_infer(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                slices: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Inference over the same microbatches (call under ``torch.no_grad``)."""
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=batch[0].device)
     outs = []
     for part, logits in _token_weighted(model, batch, slices):
         loss += part

@@ -1,6 +1,6 @@
-"""The cost model against a real device: modelled peak memory and step time, measured.
+"""mbcompile against a real device: the cost model, the step's overhead and its exactness.
 
-    python benchmarks/gpu_check.py             # CUDA: a GPT-2-small-sized model, bf16-free fp32
+    python benchmarks/gpu_check.py             # CUDA: a GPT-2-small-sized model, fp32
     python benchmarks/gpu_check.py --tiny      # anywhere (CI runs it on CPU): a 2-layer GPT
 
 One training step (forward, backward, AdamW update) of the GPT at the MBS ``mbs="auto"``
@@ -14,6 +14,12 @@ picks, compiled for one system with ``outputs="loss"``:
 2. **time**: the modelled step time (``cm.estimate.time.step``) against the median of
    measured steps after warm-up steps (on CPU the process's CPU time, so a shared CI
    host's other work does not count).
+3. **overhead**: the compiled step against the hand-written loop on the same microbatches,
+   taking turns; that GPT at auto's MBS, and the small GPT of ``bench_overhead.py`` (gbs
+   32) at MBS 2, 4 and 16, where a GPU step is bound by kernel launches.
+4. **exactness**: float64 against eager's full batch on an uneven plan; bf16 autocast's
+   gradients against a hand loop's distance from eager; fp16 with a ``GradScaler``
+   skipping the steps eager skips, on the device's own kernels.
 
 The system is the device's: on CUDA the ``h100-80gb`` preset with the device's own
 memory (an H100's and an H200's compute are the same part); on CPU the ``"host"``
@@ -23,10 +29,12 @@ preset, which is measured from this machine.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,10 +43,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LiveBytes, add_output_args, finish  # noqa: E402
+from common import (  # noqa: E402
+    GPT_CONFIG,
+    LiveBytes,
+    add_output_args,
+    alternate,
+    build_hf,
+    even_slices,
+    finish,
+    hand_step,
+    median,
+    paired_ratio,
+)
 
 import mbcompile  # noqa: E402
-from mbcompile.models import TinyGPT, token_batch  # noqa: E402
+from mbcompile.models import IGNORE_INDEX, TinyGPT, token_batch  # noqa: E402
 from mbcompile.planning.systems import get_system  # noqa: E402
 
 #: GPT-2 small's shape (124M parameters with its 50257-token vocabulary).
@@ -107,18 +126,173 @@ def check(config: dict[str, int], gbs: int, device: torch.device, steps: int = 5
             "time_ratio": statistics.median(times) / estimate.time.step}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer width-64 GPT")
-    parser.add_argument("--gbs", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=5)
-    add_output_args(parser)
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tiny = args.tiny or device.type != "cuda"  # GPT-2 small on a CPU takes minutes a step
-    config, gbs = (TINY, args.gbs or 16) if tiny else (GPT2_SMALL, args.gbs or 64)
-    figures = check(config, gbs, device, args.steps)
-    out = [
+# ------------------------------------------------------------------------ overhead
+def overhead(config: dict[str, int], gbs: int, mbs: int, device: torch.device, rounds: int
+             ) -> dict[str, Any]:
+    """The compiled step (``outputs="loss"``) against the hand-written loop on the very same
+    microbatches (``common.hand_step``), one system, taking turns round by round.
+
+    Wall time with the device synchronised after each step: on a GPU a small model's step
+    is bound by the host's kernel launches, which is where a compiled step's own Python
+    would show.
+    """
+    torch.manual_seed(0)
+    model = TinyGPT(**config).to(device)
+    batch = tuple(t.to(device) for t in token_batch(gbs, config["seq"], config["vocab"], seed=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+        cm = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch, outputs="loss",
+                               system=_system(device))
+    slices = even_slices(gbs, 1, mbs)
+
+    def synced(step: Any) -> Any:
+        def run() -> None:
+            step()
+            _sync(device)
+        return run
+
+    contenders = {"mbcompile": synced(lambda: cm(*batch)[0].backward()),
+                  "hand loop": synced(lambda: hand_step(model, batch, slices, False))}
+    timings = alternate(contenders, rounds, warmup=2,
+                        before=lambda: model.zero_grad(set_to_none=True))
+    ours, theirs = timings.wall["mbcompile"], timings.wall["hand loop"]
+    return {"mbs": mbs, "microbatches": len(slices), "mbcompile_ms": median(ours) * 1e3,
+            "hand_loop_ms": median(theirs) * 1e3, "ratio": paired_ratio(ours, theirs)}
+
+
+# ---------------------------------------------------------------------- exactness
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    g = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return g
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def float64_step(device: torch.device, steps: int = 2) -> dict[str, float]:
+    """Float64, gbs 7 over 2 systems at mbs 2 (uneven): the compiled step against eager's
+    full batch, two SGD steps. The largest relative gradient and loss differences."""
+    model = TinyGPT(**TINY).to(device=device, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    batch = tuple(t.to(device) for t in token_batch(7, TINY["seq"], TINY["vocab"], seed=2))
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    grad, loss = 0.0, 0.0
+    for _ in range(steps):
+        ours, theirs = cm(*batch), ref(*batch)
+        ours[0].backward()
+        theirs[0].backward()
+        loss = max(loss, float((ours[0] - theirs[0]).detach().abs() / theirs[0].detach().abs()))
+        assert ours[1].dtype == theirs[1].dtype == torch.float64
+        for opt in opts:
+            opt.step()
+        grad = max(grad, _distance(_grads(model), _grads(ref)))
+    return {"loss_rel": loss, "grad_rel": grad}
+
+
+def _hand_loop(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], mbs: int,
+               scale: Any = None) -> None:
+    """Accumulation as people write it: each microbatch's mean loss x its share of the
+    global count of counted tokens."""
+    ids, labels = batch
+    total = (labels != IGNORE_INDEX).sum()
+    for a in range(0, ids.size(0), mbs):
+        part = model(ids[a:a + mbs], labels[a:a + mbs])[0]
+        part = part * (labels[a:a + mbs] != IGNORE_INDEX).sum() / total
+        (part if scale is None else scale(part)).backward()
+
+
+def bf16_step(config: dict[str, int], device: torch.device, gbs: int = 16, mbs: int = 4
+              ) -> dict[str, float]:
+    """Under bf16 autocast: how far the compiled step's gradients and a hand loop's lie from
+    eager's full batch (relative norms). The goal is the compiled one no further."""
+    torch.manual_seed(0)
+    model = TinyGPT(**config).to(device)
+    ref, hand = copy.deepcopy(model), copy.deepcopy(model)
+    batch = tuple(t.to(device) for t in token_batch(gbs, config["seq"], config["vocab"], seed=3))
+    cm = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch, precision="bf16-mixed")
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        cm(*batch)[0].backward()
+        ref(*batch)[0].backward()
+        _hand_loop(hand, batch, mbs)
+    want = _grads(ref)
+    return {"mbcompile": _distance(_grads(model), want), "hand_loop": _distance(_grads(hand), want)}
+
+
+def fp16_scaler(config: dict[str, int], device: torch.device, steps: int = 12, gbs: int = 8,
+                mbs: int = 2) -> dict[str, Any]:
+    """fp16 autocast with a ``GradScaler``; every 6th step's output layer overflows float16.
+    The scale after each step, compiled against eager's full batch and the hand loop."""
+    def run(kind: str) -> list[float]:
+        torch.manual_seed(0)
+        model = TinyGPT(**config).to(device)
+        batch = tuple(t.to(device) for t in token_batch(gbs, config["seq"], config["vocab"],
+                                                        seed=4))
+        call = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch,
+                                 precision="fp16-mixed") \
+            if kind == "mbcompile" else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12, growth_interval=4)
+        scales = []
+        for step in range(steps):
+            with torch.no_grad():
+                model.head.weight.mul_(1e8 if step % 6 == 5 else 1.0)
+            with torch.autocast(device.type, dtype=torch.float16):
+                if kind == "hand loop":
+                    _hand_loop(model, batch, mbs, scaler.scale)
+                else:
+                    scaler.scale(call(*batch)[0]).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                model.head.weight.div_(1e8 if step % 6 == 5 else 1.0)
+            scales.append(scaler.get_scale())
+        return scales
+
+    got = {kind: run(kind) for kind in ("mbcompile", "eager", "hand loop")}
+    return {"scales": got["mbcompile"], "same_as_eager": got["mbcompile"] == got["eager"],
+            "hand_loop_same": got["hand loop"] == got["eager"]}
+
+
+def hf_float64(arch: str, device: torch.device, steps: int = 2) -> dict[str, float]:
+    """A transformers model (``common.build_hf``, width 64) in float64, gbs 7 over 2 systems
+    at mbs 2, two SGD steps against eager's full batch. transformers computes some regions
+    in float32 whatever the model's dtype (the loss; Llama's RMSNorm), so rounding of
+    float32's size is expected there."""
+    model, batch = build_hf(arch, width=64, gbs=7, vocab=256)
+    model = model.to(device=device, dtype=torch.float64)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, 7, 2, 2, example_kwargs=batch)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    grad, loss = 0.0, 0.0
+    for _ in range(steps):
+        ours, theirs = cm(**batch).loss, ref(**batch).loss
+        ours.backward()
+        theirs.backward()
+        loss = max(loss, float((ours - theirs).detach().abs() / theirs.detach().abs()))
+        for opt in opts:
+            opt.step()
+        grad = max(grad, _distance(_grads(model), _grads(ref)))
+    return {"loss_rel": loss, "grad_rel": grad}
+
+
+def _attempt(figures: dict[str, Any], key: str, run: Any, *args: Any) -> Any:
+    """``figures[key] = run(*args)``; a failure is printed and kept under ``errors``, so one
+    broken check on a device lease does not lose the others' figures."""
+    try:
+        figures[key] = run(*args)
+    except Exception:  # noqa: BLE001 - reported, and the run goes on to the next check
+        figures.setdefault("errors", {})[key] = traceback.format_exc()
+        print(f"{key} FAILED:\n{figures['errors'][key]}", file=sys.stderr)
+    return figures.get(key)
+
+
+def _cost_lines(figures: dict[str, Any], config: dict[str, int], gbs: int) -> list[str]:
+    return [
         "### The cost model against the device",
         "",
         f"{'GPT ' + str(config)} on {figures['device']} ({figures['system']}), gbs {gbs}, "
@@ -133,6 +307,78 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Goal: memory within ±10% (0.90-1.10).",
     ]
+
+
+def _overhead_lines(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["### The compiled step against a hand-written loop (wall, device synchronised)", "",
+           "| model | gbs | mbs | microbatches | mbcompile, ms | hand loop, ms | ratio |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        out.append(f"| {row['model']} | {row['gbs']} | {row['mbs']} | {row['microbatches']} | "
+                   f"{row['mbcompile_ms']:.2f} | {row['hand_loop_ms']:.2f} | "
+                   f"**{row['ratio']:.3f}** |")
+    return out
+
+
+def _exact_lines(figures: dict[str, Any]) -> list[str]:
+    out = ["### Exactness on the device", ""]
+    for key in ("float64", "gpt2", "llama"):
+        if key in figures:
+            f = figures[key]
+            what = "the tiny GPT" if key == "float64" else f"transformers' {key}"
+            out.append(f"- {what} in float64, gbs 7 over 2 systems at mbs 2, two SGD steps "
+                       f"against eager's full batch: loss {f['loss_rel']:.1e}, gradients "
+                       f"{f['grad_rel']:.1e} (relative).")
+    if "bf16" in figures:
+        bf16 = figures["bf16"]
+        out.append(f"- bf16 autocast, gbs 16 at mbs 4, gradients' distance from eager's full "
+                   f"batch: mbcompile {bf16['mbcompile']:.2e}, hand loop {bf16['hand_loop']:.2e}.")
+    if "fp16_scaler" in figures:
+        fp16 = figures["fp16_scaler"]
+        out.append(f"- fp16 autocast with a GradScaler, 12 steps, every 6th overflowing: scales "
+                   f"{'equal to' if fp16['same_as_eager'] else 'DIFFERENT from'} eager's "
+                   f"({', '.join(f'{s:g}' for s in fp16['scales'])}); the hand loop's "
+                   f"{'equal' if fp16['hand_loop_same'] else 'differ'}.")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer width-64 GPT")
+    parser.add_argument("--gbs", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--full", action="store_true",
+                        help="the GPT-2-small-sized model even on CPU (minutes a step)")
+    add_output_args(parser)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tiny = args.tiny or (device.type != "cuda" and not args.full)
+    config, gbs = (TINY, args.gbs or 16) if tiny else (GPT2_SMALL, args.gbs or 64)
+    small = TINY if tiny else GPT_CONFIG
+    figures: dict[str, Any] = {}
+    cost = _attempt(figures, "cost", check, config, gbs, device, args.steps)
+    if cost is not None:
+        figures.update(figures.pop("cost"))
+    runs = ([(config, gbs, figures["mbs"], args.steps)] if cost is not None else []) + [
+        (small, 32, m, 4 * args.steps) for m in ((4,) if tiny else (2, 4, 16))]
+    figures["overhead"] = []
+    for cfg, g, mbs, rounds in runs:
+        row = _attempt(figures, f"overhead_{cfg['width']}_{mbs}", overhead, cfg, g, mbs, device,
+                       rounds)
+        if row is not None:
+            figures["overhead"].append(dict(figures.pop(f"overhead_{cfg['width']}_{mbs}"),
+                                            gbs=g, model=f"width {cfg['width']}, depth "
+                                            f"{cfg['depth']}, seq {cfg['seq']}"))
+    _attempt(figures, "float64", float64_step, device)
+    if not tiny:  # CI runs transformers' float64 steps in its own tests
+        for arch in ("gpt2", "llama"):
+            _attempt(figures, arch, hf_float64, arch, device)
+    _attempt(figures, "bf16", bf16_step, small, device)
+    _attempt(figures, "fp16_scaler", fp16_scaler, TINY, device)
+    out = (_cost_lines(figures, config, gbs) if cost is not None else []) + [""] + \
+        _overhead_lines(figures["overhead"]) + [""] + _exact_lines(figures)
+    for key, error in figures.get("errors", {}).items():
+        out += ["", f"**{key} failed**: `{error.strip().splitlines()[-1]}`"]
     return finish(out, figures, args.markdown, args.json)
 
 
