@@ -31,6 +31,7 @@ grows (every 2000 finite steps by default) is guessed one step late.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -58,8 +59,12 @@ class Seed:
         self.free = tuple(free)  # the inputs the tail reads, by place in a microbatch
         self.counted = counted  # the tail divides by the loss's global count
         self.counts = counts  # inputs -> a microbatch's count (None: read off the body)
-        self.outer: torch.Tensor | None = None  # the gradient L received last (None: 1)
-        self.last: torch.Tensor | None = None  # the gradient dL/dS was last (no tail)
+        # Kept raw and made usable (and halved after an overflow) where they are read, so
+        # a step that never reads one launches nothing for it (a GPU step of a small model
+        # is bound by its launches): ``outer`` at the next seed, ``last`` only without a tail.
+        self._outer: torch.Tensor | None = None  # the gradient L received last (None: 1)
+        self._last: torch.Tensor | None = None  # the gradient dL/dS was last (no tail)
+        self._found: torch.Tensor | None = None  # the last step's overflow flag, not applied
         # per kind of input (``_kind``): its replays so far, then its trace (False: none)
         self._traced: dict[tuple[Any, ...], Any] = {}
 
@@ -78,7 +83,7 @@ class Seed:
     def record(self, g: torch.Tensor) -> None:
         """Keep ``g`` as the next guess (a zero or non-finite one guesses 1 instead: a seed
         of 0 would leave nothing to rescale). Device ops only."""
-        self.outer = _usable(g.detach())
+        self._outer, self._found = g.detach(), None  # this step's: no halving is due
 
     def global_count(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int],
                      distributed: bool) -> Any:
@@ -119,8 +124,8 @@ class Seed:
         Not sooner: a trace costs about a hundred replays, which a variant or a short run
         would not earn back."""
         if self.tail is None or (self.counted and count is None):
-            return self.last if self.last is not None and self.last.dtype == partial.dtype \
-                else None
+            last = self.last
+            return last if last is not None and last.dtype == partial.dtype else None
         args = (partial.detach(), self.outer,
                 *((count,) if self.counted else ()), *(first[i] for i in self.free))
         kind = _kind(args)
@@ -153,20 +158,35 @@ class Seed:
         """The step's gradients were not finite (``found`` > 0, on the device): a
         GradScaler lowers its scale by half before the next step, so the next guesses
         are half the last gradients (a wrong guess of a power of two rescales exactly)."""
-        half = found.to(torch.bool).reshape(())
-        if self.outer is not None:
-            self.outer = torch.where(half.to(self.outer.device), self.outer * 0.5, self.outer)
-        if self.last is not None:
-            self.last = torch.where(half.to(self.last.device), self.last * 0.5, self.last)
+        self._found = found  # applied where a guess is read (``_guess``): no op now
+
+    @property
+    def outer(self) -> torch.Tensor | None:
+        """The guess of the gradient ``L`` receives this step (None: 1)."""
+        return self._guess(self._outer)
+
+    @property
+    def last(self) -> torch.Tensor | None:
+        """The guess of ``dL/dS`` where no tail can be replayed (None: seed with 1)."""
+        return self._guess(self._last)
+
+    def _guess(self, g: torch.Tensor | None) -> torch.Tensor | None:
+        """``g`` usable as a guess, halved if the last step overflowed (device ops only)."""
+        if g is None:
+            return None
+        if self._found is not None:
+            half = self._found.to(device=g.device, dtype=torch.bool).reshape(())
+            g = torch.where(half, g * 0.5, g)
+        return _usable(g)
 
     def factor(self, g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
         """What the gradients seeded with ``seed`` are multiplied by, given the ``dL/dS``
         that arrived: exactly 1.0 when the guess was right."""
-        g = g.detach()
-        self.last = _usable(g)
+        g = self._last = g.detach()
+        self._found = None  # this step's flag, if any, comes after (``overflowed``)
         if seed is None:
             return g
-        return torch.where(g == seed, torch.ones_like(g), g / seed)
+        return torch.where(g == seed, 1.0, g / seed)
 
 
 #: Kinds of input whose replays are counted and traced (``Seed.seed``): a count that is a
@@ -211,7 +231,8 @@ def _trace(replay: Any, args: Sequence[Any]) -> Any:
 def _usable(g: torch.Tensor) -> torch.Tensor:
     """``g`` as a seed or guess: a zero or non-finite one is 1 instead (a backward seeded
     with 0 would leave nothing for the factor to rescale)."""
-    return torch.where(torch.isfinite(g) & (g != 0), g, torch.ones_like(g))
+    size = g.abs()  # 0 < |g| < inf: false for 0, ±inf and NaN; five ops where isfinite
+    return torch.where((size > 0) & (size < math.inf), g, 1.0)  # and != 0 take eight
 
 
 def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
