@@ -18,7 +18,7 @@ seeds them with the same value from two things it knows in time:
     seed = grad(tail(S, N, *inputs), S, g_guess)     # g_guess / N for a plain mean
     for mb in microbatches: partial(mb).backward(seed)
     # in loss.backward(): the real dL/dS arrives; the gradients are multiplied by
-    factor = where(dL/dS == seed, 1, dL/dS / seed)     # a device op, no read
+    factor = dL/dS / seed          # a device op, no read; exactly 1.0 when they are equal
 
 A right guess makes the factor exactly 1.0, and the gradients are eager's rounding; a
 wrong one (the scale just changed, a loss whose tail cannot be replayed) gives the
@@ -162,22 +162,23 @@ class Seed:
 
     @property
     def outer(self) -> torch.Tensor | None:
-        """The guess of the gradient ``L`` receives this step (None: 1)."""
-        return self._guess(self._outer)
+        """The guess of the gradient ``L`` receives this step (None: 1). Not made usable
+        here: the seed it gives is (``seed``), and a zero or non-finite guess gives the
+        same seed of 1 either way."""
+        return self._halved(self._outer)
 
     @property
     def last(self) -> torch.Tensor | None:
         """The guess of ``dL/dS`` where no tail can be replayed (None: seed with 1)."""
-        return self._guess(self._last)
+        last = self._halved(self._last)
+        return None if last is None else _usable(last)
 
-    def _guess(self, g: torch.Tensor | None) -> torch.Tensor | None:
-        """``g`` usable as a guess, halved if the last step overflowed (device ops only)."""
-        if g is None:
-            return None
-        if self._found is not None:
-            half = self._found.to(device=g.device, dtype=torch.bool).reshape(())
-            g = torch.where(half, g * 0.5, g)
-        return _usable(g)
+    def _halved(self, g: torch.Tensor | None) -> torch.Tensor | None:
+        """``g``, halved if the last step overflowed (device ops only)."""
+        if g is None or self._found is None:
+            return g
+        half = self._found.to(device=g.device, dtype=torch.bool).reshape(())
+        return torch.where(half, g * 0.5, g)
 
     def factor(self, g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
         """What the gradients seeded with ``seed`` are multiplied by, given the ``dL/dS``
@@ -186,7 +187,9 @@ class Seed:
         self._found = None  # this step's flag, if any, comes after (``overflowed``)
         if seed is None:
             return g
-        return torch.where(g == seed, 1.0, g / seed)
+        # ``g / seed``, exactly 1.0 where they are equal: the seed is finite and nonzero
+        # (``_usable``), and IEEE division of a number by itself is exactly 1
+        return g / seed
 
 
 #: Kinds of input whose replays are counted and traced (``Seed.seed``): a count that is a
