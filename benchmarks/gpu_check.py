@@ -17,9 +17,13 @@ picks, compiled for one system with ``outputs="loss"``:
 3. **overhead**: the compiled step against the hand-written loop on the same microbatches,
    taking turns; that GPT at auto's MBS, and the small GPT of ``bench_overhead.py`` (gbs
    32) at MBS 2, 4 and 16, where a GPU step is bound by kernel launches.
-4. **exactness**: float64 against eager's full batch on an uneven plan; bf16 autocast's
-   gradients against a hand loop's distance from eager; fp16 with a ``GradScaler``
-   skipping the steps eager skips, on the device's own kernels.
+4. **exactness**: float64 against eager's full batch on an uneven plan (the tiny GPT, and
+   on CUDA transformers' GPT-2 and Llama); bf16 autocast's gradients against a hand
+   loop's distance from eager; fp16 with a ``GradScaler`` skipping the steps eager skips,
+   on the device's own kernels.
+
+On CUDA, 1 and 2 run again under bf16 autocast (``precision="bf16-mixed"``), and
+``--torch-compile`` adds ``torch_compile=True`` (inductor) against the eager step.
 
 The system is the device's: on CUDA the ``h100-80gb`` preset with the device's own
 memory (an H100's and an H200's compute are the same part); on CPU the ``"host"``
@@ -78,20 +82,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def check(config: dict[str, int], gbs: int, device: torch.device, steps: int = 5
-          ) -> dict[str, Any]:
-    """Compile the GPT for ``device`` and measure one step's peak and the step time."""
+def check(config: dict[str, int], gbs: int, device: torch.device, steps: int = 5,
+          precision: str = "32") -> dict[str, Any]:
+    """Compile the GPT for ``device`` and measure one step's peak and the step time;
+    ``precision="bf16-mixed"``: planned for, and run under, bf16 autocast."""
     torch.manual_seed(0)
     model = TinyGPT(**config).to(device)
     batch = tuple(t.to(device) for t in token_batch(gbs, config["seq"], config["vocab"], seed=1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
         cm = mbcompile.compile(model, gbs, 1, "auto", example_inputs=batch, outputs="loss",
-                               system=_system(device))
+                               system=_system(device), precision=precision)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    region = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision != "32")
 
     def step() -> None:
-        cm(*batch)[0].backward()
+        with region:
+            loss = cm(*batch)[0]
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -280,6 +288,37 @@ def hf_float64(arch: str, device: torch.device, steps: int = 2) -> dict[str, flo
     return {"loss_rel": loss, "grad_rel": grad}
 
 
+def torch_compiled(config: dict[str, int], device: torch.device, rounds: int, gbs: int = 32,
+                   mbs: int = 4) -> dict[str, Any]:
+    """``torch_compile=True`` (inductor: Triton on a GPU) against eager's full batch (float32
+    gradients' relative distance) and against mbcompile's eager step, wall per step."""
+    torch.manual_seed(0)
+    model = TinyGPT(**config).to(device)
+    ref = copy.deepcopy(model)
+    batch = tuple(t.to(device) for t in token_batch(gbs, config["seq"], config["vocab"], seed=5))
+    start = time.perf_counter()
+    fast = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch, outputs="loss",
+                             torch_compile=True)
+    fast(*batch)[0].backward()  # inductor compiles here
+    _sync(device)
+    compile_s = time.perf_counter() - start
+    ref(*batch)[0].backward()
+    distance = _distance(_grads(model), _grads(ref))
+    plain = mbcompile.compile(model, gbs, 1, mbs, example_inputs=batch, outputs="loss")
+
+    def synced(cm: Any) -> Any:
+        def run() -> None:
+            cm(*batch)[0].backward()
+            _sync(device)
+        return run
+
+    timings = alternate({"torch_compile": synced(fast), "eager": synced(plain)}, rounds,
+                        warmup=2, before=lambda: model.zero_grad(set_to_none=True))
+    ours, theirs = timings.wall["torch_compile"], timings.wall["eager"]
+    return {"grad_rel": distance, "compile_s": compile_s, "compiled_ms": median(ours) * 1e3,
+            "eager_ms": median(theirs) * 1e3, "ratio": paired_ratio(ours, theirs)}
+
+
 def _attempt(figures: dict[str, Any], key: str, run: Any, *args: Any) -> Any:
     """``figures[key] = run(*args)``; a failure is printed and kept under ``errors``, so one
     broken check on a device lease does not lose the others' figures."""
@@ -333,6 +372,12 @@ def _exact_lines(figures: dict[str, Any]) -> list[str]:
         bf16 = figures["bf16"]
         out.append(f"- bf16 autocast, gbs 16 at mbs 4, gradients' distance from eager's full "
                    f"batch: mbcompile {bf16['mbcompile']:.2e}, hand loop {bf16['hand_loop']:.2e}.")
+    if "torch_compile" in figures:
+        tc = figures["torch_compile"]
+        out.append(f"- `torch_compile=True`, gbs 32 at mbs 4: gradients {tc['grad_rel']:.1e} from "
+                   f"eager's full batch (float32); compile and first step {tc['compile_s']:.1f} s;"
+                   f" step {tc['compiled_ms']:.2f} ms against mbcompile's eager step "
+                   f"{tc['eager_ms']:.2f} ms (**{tc['ratio']:.3f}**).")
     if "fp16_scaler" in figures:
         fp16 = figures["fp16_scaler"]
         out.append(f"- fp16 autocast with a GradScaler, 12 steps, every 6th overflowing: scales "
@@ -347,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer width-64 GPT")
     parser.add_argument("--gbs", type=int, default=None)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also torch_compile=True (inductor) against the eager step")
     parser.add_argument("--full", action="store_true",
                         help="the GPT-2-small-sized model even on CPU (minutes a step)")
     add_output_args(parser)
@@ -359,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = _attempt(figures, "cost", check, config, gbs, device, args.steps)
     if cost is not None:
         figures.update(figures.pop("cost"))
+    if not tiny:  # the plan under bf16 autocast, as GPUs train (CI runs it in test_precision)
+        _attempt(figures, "cost_bf16", check, config, gbs, device, args.steps, "bf16-mixed")
     runs = ([(config, gbs, figures["mbs"], args.steps)] if cost is not None else []) + [
         (small, 32, m, 4 * args.steps) for m in ((4,) if tiny else (2, 4, 16))]
     figures["overhead"] = []
@@ -375,7 +424,19 @@ def main(argv: list[str] | None = None) -> int:
             _attempt(figures, arch, hf_float64, arch, device)
     _attempt(figures, "bf16", bf16_step, small, device)
     _attempt(figures, "fp16_scaler", fp16_scaler, TINY, device)
-    out = (_cost_lines(figures, config, gbs) if cost is not None else []) + [""] + \
+    if args.torch_compile:
+        _attempt(figures, "torch_compile", torch_compiled, small, device, 4 * args.steps)
+    if "cost_bf16" in figures:
+        b = figures["cost_bf16"]
+        out_bf16 = ["", f"Under bf16 autocast (`precision='bf16-mixed'`): mbs {b['mbs']}, peak "
+                    f"{b['modelled_peak_bytes'] / 2**20:.1f} MiB modelled, "
+                    f"{b['measured_peak_bytes'] / 2**20:.1f} measured "
+                    f"(**{b['memory_ratio']:.3f}**); step {b['modelled_step_s'] * 1e3:.2f} ms "
+                    f"modelled, {b['measured_step_s'] * 1e3:.2f} measured "
+                    f"(**{b['time_ratio']:.3f}**)."]
+    else:
+        out_bf16 = []
+    out = (_cost_lines(figures, config, gbs) + out_bf16 if cost is not None else []) + [""] + \
         _overhead_lines(figures["overhead"]) + [""] + _exact_lines(figures)
     for key, error in figures.get("errors", {}).items():
         out += ["", f"**{key} failed**: `{error.strip().splitlines()[-1]}`"]
