@@ -126,16 +126,6 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
     tokens = _token_ids(request)
     if policy.tokens is not None and tokens is None:
         return None
-    fixed = _fixed_on_ranks(request, selection)
-    if fixed is not None:
-        if policy.tokens is not None or (policy.mode == "auto"
-                                          and request.options.system is not None):
-            warnings.warn(f"{request.name}'s split cannot follow the sequence length ({fixed}): "
-                          f"every call runs the example's plan (mbs {plan.mbs}); compile with "
-                          "an example of the longest rows so that they fit", CostModelWarning,
-                          stacklevel=user_stacklevel())
-        return CallSplit(LengthSplit("fixed", plan.pbs, plan.supported_mbs, plan.mbs,
-                                     dims[0][2], note=fixed), dims, tokens)
     if policy.tokens is not None:
         index, dim = tokens
         length = int(request.values[index].shape[dim])
@@ -190,17 +180,6 @@ class _Memory:
 
     def peak(self, length: int, mbs: int) -> float:
         return float(self.estimate(length, mbs).peak)
-
-
-def _fixed_on_ranks(request: Request, selection: Selection) -> str | None:
-    """Why this rank's calls keep the example's split whatever their length (None: they
-    need not): FSDP2 runs collectives in every microbatch round, not checked with splits
-    that differ between ranks yet. (A two-phase step may: it joins its frontier over its
-    own microbatches before gathering it over ranks, ``frontier_gather.py``.)"""
-    if selection.rank is not None and request.shard is not None:
-        return ("on ranks, FSDP2 keeps the example's split (splits that differ between ranks "
-                "are not checked with its collectives yet)")
-    return None
 
 
 def _bounds(symbolic: Any) -> list[tuple[int | None, int | None]]:

@@ -13,7 +13,6 @@ buffer (``step_errors``). Refusals change nothing (``unchanged``).
 from __future__ import annotations
 
 import warnings
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +24,6 @@ from test_dynamic_shapes import unchanged
 
 import mbcompile
 from mbcompile.errors import CostModelWarning, DoesNotFitError, InputError, PlanError
-from mbcompile.length_plans import _fixed_on_ranks
 from mbcompile.models import make_tiny_gpt, token_batch
 from mbcompile.planning.length_split import auto_split, tokens_split
 from mbcompile.planning.mbs_policy import parse_mbs
@@ -242,16 +240,7 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     _run(token_split_workers.split_steps, 2, str(tmp_path), policy)
     saved = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     ranks = [r["steps"] for r in saved]
-    model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
-    for step, lengths in enumerate(token_split_workers.LENGTHS):
-        loss, logits, rows = _eager_step(model, step, lengths, ranks[0][step]["share"])
-        for rank, length in enumerate(lengths):
-            got = ranks[rank][step]
-            mine = logits[rows] if rank else logits[~rows]
-            assert rel_err(got["loss"], loss) <= TOL, (step, rank)
-            assert rel_err(got["logits"], mine[:, :length]) <= TOL, (step, rank)
-            for name, p in model.named_parameters():
-                assert rel_err(got["grads"][name], p.grad) <= TOL, (step, rank, name)
+    _check_rank_steps(ranks)
     short, long, mixed = zip(*ranks)  # per step: (rank 0's, rank 1's)
     # the same budget runs a rank's short rows in fewer microbatches than its long ones
     assert short[0]["microbatches"] < long[0]["microbatches"]
@@ -269,6 +258,21 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
         assert torch.equal(saved[r]["refused"]["loss_after"], ranks[r][0]["loss"])
     if policy == "tokens":  # a two-phase step cuts each rank's length too, in the same ranks
         _check_two_phase_ranks([r["two_phase"] for r in saved])
+
+
+def _check_rank_steps(ranks: list[list[dict[str, Any]]]) -> None:
+    """Each rank's steps (``token_split_workers.LENGTHS``) against eager's step on the whole
+    batch: the loss, this rank's logits at its length, every full gradient."""
+    model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    for step, lengths in enumerate(token_split_workers.LENGTHS):
+        loss, logits, rows = _eager_step(model, step, lengths, ranks[0][step]["share"])
+        for rank, length in enumerate(lengths):
+            got = ranks[rank][step]
+            mine = logits[rows] if rank else logits[~rows]
+            assert rel_err(got["loss"], loss) <= TOL, (step, rank)
+            assert rel_err(got["logits"], mine[:, :length]) <= TOL, (step, rank)
+            for name, p in model.named_parameters():
+                assert rel_err(got["grads"][name], p.grad) <= TOL, (step, rank, name)
 
 
 def _eager_step(model: nn.Module, step: int, lengths: tuple[int, int], share: int) -> Any:
@@ -387,15 +391,30 @@ def test_a_token_budget_needs_token_ids():
                           example_inputs=(torch.randn(GBS, 3, dtype=DTYPE),))
 
 
-def test_on_ranks_fsdp2_keeps_the_example_split():
-    """Which steps a rank may cut by its own length: not FSDP2's (collectives in every
-    microbatch round); a two-phase step's may (its frontier is joined over the rank's own
-    microbatches before it is gathered); in one process, both may."""
-    def why(rank: int | None, shard: object = None) -> str | None:
-        return _fixed_on_ranks(SimpleNamespace(shard=shard), SimpleNamespace(rank=rank))
+@pytest.mark.slow
+def test_each_rank_of_an_fsdp2_model_cuts_its_own_length_exactly(tmp_path):
+    """The tiny GPT sharded by FSDP2, a token budget: as above, each rank cuts its own length
+    (one microbatch at 8 tokens, four at 40), and the rank with fewer microbatches runs its
+    last one again with weight 0, so both issue FSDP's collectives in step (the same
+    all-gathers on both ranks). Every step equals eager's on the whole batch; a call one
+    rank refuses stops every rank with the gradients as they were, and they step on."""
+    from test_distributed import _run
 
-    assert why(0) is None and why(None, shard=object()) is None
-    assert "FSDP2" in why(1, shard=object())
+    _run(token_split_workers.fsdp_split_steps, 2, str(tmp_path))
+    saved = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = [r["steps"] for r in saved]
+    _check_rank_steps(ranks)
+    for step, (first, second) in enumerate(zip(*ranks)):
+        assert first["counts"] == second["counts"], step
+    short, long, mixed = zip(*ranks)
+    assert short[0]["microbatches"] < long[0]["microbatches"]
+    assert mixed[0]["microbatches"] < mixed[1]["microbatches"]  # one step, two splits
+    first, second = (r["refused"] for r in saved)
+    assert second["error"] == "PlanError" and "one sample has 64 tokens" in second["message"]
+    assert first["error"] == "MicrobatchError" and "rank(s) [1] failed" in first["message"]
+    assert first["unchanged"] and second["unchanged"]
+    for r in range(2):
+        assert torch.equal(saved[r]["refused"]["loss_after"], ranks[r][0]["loss"])
 
 
 # --------------------------------------------------------------------------- #

@@ -60,24 +60,62 @@ def split_steps(rank: int, world: int, out_dir: str, policy: str) -> None:
                       "grads": {n: p.grad for n, p in model.named_parameters()},
                       "mbs": cm.plan.mbs, "microbatches": cm.plan.num_microbatches,
                       "share": cm.plan.per_system_batch_sizes[rank]})
-    # rank 1's rows too long for any split: refused on rank 1, and every rank stops the step
     grads = [p.grad.clone() for p in model.parameters()]
-    length = REFUSED[rank]
-    ids, labels = (t[:, :length].contiguous() for t in mbdist.shard(
+    refused = _refused_call(cm, rank, lambda: all(
+        torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads)))
+    two_phase = two_phase_steps(rank, world) if policy == "tokens" else None
+    torch.save({"steps": steps, "refused": refused, "two_phase": two_phase},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def fsdp_split_steps(rank: int, world: int, out_dir: str) -> None:
+    """``split_steps``' steps with the tiny GPT sharded by FSDP2 (each block, then the root)
+    and a token budget: each rank cuts its own length, and the rank with fewer microbatches
+    runs its last one again with weight 0 so that both run FSDP's collectives in step.
+    Saves each step's loss, logits, full gradients and split, the collectives counted."""
+    from fsdp_workers import Comms, shard
+
+    model, _ = make_tiny_gpt(GBS, dtype=torch.float64, seq=64)
+    net = shard(model)
+    cm = mbcompile.compile(net, GBS, world, dynamic=True, backend="torch.distributed",
+                           **POLICIES["tokens"],
+                           example_inputs=tuple(t[:, :EXAMPLE].contiguous() for t in step_batch(0)))
+    steps = []
+    for step, lengths in enumerate(LENGTHS):
+        ids, labels = (t[:, :lengths[rank]].contiguous()
+                       for t in mbdist.shard(step_batch(step), cm.plan, rank))
+        net.zero_grad(set_to_none=True)
+        with Comms() as comms:
+            loss, logits = cm(ids, labels)
+            loss.backward()
+        steps.append({"loss": loss.detach(), "logits": logits.detach(),
+                      "grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()},
+                      "mbs": cm.plan.mbs, "microbatches": cm.plan.num_microbatches,
+                      "share": cm.plan.per_system_batch_sizes[rank], "counts": comms.counts})
+    # rank 0 runs its rounds while rank 1 refuses and joins them on zeros
+    for p in net.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    refused = _refused_call(cm, rank, lambda: all(
+        bool((p.grad.full_tensor() == 7.0).all()) for p in net.parameters()))
+    torch.save({"steps": steps, "refused": refused}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _refused_call(cm: Any, rank: int, unchanged: Any) -> dict[str, Any]:
+    """Rank 1's rows too long for any split: refused on rank 1, and every rank stops the
+    step; which error each rank raised and its text, ``unchanged()`` after it, and the loss
+    of the first step run again after it (the ranks step on together)."""
+    ids, labels = (t[:, :REFUSED[rank]].contiguous() for t in mbdist.shard(
         token_batch(GBS, max(REFUSED), seed=99), cm.plan, rank))
     try:
         cm(ids, labels)
         refused: dict[str, Any] = {"error": None}
     except Exception as exc:  # noqa: BLE001 - the test reads which, and its text
         refused = {"error": type(exc).__name__, "message": str(exc)}
-    refused["unchanged"] = all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
-    # and the ranks step on together after it: the first step again, the same loss
+    refused["unchanged"] = unchanged()
     ids, labels = (t[:, :LENGTHS[0][rank]].contiguous()
                    for t in mbdist.shard(step_batch(0), cm.plan, rank))
     refused["loss_after"] = cm(ids, labels)[0].detach()
-    two_phase = two_phase_steps(rank, world) if policy == "tokens" else None
-    torch.save({"steps": steps, "refused": refused, "two_phase": two_phase},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    return refused
 
 
 class RootGPT(nn.Module):

@@ -235,12 +235,13 @@ class ShardedStep:
         return out
 
     def rounds(self, local: int) -> int:
-        """Forwards this rank runs per step: the most microbatches any rank has (one
-        max all-reduce, on the first call only: the plan does not change)."""
-        if self.count is None:
-            t = torch.tensor([local], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            self.count = int(t)
+        """Forwards this rank runs per step: the most microbatches any rank has. One max
+        all-reduce at every call: each rank may cut its own call by its length
+        (``length_plans.py``), so the ranks' counts can change from step to step, and a
+        module lowered for a split may run on one rank while another rank runs another."""
+        t = torch.tensor([local], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.count = int(t)
         return self.count
 
     def call(self, args: Sequence[Any]) -> Any:
@@ -251,17 +252,21 @@ class ShardedStep:
         out = self.body(*args)
         return state._post_forward(self.root, args, out)
 
-    def drain(self, rounds: Sequence[bool], in_backward: bool = False) -> None:
+    def drain(self, rounds: Sequence[bool], in_backward: bool = False, started: bool = True
+              ) -> None:
         """This rank's round failed: issue the collectives the other ranks still issue.
 
         A failed forward is finished on a zero: the units left open are left, the units
         not reached are entered and left, each touching its gathered parameters (so each
         reduce-scatter has every rank's full input); then its backward. A failed backward
         (``in_backward``) is finished unit by unit (``finish_backward``). Then one such
-        round for each of ``rounds`` still to come (True: the step's last). Every
-        gradient it adds is zero or wrong, and the step is rolled back anyway.
+        round for each of ``rounds`` still to come (True: the step's last); ``started``
+        False: no round began (a call this rank refused), only those. Every gradient it
+        adds is zero or wrong, and the step is rolled back anyway.
         """
-        if in_backward:
+        if not started:
+            pass
+        elif in_backward:
             self.finish_backward()
         else:
             self._finish_round()

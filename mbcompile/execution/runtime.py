@@ -276,13 +276,14 @@ class _Loop:
         count = None if seeding is None else seeding.global_count(
             self.microbatches, self.systems, self.distributed)
         try:
-            if self.refused is not None:  # after the count's all-reduce: the ranks agree
-                raise self.refused
             results = []
-            schedule = self._schedule()
+            schedule = self._schedule()  # on ranks of a sharded model: agreed by every rank
             # (FSDP2 calls a sharded parameter's post-accumulate-grad hooks after each
             # reduce-scatter: set aside too, they fire in the caller's backward, once)
             with torch.enable_grad(), self._step(), hooks_aside(params):
+                if self.refused is not None:  # after the count's all-reduce: the ranks agree
+                    self._drain(-1, len(schedule))  # FSDP2: join every round on zeros
+                    raise self.refused
                 if checks.noise:  # after the user's hooks are set aside: these run per microbatch
                     hooks = [p.register_hook(checks.add_square) for p in params]
                 for k, i, real in schedule:
@@ -333,11 +334,12 @@ class _Loop:
         return results
 
     def _drain(self, k: int, rounds: int, in_backward: bool = False) -> None:
-        """Round ``k`` of ``rounds`` failed on this rank: a sharded model's rank joins the
-        FSDP collectives the other ranks still issue (``fsdp.ShardedStep.drain``)."""
+        """Round ``k`` of ``rounds`` failed on this rank (-1: the step was refused before its
+        first): a sharded model's rank joins the FSDP collectives the other ranks still
+        issue (``fsdp.ShardedStep.drain``)."""
         if self.sharded is not None:
             self.sharded.drain([j == rounds - 1 for j in range(k + 1, rounds)],
-                               in_backward=in_backward)
+                               in_backward=in_backward, started=k >= 0)
 
     def _settle(self, values: list[float]) -> None:
         """Act on the step's one read: raise for a non-finite loss (``nonfinite="raise"``;
