@@ -202,9 +202,11 @@ class ShardedStep:
     """What one training step of a sharded model does around the runtime's loop."""
 
     def __init__(self, body: fx.GraphModule, root: nn.Module,
-                 reshard: bool | None = None, every_microbatch: bool = False) -> None:
+                 reshard: bool | None = None, every_microbatch: bool = False,
+                 varies: bool = False) -> None:
         self.root = root
         self.count: int | None = None  # forwards per step on every rank (the most on any)
+        self.varies = varies  # each rank's count may change per call (its own length)
         self.order: list[str] = []  # the units in forward order (the body's markers)
         # how far the current round got, for ``drain``: units entered and not yet left
         # (with what they were given), units done, the last values a unit returned
@@ -235,13 +237,16 @@ class ShardedStep:
         return out
 
     def rounds(self, local: int) -> int:
-        """Forwards this rank runs per step: the most microbatches any rank has. One max
-        all-reduce at every call: each rank may cut its own call by its length
-        (``length_plans.py``), so the ranks' counts can change from step to step, and a
-        module lowered for a split may run on one rank while another rank runs another."""
-        t = torch.tensor([local], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        self.count = int(t)
+        """Forwards this rank runs per step: the most microbatches any rank has (one max
+        all-reduce). Where the lengths may vary (``StepConfig.lengths_vary``, the same on
+        every rank) at every call: each rank may cut its own call by its length
+        (``length_plans.py``), so the counts change from step to step, and one rank may
+        run a module lowered for one split while another runs another's. Else on the first
+        call only: the plan does not change."""
+        if self.count is None or self.varies:
+            t = torch.tensor([local], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.count = int(t)
         return self.count
 
     def call(self, args: Sequence[Any]) -> Any:

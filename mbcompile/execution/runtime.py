@@ -403,7 +403,8 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
             config = channels.config
             bodies[id(body)] = (body, None if root is None else
                                 fsdp.ShardedStep(body, root, config.reshard_after_forward,
-                                                 config.gradient_sync == "microbatch"),
+                                                 config.gradient_sync == "microbatch",
+                                                 config.lengths_vary),
                                 tuple(body.parameters()) if root is None else None,
                                 config.joint)
         return bodies[id(body)][1:]
