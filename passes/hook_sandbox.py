@@ -24,11 +24,14 @@ the hook with that state recorded and puts it back, whatever the hook did:
 - an in-place write to a parameter or buffer of a module it reaches (which cannot be put
   back: reported).
 
-Two shortcuts keep a step's calls cheap, neither skipping a write: a hook whose code
-provably writes nothing (``hook_reads.reads_only``) is called as it is; and the watch of a
+Three shortcuts keep a step's calls cheap, none skipping a write: a hook whose code
+provably writes nothing (``hook_reads.reads_only``) is called as it is; the watch of a
 call that wrote nothing is kept (``kept``, one per hook in the step's wrapper) and used
 again on the same layer while everything it recorded is as it was, by identity
-(``state_unchanged``), else the hook's state is walked afresh.
+(``state_unchanged.Fingerprint``, in C; the in-place counters read anew), else the hook's
+state is walked afresh; and the patches of ``print``, ``logging``, ``open`` and
+``Tensor.register_hook`` stay in place for a microbatch (``sandbox_patches``), acting only
+while a sandboxed call runs.
 
 Example::
 
@@ -367,7 +370,7 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
         wrote.insert(0, f"a file (it {watch.reach.refused[0]})")
     if watch.libraries:
         wrote.insert(0, f"through {watch.libraries[0]}")
-    prints = call.prints.prints()  # (a level asked alone writes nothing)
+    prints = call.prints.prints() if call.prints.calls else ()  # (not a level asked)
     if prints:
         wrote.append(f"a print or log call at {prints[0].where}")
     if call.registered:
