@@ -233,17 +233,17 @@ def _helper(m: nn.Module, a: tuple, o: torch.Tensor) -> None:
 
 def _in_turns(batches: dict[str, Callable[[int], None]], calls: int, rounds: int
               ) -> dict[str, list[float]]:
-    """µs per call of each of ``batches`` (each makes ``calls`` calls), in turns, the order
-    rotating, ``4 * rounds`` short rounds each."""
+    """CPU µs per call of each of ``batches`` (each makes ``calls`` calls), in turns, the
+    order rotating, ``4 * rounds`` short rounds each."""
     names = list(batches)
     times: dict[str, list[float]] = {name: [] for name in names}
     for batch in batches.values():
         batch(calls)
     for i in range(4 * rounds):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            start = time.perf_counter()
+            start = time.process_time()
             batches[name](calls)
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
+            times[name].append((time.process_time() - start) / calls * 1e6)
     return times
 
 
@@ -276,7 +276,7 @@ def _per_call(layers: int, rounds: int, before: types.ModuleType | None, rev: st
     def reaching(m: nn.Module, a: tuple, o: torch.Tensor, model: nn.Module = model) -> None:
         return None if isinstance(model, nn.Module) else None
 
-    print("µs per call (median of rounds; best round in brackets)")
+    print("CPU µs per call (median of rounds; best round in brackets)")
     for name, hook in (("only reads its layer", reads), ("calls isinstance", calls),
                        ("calls out.size(0)", _size), ("calls a function of the user's",
                                                       _helper),
@@ -290,7 +290,7 @@ def _per_call(layers: int, rounds: int, before: types.ModuleType | None, rev: st
             kept: dict[Any, Any] = {}  # as a step's wrapper of the hook keeps it
             batches[label] = _calls(lambda h=hook, k=kept, c=sandboxed: c(
                 h, layer, ((x,), out), kept=k), held)
-        times = _in_turns(batches, 200, rounds)
+        times = _in_turns(batches, 500, rounds)
         cells = ", ".join(f"{label} {statistics.median(t):.1f} ({min(t):.1f})"
                           for label, t in times.items())
         ratio = ""
