@@ -17,9 +17,11 @@ cost work), measured side by side in the same run:
    sandbox, one that calls a method (``out.size(0)``) and one that calls a function of the
    user's, both sandboxed, each reaching only its layer, and one that calls and whose
    closure holds the whole model (the record covers every module). Each in a microbatch
-   (the sandbox's patches held, as a step holds them: ``sandbox_patches.hold``) and alone
-   (put in place and back around the call), and with ``--before REV`` as
-   ``passes/hook_sandbox.py`` at that git revision checks it, in turns in short rounds;
+   (the sandbox's patches held, as a step holds them: ``sandbox_patches.hold``), through
+   the step's wrapper in a microbatch (``live_hooks.WatchedHook``: what a step pays), and
+   alone (put in place and back around the call), and with ``--before REV`` as
+   ``passes/hook_sandbox.py`` at that git revision checks it, in turns in short rounds
+   (CPU time);
 2. a compiled training step of an MLP of ``--layers`` Linear layers (gbs 32 over 2
    systems, MBS 4) with a hook that only computes (``out * 1.0``) on every layer,
    checked, before, and marked ``per_microbatch`` (run unchecked: the hook's own
@@ -260,6 +262,22 @@ def _calls(fn: Callable[[], Any], held: bool = False) -> Callable[[int], None]:
     return batch
 
 
+def _wrapped(hook: Any, layer: nn.Module, x: torch.Tensor, out: torch.Tensor
+             ) -> Callable[[int], None]:
+    """Calls of ``hook`` as a step makes them: through its wrapper (``WatchedHook``, the
+    hook present at compile), in a microbatch (``in_step``: the patches held)."""
+    wrapper = live_hooks.WatchedHook(hook, "layers.0", checked=True)
+
+    def batch(n: int) -> None:
+        live_hooks.in_step.enter()
+        try:
+            for _ in range(n):
+                wrapper(layer, (x,), out)
+        finally:
+            live_hooks.in_step.leave()
+    return batch
+
+
 def _per_call(layers: int, rounds: int, before: types.ModuleType | None, rev: str) -> None:
     """Part 1: one checked call of a hook, now (in a microbatch, and alone) and at ``rev``,
     against the bare call."""
@@ -285,7 +303,8 @@ def _per_call(layers: int, rounds: int, before: types.ModuleType | None, rev: st
                      "now, alone": (call_sandboxed, False)}
         if before is not None:
             sandboxes[rev] = (before.call_sandboxed, False)
-        batches = {"bare": _calls(lambda h=hook: h(layer, (x,), out))}
+        batches = {"bare": _calls(lambda h=hook: h(layer, (x,), out)),
+                   "now, the step's wrapper": _wrapped(hook, layer, x, out)}
         for label, (sandboxed, held) in sandboxes.items():
             kept: dict[Any, Any] = {}  # as a step's wrapper of the hook keeps it
             batches[label] = _calls(lambda h=hook, k=kept, c=sandboxed: c(
