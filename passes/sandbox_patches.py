@@ -5,16 +5,18 @@ recorded (``print_calls``), ``open`` refused (``code_reach.open_checked``) and
 ``Tensor.register_hook`` kept, the hook it registers called sandboxed too. Putting the six
 functions in place and back around each call cost as much as the rest of the check (15 of
 69 µs a call under load: ``benchmarks/RESULTS.md``), on every call of every hooked layer
-of a microbatch. Here each is replaced by a fixed function that acts only while a
+of a microbatch. Here each is replaced by a switched function that acts only while a
 sandboxed call runs (``enter``: its ``Call`` is the innermost of ``_CALLS``), exactly as
 the per-call patches did, and otherwise calls what it replaced, as if it were not there (a
 log record still names its caller: ``print_calls._one_up``). They are put in place at a
 call that finds them missing, and put back when it ends, unless a step ``hold``s them:
 then when its microbatch ends (``release``), so the calls of one microbatch pay once.
 
-Never looser than per-call patches: each ``enter`` checks all six are in place (someone
-who replaced one meanwhile, a capture's ``prints_recorded``, is replaced again), and
-between calls nothing records, refuses or wraps.
+Never looser than per-call patches: each ``enter`` checks all six are in place (one
+replaced meanwhile, by the user or a capture's ``prints_recorded``, is switched again),
+and between calls nothing records, refuses or wraps. Each switched function is made for
+what it replaces: one the user kept while it was in place and puts back later still hands
+its calls to what it replaced then.
 
 Example::
 
@@ -89,9 +91,8 @@ def _switched_register(through: Callable[..., Any]) -> Callable[..., Any]:
     return register_hook_switched
 
 
-#: what is switched: (owner, attribute), and the function to put there in place of what it
-#: holds (each made anew for what it replaces: one a user kept and puts back later still
-#: hands its calls to what it replaced then)
+#: what is switched: (owner, attribute), and what makes the switched function to put there,
+#: given what it replaces
 _OWNERS = (builtins, logging.Logger, logging.Logger, builtins, io, torch.Tensor)
 _NAMES = ("print", "_log", "isEnabledFor", "open", "open", "register_hook")
 _SWITCHES = (switched_print, switched_log, switched_enabled, _switched_open, _switched_open,
