@@ -60,7 +60,8 @@ from .read_paths import path_after
 from .sources import installed_package, user_frame
 from .whose_code import holds_state, user_code, user_instance
 
-__all__ = ["Cell", "Reach", "Slot", "holds_state", "open_refused", "reached_code", "user_code"]
+__all__ = ["Cell", "Reach", "Slot", "holds_state", "open_checked", "open_refused", "reached_code",
+           "user_code"]
 
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
 _ATTR_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"})
@@ -321,21 +322,7 @@ def open_refused(reach: Reach, to_null: bool = False) -> Iterator[None]:
     With ``to_null`` (a hook called on made-up data at compile) a file opened to write is
     ``os.devnull`` instead, and one opened to read is read."""
     def refusing(*args: Any, **kwargs: Any) -> Any:
-        frame: types.FrameType | None = sys._getframe(1)
-        through = False  # Python's own code between (``Path.open``, ``linecache`` reading)
-        while frame is not None and frame.f_code.co_filename.startswith(_STDLIB):
-            frame, through = frame.f_back, True
-        mode = str(args[1] if len(args) > 1 else kwargs.get("mode", "r"))
-        writes = any(c in mode for c in "wax+")
-        if to_null and writes:
-            return _OPEN(os.devnull, mode.replace("x", "w"))
-        if frame is not None and not to_null and (  # a warning reads its line: let through
-                (user_code(frame.f_code.co_filename) and (not through or writes)) or
-                (writes and installed_package(frame.f_code.co_filename))):  # np.save's
-            where = user_frame(traceback.extract_stack()[:-1])
-            reach.refused.append(f"opens a file at {where}")
-            raise CaptureError(f"forward opens a file at {where}")
-        return _OPEN(*args, **kwargs)
+        return open_checked(reach, sys._getframe(1), args, kwargs, to_null)
 
     outer = builtins.open, io.open
     builtins.open = io.open = refusing  # type: ignore[assignment]
@@ -347,6 +334,24 @@ def open_refused(reach: Reach, to_null: bool = False) -> Iterator[None]:
 
 _OPEN = io.open
 _STDLIB = ("<frozen ", os.path.dirname(os.path.abspath(os.__file__)) + os.sep)
+
+
+def open_checked(reach: Reach, frame: Any, args: tuple, kwargs: dict, to_null: bool = False) -> Any:
+    """``open(*args, **kwargs)`` from ``frame`` under ``open_refused`` or ``sandbox_patches``."""
+    through = False  # Python's own code between (``Path.open``, ``linecache`` reading)
+    while frame is not None and frame.f_code.co_filename.startswith(_STDLIB):
+        frame, through = frame.f_back, True
+    mode = str(args[1] if len(args) > 1 else kwargs.get("mode", "r"))
+    writes = any(c in mode for c in "wax+")
+    if to_null and writes:
+        return _OPEN(os.devnull, mode.replace("x", "w"))
+    if frame is not None and not to_null and (  # a warning reads its line: let through
+            (user_code(frame.f_code.co_filename) and (not through or writes)) or
+            (writes and installed_package(frame.f_code.co_filename))):  # np.save's
+        where = user_frame(traceback.extract_stack()[:-1])
+        reach.refused.append(f"opens a file at {where}")
+        raise CaptureError(f"forward opens a file at {where}")
+    return _OPEN(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -24,11 +24,14 @@ the hook with that state recorded and puts it back, whatever the hook did:
 - an in-place write to a parameter or buffer of a module it reaches (which cannot be put
   back: reported).
 
-Two shortcuts keep a step's calls cheap, neither skipping a write: a hook whose code
-provably writes nothing (``hook_reads.reads_only``) is called as it is; and the watch of a
+Three shortcuts keep a step's calls cheap, none skipping a write: a hook whose code
+provably writes nothing (``hook_reads.reads_only``) is called as it is; the watch of a
 call that wrote nothing is kept (``kept``, one per hook in the step's wrapper) and used
 again on the same layer while everything it recorded is as it was, by identity
-(``state_unchanged``), else the hook's state is walked afresh.
+(``state_unchanged.Fingerprint``, in C; the in-place counters read anew), else the hook's
+state is walked afresh; and the patches of ``print``, ``logging``, ``open`` and
+``Tensor.register_hook`` stay in place for a microbatch (``sandbox_patches``), acting only
+while a sandboxed call runs.
 
 Example::
 
@@ -58,8 +61,9 @@ from .errors import CaptureError
 from .hook_reads import reads_only
 from .library_calls import library_calls_refused, names_library
 from .python_state import Snapshot
+from .sandbox_patches import Call, enter, leave
 from .side_effects import prints_recorded
-from .state_unchanged import definition, definitions_unchanged, unchanged
+from .state_unchanged import Fingerprint, definition, definitions_unchanged
 
 __all__ = ["Kept", "call_sandboxed", "hooks_sandboxed", "per_microbatch", "runs_per_microbatch"]
 
@@ -133,6 +137,15 @@ class _Watch:
     library: bool = False  # its code names an installed package's module, function, object
     libraries: list[str] = field(default_factory=list)  # the calls into one, refused
     busy: bool = False  # a call under it runs (a hook that calls its layer: not shared)
+    #: ``snapshot`` compared in C (``unchanged``), and the in-place counters' tensors
+    fingerprint: Fingerprint = field(init=False)
+    tensors: tuple[torch.Tensor, ...] = field(init=False)
+    counts: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fingerprint = Fingerprint(self.snapshot)
+        self.tensors = tuple(t for _, t, _ in self.versions)
+        self.counts = [v for _, _, v in self.versions]
 
     @classmethod
     def of(cls, fns: list[Any], module: nn.Module) -> _Watch:
@@ -174,24 +187,29 @@ class _Watch:
             s.owner.get(s.key, None) for s in reach.slots)))
         return cls(snapshot, cells, globals_, _versions(snapshot), reach, library)
 
-    def unchanged(self) -> bool:
+    def unchanged(self, counts: bool = True) -> bool:
         """Whether nothing it records differs now (``changes`` would find nothing), nor the
-        code its walk entered, told cheaply; False where unsure (``state_unchanged``)."""
+        code its walk entered, told cheaply; False where unsure (``state_unchanged``).
+        ``counts=False``: the in-place counters not compared (``renew`` reads them anew)."""
         try:
-            return unchanged(self.snapshot) and \
-                definitions_unchanged(getattr(self.reach, "defs", ())) and \
-                all(c.cell_contents is v for _, c, v in self.cells) and \
-                all(ns.get(name, _ABSENT) is v for ns, name, v in self.globals_) and \
-                all(t._version == v for _, t, v in self.versions)
+            return self.fingerprint.unchanged() and \
+                (counts is False or list(map(_VERSION, self.tensors)) == self.counts) and \
+                (not self.cells or all(c.cell_contents is v for _, c, v in self.cells)) and \
+                (not self.globals_ or
+                 all(ns.get(name, _ABSENT) is v for ns, name, v in self.globals_)) and \
+                definitions_unchanged(getattr(self.reach, "defs", ()))
         except ValueError:  # a closure cell emptied
             return False
 
     def renew(self) -> None:
         """Made ready for another call on the state it recorded, which ``unchanged`` found
-        as it was: the in-place counters as they are now (an optimizer step moves them)."""
-        self.versions = [(name, t, t._version) for name, t, _ in self.versions]
-        self.reach.refused.clear()
-        self.libraries.clear()
+        as it was: the in-place counters as they are now (an optimizer step moves them, and
+        what the call writes in place is told from them)."""
+        self.counts = list(map(_VERSION, self.tensors))
+        if self.reach.refused:
+            self.reach.refused.clear()
+        if self.libraries:
+            self.libraries.clear()
 
     def libraries_refused(self) -> contextlib.AbstractContextManager[Any]:
         """A call of the hook's into an installed package refused (``library_calls``),
@@ -205,7 +223,8 @@ class _Watch:
                   if c.cell_contents is not v]
         found += [f"the global {name!r}" for ns, name, v in self.globals_
                   if ns.get(name, _ABSENT) is not v]
-        found += [f"{name} (in place)" for name, t, v in self.versions if t._version != v]
+        found += [f"{name} (in place)" for (name, t, _), v in zip(self.versions, self.counts)
+                  if t._version != v]
         return found
 
     def restore(self) -> None:
@@ -221,6 +240,7 @@ class _Watch:
 
 
 _ABSENT = object()
+_VERSION = operator.attrgetter("_version")
 
 
 @dataclass
@@ -277,12 +297,19 @@ def _watch(fn: Any, module: nn.Module | None, kept: Kept | None) -> _Watch:
         return _Watch.of([fn], module if module is not None else nn.Module())
     held = kept.get(module)
     if held is not None and not held[0].busy and held[1] is fn and \
-            all(map(operator.is_, held[2], _read(fn))) and held[0].unchanged():
+            all(map(operator.is_, held[2], _read(fn))) and held[0].unchanged(counts=False):
         held[0].renew()
         return held[0]
     watch = _Watch.of([fn], module)
     kept[module] = (watch, fn, _read(fn))
     return watch
+
+
+def _quiet(hook: Any) -> Any:
+    """A tensor hook a sandboxed call registers, called sandboxed too."""
+    def quiet(grad: torch.Tensor) -> Any:
+        return call_sandboxed(hook, None, (grad,), module_first=False)[0]
+    return quiet
 
 
 @contextlib.contextmanager
@@ -293,11 +320,7 @@ def _tensor_hooks_kept(registered: list[Any]) -> Iterator[None]:
 
     def register(self: torch.Tensor, hook: Any) -> Any:
         registered.append(hook)
-
-        def quiet(grad: torch.Tensor) -> Any:
-            return call_sandboxed(hook, None, (grad,), module_first=False)[0]
-
-        return original(self, quiet)
+        return original(self, _quiet(hook))
 
     torch.Tensor.register_hook = register  # type: ignore[method-assign]
     try:
@@ -319,13 +342,19 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
     if reads_only(fn, (module, *args) if module_first else args):
         return (fn(module, *args) if module_first else fn(*args)), None
     watch = _watch(fn, module, kept)
-    registered: list[Any] = []
+    call = Call(watch.reach, _quiet)
     wrote: list[str] | None = None
     watch.busy = True
     try:
-        with prints_recorded() as prints, _tensor_hooks_kept(registered), \
-                open_refused(watch.reach), watch.libraries_refused():
-            result = fn(module, *args) if module_first else fn(*args)
+        enter(call)  # its prints recorded, its files refused, its tensor hooks kept
+        try:
+            if watch.library:
+                with watch.libraries_refused():
+                    result = fn(module, *args) if module_first else fn(*args)
+            else:
+                result = fn(module, *args) if module_first else fn(*args)
+        finally:
+            leave(call)
         wrote = [] if watch.unchanged() else watch.changes()
     except CaptureError:  # a file opened, a library called: refused before it ran
         if not (watch.reach.refused or watch.libraries):
@@ -341,9 +370,10 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
         wrote.insert(0, f"a file (it {watch.reach.refused[0]})")
     if watch.libraries:
         wrote.insert(0, f"through {watch.libraries[0]}")
+    prints = call.prints.prints() if call.prints.calls else ()  # (not a level asked)
     if prints:
         wrote.append(f"a print or log call at {prints[0].where}")
-    if registered:
+    if call.registered:
         wrote.append("a tensor hook it registers (it would fire on each microbatch's "
                      "gradient)")
     return result, (", ".join(wrote[:3]) if wrote else None)

@@ -35,7 +35,8 @@ from typing import Any
 from .guards import Guard
 from .sources import is_library, user_frame
 
-__all__ = ["LevelRead", "PrintCall", "level_guard", "prints_recorded"]
+__all__ = ["RECORDING", "LevelRead", "PrintCall", "PrintRecorder", "level_guard",
+           "prints_recorded", "switched_enabled", "switched_log", "switched_print"]
 
 
 @dataclass(frozen=True)
@@ -78,48 +79,117 @@ def level_guard(read: LevelRead) -> Guard:
                  where=f"logger {read.logger.name!r} enabled for {name}")
 
 
+class PrintRecorder:
+    """What a block's ``print`` and ``logging`` calls record (``prints_recorded``, and the
+    sandboxed hook calls of ``sandbox_patches``): each call, and each level the user's code
+    asks a logger about, with its answer."""
+
+    __slots__ = ("asked", "calls")
+
+    def __init__(self) -> None:
+        self.calls: list[PrintCall | LevelRead] = []
+        self.asked: set[tuple[int, int]] = set()
+
+    def printed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.calls.append(PrintCall(_PRINT, args, kwargs, _where()))
+
+    def logged(self, logger: logging.Logger, level: int, msg: Any, args: Any,
+               kwargs: dict[str, Any]) -> bool:
+        """Record a logger's call (True), or False for torch's own, which are logged."""
+        frame = _caller()
+        if frame is None or is_library(frame.f_code.co_filename):  # torch's own logs
+            return False
+        site = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+        self.calls.append(PrintCall(functools.partial(_emit, logger, level, site),
+                                    (msg, args), kwargs, _where()))
+        return True
+
+    def enabled(self, logger: logging.Logger, level: int, answer: bool) -> None:
+        frame = _caller()
+        if frame is not None and not is_library(frame.f_code.co_filename) and \
+                (id(logger), level) not in self.asked:
+            self.asked.add((id(logger), level))
+            self.calls.append(LevelRead(logger, level, answer))
+
+    def prints(self) -> list[PrintCall]:
+        """The calls that print or log (a level asked alone writes nothing)."""
+        return [c for c in self.calls if isinstance(c, PrintCall)]
+
+
+def _where() -> str:  # the caller's line (not logging's own frames, nor mbcompile's)
+    return user_frame([f for f in traceback.extract_stack()[:-2]
+                       if f.filename != logging.__file__])
+
+
 @contextlib.contextmanager
 def prints_recorded() -> Iterator[list[PrintCall | LevelRead]]:
     """While the block traces: ``print`` and the ``logging`` calls a logger would emit
     record their call instead of printing or logging, and each level the user's code asks
     a logger about is recorded with its answer."""
-    calls: list[PrintCall | LevelRead] = []
-    asked: set[tuple[int, int]] = set()
-
-    def where() -> str:  # the caller's line (not logging's own frames)
-        return user_frame([f for f in traceback.extract_stack()[:-2]
-                           if f.filename != logging.__file__])
+    recorder = PrintRecorder()
 
     def printed(*args: Any, **kwargs: Any) -> None:
-        calls.append(PrintCall(_PRINT, args, kwargs, where()))
+        recorder.printed(args, kwargs)
 
     def logged(self: logging.Logger, level: int, msg: Any, args: Any, **kwargs: Any) -> None:
-        frame = _caller()
-        if frame is None or is_library(frame.f_code.co_filename):  # torch's own logs
-            _LOG(self, level, msg, args, **kwargs)
-            return
-        site = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
-        calls.append(PrintCall(functools.partial(_emit, self, level, site), (msg, args),
-                               kwargs, where()))
+        if not recorder.logged(self, level, msg, args, kwargs):
+            _LOG(self, level, msg, args, **_one_up(kwargs))
 
     def enabled(self: logging.Logger, level: int) -> bool:
         answer = _ENABLED(self, level)
-        frame = _caller()
-        if frame is not None and not is_library(frame.f_code.co_filename) and \
-                (id(self), level) not in asked:
-            asked.add((id(self), level))
-            calls.append(LevelRead(self, level, answer))
+        recorder.enabled(self, level, answer)
         return answer
 
+    outer = builtins.print, logging.Logger._log, logging.Logger.isEnabledFor
     builtins.print = printed
     logging.Logger._log = logged  # type: ignore[method-assign]
     logging.Logger.isEnabledFor = enabled  # type: ignore[method-assign]
     try:
-        yield calls
-    finally:
-        builtins.print = _PRINT
-        logging.Logger._log = _LOG  # type: ignore[method-assign]
-        logging.Logger.isEnabledFor = _ENABLED  # type: ignore[method-assign]
+        yield recorder.calls
+    finally:  # what was there (a sandbox's switched functions, in a step), not ours
+        builtins.print, logging.Logger._log, logging.Logger.isEnabledFor = outer  # type: ignore[method-assign]
+
+
+def _one_up(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A logger call's keywords handed on from a function of this module called in
+    ``Logger._log``'s place: the record names the frame above it (``findCaller`` skips
+    only ``logging``'s own), the caller's, as without it."""
+    return {**kwargs, "stacklevel": kwargs.get("stacklevel", 1) + 1}
+
+
+#: the recorders of the sandboxed hook calls running, innermost last (``sandbox_patches``):
+#: while one runs, the switched functions below record into it, and otherwise call what
+#: they replaced, as if they were not there
+RECORDING: list[PrintRecorder] = []
+
+
+def switched_print(through: Callable[..., Any]) -> Callable[..., None]:
+    """``print`` for ``sandbox_patches``, in place of ``through``."""
+    def print_switched(*args: Any, **kwargs: Any) -> None:
+        if RECORDING:
+            RECORDING[-1].printed(args, kwargs)
+        else:
+            through(*args, **kwargs)
+    return print_switched
+
+
+def switched_log(through: Callable[..., Any]) -> Callable[..., None]:
+    """``Logger._log`` for ``sandbox_patches``, in place of ``through``."""
+    def log_switched(self: logging.Logger, level: int, msg: Any, args: Any, **kwargs: Any
+                     ) -> None:
+        if not (RECORDING and RECORDING[-1].logged(self, level, msg, args, kwargs)):
+            through(self, level, msg, args, **_one_up(kwargs))
+    return log_switched
+
+
+def switched_enabled(through: Callable[..., Any]) -> Callable[..., bool]:
+    """``Logger.isEnabledFor`` for ``sandbox_patches``, in place of ``through``."""
+    def enabled_switched(self: logging.Logger, level: int) -> bool:
+        answer: bool = through(self, level)
+        if RECORDING:
+            RECORDING[-1].enabled(self, level, answer)
+        return answer
+    return enabled_switched
 
 
 def _caller() -> types.FrameType | None:

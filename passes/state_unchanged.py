@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable
-from operator import is_
+from operator import is_, ne
 from typing import Any
 
 from .python_state import DELETED, Snapshot
 
-__all__ = ["definition", "definitions_unchanged", "unchanged"]
+__all__ = ["Fingerprint", "definition", "definitions_unchanged", "unchanged"]
 
 
 def _same(now: dict[Any, Any], before: dict[Any, Any]) -> bool:
@@ -61,6 +61,88 @@ def unchanged(snapshot: Snapshot) -> bool:
         elif not isinstance(obj, frozenset) and not _same(vars(obj), copy):
             return False
     return True
+
+
+_SLOTS = ("_parameters", "_buffers", "_modules")
+
+
+class Fingerprint:
+    """``unchanged(snapshot)`` with its loops in C, for a snapshot compared on every call (a
+    kept watch of a hook, twice per call): the keys and values of every dict it compares
+    (each module's and plain object's ``__dict__``, fetched again each time, and each slot,
+    hook table and recorded dict) and every recorded list's items, in one list compared by
+    identity, after their lengths; one empty then is only asked whether it still is. The
+    same answer as ``unchanged``: the dicts held here are values of the module dicts
+    compared, so one replaced is seen there; a set is compared by ``==`` as there, a global
+    by identity.
+
+    >>> fingerprint = Fingerprint(Snapshot({"<the layer>": layer}))
+    >>> fingerprint.unchanged()   # True; after ``layer.seen = 1``, False
+    """
+
+    __slots__ = ("empty", "filled", "flat", "lengths", "lists", "objects", "set_copies",
+                 "sets", "slots", "sure")
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.objects: list[Any] = []  # whose ``vars`` are compared, fetched on each call
+        self.sets: list[Any] = []
+        self.set_copies: list[Any] = []
+        dicts: list[tuple[Any, Any]] = []  # (the dict or list, its copy)
+        lists: list[tuple[Any, Any]] = []
+        copies: list[dict[Any, Any]] = []  # of each object's vars
+        self.sure = True  # False: a module's slots are not the dicts its ``__dict__`` holds
+        for mod, _, own, slot_copies in snapshot.modules:
+            self.objects.append(mod)
+            copies.append(own)
+            slots = (mod._parameters, mod._buffers, mod._modules)
+            self.sure &= all(map(is_, slots, map(own.get, _SLOTS)))
+            dicts.extend(zip(slots, slot_copies))
+        dicts.extend(snapshot.hooks)
+        for obj, _, copy in snapshot.saved.values():
+            if isinstance(obj, dict):
+                dicts.append((obj, copy))
+            elif isinstance(obj, (list, collections.deque)):
+                lists.append((obj, copy))
+            elif isinstance(obj, set):
+                self.sets.append(obj)
+                self.set_copies.append(copy)
+            elif not isinstance(obj, frozenset):
+                self.objects.append(obj)
+                copies.append(copy)
+        # one empty stays empty while it is falsy: only the others are walked
+        self.empty = [d for d, c in (*dicts, *lists) if not c]
+        self.filled = [d for d, c in dicts if c]
+        self.lists = [x for x, c in lists if c]
+        copies += [c for _, c in dicts if c]
+        self.lengths = [*map(len, copies), *(len(c) for _, c in lists if c)]
+        self.flat = _items(copies, [c for _, c in lists if c])
+        self.slots = [(owner, key, before) for owner, key, before, _ in snapshot.slots]
+
+    def unchanged(self) -> bool:
+        if not self.sure or any(self.empty):
+            return False
+        dicts = [*map(vars, self.objects), *self.filled]
+        if [*map(len, dicts), *map(len, self.lists)] != self.lengths or \
+                not all(map(is_, _items(dicts, self.lists), self.flat)):
+            return False
+        if self.sets and any(map(ne, self.sets, self.set_copies)):
+            return False
+        for owner, key, before in self.slots:
+            if owner.get(key, DELETED) is not before:
+                return False
+        return True
+
+
+def _items(dicts: list[Any], lists: list[Any]) -> list[Any]:
+    """Each dict's keys and values (its own, as an ``OrderedDict`` orders them), then each
+    list's items."""
+    flat: list[Any] = []
+    for d in dicts:
+        flat += d
+        flat += d.values()
+    for items in lists:
+        flat += items
+    return flat
 
 
 def definition(obj: Any) -> Any:

@@ -42,7 +42,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import UncheckedHookError
-from mbcompile.passes import global_hooks
+from mbcompile.passes import global_hooks, sandbox_patches
 from mbcompile.passes.hook_reads import reads_only
 from mbcompile.passes.hook_sandbox import Kept, call_sandboxed, runs_per_microbatch
 from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
@@ -55,6 +55,18 @@ class _Steps:
     """How many compiled microbatch calls are running (the wrapper acts only inside one)."""
 
     depth = 0
+
+    @staticmethod
+    def enter() -> None:
+        """A microbatch starts: its hooks are watched, and what their sandbox puts in place
+        stays until it ends (``sandbox_patches``: once per microbatch, not per call)."""
+        _Steps.depth += 1
+        sandbox_patches.hold()
+
+    @staticmethod
+    def leave() -> None:
+        _Steps.depth -= 1
+        sandbox_patches.release()
 
 
 in_step = _Steps

@@ -145,7 +145,7 @@ class _Loop:
         ``torch.OutOfMemoryError`` whose message keeps the allocator's text), so
         batch-size finders that catch OOMs keep working around a compiled module.
         """
-        in_step.depth += 1  # hooks added to live layers after compile are watched
+        in_step.enter()  # hooks added to live layers after compile are watched
         try:
             return fn()
         except (MicrobatchError, UncheckedHookError):
@@ -160,7 +160,7 @@ class _Loop:
                 "gradients are as they were before the call (the original error is the "
                 "__cause__ of this one)") from exc
         finally:
-            in_step.depth -= 1
+            in_step.leave()
 
     def _agreed(self, fn: Callable[[], T], checks: Callable[[], torch.Tensor] | None = None
                 ) -> T:
