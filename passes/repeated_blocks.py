@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .facts import SHAPES
+from .graph_code import graph_module
 from .recompute import block_of
 from .same_code import helpers_alike
 
@@ -218,7 +219,7 @@ def _same_classes(xs: list[nn.Module], ys: list[nn.Module]) -> bool:
 def truncate(gm: fx.GraphModule, blocks: Blocks, keep: int) -> fx.GraphModule:
     """``gm`` with only its first ``keep`` blocks: what read the last block reads the last
     block kept. Nodes keep their names and meta; parameters are ``gm``'s own (shared, not
-    copied)."""
+    copied). The fake probe runs it node by node: its code is never made (``graph_code``)."""
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     dropped = {n for block in blocks.nodes[keep:] for n in block}
@@ -228,4 +229,4 @@ def truncate(gm: fx.GraphModule, blocks: Blocks, keep: int) -> fx.GraphModule:
         if n not in dropped:
             env[n] = graph.node_copy(n, lambda a: env[alias.get(a, a)])
     graph.lint()
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    return graph_module(gm, graph, type(gm).__name__)
