@@ -70,7 +70,7 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
                                       and plan.num_nonempty_microbatches <= 1):
         # one system, one microbatch: nothing is split, so nothing can mix; the captured
         # graph runs as it is
-        return Lowered(gm, gm, captured.output_spec, False,
+        return Lowered(code_now(gm), gm, captured.output_spec, False,
                        StepChannels(noise=request.noise_scale), analysed.analysis,
                        analysed.state, captured.guards, captured.effects)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
