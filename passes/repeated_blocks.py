@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from .facts import SHAPES
 from .graph_code import graph_module
+from .graph_walks import arg_leaves
 from .recompute import block_of
 from .same_code import helpers_alike
 
@@ -154,7 +154,7 @@ def _chain(gm: fx.GraphModule, blocks: tuple[tuple[fx.Node, ...], ...]) -> bool:
 
 
 def _leaves(node: fx.Node) -> list[Any]:
-    return pytree.tree_leaves((node.args, node.kwargs))
+    return arg_leaves(node)
 
 
 def _same_value(x: Any, y: Any) -> bool:

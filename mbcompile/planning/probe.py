@@ -252,7 +252,8 @@ class Prober:
         # first microbatch's figures follow from the same timeline: Probe.first_live)
         with self.fake_probe.mode:
             for p in self.params.values():
-                p.grad = torch.zeros_like(p) if p.requires_grad else None
+                # (a fake gradient holds no values: empty_like is zeros_like's one op)
+                p.grad = torch.empty_like(p) if p.requires_grad else None
         grad_storages = {id(p.grad.untyped_storage()) for p in self.params.values()
                          if p.grad is not None}
         recorder = Recorder(counter, set(self.param_storages), grad_storages)
