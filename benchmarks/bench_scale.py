@@ -63,7 +63,7 @@ CASES = [("1b", 8, H100, None, None), ("7b", 8, H100, None, None),
          ("70b", 64, BIG, None, None), ("70b", 64, H100, None, "fsdp")]
 #: stage -> (module, function name): the functions timed, as compile() calls them
 STAGES = {"static": (compiler, "check_static_memory"), "capture": (analysis, "_capture"),
-          "shapes": (analysis, "propagate_shapes"), "batch": (analysis, "analyse_batch"),
+          "shapes": (analysis, "shapes_and_cut"), "batch": (analysis, "analyse_batch"),
           "cost + MBS": (compiler, "select")}
 
 

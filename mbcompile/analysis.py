@@ -39,7 +39,7 @@ from mbcompile.passes.forward_modes import (
 from mbcompile.passes.generators import seeding_refused
 from mbcompile.passes.legacy_weights import weights_set_after
 from mbcompile.passes.microbatch_rewrite import Cut, constants_at, cut_graph
-from mbcompile.passes.shape_prop import ShapePropagationError, propagate_shapes
+from mbcompile.passes.shape_prop import BlockRun, ShapePropagationError, shapes_and_cut
 from mbcompile.passes.sharded_export import sharded_export
 from mbcompile.passes.state_updates import (
     StateUpdates,
@@ -76,6 +76,9 @@ class Analysed:
     #: (``"unsplit"``): the batch analysis rejected a split that a two-phase step would
     #: have run (``mbs="auto"`` on one system may choose the whole batch)
     unsplit_at_one: bool = False
+    #: the shape pass's run of the graph cut to two repeated blocks: the cost model probes
+    #: that cut in its fake mode while it holds (``BlockRun.holds``); None: run whole
+    block_run: BlockRun | None = None
 
     @property
     def guards(self) -> tuple[Any, ...]:
@@ -318,7 +321,7 @@ def _shaped(captured: CaptureResult, state: StateUpdates, request: Request) -> A
     gm = state.graph_module
     gbs = request.gbs
     try:
-        propagate_shapes(gm, request.values, request.inputs.in_dims, gbs)
+        block_run = shapes_and_cut(gm, request.values, request.inputs.in_dims, gbs)
     except ShapePropagationError as exc:  # a baked-in batch size or a data-dependent shape
         rejected = mixing_error(exc.node, gm, exc.reason, exc.fix)
         return Analysed(captured, BatchAnalysis(gm, rejected=rejected), state, gbs=gbs)
@@ -328,7 +331,7 @@ def _shaped(captured: CaptureResult, state: StateUpdates, request: Request) -> A
     if detach_grad_free_inputs(gm.graph, lambda n: getattr(n.meta.get(SHAPES), "is_tensor",
                                                            False)):
         gm.recompile()
-    return _with_facts(captured, state, request, gbs)
+    return replace(_with_facts(captured, state, request, gbs), block_run=block_run)
 
 
 def _with_facts(captured: CaptureResult, state: StateUpdates, request: Request, gbs: int,

@@ -29,6 +29,7 @@ from mbcompile.execution.step_config import StepConfig
 from mbcompile.passes import ops
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
+from mbcompile.passes.graph_code import code_now
 from mbcompile.passes.guards import Guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.penalties import takes_gradients
@@ -69,7 +70,7 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
                                       and plan.num_nonempty_microbatches <= 1):
         # one system, one microbatch: nothing is split, so nothing can mix; the captured
         # graph runs as it is
-        return Lowered(gm, gm, captured.output_spec, False,
+        return Lowered(code_now(gm), gm, captured.output_spec, False,
                        StepChannels(noise=request.noise_scale), analysed.analysis,
                        analysed.state, captured.guards, captured.effects)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -83,8 +84,10 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
         recompute=plan.recompute and analysed.training, cut=analysed.cut)
     channels = StepChannels(noise=request.noise_scale,
                             config=_step_config(request, plan, analysed, rewritten, slices))
-    bound = ops.bind(rewritten, bindings(request.options.backend, channels,
-                                         plan.per_system_batch_sizes))
+    # the code of the step and its body, made once, here (fx would have made the body's
+    # with each module around it: the cut's, the rewrite's, bind's)
+    bound = code_now(ops.bind(rewritten, bindings(request.options.backend, channels,
+                                                  plan.per_system_batch_sizes)))
     if request.torch_compile is not None:
         _torch_compile_parts(bound, {**_static(request), **request.torch_compile})
     splits = plan.num_nonempty_microbatches > 1

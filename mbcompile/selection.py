@@ -261,7 +261,7 @@ def _cost_model(ctx: _Context) -> tuple[CostModel | None, str | None]:
                             kept_outputs=analysed.kept, fused=analysed.fused,
                             shard=request.shard, precision=request.precision,
                             pinned=request.choices.pinned, variants=_may_vary(request),
-                            lazy=True), None
+                            lazy=True, block_run=analysed.block_run), None
     except CostModelError as exc:
         return None, str(exc)
 

@@ -50,6 +50,7 @@ from .errors import CaptureError
 from .forward_modes import autocast_regions
 from .fx_tracer import FlatOutputTracer, StateAsProxies, hooks_see_every_use, user_stack
 from .generators import generators_made_refused, generators_of
+from .graph_code import graph_module
 from .guards import (
     Guard,
     NumberInput,
@@ -246,8 +247,8 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
                 with unrecorded():  # it copies the root's training flag: not forward's read
-                    gm = fx.GraphModule(_with_stand_ins(model, graph, units) if units
-                                        else tracer.root, graph, name)
+                    gm = graph_module(_with_stand_ins(model, graph, units) if units
+                                      else tracer.root, graph, name)
                 generators_made_refused(gm, [*owned, *(s.owner.get(s.key) for s in reach.slots)],
                                         name)
                 for attr in numbers:
@@ -292,16 +293,13 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
             "traces ops, not the dtypes autocast picks for them, so the region would run in "
             "the model's own dtype. Fix: compile with capture='auto' or capture='export' "
             "(torch.export keeps the casts autocast makes)")
-    # the code made with the GraphModule is made again only where the graph or a stack it
-    # prints changed since (about 9 ms for an 8-layer GPT)
-    changed = hooks_see_every_use(graph) | bool(effects.outputs)
+    # the module's code is made from the graph as it is when first needed (a lazy
+    # GraphModule, ``graph_code.py``: a split step runs the body, not this graph), so it has
+    # the hooks' uses and the user's stacks set here
+    hooks_see_every_use(graph)
     for node in graph.nodes:
         if node.stack_trace:
-            stack = user_stack(node.stack_trace)
-            changed |= stack != node.stack_trace
-            node.stack_trace = stack
-    if changed:
-        gm.recompile()
+            node.stack_trace = user_stack(node.stack_trace)
     return CaptureResult(gm, tracer.output_spec, concrete_args,
                          guards=(*unwritten((*guards, *slot_guards(reach.slots, name)),
                                             effects.written), *effects.guards),

@@ -162,6 +162,11 @@ class FakeProbe(fx.Interpreter):
                 n.meta.get(FACT), Batched) else None, batch, self.mode, device) for n in extra]
         return args
 
+    def share(self, other: FakeProbe) -> None:
+        """Run in ``other``'s fake mode, with its fake copies (the same fake parameter for a
+        parameter both read): for a graph that ``other`` ran, or one it calls."""
+        self.mode, self._fakes = other.mode, other._fakes
+
     def fake(self, value: Any) -> Any:
         """The probe's fake copy of a tensor (the same one every time: tied weights stay
         tied), made by ``fake_copy``; anything else comes back as it is."""
@@ -205,7 +210,8 @@ class FakeProbe(fx.Interpreter):
         """``gm`` as a function run by a plain fake probe sharing this one's mode and fake
         copies: its nodes get the same treatment (meta devices planned on the CPU)."""
         inner = FakeProbe(gm)
-        inner.mode, inner._fakes, inner.extra_traceback = self.mode, self._fakes, False
+        inner.share(self)
+        inner.extra_traceback = False
 
         def run(*args: Any) -> Any:
             try:

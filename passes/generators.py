@@ -31,9 +31,9 @@ from unittest import mock
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
-from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
+from .graph_walks import arg_leaves
 from .sources import is_library, user_frame
 
 __all__ = ["GeneratorStates", "checkpoint_replaying", "generators_made_refused", "generators_of",
@@ -51,7 +51,7 @@ def generators_of(gm: torch.nn.Module) -> tuple[torch.Generator, ...]:
                 found.setdefault(id(value), value)
         if isinstance(module, fx.GraphModule):
             for node in module.graph.nodes:
-                for value in pytree.tree_leaves((node.args, node.kwargs)):
+                for value in arg_leaves(node):
                     if isinstance(value, torch.Generator):
                         found.setdefault(id(value), value)
     return tuple(found.values())

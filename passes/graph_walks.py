@@ -14,10 +14,14 @@ Example, ``h = l(x); loss = h.sum(); n = h.size(0)``::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
+import torch
 import torch.fx as fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.utils import _pytree as pytree
 
-__all__ = ["ancestors", "descendants"]
+__all__ = ["ancestors", "arg_leaves", "descendants"]
 
 
 def _walk(starts: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]],
@@ -46,3 +50,31 @@ def descendants(sources: Iterable[fx.Node], through: Callable[[fx.Node], bool] |
     """The ``sources`` and every node computed from them, not looking past the nodes
     ``through`` refuses (they are in the set; their users are not walked)."""
     return _walk(sources, lambda n: n.users, through)
+
+
+_SEQUENCES = (tuple, list, immutable_list)
+_MAPPINGS = (dict, immutable_dict)
+_ATOMS = (fx.Node, int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+def arg_leaves(node: fx.Node) -> list[Any]:
+    """``pytree.tree_leaves((node.args, node.kwargs))``: the containers fx builds (tuples,
+    lists, dicts, its immutable ones) and the common atoms are walked here, anything else
+    (a ``torch.Size``, a namedtuple, a slice) by pytree. The passes ask for every node's
+    leaves, where pytree's lookup of each value's type was half the cost."""
+    return _leaves((node.args, node.kwargs), [])
+
+
+def _leaves(value: Any, out: list[Any]) -> list[Any]:
+    kind = type(value)
+    if kind in _SEQUENCES:
+        for v in value:
+            _leaves(v, out)
+    elif kind in _MAPPINGS:  # pytree's order: the values as inserted
+        for v in value.values():
+            _leaves(v, out)
+    elif kind in _ATOMS:
+        out.append(value)
+    else:
+        out.extend(pytree.tree_leaves(value))
+    return out

@@ -44,6 +44,7 @@ from .batch_analysis import BatchAnalysis
 from .coupling import Partition, partition
 from .draws import emit_draws, hoisted_draws
 from .facts import FACT, REDUCTION, Batched, BatchSize, ReductionSpec, at_analysed_batch_only
+from .graph_code import graph_module
 from .graph_walks import ancestors
 from .recompute import checkpoint_blocks
 
@@ -123,7 +124,7 @@ def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None,
         body_outputs.append(env[value])
         specs.append(ops.BodyOutput("cat", value.meta[FACT].dim))
     body_graph.output(tuple(body_outputs))
-    body = fx.GraphModule(gm, body_graph, "MicrobatchBody")
+    body = graph_module(gm, body_graph, "MicrobatchBody")  # its code: made where it runs
     names = {i: v.name for v in frontier for i in slots[v]}
     source = {i: v for v in frontier for i in slots[v]}  # whose line it is
     for n in reductions:
@@ -211,7 +212,7 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     for n in top.nodes:
         if n.op in ("get_attr", "call_module") and n.target not in root:
             root[n.target] = _fetch(gm, n.target)
-    rewritten = fx.GraphModule(root, top, "Microbatched" + type(gm).__name__)
+    rewritten = graph_module(root, top, "Microbatched" + type(gm).__name__)
     # sizes whose users became constants (1 / x.size(0) -> 1 / 7); owned graphs only, since
     # fx asks the owning module whether a call_module is impure
     _eliminate_dead_code(rewritten)
@@ -324,7 +325,7 @@ def _coupled_module(gm: fx.GraphModule, part: Partition, frontier: Sequence[fx.N
         env[p] = _input_like(graph, p)
     _emit_tail(graph, env, part, frontier, slots, joined)
     graph.output(tuple(env[x] if isinstance(x, fx.Node) else x for x in leaves))
-    return fx.GraphModule(gm, graph, "CoupledPart"), tuple(free_inputs)
+    return graph_module(gm, graph, "CoupledPart"), tuple(free_inputs)
 
 
 def _input_like(graph: fx.Graph, node: fx.Node) -> fx.Node:

@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .graph_code import graph_module
+
 __all__ = [
     "BodyOutput",
     "LOOP_OPS",
@@ -184,7 +186,8 @@ def bind(gm: fx.GraphModule, bindings: dict[Callable[..., Any], Callable[..., An
     """A copy of rewritten ``gm`` whose ``LOOP_OPS`` call the backend's ``bindings``.
 
     The body and every other attribute are shared, not copied; only the top graph is
-    new, so a bound and an unbound module can live side by side.
+    new, so a bound and an unbound module can live side by side. Its code is made where it
+    first runs, or by ``graph_code.code_now``.
     """
     unknown = set(bindings) - set(LOOP_OPS)
     if unknown:
@@ -198,7 +201,7 @@ def bind(gm: fx.GraphModule, bindings: dict[Callable[..., Any], Callable[..., An
         if n.op == "call_function" and n.target in bindings:
             env[n].target = bindings[n.target]
     graph.lint()
-    return fx.GraphModule(gm, graph, type(gm).__name__)
+    return graph_module(gm, graph, type(gm).__name__)
 
 
 def op_of(target: Any) -> Any:

@@ -29,9 +29,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from .facts import SHAPES
+from .graph_code import graph_module
+from .graph_walks import arg_leaves
 from .recompute import block_of
 from .same_code import helpers_alike
 
@@ -153,7 +154,7 @@ def _chain(gm: fx.GraphModule, blocks: tuple[tuple[fx.Node, ...], ...]) -> bool:
 
 
 def _leaves(node: fx.Node) -> list[Any]:
-    return pytree.tree_leaves((node.args, node.kwargs))
+    return arg_leaves(node)
 
 
 def _same_value(x: Any, y: Any) -> bool:
@@ -215,10 +216,13 @@ def _same_classes(xs: list[nn.Module], ys: list[nn.Module]) -> bool:
                                       for a, b in zip(xs, ys))
 
 
-def truncate(gm: fx.GraphModule, blocks: Blocks, keep: int) -> fx.GraphModule:
+def truncate(gm: fx.GraphModule, blocks: Blocks, keep: int, share_meta: bool = False
+             ) -> fx.GraphModule:
     """``gm`` with only its first ``keep`` blocks: what read the last block reads the last
-    block kept. Nodes keep their names and meta; parameters are ``gm``'s own (shared, not
-    copied)."""
+    block kept. Nodes keep their names and meta (``share_meta``: the very dicts of ``gm``'s
+    nodes, so that what a pass writes there later is the cut's too); parameters are ``gm``'s
+    own (shared, not copied). The fake probe runs it node by node: its code is never made
+    (``graph_code``)."""
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     dropped = {n for block in blocks.nodes[keep:] for n in block}
@@ -227,5 +231,7 @@ def truncate(gm: fx.GraphModule, blocks: Blocks, keep: int) -> fx.GraphModule:
     for n in gm.graph.nodes:
         if n not in dropped:
             env[n] = graph.node_copy(n, lambda a: env[alias.get(a, a)])
+            if share_meta:
+                env[n].meta = n.meta
     graph.lint()
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    return graph_module(gm, graph, type(gm).__name__)

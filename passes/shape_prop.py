@@ -8,13 +8,19 @@ indexing and every other shape op without guessing. Both runs are the fake probe
 (``fake_probe``, shared with the cost model): fake tensors carry no data, so this
 costs no real compute whatever the model size.
 
+A graph with a chain of repeated blocks runs cut to two of them, and the cut is handed on
+(``shapes_and_cut``'s ``BlockRun``): the cost model probes the same cut, in the same fake
+mode with the same fake parameters, instead of finding, cutting and copying them again.
+
 Example: ``h = x.view(x.size(0), -1)`` with x of shape (B, 4, 8) at gbs 6 gives
 ``ValueInfo(shape_a=(6, 32), shape_b=(7, 32))``: dim 0 is the batch dim.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,9 +35,9 @@ from torch.utils import _pytree as pytree
 
 from .facts import SHAPES, InfoTuple, ValueInfo
 from .fake_probe import FakeProbe
-from .repeated_blocks import find_blocks, truncate
+from .repeated_blocks import Blocks, find_blocks, truncate
 
-__all__ = ["ShapePropagationError", "propagate_shapes"]
+__all__ = ["BlockRun", "ShapePropagationError", "propagate_shapes", "shapes_and_cut"]
 
 
 class ShapePropagationError(Exception):
@@ -144,6 +150,43 @@ class _Recorder(FakeProbe):
                                else v, out)
 
 
+@dataclass(frozen=True, eq=False)
+class BlockRun:
+    """The shape pass's run of a graph cut to two repeated blocks, handed to the cost model.
+
+    ``whole``: the graph; ``blocks``: its chain, as ``find_blocks`` finds it once the shapes
+    are written (the pass took the cut because block 1's shapes are block 0's, and it copies
+    them to the later blocks); ``cut``: ``whole`` cut to two blocks, its nodes sharing
+    ``whole``'s meta; ``probe``: the fake probe that ran it, whose fake mode and fake
+    parameters the cost model's probe of the cut shares (``FakeProbe.share``).
+    ``holds(gm)`` is the sure sign that the cut is still ``gm``'s: the same graph module,
+    node for node the same ops, arguments and modules as when it was cut.
+    """
+
+    whole: fx.GraphModule
+    blocks: Blocks
+    cut: fx.GraphModule
+    probe: FakeProbe
+    calls: tuple[Any, ...]
+
+    def holds(self, gm: Any) -> bool:
+        return gm is self.whole and _same_calls(self.calls, _calls(gm))
+
+
+def _calls(gm: fx.GraphModule) -> tuple[Any, ...]:
+    """What a run of ``gm`` does, node by node, as objects to compare by identity: a node's
+    arguments are immutable tuples that a pass replaces, never edits, and the modules and
+    attributes it reads are looked up in ``gm`` now."""
+    look = operator.attrgetter
+    return tuple((n, n.op, n.target, n.args, n.kwargs,
+                  look(n.target)(gm) if n.op in ("call_module", "get_attr") else None)
+                 for n in gm.graph.nodes)
+
+
+def _same_calls(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for p, q in zip(a, b) for x, y in zip(p, q))
+
+
 def propagate_shapes(
     gm: fx.GraphModule, inputs: Sequence[Any], in_dims: Sequence[Any], gbs: int
 ) -> fx.GraphModule:
@@ -155,20 +198,30 @@ def propagate_shapes(
     second block's values have the first's shapes, every later block's are the same, and
     are copied from the second.
     """
+    shapes_and_cut(gm, inputs, in_dims, gbs)
+    return gm
+
+
+def shapes_and_cut(gm: fx.GraphModule, inputs: Sequence[Any], in_dims: Sequence[Any],
+                   gbs: int) -> BlockRun | None:
+    """``propagate_shapes``, returning the run of ``gm`` cut to two blocks that it made
+    (None: it ran ``gm`` whole)."""
     blocks = find_blocks(gm, MIN_BLOCKS)
     if blocks is not None:
-        infos = _run(truncate(gm, blocks, 2), inputs, in_dims, gbs, gm)
+        calls = _calls(gm)
+        cut = truncate(gm, blocks, 2, share_meta=True)
+        infos, probe = _run(cut, inputs, in_dims, gbs, gm)
         first, second = blocks.nodes[0], blocks.nodes[1]
         if all(infos.get(a.name) == infos.get(b.name) for a, b in zip(first, second)):
             for block in blocks.nodes[2:]:
                 infos.update({n.name: infos.get(b.name) for n, b in zip(block, second)})
             for node in gm.graph.nodes:
                 node.meta[SHAPES] = infos.get(node.name)
-            return gm
-    infos = _run(gm, inputs, in_dims, gbs, gm)
+            return BlockRun(gm, blocks, cut, probe, calls)
+    infos, _ = _run(gm, inputs, in_dims, gbs, gm)
     for node in gm.graph.nodes:
         node.meta[SHAPES] = infos.get(node.name)
-    return gm
+    return None
 
 
 #: Fewer repeated blocks than this are run whole: the cut graph would cost about as much.
@@ -176,10 +229,10 @@ MIN_BLOCKS = 4
 
 
 def _run(gm: fx.GraphModule, inputs: Sequence[Any], in_dims: Sequence[Any], gbs: int,
-         whole: fx.GraphModule) -> dict[str, Any]:
+         whole: fx.GraphModule) -> tuple[dict[str, Any], FakeProbe]:
     """Each node's merged ``ValueInfo`` by name, from fake runs at ``gbs`` and ``gbs + 1``;
     a failure names ``whole``'s node (``gm`` may be its cut). Both runs are one recorder's:
-    one fake mode and one fake copy of the parameters."""
+    one fake mode and one fake copy of the parameters (the recorder is returned with them)."""
     runs = []
     recorder = _Recorder(gm, gbs, gbs)
     for batch in (gbs, gbs + 1):
@@ -191,4 +244,6 @@ def _run(gm: fx.GraphModule, inputs: Sequence[Any], in_dims: Sequence[Any], gbs:
                 exc.node = next(n for n in whole.graph.nodes if n.name == exc.node.name)
             raise
         runs.append({n.name: info for n, info in recorder.infos.items()})
-    return {n.name: _merge(runs[0].get(n.name), runs[1].get(n.name)) for n in gm.graph.nodes}
+    recorder.infos = {}
+    return ({n.name: _merge(runs[0].get(n.name), runs[1].get(n.name)) for n in gm.graph.nodes},
+            recorder)

@@ -6,6 +6,7 @@ itself (the package and its passes, wherever they are installed) are skipped.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -50,8 +51,17 @@ def _package_dir() -> str:
 
 def is_library(path: str) -> bool:
     """True for frames in torch, in mbcompile's package or its passes, or Python's own."""
+    # a trace asks about the same few files at every node (the log and print watches, the
+    # stacks): an absolute path's answer is kept, a relative one depends on the directory
+    return _library_file(path) if os.path.isabs(path) else _is_library(path)
+
+
+def _is_library(path: str) -> bool:
     p = os.path.abspath(path)
     return path.startswith("<frozen") or p.startswith((_TORCH_DIR, _PASSES_DIR, _package_dir()))
+
+
+_library_file = functools.lru_cache(maxsize=4096)(_is_library)
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*(?:\n\s*(?!File ")([^\n]*))?')

@@ -208,7 +208,7 @@ def test_shape_pass_runs_two_blocks_and_copies_the_rest(monkeypatch: pytest.Monk
     gm = cm.analysis.graph_module
     cuts: list[int] = []
     monkeypatch.setattr(shape_prop, "truncate",
-                        lambda g, b, keep: cuts.append(keep) or truncate(g, b, keep))
+                        lambda g, b, keep, **k: cuts.append(keep) or truncate(g, b, keep, **k))
     per_block = {n.name: n.meta[SHAPES] for n in propagate_shapes(gm, batch, [0, 0], 8)
                  .graph.nodes}
     assert cuts == [2]  # run cut to two blocks
@@ -217,6 +217,32 @@ def test_shape_pass_runs_two_blocks_and_copies_the_rest(monkeypatch: pytest.Monk
              .graph.nodes}
     assert per_block == whole
     assert sum(v is not None for v in whole.values()) > 6 * len(find_blocks(gm).nodes[0])
+
+
+def test_the_probe_takes_the_shape_pass_cut_while_it_holds() -> None:
+    """The cost model probes the shape pass's cut to two blocks in its fake mode, with its
+    fake parameters (no second search, cut or copy): its blocks are those ``find_blocks``
+    finds once the shapes are written, its probe is a fresh cut's, op for op; a graph
+    changed after the cut (a node's arguments set again) is cut afresh."""
+    model, batch = _gpt(6)
+    analysed = analyse(make_request(model, 8, 2, 2, example_inputs=batch))
+    gm, run = analysed.analysis.graph_module, analysed.block_run
+    assert run is not None and run.holds(gm)
+    assert run.blocks.nodes == find_blocks(gm, MIN_BLOCKS).nodes
+    values, loss = list(batch), analysed.analysis.loss_outputs or None
+    shared = probe.Prober(gm, values, [0, 0], loss, block_run=run).blocks.two
+    assert shared.gm is run.cut and shared.fake_probe.mode is run.probe.mode
+    assert all(any(p is f for _, f in run.probe._fakes.values()) for p in shared.params.values())
+    fresh = probe.Prober(gm, values, [0, 0], loss).blocks.two
+    assert fresh.gm is not run.cut
+    a, b = shared.probe(2), fresh.probe(2)
+    assert a.ops == b.ops and (a.saved, a.outputs) == (b.saved, b.outputs)
+    for key, value in a.arrays().items():
+        assert (value == b.arrays()[key]).all(), key
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    node.args = node.args  # set again (fx makes a new tuple): the cut no longer holds
+    assert not run.holds(gm)
+    assert probe.Prober(gm, values, [0, 0], loss, block_run=run).blocks.two.gm is not run.cut
 
 
 def test_deep_model_compiled_with_block_shapes_equals_eager() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import operator
 import warnings
 from typing import Any
 
@@ -562,3 +563,35 @@ def test_the_function_watch_is_undone_when_threads_finish_out_of_order() -> None
     thread.join(10)
     assert seen == {"a": ["_Reverse"], "b": ["_Swish"]}
     assert torch.autograd.Function.__dict__["apply"] is apply
+
+
+class _Unpacks(nn.Module):
+    """Unpacks a shape (an attribute proxy) and a split (a call's proxy), then iterates."""
+
+    def __init__(self, iterate: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.iterate = iterate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        p, q = self.lin(x).split(2, dim=2)
+        y = p.reshape(b, t * 2) + q.reshape(b, t * 2) * c
+        if self.iterate:
+            y = sum(row for row in y)  # iterating a proxy: fx refuses it
+        return y.sum()
+
+
+def test_unpacking_a_proxy_traces_as_fx_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capture's proxies read the calling function's instructions once per function
+    (``fx_tracer._Proxy``); the graph is fx's own proxies', node for node, and iterating a
+    proxy is refused as fx refuses it."""
+    from mbcompile.passes import fx_tracer
+
+    gm = capture(_Unpacks()).graph_module
+    monkeypatch.setattr(fx_tracer.FlatOutputTracer, "proxy", fx.Tracer.proxy)
+    assert gm.code == capture(_Unpacks()).graph_module.code
+    assert sum(n.target is operator.getitem for n in gm.graph.nodes) == 5  # b, t, c; p, q
+    monkeypatch.undo()
+    with pytest.raises(CaptureError, match="cannot be iterated"):
+        capture(_Unpacks(iterate=True))

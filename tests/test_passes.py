@@ -17,6 +17,7 @@ before committing it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -36,6 +37,7 @@ from models import (
     max_rel_err_outputs,
     tensor_leaves,
 )
+from torch.utils import _pytree as pytree
 
 from mbcompile.passes import ops
 from mbcompile.passes.batch_analysis import BatchAnalysis, analyse_batch
@@ -52,6 +54,7 @@ from mbcompile.passes.facts import (
     ValueInfo,
     input_fact,
 )
+from mbcompile.passes.graph_walks import arg_leaves
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
 from mbcompile.passes.shape_prop import propagate_shapes
 
@@ -567,3 +570,16 @@ def test_bind_refuses_other_ops() -> None:
     _, analysis = analysed(model, batch)
     with pytest.raises(ValueError, match="can be bound"):
         ops.bind(rewritten(analysis), {ops.split: ops.split})
+
+
+def test_arg_leaves_are_pytrees() -> None:
+    """``graph_walks.arg_leaves`` walks fx's own containers itself and hands the rest to
+    pytree: the same leaves, in the same order, as ``pytree.tree_leaves`` of the arguments."""
+    pair = collections.namedtuple("pair", "a b")
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(torch.add, (
+        x, [x, (1, 2.5)], {"b": x, "a": (None, "s")}, torch.Size([2, 3]), slice(1, 2),
+        pair(x, 3), torch.float32, torch.device("cpu"), True), {"k": {"z": [x], "y": 4}})
+    assert arg_leaves(node) == pytree.tree_leaves((node.args, node.kwargs))
+    assert len(arg_leaves(node)) == 17

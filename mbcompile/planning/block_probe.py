@@ -39,6 +39,7 @@ import numpy as np
 import torch.fx as fx
 
 from mbcompile.passes.repeated_blocks import Blocks, find_blocks, truncate
+from mbcompile.passes.shape_prop import BlockRun
 from mbcompile.planning.tolerance import close
 
 __all__ = ["MIN_BLOCKS", "BlockProber", "stack"]
@@ -55,17 +56,20 @@ _FLAGS = ("fp32", "kernel", "backward")
 class BlockProber:
     """Probes of a graph with repeated blocks, made from its cuts to one and two blocks.
 
-    ``make(part, tags)`` builds the prober of a cut graph whose ops are tagged with
-    ``tags`` (node name -> block index). Calling it returns the whole graph's probe at
+    ``make(part, tags[, shares])`` builds the prober of a cut graph whose ops are tagged
+    with ``tags`` (node name -> block index), in the fake mode of the fake probe
+    ``shares`` when given. Calling it returns the whole graph's probe at
     ``m``, or None when the blocks do not stack (then probe the graph whole). ``check``:
     check the first stacked probe against three blocks probed exactly (step 3).
     """
 
-    def __init__(self, gm: fx.GraphModule, blocks: Blocks,
-                 make: Callable[[fx.GraphModule, dict[str, int]], Any], check: bool = True
-                 ) -> None:
+    def __init__(self, gm: fx.GraphModule, blocks: Blocks, make: Callable[..., Any],
+                 check: bool = True, run: BlockRun | None = None) -> None:
         self.gm, self.blocks, self.make = gm, blocks, make
-        self.two = make(truncate(gm, blocks, 2), blocks.tags(2))
+        if run is not None:  # the shape pass's cut, in its fake mode (``BlockRun``)
+            self.two = make(run.cut, blocks.tags(2), run.probe)
+        else:
+            self.two = make(truncate(gm, blocks, 2), blocks.tags(2))
         self.checked = self.derive = not check
 
     # Made on first use: a pinned MBS derives P1 from P2 and never probes one block alone.
@@ -75,11 +79,15 @@ class BlockProber:
         return self.make(truncate(self.gm, self.blocks, 1), self.blocks.tags(1))
 
     @classmethod
-    def of(cls, gm: Any, make: Callable[[fx.GraphModule, dict[str, int]], Any],
-           check: bool = True) -> BlockProber | None:
-        """The block prober of ``gm``, or None when it has fewer than ``MIN_BLOCKS``."""
+    def of(cls, gm: Any, make: Callable[..., Any], check: bool = True,
+           run: BlockRun | None = None) -> BlockProber | None:
+        """The block prober of ``gm``, or None when it has fewer than ``MIN_BLOCKS``.
+        ``run``: the shape pass's cut of ``gm`` (its blocks, cut and fake mode), taken
+        while it holds."""
         if not isinstance(gm, fx.GraphModule):
             return None
+        if run is not None and run.holds(gm) and run.blocks.count >= MIN_BLOCKS:
+            return cls(gm, run.blocks, make, check, run)
         blocks = find_blocks(gm, MIN_BLOCKS)
         return cls(gm, blocks, make, check) if blocks is not None else None
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from mbcompile.passes.batch_analysis import BatchAnalysis
+from mbcompile.passes.shape_prop import BlockRun
 from mbcompile.planning.cost import CostModel
 from mbcompile.planning.estimates import ShardSpec, StaticFigures
 from mbcompile.planning.precision import Precision
@@ -71,8 +72,8 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
                  name: str | None = None, fit: bool = True,
                  kept_outputs: frozenset[int] | None = None, fused: bool | None = None,
                  shard: ShardSpec | None = None, precision: Precision | None = None,
-                 pinned: int | None = None, variants: bool = False, lazy: bool = False
-                 ) -> CostModel:
+                 pinned: int | None = None, variants: bool = False, lazy: bool = False,
+                 block_run: BlockRun | None = None) -> CostModel:
     """Build the cost model of ``gm``: best the batch analysis of the captured graph
     (it says which outputs are trained losses and whether backward runs per
     microbatch), or any module (assumed to return one scalar loss first).
@@ -92,7 +93,8 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     size is asked for (``CostModel.pin``); ``variants``: the module may run other batch
     sizes, so the size below it is probed too and other sizes fitted from the two.
     ``lazy``: the probes run on the model's first question (``CostModel.defer``), and a
-    ``CostModelError`` they raise is raised there.
+    ``CostModelError`` they raise is raised there. ``block_run``: the shape pass's run of the
+    graph cut to two repeated blocks (``Analysed.block_run``), probed in its fake mode.
 
     >>> model, batch = make_mlp(8)
     >>> cost = analyse_cost(model, batch, (0, 0), pbs=8)
@@ -108,7 +110,8 @@ def analyse_cost(gm: nn.Module | BatchAnalysis, values: Sequence[Any],
     static = static_figures(gm, values, in_dims, found if fused is None else fused)
     pin = pinned is not None and fit and static.fused
     # a pinned MBS chooses nothing: its stacked blocks are not checked against three
-    prober = Prober(gm, values, in_dims, loss_leaves, kept_outputs, check_blocks=not pin)
+    prober = Prober(gm, values, in_dims, loss_leaves, kept_outputs, check_blocks=not pin,
+                    block_run=block_run)
     model = CostModel(prober, static, name or type(gm).__name__, shard, precision)
     size = 4 if pbs is None else pbs
     if pinned is not None and pin:

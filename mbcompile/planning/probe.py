@@ -32,6 +32,7 @@ from torch.utils.flop_counter import (
 
 from mbcompile.errors import CostModelError, MbcompileError
 from mbcompile.passes.fake_probe import FakeProbe, planned_device
+from mbcompile.passes.shape_prop import BlockRun
 from mbcompile.planning.recorder import TAG, Recorder, nbytes
 from mbcompile.planning.timeline import Timeline
 
@@ -180,19 +181,24 @@ class Prober:
     def __init__(self, gm: nn.Module, values: Sequence[Any], in_dims: Sequence[int | None],
                  loss_leaves: tuple[int, ...] | None,
                  kept: frozenset[int] | None = None, tags: dict[str, int] | None = None,
-                 check_blocks: bool = True) -> None:
+                 check_blocks: bool = True, block_run: BlockRun | None = None,
+                 shares: FakeProbe | None = None) -> None:
         self.gm = gm
         self.kept = kept  # the outputs a training step keeps (None: all)
         self.values = list(values)
         self.in_dims = list(in_dims)
         self.loss_leaves = loss_leaves
         self.fake_probe = FakeProbe(gm) if tags is None else _TaggingProbe(gm, tags)
+        if shares is not None:  # the shape pass's mode and fake parameters (``block_run``)
+            self.fake_probe.share(shares)
+            self.fake_probe.mode.allow_non_fake_inputs = False  # a probe's own rule
         self.blocks: Any = None  # a BlockProber, when the graph's blocks stack
         if tags is None and self.per_block and type(self).inputs is Prober.inputs:
             from mbcompile.planning.block_probe import BlockProber  # it builds Probers
 
-            self.blocks = BlockProber.of(gm, lambda part, tags: Prober(
-                part, values, in_dims, loss_leaves, kept, tags), check_blocks)
+            self.blocks = BlockProber.of(gm, lambda part, tags, shares=None: Prober(
+                part, values, in_dims, loss_leaves, kept, tags, shares=shares),
+                check_blocks, block_run)
         self.fake_probe.extra_traceback = False  # CostModelError words the failure itself
 
     # Made on first use: a graph probed by its blocks never runs whole, so its own fake
@@ -246,7 +252,8 @@ class Prober:
         # first microbatch's figures follow from the same timeline: Probe.first_live)
         with self.fake_probe.mode:
             for p in self.params.values():
-                p.grad = torch.zeros_like(p) if p.requires_grad else None
+                # (a fake gradient holds no values: empty_like is zeros_like's one op)
+                p.grad = torch.empty_like(p) if p.requires_grad else None
         grad_storages = {id(p.grad.untyped_storage()) for p in self.params.values()
                          if p.grad is not None}
         recorder = Recorder(counter, set(self.param_storages), grad_storages)

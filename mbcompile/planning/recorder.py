@@ -148,7 +148,8 @@ class Recorder(TorchDispatchMode):
                     self.casts += nbytes(t)
                     self.block_casts[self.tag] = self.block_casts.get(self.tag, 0) + nbytes(t)
         known = len(self.sizes)
-        seen_before = {id(t.untyped_storage()) for t in ins.values()}
+        read = [(t, id(t.untyped_storage())) for t in ins.values()]  # each storage asked once
+        seen_before = {key for _, key in read}
         for t in outs.values():
             st = t.untyped_storage()
             if id(st) not in seen_before:
@@ -160,14 +161,16 @@ class Recorder(TorchDispatchMode):
         kernel = allocates or op.mutable
         weight = act = 0.0
         if kernel:
-            for t in ins.values():
-                if id(t.untyped_storage()) in self.param_storages:
+            for t, key in read:
+                if key in self.param_storages:
                     weight += nbytes(t)
                 else:
                     act += nbytes(t)
             act += sum(nbytes(t) for t in outs.values())
-        dtypes = [t.dtype for t in (*outs.values(), *ins.values()) if t.is_floating_point()]
-        fp32 = not dtypes or dtypes[0] in (torch.float32, torch.float64)
+        # the first floating tensor's dtype, outputs first
+        first = next((t.dtype for t in (*outs.values(), *ins.values()) if t.is_floating_point()),
+                     None)
+        fp32 = first is None or first in (torch.float32, torch.float64)
         self.ops.append(op.name)
         self.tags.append(autograd_tag() if self.backward else self.tag)
         values = transcendentals.count(func, args, kwargs, out) if kernel else 0
