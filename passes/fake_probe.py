@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -233,9 +233,31 @@ class FakeProbe(fx.Interpreter):
         if _cumulative_batch_norm(module):  # its factor 1 / num_batches_tracked is a read:
             module = copy.copy(module)       # any momentum gives the same shapes
             module.momentum = 0.0
-        with hooks_sandboxed(module):  # a layer's hooks on made-up data: they change nothing
+        # a layer's hooks on made-up data: they change nothing; its backward hooks are not
+        # attached at all (they would run after the block, on fake gradients, unwatched)
+        with hooks_sandboxed(module), backward_hooks_hidden(module):
             return torch.func.functional_call(module, self.state(module), tuple(args),
                                               dict(kwargs))
+
+
+@contextlib.contextmanager
+def backward_hooks_hidden(module: nn.Module) -> Iterator[None]:
+    """``module`` called with no backward hook of its own attached: torch attaches them at
+    the call (``register_full_backward_hook``, ``_pre_hook``) and runs them in a backward
+    that comes after any block around the call, which a probe on made-up data runs. Each
+    table is emptied in place and refilled, in its order, after the call."""
+    tables = [t for t in (module._backward_pre_hooks, module._backward_hooks) if t]
+    saved = [dict(t) for t in tables]
+    for t in tables:
+        t.clear()
+    try:
+        yield
+    finally:
+        for t, before in zip(tables, saved):
+            added = dict(t)
+            t.clear()
+            t.update(before)
+            t.update(added)
 
 
 def _cumulative_batch_norm(module: nn.Module) -> bool:
