@@ -218,7 +218,7 @@ class _Watch:
             contextlib.nullcontext(lambda: None)
 
     def changes(self) -> list[str]:
-        found = [c.where for c in self.snapshot.changes()]
+        found = [c.where for c in self.snapshot.changes()] + self.snapshot.rewired()
         found += [f"{name} (a variable of its closure)" for name, c, v in self.cells
                   if c.cell_contents is not v]
         found += [f"the global {name!r}" for ns, name, v in self.globals_
