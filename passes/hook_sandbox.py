@@ -148,8 +148,10 @@ class _Watch:
         self.counts = [v for _, _, v in self.versions]
 
     @classmethod
-    def of(cls, fns: list[Any], module: nn.Module) -> _Watch:
+    def of(cls, fns: list[Any], module: nn.Module, copied: nn.Module | None = None) -> _Watch:
         roots: dict[str, Any] = {"<the layer>": module}
+        if copied is not None:  # the user's layer ``module`` copies (its hooks' handles)
+            roots["<the layer copied>"] = copied
         cells, globals_, walked = [], [], []
         for i, fn in enumerate(fns):
             mark = f"<hook {i}> " if len(fns) > 1 else ""  # roots by name: none overwritten
@@ -380,9 +382,10 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
 
 
 @contextlib.contextmanager
-def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
+def hooks_sandboxed(module: nn.Module, copied: nn.Module | None = None) -> Iterator[None]:
     """While compile calls ``module`` on made-up data (a shape probe, a copy that checks
-    its hooks): whatever its hooks (forward and backward) write is put back when the
+    its hooks, ``copied``: the user's layer, recorded too: a hook removes one of its hooks
+    by a handle): whatever its hooks (forward and backward) write is put back when the
     block ends, nothing they print is printed, and no file they open is written. One
     watch for the whole call, so a pre-hook's write that its post-hook reads (a timer)
     holds between them.
@@ -395,7 +398,7 @@ def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
     if not fns:
         yield
         return
-    watch = _Watch.of(fns, module)
+    watch = _Watch.of(fns, module, copied)
     try:  # a file a hook opens to write is os.devnull: written at compile, it would stay
         with prints_recorded(), _tensor_hooks_kept([]), \
                 open_refused(watch.reach, to_null=True), \
