@@ -11,7 +11,9 @@ the hook with that state recorded and puts it back, whatever the hook did:
 - the Python state reachable from the layer and from the hook itself (its closure cells,
   ``self`` of a bound method, its defaults, the module-level names its code reads, a
   ``functools.partial``'s arguments), as ``python_state.Snapshot`` records it, plus the
-  closure cells and globals it rebinds (``count += 1`` on a ``nonlocal``);
+  closure cells and globals it rebinds (``count += 1`` on a ``nonlocal``); the modules'
+  wiring among it (a hook registered or removed, a parameter or buffer added, rebound or
+  deleted) is named by ``Snapshot.rewired``;
 - a ``print`` or ``logging`` call (recorded, not printed);
 - the globals and closure variables its code reaches through the functions it calls
   (``passes.code_reach``: a helper's ``LOG.append``), recorded and put back the same way;

@@ -8,8 +8,9 @@ the whole batch. For each call of the compiled module every hook of such a layer
 compiled step the wrapper only calls the hook. Inside one:
 
 - a hook that writes Python state (``self.acts[name] = out.detach()``, a counter, a
-  list it appends to, a print, a call into an installed package: ``wandb.log``), or
-  registers a tensor hook on the layer's output, would do so per microbatch, with each
+  list it appends to, a print, a call into an installed package: ``wandb.log``),
+  registers a tensor hook on the layer's output, or rewires a module (registers or
+  removes a hook, rebinds a parameter), would do so per microbatch, with each
   microbatch's values: it is run sandboxed
   (``passes.hook_sandbox``; one whose code provably writes nothing, not:
   ``passes.hook_reads``), and refused with ``UncheckedHookError`` at its first write,
