@@ -40,6 +40,7 @@ How each capture records the regions:
 from __future__ import annotations
 
 import contextlib
+import operator
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,6 +53,7 @@ from .errors import CaptureError
 from .facts import GRAD_ENABLED, SHAPES
 from .hook_sandbox import hooks_sandboxed
 from .ops import TensorHook
+from .python_state import MODULE_INTERNALS
 from .sources import source_line
 
 __all__ = ["GRAD_ENABLED", "autocast_regions", "autocast_state", "detach_grad_free_inputs",
@@ -307,8 +309,11 @@ def _mixed_by_hooks(layer: torch.nn.Module, info: Any, dim: int) -> str | None:
     backward = bool(layer._backward_hooks or layer._backward_pre_hooks)
     seed: torch.Tensor | None = None
     outs, grads = [], []
-    with hooks_sandboxed(probe):  # the user's hooks, on made-up data: they change nothing
+    with hooks_sandboxed(probe, layer):  # the user's hooks, on made-up data: they change nothing
+        wiring = [(d, dict(d)) for k, d in vars(probe).items()
+                  if k in MODULE_INTERNALS and isinstance(d, dict)]
         for start, size in ((0, n), (0, n // 2), (n // 2, n - n // 2)):
+            _rewired_back(wiring)
             piece = x.narrow(dim, start, size).detach().requires_grad_(backward)
             with torch.set_grad_enabled(backward):
                 out = probe(piece)
@@ -326,6 +331,18 @@ def _mixed_by_hooks(layer: torch.nn.Module, info: Any, dim: int) -> str | None:
     if len(grads) == 3 and all(g is not None for g in grads) and not _joined_equal(grads, dim):
         return "the gradient it passes back"
     return None
+
+
+def _rewired_back(wiring: list[tuple[dict[Any, Any], dict[Any, Any]]]) -> None:
+    """The probe's slots and hook tables as they were before its first call: a hook that
+    rebinds a parameter or registers a hook (refused in a step, or run there as written
+    where marked ``per_microbatch``) must not make each call of the check run another
+    layer (``del m.weight`` would fail the next, ``m.bias = None`` change its output)."""
+    for live, before in wiring:
+        if list(live) != list(before) or any(map(operator.is_not, live.values(),
+                                                 before.values())):
+            live.clear()
+            live.update(before)
 
 
 def _copy_of(layer: torch.nn.Module) -> torch.nn.Module:

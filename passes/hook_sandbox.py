@@ -11,7 +11,9 @@ the hook with that state recorded and puts it back, whatever the hook did:
 - the Python state reachable from the layer and from the hook itself (its closure cells,
   ``self`` of a bound method, its defaults, the module-level names its code reads, a
   ``functools.partial``'s arguments), as ``python_state.Snapshot`` records it, plus the
-  closure cells and globals it rebinds (``count += 1`` on a ``nonlocal``);
+  closure cells and globals it rebinds (``count += 1`` on a ``nonlocal``); the modules'
+  wiring among it (a hook registered or removed, a parameter or buffer added, rebound or
+  deleted) is named by ``Snapshot.rewired``;
 - a ``print`` or ``logging`` call (recorded, not printed);
 - the globals and closure variables its code reaches through the functions it calls
   (``passes.code_reach``: a helper's ``LOG.append``), recorded and put back the same way;
@@ -148,8 +150,10 @@ class _Watch:
         self.counts = [v for _, _, v in self.versions]
 
     @classmethod
-    def of(cls, fns: list[Any], module: nn.Module) -> _Watch:
+    def of(cls, fns: list[Any], module: nn.Module, copied: nn.Module | None = None) -> _Watch:
         roots: dict[str, Any] = {"<the layer>": module}
+        if copied is not None:  # the user's layer ``module`` copies (its hooks' handles)
+            roots["<the layer copied>"] = copied
         cells, globals_, walked = [], [], []
         for i, fn in enumerate(fns):
             mark = f"<hook {i}> " if len(fns) > 1 else ""  # roots by name: none overwritten
@@ -218,7 +222,7 @@ class _Watch:
             contextlib.nullcontext(lambda: None)
 
     def changes(self) -> list[str]:
-        found = [c.where for c in self.snapshot.changes()]
+        found = [c.where for c in self.snapshot.changes()] + self.snapshot.rewired()
         found += [f"{name} (a variable of its closure)" for name, c, v in self.cells
                   if c.cell_contents is not v]
         found += [f"the global {name!r}" for ns, name, v in self.globals_
@@ -380,9 +384,10 @@ def call_sandboxed(fn: Any, module: nn.Module | None, args: tuple[Any, ...],
 
 
 @contextlib.contextmanager
-def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
+def hooks_sandboxed(module: nn.Module, copied: nn.Module | None = None) -> Iterator[None]:
     """While compile calls ``module`` on made-up data (a shape probe, a copy that checks
-    its hooks): whatever its hooks (forward and backward) write is put back when the
+    its hooks, ``copied``: the user's layer, recorded too: a hook removes one of its hooks
+    by a handle): whatever its hooks (forward and backward) write is put back when the
     block ends, nothing they print is printed, and no file they open is written. One
     watch for the whole call, so a pre-hook's write that its post-hook reads (a timer)
     holds between them.
@@ -395,7 +400,7 @@ def hooks_sandboxed(module: nn.Module) -> Iterator[None]:
     if not fns:
         yield
         return
-    watch = _Watch.of(fns, module)
+    watch = _Watch.of(fns, module, copied)
     try:  # a file a hook opens to write is os.devnull: written at compile, it would stay
         with prints_recorded(), _tensor_hooks_kept([]), \
                 open_refused(watch.reach, to_null=True), \

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from .whose_code import holds_state
 
-__all__ = ["DELETED", "MODULE_INTERNALS", "Change", "Snapshot", "python_state_kept"]
+__all__ = ["DELETED", "MODULE_INTERNALS", "REWIRED", "Change", "Snapshot", "python_state_kept"]
 
 _MISSING = object()
 #: ``nn.Module``'s own bookkeeping (slots, hooks, flags): compared by ``Snapshot`` itself
@@ -80,6 +80,9 @@ class Snapshot:
     saved: dict[int, tuple[Any, str, Any]] = field(default_factory=dict)  # id -> obj, path, copy
     #: ``owner[key]`` locations outside the model: globals, closure variables (``add_slot``)
     slots: list[tuple[Any, Any, Any, str]] = field(default_factory=list)  # owner, key, before, path
+    #: each module's ``_non_persistent_buffers_set`` and a copy: ``register_buffer`` and
+    #: ``del`` write it beside ``_buffers`` (put back with it, told by ``_buffers``)
+    marks: list[tuple[set[str], set[str]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for root, obj in self.roots.items():
@@ -93,6 +96,9 @@ class Snapshot:
         own = dict(mod.__dict__)
         self.modules.append((mod, path, own, tuple(dict(s) for s in _slots_of(mod))))
         self.hooks.extend((t, dict(t)) for t in _hook_tables(mod))
+        marks = own.get("_non_persistent_buffers_set")
+        if isinstance(marks, set):
+            self.marks.append((marks, set(marks)))
         for key, value in own.items():
             if key not in MODULE_INTERNALS:
                 self._visit(value, ".".join(filter(None, (path, key))))
@@ -192,23 +198,64 @@ class Snapshot:
                                if k not in slots)
         return rebound
 
+    def rewired(self) -> list[str]:
+        """What changed in the modules' own bookkeeping, which ``changes`` leaves out: a
+        parameter, buffer or submodule slot added, rebound or deleted, a hook registered,
+        removed or replaced, and, where none of those is found on a module, one of
+        ``nn.Module``'s own attributes rebound (a hook table or the slots replaced whole,
+        a table of flags); a flag a registration sets beside them is not named again.
+        Each says what was done, with a word of ``REWIRED``.
+
+        >>> layer.register_forward_hook(show); del layer.bias; snapshot.rewired()
+        ["<the layer>.bias (deletes a parameter)",
+         "<the layer>._forward_hooks (registers the forward hook 'show')"]
+        """
+        found: list[str] = []
+        copies = {id(t): c for t, c in self.hooks}
+        for mod, path, own, slot_copies in self.modules:
+            told = len(found)
+            for kind, slots, before in zip(_SLOT_KINDS, _slots_of(mod), slot_copies):
+                found += [f"{_at(path, k)} ({'rebinds' if k in before else 'adds'} a {kind})"
+                          for k, v in slots.items() if v is not before.get(k, _MISSING)]
+                found += [f"{_at(path, k)} (deletes a {kind})" for k in before
+                          if k not in slots]
+            changed: list[str] = []
+            for name, table in own.items():
+                before = copies.get(id(table))
+                if before is None or _same_items(table, before):
+                    continue
+                changed.append(name)
+                if name in _HOOK_KINDS:
+                    found += [f"{_at(path, name)} ({verb} the {_HOOK_KINDS[name]} "
+                              f"{_hook_name(fn)})" for verb, fn in _hook_edits(table, before)]
+                elif not any(name.startswith(f"{c}_") for c in changed):  # flags alone
+                    found.append(f"{_at(path, name)} (rebinds a hook's flag)")
+            if len(found) == told:  # (a hook's flag beside its table is not named again)
+                found += [f"{_at(path, k)} (rebinds nn.Module's own attribute)" for k in
+                          sorted(MODULE_INTERNALS) if mod.__dict__.get(k, _MISSING) is not
+                          own.get(k, _MISSING)]
+        return found
+
     # ------------------------------------------------------------------ restoring
     def restore(self) -> None:
-        """Put every recorded object back as it was, in place (identities kept)."""
+        """Put every recorded object back as it was, in place (identities kept); a module's
+        slots and hooks in their order too (``named_parameters`` is the optimizer's)."""
         for mod, _, own, slot_copies in self.modules:
+            _put_back(mod.__dict__, own)  # first: a slots dict replaced whole is back
             for slots, before in zip(_slots_of(mod), slot_copies):
-                _put_back(slots, before)
-            _put_back(mod.__dict__, own)
+                _put_back_in_order(slots, before)
+        for marks, before in self.marks:
+            if marks != before:
+                marks.clear()
+                marks.update(before)
         for owner, key, before, _ in reversed(self.slots):
             if owner.get(key, DELETED) is not before:
                 if before is DELETED:
                     owner.pop(key, None)
                 else:
                     owner[key] = before
-        for table, before in self.hooks:  # hooks a library installs on its first call
-            if table.keys() != before.keys():
-                table.clear()
-                table.update(before)
+        for table, before in self.hooks:  # a library's on its first call, a hook's
+            _put_back_in_order(table, before)
         for obj, _, copy in self.saved.values():
             if isinstance(obj, dict):
                 if not _same_items(obj, copy):
@@ -280,6 +327,53 @@ def _put_back(live: dict[Any, Any], before: dict[Any, Any]) -> None:
     for key, value in before.items():
         if live.get(key, _MISSING) is not value:
             live[key] = value
+
+
+def _put_back_in_order(live: dict[Any, Any], before: dict[Any, Any]) -> None:
+    """``live`` holds ``before``'s items again, in its order (a key deleted and set again
+    goes back to its place)."""
+    if not _same_items(live, before):
+        live.clear()
+        live.update(before)
+
+
+#: words ``rewired`` says what was done with: ``live_hooks`` tells a rewiring by them
+REWIRED = ("(adds a ", "(rebinds ", "(deletes a ", "(registers the ", "(removes the ",
+           "(replaces the ")
+_SLOT_KINDS = ("parameter", "buffer", "submodule")
+_HOOK_KINDS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
+               "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook",
+               "_state_dict_hooks": "state_dict hook",
+               "_state_dict_pre_hooks": "state_dict pre-hook",
+               "_load_state_dict_pre_hooks": "load_state_dict pre-hook",
+               "_load_state_dict_post_hooks": "load_state_dict post-hook"}
+
+
+def _at(path: str, key: str) -> str:
+    return ".".join(filter(None, (path, key)))
+
+
+def _hook_edits(table: dict[Any, Any], before: dict[Any, Any]) -> Iterator[tuple[str, Any]]:
+    """(what was done, the hook) for each entry of a hook table that differs."""
+    for key, fn in table.items():
+        if key not in before:
+            yield "registers", fn
+        elif fn is not before[key]:
+            yield "replaces", before[key]
+    for key, fn in before.items():
+        if key not in table:
+            yield "removes", fn
+
+
+def _hook_name(fn: Any) -> str:
+    """A hook by its function's name, under the wrappers a step puts around it
+    (``live_hooks.WatchedHook``, a ``per_microbatch`` mark)."""
+    for _ in range(8):  # (a wrapper that wraps itself: named as it is)
+        inner = getattr(fn, "fn", None) or getattr(fn, "__wrapped__", None)
+        if inner is None:
+            break
+        fn = inner
+    return repr(getattr(fn, "__qualname__", None) or type(fn).__name__)
 
 
 def _slots_of(mod: nn.Module) -> tuple[dict[str, Any], ...]:

@@ -87,6 +87,12 @@ class _Recorder:
     def record(self, m: nn.Module, rows: int) -> None:
         m.seen = rows  # the layer written inside a method call
 
+    def hook(self, m: nn.Module) -> None:
+        m.register_forward_pre_hook(_sized)  # its hooks rewired inside a method call
+
+    def rebind(self, m: nn.Module) -> None:
+        m.weight = nn.Parameter(m.weight.detach().clone())
+
 
 RECORDER = _Recorder()
 
@@ -107,6 +113,8 @@ def _hooks(seen: list[int]) -> dict[str, Any]:
         "layer, in a method": lambda m, a, o: o.size(0) == 2 and RECORDER.record(m, 2),
         "closure list": lambda m, a, o: o.size(0) == 2 and seen.append(o.size(0)),
         "in place": lambda m, a, o: o.size(0) == 2 and m.weight.detach().mul_(1.0),
+        "hook registered, in a method": lambda m, a, o: o.size(0) == 2 and RECORDER.hook(m),
+        "parameter rebound, in a method": lambda m, a, o: o.size(0) == 2 and RECORDER.rebind(m),
     }
 
 
@@ -114,9 +122,10 @@ CASES = list(_hooks([]))
 
 
 def _nothing_kept(layer: nn.Module, seen: list[int], capsys: Any,
-                  records: list[logging.LogRecord]) -> None:
+                  records: list[logging.LogRecord], weight: nn.Parameter) -> None:
     assert "seen" not in vars(layer) and seen == [] and LAST is None
     assert not layer._forward_pre_hooks and not PATH.exists()
+    assert layer.weight is weight and list(layer._parameters) == ["weight", "bias"]
     assert capsys.readouterr().out == "" and records == []
 
 
@@ -134,7 +143,7 @@ def test_a_held_microbatchs_kept_watch_refuses_each_write_as_a_call_alone(
     hook = _hooks(seen)[case]
     alone = call_sandboxed(hook, layer, _args(layer, x))[1]
     assert alone is not None, case
-    _nothing_kept(layer, seen, capsys, records)
+    _nothing_kept(layer, seen, capsys, records, weight := layer.weight)
     kept: hook_sandbox.Kept = {}
     sandbox_patches.hold()
     try:
@@ -144,7 +153,7 @@ def test_a_held_microbatchs_kept_watch_refuses_each_write_as_a_call_alone(
     finally:
         sandbox_patches.release()
     assert held == alone
-    _nothing_kept(layer, seen, capsys, records)
+    _nothing_kept(layer, seen, capsys, records, weight)
 
 
 def test_the_patches_stay_for_a_held_microbatch_and_go_with_it():

@@ -8,8 +8,9 @@ the whole batch. For each call of the compiled module every hook of such a layer
 compiled step the wrapper only calls the hook. Inside one:
 
 - a hook that writes Python state (``self.acts[name] = out.detach()``, a counter, a
-  list it appends to, a print, a call into an installed package: ``wandb.log``), or
-  registers a tensor hook on the layer's output, would do so per microbatch, with each
+  list it appends to, a print, a call into an installed package: ``wandb.log``),
+  registers a tensor hook on the layer's output, or rewires a module (registers or
+  removes a hook, rebinds a parameter), would do so per microbatch, with each
   microbatch's values: it is run sandboxed
   (``passes.hook_sandbox``; one whose code provably writes nothing, not:
   ``passes.hook_reads``), and refused with ``UncheckedHookError`` at its first write,
@@ -46,6 +47,7 @@ from mbcompile.passes import global_hooks, sandbox_patches
 from mbcompile.passes.hook_reads import reads_only
 from mbcompile.passes.hook_sandbox import Kept, call_sandboxed, runs_per_microbatch
 from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
+from mbcompile.passes.python_state import REWIRED
 
 __all__ = ["UncheckedHookError", "WatchedHook", "called_as", "global_backward_refused",
            "hook_keys", "in_step", "unwatch", "watch_hooks"]
@@ -110,6 +112,18 @@ class WatchedHook:
                     "mbcompile.per_microbatch(hook) to make it on each microbatch on "
                     "purpose. The step was not run, and the call was refused before it ran: "
                     "parameters, gradients and your objects are as they were")
+            if wrote is not None and any(word in wrote for word in REWIRED):
+                raise UncheckedHookError(
+                    f"{self._what(module)} changes {wrote}; the layer runs its hooks once "
+                    "per microbatch, where eager runs them once per step, so this would be "
+                    "done on each microbatch, and the hooks, parameters and buffers of the "
+                    "rest of the step would differ from eager's. Fix: register or remove "
+                    "hooks and set or delete parameters and buffers outside forward (before "
+                    "the step, in the training loop), or mark the hook "
+                    "mbcompile.per_microbatch(hook) if it is meant to run on each "
+                    "microbatch. The step was not run, and what the hook changed was put "
+                    "back: parameters, buffers, hooks, gradients and your objects are as "
+                    "they were")
             if wrote is not None:
                 raise UncheckedHookError(
                     f"{self._what(module)} writes {wrote}; the layer runs its hooks once "
@@ -203,6 +217,7 @@ def watch_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[
 def _as_function(hook: WatchedHook | _OnLayers) -> Any:
     def watched(module: torch.nn.Module, *args: Any) -> Any:
         return hook(module, *args)
+    watched.fn = hook  # type: ignore[attr-defined]  # a refusal names the user's hook by it
     return watched
 
 
