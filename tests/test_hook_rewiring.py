@@ -238,15 +238,15 @@ def test_a_forward_hook_that_rewires_its_layer_is_refused_with_nothing_changed(w
 @pytest.mark.parametrize("way", ["registers a forward hook", "rebinds a parameter"])
 def test_a_pre_backward_or_later_hook_that_rewires_its_layer_is_refused(kind, way):
     """The same from a forward pre-hook, from a full backward hook (which runs in each
-    microbatch's backward, inside the step's call; registered after compile: compile's
-    cost model still runs a layer's backward hooks on fake tensors outside the sandbox)
-    and from a forward hook compile never called."""
+    microbatch's backward, inside the step's call; compile's probes never attach it) and
+    from a forward hook compile never called."""
     hook, named = WAYS[way]
     register = {"forward pre-hook": lambda layer: layer.register_forward_pre_hook(hook),
                 "backward hook": lambda layer: layer.register_full_backward_hook(hook),
                 "forward hook registered after compile":
                     lambda layer: layer.register_forward_hook(hook)}[kind]
-    _refused_with_nothing_changed(register, named, after_compile=kind != "forward pre-hook")
+    _refused_with_nothing_changed(register, named,
+                                  after_compile=kind == "forward hook registered after compile")
 
 
 def test_a_marked_hook_that_rewires_its_layer_runs_on_each_microbatch():
@@ -337,3 +337,17 @@ def test_a_sandboxed_call_that_rewires_is_reported_and_put_back():
         wrote = call_sandboxed(_through_a_method(hook), layer, ((x,), layer(x)))[1]
         assert wrote is not None and named in wrote, (hook.__name__, wrote)
         assert not _same(before, _wiring(layer)), hook.__name__
+
+
+def test_compile_never_calls_a_layers_backward_hook_on_fake_tensors():
+    """A layer's backward hook present at compile: the probes (made-up data, fake tensors)
+    call the layer without it, so nothing it records is left by compile; the step calls
+    it on real gradients."""
+    model, batch = _model()
+    seen: list[str] = []
+    model.a.register_full_backward_hook(
+        mbcompile.per_microbatch(lambda m, grad_in, grad_out: seen.append(type(grad_out[0]))))
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+    assert seen == []
+    cm(*batch).backward()
+    assert seen and all(kind is torch.Tensor for kind in seen)
