@@ -100,17 +100,17 @@ def path_after(ins: list[dis.Instruction], n: int) -> tuple[Any, ...] | None:
                 ins[n + 1].opname == "LOAD_ATTR" and _method(ins[n + 1]) is None:
             path.append(Attr(ins[n + 1].argval))  # ``x.n += 1``: read, then written back
             break
-        operand = _operand(ins, n)
-        following = ins[operand[0]] if operand is not None and operand[0] < len(ins) else None
-        if operand is not None and following is not None and _subscript(following):
-            end, key, constant = operand
-            path.append(key if constant else _ANY)
+        end, depth, constant = _operands(ins, n)
+        following = ins[end] if end < len(ins) else None
+        if depth == 1 and following is not None and _subscript(following):
+            path.append(op.argval if constant else _ANY)
             n = end + 1
             continue
-        if following is not None and (following.opname in ("STORE_SUBSCR", "DELETE_SUBSCR") or (
-                operand[2] and following.opname in ("COPY", "DUP_TOP_TWO"))):
+        if depth == 1 and following is not None and (
+                following.opname in ("STORE_SUBSCR", "DELETE_SUBSCR", "DUP_TOP_TWO") or
+                (following.opname == "COPY" and following.arg == 2)):
             return None  # a key written (``+=``: read and written back, as a write)
-        if _called(ins, n):
+        if _call_end(ins, end, depth) is not None:
             path.append(Call("__call__"))
         break
     cut = next((i for i, step in enumerate(path) if step is _ANY), len(path))
@@ -125,49 +125,45 @@ def _method(ins: dis.Instruction) -> str | None:
     return None
 
 
-def _operand(ins: list[dis.Instruction], n: int) -> tuple[int, Any, bool] | None:
-    """A key or argument starting at ``ins[n]``: a constant, an empty literal, or a name
-    with attributes (``key``, ``self.key``), as ``(end, value, constant)``; else None."""
-    if n >= len(ins):
-        return None
-    op = ins[n]
-    if op.opname == "LOAD_CONST":
-        return n + 1, op.argval, True
-    if op.opname in ("BUILD_LIST", "BUILD_MAP", "BUILD_TUPLE") and op.arg == 0:
-        return n + 1, _ANY, False
-    if op.opname not in _NAME_LOADS or (op.opname == "LOAD_GLOBAL" and
-                                        sys.version_info >= (3, 11) and (op.arg or 0) & 1):
-        return None  # a global loaded to be called
-    n += 1
-    while n < len(ins) and ins[n].opname == "LOAD_ATTR" and _method(ins[n]) is None:
+def _operands(ins: list[dis.Instruction], n: int) -> tuple[int, int, bool]:
+    """The values the code pushes from ``ins[n]`` on above the one loaded before it (keys,
+    arguments: names, constants, their attributes, subscripts and arithmetic), up to the
+    first instruction that takes that one: ``(its index, how many values are above it,
+    whether the first is a constant nothing has taken yet)``."""
+    depth, first, constant = 0, n, n < len(ins) and ins[n].opname == "LOAD_CONST"
+    while n < len(ins) and n - first < _SCAN:
+        op = ins[n]
+        if op.opname == "LOAD_CONST" or (op.opname in _NAME_LOADS and not (
+                op.opname == "LOAD_GLOBAL" and _NULL_FLAG and (op.arg or 0) & 1)):
+            pops = 0  # (a global loaded to be called pushes two: not followed)
+        elif op.opname == "LOAD_ATTR" and _method(op) is None or op.opname.startswith("UNARY_"):
+            pops = 1
+        elif op.opname in _TWO or (op.opname.startswith("BINARY_") and op.opname != "BINARY_SLICE"):
+            pops = 2
+        elif op.opname in ("BUILD_TUPLE", "BUILD_LIST", "BUILD_SLICE"):
+            pops = op.arg or 0
+        else:
+            break
+        if pops > depth:
+            break  # it takes the value loaded before ``ins[first]``
+        if pops and depth - pops < 1:
+            constant = False  # the first value was taken into another
+        depth += 1 - pops
         n += 1
-    return n, _ANY, False
+    return n, depth, constant and depth >= 1
+
+
+_SCAN = 32  # instructions looked at for keys and arguments
+_TWO = frozenset({"COMPARE_OP", "IS_OP", "CONTAINS_OP"})
+_NULL_FLAG = sys.version_info >= (3, 11)  # LOAD_GLOBAL's low bit pushes a NULL to call
 
 
 def _lookup(ins: list[dis.Instruction], n: int) -> tuple[int, Any, bool] | None:
     """After ``.get``/``.setdefault``: its key and optional default, then the call, as
     ``(index after the call, key, constant)``; None for any other form."""
-    key = _operand(ins, n)
-    if key is None:
-        return None
-    end, value, constant = key
-    default = _operand(ins, end)
-    count = 1 if default is None else 2
-    end = end if default is None else default[0]
-    end = _call_end(ins, end, count)
-    return None if end is None else (end, value, constant)
-
-
-def _called(ins: list[dis.Instruction], n: int) -> bool:
-    """Whether the value loaded just before ``ins[n]`` is called, with simple arguments."""
-    for count in range(8):
-        if _call_end(ins, n, count) is not None:
-            return True
-        operand = _operand(ins, n)
-        if operand is None:
-            return False
-        n = operand[0]
-    return False
+    end, depth, constant = _operands(ins, n)
+    after = _call_end(ins, end, depth) if depth in (1, 2) else None
+    return None if after is None else (after, ins[n].argval if constant else _ANY, constant)
 
 
 def _call_end(ins: list[dis.Instruction], n: int, count: int) -> int | None:
