@@ -78,8 +78,9 @@ class Guard:
     contents: Any = None  # a container or object: its fingerprint (guard_values.py)
     reached: frozenset[int] = frozenset()  # the containers and objects that fingerprint read
     entries: Any = None  # an installed package's container, the same one: its entries
-    #: the paths of constant keys (``()``: itself) through which forward read it other than
-    #: to append or write (``len(self.box["seen"])``: ``("seen",)``), checked by ``unwritten``
+    #: the paths (``read_paths``: constant keys, ``.get``, attributes, a method called;
+    #: ``()``: itself) through which forward read it other than to append or write
+    #: (``len(self.box["seen"])``: ``("seen",)``), checked by ``unwritten``
     reads: frozenset[tuple[Any, ...]] = frozenset()
     opaque: frozenset[int] = frozenset()  # inside ``contents``: forward writes them, by id
 
