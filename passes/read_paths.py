@@ -1,14 +1,16 @@
 """How forward's code reads a container or object it loads: the steps it goes through
-(constant keys, ``.get`` of a constant key, attributes of a held object), and whether what
-it reaches there is only appended to or written.
+(constant keys, ``.get`` of a constant key, attributes of a held object, a method of it
+called), and whether what it reaches there is only appended to or written.
 
 A list forward appends to is replayed once per step (``side_effects.Extend``); its length
 read in the same forward (``len(self.history)``, ``len(self.box.get("seen"))``,
 ``len(self.cfg.seen)``) would be fixed by the trace, so ``guards.unwritten`` refuses such a
 read (``appended_read``). This tells the reads from the appends and writes, from the
-bytecode after the load (once per code object). A read it cannot follow step by step (a
-key held in a variable, a method of the object, a call it is passed to, a loop) reads
-everything the value holds: one that holds such a list is refused too.
+bytecode after the load (once per code object); a method called on a held object (or
+its ``__call__``) reads what that method's code reads of ``self``. A read it cannot follow
+step by step (a key computed as it runs, a method of C code, a call the value is passed
+to, a loop) reads everything the value holds: one that holds such a list is refused too,
+though only appending to what such a key reaches (``self.box[key].append(x)``) is not.
 
 >>> import dis
 >>> ins = list(dis.get_instructions(lambda s: s.box["seen"].append(1)))
