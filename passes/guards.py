@@ -231,8 +231,9 @@ def _recording(cls: type) -> type:
                         if path is not None:
                             _LOCAL.paths.setdefault(key, set()).add(path)
                         _callable_object(sink, self, name, value)
-                elif name not in own and plain(value) and key not in _LOCAL.written:
-                    _class_attribute(sink, self, name, value)
+                elif name not in own and key not in _LOCAL.written and (plain(value) or isinstance(
+                        value, (dict, list, set)) or plain_object(value)):  # ``self.LOG``, too
+                    _class_attribute(sink, self, name, value, _read_path(sys._getframe(1)))
             return value
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
@@ -289,15 +290,19 @@ def _callable_object(sink: dict[tuple[int, str], Guard], module: Any, name: str,
             sink.setdefault((id(value), attr), replace(guard, contents=_PENDING))
 
 
-def _class_attribute(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any
-                     ) -> None:
-    """``self.SCALE`` read from the class of the user's that defines it: guarded there, and
-    against an instance attribute that would shadow it."""
+def _class_attribute(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any,
+                     path: tuple[Any, ...] | None) -> None:
+    """``self.SCALE`` read from the class of the user's that defines it: guarded there (a
+    container by its contents, ``path``: how it was read), and against an instance
+    attribute that would shadow it."""
     owner = next((c for c in type(module).__mro__[1:] if name in vars(c)), None)
     if owner is not None and vars(owner)[name] is value and \
             user_code(getattr(sys.modules.get(owner.__module__), "__file__", None)):
-        sink.setdefault((id(owner), name), Guard(owner, name, value,
-                                                 where=f"{owner.__name__}.{name}"))
+        guard = Guard(owner, name, value, where=f"{owner.__name__}.{name}")
+        if not plain(value) and path is not None:
+            _LOCAL.paths.setdefault((id(owner), name), set()).add(path)
+        sink.setdefault((id(owner), name), guard if plain(value) else
+                        replace(guard, contents=_PENDING))
         sink.setdefault((id(module), name), Guard(module, name, _MISSING, identity=True,
                                                   where=f"{type(module).__name__}.{name}"))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .whose_code import holds_state
+from .whose_code import holds_state, user_code, user_instance
 
 __all__ = ["DELETED", "MODULE_INTERNALS", "Change", "Snapshot", "python_state_kept"]
 
@@ -96,6 +97,12 @@ class Snapshot:
         for key, value in own.items():
             if key not in MODULE_INTERNALS:
                 self._visit(value, ".".join(filter(None, (path, key))))
+        for cls in type(mod).__mro__:  # ``self.LOG`` a list the class holds: shared state
+            if user_code(getattr(sys.modules.get(cls.__module__), "__file__", None)):
+                for key, value in vars(cls).items():
+                    if not key.startswith("__") and (isinstance(
+                            value, (dict, list, set, collections.deque)) or user_instance(value)):
+                        self._visit(value, f"the class attribute {cls.__name__}.{key}")
 
     def _visit(self, value: Any, path: str) -> None:
         if id(value) in self.saved or len(self.saved) >= _LIMIT:

@@ -16,7 +16,9 @@ too, whose non-strict trace puts a module's lists and dicts back as copies
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import warnings
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -65,6 +67,9 @@ def _count(box: dict[str, list[Any]]) -> int:
 class Reached(nn.Module):
     """Appends to a list reached in one of the ways ``READS``/``APPENDS`` name."""
 
+    LOG: ClassVar[list[Any]] = []  # shared by every instance: the class's own
+    TABLE: ClassVar[dict[str, float]] = {"scale": 2.0}
+
     def __init__(self, kind: str, capture: str) -> None:
         super().__init__()
         self.a, self.kind, self.capture = nn.Linear(4, 3), kind, capture
@@ -109,6 +114,12 @@ class Reached(nn.Module):
         if kind == "global object":
             HOLDER.seen.append(v)
             return loss * len(HOLDER.seen)
+        if kind == "class attribute":
+            self.LOG.append(v)
+            return loss * len(self.LOG)
+        if kind == "append to a class attribute's list":
+            self.LOG.append(v)
+            return loss * self.TABLE["scale"]
         # only appended, however reached: exact
         if kind == "append through get":
             self.box.get("seen").append(v)
@@ -137,10 +148,19 @@ READS = {
     "slice": "self.history",
     "global's get": "the global BOXES['seen']",
     "global object": "the global HOLDER.seen",
+    "class attribute": "Reached.LOG",
 }
 APPENDS = ["append through get", "append through a key in a variable",
            "append through setdefault", "append to a held object's list",
            "append in a held object's method", "append to an attribute's list"]
+
+
+@pytest.fixture(autouse=True)
+def _class_state() -> Iterator[None]:
+    """The class's list and table as they were before each test (shared by all models)."""
+    yield
+    Reached.LOG.clear()
+    Reached.TABLE["scale"] = 2.0
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
@@ -156,7 +176,7 @@ def test_a_list_appended_and_read_however_reached_is_refused_and_changes_nothing
     assert "keep a count in a number attribute" in text and "nothing was changed" in text
     after, after_ids = _picture(model)
     assert after_ids == ids and after == before
-    assert BOXES == {"seen": []} and HOLDER == Holder()
+    assert BOXES == {"seen": []} and HOLDER == Holder() and Reached.LOG == []
 
 
 def _lists(model: nn.Module) -> Any:
@@ -171,3 +191,30 @@ def test_a_list_only_appended_to_however_reached_is_exact(kind, capture, capsys)
     _three_steps(model, _lists, capsys, capture=capture)
     grown = (model.box["seen"], model.holder.seen, model.history[2:])
     assert sum(len(seen) for seen in grown) == 3
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_list_the_class_holds_is_appended_once_per_step_and_its_table_guarded(capture):
+    """``self.LOG.append(...)`` on a list the class holds (not the instance): nothing left
+    in it by the compile, one full-batch value per step after; ``self.TABLE["scale"]``
+    read from the class: changed after compile, it compiles again (a warning naming it)
+    and the step follows it, as eager does."""
+    torch.manual_seed(0)
+    model = Reached("append to a class attribute's list", capture)
+    cm = _compile(model, _batch(), capture=capture)
+    assert Reached.LOG == []
+    for step in range(3):
+        if step == 2:
+            Reached.TABLE["scale"] = 3.0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", mbcompile.RecompileWarning)
+            got = cm(*_batch())
+        recompiled = [str(w.message) for w in caught
+                      if issubclass(w.category, mbcompile.RecompileWarning)]
+        assert (step == 2) == any("Reached.TABLE" in r for r in recompiled), recompiled
+        loss = F.mse_loss(model.a(_batch()[0]), _batch()[1])
+        assert torch.allclose(got, loss * Reached.TABLE["scale"])
+        assert len(Reached.LOG) == step + 1
+        appended = Reached.LOG[-1]
+        assert torch.allclose(torch.as_tensor(appended), loss.detach()) if capture == "fx" \
+            else appended == 1.0
