@@ -7,7 +7,8 @@ Python objects (``self.last = loss.detach()``, ``self.stats["loss"] = ...``,
 ``Snapshot`` records, before the trace, every module's attributes, parameter, buffer and
 submodule slots and hook dictionaries, and the contents of every plain container
 (dict, list, set, deque; tuples are looked into) and plain object (a dataclass, a
-config) reachable from them, each by identity; ``changes`` lists what differs after the
+config) reachable from them or held by a module's class of the user's (``LOG = []`` in
+the class body), each by identity; ``changes`` lists what differs after the
 trace, and ``restore`` puts everything back as it was, in place, whatever happened.
 
 Before (forward ran ``self.history.append(o.detach())`` under fx)::
