@@ -65,6 +65,7 @@ class Call:
 
 
 _ANY = object()  # a key computed as the code runs (``self.box[key]``): not followed
+_KEYS = object()  # a membership test: of a dict, its keys only
 _ONLY_APPEND = frozenset({"append", "extend"})
 _LOOKUPS = frozenset({"get", "setdefault"})
 _NAME_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_DEREF",
@@ -98,6 +99,9 @@ def path_after(ins: list[dis.Instruction], n: int) -> tuple[Any, ...] | None:
             continue
         if op.opname in ("STORE_ATTR", "DELETE_ATTR"):
             return None  # an attribute written: guarded where written
+        if op.opname == "CONTAINS_OP":
+            path.append(_KEYS)  # ``"k" in self.box``: a dict's keys, not what it holds
+            break
         if op.opname in ("COPY", "DUP_TOP") and (op.arg or 1) == 1 and n + 1 < len(ins) and \
                 ins[n + 1].opname == "LOAD_ATTR" and _method(ins[n + 1]) is None:
             path.append(Attr(ins[n + 1].argval))  # ``x.n += 1``: read, then written back
@@ -198,6 +202,11 @@ def appended_read(value: Any, paths: Iterable[tuple[Any, ...]], written: frozens
         for step in path:
             if isinstance(here, list) and id(here) in written:
                 return tuple(walked)  # an index or a slice of it
+            if step is _KEYS:  # a dict's keys (guarded with it, or where written); else all
+                found = None if type(here) is dict else _holding(here, written, _DEPTH, set())
+                if found is not None:
+                    return (*walked, *found)
+                break
             if isinstance(step, Call):
                 reads = _method_reads(here, step.name) if calls else None
                 found = _holding(here, written, _DEPTH, set()) if reads is None else \

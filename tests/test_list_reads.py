@@ -133,6 +133,12 @@ class Reached(nn.Module):
             self.holder.update(v)
         elif kind == "append to an attribute's list":  # export rebinds it to a copy
             self.history.append(v)
+        elif kind == "append through setdefault of a new key":  # made at the first step only
+            self.box.setdefault("new", []).append(v)
+        elif kind == "append after a membership test":
+            if "fresh" not in self.box:
+                self.box["fresh"] = []
+            self.box["fresh"].append(v)
         return loss
 
 
@@ -152,7 +158,8 @@ READS = {
 }
 APPENDS = ["append through get", "append through a key in a variable",
            "append through setdefault", "append to a held object's list",
-           "append in a held object's method", "append to an attribute's list"]
+           "append in a held object's method", "append to an attribute's list",
+           "append through setdefault of a new key", "append after a membership test"]
 
 
 @pytest.fixture(autouse=True)
@@ -189,7 +196,7 @@ def test_a_list_only_appended_to_however_reached_is_exact(kind, capture, capsys)
     torch.manual_seed(0)
     model = Reached(kind, capture)
     _three_steps(model, _lists, capsys, capture=capture)
-    grown = (model.box["seen"], model.holder.seen, model.history[2:])
+    grown = (*model.box.values(), model.holder.seen, model.history[2:])
     assert sum(len(seen) for seen in grown) == 3
 
 
