@@ -102,8 +102,8 @@ class Slot:
     key: str
     where: str
     library: bool = False  # an installed package's: guarded, never forward's state to replay
-    #: the constant keys the code read it through, other than to append or write (``()``:
-    #: itself, ``len(LOG)``): ``guards.unwritten`` refuses such a read of a list appended
+    #: the steps the code read it through, other than to append or write (``read_paths``;
+    #: ``()``: itself, ``len(LOG)``): ``guards.unwritten`` refuses such a read of a list appended
     reads: frozenset[tuple[Any, ...]] = frozenset()
 
 
@@ -121,7 +121,7 @@ class _Code:
     attributes: tuple[str, ...]
     inner: tuple[types.CodeType, ...]
     #: globals and closure variables read other than to append or write: name -> the
-    #: constant keys read through (``len(LOGS["seen"])``: ``("seen",)``; ``read_paths``)
+    #: steps read through (``len(LOGS["seen"])``: ``("seen",)``; ``read_paths``)
     reads: dict[str, frozenset[tuple[Any, ...]]] = field(default_factory=dict)
 
 

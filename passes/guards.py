@@ -50,7 +50,7 @@ from .guard_values import (
     user_defined,
 )
 from .python_state import MODULE_INTERNALS
-from .read_paths import at, path_after
+from .read_paths import Call, appended_read, path_after, shown
 from .whose_code import holds_state, user_code
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
@@ -78,8 +78,9 @@ class Guard:
     contents: Any = None  # a container or object: its fingerprint (guard_values.py)
     reached: frozenset[int] = frozenset()  # the containers and objects that fingerprint read
     entries: Any = None  # an installed package's container, the same one: its entries
-    #: the paths of constant keys (``()``: itself) through which forward read it other than
-    #: to append or write (``len(self.box["seen"])``: ``("seen",)``), checked by ``unwritten``
+    #: the paths (``read_paths``: constant keys, ``.get``, attributes, a method called;
+    #: ``()``: itself) through which forward read it other than to append or write
+    #: (``len(self.box["seen"])``: ``("seen",)``), checked by ``unwritten``
     reads: frozenset[tuple[Any, ...]] = frozenset()
     opaque: frozenset[int] = frozenset()  # inside ``contents``: forward writes them, by id
 
@@ -226,9 +227,13 @@ def _recording(cls: type) -> type:
                         # fx holds it as a constant, so a new one (a replayed write) recompiles
                         sink.setdefault(key, Guard(self, name, value, identity=True))
                     elif callable(value) and holds_state(value):  # a schedule object
+                        path = _read_path(sys._getframe(1))
+                        if path is not None:
+                            _LOCAL.paths.setdefault(key, set()).add(path)
                         _callable_object(sink, self, name, value)
-                elif name not in own and plain(value) and key not in _LOCAL.written:
-                    _class_attribute(sink, self, name, value)
+                elif name not in own and key not in _LOCAL.written and (plain(value) or isinstance(
+                        value, (dict, list, set)) or plain_object(value)):  # ``self.LOG``, too
+                    _class_attribute(sink, self, name, value, _read_path(sys._getframe(1)))
             return value
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
@@ -248,17 +253,23 @@ def _recording(cls: type) -> type:
 
 
 def _read_path(frame: types.FrameType) -> tuple[Any, ...] | None:
-    """The constant keys through which the attribute ``frame`` loads now is read
-    (``self.box["seen"]`` then anything: ``("seen",)``), or None where what it leads to is
-    only appended to (``.append``, ``.extend``) or written (``self.stats["k"] = v``, ``+=``:
-    guarded where written). Worked out once per code object."""
+    """The steps through which the attribute ``frame`` loads now is read
+    (``self.box["seen"]`` then anything: ``("seen",)``; ``read_paths``), or None where what
+    it leads to is only appended to (``.append``, ``.extend``) or written
+    (``self.stats["k"] = v``, ``+=``: guarded where written); loaded to be called
+    (``self.schedule(t)``): what its ``__call__`` reads. Worked out once per code object."""
     code = frame.f_code
     after = _NEXT.get(code)
     if after is None:
         ins = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
-        after = _NEXT[code] = {a.offset: path_after(ins, n + 1) for n, a in enumerate(ins)
-                               if a.opname == "LOAD_ATTR"}
+        after = _NEXT[code] = {a.offset: (_CALLED if a.opname == "LOAD_METHOD" or (
+            a.opname == "LOAD_ATTR" and sys.version_info >= (3, 12) and (a.arg or 0) & 1)
+            else path_after(ins, n + 1)) for n, a in enumerate(ins)
+            if a.opname in ("LOAD_ATTR", "LOAD_METHOD")}
     return after.get(frame.f_lasti, ())
+
+
+_CALLED = (Call("__call__"),)
 
 
 _NEXT: dict[types.CodeType, dict[int, Any]] = {}
@@ -279,15 +290,19 @@ def _callable_object(sink: dict[tuple[int, str], Guard], module: Any, name: str,
             sink.setdefault((id(value), attr), replace(guard, contents=_PENDING))
 
 
-def _class_attribute(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any
-                     ) -> None:
-    """``self.SCALE`` read from the class of the user's that defines it: guarded there, and
-    against an instance attribute that would shadow it."""
+def _class_attribute(sink: dict[tuple[int, str], Guard], module: Any, name: str, value: Any,
+                     path: tuple[Any, ...] | None) -> None:
+    """``self.SCALE`` read from the class of the user's that defines it: guarded there (a
+    container by its contents, ``path``: how it was read), and against an instance
+    attribute that would shadow it."""
     owner = next((c for c in type(module).__mro__[1:] if name in vars(c)), None)
     if owner is not None and vars(owner)[name] is value and \
             user_code(getattr(sys.modules.get(owner.__module__), "__file__", None)):
-        sink.setdefault((id(owner), name), Guard(owner, name, value,
-                                                 where=f"{owner.__name__}.{name}"))
+        guard = Guard(owner, name, value, where=f"{owner.__name__}.{name}")
+        if not plain(value) and path is not None:
+            _LOCAL.paths.setdefault((id(owner), name), set()).add(path)
+        sink.setdefault((id(owner), name), guard if plain(value) else
+                        replace(guard, contents=_PENDING))
         sink.setdefault((id(module), name), Guard(module, name, _MISSING, identity=True,
                                                   where=f"{type(module).__name__}.{name}"))
 
@@ -400,18 +415,18 @@ def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, 
     that holds such a container keeps its guard, with that container by identity."""
     done = []
     for guard in guards:
+        read = appended_read(guard.value, guard.reads, written) if guard.reads else None
+        if read is not None:
+            name = (guard.where or f"self.{guard.name}") + shown(read)
+            raise CaptureError(
+                f"forward reads {name}, a list it also appends to, other than to append "
+                "(its length, an index, a loop over it; or through what mbcompile cannot "
+                "follow: a key held in a variable, a function given what holds it); the "
+                "trace fixed what it read there, which eager reads afresh on every call. "
+                "Fix: keep a count in a number attribute (self.seen += 1 is guarded), or "
+                "read the list outside forward; nothing was changed")
         if guard.contents is _PENDING:
             image, reached = fingerprint(guard.value)
-            read = next((p for p in guard.reads if id(at(guard.value, p)) in written and
-                         isinstance(at(guard.value, p), list)), None)
-            if read is not None:
-                name = (guard.where or f"self.{guard.name}") + "".join(f"[{k!r}]" for k in read)
-                raise CaptureError(
-                    f"forward reads {name}, a list it also appends to, other than to append "
-                    "(its length, an index, a loop over it); the trace fixed what it read "
-                    "there, which eager reads afresh on every call. Fix: keep a count in a "
-                    "number attribute (self.seen += 1 is guarded), or read the list outside "
-                    "forward; nothing was changed")
             if id(guard.value) in written:
                 continue
             if reached & written:  # what it holds beside them is guarded: by id only

@@ -7,7 +7,8 @@ Python objects (``self.last = loss.detach()``, ``self.stats["loss"] = ...``,
 ``Snapshot`` records, before the trace, every module's attributes, parameter, buffer and
 submodule slots and hook dictionaries, and the contents of every plain container
 (dict, list, set, deque; tuples are looked into) and plain object (a dataclass, a
-config) reachable from them, each by identity; ``changes`` lists what differs after the
+config) reachable from them or held by a module's class of the user's (``LOG = []`` in
+the class body), each by identity; ``changes`` lists what differs after the
 trace, and ``restore`` puts everything back as it was, in place, whatever happened.
 
 Before (forward ran ``self.history.append(o.detach())`` under fx)::
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .whose_code import holds_state
+from .whose_code import holds_state, user_code, user_instance
 
 __all__ = ["DELETED", "MODULE_INTERNALS", "REWIRED", "Change", "Snapshot", "python_state_kept"]
 
@@ -102,6 +104,12 @@ class Snapshot:
         for key, value in own.items():
             if key not in MODULE_INTERNALS:
                 self._visit(value, ".".join(filter(None, (path, key))))
+        for cls in type(mod).__mro__:  # ``self.LOG`` a list the class holds: shared state
+            if user_code(getattr(sys.modules.get(cls.__module__), "__file__", None)):
+                for key, value in vars(cls).items():
+                    if not key.startswith("__") and (isinstance(
+                            value, (dict, list, set, collections.deque)) or user_instance(value)):
+                        self._visit(value, f"the class attribute {cls.__name__}.{key}")
 
     def _visit(self, value: Any, path: str) -> None:
         if id(value) in self.saved or len(self.saved) >= _LIMIT:
@@ -146,7 +154,8 @@ class Snapshot:
                 found.append(Change("item", owner, key, now, path, before))
         for mod, path, own, _ in self.modules:
             found.extend(_mapping_changes("attr", mod, mod.__dict__, own, path,
-                                          skip=MODULE_INTERNALS | _torch_caches(mod)))
+                                          skip=MODULE_INTERNALS | _torch_caches(mod),
+                                          saved=self.saved))
         for obj, path, copy in self.saved.values():
             if isinstance(obj, dict):
                 found.extend(_mapping_changes("item", obj, obj, copy, path))
@@ -297,18 +306,36 @@ def _torch_caches(mod: nn.Module) -> frozenset[str]:
 
 
 def _mapping_changes(kind: str, owner: Any, now: Mapping[Any, Any], before: Mapping[Any, Any],
-                     path: str, skip: frozenset[str] = frozenset()) -> Iterator[Change]:
+                     path: str, skip: frozenset[str] = frozenset(),
+                     saved: Mapping[int, tuple[Any, str, Any]] | None = None) -> Iterator[Change]:
+    """The keys set and deleted; a module's list or dict that torch.export's non-strict
+    trace put back as a copy of what it held before forward (``_rebuilt``) is no change:
+    the snapshot puts the user's own back, and forward's appends to it are replayed."""
     def where(key: Any) -> str:
         if kind == "item":
             return f"{path}[{key!r}]"
         return ".".join(filter(None, (path, str(key))))
 
     for key, value in now.items():
-        if key not in skip and not _same(before.get(key, _MISSING), value):
+        if key not in skip and not _same(before.get(key, _MISSING), value) and \
+                not (saved is not None and _rebuilt(before.get(key, _MISSING), value, saved)):
             yield Change(kind, owner, key, value, where(key), before.get(key, DELETED))
     for key in before:
         if key not in skip and key not in now:
             yield Change(kind, owner, key, DELETED, where(key), before[key])
+
+
+def _rebuilt(old: Any, new: Any, saved: Mapping[int, tuple[Any, str, Any]]) -> bool:
+    """``new`` a list or dict of the very items ``old`` held when the snapshot was taken
+    (or of such copies of the lists and dicts it held: export copies them all)."""
+    if old is new:
+        return True
+    if type(old) is not type(new) or type(old) not in (list, dict) or id(old) not in saved:
+        return False
+    copy = saved[id(old)][2]
+    if isinstance(new, dict):
+        return list(new) == list(copy) and all(_rebuilt(copy[k], new[k], saved) for k in copy)
+    return len(new) == len(copy) and all(_rebuilt(a, b, saved) for a, b in zip(copy, new))
 
 
 def _same(old: Any, new: Any) -> bool:

@@ -279,10 +279,13 @@ def record_effects(changes: Sequence[Change], prints: Sequence[PrintCall | Level
                 "mbcompile cannot replay it exactly. Fix: append to a list (or set a dict "
                 "key) in forward, or change the container outside forward")
         value = None if change.value is DELETED else rec.held(change.value, f"to {what}")
-        if change.kind != "extend" and (value is None or not value.traced) and \
+        if change.kind != "extend" and (value is None or not value.traced or (
+                change.before is DELETED and isinstance(change.value, (list, dict)))) and \
                 not isinstance(change.owner, nn.Module):
             # a plain value written into a container or object may be computed from the one
-            # it replaces (a counter in a dict): exact only while that one is as traced
+            # it replaces (a counter in a dict): exact only while that one is as traced; so
+            # may a list forward put where there was none (``d.setdefault("k", []).append``):
+            # while the key is missing (then compiled again, appending to the one there)
             guards.append(written_guard(change.owner, change.key,
                                         MISSING if change.before is DELETED else change.before,
                                         change.kind == "item", what))
