@@ -58,13 +58,13 @@ from .guards import (
     numbers_as_inputs,
     read_number,
     recorded_reads,
-    slot_guards,
     unrecorded,
     unwritten,
 )
 from .output_spec import OutputSpec, flatten_output
 from .python_state import Change, python_state_kept
 from .side_effects import NO_EFFECTS, Effects, prints_recorded, record_effects
+from .slot_guards import slot_guards
 from .sources import source_line, user_frame
 
 __all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",

@@ -10,7 +10,7 @@ the functions, classes and modules it names, their closures, recursively; torch'
 mbcompile's, Python's own and installed packages' code is not entered) and takes each
 global and closure variable they name as a ``Slot``: recorded by the capture's ``Snapshot``
 before the trace (so a write is put back, then replayed once per step: ``side_effects.py``)
-and guarded after it (``guards.slot_guards``). A walk of the code, not of one run, so a
+and guarded after it (``slot_guards.slot_guards``). A walk of the code, not of one run, so a
 global read in a branch not taken is guarded too (a change compiles again, needlessly but
 exactly).
 

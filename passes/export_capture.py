@@ -68,11 +68,12 @@ from .forward_modes import (
     inference_mode_as_no_grad,
 )
 from .generators import generators_made_refused, generators_of
-from .guards import recorded_reads, slot_guards, unwritten
+from .guards import recorded_reads, unwritten
 from .keyword_view import keyword_view
 from .output_spec import flatten_output
 from .python_state import python_state_kept
 from .side_effects import prints_recorded, record_effects, refuse_tensors
+from .slot_guards import slot_guards
 from .state_updates import has_mutations, mutates
 
 __all__ = ["EXPORT_ASSERTIONS", "export_capture"]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dis
-import io
 import sys
 import threading
 import types
@@ -42,20 +41,17 @@ import torch.nn as nn
 from .errors import CaptureError
 from .guard_values import (
     ATOMS,
-    Unguardable,
     entries_of,
     fingerprint,
     plain_object,
     shadowable_methods,
-    user_defined,
 )
 from .python_state import MODULE_INTERNALS
 from .read_paths import Call, appended_read, path_after, shown
 from .whose_code import holds_state, user_code
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
-           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "slot_guards",
-           "unrecorded",
+           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "unrecorded",
            "unwritten", "written_guard"]
 
 _MISSING = object()
@@ -201,7 +197,11 @@ def _recording(cls: type) -> type:
         return cls
     if cls not in _RECORDING:
         def __getattribute__(self: Any, name: str) -> Any:
-            value = super(sub, self).__getattribute__(name)
+            try:
+                value = super(sub, self).__getattribute__(name)
+            except AttributeError:  # ``hasattr(self, "first")``: guarded missing
+                _missing_read(self, name)
+                raise
             sink = getattr(_LOCAL, "sink", None)
             if sink is not None and not name.startswith("__") and name not in MODULE_INTERNALS:
                 own = object.__getattribute__(self, "__dict__")
@@ -307,6 +307,17 @@ def _class_attribute(sink: dict[tuple[int, str], Guard], module: Any, name: str,
                                                   where=f"{type(module).__name__}.{name}"))
 
 
+def _missing_read(obj: Any, name: str) -> None:
+    """``hasattr(self, "x")`` of an attribute ``obj`` lacks (nor a parameter, buffer or
+    submodule): guarded missing, so a lazy ``self.x = ...`` in forward compiles again once."""
+    sink, own = getattr(_LOCAL, "sink", None), object.__getattribute__(obj, "__dict__")
+    if sink is not None and not name.startswith("__") and name not in MODULE_INTERNALS and \
+            name not in own and (id(obj), name) not in _LOCAL.written and not any(
+            name in own.get(slots, ()) for slots in ("_parameters", "_buffers", "_modules")):
+        sink.setdefault((id(obj), name), Guard(obj, name, _MISSING, identity=True,
+                                               where=f"{type(obj).__name__}.{name}"))
+
+
 @contextlib.contextmanager
 def recorded_reads(model: nn.Module, model_name: str = "",
                    as_input: Callable[[NumberInput], Any] | None = None,
@@ -356,54 +367,6 @@ def recorded_reads(model: nn.Module, model_name: str = "",
         # one); the globals it reads: ``slot_guards``
         guards.extend(Guard(m, n, _MISSING, identity=True, where=f"{type(m).__name__}.{n}")
                       for m, n in shadowable_methods(model))
-
-
-def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
-    """The guards of the globals and closure variables forward's code reached
-    (``code_reach.Slot``: ``owner[key]``), taken as the user holds them: a plain value by
-    value, a container or plain object by its fingerprint (``unwritten`` takes it), a tensor,
-    a generator, a function, class or module of the user's by identity. A file object, a
-    numpy array or a module outside the model are refused: what forward reads of them would
-    be baked in unguarded. Anything else (torch's functions, a logger) is not guarded."""
-    guards = []
-    for slot in slots:
-        value = slot.owner.get(slot.key, _MISSING)
-        if value is _MISSING:
-            continue
-        guard = Guard(slot.owner, slot.key, value, item=True, where=slot.where,
-                      reads=slot.reads)
-        if plain(value):
-            guards.append(guard)
-        elif slot.library:  # an installed package's container (its entries) or object
-            guards.append(replace(guard, entries=_entries(value, slot.where, model_name))
-                          if isinstance(value, (dict, list, tuple, set, frozenset))
-                          else replace(guard, identity=True))
-        elif holds_state(value) and not callable(value):
-            guards.append(replace(guard, contents=_PENDING))
-        elif isinstance(value, (torch.Tensor, torch.Generator)) or user_defined(value) or \
-                holds_state(value):  # a callable object's attributes are slots of their own
-            guards.append(replace(guard, identity=True))
-        elif isinstance(value, (io.IOBase, nn.Module)) or \
-                type(value).__module__.startswith("numpy"):  # an array, a numpy generator
-            raise CaptureError(
-                f"{model_name}.forward reads {slot.where}, a {type(value).__name__} that is not "
-                "part of the model; what forward reads of it would be fixed at compile time. "
-                "Fix: make it a submodule or buffer of the model (a module, an array), or "
-                "keep the file outside forward")
-    return guards
-
-
-def _entries(value: Any, where: str, model_name: str) -> Any:
-    """``entries_of(value)``, or the ``CaptureError`` that says why it cannot be guarded."""
-    try:
-        return entries_of(value)
-    except Unguardable as exc:
-        raise CaptureError(
-            f"{model_name}.forward reads {where}, an installed package's container that "
-            f"holds {exc}; a change in place there could not be seen, so what forward "
-            "reads of it would be fixed at compile time. Fix: keep what forward reads of it "
-            "flatter (plain values, functions, classes), or read it outside forward and "
-            "pass the value in; nothing was changed") from None
 
 
 def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, ...]:

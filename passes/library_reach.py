@@ -19,7 +19,7 @@ on its class and the installed functions it names, and takes as slots:
   what cannot be compared so is refused at compile), and never taken as forward's own
   state to replay.
 
-Each guard is checked on every call (``guards.slot_guards``): a change compiles again, with
+Each guard is checked on every call (``slot_guards.slot_guards``): a change compiles again, with
 a ``RecompileWarning`` that names it. A logger (a class of Python's own) is not looked into.
 
 Example: ``modeling_x.py`` holds ``SCALE = 2.0`` and ``XModel.forward`` returns

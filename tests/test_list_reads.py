@@ -225,3 +225,37 @@ def test_a_list_the_class_holds_is_appended_once_per_step_and_its_table_guarded(
         appended = Reached.LOG[-1]
         assert torch.allclose(torch.as_tensor(appended), loss.detach()) if capture == "fx" \
             else appended == 1.0
+
+
+class LazyInit(nn.Module):
+    """State forward makes on its first call: ``hasattr`` and ``getattr`` with a default of
+    an attribute that is missing at compile, guarded as missing (compiled again once it
+    exists, as eager then takes the other branch), and a ``setdefault`` into the dict it made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.a(x), y)
+        if not hasattr(self, "first"):
+            self.first = loss.detach()
+        self.box = getattr(self, "box", {})
+        self.box.setdefault("k", loss.detach())
+        return loss
+
+
+def test_state_made_lazily_on_the_first_call_is_kept_as_eager_keeps_it(capsys):
+    """``first`` and ``box["k"]`` hold the first step's loss after every step, as in eager
+    (they were written again with each step's loss). Under torch.export the tensor written
+    to an attribute is refused, with nothing made."""
+    def state(m: nn.Module) -> Any:
+        return getattr(m, "first", None), getattr(m, "box", None)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.RecompileWarning)
+        _three_steps(LazyInit(), state, capsys)
+    model = LazyInit()
+    with pytest.raises(mbcompile.CaptureError, match="writes a tensor to first"):
+        _compile(model, _batch(), capture="export")
+    assert not hasattr(model, "first") and not hasattr(model, "box")
