@@ -120,8 +120,11 @@ def _check_like_example(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[
     inputs: Inputs = cm._inputs
     shared = [i for i, name in enumerate(inputs.names) if name in bound.arguments]
     names = tuple(inputs.names[i] for i in shared)
+    # the symbolic dims too: the example's layout marks them ANY, so without them a call
+    # at the example's own length would read as another length
     check_layout(Inputs(names, tuple(inputs.in_dims[i] for i in shared),
-                        {n: v for n, v in inputs.concrete.items() if n in names}),
+                        {n: v for n, v in inputs.concrete.items() if n in names},
+                        {n: v for n, v in inputs.symbolic.items() if n in names}),
                  [bound.arguments[n] for n in names], tuple(cm._layout[i] for i in shared),
                  cm._request.options.dynamic)
 

@@ -149,6 +149,20 @@ def test_a_keyword_variant_names_the_users_example_and_keeps_the_length_symbolic
     assert variant._request.inputs.symbolic == {"x": {1: (None, None)}}
 
 
+def test_a_keyword_variant_keeps_the_dims_dynamic_names_symbolic():
+    """The keyword variant's check against the example keeps the dims a ``dynamic`` dict
+    names symbolic: a call at the example's own length was refused as 'not symbolic'
+    (T5 under compile()'s Trainer keyword, whose plain call is such a variant)."""
+    torch.manual_seed(0)
+    model = KeywordNet().to(DTYPE)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, cost_model=False, dynamic={"x": [1]},
+                           example_inputs=(torch.randn(GBS, 5, 3, dtype=DTYPE),))
+    scale = torch.tensor(2.0, dtype=DTYPE)
+    caught = _steps(model, cm, [{"x": torch.randn(GBS, n, 3, dtype=DTYPE), "scale": scale}
+                                for n in (5, 6)])
+    assert len(_recompiles(caught)) == 1, caught  # the keyword's variant only
+
+
 # --------------------------------------------------------------------------- #
 # recompute, a two-phase step, torch.compile
 # --------------------------------------------------------------------------- #
