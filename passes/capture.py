@@ -302,7 +302,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
             node.stack_trace = user_stack(node.stack_trace)
     return CaptureResult(gm, tracer.output_spec, concrete_args,
                          guards=(*unwritten((*guards, *slot_guards(reach.slots, name)),
-                                            effects.written), *effects.guards),
+                                            effects.written, effects.keys_set()), *effects.guards),
                          effects=effects)
 
 

@@ -429,5 +429,6 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     gm = fx.GraphModule(root, graph, type(model).__name__)
     generators_made_refused(gm, [*generators_of(model), *(s.owner.get(s.key) for s in reach.slots)],
                             type(model).__name__)
-    guards = (*unwritten((*guards, *read), effects.written), *effects.guards)
+    guards = (*unwritten((*guards, *read), effects.written, effects.keys_set()),
+              *effects.guards)
     return CaptureResult(gm, spec, concrete, "export", guards, effects)

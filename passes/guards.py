@@ -31,7 +31,7 @@ import dis
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,7 +47,7 @@ from .guard_values import (
     shadowable_methods,
 )
 from .python_state import MODULE_INTERNALS
-from .read_paths import Call, appended_read, path_after, shown
+from .read_paths import Call, Get, appended_read, path_after, shown
 from .whose_code import holds_state, user_code
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
@@ -369,13 +369,17 @@ def recorded_reads(model: nn.Module, model_name: str = "",
                       for m, n in shadowable_methods(model))
 
 
-def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, ...]:
+def unwritten(guards: Sequence[Guard], written: frozenset[int],
+              keys_set: Mapping[int, set[Any]] | None = None) -> tuple[Guard, ...]:
     """``guards`` with the containers and objects forward read fingerprinted as the user
     holds them (called after the capture put back its state), without those forward
     itself writes (``written``: their ids): their new contents come from forward, replayed
     each step (``side_effects.py``), a key it reads there is guarded where it is written
     (``written_guard``), and the others beside it (``side_effects._unwritten_keys``). One
-    that holds such a container keeps its guard, with that container by identity."""
+    that holds such a container keeps its guard, with that container by identity. A key
+    forward sets (``keys_set``: by the dict's id) where it was missing, in a dict forward
+    also looks keys up in (``.setdefault``, ``.get``), is guarded missing: the write may
+    depend on the absence (``setdefault`` keeps the first value; compiled again once set)."""
     done = []
     for guard in guards:
         read = appended_read(guard.value, guard.reads, written) if guard.reads else None
@@ -391,6 +395,7 @@ def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, 
         if guard.contents is _PENDING:
             image, reached = fingerprint(guard.value)
             if id(guard.value) in written:
+                done.extend(_set_where_missing(guard, (keys_set or {}).get(id(guard.value))))
                 continue
             if reached & written:  # what it holds beside them is guarded: by id only
                 opaque = reached & written
@@ -401,4 +406,16 @@ def unwritten(guards: Sequence[Guard], written: frozenset[int]) -> tuple[Guard, 
     return tuple(done)
 
 
+def _set_where_missing(guard: Guard, keys: set[Any] | None) -> list[Guard]:
+    """``keys`` forward sets in ``guard``'s dict that are missing there, guarded missing where
+    forward also looks keys up in it (``unwritten``)."""
+    if not keys or type(guard.value) is not dict or not any(
+            path and (isinstance(path[0], Get) or path[0] in _LOOKED_UP) for path in guard.reads):
+        return []
+    where = guard.where or f"self.{guard.name}"
+    return [written_guard(guard.value, key, _MISSING, True, f"{where}[{key!r}]")
+            for key in keys if key not in guard.value]
+
+
+_LOOKED_UP = (Call("setdefault"), Call("get"))
 _PENDING = object()  # a fingerprint to take once the capture is over

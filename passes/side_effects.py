@@ -153,6 +153,14 @@ class Effects:
     def __bool__(self) -> bool:
         return bool(self.records)
 
+    def keys_set(self) -> dict[int, set[Any]]:
+        """The keys forward sets, by the id of the dict (or other container) it sets them in."""
+        keys: dict[int, set[Any]] = {}
+        for record in self.records:
+            if isinstance(record, SetItem) and record.value is not None:
+                keys.setdefault(id(record.owner), set()).add(record.key)
+        return keys
+
 
 NO_EFFECTS = Effects()
 

@@ -227,6 +227,28 @@ def test_a_list_the_class_holds_is_appended_once_per_step_and_its_table_guarded(
             else appended == 1.0
 
 
+class FirstKept(nn.Module):
+    """``setdefault`` of a tensor into a dict made in ``__init__``: eager keeps the first
+    step's loss; the key, missing at compile, is guarded missing (compiled again once set).
+    ``stats["last"]`` beside it is set at every step, as eager does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.box, self.stats = nn.Linear(4, 3), {}, {}
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.a(x), y)
+        self.box.setdefault("first", loss.detach())
+        self.stats["last"] = loss.detach()
+        return loss
+
+
+def test_a_tensor_put_by_setdefault_keeps_the_first_value_as_eager(capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.RecompileWarning)
+        _three_steps(FirstKept(), lambda m: (m.box, m.stats), capsys)
+
+
 class LazyInit(nn.Module):
     """State forward makes on its first call: ``hasattr`` and ``getattr`` with a default of
     an attribute that is missing at compile, guarded as missing (compiled again once it
