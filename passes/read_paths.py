@@ -187,6 +187,7 @@ def _subscript(ins: dis.Instruction) -> bool:
 
 
 _ABSENT, _OPEN = object(), object()  # no such key; a step that cannot be followed exactly
+_DEEPER = object()  # what a value holds below the depth searched
 _DEPTH, _CALLS = 16, 8  # how deep a value read whole is searched; methods followed in turn
 
 
@@ -294,11 +295,14 @@ def _follow(value: Any, step: Any) -> Any:
 def _holding(value: Any, written: frozenset[int], depth: int, seen: set[int]
              ) -> tuple[Any, ...] | None:
     """The steps to a list in ``written`` that ``value`` is or holds (in dicts, lists,
-    tuples, plain objects and the user's objects, ``depth`` levels down), or None."""
+    tuples, plain objects and the user's objects, ``depth`` levels down), or None; a
+    container below that depth may hold one, so it ends a path (``_DEEPER``)."""
     if isinstance(value, list) and id(value) in written:
         return ()
-    if depth == 0 or id(value) in seen or isinstance(value, ATOMS):
+    if not written or id(value) in seen or isinstance(value, ATOMS):
         return None
+    if depth == 0:  # deeper than searched: it may hold one (refused, not missed)
+        return (_DEEPER,) if isinstance(value, (dict, list, tuple)) or _object(value) else None
     seen.add(id(value))
     if isinstance(value, dict):
         items: Iterable[tuple[Any, Any]] = value.items()
@@ -321,6 +325,8 @@ def shown(path: tuple[Any, ...]) -> str:
 
 
 def _shown(step: Any) -> str:
+    if step is _DEEPER:
+        return f" (more than {_DEPTH} levels down)"
     if isinstance(step, Attr):
         return f".{step.name}"
     return f"[{(step.key if isinstance(step, Get) else step)!r}]"

@@ -281,3 +281,33 @@ def test_state_made_lazily_on_the_first_call_is_kept_as_eager_keeps_it(capsys):
     with pytest.raises(mbcompile.CaptureError, match="writes a tensor to first"):
         _compile(model, _batch(), capture="export")
     assert not hasattr(model, "first") and not hasattr(model, "box")
+
+
+def _lengths(value: Any) -> int:
+    """The lengths of the lists ``value`` holds, however deep."""
+    if isinstance(value, list):
+        return len(value)
+    return sum(_lengths(v) for v in value.values()) if isinstance(value, dict) else 0
+
+
+class Deep(nn.Module):
+    """A list forward appends to, held 20 levels down in a dict a function reads whole:
+    deeper than the search goes, so refused (it was missed: the trace fixed its length)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.log = nn.Linear(4, 3), []
+        self.deep: dict[str, Any] = {"log": self.log}
+        for _ in range(20):
+            self.deep = {"inner": self.deep}
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.log.append(1.0)
+        return F.mse_loss(self.a(x), y) * (1 + _lengths(self.deep))
+
+
+def test_a_list_held_deeper_than_the_search_is_refused():
+    model = Deep()
+    with pytest.raises(mbcompile.CaptureError, match="more than 16 levels down"):
+        _compile(model, _batch())
+    assert model.log == []
