@@ -60,6 +60,11 @@ def main(out: Path) -> None:
         "backend": cm.backend, "world": dist.get_world_size(), "loss_diff": loss_diff,
         "param_diff": param_diff, "identical": identical,
         "mbs": cm.plan.mbs, "sizes": list(cm.plan.per_system_batch_sizes)}))
+    # every rank done before any leaves: a rank that destroys its group while another's gloo
+    # threads still use the connections can make that one abort at exit ("terminate called
+    # without an active exception", seen once in CI), as mbcompile's own fit avoids
+    # (``world.leave_launcher_group``)
+    dist.barrier()
     dist.destroy_process_group()
 
 
