@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from .capture import FSDP_PARAM
 from .facts import FACT, SHAPES, Batched
 from .hook_sandbox import hooks_sandboxed
+from .hook_tables import emptied
 from .loss_shapes import needs_shape_twins, shape_twins
 
 __all__ = ["FakeProbe", "fake_copy", "holds_no_data", "resize_batch", "shaped_like"]
@@ -235,29 +236,10 @@ class FakeProbe(fx.Interpreter):
             module.momentum = 0.0
         # a layer's hooks on made-up data: they change nothing; its backward hooks are not
         # attached at all (they would run after the block, on fake gradients, unwatched)
-        with hooks_sandboxed(module), backward_hooks_hidden(module):
+        with hooks_sandboxed(module), emptied((module._backward_pre_hooks,
+                                               module._backward_hooks)):
             return torch.func.functional_call(module, self.state(module), tuple(args),
                                               dict(kwargs))
-
-
-@contextlib.contextmanager
-def backward_hooks_hidden(module: nn.Module) -> Iterator[None]:
-    """``module`` called with no backward hook of its own attached: torch attaches them at
-    the call (``register_full_backward_hook``, ``_pre_hook``) and runs them in a backward
-    that comes after any block around the call, which a probe on made-up data runs. Each
-    table is emptied in place and refilled, in its order, after the call."""
-    tables = [t for t in (module._backward_pre_hooks, module._backward_hooks) if t]
-    saved = [dict(t) for t in tables]
-    for t in tables:
-        t.clear()
-    try:
-        yield
-    finally:
-        for t, before in zip(tables, saved):
-            added = dict(t)
-            t.clear()
-            t.update(before)
-            t.update(added)
 
 
 def _cumulative_batch_norm(module: nn.Module) -> bool:

@@ -30,6 +30,8 @@ from typing import Any
 
 from torch.nn.modules import module as module_globals
 
+from .hook_tables import refill
+
 __all__ = ["BACKWARD", "FORWARD", "forward_hooks", "hidden", "shown", "tables"]
 
 #: torch's tables of global module hooks, by kind
@@ -53,10 +55,7 @@ def hidden() -> Iterator[None]:
     finally:
         _stashed.pop()
         for table, before in zip(tables, saved):
-            added = dict(table)
-            table.clear()
-            table.update(before)
-            table.update(added)
+            refill(table, before)
 
 
 @contextlib.contextmanager
@@ -68,10 +67,7 @@ def shown() -> Iterator[None]:
         return
     saved = _stashed[-1]
     for table, before in zip(tables, saved):
-        added = dict(table)
-        table.clear()
-        table.update(before)
-        table.update(added)
+        refill(table, before)
     try:
         yield
     finally:

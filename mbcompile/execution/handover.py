@@ -18,13 +18,14 @@ eager (on an FSDP2-sharded model too, where FSDP calls them after its reduce-sca
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from mbcompile.execution.noise import estimate_noise_scale
 from mbcompile.passes.errors import MicrobatchError
+from mbcompile.passes.hook_tables import emptied
 
 __all__ = ["FusedStep", "hand_over", "hooks_aside"]
 
@@ -95,28 +96,15 @@ def _scale(grads: list[torch.Tensor], factor: torch.Tensor) -> torch.Tensor | No
     return None
 
 
-@contextlib.contextmanager
-def hooks_aside(params: Sequence[torch.Tensor]) -> Iterator[None]:
+def hooks_aside(params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
     """The user's post-accumulate-grad hooks and tensor hooks of ``params``, set aside (each
     hook dict emptied in place: autograd holds the dict) and put back in their order after
     the hooks mbcompile adds meanwhile and has not removed (``OverlappedReduce``'s). Both
     kinds then fire once per step, on the full gradient, in the caller's backward, as in
     eager: a parameter's tensor hook also ran once per microbatch before, and then again on
     the step's gradient (``weight.register_hook(lambda g: g * 0.5)`` scaled by 0.25)."""
-    saved = []
-    for p in params:
-        for hooks in (p._post_accumulate_grad_hooks, p._backward_hooks):
-            if hooks:
-                saved.append((hooks, dict(hooks)))
-                hooks.clear()
-    try:
-        yield
-    finally:
-        for hooks, user in saved:
-            added = dict(hooks)
-            hooks.clear()
-            hooks.update(user)
-            hooks.update(added)
+    return emptied(hooks for p in params
+                   for hooks in (p._post_accumulate_grad_hooks, p._backward_hooks))
 
 
 class FusedStep(torch.autograd.Function):
