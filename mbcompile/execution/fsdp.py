@@ -269,11 +269,9 @@ class ShardedStep:
         False: no round began (a call this rank refused), only those. Every gradient it
         adds is zero or wrong, and the step is rolled back anyway.
         """
-        if not started:
-            pass
-        elif in_backward:
+        if started and in_backward:
             self.finish_backward()
-        else:
+        elif started:
             self._finish_round()
         for last in rounds:
             self.sync(last)

@@ -81,8 +81,8 @@ class Seed:
             loss.register_hook(self.record)
 
     def record(self, g: torch.Tensor) -> None:
-        """Keep ``g`` as the next guess (a zero or non-finite one guesses 1 instead: a seed
-        of 0 would leave nothing to rescale). Device ops only."""
+        """Keep ``g`` as the next guess, as it is (the seed it gives is made usable:
+        ``seed``). No device op."""
         self._outer, self._found = g.detach(), None  # this step's: no halving is due
 
     def global_count(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int],
@@ -158,7 +158,7 @@ class Seed:
         """The step's gradients were not finite (``found`` > 0, on the device): a
         GradScaler lowers its scale by half before the next step, so the next guesses
         are half the last gradients (a wrong guess of a power of two rescales exactly)."""
-        self._found = found  # applied where a guess is read (``_guess``): no op now
+        self._found = found  # applied where a guess is read (``_halved``): no op now
 
     @property
     def outer(self) -> torch.Tensor | None:
