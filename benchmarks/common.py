@@ -158,7 +158,8 @@ def build_hf(arch: str, width: int = HF_WIDTH, gbs: int = HF_GBS, vocab: int | N
 
 # ------------------------------------------------------------------ the hand-written loop
 def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-              slices: Sequence[tuple[int, int]], keep_outputs: bool = True
+              slices: Sequence[tuple[int, int]], keep_outputs: bool = True,
+              scale: Callable[[torch.Tensor], torch.Tensor] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One training step as a user writes it: exact token weights, one microbatch alive.
 
@@ -169,12 +170,13 @@ def hand_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     compiled module, so both do the same work; logits are kept detached, as
     nothing backpropagates through them. ``keep_outputs=False`` drops each
     microbatch's logits instead and returns (loss, None): the loop to set beside
-    ``compile(..., outputs="loss")``.
+    ``compile(..., outputs="loss")``. ``scale``: what each part is backpropagated as (a
+    ``GradScaler``'s ``scale``).
     """
     loss = torch.zeros((), device=batch[0].device)
     outs = []
     for part, logits in _token_weighted(model, batch, slices):
-        part.backward()
+        (part if scale is None else scale(part)).backward()
         loss += part.detach()
         if keep_outputs:
             outs.append(logits.detach())

@@ -61,7 +61,7 @@ from common import (  # noqa: E402
 )
 
 import mbcompile  # noqa: E402
-from mbcompile.models import IGNORE_INDEX, TinyGPT, token_batch  # noqa: E402
+from mbcompile.models import TinyGPT, token_batch  # noqa: E402
 from mbcompile.planning.systems import get_system  # noqa: E402
 
 #: GPT-2 small's shape (124M parameters with its 50257-token vocabulary).
@@ -186,30 +186,31 @@ def float64_step(device: torch.device, steps: int = 2) -> dict[str, float]:
     ref = copy.deepcopy(model)
     batch = tuple(t.to(device) for t in token_batch(7, TINY["seq"], TINY["vocab"], seed=2))
     cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch)
+
+    def loss_of(m: Any) -> torch.Tensor:
+        out = m(*batch)
+        assert out[1].dtype == torch.float64  # the logits keep eager's dtype
+        return out[0]
+
+    return _against_eager(model, ref, cm, loss_of, steps)
+
+
+def _against_eager(model: torch.nn.Module, ref: torch.nn.Module, cm: Any, loss_of: Any,
+                   steps: int) -> dict[str, float]:
+    """``steps`` SGD steps of ``cm`` (compiled from ``model``) and of ``ref`` (eager, the
+    whole batch), ``loss_of(module)`` each step's loss: the largest relative loss and
+    gradient differences."""
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
     grad, loss = 0.0, 0.0
     for _ in range(steps):
-        ours, theirs = cm(*batch), ref(*batch)
-        ours[0].backward()
-        theirs[0].backward()
-        loss = max(loss, float((ours[0] - theirs[0]).detach().abs() / theirs[0].detach().abs()))
-        assert ours[1].dtype == theirs[1].dtype == torch.float64
+        ours, theirs = loss_of(cm), loss_of(ref)
+        ours.backward()
+        theirs.backward()
+        loss = max(loss, float((ours - theirs).detach().abs() / theirs.detach().abs()))
         for opt in opts:
             opt.step()
         grad = max(grad, _distance(_grads(model), _grads(ref)))
     return {"loss_rel": loss, "grad_rel": grad}
-
-
-def _hand_loop(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], mbs: int,
-               scale: Any = None) -> None:
-    """Accumulation as people write it: each microbatch's mean loss x its share of the
-    global count of counted tokens."""
-    ids, labels = batch
-    total = (labels != IGNORE_INDEX).sum()
-    for a in range(0, ids.size(0), mbs):
-        part = model(ids[a:a + mbs], labels[a:a + mbs])[0]
-        part = part * (labels[a:a + mbs] != IGNORE_INDEX).sum() / total
-        (part if scale is None else scale(part)).backward()
 
 
 def bf16_step(config: dict[str, int], device: torch.device, gbs: int = 16, mbs: int = 4
@@ -224,7 +225,7 @@ def bf16_step(config: dict[str, int], device: torch.device, gbs: int = 16, mbs: 
     with torch.autocast(device.type, dtype=torch.bfloat16):
         cm(*batch)[0].backward()
         ref(*batch)[0].backward()
-        _hand_loop(hand, batch, mbs)
+        hand_step(hand, batch, even_slices(gbs, 1, mbs), False)
     want = _grads(ref)
     return {"mbcompile": _distance(_grads(model), want), "hand_loop": _distance(_grads(hand), want)}
 
@@ -249,7 +250,7 @@ def fp16_scaler(config: dict[str, int], device: torch.device, steps: int = 12, g
                 model.head.weight.mul_(1e8 if step % 6 == 5 else 1.0)
             with torch.autocast(device.type, dtype=torch.float16):
                 if kind == "hand loop":
-                    _hand_loop(model, batch, mbs, scaler.scale)
+                    hand_step(model, batch, even_slices(gbs, 1, mbs), False, scaler.scale)
                 else:
                     scaler.scale(call(*batch)[0]).backward()
             scaler.step(opt)
@@ -275,17 +276,7 @@ def hf_float64(arch: str, device: torch.device, steps: int = 2) -> dict[str, flo
     batch = {k: v.to(device) for k, v in batch.items()}
     ref = copy.deepcopy(model)
     cm = mbcompile.compile(model, 7, 2, 2, example_kwargs=batch)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
-    grad, loss = 0.0, 0.0
-    for _ in range(steps):
-        ours, theirs = cm(**batch).loss, ref(**batch).loss
-        ours.backward()
-        theirs.backward()
-        loss = max(loss, float((ours - theirs).detach().abs() / theirs.detach().abs()))
-        for opt in opts:
-            opt.step()
-        grad = max(grad, _distance(_grads(model), _grads(ref)))
-    return {"loss_rel": loss, "grad_rel": grad}
+    return _against_eager(model, ref, cm, lambda m: m(**batch).loss, steps)
 
 
 def torch_compiled(config: dict[str, int], device: torch.device, rounds: int, gbs: int = 32,
