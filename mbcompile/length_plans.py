@@ -204,8 +204,6 @@ def _length_model(request: Request, selection: Selection, lowered: Lowered
     cost = selection.cost
     if cost is None:
         return f"no cost model ({selection.cost_error})"
-    if cost.shard:
-        return "FSDP2 is planned at the example's length only so far"
     key = repr(sorted((n, sorted(ds.items())) for n, ds in request.inputs.symbolic.items()))
     known = _LENGTHS.setdefault(cost, {})
     if key not in known:
@@ -284,8 +282,12 @@ def for_length(cm: nn.Module, values: Sequence[Any]) -> nn.Module:
         own = target._selection
         tokens = None if own.plan.tokens_per_sample is None or split.tokens is None else \
             int(values[split.tokens[0]].shape[split.tokens[1]])
+        estimate = own.estimate  # the figures at this call's length, where a model has them
+        if split.lengths is not None:
+            estimate = split.lengths.at(length - split.split.example_length).estimate(
+                own.plan.gbs, own.plan.num_csx, mbs, own.system)
         shown = split.shown[key] = dataclasses.replace(
-            own, plan=dataclasses.replace(own.plan, tokens_per_sample=tokens))
+            own, plan=dataclasses.replace(own.plan, tokens_per_sample=tokens), estimate=estimate)
     object.__setattr__(split, "last_length", length)
     object.__setattr__(cm, "_ran", (target, shown))
     return target

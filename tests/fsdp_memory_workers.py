@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import mbcompile
 from mbcompile.execution import distributed as mbdist
+from mbcompile.planning.systems import SystemSpec
 
 #: Wide enough that parameters, optimizer state and activations are megabytes each, so
 #: the allocator's small blocks (scalars, bookkeeping) are noise: one block is 2.1 MB of
@@ -66,10 +67,10 @@ def make_net() -> TokenMLP:
     return TokenMLP()
 
 
-def make_batch(gbs: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(gbs: int, seed: int = 1, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(gbs, SEQ, FEATURES, generator=g),
-            torch.randint(0, CLASSES, (gbs, SEQ), generator=g))
+    return (torch.randn(gbs, seq, FEATURES, generator=g),
+            torch.randint(0, CLASSES, (gbs, seq), generator=g))
 
 
 def shard(net: TokenMLP, reshard_after_forward: bool) -> TokenMLP:
@@ -213,17 +214,29 @@ SLACK = 512 * 1024  # bytes a clean step may leave besides its sharded gradients
 #                     free leaves a whole unit's buffer: 2.1 MB here)
 
 
+#: a memory budget that binds nothing here (``measure``'s ``length``: "auto" needs one to
+#: model the sharded step over lengths)
+AMPLE = SystemSpec("ample", memory_bytes=4e9, peak_flops=1e12, peak_flops_fp32=1e12,
+                   memory_bandwidth=1e11, optimizer_bytes_per_param=8)
+
+
 def measure(rank: int, world: int, gbs: int, mbs: int, reshard_after_forward: bool,
-            sync: str = "step") -> dict[str, Any]:
-    """This rank's measured and modelled peak of one Adam step (after a warm-up step)."""
+            sync: str = "step", length: int | None = None) -> dict[str, Any]:
+    """This rank's measured and modelled peak of one Adam step (after a warm-up step).
+    With ``length``: compiled at ``SEQ`` with the length symbolic and ``mbs="auto"``
+    (``mbs`` unused), stepped at ``length`` tokens: the model's figure is then its length
+    model's at the call's length."""
     net = shard(make_net(), reshard_after_forward)
     example = make_batch(gbs)
-    cm = mbcompile.compile(net, gbs, world, mbs, example_inputs=example,
-                           backend="torch.distributed",
-                           reshard_after_forward=reshard_after_forward, gradient_sync=sync)
+    varying = {} if length is None else {"dynamic": {"x": 1, "y": 1}, "system": AMPLE}
+    cm = mbcompile.compile(net, gbs, world, mbs if length is None else "auto",
+                           example_inputs=example, backend="torch.distributed",
+                           reshard_after_forward=reshard_after_forward, gradient_sync=sync,
+                           **varying)
     opt = torch.optim.Adam(net.parameters(), foreach=False)
     # this rank's share, as its own tensors (not views of the global batch)
-    batch = tuple(t.clone() for t in mbdist.shard(make_batch(gbs, seed=2), cm.plan, rank))
+    batch = tuple(t.clone() for t in mbdist.shard(
+        make_batch(gbs, seed=2, seq=length or SEQ), cm.plan, rank))
     del example
 
     def step() -> None:
@@ -255,7 +268,7 @@ def measure(rank: int, world: int, gbs: int, mbs: int, reshard_after_forward: bo
     gathers = comms.counts["all_gather"] // k  # per microbatch: 1 + DEPTH, or 1 + 2 * DEPTH
     root, blocks = unit_bytes(net)
     return {
-        "gbs": gbs, "mbs": mbs, "k": k, "world": world,
+        "gbs": gbs, "mbs": cm.plan.mbs, "k": k, "world": world, "length": length,
         "reshard_after_forward": reshard_after_forward, "gradient_sync": sync,
         "ran_reshard_after_forward": gathers == 1 + 2 * DEPTH,
         "plan_reshard_after_forward": cm.plan.reshard_after_forward,
@@ -272,9 +285,9 @@ def measure(rank: int, world: int, gbs: int, mbs: int, reshard_after_forward: bo
 
 
 def live_bytes(rank: int, world: int, out_dir: str,
-               configs: list[tuple[int, int, bool, str]]) -> None:
-    """``measure`` for each ``(gbs, mbs, reshard_after_forward, gradient_sync)``; saves
-    the list."""
+               configs: list[tuple[Any, ...]]) -> None:
+    """``measure`` for each ``(gbs, mbs, reshard_after_forward, gradient_sync[, length])``;
+    saves the list."""
     torch.set_num_threads(1)  # two ranks share the cores
     results = [measure(rank, world, *config) for config in configs]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -61,7 +61,10 @@ def _step(model: nn.Module, cm: Any, length: int) -> Any:
 @pytest.mark.slow
 def test_auto_cuts_each_call_by_its_length_exactly():
     model, cm = _gpt("auto", dynamic=True, system=BUDGET)
-    plans = {n: _step(model, cm, n) for n in (8, 40, 28, 16, EXAMPLE)}
+    plans, peaks = {}, {}
+    for n in (8, 40, 28, 16, 24, EXAMPLE):
+        plans[n] = _step(model, cm, n)
+        peaks[n] = cm.estimate.memory.peak  # the figures shown are the call's length's
     # a batch padded short runs in fewer microbatches than one padded long
     assert plans[8].num_microbatches < plans[28].num_microbatches < plans[40].num_microbatches
     split, lengths = cm._split.split, cm._split.lengths
@@ -71,6 +74,9 @@ def test_auto_cuts_each_call_by_its_length_exactly():
         fits = [m for m in plan.supported_mbs if lengths.at(n - EXAMPLE).memory(
             4, m, -(-4 // m), BUDGET).fits]
         assert plan.mbs == max(fits), (n, fits)
+        assert peaks[n] == lengths.at(n - EXAMPLE).memory(
+            4, plan.mbs, plan.num_microbatches, BUDGET).peak, n
+    assert plans[24].mbs == plans[28].mbs and peaks[24] < peaks[28]  # one MBS, two lengths
     # one module per split, made once: the example's own and two others
     assert sorted(k[1] for k in cm._variants if k[0] == "split") == \
         sorted({p.mbs for p in plans.values()} - {cm._selection.plan.mbs})
@@ -392,15 +398,18 @@ def test_a_token_budget_needs_token_ids():
 
 
 @pytest.mark.slow
-def test_each_rank_of_an_fsdp2_model_cuts_its_own_length_exactly(tmp_path):
-    """The tiny GPT sharded by FSDP2, a token budget: as above, each rank cuts its own length
-    (one microbatch at 8 tokens, four at 40), and the rank with fewer microbatches runs its
-    last one again with weight 0, so both issue FSDP's collectives in step (the same
-    all-gathers on both ranks). Every step equals eager's on the whole batch; a call one
-    rank refuses stops every rank with the gradients as they were, and they step on."""
+@pytest.mark.parametrize("policy", ["tokens", "auto"])
+def test_each_rank_of_an_fsdp2_model_cuts_its_own_length_exactly(tmp_path, policy):
+    """The tiny GPT sharded by FSDP2, a token budget or ``"auto"`` under a memory budget (the
+    length model of the sharded step: its parameters, gradients and optimizer state one
+    rank's shards): as above, each rank cuts its own length (one microbatch at 8 tokens,
+    four at 40), and the rank with fewer microbatches runs its last one again with weight 0,
+    so both issue FSDP's collectives in step (the same all-gathers on both ranks). Every
+    step equals eager's on the whole batch; a call one rank refuses stops every rank with
+    the gradients as they were, and they step on."""
     from test_distributed import _run
 
-    _run(token_split_workers.fsdp_split_steps, 2, str(tmp_path))
+    _run(token_split_workers.fsdp_split_steps, 2, str(tmp_path), policy)
     saved = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     ranks = [r["steps"] for r in saved]
     _check_rank_steps(ranks)
@@ -409,8 +418,15 @@ def test_each_rank_of_an_fsdp2_model_cuts_its_own_length_exactly(tmp_path):
     short, long, mixed = zip(*ranks)
     assert short[0]["microbatches"] < long[0]["microbatches"]
     assert mixed[0]["microbatches"] < mixed[1]["microbatches"]  # one step, two splits
+    if policy == "auto":  # each split the largest whose sharded peak fits at its length
+        budget = token_split_workers.POLICIES["auto"]["system"].usable_bytes
+        for rank in ranks:
+            assert all(0 < step["peak"] <= budget for step in rank), rank
+        assert short[0]["peak"] != long[0]["peak"]  # modelled at each call's length
     first, second = (r["refused"] for r in saved)
-    assert second["error"] == "PlanError" and "one sample has 64 tokens" in second["message"]
+    error, text = {"tokens": ("PlanError", "one sample has 64 tokens"),
+                   "auto": ("DoesNotFitError", "length 64 does not fit")}[policy]
+    assert second["error"] == error and text in second["message"], second
     assert first["error"] == "MicrobatchError" and "rank(s) [1] failed" in first["message"]
     assert first["unchanged"] and second["unchanged"]
     for r in range(2):

@@ -68,17 +68,18 @@ def split_steps(rank: int, world: int, out_dir: str, policy: str) -> None:
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def fsdp_split_steps(rank: int, world: int, out_dir: str) -> None:
+def fsdp_split_steps(rank: int, world: int, out_dir: str, policy: str = "tokens") -> None:
     """``split_steps``' steps with the tiny GPT sharded by FSDP2 (each block, then the root)
-    and a token budget: each rank cuts its own length, and the rank with fewer microbatches
-    runs its last one again with weight 0 so that both run FSDP's collectives in step.
-    Saves each step's loss, logits, full gradients and split, the collectives counted."""
+    and ``POLICIES[policy]``: each rank cuts its own length, and the rank with fewer
+    microbatches runs its last one again with weight 0 so that both run FSDP's collectives
+    in step. Saves each step's loss, logits, full gradients and split, the collectives
+    counted, and the modelled peak of the split at the call's length (None: no model)."""
     from fsdp_workers import Comms, shard
 
     model, _ = make_tiny_gpt(GBS, dtype=torch.float64, seq=64)
     net = shard(model)
     cm = mbcompile.compile(net, GBS, world, dynamic=True, backend="torch.distributed",
-                           **POLICIES["tokens"],
+                           **POLICIES[policy],
                            example_inputs=tuple(t[:, :EXAMPLE].contiguous() for t in step_batch(0)))
     steps = []
     for step, lengths in enumerate(LENGTHS):
@@ -91,7 +92,8 @@ def fsdp_split_steps(rank: int, world: int, out_dir: str) -> None:
         steps.append({"loss": loss.detach(), "logits": logits.detach(),
                       "grads": {n: p.grad.full_tensor() for n, p in net.named_parameters()},
                       "mbs": cm.plan.mbs, "microbatches": cm.plan.num_microbatches,
-                      "share": cm.plan.per_system_batch_sizes[rank], "counts": comms.counts})
+                      "share": cm.plan.per_system_batch_sizes[rank], "counts": comms.counts,
+                      "peak": None if cm.estimate is None else cm.estimate.memory.peak})
     # rank 0 runs its rounds while rank 1 refuses and joins them on zeros
     for p in net.parameters():
         p.grad = torch.full_like(p, 7.0)

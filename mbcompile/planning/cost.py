@@ -35,7 +35,6 @@ the fit: the peak is the max over ops of affine functions, evaluated at ``m``.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -140,7 +139,8 @@ class CostModel(MemoryModel, TimeModel):
         """The same model costed with ``shard`` (another ``reshard_after_forward``): a copy
         that shares this one's probes and fit, so nothing is probed twice."""
         self.ready()
-        other = copy.copy(self)
+        other = object.__new__(type(self))  # not copy.copy: __getstate__ drops the prober
+        other.__dict__.update(self.__dict__)  # (the length model probes other lengths with it)
         other.shard = shard
         return other
 
