@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_dynamic.py [--steps 200]
         [--model gpt2|llama|gpt2-cls|bert-mlm] [--upfront] [--floor]
+        [--num-csx 2] [--mbs 2|auto]
 
 The collator pads each batch to its own longest row (rows of 5 to 60 tokens), so every
 step has another sequence length: ``DataCollatorForLanguageModeling(tok, mlm=False)`` for
@@ -24,7 +25,11 @@ difference of the trained parameters (float64 model, transformers' float32 regio
 in float64: <= 1e-9). ``tests/test_dynamic_shapes.py`` runs ``run_both``: 40 steps of the
 causal LMs, 12 of the other two. ``--floor`` times the step alone instead (no Trainer): the
 whole batch, the plan's microbatches run by hand on the model, and the compiled module;
-then the seed of a step's backwards, replayed and traced (``seed_costs``).
+then the seed of a step's backwards, replayed and traced (``seed_costs``). The compiled
+module is planned for ``NUM_CSX`` (2) systems at ``MBS`` (2) rows, the case where ``GBS``
+rows do not fit; ``--num-csx 1 --mbs auto`` plans it as a user on one machine whose
+batch fits gets it (``"auto"`` on this host: the whole batch in one microbatch), the
+accumulating Trainer staying at ``MBS`` rows.
 """
 
 from __future__ import annotations
@@ -215,7 +220,8 @@ def compiles_timed() -> Iterator[list[tuple[float, float]]]:
 
 
 def run_both(transformers: Any, name: str, steps: int, upfront: bool = False,
-             accumulate: bool = False) -> dict[str, Any]:
+             accumulate: bool = False, num_csx: int = NUM_CSX, mbs: int | str = MBS
+             ) -> dict[str, Any]:
     """The plain Trainer and the compiled one from the same start, in this process: wall
     seconds of each (compile included), compile seconds, compiles, parameter errors.
 
@@ -244,8 +250,8 @@ def run_both(transformers: Any, name: str, steps: int, upfront: bool = False,
             accum_s, accum_cpu = train(transformers, accumulated, name, steps,
                                        Path(out) / "accumulated", accumulate=True)
         start, cpu = time.perf_counter(), time.process_time()
-        cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_kwargs=example,
-                               cost_model=False, **options)
+        cm = mbcompile.compile(model, GBS, num_csx, mbs, example_kwargs=example,
+                               cost_model=isinstance(mbs, str), **options)
         first = (time.perf_counter() - start, time.process_time() - cpu)
         compiled_s, compiled_cpu = train(transformers, cm, name, steps, Path(out) / "compiled")
     recompiles = [w for w in seen if issubclass(w.category, mbcompile.MbcompileWarning)
@@ -341,6 +347,12 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, default="gpt2")
     parser.add_argument("--upfront", action="store_true",
                         help="compile the Trainer's keyword and symbolic lengths up front")
+    parser.add_argument("--num-csx", type=int, default=NUM_CSX,
+                        help="systems the compiled module plans for (the Trainer's own runs "
+                             "are one process either way)")
+    parser.add_argument("--mbs", default=str(MBS),
+                        help="the compiled module's MBS: an int (planned without the cost "
+                             "model), or auto (the cost model's pick for this host)")
     parser.add_argument("--floor", action="store_true",
                         help="time the step alone: whole batch, microbatches by hand, compiled")
     args = parser.parse_args()
@@ -357,9 +369,14 @@ def main() -> None:
                 continue
             print(f"  {way}: {t:.1f} ms CPU per step ({t / whole:.2f}x the whole batch)")
         return
-    run = run_both(transformers, args.model, args.steps, args.upfront, accumulate=True)
+    mbs = int(args.mbs) if args.mbs.isdigit() else args.mbs
+    run = run_both(transformers, args.model, args.steps, args.upfront, accumulate=True,
+                   num_csx=args.num_csx, mbs=mbs)
+    plan = run["cm"].plan
     print(f"{args.model}{' (up front)' if args.upfront else ''}, {args.steps} steps of {GBS} "
-          f"rows of {SHORTEST}-{LONGEST} tokens, padded per batch, {NUM_CSX} systems, mbs {MBS}:")
+          f"rows of {SHORTEST}-{LONGEST} tokens, padded per batch, {args.num_csx} system(s), "
+          f"mbs {mbs!r} (the last step's plan: mbs {plan.mbs}, {plan.num_microbatches} "
+          f"microbatch(es) per system):")
     print(f"  Trainer(model=model): {run['plain_s']:.2f} s ({run['plain_cpu']:.2f} s CPU)")
     print(f"  Trainer(model=cm):    {run['compiled_s']:.2f} s ({run['compiled_cpu']:.2f} s CPU),"
           f" of which compiling {run['compile_s']:.2f} s ({run['compile_cpu']:.2f} s CPU) in "
