@@ -28,9 +28,10 @@ raises in it (``StepChannels.refused``), so every rank stops the step and change
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ from mbcompile.planning.estimates import MemoryEstimate
 from mbcompile.planning.length_cost import LengthCost, length_cost
 from mbcompile.planning.length_split import LengthSplit, auto_split, tokens_split
 from mbcompile.planning.mbs_policy import MbsPolicy
+from mbcompile.planning.microbatch_plan import MicrobatchPlan
 from mbcompile.planning.plan import num_microbatches, plan_for
 from mbcompile.planning.systems import SystemSpec
 from mbcompile.planning.two_phase_cost import TwoPhaseCostModel
@@ -74,10 +76,14 @@ class CallSplit:
     plus the most any of them grew), or ``tokens`` (input position, dim) of the token ids'
     length (``"tokens"``)."""
 
-    split: LengthSplit
+    rule: LengthSplit | None  # None: made on first use, by ``pending``
     dims: tuple[tuple[int, int, int], ...]
     tokens: tuple[int, int] | None
-    lengths: LengthCost | None = dataclasses.field(default=None, repr=False, compare=False)
+    model: LengthCost | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: what makes ``rule`` and ``model`` where they were left to the first use (a
+    #: ``compile_only`` module: its length model is asked for by its report, if at all)
+    pending: Callable[[], tuple[LengthSplit, LengthCost | None]] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
     #: the selections shown for (mbs, length) (``for_length``)
     shown: dict[tuple[int, int], Selection] = dataclasses.field(
         default_factory=dict, repr=False, compare=False)
@@ -85,6 +91,33 @@ class CallSplit:
     last_length: int | None = dataclasses.field(default=None, compare=False)
     #: on ranks, the ``StepChannels`` the last call's refusal was left in (None: none)
     refused_in: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def split(self) -> LengthSplit:
+        """How a call's split follows its length (made now if it was left to this use)."""
+        if self.rule is None:
+            self._make()
+        assert self.rule is not None
+        return self.rule
+
+    @property
+    def lengths(self) -> LengthCost | None:
+        """The cost model over lengths (None: the split does not follow a memory model)."""
+        if self.rule is None:
+            self._make()
+        return self.model
+
+    def _make(self) -> None:
+        assert self.pending is not None
+        rule, model = self.pending()
+        object.__setattr__(self, "rule", rule)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "pending", None)  # its closure holds the graphs
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.rule is None:  # a copy cannot make it: it has no graphs
+            self._make()
+        return dict(self.__dict__)
 
     def length(self, values: Sequence[Any]) -> int:
         """The call's length (``values``: its inputs in placeholder order)."""
@@ -133,21 +166,38 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
                          tokens)
     length = dims[0][2]
     if policy.mode != "auto":
-        lengths: LengthCost | str = _PINNED.get(policy.mode, "").format(policy.request)
+        note = _PINNED.get(policy.mode, "").format(policy.request)
     elif request.options.system is None:
-        lengths = ("no memory budget given (system=None plans for this host, whose memory does "
-                   "not bind): give system= to cut each call by memory")
-    else:
-        lengths = _length_model(request, selection, lowered)
-        if isinstance(lengths, str):  # asked to cut by memory, and it cannot: say so
-            warnings.warn(f"{request.name}'s split cannot follow the sequence length under "
-                          f"{request.system.name}'s memory ({lengths}): every call runs the "
-                          f"example's plan (mbs {plan.mbs}); compile with an example of the "
-                          "longest rows so that they fit", CostModelWarning,
-                          stacklevel=user_stacklevel())
-    if isinstance(lengths, str):
-        return CallSplit(LengthSplit("fixed", plan.pbs, plan.supported_mbs, plan.mbs, length,
-                                     note=lengths), dims, tokens)
+        note = ("no memory budget given (system=None plans for this host, whose memory does "
+                "not bind): give system= to cut each call by memory")
+    else:  # a length model: its probes are most of a 70B plan's, so compile_only leaves it
+        made = functools.partial(_by_memory, request, selection, lowered, dims, length)
+        if request.options.compile_only:  # to the report that asks for it, if one does
+            return CallSplit(None, dims, tokens, pending=made)
+        rule, model = made()
+        return CallSplit(rule, dims, tokens, model)
+    return CallSplit(_fixed(plan, length, note), dims, tokens)
+
+
+def _fixed(plan: MicrobatchPlan, length: int, note: str) -> LengthSplit:
+    """The example's split at every length, and why."""
+    return LengthSplit("fixed", plan.pbs, plan.supported_mbs, plan.mbs, length, note=note)
+
+
+def _by_memory(request: Request, selection: Selection, lowered: Lowered,
+               dims: tuple[tuple[int, int, int], ...], length: int
+               ) -> tuple[LengthSplit, LengthCost | None]:
+    """``"auto"``'s split by memory at every length, and its length model; the example's
+    split where no length model holds (a ``CostModelWarning`` says why)."""
+    plan, symbolic = selection.plan, request.inputs.symbolic
+    lengths = _length_model(request, selection, lowered)
+    if isinstance(lengths, str):  # asked to cut by memory, and it cannot: say so
+        warnings.warn(f"{request.name}'s split cannot follow the sequence length under "
+                      f"{request.system.name}'s memory ({lengths}): every call runs the "
+                      f"example's plan (mbs {plan.mbs}); compile with an example of the "
+                      "longest rows so that they fit", CostModelWarning,
+                      stacklevel=user_stacklevel())
+        return _fixed(plan, length, lengths), None
     memory = _Memory(lengths, length, plan.pbs, selection.system)
     shortest = length + max(max(low or 1, 1) - size for (_, _, size), (low, _) in
                             zip(dims, _bounds(symbolic)))
@@ -158,8 +208,8 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
                        longest=length + min(highs) if highs else None,
                        capacity=memory.system.usable_bytes, system=memory.system.name,
                        note=lengths.note, recompute=plan.recompute,
-                       **common)
-    return CallSplit(split, dims, tokens, lengths)
+                       supported=plan.supported_mbs, pbs=plan.pbs, example_mbs=plan.mbs)
+    return split, lengths
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,25 @@ def test_auto_cuts_each_call_by_its_length_exactly():
     assert cm.report("json") and cm.report().to_dict()["lengths"]["rows"]
 
 
+def test_a_compile_only_module_models_the_lengths_when_its_report_asks():
+    """``compile_only=True`` leaves the length model (its probes at other lengths: most of
+    a 70B plan's time) to the report that asks for it; the table is then a running
+    module's, and a pickled copy, which has no graphs to probe, gets it made first."""
+    import pickle
+
+    _, cm = _gpt("auto", dynamic=True, system=BUDGET, compile_only=True)
+    assert cm._split.rule is None  # nothing probed at another length
+    assert "split by length" in cm.report() and cm._split.rule is not None
+    _, runs = _gpt("auto", dynamic=True, system=BUDGET)
+    assert runs._split.rule is not None  # a module that runs has it from compile on
+    assert cm._split.split.rows() == runs._split.split.rows()
+    _, other = _gpt("auto", dynamic=True, system=BUDGET, compile_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own deprecation in pickling a treespec
+        copied = pickle.loads(pickle.dumps(other))
+    assert copied._split.split.rows() == runs._split.split.rows()
+
+
 @pytest.mark.slow
 def test_a_length_made_symbolic_on_the_way_follows_it_too():
     """dynamic='auto' (the default): the first call of another length makes it symbolic,
