@@ -26,7 +26,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import TOL, assert_close_errors, buffer_errors, grad_errors, grads_of, rel_err
+from models import (
+    TOL,
+    assert_close_errors,
+    buffer_errors,
+    grad_errors,
+    grads_of,
+    rel_err,
+    step_errors,
+)
 from models import tensor_leaves as leaves
 from test_token_split import BUDGET
 
@@ -295,6 +303,39 @@ def test_backward_through_another_output_is_refused_and_changes_no_gradient():
         with pytest.raises(MicrobatchError, match="other than its loss.*no_grad"):
             backprop(out).backward()
         assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+
+
+class HooksOnFirstUse(nn.Module):
+    """Registers a forward hook the first time a flag asks for it, as transformers'
+    output capturing does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.record, self.installed = False, False
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.record and not self.installed:
+            self.a.register_forward_hook(lambda m, i, out: out * 2)
+            self.installed = True
+        return ((self.b(torch.tanh(self.a(x))) - y) ** 2).mean()
+
+
+def test_a_forward_that_registers_a_hook_is_refused_and_changes_nothing():
+    """Under torch.fx too: tracing put the hook back and replayed ``installed = True``, so
+    every later step ran without the hook that eager's steps run with."""
+    torch.manual_seed(0)
+    model = HooksOnFirstUse().to(DTYPE)
+    x, y = torch.randn(GBS, 4, dtype=DTYPE), torch.randn(GBS, 1, dtype=DTYPE)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=(x, y), cost_model=False)
+    model.record = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the flag read: compiled again
+        with pytest.raises(mbcompile.CaptureError, match=r"a\._forward_hooks \(registers"):
+            cm(x, y)
+    assert not model.installed and not model.a._forward_hooks
+    model(x, y)  # the fix the error names: one eager call
+    assert_close_errors(step_errors(model, cm, (x, y)), TOL)
 
 
 # --------------------------------------------------------------------------- #
