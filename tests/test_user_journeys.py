@@ -259,6 +259,42 @@ def test_python_state_and_parameters_changed_between_steps_at_changing_lengths(m
     assert model.calls == 13  # the counter as eager counts it (also compared every step)
 
 
+class KeepsActivations(TinyGPT):
+    """Stores what it computed for logging: a loss, the last hidden states (their shape
+    follows the length) and a max in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__(seq=64)
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.size(1), device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+        self.last_loss, self.last_hidden = loss.detach(), x.detach()
+        self.stats["max_logit"] = logits.detach().amax()
+        return loss
+
+
+def test_activations_forward_stores_are_the_full_batchs_at_every_length():
+    torch.manual_seed(0)
+    model = KeepsActivations().to(DTYPE)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
+                           cost_model=False)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the length made symbolic
+        for length, batch in ((EXAMPLE, GBS), (9, GBS), (20, GBS), (5, 3), (EXAMPLE, GBS)):
+            ids, labels = _batch(length, batch)
+            assert_close_errors(step_errors(model, cm, (ids, labels)), TOL)
+            ref(ids, labels)
+            assert_close_errors({k: rel_err(getattr(model, k), getattr(ref, k)) for k in (
+                "last_loss", "last_hidden")} | {"max": rel_err(model.stats["max_logit"],
+                                                               ref.stats["max_logit"])}, TOL)
+
+
 # --------------------------------------------------------------------------- #
 # Loops around the call
 # --------------------------------------------------------------------------- #
