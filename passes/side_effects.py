@@ -177,7 +177,7 @@ def replay(effects: Effects, flat: Sequence[Any]) -> None:
 
 
 
-def _map(value: Any, fn: Callable[[Any], Any], kind: type) -> Any:
+def _map(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
     """``value`` with every leaf of type ``kind`` replaced by ``fn(leaf)``, through tuples
     (named ones too), lists and dicts."""
     if isinstance(value, kind):
@@ -392,6 +392,15 @@ def refuse_tensors(changes: Sequence[Change], prints: Sequence[PrintCall | Level
                 "cannot replay that write once per step with the full batch's value. Fix: "
                 "compile with capture='fx' (it replays such writes), or return the value "
                 "from forward and store it outside")
+        # a size read off an input is symbolic there (the batch dim, a length that varies):
+        # replayed as it is, it would leave export's symbol (``s23``) in the user's state
+        _map(value, found.append, (torch.SymInt, torch.SymFloat, torch.SymBool))
+        if found:
+            raise CaptureError(
+                f"{model_name}.forward writes a size read off an input ({found[0]}) to "
+                f"{where}; under torch.export that size is symbolic, and mbcompile cannot "
+                "replay it with each call's value. Fix: compile with capture='fx' (it "
+                "replays sizes with the full batch's), or read the size outside forward")
 
 
 def rewiring_refused(rewired: Sequence[str], model_name: str) -> None:

@@ -295,6 +295,41 @@ def test_activations_forward_stores_are_the_full_batchs_at_every_length():
                                                                ref.stats["max_logit"])}, TOL)
 
 
+class WritesSizes(nn.Module):
+    """Keeps the sizes it saw for logging: the batch size in an attribute, the length in
+    a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(64, 8), nn.Linear(8, 64)
+        self.batch_size, self.seen = 0, {}
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.batch_size, self.seen["length"] = ids.size(0), ids.size(1)
+        logits = self.head(self.emb(ids))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_sizes_forward_writes_are_eagers_or_refused(capture):
+    """torch.fx replays the full batch's sizes. Under torch.export they are symbolic: the
+    attribute's write was dropped (0, where eager wrote 7) and the dict got export's symbol
+    (``s23``); refused instead, at compile, naming capture='fx'."""
+    torch.manual_seed(0)
+    model = WritesSizes().to(DTYPE)
+    batch = _batch(EXAMPLE)
+    if capture == "export":
+        with pytest.raises(mbcompile.CaptureError, match=r"writes a size.*capture='fx'"):
+            mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=batch, capture=capture,
+                              cost_model=False)
+        assert model.batch_size == 0 and model.seen == {}
+        return
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=batch, capture=capture,
+                           cost_model=False)
+    cm(*batch)
+    assert (model.batch_size, model.seen) == (GBS, {"length": EXAMPLE})
+
+
 # --------------------------------------------------------------------------- #
 # Loops around the call
 # --------------------------------------------------------------------------- #
