@@ -63,7 +63,13 @@ from .guards import (
 )
 from .output_spec import OutputSpec, flatten_output
 from .python_state import Change, python_state_kept
-from .side_effects import NO_EFFECTS, Effects, prints_recorded, record_effects
+from .side_effects import (
+    NO_EFFECTS,
+    Effects,
+    prints_recorded,
+    record_effects,
+    rewiring_refused,
+)
 from .slot_guards import slot_guards
 from .sources import source_line, user_frame
 
@@ -253,7 +259,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                                         name)
                 for attr in numbers:
                     del model.__dict__[attr]
-                rebound = snapshot.rebound_slots()
+                rebound, rewired = snapshot.rebound_slots(), snapshot.rewired()
                 effects = _effects_as_outputs(graph, snapshot.changes(), prints, name)
         except CaptureError:
             raise
@@ -286,6 +292,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
             "value but not the assignment. Fix: compile with capture='auto' or 'export' "
             "(torch.export writes it back once per step), or update it in place "
             f"(self.{rebound[0].rsplit('.', 1)[-1]}.add_(...))")
+    rewiring_refused(rewired, name)
     autocast = autocast_regions(graph)
     if autocast:
         raise CaptureError(

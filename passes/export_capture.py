@@ -72,7 +72,7 @@ from .guards import recorded_reads, unwritten
 from .keyword_view import keyword_view
 from .output_spec import flatten_output
 from .python_state import python_state_kept
-from .side_effects import prints_recorded, record_effects, refuse_tensors
+from .side_effects import prints_recorded, record_effects, refuse_tensors, rewiring_refused
 from .slot_guards import slot_guards
 from .state_updates import has_mutations, mutates
 
@@ -347,6 +347,8 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                         raise
                     specialised = exc
             changes = snapshot.changes() + snapshot.unseen_assignments(writes)
+            rewired = snapshot.rewired()
+        rewiring_refused(rewired, name)
         refuse_tensors(changes, prints, name)  # plain values are replayed as they are
         effects = record_effects(changes, prints, name)
         read = slot_guards(reach.slots, name)  # the globals as the user holds them again

@@ -283,10 +283,12 @@ class Snapshot:
 
 
 def _plain(value: Any) -> bool:
-    """A number, string, flag or None, or a tuple of them."""
+    """A number, string, flag or None, or a tuple of them; a symbolic number too (a size
+    read off an input under torch.export: listed, so that the capture can refuse it)."""
     if isinstance(value, tuple):
         return all(_plain(v) for v in value)
-    return isinstance(value, (bool, int, float, str, type(None)))
+    return isinstance(value, (bool, int, float, str, type(None), torch.SymInt, torch.SymFloat,
+                              torch.SymBool))
 
 
 def _same_items(now: dict[Any, Any], before: dict[Any, Any]) -> bool:

@@ -51,7 +51,7 @@ from .python_state import DELETED, Change
 from .sources import source_line
 
 __all__ = ["NO_EFFECTS", "Effects", "Extend", "Held", "Print", "SetAttr", "SetItem",
-           "prints_recorded", "record_effects", "refuse_tensors", "replay"]
+           "prints_recorded", "record_effects", "refuse_tensors", "replay", "rewiring_refused"]
 
 #: ``item()`` and its kind: a Python number read off a tensor, which a graph output cannot be
 _HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "numpy"})
@@ -177,7 +177,7 @@ def replay(effects: Effects, flat: Sequence[Any]) -> None:
 
 
 
-def _map(value: Any, fn: Callable[[Any], Any], kind: type) -> Any:
+def _map(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
     """``value`` with every leaf of type ``kind`` replaced by ``fn(leaf)``, through tuples
     (named ones too), lists and dicts."""
     if isinstance(value, kind):
@@ -392,3 +392,31 @@ def refuse_tensors(changes: Sequence[Change], prints: Sequence[PrintCall | Level
                 "cannot replay that write once per step with the full batch's value. Fix: "
                 "compile with capture='fx' (it replays such writes), or return the value "
                 "from forward and store it outside")
+        # a size read off an input is symbolic there (the batch dim, a length that varies):
+        # replayed as it is, it would leave export's symbol (``s23``) in the user's state
+        _map(value, found.append, (torch.SymInt, torch.SymFloat, torch.SymBool))
+        if found:
+            raise CaptureError(
+                f"{model_name}.forward writes a size read off an input ({found[0]}) to "
+                f"{where}; under torch.export that size is symbolic, and mbcompile cannot "
+                "replay it with each call's value. Fix: compile with capture='fx' (it "
+                "replays sizes with the full batch's), or read the size outside forward")
+
+
+def rewiring_refused(rewired: Sequence[str], model_name: str) -> None:
+    """A ``CaptureError`` where forward rewired the modules while it was traced (registered
+    a hook, added a parameter: ``Snapshot.rewired``). The trace puts that back, while the
+    attribute writes beside it are replayed after each step, so the model would be left
+    unlike eager's: transformers registers its output-capturing hooks on the first call that
+    asks for hidden states or attentions, and sets ``_output_capturing_hooks_installed``,
+    which would then stay set on a model without the hooks (every later call, eager ones
+    too, returning no hidden states)."""
+    if rewired:
+        raise CaptureError(
+            f"{model_name}.forward rewires modules while it runs: "
+            f"{'; '.join(rewired[:3])}{'; ...' if len(rewired) > 3 else ''}. Tracing puts "
+            "that back, so the compiled step cannot do what eager's first call does, and "
+            "nothing was changed. Fix: make that call once eagerly before compile() (for "
+            "transformers' output_hidden_states or output_attentions: one eager call with "
+            "them set installs its hooks for good), or register hooks outside forward")
+
