@@ -327,7 +327,7 @@ def seed_costs(cm: Any, batch: dict[str, Any], calls: int = 2000) -> dict[str, f
     finally:
         del seed.seed
     partial, count, first = seen[0]
-    args = (partial.detach(), seed.outer, *((count,) if seed.counted else ()),
+    args = (partial.detach(), seed._outer, seed._found, *((count,) if seed.counted else ()),
             *(first[i] for i in seed.free))
     traced = seeding._trace(seed._replay, args)
     ways = {"seed, replayed": lambda: seed._replay(*args), "seed, traced": lambda: traced(*args)}

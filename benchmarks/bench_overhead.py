@@ -1,6 +1,6 @@
 """Step time of the compiled module against a hand-written loop (and Accelerate), side by side.
 
-    python benchmarks/bench_overhead.py [--rounds 5] [--mbs 2 4 16] [--threads 1]
+    python benchmarks/bench_overhead.py [--rounds 5] [--mbs 2 4 16] [--threads 1] [--tiny]
 
 The small GPT of issue 7 (4 layers, width 256, sequence 128, vocabulary 1000),
 gbs 32 over 2 systems. At each MBS three contenders run the very same
@@ -12,6 +12,10 @@ microbatches (sizes taken from mbcompile's plan) and produce the same gradients:
 3. ``accelerate``: the same loop inside ``Accelerator.accumulate``, the loss scaled
    by the accumulation steps as Accelerate's guide does for token-level losses
    (skipped when ``accelerate`` is not installed: ``pip install -e .[bench]``).
+
+``--tiny``: ``mbcompile.models.make_tiny_gpt``'s GPT instead (width 32, 2 layers, sequence
+16, vocabulary 64), a step of a few ms where mbcompile's fixed per-step host cost shows
+(on the GPT above it is under 0.1% of a CPU step).
 
 Gradients are set to None before every step (``zero_grad()``'s default) and
 checked equal across contenders before timing. The contenders take turns, one
@@ -89,8 +93,15 @@ def _max_diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-def run(rounds: int, mbs_list: list[int], out: list[str]) -> dict[str, float]:
-    model, batch = make_gpt()
+#: ``--tiny``: make_tiny_gpt's defaults
+TINY = dict(vocab=64, width=32, depth=2, heads=4, seq=16)
+
+
+def run(rounds: int, mbs_list: list[int], out: list[str], tiny: bool = False
+        ) -> dict[str, float]:
+    config = TINY if tiny else GPT_CONFIG
+    ms = ".2f" if tiny else ".0f"  # ms per step, to show
+    model, batch = make_gpt(**config)
     zero = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
     have_accelerate = True
     rows, infer_rows, figures = [], [], {}
@@ -121,11 +132,11 @@ def run(rounds: int, mbs_list: list[int], out: list[str]) -> dict[str, float]:
         wall_ratio = paired_ratio(t.wall["mbcompile"], t.wall["hand loop"])
         figures[f"train_mbs{mbs}"] = ratio
         if acc is not None:
-            acc_ms = f"{median(t.cpu['accelerate']) * 1e3:.0f}"
+            acc_ms = f"{median(t.cpu['accelerate']) * 1e3:{ms}}"
             acc_ratio = f"{paired_ratio(t.cpu['accelerate'], h):.3f}"
         else:
             acc_ms = acc_ratio = "skipped"
-        rows.append(f"| {mbs} | {len(slices)} | {median(c) * 1e3:.0f} | {median(h) * 1e3:.0f} | "
+        rows.append(f"| {mbs} | {len(slices)} | {median(c) * 1e3:{ms}} | {median(h) * 1e3:{ms}} | "
                     f"{acc_ms} | **{ratio:.3f}** | {acc_ratio} | {wall_ratio:.3f} | "
                     f"{diff:.1e} |")
         print(rows[-1], flush=True)
@@ -137,15 +148,16 @@ def run(rounds: int, mbs_list: list[int], out: list[str]) -> dict[str, float]:
         ratio = paired_ratio(inf.cpu["mbcompile"], inf.cpu["hand loop"])
         figures[f"infer_mbs{mbs}"] = ratio
         infer_rows.append(
-            f"| {mbs} | {median(inf.cpu['mbcompile']) * 1e3:.0f} | "
-            f"{median(inf.cpu['hand loop']) * 1e3:.0f} | **{ratio:.3f}** | "
+            f"| {mbs} | {median(inf.cpu['mbcompile']) * 1e3:{ms}} | "
+            f"{median(inf.cpu['hand loop']) * 1e3:{ms}} | **{ratio:.3f}** | "
             f"{paired_ratio(inf.wall['mbcompile'], inf.wall['hand loop']):.3f} |")
         print(infer_rows[-1], flush=True)
 
     out += [
         "### Training step: mbcompile against a hand-written loop",
         "",
-        f"Small GPT {GPT_CONFIG}, gbs {GBS} over {SYSTEMS} systems; {rounds} rounds, the "
+        f"{'Tiny' if tiny else 'Small'} GPT {config}, gbs {GBS} over {SYSTEMS} systems; "
+        f"{rounds} rounds, the "
         "contenders in turn, one torch thread. Times are medians of the process's CPU time "
         "per step in ms (steady when other processes share the cores); ratios are medians "
         "of the per-round ratios, of CPU time (bold) and of wall time. 'grad diff' is the "
@@ -180,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mbs", type=int, nargs="+", default=[2, 4, 16])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is steadiest on a shared 2-core machine)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="make_tiny_gpt's GPT: the fixed per-step cost shows")
     return bench_main(parser, argv, _with_accelerate_noted)
 
 
@@ -188,7 +202,7 @@ def _with_accelerate_noted(args: argparse.Namespace, out: list[str]) -> dict[str
         import accelerate  # noqa: F401
     except ImportError:
         print("accelerate: skipped: accelerate not installed")
-    return run(args.rounds, args.mbs, out)
+    return run(args.rounds, args.mbs, out, args.tiny)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,13 @@ from mbcompile.execution.live_hooks import called_as, hook_keys, unwatch, watch_
 from mbcompile.execution.rank_shares import check_not_in_ddp
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
-from mbcompile.inputs import batch_size, check_layout, check_unchanged, input_layout
+from mbcompile.inputs import (
+    CallBinder,
+    batch_size,
+    check_layout,
+    check_unchanged,
+    input_layout,
+)
 from mbcompile.length_plans import CallSplit, for_length, last_run
 from mbcompile.lowering import Lowered
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
@@ -112,7 +118,7 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "rank", selection.rank)
         object.__setattr__(self, "backend", request.options.backend)
         object.__setattr__(self, "noise_scale", request.noise_scale)
-        object.__setattr__(self, "_signature", request.signature)
+        object.__setattr__(self, "_binder", CallBinder(request.signature))
         face = inspect.signature(request.inner.forward)
         object.__setattr__(self, "_face_signature", face)
         # isinstance(cm, type(model)) (face.py); not for a GraphModule, which torch.compile
@@ -285,13 +291,13 @@ class CompiledModule(ModelFace, nn.Module):
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:
                 return self._runs(for_keywords(self, through, args, kwargs))(*args, **kwargs)
-        bound, values, batch, varying = self._checked(args, kwargs)
+        arguments, values, batch, varying = self._checked(args, kwargs)
         if varying:  # dynamic="auto": a length changed, so compile once with it symbolic
             return self._runs(for_shapes(self, varying))(*args, **kwargs)
         gbs = self._selection.plan.gbs
         object.__setattr__(self, "_ran", None)
         if self.rank is None and batch is not None and batch != gbs:
-            return for_batch(self, batch, bound.arguments)(*args, **kwargs)
+            return for_batch(self, batch, arguments)(*args, **kwargs)
         # the call's length chooses its split (on ranks: the rank's share, checked above)
         if self._split is not None and batch is not None and (
                 batch == gbs or self.rank is not None):
@@ -302,9 +308,9 @@ class CompiledModule(ModelFace, nn.Module):
         watched = watch_hooks(self._live_layers, self._hooks_known, self._watchers,
                               opaque=self._request.torch_compile is not None)  # global too
         if not watched:
-            return self._call(compiled, values, bound.arguments)
+            return self._call(compiled, values, arguments)
         try:
-            return self._call(compiled, values, bound.arguments)
+            return self._call(compiled, values, arguments)
         finally:
             unwatch(watched)
 
@@ -314,16 +320,12 @@ class CompiledModule(ModelFace, nn.Module):
         return module
 
     def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The call bound to the compiled signature, its inputs in placeholder order, its
-        batch size and the dims that changed size (``check_layout``); raises ``InputError``
-        for a call the graphs cannot run."""
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise InputError(f"call does not match forward{self._signature}: {exc}") from None
-        bound.apply_defaults()
-        values = [bound.arguments[n] for n in self._inputs.names]
-        check_unchanged(self._inputs, bound.arguments)  # its non-tensor arguments
+        """The call bound to the compiled signature (its arguments by name, defaults
+        applied), its inputs in placeholder order, its batch size and the dims that changed
+        size (``check_layout``); raises ``InputError`` for a call the graphs cannot run."""
+        arguments = self._binder.bind(args, kwargs)
+        values = [arguments[n] for n in self._inputs.names]
+        check_unchanged(self._inputs, arguments)  # its non-tensor arguments
         batch = batch_size(self._inputs, values)
         varying = check_layout(self._inputs, values, self._layout, self._request.options.dynamic)
         if self.rank is not None:
@@ -339,7 +341,7 @@ class CompiledModule(ModelFace, nn.Module):
                 f"the batch has {batch} samples but the module was compiled for "
                 f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "
                 f"{self.plan.gbs} samples, or compile with batch_sizes='any'")
-        return bound, values, batch, varying
+        return arguments, values, batch, varying
 
     def _call(self, compiled: Lowered, values: list[Any], arguments: dict[str, Any]) -> Any:
         if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned

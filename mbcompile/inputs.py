@@ -24,7 +24,7 @@ from mbcompile.errors import ArgumentTypeError, CaptureError, InputError
 from mbcompile.passes.guard_values import fingerprint
 from mbcompile.passes.guards import plain
 
-__all__ = ["Inputs", "batch_size", "bind_example", "check_unchanged", "check_layout",
+__all__ = ["CallBinder", "Inputs", "batch_size", "bind_example", "check_unchanged", "check_layout",
            "input_layout",
            "keywords_through", "leaf_name", "leaves", "same_value", "tokens_per_sample",
            "with_keywords"]
@@ -341,3 +341,35 @@ def same_value(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # values without a truthy == are compared by identity only
         return False
+
+
+class CallBinder:
+    """``signature.bind(*args, **kwargs)`` with the defaults applied, as a dict: a call of
+    the compiled module's forward by name. The usual call (positional arguments, a
+    signature of plain parameters) is bound in order, without ``inspect``'s walk over the
+    parameters (about 10 µs a call)."""
+
+    def __init__(self, signature: inspect.Signature) -> None:
+        self.signature = signature
+        params = list(signature.parameters.values())
+        #: (how many parameters have no default, (name, default) of each, their names);
+        #: None for ``*args``, ``**kwargs`` or keyword-only parameters
+        self.plain: tuple[int, tuple[tuple[str, Any], ...], tuple[str, ...]] | None = None
+        if all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+            required = sum(1 for p in params if p.default is p.empty)
+            self.plain = (required, tuple((p.name, p.default) for p in params),
+                          tuple(p.name for p in params))
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Raises ``InputError`` for a call that does not fit the signature."""
+        plain = self.plain
+        if plain is not None and not kwargs and plain[0] <= len(args) <= len(plain[1]):
+            arguments = dict(zip(plain[2], args))
+            arguments.update(plain[1][len(args):])  # (no default before a required one)
+            return arguments
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise InputError(f"call does not match forward{self.signature}: {exc}") from None
+        bound.apply_defaults()
+        return dict(bound.arguments)

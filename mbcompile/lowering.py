@@ -27,6 +27,7 @@ from mbcompile.execution.joint import joint_step
 from mbcompile.execution.seeding import step_seed
 from mbcompile.execution.step_config import StepConfig
 from mbcompile.passes import ops
+from mbcompile.passes.attr_shortcuts import shortcut_attrs
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.graph_code import code_now
@@ -90,6 +91,9 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
                                                   plan.per_system_batch_sizes)))
     if request.torch_compile is not None:
         _torch_compile_parts(bound, {**_static(request), **request.torch_compile})
+    else:  # each microbatch reads its layers and parameters without __getattr__ hops
+        shortcut_attrs(bound, {id(m) for m in (*request.model.modules(),
+                                               *request.inner.modules())})
     splits = plan.num_nonempty_microbatches > 1
     return Lowered(bound, gm, captured.output_spec, splits and not analysed.analysis.fused,
                    channels, analysed.analysis, analysed.state, captured.guards, captured.effects)

@@ -39,6 +39,7 @@ __all__ = [
     "bind",
     "fsdp_unit_enter",
     "fsdp_unit_exit",
+    "Microbatches",
     "microbatch_loop",
     "op_of",
     "split",
@@ -64,11 +65,36 @@ def _narrow(value: Any, dim: int | None, start: int, length: int) -> Any:
         lambda t: t.narrow(dim, start, length) if isinstance(t, torch.Tensor) else t, value)
 
 
+class Microbatches(list):  # type: ignore[type-arg]
+    """``split``'s microbatches, and ``whole``: the inputs they cut, where the microbatches
+    are all of them, in order (None otherwise). What is summed over the microbatches and
+    exact in any order (an integer count) can then be computed once, on ``whole``."""
+
+    whole: tuple[Any, ...] | None = None
+
+
 def split(*inputs: Any, slices: Sequence[tuple[int, int]], in_dims: Sequence[Any]
-          ) -> list[tuple[Any, ...]]:
+          ) -> Microbatches:
     """Views of ``inputs`` for every non-empty microbatch, in global batch order."""
-    return [tuple(_narrow(x, d, start, stop - start) for x, d in zip(inputs, in_dims))
-            for start, stop in slices]
+    out = Microbatches(tuple(_narrow(x, d, start, stop - start) for x, d in zip(inputs, in_dims))
+                       for start, stop in slices)
+    if _covers(inputs, in_dims, slices):
+        out.whole = inputs
+    return out
+
+
+def _covers(inputs: Sequence[Any], in_dims: Sequence[Any], slices: Sequence[tuple[int, int]]
+            ) -> bool:
+    """Whether ``slices`` cut every row of the batched inputs, each once, in order (plain
+    tensors only: a nested input is not looked into)."""
+    stop = 0
+    for a, b in slices:
+        if a != stop:
+            return False
+        stop = b
+    batched = [(x, d) for x, d in zip(inputs, in_dims) if d is not None]
+    return bool(batched) and all(isinstance(x, torch.Tensor) and x.shape[d] == stop
+                                 for x, d in batched)
 
 
 def as_tuple(out: Any) -> tuple[Any, ...]:

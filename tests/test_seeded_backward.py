@@ -91,6 +91,61 @@ def test_the_count_pre_pass_reads_only_the_labels():
     assert torch.equal(counts(ids[:2], labels[:2]), (labels[:2] != IGNORE_INDEX).sum())
 
 
+class _Weighted(torch.nn.Module):
+    """A token loss whose count is a float: the class weights of the targets."""
+
+    def __init__(self, weight: torch.Tensor | None) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 5)
+        self.register_buffer("weight", weight)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(ids))
+        return F.cross_entropy(logits.view(-1, 5), labels.view(-1), weight=self.weight,
+                               ignore_index=IGNORE_INDEX)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_an_integer_count_is_counted_once_a_step_a_weighted_one_per_microbatch(weighted):
+    """The pre-pass counts the whole batch at once when the count is an integer (the same
+    number in any order) and per microbatch, summed as the tail sums it, when it is a float
+    (class weights); the gradients are the seeded hand loop's, bit for bit, either way."""
+    torch.manual_seed(0)
+    weight = torch.tensor([0.3, 1.7, 0.9, 2.1, 0.1]) if weighted else None
+    model = _Weighted(weight)
+    hand = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 16, (GBS, 6), generator=g), torch.randint(0, 5, (GBS, 6),
+                                                                              generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    cm = mbcompile.compile(model, GBS, 2, MBS, example_inputs=(ids, labels), cost_model=False)
+    seed = cm._compiled().channels.config.seed
+    calls, counts = [], seed.counts.forward
+    seed.counts.forward = lambda *args: calls.append(args[1].shape[0]) or counts(*args)
+    valid = labels != IGNORE_INDEX
+    if weight is None:
+        n = valid.sum()
+    else:  # per microbatch, added within each system (4 rows, 3 rows), then over them
+        w = weight[labels.masked_fill(~valid, 0)].masked_fill(~valid, 0)
+        c = [w[a:a + MBS].sum() for a in range(0, GBS, MBS)]
+        n = (c[0] + c[1]) + (c[2] + c[3])
+    for step in range(3):
+        calls.clear()
+        cm(ids, labels).backward()
+        got = _grads(model)
+        for start in range(0, GBS, MBS):
+            out = hand.head(hand.emb(ids[start:start + MBS]))
+            F.cross_entropy(out.view(-1, 5), labels[start:start + MBS].reshape(-1),
+                            weight=weight, ignore_index=IGNORE_INDEX, reduction="sum"
+                            ).backward(torch.tensor(1.0) / n)
+        want = _grads(hand)
+        # the first weighted step tries the whole batch once, then counts per microbatch
+        per_microbatch = [GBS] * (step == 0) + [2, 2, 2, 1]
+        assert calls == (per_microbatch if weighted else [GBS]), calls
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+
+
 def test_float64_steps_with_a_weight_stay_exact():
     model, batch = make_mlp(GBS, dtype=torch.float64)
     ref = copy.deepcopy(model)

@@ -36,7 +36,7 @@ changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -183,7 +183,7 @@ def hook_keys(layers: Iterable[tuple[str, torch.nn.Module]]) -> frozenset[int]:
     return frozenset(k for _, layer in layers for hooks in _hook_dicts(layer) for k in hooks)
 
 
-def watch_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[int],
+def watch_hooks(layers: Sequence[tuple[str, torch.nn.Module]], known: frozenset[int],
                 cache: dict[int, tuple[Any, bool, Any]], opaque: bool = False
                 ) -> list[tuple[dict[int, Any], int, Any]]:
     """Wrap, in place, every forward (pre-)hook of ``layers`` (``known``: the keys present at
@@ -196,6 +196,10 @@ def watch_hooks(layers: Iterable[tuple[str, torch.nn.Module]], known: frozenset[
     with ``opaque`` (a body compiled with ``torch_compile``) each wrapper is hidden from
     dynamo, which calls it as it is; dynamo guards on the hooks it meets, so a new wrapper
     on every call would compile the body again on every call."""
+    if not cache and not any(global_hooks.tables) and not any(
+            m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
+            or m._backward_hooks for _, m in layers):
+        return []  # the usual call: no hook anywhere (four truth tests a layer)
     watched = _watch_global(layers, cache, opaque) if any(global_hooks.tables) else []
     for name, layer in layers:
         for hooks in _hook_dicts(layer):

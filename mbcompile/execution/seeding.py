@@ -59,6 +59,7 @@ class Seed:
         self.free = tuple(free)  # the inputs the tail reads, by place in a microbatch
         self.counted = counted  # the tail divides by the loss's global count
         self.counts = counts  # inputs -> a microbatch's count (None: read off the body)
+        self._integral = True  # the count is an integer (summed at once: ``_whole_count``)
         # Kept raw and made usable (and halved after an overflow) where they are read, so
         # a step that never reads one launches nothing for it (a GPU step of a small model
         # is bound by its launches): ``outer`` at the next seed, ``last`` only without a tail.
@@ -93,7 +94,9 @@ class Seed:
             return None
         try:
             with torch.no_grad():
-                counts = [(self.counts(*mb),) for mb in microbatches]
+                counts = self._whole_count(microbatches)
+                if counts is None:
+                    counts = [(self.counts.forward(*mb),) for mb in microbatches]
         except Exception:  # noqa: BLE001  (soft targets: the shapes need the model; no guess)
             counts = None
         if distributed:  # every rank joins, whatever its inputs gave (a guess is only a guess)
@@ -102,6 +105,21 @@ class Seed:
             local = ops.accumulate_sum(counts, 0, systems) if counts is not None else 0
             return all_reduce_sums(local)[0]
         return None if counts is None else ops.accumulate_sum(counts, 0, systems)
+
+    def _whole_count(self, microbatches: Sequence[tuple[Any, ...]]) -> list[tuple[Any]] | None:
+        """The count of every microbatch at once, on the inputs ``split`` cut them from
+        (``ops.Microbatches.whole``), where that is exact: an integer count is the same
+        number summed in any order. A count in floating point (class weights) is summed
+        as the tail sums it, per microbatch, from then on (None)."""
+        whole = getattr(microbatches, "whole", None)
+        if whole is None or not self._integral:
+            return None
+        count = self.counts.forward(*whole)
+        if isinstance(count, bool) or (isinstance(count, torch.Tensor) and (
+                count.is_floating_point() or count.is_complex())) or isinstance(count, float):
+            self._integral = False
+            return None
+        return [(count,)]
 
     def guess_count(self, first: Any, sizes: Sequence[int], distributed: bool) -> Any:
         """``N`` from the first microbatch when the shapes fix it (a Python int): the
@@ -126,7 +144,8 @@ class Seed:
         if self.tail is None or (self.counted and count is None):
             last = self.last
             return last if last is not None and last.dtype == partial.dtype else None
-        args = (partial.detach(), self.outer,
+        # the guess raw, with the overflow flag: its halving is replayed (and traced) too
+        args = (partial.detach(), self._outer, self._found,
                 *((count,) if self.counted else ()), *(first[i] for i in self.free))
         kind = _kind(args)
         traced = self._traced.get(kind) if kind is not None else None
@@ -138,15 +157,17 @@ class Seed:
         try:
             if isinstance(traced, fx.GraphModule):
                 with torch.no_grad():
-                    return traced(*args)
+                    return traced.forward(*args)  # its code: no module call around it
             return self._replay(*args)
         except Exception:  # noqa: BLE001  (a tail that cannot be replayed: seed with 1)
             return None
 
-    def _replay(self, partial: torch.Tensor, outer: torch.Tensor | None, *args: Any
-                ) -> torch.Tensor:
+    def _replay(self, partial: torch.Tensor, outer: torch.Tensor | None,
+                found: torch.Tensor | None, *args: Any) -> torch.Tensor:
         """``dL/dS`` of the tail at ``S = 0`` (the tail is affine in ``S``) for the gradient
-        ``outer`` of ``L`` (None: 1), made usable as a seed."""
+        ``outer`` of ``L`` (None: 1; halved where ``found``, ``_halved``), made usable as a
+        seed."""
+        outer = _halved(outer, found)
         with torch.enable_grad():
             s = partial.new_zeros(partial.shape).requires_grad_()
             loss = self.tail(s, *args)
@@ -165,20 +186,13 @@ class Seed:
         """The guess of the gradient ``L`` receives this step (None: 1). Not made usable
         here: the seed it gives is (``seed``), and a zero or non-finite guess gives the
         same seed of 1 either way."""
-        return self._halved(self._outer)
+        return _halved(self._outer, self._found)
 
     @property
     def last(self) -> torch.Tensor | None:
         """The guess of ``dL/dS`` where no tail can be replayed (None: seed with 1)."""
-        last = self._halved(self._last)
+        last = _halved(self._last, self._found)
         return None if last is None else _usable(last)
-
-    def _halved(self, g: torch.Tensor | None) -> torch.Tensor | None:
-        """``g``, halved if the last step overflowed (device ops only)."""
-        if g is None or self._found is None:
-            return g
-        half = self._found.to(device=g.device, dtype=torch.bool).reshape(())
-        return torch.where(half, g * 0.5, g)
 
     def factor(self, g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
         """What the gradients seeded with ``seed`` are multiplied by, given the ``dL/dS``
@@ -198,6 +212,14 @@ TRACED = 4
 #: Replays of one kind of input before it is traced: a trace costs about a hundred
 #: replays (17 ms against 0.12 ms saved per step on bench_dynamic's GPT-2, CPU).
 TRACE_AFTER = 32
+
+
+def _halved(g: torch.Tensor | None, found: torch.Tensor | None) -> torch.Tensor | None:
+    """``g``, halved if the last step overflowed (``found`` > 0; device ops only)."""
+    if g is None or found is None:
+        return g
+    half = found.to(device=g.device, dtype=torch.bool).reshape(())
+    return torch.where(half, g * 0.5, g)
 
 
 def _kind(values: Sequence[Any]) -> tuple[Any, ...] | None:
@@ -226,9 +248,19 @@ def _trace(replay: Any, args: Sequence[Any]) -> Any:
         return False
     if any(n.op == "get_attr" for n in traced.graph.nodes):
         return False
+    for n in traced.graph.nodes:  # autograd's expand of a gradient to its own shape: a no-op
+        if n.target is torch.ops.aten.expand.default and _same_shape(n, n.args[0]):
+            n.replace_all_uses_with(n.args[0])
     traced.graph.eliminate_dead_code()  # the tail's own forward: only its gradient is kept
     traced.recompile()
     return traced
+
+
+def _same_shape(a: fx.Node, b: Any) -> bool:
+    """Whether the traced values of ``a`` and ``b`` have one shape (False where unknown)."""
+    va, vb = a.meta.get("val"), b.meta.get("val") if isinstance(b, fx.Node) else None
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) \
+        and va.shape == vb.shape
 
 
 def _usable(g: torch.Tensor) -> torch.Tensor:
