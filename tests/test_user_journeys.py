@@ -9,9 +9,6 @@ it compares what eager gives: the loss and every output (values, dtype, shape,
 ``requires_grad``), every ``.grad`` (``None`` too), the parameters after the optimizer's
 step, buffers and the models' Python attributes (``_errors``). Tiny models in float64
 on gbs 7 over 2 systems (4 and 3 samples: uneven microbatches).
-
-The ``xfail(strict=True)`` tests are differences found here and still open, each in a
-file this suite's authors do not own: they pass when the fix lands.
 """
 
 from __future__ import annotations
@@ -59,7 +56,8 @@ def adam(params: Any) -> torch.optim.Optimizer:
 def _batch(length: int, batch: int = GBS, seed: int | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_batch`` with every row's first label kept: at length 1 next-token labels
-    are all -100, a step eager cannot train on (its loss is NaN; see the xfail below)."""
+    are all -100, a step whose loss is NaN in eager (see the tests of a batch with nothing
+    to count below)."""
     ids, labels = token_batch(batch, length, seed=length * 31 + batch if seed is None else seed)
     labels[:, 0] = ids[:, 0]
     return ids, labels
@@ -410,21 +408,30 @@ def test_a_forward_that_registers_a_hook_is_refused_and_changes_nothing():
 
 
 # --------------------------------------------------------------------------- #
-# Open differences (strict xfails: they pass when the fix lands)
+# A batch with nothing to count
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mbcompile/execution/seeding.py: with every label -100 the global count N is 0 and "
-    "dL/dS = 1/0 = inf; _usable() seeds the microbatch backwards with 1, and the factor "
-    "inf / 1 multiplies their zero gradients into NaN, where eager's nll_loss backward "
-    "gives exact zeros (the loss is NaN in both)"))
+class _MaskedMean(nn.Module):
+    """A per-token loss averaged by hand over a mask: ``sum(l * m) / sum(m)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1, dtype=DTYPE)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        per_token = self.lin(x).squeeze(-1) ** 2
+        return (per_token * mask).sum() / mask.sum()
+
+
 @pytest.mark.parametrize("length", [1, EXAMPLE])
 def test_a_batch_with_every_label_ignored_keeps_eagers_zero_gradients(length):
     """A causal LM's batch of one-token rows (its shifted labels all -100), or a batch
-    whose completions were all cut off: eager's loss is NaN and every gradient zero, so
-    an optimizer step (or a clip) leaves the parameters finite; NaN gradients would
-    poison every later step."""
+    whose completions were all cut off: eager's loss is NaN and every gradient zero
+    (``nll_loss`` writes 0 where a label is ignored, whatever its seed), so an optimizer
+    step leaves the parameters finite; NaN gradients would poison every later step. The
+    count is 0, so ``dL/dS`` is infinite: the microbatches are seeded with it, as eager's
+    backward is, and the step after it is exact again."""
     model, cm = _gpt(2)
     ids, labels = token_batch(GBS, length, seed=3)
     labels[:] = -100
@@ -438,6 +445,23 @@ def test_a_batch_with_every_label_ignored_keeps_eagers_zero_gradients(length):
     assert loss.isnan() and want_loss.isnan()
     assert all(w is not None and torch.equal(w, torch.zeros_like(w)) for w in want.values())
     assert_close_errors(grad_errors(got, want), TOL)
+    assert_close_errors(step_errors(model, cm, token_batch(GBS, length + 3, seed=4)), TOL)
+
+
+def test_a_mask_with_nothing_in_it_gives_eagers_nan_gradients():
+    """The same count of 0 in a loss written by hand: eager's infinite ``dL/dS`` meets the
+    mask's zeros and makes NaN gradients; so does the compiled step (not zeros: they
+    would hide the empty batch), and the next step is exact."""
+    model = _MaskedMean()
+    x, empty = torch.randn(GBS, 5, 4, dtype=DTYPE), torch.zeros(GBS, 5, dtype=DTYPE)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=(x, empty + 1))
+    grads = []
+    for m, call in ((model, cm), (copy.deepcopy(model), None)):
+        m.zero_grad(set_to_none=True)
+        (call or m)(x, empty).backward()
+        grads.append(grads_of(m))
+    assert all(g.isnan().all() for got in grads for g in got.values())
+    assert_close_errors(step_errors(model, cm, (x, (x[..., 0] > 0).to(DTYPE))), TOL)
 
 
 # --------------------------------------------------------------------------- #

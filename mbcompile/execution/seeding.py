@@ -173,7 +173,7 @@ class Seed:
             loss = self.tail(s, *args)
             g = outer if outer is not None else torch.ones_like(loss)
             (seed,) = torch.autograd.grad(loss, s, g.to(loss.dtype).expand_as(loss))
-        return _usable(seed)
+        return _usable(seed, infinite=True)
 
     def overflowed(self, found: torch.Tensor) -> None:
         """The step's gradients were not finite (``found`` > 0, on the device): a
@@ -201,9 +201,10 @@ class Seed:
         self._found = None  # this step's flag, if any, comes after (``overflowed``)
         if seed is None:
             return g
-        # ``g / seed``, exactly 1.0 where they are equal: the seed is finite and nonzero
-        # (``_usable``), and IEEE division of a number by itself is exactly 1
-        return g / seed
+        # ``g / seed``, exactly 1.0 where they are equal: the seed is nonzero (``_usable``),
+        # IEEE division of a finite number by itself is exactly 1, and an infinite seed
+        # (a count of 0: every label ignored) is written as 1 where it was right, not NaN
+        return torch.where(g == seed, 1.0, g / seed)
 
 
 #: Kinds of input whose replays are counted and traced (``Seed.seed``): a count that is a
@@ -263,11 +264,16 @@ def _same_shape(a: fx.Node, b: Any) -> bool:
         and va.shape == vb.shape
 
 
-def _usable(g: torch.Tensor) -> torch.Tensor:
+def _usable(g: torch.Tensor, infinite: bool = False) -> torch.Tensor:
     """``g`` as a seed or guess: a zero or non-finite one is 1 instead (a backward seeded
-    with 0 would leave nothing for the factor to rescale)."""
+    with 0 would leave nothing for the factor to rescale). ``infinite``: ``g`` is this
+    step's own ``dL/dS`` (replayed at this step's count), whose ±inf (a count of 0) is
+    eager's seed too and is kept: eager's gradients are then what its ops make of an
+    infinite seed (zeros from ``nll_loss`` with every label ignored, NaN from a sum
+    divided by an empty mask's count), and a guess of 1 would make zeros NaN."""
     size = g.abs()  # 0 < |g| < inf: false for 0, ±inf and NaN; five ops where isfinite
-    return torch.where((size > 0) & (size < math.inf), g, 1.0)  # and != 0 take eight
+    keep = size > 0 if infinite else (size > 0) & (size < math.inf)  # and != 0 take eight
+    return torch.where(keep, g, 1.0)
 
 
 def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
