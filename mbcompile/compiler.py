@@ -32,6 +32,7 @@ from mbcompile.execution.live_hooks import global_backward_refused
 from mbcompile.integrations.transformers import (
     TRAINER_KEYWORDS,
     as_the_trainer_sets,
+    install_output_hooks,
     padded_dims,
     plain_calls,
     trainer_keywords,
@@ -100,6 +101,7 @@ def _compile_request(request: Request) -> CompiledModule:
     # before any tracing: a model whose parameters alone cannot fit fails in milliseconds
     check_static_memory(request.inner, request.system, request.shard)
     captures = Captures(request.gbs)
+    install_output_hooks(request.inner, request.example)  # as eager's first call would
     with _crash_named(request.model):
         analysed = captures.analysed(request)
         selection = select(request, analysed)
@@ -137,6 +139,7 @@ def _variant(origin: Request, first: Selection, captures: Captures, request: Req
     serves (``Captures``), with ``first`` itself for the same batch (another keyword set:
     the same plan), else planned with ``first``'s cost model (nothing probed twice; a
     forward-only call probes nothing). Another precision is probed afresh in it."""
+    install_output_hooks(request.inner, request.example)  # a keyword asking for outputs
     with _crash_named(request.model):
         analysed = captures.analysed(request)
         if request.precision != origin.precision:

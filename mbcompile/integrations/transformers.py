@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["TRAINER_KEYWORDS", "as_the_trainer_sets", "called_plainly", "padded_dims",
-           "plain_calls", "trainer_keywords"]
+__all__ = ["TRAINER_KEYWORDS", "as_the_trainer_sets", "called_plainly", "install_output_hooks",
+           "padded_dims", "plain_calls", "trainer_keywords"]
 
 #: the keywords the Trainer adds to a call, beside the batch's columns
 TRAINER_KEYWORDS = ("num_items_in_batch",)
@@ -110,3 +110,46 @@ def called_plainly() -> Iterator[None]:
 def plain_calls() -> bool:
     """Whether ``compile()`` runs inside ``called_plainly``."""
     return _PLAIN.get()
+
+
+def install_output_hooks(model: nn.Module, example: Mapping[str, Any]) -> None:
+    """What eager's first call does to a transformers model that is asked, by keyword or by
+    its config, for outputs its layers' hooks record (``output_hidden_states``,
+    ``output_attentions``, ``output_router_logits``): transformers installs those hooks on
+    that call, for good, and marks the model. Done here for real, before the capture, so
+    that the trace finds them installed and the model is as eager's first call leaves it
+    (a trace that installed them would put them back and keep the mark: refused,
+    ``passes/side_effects.rewiring_refused``). A call it does not foresee (a keyword that
+    only a later call passes) is a variant, captured through here too."""
+    transformers = sys.modules.get("transformers")
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:  # transformers 4: outputs are returned without hooks
+        return
+    registry = getattr(output_capturing, "_CAN_RECORD_REGISTRY", None)
+    install = getattr(output_capturing, "maybe_install_capturing_hooks", None)
+    if transformers is None or registry is None or install is None:
+        return
+    for module in model.modules():
+        flags = registry.get(module) if isinstance(module, transformers.PreTrainedModel) \
+            and _captures_outputs(type(module).forward) else {}
+        config = getattr(module, "config", None)
+        asked = {name for name in {f"output_{k}" for k in flags} | {"output_attentions"}
+                 if (getattr(config, name, False) if example.get(name) is None
+                     else example[name])}  # a keyword left None: the config's
+        # cross and mask-decoder attentions are asked for by ``output_attentions`` too
+        if asked & {f"output_{k}" for k in flags} or ("output_attentions" in asked and {
+                "cross_attentions", "mask_decoder_attentions"} & set(flags)):
+            install(module)
+
+
+def _captures_outputs(forward: Any) -> bool:
+    """Whether ``forward`` is wrapped by transformers' ``capture_outputs`` (the module whose
+    call installs the hooks: the base model, not the head around it), through any other
+    decorators (``functools.wraps`` keeps the inner name; the wrapper's code has its own)."""
+    while forward is not None:
+        code = getattr(forward, "__code__", None)
+        if code is not None and "capture_outputs" in getattr(code, "co_qualname", ""):
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
