@@ -273,6 +273,18 @@ def test_import_mbcompile_loads_no_submodule(lazy_probe: dict) -> None:
     assert not lazy_probe["torch"], "import mbcompile imported torch"
 
 
+def test_compiling_a_plain_model_imports_no_transformers(tmp_path: Path) -> None:
+    """transformers is an optional library that takes seconds to import: a compile of a
+    model that is not one of its ``PreTrainedModel``s (so transformers is not imported
+    yet) never imports it, e.g. to look for its output-capturing hooks."""
+    got = _run_python(
+        "import json, sys\nimport mbcompile\nfrom mbcompile.models import make_tiny_gpt\n"
+        "model, (ids, labels) = make_tiny_gpt(4)\n"
+        "mbcompile.compile(model, 4, 1, 2, example_inputs=(ids, labels))\n"
+        "print(json.dumps({'transformers': 'transformers' in sys.modules}))", tmp_path)
+    assert got == {"transformers": False}
+
+
 def test_every_public_name_resolves_in_a_fresh_interpreter(lazy_probe: dict) -> None:
     assert lazy_probe["failed"] == {}, lazy_probe["failed"]
 

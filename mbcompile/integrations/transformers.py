@@ -122,23 +122,29 @@ def install_output_hooks(model: nn.Module, example: Mapping[str, Any]) -> None:
     ``passes/side_effects.rewiring_refused``). A call it does not foresee (a keyword that
     only a later call passes) is a variant, captured through here too."""
     transformers = sys.modules.get("transformers")
+    if transformers is None:  # not a transformers model: importing it would cost seconds
+        return
     try:
         from transformers.utils import output_capturing
     except ImportError:  # transformers 4: outputs are returned without hooks
         return
     registry = getattr(output_capturing, "_CAN_RECORD_REGISTRY", None)
     install = getattr(output_capturing, "maybe_install_capturing_hooks", None)
-    if transformers is None or registry is None or install is None:
+    if registry is None or install is None:
         return
     for module in model.modules():
-        flags = registry.get(module) if isinstance(module, transformers.PreTrainedModel) \
-            and _captures_outputs(type(module).forward) else {}
+        if not (isinstance(module, transformers.PreTrainedModel)
+                and _captures_outputs(type(module).forward)):
+            continue
+        flags = registry.get(module)
         config = getattr(module, "config", None)
-        asked = {name for name in {f"output_{k}" for k in flags} | {"output_attentions"}
-                 if (getattr(config, name, False) if example.get(name) is None
-                     else example[name])}  # a keyword left None: the config's
+
+        def asked(name: str, config: Any = config) -> bool:  # a keyword left None: config's
+            value = example.get(name)
+            return bool(getattr(config, name, False) if value is None else value)
+
         # cross and mask-decoder attentions are asked for by ``output_attentions`` too
-        if asked & {f"output_{k}" for k in flags} or ("output_attentions" in asked and {
+        if any(asked(f"output_{k}") for k in flags) or (asked("output_attentions") and {
                 "cross_attentions", "mask_decoder_attentions"} & set(flags)):
             install(module)
 
