@@ -43,7 +43,7 @@ from mbcompile.errors import CostModelError, CostModelWarning, DoesNotFitError, 
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.planning.cost import CostModel
-from mbcompile.planning.estimates import MemoryEstimate
+from mbcompile.planning.estimates import Estimate, MemoryEstimate
 from mbcompile.planning.length_cost import LengthCost, length_cost
 from mbcompile.planning.length_split import LengthSplit, auto_split, tokens_split
 from mbcompile.planning.mbs_policy import MbsPolicy
@@ -118,6 +118,14 @@ class CallSplit:
         if self.rule is None:  # a copy cannot make it: it has no graphs
             self._make()
         return dict(self.__dict__)
+
+    def estimate_at(self, length: int, selection: Selection, mbs: int) -> Estimate | None:
+        """The modelled memory and time of ``selection``'s batch at ``mbs`` for a call of
+        ``length`` (None: no model over lengths)."""
+        if self.lengths is None:
+            return None
+        return self.lengths.at(length - self.split.example_length).estimate(
+            selection.plan.gbs, selection.plan.num_csx, mbs, selection.system)
 
     def length(self, values: Sequence[Any]) -> int:
         """The call's length (``values``: its inputs in placeholder order)."""
@@ -290,10 +298,7 @@ def split_selection(selection: Selection, split: CallSplit, mbs: int, length: in
                   f"{rule.system} at the call's length"
                   + (f" (the example's mbs {rule.cap}, chosen for time, at most)"
                      if rule.cap is not None else ""))
-    estimate = None  # without a model over lengths, none of this MBS at the call's length
-    if split.lengths is not None:
-        estimate = split.lengths.at(length - rule.example_length).estimate(
-            plan.gbs, plan.num_csx, mbs, selection.system)
+    estimate = split.estimate_at(length, selection, mbs)  # None: no model over lengths
     new = dataclasses.replace(plan, mbs=cut.mbs, num_microbatches=cut.num_microbatches,
                               microbatch_sizes=cut.microbatch_sizes, reason=reason)
     return dataclasses.replace(selection, plan=new, estimate=estimate, exploration=None)
@@ -332,10 +337,9 @@ def for_length(cm: nn.Module, values: Sequence[Any]) -> nn.Module:
         own = target._selection
         tokens = None if own.plan.tokens_per_sample is None or split.tokens is None else \
             int(values[split.tokens[0]].shape[split.tokens[1]])
-        estimate = own.estimate  # the figures at this call's length, where a model has them
-        if split.lengths is not None:
-            estimate = split.lengths.at(length - split.split.example_length).estimate(
-                own.plan.gbs, own.plan.num_csx, mbs, own.system)
+        estimate = split.estimate_at(length, own, mbs)  # the figures at this call's length
+        if estimate is None:  # no model over lengths: the plan's own
+            estimate = own.estimate
         shown = split.shown[key] = dataclasses.replace(
             own, plan=dataclasses.replace(own.plan, tokens_per_sample=tokens), estimate=estimate)
     object.__setattr__(split, "last_length", length)

@@ -271,8 +271,14 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     assert short[0]["microbatches"] < long[0]["microbatches"]
     assert [r["mbs"] for r in mixed] == [short[0]["mbs"], long[1]["mbs"]]
     assert mixed[0]["microbatches"] < mixed[1]["microbatches"]  # one step, two splits
-    # a call one rank refuses (too long for any split) stops the step on every rank, before
-    # any gradient changed, and they step on together after it
+    _check_refused(saved, policy)
+    if policy == "tokens":  # a two-phase step cuts each rank's length too, in the same ranks
+        _check_two_phase_ranks([r["two_phase"] for r in saved])
+
+
+def _check_refused(saved: list[dict[str, Any]], policy: str) -> None:
+    """A call rank 1 refuses (too long for any split under ``policy``) stops the step on
+    every rank, before any gradient changed, and they step on together after it."""
     first, second = (r["refused"] for r in saved)
     error, text = {"tokens": ("PlanError", "one sample has 64 tokens"),
                    "auto": ("DoesNotFitError", "length 64 does not fit")}[policy]
@@ -280,9 +286,7 @@ def test_each_rank_cuts_its_own_length_exactly(tmp_path, policy):
     assert first["error"] == "MicrobatchError" and "rank(s) [1] failed" in first["message"]
     assert first["unchanged"] and second["unchanged"]
     for r in range(2):
-        assert torch.equal(saved[r]["refused"]["loss_after"], ranks[r][0]["loss"])
-    if policy == "tokens":  # a two-phase step cuts each rank's length too, in the same ranks
-        _check_two_phase_ranks([r["two_phase"] for r in saved])
+        assert torch.equal(saved[r]["refused"]["loss_after"], saved[r]["steps"][0]["loss"])
 
 
 def _check_rank_steps(ranks: list[list[dict[str, Any]]]) -> None:
@@ -442,14 +446,7 @@ def test_each_rank_of_an_fsdp2_model_cuts_its_own_length_exactly(tmp_path, polic
         for rank in ranks:
             assert all(0 < step["peak"] <= budget for step in rank), rank
         assert short[0]["peak"] != long[0]["peak"]  # modelled at each call's length
-    first, second = (r["refused"] for r in saved)
-    error, text = {"tokens": ("PlanError", "one sample has 64 tokens"),
-                   "auto": ("DoesNotFitError", "length 64 does not fit")}[policy]
-    assert second["error"] == error and text in second["message"], second
-    assert first["error"] == "MicrobatchError" and "rank(s) [1] failed" in first["message"]
-    assert first["unchanged"] and second["unchanged"]
-    for r in range(2):
-        assert torch.equal(saved[r]["refused"]["loss_after"], ranks[r][0]["loss"])
+    _check_refused(saved, policy)
 
 
 # --------------------------------------------------------------------------- #
