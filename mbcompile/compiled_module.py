@@ -39,6 +39,7 @@ from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import (
     CallBinder,
+    InputPresenceError,
     batch_size,
     check_layout,
     check_unchanged,
@@ -58,7 +59,7 @@ from mbcompile.planning.precision import ambient_precision
 from mbcompile.reports.report import render
 from mbcompile.request import Request, device_type
 from mbcompile.selection import Selection
-from mbcompile.variants import for_batch, for_keywords, for_shapes
+from mbcompile.variants import for_batch, for_keywords, for_presence, for_shapes
 
 __all__ = ["CompiledModule", "Recompile"]
 
@@ -104,8 +105,7 @@ class CompiledModule(ModelFace, nn.Module):
                  recompile: Recompile, split: CallSplit | None = None) -> None:
         super().__init__()
         self.module = request.model  # the user's model, wrapper and all: its state_dict() keys
-        # what the graphs were captured from (model, or the module a wrapper forwards to);
-        # not a registered submodule, so nothing is listed twice
+        # what the graphs were captured from (model, or what a wrapper calls): not registered
         object.__setattr__(self, "_inner", request.inner)
         object.__setattr__(self, "_request", request)
         object.__setattr__(self, "_selection", selection)  # its own: ``selection`` follows calls
@@ -130,8 +130,7 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_named", frozenset(face.parameters) if any(
             p.kind == p.VAR_KEYWORD for p in face.parameters.values()) else None)
         object.__setattr__(self, "_keywords", request.keywords)
-        # (batch size, forward only) or keyword set -> the module compiled for it (variants.py)
-        object.__setattr__(self, "_variants", {})
+        object.__setattr__(self, "_variants", {})  # a batch size, keyword set... -> variants.py
         object.__setattr__(self, "_inputs", request.inputs)
         object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
         object.__setattr__(self, "_cache", GuardCache())
@@ -291,7 +290,12 @@ class CompiledModule(ModelFace, nn.Module):
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:
                 return self._runs(for_keywords(self, through, args, kwargs))(*args, **kwargs)
-        arguments, values, batch, varying = self._checked(args, kwargs)
+        try:
+            arguments, values, batch, varying = self._checked(args, kwargs)
+        except InputPresenceError:  # an input left out (or given) where the example's wasn't
+            if (variant := for_presence(self, args, kwargs)) is None:
+                raise  # on ranks, or an input forward has no default for
+            return self._runs(variant)(*args, **kwargs)
         if varying:  # dynamic="auto": a length changed, so compile once with it symbolic
             return self._runs(for_shapes(self, varying))(*args, **kwargs)
         gbs = self._selection.plan.gbs

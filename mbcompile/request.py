@@ -147,7 +147,8 @@ class Request:
         """The symbolic dims of a call ``values`` that becomes an example (``for_call``):
         this request's, and with ``dynamic="auto"`` those where it differs from this
         example; a dim that differs and may not is this example's ``InputError``."""
-        names = [n for n in self.inputs.names if n in values and n not in self.inputs.concrete]
+        names = [n for n in self.inputs.names if values.get(n) is not None
+                 and n not in self.inputs.concrete]  # an input left out: nothing to size
         dims = [self.inputs.in_dims[self.inputs.names.index(n)] for n in names]
         ours = Inputs(tuple(names), tuple(dims), {},
                       {n: d for n, d in self.inputs.symbolic.items() if n in names})

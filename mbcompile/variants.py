@@ -20,6 +20,7 @@ the same plan.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Mapping
@@ -36,7 +37,7 @@ from mbcompile.request import Request
 #: the ``CompiledModule`` these functions serve (``compiled_module.py`` imports this module)
 CompiledModule = Any
 
-__all__ = ["for_batch", "for_keywords", "for_shapes", "samples"]
+__all__ = ["for_batch", "for_keywords", "for_presence", "for_shapes", "samples"]
 
 
 def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, ...],
@@ -47,6 +48,9 @@ def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, .
     user's example, never the shapes of a variant made from an earlier call."""
     variant = cm._variants.get(through)
     if variant is None:
+        if _absent(cm, args, kwargs) != _absent(cm, (), cm._request.example) and (
+                presence := for_presence(cm, args, kwargs)) is not None:
+            return presence  # labels left out too: said, and kept under that key
         _check_like_example(cm, args, kwargs)
 
         def listed(names: frozenset[str]) -> str:
@@ -61,6 +65,31 @@ def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, .
             None if expected else RecompileWarning,
             "pass them in example_kwargs to compile them with the model")
     return variant
+
+
+def for_presence(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> CompiledModule | None:
+    """The module compiled for calls that leave out the inputs this one leaves out (None
+    where the example passed a tensor: ``labels``, for logits) and pass those it passes
+    (a tensor where it passed None), compiled once from this call on the first module's
+    request (``request.for_call``; its example's symbolic dims, which a variant made
+    without ``labels`` would not have for them). None where no variant is made: on ranks
+    (each would compile alone) and where forward has no default of None for an input the
+    call changes (leaving it out is not a call of the model's)."""
+    root = cm.__dict__.get("_root", cm)
+    absent, was = _absent(root, args, kwargs), _absent(root, (), root._request.example)
+    if cm.rank is not None or not all(map(functools.partial(_optional, root), absent ^ was)):
+        return None
+    key = ("absent", absent, frozenset(kwargs) - set(root._named or kwargs))
+    variant = root._variants.get(key)
+    if variant is not None:
+        return variant
+    _check_like_example(root, args, kwargs)
+    said = [f"None for {n!r} where the example passed a tensor" for n in sorted(absent - was)]
+    said += [f"a tensor for {n!r} where the example passed None" for n in sorted(was - absent)]
+    return _variant(root, key, root._request.for_call(args, kwargs),
+                    f"a call passes {' and '.join(said) or 'other inputs'}", RecompileWarning,
+                    "an example call like it compiles it with the model")
 
 
 def for_batch(cm: CompiledModule, batch: int, arguments: Mapping[str, Any]) -> CompiledModule:
@@ -92,6 +121,7 @@ def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
     expected, ``Recompile.expected_keywords``: none)."""
     start = time.perf_counter()
     compiled = cm._recompile.variant(request)
+    compiled.__dict__["_root"] = cm.__dict__.get("_root", cm)  # where for_presence compiles
     cm._variants[key] = compiled
     if category is None:
         return compiled
@@ -112,21 +142,47 @@ def _check_like_example(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[
     """Raise ``InputError`` when the inputs the example had are shaped otherwise in this
     call (the keywords it adds are the variant's own; a length that differs under
     ``dynamic="auto"`` is made symbolic by ``for_call``)."""
-    try:
-        bound = with_keywords(cm._face_signature, kwargs).bind(*args, **kwargs)
-    except TypeError:
+    arguments = _bound(cm, args, kwargs)
+    if arguments is None:
         return  # the variant's binding says why, with its signature
-    bound.apply_defaults()
     inputs: Inputs = cm._inputs
-    shared = [i for i, name in enumerate(inputs.names) if name in bound.arguments]
+    shared = [i for i, name in enumerate(inputs.names) if name in arguments and (
+        arguments[name] is not None or name in inputs.concrete or not _optional(cm, name))]
     names = tuple(inputs.names[i] for i in shared)
     # the symbolic dims too: the example's layout marks them ANY, so without them a call
     # at the example's own length would read as another length
     check_layout(Inputs(names, tuple(inputs.in_dims[i] for i in shared),
                         {n: v for n, v in inputs.concrete.items() if n in names},
                         {n: v for n, v in inputs.symbolic.items() if n in names}),
-                 [bound.arguments[n] for n in names], tuple(cm._layout[i] for i in shared),
+                 [arguments[n] for n in names], tuple(cm._layout[i] for i in shared),
                  cm._request.options.dynamic)
+
+
+def _absent(cm: CompiledModule, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+            ) -> frozenset[str]:
+    """The named inputs (not keywords of ``**kwargs``) of the example that the call leaves
+    None."""
+    arguments = _bound(cm, args, kwargs) or {}
+    return frozenset(n for n in cm._inputs.names if arguments.get(n) is None
+                     and n in (cm._named or arguments))
+
+
+def _optional(cm: CompiledModule, name: str) -> bool:
+    """Whether forward may be called without ``name``: its default is None."""
+    param = cm._face_signature.parameters.get(name)
+    return param is not None and param.default is None
+
+
+def _bound(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+           ) -> dict[str, Any] | None:
+    """The call bound to forward's signature with its keywords, defaults applied; None
+    where it does not fit."""
+    try:
+        bound = with_keywords(cm._face_signature, kwargs).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _duration(seconds: float) -> str:

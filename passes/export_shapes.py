@@ -60,6 +60,9 @@ def export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
         if has_tensor(value):
             if dim is not None:
                 value = grow_batch(value, dim, 2)
+            # a strided view (ids[:, :n]) would make export trace its strides as sizes and
+            # guard on them (length != stride): the graph's ops read values, not layout
+            value = pytree.tree_map(_contiguous, value)
             kwargs[name] = value
             free = (symbolic or {}).get(name, {})
             dynamic[name] = pytree.tree_map(
@@ -73,6 +76,10 @@ def export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
         kwargs[name] = value
         dynamic[name] = None
     return kwargs, dynamic
+
+
+def _contiguous(t: Any) -> Any:
+    return t.contiguous() if isinstance(t, torch.Tensor) and not t.is_contiguous() else t
 
 
 def _dims_of(t: Any, dim: int | None, batch: Any, free: Mapping[int, Any]) -> Any:

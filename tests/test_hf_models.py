@@ -209,6 +209,26 @@ def test_hf_without_labels_returns_per_sample_logits(transformers: Any) -> None:
     assert out.loss is None and rel_err(out.logits, ref.logits) <= TOL
 
 
+def test_a_call_without_labels_after_a_compile_with_them_gives_eagers_logits(
+        transformers: Any) -> None:
+    """GPT-2 compiled as the Trainer calls it (its ``num_items_in_batch`` and labels), then
+    called without labels for predictions, in training and eval mode at another length:
+    compiled once for that call (an ``InputError`` before); the training step after is
+    still eager's."""
+    model = build(transformers, "gpt2")
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=padded_batch())
+    batch = padded_batch(seed=2)
+    del batch["labels"]
+    for mode in ("train", "eval"):
+        cm.train(mode == "train")
+        with torch.no_grad():
+            short = {k: v[:, :6] for k, v in batch.items()}
+            out, want = cm(**short), model(**short)
+        assert out.loss is None and rel_err(out.logits, want.logits) <= TOL, mode
+    cm.train()
+    assert_close_errors(step_errors(model, cm, (), padded_batch(seed=3)), TOL)
+
+
 def test_hf_stock_code_matches_eager_to_float32_precision(transformers: Any) -> None:
     """Llama as shipped: float32 RMSNorm and the loss's float32 upcast."""
     from mbcompile.integrations.transformers import called_plainly

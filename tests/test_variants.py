@@ -261,3 +261,57 @@ def test_a_pickled_module_captures_again_and_runs_its_variants():
     with pytest.warns(mbcompile.BatchSizeWarning):
         loss, _ = copied(*make_tiny_gpt(3, seed=3, dtype=torch.float64)[1])
     assert loss.isfinite()
+
+
+class _Labelled(nn.Module):
+    """Logits without ``labels`` (a call for predictions), the loss and logits with them;
+    an optional per-sample ``mask``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> Any:
+        logits = self.lin(x).tanh()
+        if mask is not None:
+            logits = logits * mask[:, None]
+        if labels is None:
+            return logits
+        return ((logits - labels) ** 2).sum(1).mean(), logits
+
+
+def test_a_call_that_leaves_out_an_input_compiles_it_once_and_is_eagers(counted):
+    """A call without ``labels`` (logits for predictions) or with a ``mask`` the example
+    left out is another graph: compiled once from that call, with a warning naming what
+    changed (it was an ``InputError`` before); the example's own kind of call still runs
+    the first graph."""
+    torch.manual_seed(0)
+    model = _Labelled().double()
+
+    def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return tuple(torch.randn(n, k, generator=g, dtype=torch.float64)  # type: ignore[return-value]
+                     for k in (4, 3, 1))
+
+    x, labels, _ = batch(GBS, 0)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=(x, labels))
+    made = counted["capture"]
+    for size, seed in ((GBS, 1), (3, 2)):  # another batch size: the variant's own variant
+        xs = batch(size, seed)[0]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", mbcompile.RecompileWarning)
+            got = cm(xs)
+        said = [str(w.message) for w in seen if w.category is mbcompile.RecompileWarning]
+        assert said == (["a call passes None for 'labels' where the example passed a tensor"
+                         ": planned and compiled once" + said[0].split("compiled once", 1)[1]]
+                        if seed == 1 else [])
+        assert_close_errors(max_rel_err_outputs(got, model(xs)), TOL)
+    assert counted["capture"] == made + 1  # one capture for the calls without labels
+    assert_close_errors(step_errors(model, cm, batch(GBS, 3)[:2]), TOL)  # the first graph
+    x, labels, mask = batch(GBS, 4)
+    with pytest.warns(mbcompile.RecompileWarning, match="a tensor for 'mask' where the "
+                      "example passed None"):
+        assert_close_errors(step_errors(model, cm, (x, labels), {"mask": mask[:, 0]}), TOL)
+    with pytest.raises(mbcompile.InputError, match=r"the example had \('B', 3\)"):
+        cm(x, labels[:, None], mask=mask[:, 0])  # checked against the user's example first
