@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,6 @@ from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.guards import numbers_as_inputs
 from mbcompile.passes.side_effects import replay
 from mbcompile.passes.sources import user_stacklevel
-from mbcompile.passes.state_updates import StateUpdates
 from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.planning.precision import ambient_precision
 from mbcompile.reports.report import render
@@ -361,7 +360,7 @@ class CompiledModule(ModelFace, nn.Module):
             compiled.channels.config.seed.watch(flat)
         state = compiled.state
         if state.targets:  # the step succeeded: write the state back once, as eager does
-            self._write_state(state, flat[state.n_outputs:], arguments)
+            state.write_back(self._inner, flat[state.n_outputs:], arguments)
             flat = flat[:state.n_outputs]
         replay(compiled.effects, flat)  # forward's side effects, once per step
         return compiled.output_spec.rebuild(flat)
@@ -388,17 +387,6 @@ class CompiledModule(ModelFace, nn.Module):
             f"compiled again once for it in {time.perf_counter() - start:.1f} s (mbs "
             f"{before.mbs} -> {self.plan.mbs}); compile(..., precision={ambient.name!r}) plans "
             "for it from the start", RecompileWarning, stacklevel=user_stacklevel())
-
-    def _write_state(self, state: StateUpdates, new: Sequence[Any],
-                     arguments: Mapping[str, Any]) -> None:
-        with torch.no_grad():
-            for target, value in zip(state.targets, new):
-                if target.kind == "buffer":
-                    self._inner.get_buffer(target.name).copy_(value)
-                elif target.kind == "parameter":  # under no_grad: it stays a leaf
-                    self._inner.get_parameter(target.name).copy_(value)
-                else:
-                    arguments[target.name].copy_(value)
 
     def loss_of(self, output: Any) -> torch.Tensor:
         """The trained loss in ``output`` (what this module returned): the output leaf the
