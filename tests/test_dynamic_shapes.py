@@ -409,6 +409,19 @@ def test_an_example_cut_from_a_longer_batch_keeps_the_length_symbolic(transforme
     assert not _recompiles(caught), caught
 
 
+def test_export_copies_a_strided_example_but_not_views_of_one_tensor():
+    """The copy that keeps strides out of export's guards leaves inputs that share a
+    tensor as they are: a write through one is read through the other, which copies apart
+    would hide (a refusal before the copy, a silently different graph with it)."""
+    from mbcompile.passes.export_shapes import export_kwargs
+
+    base = torch.randn(4, 10)
+    example = {"lone": torch.randn(4, 10)[:, :6], "a": base[:, :4], "b": base[:, 4:]}
+    kwargs, _ = export_kwargs(nn.Identity(), example, dict.fromkeys(example, 0))
+    assert kwargs["lone"].is_contiguous() and torch.equal(kwargs["lone"], example["lone"])
+    assert kwargs["a"] is example["a"] and kwargs["b"] is example["b"]
+
+
 @pytest.mark.slow
 def test_a_vit_at_another_image_size_is_refused_with_the_resize_fix(transformers):
     """ViT interpolates its position table to another image size, but at its config's

@@ -45,7 +45,7 @@ def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n
     sums (the same for each: the loss is their sum, maybe scaled) over the seed their
     backwards ran with, exactly 1.0 when the seed was ``g``.
     """
-    if torch.is_grad_enabled():  # autograd runs a backward with create_graph=True so
+    if torch.is_grad_enabled():  # grad mode is on in a backward under create_graph=True
         raise MicrobatchError(
             "a backward with create_graph=True (a gradient penalty on the step's gradients, "
             "higher-order gradients) went through a compiled module's step, whose gradients "
