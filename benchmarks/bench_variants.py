@@ -1,6 +1,12 @@
 """What a call compile() did not see costs: another batch size, or a train/eval switch.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_variants.py [--gbs 7] [--mbs 2] [--recompute]
+    OMP_NUM_THREADS=1 python benchmarks/bench_variants.py --predict
+
+``--predict``: a call without labels (predictions) of ``bench_dynamic.py``'s GPT-2,
+compiled from a labelled batch as the Trainer calls it: the first such call in training
+mode and in eval mode (each captures its own graph once), then calls at other lengths
+and batch sizes, beside the model's own call on the same batch.
 
 The tiny GPT of the tests (``tests/models.py``: 2 layers, width 16, sequence 8, vocabulary
 32, float64) compiled for gbs 7 over 2 systems at mbs 2, with the cost model on (its
@@ -64,9 +70,13 @@ def main() -> int:
     parser.add_argument("--mbs", default="2", help="an int, or auto")
     parser.add_argument("--recompute", action="store_true",
                         help="compile with recompute=True (activation checkpointing per block)")
+    parser.add_argument("--predict", action="store_true",
+                        help="a GPT-2 called without labels (transformers)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+    if args.predict:
+        return predict_costs()
     gbs, mbs = args.gbs, (int(args.mbs) if args.mbs.isdigit() else args.mbs)
     model, batch = make_tiny_gpt(gbs, dtype=torch.float64, **CONFIG)
     holder: dict[str, Any] = {}
@@ -106,6 +116,43 @@ def main() -> int:
     print(f"each new batch size: at most {worst:.1f} ms CPU, call included (goal <= 50 ms); "
           f"the train/eval switch {switch:.1f} ms, call included (goal <= 50 ms); the first "
           f"compile {first:.0f} ms")
+    return 0
+
+
+def predict_costs() -> int:
+    """``--predict``: the CPU ms of calls without labels, first and later, and the model's."""
+    import copy
+
+    import transformers
+    from bench_dynamic import GBS, RandomLengths, collator, make_model
+
+    transformers.logging.set_verbosity_error()
+    model = make_model(transformers, "gpt2")
+    data, pad = RandomLengths(200, 0), collator(transformers, "gpt2")
+    rows = iter(range(200))
+
+    def batch(n: int) -> dict[str, Any]:
+        out = dict(pad([data[next(rows)] for _ in range(n)]))
+        del out["labels"]
+        return out
+
+    labelled = dict(pad([data[next(rows)] for _ in range(GBS)]))
+    holder: dict[str, Any] = {}
+    first = _cpu_ms(lambda: holder.setdefault("cm", mbcompile.compile(
+        copy.deepcopy(model), GBS, 2, 2, example_kwargs=labelled)))
+    cm = holder["cm"]
+    print(f"GPT-2 of bench_dynamic.py, gbs {GBS} over 2 systems, mbs 2: compile {first:.0f} ms "
+          "CPU, from a labelled batch")
+    print(f"{'call without labels':<44} {'compiled':>10} {'model':>9}")
+    with torch.no_grad():
+        for mode in ("train", "eval"):
+            cm.train(mode == "train"), model.train(mode == "train")
+            for n, what in ((GBS, "first"), (GBS, "another length"), (3, "batch 3"),
+                            (GBS + 2, "batch 8")):
+                b = batch(n)
+                got, want = _cpu_ms(lambda b=b: cm(**b)), _cpu_ms(lambda b=b: model(**b))
+                name = f"{mode} mode, {what} (length {b['input_ids'].shape[1]})"
+                print(f"{name:<44} {got:>7.1f} ms {want:>6.1f} ms")
     return 0
 
 
