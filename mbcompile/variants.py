@@ -92,6 +92,7 @@ def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
     expected, ``Recompile.expected_keywords``: none)."""
     start = time.perf_counter()
     compiled = cm._recompile.variant(request)
+    object.__setattr__(compiled, "_guesses", cm._guesses)  # the loop's scale, not the graph's
     cm._variants[key] = compiled
     if category is None:
         return compiled
