@@ -7,13 +7,17 @@ the loss and every output (values, dtype), every ``.grad`` (``None`` too), param
 after the optimizer's step, buffers and Python attributes (``_errors``). Parameters
 frozen and unfrozen mid-run under param groups and a scheduler; an optimizer run in
 backward by ``register_post_accumulate_grad_hook``; dropout against a hand loop over the
-plan's microbatches from the same seed; transformers' gradient checkpointing turned on
-before and after compile; ``torch_compile`` at changing lengths; a state dict saved and
-restored, a submodule replaced, a ``.to(float32)``; inputs of another kind
-(non-contiguous, ``inputs_embeds`` requiring grad, a mask left out); fp16 with a
-``GradScaler`` and bf16 at changing batch sizes and lengths against a hand loop;
-``backward`` with a gradient, ``retain_graph`` and twice; ``num_items_in_batch`` by hand.
-Float64 on gbs 7 over 2 systems, as round one.
+plan's microbatches from the same seed, its ``p`` annealed; transformers' gradient
+checkpointing turned on before and after compile; T5 with its two lengths apart, ViT at
+one image size and refused at another; ``torch_compile`` at changing lengths; a state
+dict saved and restored, a submodule replaced, a ``.to(float32)``, embeddings resized, a
+LoRA reference pass with the adapter disabled; inputs of another kind (non-contiguous, a
+tuple or keywords, an input requiring grad, a mask left out, position ids added); fp16
+with a ``GradScaler`` and bf16 at changing batch sizes and lengths against a hand loop;
+``backward`` with a gradient, ``inputs=``, ``retain_graph`` and twice; ``autograd.grad``;
+``num_items_in_batch`` by hand. Float64 on gbs 7 over 2 systems, as round one. A refusal
+is checked to leave parameters, ``.grad``s, the optimizer's state and the compiled
+variants as they were (``unchanged``).
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ def _optimizer_in_backward(model: nn.Module) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("torch_compile", [
-    False, pytest.param(True, marks=pytest.mark.slow)], ids=["autograd", "joint"])
+    False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.zoo])],  # 30-55 s
+    ids=["autograd", "joint"])
 def test_optimizer_in_backward_sees_each_full_gradient_once_at_changing_lengths(
         torch_compile):
     """Hooks registered after compile; lengths and batch sizes change (new variants) and
@@ -201,6 +206,28 @@ def test_dropout_draws_as_a_hand_loop_over_the_plans_microbatches(options):
         errors.update({n: rel_err(g, h) for (n, g), h in zip(
             grads_of(model).items(), grads_of(hand).values())})
         assert_close_errors(errors, TOL)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_dropout_annealed_between_steps_draws_as_a_hand_loop(capture):
+    """``model.drop.p`` changed before every step (a dropout schedule, down to 0): the
+    step drops with the new ``p`` (read live, or compiled again under export), as the hand
+    loop does from the same seed."""
+    torch.manual_seed(0)
+    model = DropNet().to(DTYPE)
+    x, y = torch.randn(GBS, 6, dtype=DTYPE), torch.randint(0, 4, (GBS,))
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=(x, y), cost_model=False,
+                           capture=capture)
+    hand = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # p read as a guard: compiled again
+        for seed, p in enumerate([0.3, 0.1, 0.5, 0.0, 0.2]):
+            model.drop.p = hand.drop.p = p
+            torch.manual_seed(seed)
+            loss = cm(x, y)
+            torch.manual_seed(seed)
+            want = sum(hand(x[a:b], y[a:b]) for a, b in _slices(cm))
+            assert_close_errors({"loss": rel_err(loss.detach(), want.detach())}, TOL)
 
 
 # --------------------------------------------------------------------------- #
@@ -301,6 +328,28 @@ def test_non_contiguous_inputs_train_as_eager_or_fail_as_eager_changing_nothing(
     assert str(err.value.__cause__) == str(eager.value)
 
 
+def test_a_batch_as_a_tuple_as_keywords_or_both_trains_as_eager():
+    """The same module called ``cm(ids, labels)``, ``cm(ids=..., labels=...)`` and
+    ``cm(ids, labels=...)`` from step to step, at changing lengths."""
+    model, cm = _gpt(2)
+
+    def keywords(length: int) -> dict[str, torch.Tensor]:
+        ids, labels = _batch(length)
+        return {"ids": ids, "labels": labels}
+
+    steps = [train(12), ("train", keywords(12)), ("train", keywords(8)), train(8),
+             ("train", keywords(20))]
+    journey(model, cm, steps, sgd)
+
+    def mixed(i: int, m: nn.Module, call: Any, state: dict[str, Any]) -> Any:
+        ids, labels = _batch(9 + i)
+        out = call(ids, labels=labels)
+        out[0].backward()
+        return out
+
+    twin(model, cm, 2, mixed)
+
+
 class Regressor(nn.Module):
     """Takes embeddings, as ``inputs_embeds``: a gradient with respect to an input is what
     an adversarial step or a saliency map reads."""
@@ -362,6 +411,65 @@ def test_a_mask_or_position_ids_of_another_kind_are_refused_changing_nothing(tf)
     journey(model, cm, [HF[4], HF[1]], adam, floor=GRAD_FLOOR, loss=lambda out: out.loss)
 
 
+def _t5_batch(source: int, target: int, seed: int) -> dict[str, torch.Tensor]:
+    enc, dec = _hf_batch(source, seed=seed), _hf_batch(target, seed=seed + 100)
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+            "labels": dec["labels"]}
+
+
+@pytest.mark.slow
+def test_t5_trains_with_encoder_and_decoder_lengths_apart(tf):
+    """Adam and clipping, eval and no-grad calls, the two lengths changing independently
+    (one compile makes the decoder's symbolic). Decoder lengths from 3: torch.export's
+    trace of T5 holds from there (a shorter one is refused, naming the bounds)."""
+    cfg = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                      dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(cfg).to(DTYPE)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=_t5_batch(8, 4, 0),
+                           cost_model=False)
+    lengths = [("train", 8, 4), ("train", 5, 9), ("eval", 7, 3), ("train", 12, 3),
+               ("no_grad", 2, 11), ("train", 3, 10)]
+    caught = journey(model, cm, [(kind, _t5_batch(s, t, s * t)) for kind, s, t in lengths],
+                     adam, clip=0.5, floor=1e-4, loss=lambda out: out.loss)
+    assert sum(w.startswith("RecompileWarning") for w in caught) == 1, caught
+    with unchanged(model, cm), pytest.raises(InputError, match="outside the bounds"):
+        cm(**_t5_batch(7, 2, 1))
+
+
+@pytest.mark.slow
+def test_vit_trains_at_its_examples_image_size_and_refuses_another_changing_nothing(tf):
+    """Compiled at 48 pixels (not its config's 32: the position table interpolated), two
+    SGD steps, then a batch of 64 pixels is refused before it runs, naming the resize fix,
+    with parameters, ``.grad``s and the optimizer's momentum as they were; training at 48
+    goes on as eager's."""
+    cfg = tf.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=16,
+                       num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                       num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = tf.ViTForImageClassification(cfg).to(DTYPE)
+
+    def images(size: int, seed: int = 0) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(size + seed)
+        return {"pixel_values": torch.randn(GBS, 3, size, size, generator=g, dtype=DTYPE),
+                "labels": torch.randint(0, 3, (GBS,), generator=g),
+                "interpolate_pos_encoding": True}
+
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=images(48),
+                           cost_model=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for seed in range(2):
+        opt.zero_grad()
+        cm(**images(48, seed)).loss.backward()
+        opt.step()
+    momentum = copy.deepcopy(opt.state_dict())
+    with unchanged(model, cm), pytest.raises(InputError, match="resize every batch"):
+        cm(**images(64))
+    assert str(opt.state_dict()) == str(momentum)
+    journey(model, cm, [("train", images(48, 2)), ("eval", images(48, 3)),
+                        ("train", images(48, 4))], sgd, floor=1e-4, loss=lambda out: out.loss)
+
+
 # --------------------------------------------------------------------------- #
 # State changed between steps
 # --------------------------------------------------------------------------- #
@@ -412,10 +520,48 @@ def test_load_state_dict_through_the_compiled_module():
 
 
 @pytest.mark.slow
+def test_resized_token_embeddings_and_a_lora_reference_pass_between_steps(tf):
+    """``resize_token_embeddings`` mid-run (a tokenizer grew: new embedding and tied
+    head, compiled again), then peft's LoRA on the model with a DPO-style reference pass
+    each step: ``with torch.no_grad(), model.disable_adapter():`` the same call, then the
+    trained one."""
+    peft = pytest.importorskip("peft")
+    from test_hf_models import GRAD_FLOOR
+
+    model = _gpt2(tf)
+    cm = _compile_gpt2(model)
+
+    def resize(m: nn.Module) -> None:
+        torch.manual_seed(0)  # the new rows are drawn: the same in both
+        m.resize_token_embeddings(80)
+
+    # no optimizer: its state for the embedding has the old number of rows
+    journey(model, cm, [HF[1], (resize, None), HF[4], HF[5]], floor=GRAD_FLOOR,
+            loss=lambda out: out.loss)
+    torch.manual_seed(1)
+    lora = peft.get_peft_model(_gpt2(tf), peft.LoraConfig(
+        r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True))
+    cm = _compile_gpt2(lora.to(DTYPE))
+
+    def step(i: int, m: nn.Module, call: Any, state: dict[str, Any]) -> Any:
+        batch = _hf_batch([8, 8, 5, 8][i], seed=i)
+        with torch.no_grad(), m.disable_adapter():
+            reference = call(**batch)
+        state["opt"].zero_grad()
+        out = call(**batch)
+        out.loss.backward()
+        state["opt"].step()
+        return reference, out
+
+    twin(lora, cm, 4, step, floor=GRAD_FLOOR, setup=lambda m: {"opt": torch.optim.SGD(
+        [p for p in m.parameters() if p.requires_grad], lr=0.1)})
+
+
+@pytest.mark.slow
 def test_torch_compile_trains_at_lengths_and_batch_sizes_that_change():
+    """Each microbatch size compiled once, the length dynamic after its first change."""
     model, cm = _gpt(2, torch_compile={"backend": "aot_eager"})
-    steps = [train(12), train(8), train(20), train(12), train(3, 3), train(9), evaluate(14),
-             train(12, 5), train(6)]
+    steps = [train(12), train(8), train(20), train(3, 3), evaluate(14), train(6)]
     journey(model, cm, steps, adam, clip=0.5)
 
 
@@ -426,26 +572,32 @@ def test_torch_compile_trains_at_lengths_and_batch_sizes_that_change():
 
 def test_backward_with_a_gradient_retain_graph_or_autograd_grad():
     """``loss.backward(0.25)``, ``backward(retain_graph=True)`` called once,
-    ``torch.autograd.backward([loss], [3.0])`` and ``torch.autograd.grad`` of the
-    parameters (written to ``.grad`` doubled) at changing lengths."""
+    ``torch.autograd.backward([loss], [3.0])``, ``torch.autograd.grad`` of the
+    parameters (written to ``.grad`` doubled) and of two of them, and
+    ``backward(inputs=[two of them])`` (every other ``.grad`` stays None, as in eager), at
+    changing lengths."""
     model, cm = _gpt(2)
 
     def step(i: int, m: nn.Module, call: Any, state: dict[str, Any]) -> Any:
         m.zero_grad(set_to_none=True)
-        out = call(*_batch([12, 8, 12, 20][i]))
+        out = call(*_batch([12, 8, 12, 20, 9, 12][i]))
+        some = [m.head.weight, m.blocks[1].up.weight]
         if i == 0:
             out[0].backward(torch.tensor(0.25, dtype=DTYPE))
         elif i == 1:
             out[0].backward(retain_graph=True)
         elif i == 2:
             torch.autograd.backward([out[0]], [torch.tensor(3.0, dtype=DTYPE)])
+        elif i == 5:
+            out[0].backward(inputs=some)
         else:
-            grads = torch.autograd.grad(out[0], list(m.parameters()))
-            for p, g in zip(m.parameters(), grads):
+            params = list(m.parameters()) if i == 3 else some
+            for p, g in zip(params, torch.autograd.grad(out[0], params)):
                 p.grad = 2 * g
         return out
 
-    twin(model, cm, 4, step)
+    twin(model, cm, 6, step)
+    assert model.head.weight.grad is not None and model.tok.weight.grad is None
 
 
 def test_a_second_backward_of_one_call_is_refused_with_the_fix_and_grads_kept():
