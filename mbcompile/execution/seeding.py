@@ -57,7 +57,8 @@ class Guesses:
     graph guesses it from the last step of any."""
 
     def __init__(self) -> None:
-        self.last: Seed | None = None
+        self.last: Seed | None = None  # the last to record the gradient its loss got
+        self.bare: Seed | None = None  # the last without a tail to see its ``dL/dS``
 
 
 class Seed:
@@ -212,8 +213,12 @@ class Seed:
 
     @property
     def last(self) -> torch.Tensor | None:
-        """The guess of ``dL/dS`` where no tail can be replayed (None: seed with 1)."""
-        last = _halved(self._last, self._found)
+        """The guess of ``dL/dS`` where no tail can be replayed (None: seed with 1): this
+        graph's last, or at its first step another's (a two-phase step's ``dL/dS`` is the
+        gradient its loss got; a count that differs is a wrong guess, closer than 1)."""
+        bare = self.shared.bare if self.shared is not None else None
+        source = self if self._last is not None or bare is None else bare
+        last = _halved(source._last, source._found)
         return None if last is None else _usable(last)
 
     def factor(self, g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
@@ -221,6 +226,8 @@ class Seed:
         that arrived: exactly 1.0 when the guess was right."""
         g = self._last = g.detach()
         self._found = None  # this step's flag, if any, comes after (``overflowed``)
+        if self.tail is None and self.shared is not None:
+            self.shared.bare = self
         if seed is None:
             return g
         # ``g / seed``, exactly 1.0 where they are equal: the seed is nonzero (``_usable``),
