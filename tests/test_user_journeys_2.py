@@ -587,6 +587,17 @@ def test_resized_token_embeddings_and_a_lora_reference_pass_between_steps(tf):
         [p for p in m.parameters() if p.requires_grad], lr=0.1)})
 
 
+def test_a_module_pickled_mid_run_trains_on_as_eager():
+    """``pickle`` (and ``deepcopy``) of a module that has trained at two lengths: the copy
+    guesses its seeds afresh (they held graphs fx cannot pickle) and trains as eager."""
+    import pickle
+
+    model, cm = _gpt(2)
+    journey(model, cm, [train(12), train(8)])
+    for twin in (pickle.loads(pickle.dumps(cm)), copy.deepcopy(cm)):
+        journey(twin.module, twin, [train(9), train(12)], sgd)
+
+
 @pytest.mark.slow
 def test_torch_compile_trains_at_lengths_and_batch_sizes_that_change():
     """Each microbatch size compiled once, the length dynamic after its first change."""

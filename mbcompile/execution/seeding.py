@@ -60,6 +60,10 @@ class Guesses:
         self.last: Seed | None = None  # the last to record the gradient its loss got
         self.bare: Seed | None = None  # the last without a tail to see its ``dL/dS``
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (pickle, deepcopy) drops its graphs and their seeds: it guesses afresh
+        return {"last": None, "bare": None}
+
 
 class Seed:
     """One compiled graph's seeding: the tail to replay, the count pre-pass, and the
