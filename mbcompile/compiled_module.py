@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import (
     CallBinder,
+    InputPresenceError,
     batch_size,
     check_layout,
     check_unchanged,
@@ -53,13 +54,12 @@ from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.guards import numbers_as_inputs
 from mbcompile.passes.side_effects import replay
 from mbcompile.passes.sources import user_stacklevel
-from mbcompile.passes.state_updates import StateUpdates
 from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.planning.precision import ambient_precision
 from mbcompile.reports.report import render
 from mbcompile.request import Request, device_type
 from mbcompile.selection import Selection
-from mbcompile.variants import for_batch, for_keywords, for_shapes
+from mbcompile.variants import for_batch, for_keywords, for_presence, for_shapes
 
 __all__ = ["CompiledModule", "Recompile"]
 
@@ -105,8 +105,7 @@ class CompiledModule(ModelFace, nn.Module):
                  recompile: Recompile, split: CallSplit | None = None) -> None:
         super().__init__()
         self.module = request.model  # the user's model, wrapper and all: its state_dict() keys
-        # what the graphs were captured from (model, or the module a wrapper forwards to);
-        # not a registered submodule, so nothing is listed twice
+        # what the graphs were captured from (model, or what a wrapper calls): not registered
         object.__setattr__(self, "_inner", request.inner)
         object.__setattr__(self, "_request", request)
         object.__setattr__(self, "_selection", selection)  # its own: ``selection`` follows calls
@@ -131,8 +130,7 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_named", frozenset(face.parameters) if any(
             p.kind == p.VAR_KEYWORD for p in face.parameters.values()) else None)
         object.__setattr__(self, "_keywords", request.keywords)
-        # (batch size, forward only) or keyword set -> the module compiled for it (variants.py)
-        object.__setattr__(self, "_variants", {})
+        object.__setattr__(self, "_variants", {})  # a batch size, keyword set... -> variants.py
         object.__setattr__(self, "_inputs", request.inputs)
         object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
         object.__setattr__(self, "_cache", GuardCache())
@@ -293,7 +291,12 @@ class CompiledModule(ModelFace, nn.Module):
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:
                 return self._runs(for_keywords(self, through, args, kwargs))(*args, **kwargs)
-        arguments, values, batch, varying = self._checked(args, kwargs)
+        try:
+            arguments, values, batch, varying = self._checked(args, kwargs)
+        except InputPresenceError:  # an input left out (or given) where the example's wasn't
+            if (variant := for_presence(self, args, kwargs)) is None:
+                raise  # on ranks, or an input forward has no default for
+            return self._runs(variant)(*args, **kwargs)
         if varying:  # dynamic="auto": a length changed, so compile once with it symbolic
             return self._runs(for_shapes(self, varying))(*args, **kwargs)
         gbs = self._selection.plan.gbs
@@ -361,7 +364,7 @@ class CompiledModule(ModelFace, nn.Module):
             seed.watch(flat)
         state = compiled.state
         if state.targets:  # the step succeeded: write the state back once, as eager does
-            self._write_state(state, flat[state.n_outputs:], arguments)
+            state.write_back(self._inner, flat[state.n_outputs:], arguments)
             flat = flat[:state.n_outputs]
         replay(compiled.effects, flat)  # forward's side effects, once per step
         return compiled.output_spec.rebuild(flat)
@@ -388,17 +391,6 @@ class CompiledModule(ModelFace, nn.Module):
             f"compiled again once for it in {time.perf_counter() - start:.1f} s (mbs "
             f"{before.mbs} -> {self.plan.mbs}); compile(..., precision={ambient.name!r}) plans "
             "for it from the start", RecompileWarning, stacklevel=user_stacklevel())
-
-    def _write_state(self, state: StateUpdates, new: Sequence[Any],
-                     arguments: Mapping[str, Any]) -> None:
-        with torch.no_grad():
-            for target, value in zip(state.targets, new):
-                if target.kind == "buffer":
-                    self._inner.get_buffer(target.name).copy_(value)
-                elif target.kind == "parameter":  # under no_grad: it stays a leaf
-                    self._inner.get_parameter(target.name).copy_(value)
-                else:
-                    arguments[target.name].copy_(value)
 
     def loss_of(self, output: Any) -> torch.Tensor:
         """The trained loss in ``output`` (what this module returned): the output leaf the

@@ -24,10 +24,9 @@ from mbcompile.errors import ArgumentTypeError, CaptureError, InputError
 from mbcompile.passes.guard_values import fingerprint
 from mbcompile.passes.guards import plain
 
-__all__ = ["CallBinder", "Inputs", "batch_size", "bind_example", "check_unchanged", "check_layout",
-           "input_layout",
-           "keywords_through", "leaf_name", "leaves", "same_value", "tokens_per_sample",
-           "with_keywords"]
+__all__ = ["CallBinder", "InputPresenceError", "Inputs", "batch_size", "bind_example",
+           "check_unchanged", "check_layout", "input_layout", "keywords_through", "leaf_name",
+           "leaves", "same_value", "tokens_per_sample", "with_keywords"]
 
 
 @dataclass(frozen=True)
@@ -204,6 +203,12 @@ def tokens_per_sample(inputs: Inputs, values: Mapping[str, Any]) -> int | None:
     return None
 
 
+class InputPresenceError(InputError):
+    """An input is None where the example passed a tensor, or a tensor where it passed
+    None (a call without ``labels``, for logits): another graph, which a module that may
+    compile variants compiles for it once (``variants.for_presence``)."""
+
+
 def input_layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
     """Per input: its pytree structure and its tensors' shapes, the batch dim left out
     (None) and symbolic dims marked ``ANY``."""
@@ -242,6 +247,8 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
             continue  # compared by value already
         if isinstance(value, torch.Tensor) and spec.is_leaf():  # the usual input: no walk
             found = leaves(value)
+        elif value is None and spec.is_leaf() and shapes[0] is not None:
+            raise InputPresenceError(_layout_error(name, None, d, shapes[0], dynamic))
         else:
             found, got = pytree.tree_flatten_with_path(value)
             if got != spec:
@@ -322,7 +329,7 @@ def check_unchanged(inputs: Inputs, arguments: Mapping[str, Any]) -> None:
     for name, expected in inputs.concrete.items():
         got = arguments[name]
         if isinstance(got, torch.Tensor):  # no graph input for it (its values: a big repr)
-            raise InputError(
+            raise (InputPresenceError if expected is None else InputError)(
                 f"input {name!r} is a tensor of shape {tuple(got.shape)} where the example "
                 f"passed {expected!r}; the graph was traced without it: pass the same kind "
                 "of value, or compile again with an example call like this one")

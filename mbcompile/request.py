@@ -137,24 +137,40 @@ class Request:
         known = {n: d for n, d in zip(self.inputs.names, self.inputs.in_dims)
                  if n not in self.inputs.concrete and n in sig.parameters}
         in_dims = self.options.in_dims
+        if isinstance(in_dims, dict):  # an input the example left out: the user's dim
+            known.update({n: d for n, d in in_dims.items()
+                          if n not in known and n in sig.parameters})
         default = in_dims if isinstance(in_dims, int) else 0
         signature, values, inputs = bind_example(self.inner, args, kwargs, known,
                                                  self.options.planning_only, default)
-        inputs = dataclasses.replace(inputs, symbolic=self._symbolic_for(values))
+        inputs = dataclasses.replace(inputs, symbolic=self._symbolic_for(values, inputs))
         return dataclasses.replace(self, signature=signature, example=values, inputs=inputs)
 
-    def _symbolic_for(self, values: Mapping[str, Any]) -> dict[str, dict[int, Any]]:
-        """The symbolic dims of a call ``values`` that becomes an example (``for_call``):
-        this request's, and with ``dynamic="auto"`` those where it differs from this
-        example; a dim that differs and may not is this example's ``InputError``."""
-        names = [n for n in self.inputs.names if n in values and n not in self.inputs.concrete]
+    def _symbolic_for(self, values: Mapping[str, Any], new: Inputs
+                      ) -> dict[str, dict[int, Any]]:
+        """The symbolic dims of a call ``values`` (bound as ``new``) that becomes an example
+        (``for_call``): this request's, and with ``dynamic="auto"`` those where it differs
+        from this example; a dim that differs and may not is this example's ``InputError``.
+        A tensor input this example left out (a mask) gets its dims that are as long as a
+        symbolic dim of this call (its length), as ``padded_dims`` would have made it."""
+        names = [n for n in self.inputs.names if values.get(n) is not None
+                 and n not in self.inputs.concrete]  # an input left out: nothing to size
         dims = [self.inputs.in_dims[self.inputs.names.index(n)] for n in names]
         ours = Inputs(tuple(names), tuple(dims), {},
                       {n: d for n, d in self.inputs.symbolic.items() if n in names})
         varying = check_layout(ours, [values[n] for n in names],
                                input_layout(ours, [self.example[n] for n in names]),
                                self.options.dynamic)
-        return _with_dims(ours.symbolic, varying)
+        symbolic = _with_dims(ours.symbolic, varying)
+        lengths = {values[n].shape[d] for n, ds in symbolic.items() for d in ds
+                   if isinstance(values[n], torch.Tensor) and d < values[n].dim()}
+        for name, batch_dim in zip(new.names, new.in_dims):
+            value = values[name]
+            if name not in self.inputs.concrete or not isinstance(value, torch.Tensor):
+                continue
+            same = [d for d in range(value.dim()) if d != batch_dim and value.shape[d] in lengths]
+            symbolic.update({name: dict.fromkeys(same, (None, None))} if same else {})
+        return symbolic
 
     def for_shapes(self, varying: Mapping[str, Iterable[int]]) -> Request:
         """This request with the ``varying`` dims (by input) symbolic too: a call changed

@@ -20,6 +20,7 @@ the same plan.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Mapping
@@ -29,14 +30,14 @@ import torch
 
 from mbcompile.dynamic_shapes import symbolic_reason
 from mbcompile.errors import BatchSizeWarning, RecompileWarning
-from mbcompile.inputs import Inputs, check_layout, with_keywords
+from mbcompile.inputs import Inputs, check_layout, check_unchanged, with_keywords
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.request import Request
 
 #: the ``CompiledModule`` these functions serve (``compiled_module.py`` imports this module)
 CompiledModule = Any
 
-__all__ = ["for_batch", "for_keywords", "for_shapes", "samples"]
+__all__ = ["for_batch", "for_keywords", "for_presence", "for_shapes", "samples"]
 
 
 def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, ...],
@@ -47,6 +48,8 @@ def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, .
     user's example, never the shapes of a variant made from an earlier call."""
     variant = cm._variants.get(through)
     if variant is None:
+        if (presence := for_presence(cm, args, kwargs)) is not None:
+            return presence  # labels left out too: said, and kept under that key
         _check_like_example(cm, args, kwargs)
 
         def listed(names: frozenset[str]) -> str:
@@ -60,6 +63,34 @@ def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, .
             f"**kwargs, where the example call passed {listed(cm._keywords)}",
             None if expected else RecompileWarning,
             "pass them in example_kwargs to compile them with the model")
+    return variant
+
+
+def for_presence(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> CompiledModule | None:
+    """The module compiled for calls that leave out the inputs this one leaves out (None
+    where the example passed a tensor: ``labels``, for logits) and pass those it passes
+    (a tensor where it passed None), compiled once from this call on the first module's
+    request (``request.for_call``; its example's symbolic dims, which a variant made
+    without ``labels`` would not have for them). None where the call changes nothing of
+    that kind, and where no variant is made: on ranks (each would compile alone) and
+    where forward has no default of None for such an input (leaving it out is not a call
+    of the model's)."""
+    root = cm.__dict__.get("_root", cm)
+    arguments = _bound(root, args, kwargs)
+    flips = _flips(root, arguments) if arguments is not None and cm.rank is None else None
+    if not flips:
+        return None
+    absent = frozenset(n for n in root._inputs.names if n in arguments and arguments[n] is None)
+    key = ("absent", absent, frozenset(kwargs) - set(root._named or kwargs))
+    variant = root._variants.get(key)
+    if variant is None:
+        _check_like_example(root, args, kwargs)
+        said = [f"None for {n!r} where the example passed a tensor" if arguments[n] is None
+                else f"a tensor for {n!r} where the example passed None" for n in sorted(flips)]
+        variant = _variant(root, key, root._request.for_call(args, kwargs),
+                           f"a call passes {' and '.join(said)}", RecompileWarning,
+                           "an example call like it compiles it with the model")
     return variant
 
 
@@ -93,6 +124,7 @@ def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
     start = time.perf_counter()
     compiled = cm._recompile.variant(request)
     object.__setattr__(compiled, "_guesses", cm._guesses)  # the loop's scale, not the graph's
+    object.__setattr__(compiled, "_root", cm.__dict__.get("_root", cm))  # for_presence
     cm._variants[key] = compiled
     if category is None:
         return compiled
@@ -111,23 +143,55 @@ def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
 def _check_like_example(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
                         ) -> None:
     """Raise ``InputError`` when the inputs the example had are shaped otherwise in this
-    call (the keywords it adds are the variant's own; a length that differs under
-    ``dynamic="auto"`` is made symbolic by ``for_call``)."""
+    call, or its non-tensor arguments differ (the keywords it adds are the variant's own,
+    so are the inputs it leaves out or adds where ``for_presence`` compiles for them; a
+    length that differs under ``dynamic="auto"`` is made symbolic by ``for_call``)."""
+    arguments = _bound(cm, args, kwargs)
+    if arguments is None:
+        return  # the variant's binding says why, with its signature
+    inputs: Inputs = cm._inputs
+    own = _flips(cm, arguments) if cm.rank is None else frozenset()
+    shared = [i for i, name in enumerate(inputs.names)
+              if name in arguments and name not in own]
+    names = tuple(inputs.names[i] for i in shared)
+    concrete = {n: v for n, v in inputs.concrete.items() if n in names}
+    check_unchanged(dataclasses.replace(inputs, concrete=concrete, images={
+        n: image for n, image in inputs.images.items() if n in concrete}), arguments)
+    # the symbolic dims too: the example's layout marks them ANY, so without them a call
+    # at the example's own length would read as another length
+    check_layout(Inputs(names, tuple(inputs.in_dims[i] for i in shared), concrete,
+                        {n: v for n, v in inputs.symbolic.items() if n in names}),
+                 [arguments[n] for n in names], tuple(cm._layout[i] for i in shared),
+                 cm._request.options.dynamic)
+
+
+def _flips(cm: CompiledModule, arguments: Mapping[str, Any]) -> frozenset[str]:
+    """The inputs the call leaves None where the example passed a tensor or passes a
+    tensor where it passed None, where forward's default for each is None (it may be
+    called without them); empty where one has another default (no call of the model's)."""
+    example = cm._request.example
+
+    def flipped(name: str) -> bool:
+        now, was = arguments[name], example.get(name)
+        return (now is None and isinstance(was, torch.Tensor)) or (
+            was is None and isinstance(now, torch.Tensor))
+
+    flips = frozenset(n for n in cm._inputs.names if n in arguments and flipped(n))
+    params = cm._face_signature.parameters
+    return flips if all(n in params and params[n].default is None for n in flips) \
+        else frozenset()
+
+
+def _bound(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+           ) -> dict[str, Any] | None:
+    """The call bound to forward's signature with its keywords, defaults applied; None
+    where it does not fit."""
     try:
         bound = with_keywords(cm._face_signature, kwargs).bind(*args, **kwargs)
     except TypeError:
-        return  # the variant's binding says why, with its signature
+        return None
     bound.apply_defaults()
-    inputs: Inputs = cm._inputs
-    shared = [i for i, name in enumerate(inputs.names) if name in bound.arguments]
-    names = tuple(inputs.names[i] for i in shared)
-    # the symbolic dims too: the example's layout marks them ANY, so without them a call
-    # at the example's own length would read as another length
-    check_layout(Inputs(names, tuple(inputs.in_dims[i] for i in shared),
-                        {n: v for n, v in inputs.concrete.items() if n in names},
-                        {n: v for n, v in inputs.symbolic.items() if n in names}),
-                 [bound.arguments[n] for n in names], tuple(cm._layout[i] for i in shared),
-                 cm._request.options.dynamic)
+    return dict(bound.arguments)
 
 
 def _duration(seconds: float) -> str:

@@ -53,6 +53,9 @@ def export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
     needs one size (``_export_error``)."""
     params = inspect.signature(model.forward).parameters
     batch = torch.export.Dim("batch")
+    storages = [_storage(t) for t in pytree.tree_leaves(dict(example))
+                if isinstance(t, torch.Tensor)]
+    shared = {p for p in storages if storages.count(p) > 1}
     kwargs: dict[str, Any] = {}
     dynamic: dict[str, Any] = {}
     for name, value in example.items():
@@ -60,6 +63,11 @@ def export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
         if has_tensor(value):
             if dim is not None:
                 value = grow_batch(value, dim, 2)
+            # a strided view (ids[:, :n]) would make export trace its strides as sizes and
+            # guard on them (length != stride): the graph's ops read values, not layout;
+            # views of one tensor stay (a write through one is read through the other)
+            value = pytree.tree_map(lambda t: t if isinstance(t, torch.Tensor) and
+                                    _storage(t) in shared else _contiguous(t), value)
             kwargs[name] = value
             free = (symbolic or {}).get(name, {})
             dynamic[name] = pytree.tree_map(
@@ -73,6 +81,16 @@ def export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
         kwargs[name] = value
         dynamic[name] = None
     return kwargs, dynamic
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where ``t``'s values live (its storage's address; 0 on the meta device, where
+    nothing does, so that no meta tensor is copied)."""
+    return t.untyped_storage().data_ptr()
+
+
+def _contiguous(t: Any) -> Any:
+    return t.contiguous() if isinstance(t, torch.Tensor) and not t.is_contiguous() else t
 
 
 def _dims_of(t: Any, dim: int | None, batch: Any, free: Mapping[int, Any]) -> Any:

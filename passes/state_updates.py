@@ -26,7 +26,9 @@ After (``StateUpdates.targets == (StateTarget("buffer", "center"),)``)::
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -54,6 +56,19 @@ class StateUpdates:
     graph_module: fx.GraphModule
     n_outputs: int  # the model's own outputs; the rest are state, in ``targets`` order
     targets: tuple[StateTarget, ...] = ()
+
+    def write_back(self, model: torch.nn.Module, new: Sequence[Any],
+                   arguments: Mapping[str, Any]) -> None:
+        """Write a step's ``new`` state (its outputs past ``n_outputs``) into ``model``'s
+        buffers and frozen parameters and the call's ``arguments``, once, as eager did."""
+        with torch.no_grad():
+            for target, value in zip(self.targets, new):
+                if target.kind == "buffer":
+                    model.get_buffer(target.name).copy_(value)
+                elif target.kind == "parameter":  # under no_grad: it stays a leaf
+                    model.get_parameter(target.name).copy_(value)
+                else:
+                    arguments[target.name].copy_(value)
 
 
 def _target(node: fx.Node, gm: fx.GraphModule) -> StateTarget | None:

@@ -393,6 +393,36 @@ def test_hf_model_is_exact_at_five_lengths(transformers, name, monkeypatch):
 
 
 @pytest.mark.slow
+def test_an_example_cut_from_a_longer_batch_keeps_the_length_symbolic(transformers):
+    """An example sliced off a longer batch (``ids[:, :6]``: strided, not contiguous) is
+    exported as its values: export traced its strides as sizes and guarded on them
+    (length != stride), so the length was refused as baked in, at compile and again at
+    the first call of another length."""
+    from test_hf_models import GRAD_FLOOR, build
+
+    model = build(transformers, "gpt2")
+    cut = {k: v[:, :6] for k, v in _hf_batch(10, 0).items()}
+    assert not cut["input_ids"].is_contiguous()
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_kwargs=cut, cost_model=False)
+    assert 1 in cm._request.inputs.symbolic["input_ids"]
+    caught = _steps(model, cm, [cut, _hf_batch(9, 9), _hf_batch(4, 4)], GRAD_FLOOR)
+    assert not _recompiles(caught), caught
+
+
+def test_export_copies_a_strided_example_but_not_views_of_one_tensor():
+    """The copy that keeps strides out of export's guards leaves inputs that share a
+    tensor as they are: a write through one is read through the other, which copies apart
+    would hide (a refusal before the copy, a silently different graph with it)."""
+    from mbcompile.passes.export_shapes import export_kwargs
+
+    base = torch.randn(4, 10)
+    example = {"lone": torch.randn(4, 10)[:, :6], "a": base[:, :4], "b": base[:, 4:]}
+    kwargs, _ = export_kwargs(nn.Identity(), example, dict.fromkeys(example, 0))
+    assert kwargs["lone"].is_contiguous() and torch.equal(kwargs["lone"], example["lone"])
+    assert kwargs["a"] is example["a"] and kwargs["b"] is example["b"]
+
+
+@pytest.mark.slow
 def test_a_vit_at_another_image_size_is_refused_with_the_resize_fix(transformers):
     """ViT interpolates its position table to another image size, but at its config's
     image_size it returns the table as it is (``num_patches == num_positions``): the

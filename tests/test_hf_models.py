@@ -209,6 +209,32 @@ def test_hf_without_labels_returns_per_sample_logits(transformers: Any) -> None:
     assert out.loss is None and rel_err(out.logits, ref.logits) <= TOL
 
 
+def test_calls_without_labels_or_with_a_mask_the_example_left_out_are_eagers(
+        transformers: Any) -> None:
+    """GPT-2 compiled as the Trainer calls it (its ``num_items_in_batch``, the length
+    symbolic) from ids and labels alone, then called without labels for predictions (in
+    training and eval mode, at another length) and trained with an ``attention_mask``:
+    each kind of call compiled once (an ``InputError`` before); the mask's length is the
+    ids' symbolic one, so a third length compiles nothing."""
+    model = build(transformers, "gpt2")
+    example = {k: v for k, v in padded_batch().items() if k != "attention_mask"}
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=example)
+    short = {"input_ids": padded_batch(seed=2)["input_ids"][:, :6].contiguous()}
+    for mode in ("train", "eval"):
+        cm.train(mode == "train")
+        with torch.no_grad():
+            out, want = cm(**short), model(**short)
+        assert out.loss is None and rel_err(out.logits, want.logits) <= TOL, mode
+    cm.train()
+    for length, seed in ((SEQ, 3), (5, 4)):
+        batch = {k: v[:, :length].contiguous() for k, v in padded_batch(seed=seed).items()}
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", mbcompile.RecompileWarning)
+            assert_close_errors(step_errors(model, cm, (), batch), TOL)
+        said = [str(w.message) for w in seen if w.category is mbcompile.RecompileWarning]
+        assert len(said) == (length == SEQ) and all("'attention_mask'" in m for m in said)
+
+
 def test_hf_stock_code_matches_eager_to_float32_precision(transformers: Any) -> None:
     """Llama as shipped: float32 RMSNorm and the loss's float32 upcast."""
     from mbcompile.integrations.transformers import called_plainly

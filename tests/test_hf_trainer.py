@@ -29,6 +29,7 @@ import pytest
 import torch
 from integration_workers import example
 
+import mbcompile
 from mbcompile import analysis
 
 pytest.importorskip("transformers")
@@ -127,3 +128,30 @@ def test_one_step_gradients_agree_to_float32_rounding():
     errors = [float((p.grad - q.grad).norm() / q.grad.norm())
               for p, q in zip(model.parameters(), ref.parameters())]
     assert max(errors) < 1e-6, errors  # float32's epsilon is 1.2e-7
+
+
+class _Unlabelled(torch.utils.data.Dataset):
+    """``script.Tokens`` without its labels: a test set to predict on."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.rows = script.Tokens(n, seed)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {k: v for k, v in self.rows[i].items() if k != "labels"}
+
+
+def test_predict_on_a_test_set_without_labels_gives_the_plain_trainers_logits(runs):
+    """``trainer.predict`` on rows without labels calls the model without them: compiled
+    once for that call (an ``InputError`` before: the graph had labels), with the trained
+    model's logits."""
+    data = _Unlabelled(5, 7)  # a batch of gbs and a short one
+    want = runs["plain"]["trainer"].predict(data)
+    with pytest.warns(mbcompile.RecompileWarning, match="None for 'labels'"):
+        got = runs["compiled"]["trainer"].predict(data)
+    assert got.label_ids is None and want.label_ids is None
+    assert got.predictions.shape == want.predictions.shape == (5, script.SEQ, script.VOCAB)
+    # the trained models agree to float32 rounding of the loss (module doc)
+    assert abs(got.predictions - want.predictions).max() <= 1e-6 * abs(want.predictions).max()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from models import plan_free
 
 import mbcompile
-from mbcompile import CaptureError, MixingError
+from mbcompile import CaptureError, MicrobatchError, MixingError
 
 GBS, DTYPE = 7, torch.float64
 PLANS = {"two_systems": (2, 2), "one_system": (1, 3)}  # (num_csx, mbs): 2,2|2,1 and 3,3,1
@@ -297,6 +297,49 @@ def test_a_penalty_under_export_is_refused_with_the_fx_way():
     err = assert_refused_unchanged(R1, _features(0), CaptureError, "torch.export cannot "
                                    "capture", capture="export")
     assert "capture='fx'" in str(err)
+
+
+@pytest.mark.parametrize("plan", ["two_systems", "two_phase"])
+def test_a_penalty_on_the_steps_gradients_is_refused_and_loses_nothing(plan):
+    """``grad(loss, params, create_graph=True)`` outside the model (a penalty on the step's
+    gradients): the step's gradients were built in forward, with no graph to
+    differentiate, so the backward is refused (it raised torch's "does not require grad"
+    at the user's next line before); the ``.grad`` a step left stay, and the same loss then
+    backpropagates as eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    net = (Coupled if plan == "two_phase" else PerSample)(model)
+    ref = copy.deepcopy(net)
+    cm = _compile(net, _features(0), "two_systems")
+    cm(*_features(1)).backward()
+    ref(*_features(1)).backward()
+    before = [p.grad.clone() for p in net.parameters()]
+    loss = cm(*_features(2))
+    with pytest.raises(MicrobatchError, match="create_graph=True.*inside the model's forward"):
+        torch.autograd.grad(loss, list(cm.parameters()), create_graph=True)
+    assert all(torch.equal(p.grad, b) for p, b in zip(net.parameters(), before))
+    loss.backward()
+    ref(*_features(2)).backward()
+    for got, want in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+
+
+class PerSample(nn.Module):
+    """A per-sample loss (a plain fused step)."""
+
+    def __init__(self, d: nn.Module) -> None:
+        super().__init__()
+        self.d = d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(x).square().mean()
+
+
+class Coupled(PerSample):
+    """A loss that couples samples (its square root: a two-phase step)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(x).square().mean().sqrt()
 
 
 # --------------------------------------------------------------------------- #

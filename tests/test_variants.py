@@ -261,3 +261,136 @@ def test_a_pickled_module_captures_again_and_runs_its_variants():
     with pytest.warns(mbcompile.BatchSizeWarning):
         loss, _ = copied(*make_tiny_gpt(3, seed=3, dtype=torch.float64)[1])
     assert loss.isfinite()
+
+
+class _Labelled(nn.Module):
+    """Logits without ``labels`` (a call for predictions), the loss and logits with them;
+    an optional per-sample ``mask``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> Any:
+        logits = self.lin(x).tanh()
+        if mask is not None:
+            logits = logits * mask[:, None]
+        if labels is None:
+            return logits
+        return ((logits - labels) ** 2).sum(1).mean(), logits
+
+
+def test_a_call_that_leaves_out_an_input_compiles_it_once_and_is_eagers(counted):
+    """A call without ``labels`` (logits for predictions) or with a ``mask`` the example
+    left out is another graph: compiled once from that call, with a warning naming what
+    changed (it was an ``InputError`` before); the example's own kind of call still runs
+    the first graph."""
+    torch.manual_seed(0)
+    model = _Labelled().double()
+
+    def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return tuple(torch.randn(n, k, generator=g, dtype=torch.float64)  # type: ignore[return-value]
+                     for k in (4, 3, 1))
+
+    x, labels, _ = batch(GBS, 0)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=(x, labels))
+    made = counted["capture"]
+    for size, seed in ((GBS, 1), (3, 2)):  # another batch size: the variant's own variant
+        xs = batch(size, seed)[0]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", mbcompile.RecompileWarning)
+            got = cm(xs)
+        said = [str(w.message) for w in seen if w.category is mbcompile.RecompileWarning]
+        assert said == (["a call passes None for 'labels' where the example passed a tensor"
+                         ": planned and compiled once" + said[0].split("compiled once", 1)[1]]
+                        if seed == 1 else [])
+        assert_close_errors(max_rel_err_outputs(got, model(xs)), TOL)
+    assert counted["capture"] == made + 1  # one capture for the calls without labels
+    assert_close_errors(step_errors(model, cm, batch(GBS, 3)[:2]), TOL)  # the first graph
+    x, labels, mask = batch(GBS, 4)
+    with pytest.warns(mbcompile.RecompileWarning, match="a tensor for 'mask' where the "
+                      "example passed None"):
+        assert_close_errors(step_errors(model, cm, (x, labels), {"mask": mask[:, 0]}), TOL)
+    with pytest.raises(mbcompile.InputError, match=r"the example had \('B', 3\)"):
+        cm(x, labels[:, None], mask=mask[:, 0])  # checked against the user's example first
+
+
+class _Masked(nn.Module):
+    """A loss over rows weighted by a mask laid out (features, batch): its batch dim is 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor,
+                mask: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        err = (self.lin(x).tanh() - labels) ** 2 * scale
+        return (err * mask.T).mean() if mask is not None else err.mean()
+
+
+def test_an_input_the_example_left_out_takes_its_in_dims_and_no_other_change(counted):
+    """A mask the example left out, passed later, is split on the batch dim ``in_dims``
+    names for it (it was split on dim 0: a batch-size error); a call that also changes
+    a non-tensor argument is refused naming it, as without the mask (it compiled the
+    new value into the mask's graph)."""
+    torch.manual_seed(0)
+    model = _Masked().double()
+    g = torch.Generator().manual_seed(0)
+    x, labels, mask = (torch.randn(*shape, generator=g, dtype=torch.float64)
+                       for shape in ((GBS, 4), (GBS, 3), (3, GBS)))
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=(x, labels),
+                           example_kwargs={"scale": 0.5},
+                           in_dims={"x": 0, "labels": 0, "mask": 1})
+    with pytest.raises(mbcompile.InputError, match="'scale' was 0.5 at compile time and is "
+                       "0.7 now"):
+        cm(x, labels, mask=mask, scale=0.7)
+    assert not cm._variants
+    with pytest.warns(mbcompile.RecompileWarning, match="a tensor for 'mask'"):
+        assert_close_errors(step_errors(model, cm, (x, labels), {"mask": mask, "scale": 0.5}),
+                            TOL)
+    assert cm._variants[("absent", frozenset(), frozenset())]._inputs.in_dims[2] == 1
+
+
+class _KwLabelled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                **kwargs: Any) -> Any:
+        h = self.lin(x).tanh() * kwargs.get("scale", 1.0)
+        return h if labels is None else ((h - labels) ** 2).sum(1).mean()
+
+
+@pytest.fixture
+def one_rank(tmp_path: Any) -> Iterator[None]:
+    """A one-process gloo group: the module runs on rank 0 of torch.distributed."""
+    dist = torch.distributed
+    if dist.is_initialized():
+        pytest.skip("a process group of the test run's own is up")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_ranks_a_call_without_labels_is_refused_and_compiles_nothing(one_rank):
+    """Each rank would compile a variant alone: refused, with or without a keyword through
+    ``**kwargs`` (with one, the keyword variant was compiled from the unlabelled call and
+    then refused the labelled calls it was kept for)."""
+    torch.manual_seed(0)
+    model = _KwLabelled().double()
+    x, labels = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    cm = mbcompile.compile(model, 4, 1, 2, example_inputs=(x, labels),
+                           backend="torch.distributed")
+    scale = torch.tensor(2.0, dtype=torch.float64)
+    for kwargs in ({}, {"scale": scale}):
+        with torch.no_grad(), pytest.raises(mbcompile.InputError, match="labels is None where"):
+            cm(x, **kwargs)
+    assert not cm._variants
+    with pytest.warns(mbcompile.RecompileWarning, match="'scale'"):
+        assert_close_errors(step_errors(model, cm, (x, labels), {"scale": scale}), TOL)

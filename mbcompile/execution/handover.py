@@ -45,6 +45,15 @@ def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n
     sums (the same for each: the loss is their sum, maybe scaled) over the seed their
     backwards ran with, exactly 1.0 when the seed was ``g``.
     """
+    if torch.is_grad_enabled():  # grad mode is on in a backward under create_graph=True
+        raise MicrobatchError(
+            "a backward with create_graph=True (a gradient penalty on the step's gradients, "
+            "higher-order gradients) went through a compiled module's step, whose gradients "
+            "were built in forward, per microbatch, with no graph of their own: nothing was "
+            "handed over (the parameters' .grad are as they were). Take the penalty inside "
+            "the model's forward (torch.autograd.grad(..., create_graph=True) there runs "
+            "exactly per microbatch under capture='fx': docs/limits.md), or run that step "
+            "on the model itself (cm.module)")
     losses = set(loss_positions)
     extra = [g for i, g in enumerate(grads) if i not in losses and g is not None]
     if extra and bool(torch.stack([x.ne(0).any() for x in extra]).any()):
