@@ -35,6 +35,7 @@ from mbcompile.errors import (
 )
 from mbcompile.execution.live_hooks import called_as, hook_keys, unwatch, watch_hooks
 from mbcompile.execution.rank_shares import check_not_in_ddp
+from mbcompile.execution.seeding import Guesses
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import (
@@ -141,6 +142,7 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
         object.__setattr__(self, "_watchers", {})  # the wrappers put on them, kept across calls
         object.__setattr__(self, "_warned", False)
+        object.__setattr__(self, "_guesses", Guesses())  # shared with variants (variants.py)
         # the first training call checks the autocast it runs under against the plan's
         object.__setattr__(self, "_precision_pending", True)
         self._face_state_dict()  # state_dict() keys are the model's own
@@ -355,9 +357,11 @@ class CompiledModule(ModelFace, nn.Module):
                 "microbatch's activations alive until backward (same numbers, more memory). "
                 "Return the loss from forward to get one microbatch's memory.",
                 RetainedActivationsWarning, stacklevel=user_stacklevel())
+        if (seed := compiled.channels.config.seed) is not None:  # guesses from any graph's
+            seed.shared = self._guesses  # last step, this module's or a variant's
         flat = compiled.graph_module(*values)
-        if compiled.channels.config.seed is not None:  # the gradient the loss gets: next guess
-            compiled.channels.config.seed.watch(flat)
+        if seed is not None:  # the gradient the loss gets: next guess
+            seed.watch(flat)
         state = compiled.state
         if state.targets:  # the step succeeded: write the state back once, as eager does
             state.write_back(self._inner, flat[state.n_outputs:], arguments)

@@ -157,6 +157,7 @@ def _relower(request: Request, selection: Selection, captures: Captures) -> Lowe
     """The request's graph in the model's current train/eval mode and Python state
     (captured once per state, for the module and its variants), lowered again for the
     same selection; with symbolic dims checked the same at other lengths."""
+    install_output_hooks(request.inner, request.example)  # a config now asking for outputs
     with global_hooks.hidden():  # no probe calls one (the trace shows them: code_reach)
         analysed = captures.analysed(request, plan=selection.plan)
         lowered = lower(request, analysed, selection)

@@ -328,10 +328,11 @@ def check_unchanged(inputs: Inputs, arguments: Mapping[str, Any]) -> None:
     runs."""
     for name, expected in inputs.concrete.items():
         got = arguments[name]
-        if expected is None and isinstance(got, torch.Tensor):
-            raise InputPresenceError(
-                f"input {name!r} is a tensor where the example passed None; the graph was "
-                "traced without it: compile again with an example call like this one")
+        if isinstance(got, torch.Tensor):  # no graph input for it (its values: a big repr)
+            raise (InputPresenceError if expected is None else InputError)(
+                f"input {name!r} is a tensor of shape {tuple(got.shape)} where the example "
+                f"passed {expected!r}; the graph was traced without it: pass the same kind "
+                "of value, or compile again with an example call like this one")
         if got is not expected and not same_value(got, expected):
             raise InputError(
                 f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "

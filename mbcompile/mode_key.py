@@ -55,10 +55,11 @@ _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for ki
 
 
 def hooks_by_module(model: nn.Module, live: frozenset[int]) -> dict[str, Any]:
-    """Per module name: the keys of the hooks ``hooks_key`` watches (to name whose changed)."""
-    state = {name or "<model>": tuple(tuple(h) for h in _hook_dicts(m, id(m) in live))
+    """Per module name: the module's id and the keys of the hooks ``hooks_key`` watches (to
+    name whose changed, or which module was replaced)."""
+    state = {name or "<model>": (id(m), tuple(tuple(h) for h in _hook_dicts(m, id(m) in live)))
              for name, m in model.named_modules()}
-    state["<global module hooks>"] = tuple(tuple(h) for h in _GLOBAL_HOOKS)
+    state["<global module hooks>"] = (None, tuple(tuple(h) for h in _GLOBAL_HOOKS))
     return state
 
 
@@ -67,7 +68,9 @@ def hooks_changed(model: nn.Module, before: Mapping[str, Any] | None,
     """Which module's hooks changed since ``before`` (None: none did)."""
     if before is None:
         return None
-    for name, hooks in hooks_by_module(model, live).items():
-        if name in before and hooks != before[name]:  # a new module shows in its parent's slots
+    for name, (module, hooks) in hooks_by_module(model, live).items():
+        if name in before and module != before[name][0]:  # not its hooks: a new module
+            return f"{name!r} was replaced by another module"
+        if name in before and hooks != before[name][1]:
             return f"the hooks of {name!r} changed"
     return None

@@ -123,6 +123,7 @@ def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
     expected, ``Recompile.expected_keywords``: none)."""
     start = time.perf_counter()
     compiled = cm._recompile.variant(request)
+    object.__setattr__(compiled, "_guesses", cm._guesses)  # the loop's scale, not the graph's
     object.__setattr__(compiled, "_root", cm.__dict__.get("_root", cm))  # for_presence
     cm._variants[key] = compiled
     if category is None:

@@ -108,13 +108,35 @@ class Guard:
         before = "missing" if self.value is _MISSING else repr(self.value)
         # the same container, changed in place: only its fingerprint was kept, not its old
         # contents (repr(self.value) would show the new ones twice)
-        change = f"changed, now {shown}" if (self.contents is not None or self.entries is
-                                             not None) and now is self.value else \
-            f"was {before}, now {shown}"
+        change = f"changed, now {_parts_changed(self.contents, now) or shown}" if (
+            self.contents is not None or self.entries is not None) and now is self.value \
+            else f"was {before}, now {shown}"
         if self.where:
             return f"{self.where} {change}"
         owner = names.get(id(self.module), type(self.module).__name__)
         return f"{'.'.join(filter(None, (owner, self.name)))} {change}"
+
+
+def _parts_changed(image: Any, now: Any) -> str:
+    """What changed in an object or dict changed in place, by its fingerprint ``image`` at
+    capture: ``.output_hidden_states = True`` (a transformers config, whose whole repr is
+    a page); empty where the image does not say."""
+    def pairs(value_image: Any) -> dict[Any, Any] | None:
+        if isinstance(value_image, tuple) and len(value_image) == 2 and \
+                isinstance(value_image[0], type):
+            value_image = value_image[1]  # an object: the image of its __dict__
+        if isinstance(value_image, tuple) and all(
+                isinstance(p, tuple) and len(p) == 2 for p in value_image):
+            return dict(value_image)
+        return None
+
+    before, after = pairs(image), pairs(fingerprint(now)[0])
+    if before is None or after is None:
+        return ""
+    keys = [k for k in {**before, **after} if before.get(k, _MISSING) != after.get(k, _MISSING)]
+    if isinstance(now, dict):
+        return ", ".join(f"[{k!r}] = {now.get(k, 'deleted')!r}" for k in keys[:3])
+    return ", ".join(f".{k} = {vars(now).get(k, 'deleted')!r}" for k in keys[:3])
 
 
 def written_guard(owner: Any, key: Any, before: Any, item: bool, where: str) -> Guard:

@@ -235,6 +235,27 @@ def test_calls_without_labels_or_with_a_mask_the_example_left_out_are_eagers(
         assert len(said) == (length == SEQ) and all("'attention_mask'" in m for m in said)
 
 
+def test_a_config_asking_for_hidden_states_after_compile_is_eagers(transformers: Any) -> None:
+    """``config.output_hidden_states = True`` between steps: transformers installs its
+    output-capturing hooks on the next eager call, so the graph of the new state is
+    captured with them installed (the capture refused the hooks as forward rewiring its
+    modules before); the warning names the attribute, not the config's whole repr."""
+    model = build(transformers, "gpt2")
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=padded_batch(),
+                           outputs="all")
+    assert_close_errors(step_errors(model, cm, (), padded_batch(seed=2)), TOL)
+    model.config.output_hidden_states = True
+    with pytest.warns(mbcompile.RecompileWarning) as seen:
+        errors = step_errors(model, cm, (), padded_batch(seed=3))
+    assert_close_errors(errors, TOL)
+    said = [str(w.message) for w in seen if w.category is mbcompile.RecompileWarning]
+    assert said and "config changed, now .output_hidden_states = True," in said[0]
+    assert max(map(len, said)) < 400
+    with torch.no_grad():
+        assert len(cm(**padded_batch()).hidden_states) == len(model(**padded_batch())
+                                                              .hidden_states) == 3
+
+
 def test_hf_stock_code_matches_eager_to_float32_precision(transformers: Any) -> None:
     """Llama as shipped: float32 RMSNorm and the loss's float32 upcast."""
     from mbcompile.integrations.transformers import called_plainly

@@ -65,7 +65,10 @@ def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n
     if owner.step_grads is None:
         raise MicrobatchError(
             "backward through a compiled module's step ran twice; each call's gradients "
-            "are handed over once (retain_graph is not supported across its loop)")
+            "are handed over once, at its first backward (retain_graph is not supported "
+            "across its loop), and are as that left them. To backpropagate a loss twice, "
+            "add the terms into one backward ((2 * loss).backward()), or call the module "
+            "again for each backward")
     step, owner.step_grads = owner.step_grads, None
     reduce(step)
     loss_grads = [grads[i] for i in loss_positions]

@@ -10,7 +10,10 @@ seeds them with the same value from two things it knows in time:
    first backward (``passes/loss_counts.py``; a count the shapes fix is read off the
    first microbatch), summed over systems (and ranks) in the tail's own order;
 2. ``g``, speculated to be the gradient the caller sent into ``L`` at the previous step
-   (1 at the first): a GradScaler's scale changes rarely, ``loss * w`` not at all.
+   (1 at the first): a GradScaler's scale changes rarely, ``loss * w`` not at all. The
+   previous step of any graph of the module (``Guesses``): a graph compiled mid-run (a
+   new length, batch size, mode) guesses the scale, not 1, at its first step, where an
+   fp16 backward seeded with 1 underflows.
 
 ``tail`` is the graph from the loss's global partial sum to ``L`` (the division by
 ``N``, any scaling), so the seed is autograd's own ``dL/dS`` for ``g``, bit for bit::
@@ -44,7 +47,22 @@ from mbcompile.passes import ops
 from mbcompile.passes.graph_walks import ancestors
 from mbcompile.passes.loss_counts import count_graph
 
-__all__ = ["Seed", "step_seed"]
+__all__ = ["Guesses", "Seed", "step_seed"]
+
+
+class Guesses:
+    """The ``Seed`` that recorded the gradient of its loss last, among all the graphs a
+    compiled module and its variants run (each has its own ``Seed``): the gradient the
+    caller sends into the loss belongs to the training loop, not to a graph, so every
+    graph guesses it from the last step of any."""
+
+    def __init__(self) -> None:
+        self.last: Seed | None = None  # the last to record the gradient its loss got
+        self.bare: Seed | None = None  # the last without a tail to see its ``dL/dS``
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (pickle, deepcopy) drops its graphs and their seeds: it guesses afresh
+        return {"last": None, "bare": None}
 
 
 class Seed:
@@ -66,6 +84,7 @@ class Seed:
         self._outer: torch.Tensor | None = None  # the gradient L received last (None: 1)
         self._last: torch.Tensor | None = None  # the gradient dL/dS was last (no tail)
         self._found: torch.Tensor | None = None  # the last step's overflow flag, not applied
+        self.shared: Guesses | None = None  # the module's (set by its call): guesses from it
         # per kind of input (``_kind``): its replays so far, then its trace (False: none)
         self._traced: dict[tuple[Any, ...], Any] = {}
 
@@ -85,6 +104,14 @@ class Seed:
         """Keep ``g`` as the next guess, as it is (the seed it gives is made usable:
         ``seed``). No device op."""
         self._outer, self._found = g.detach(), None  # this step's: no halving is due
+        if self.shared is not None:
+            self.shared.last = self
+
+    def _guess(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The gradient ``L`` got at the module's last step and that step's overflow flag:
+        this graph's, or another's where one recorded since (``Guesses``)."""
+        last = self.shared.last if self.shared is not None else None
+        return (last or self)._outer, (last or self)._found
 
     def global_count(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int],
                      distributed: bool) -> Any:
@@ -145,7 +172,7 @@ class Seed:
             last = self.last
             return last if last is not None and last.dtype == partial.dtype else None
         # the guess raw, with the overflow flag: its halving is replayed (and traced) too
-        args = (partial.detach(), self._outer, self._found,
+        args = (partial.detach(), *self._guess(),
                 *((count,) if self.counted else ()), *(first[i] for i in self.free))
         kind = _kind(args)
         traced = self._traced.get(kind) if kind is not None else None
@@ -186,12 +213,16 @@ class Seed:
         """The guess of the gradient ``L`` receives this step (None: 1). Not made usable
         here: the seed it gives is (``seed``), and a zero or non-finite guess gives the
         same seed of 1 either way."""
-        return _halved(self._outer, self._found)
+        return _halved(*self._guess())
 
     @property
     def last(self) -> torch.Tensor | None:
-        """The guess of ``dL/dS`` where no tail can be replayed (None: seed with 1)."""
-        last = _halved(self._last, self._found)
+        """The guess of ``dL/dS`` where no tail can be replayed (None: seed with 1): this
+        graph's last, or at its first step another's (a two-phase step's ``dL/dS`` is the
+        gradient its loss got; a count that differs is a wrong guess, closer than 1)."""
+        bare = self.shared.bare if self.shared is not None else None
+        source = self if self._last is not None or bare is None else bare
+        last = _halved(source._last, source._found)
         return None if last is None else _usable(last)
 
     def factor(self, g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
@@ -199,6 +230,8 @@ class Seed:
         that arrived: exactly 1.0 when the guess was right."""
         g = self._last = g.detach()
         self._found = None  # this step's flag, if any, comes after (``overflowed``)
+        if self.tail is None and self.shared is not None:
+            self.shared.bare = self
         if seed is None:
             return g
         # ``g / seed``, exactly 1.0 where they are equal: the seed is nonzero (``_usable``),
