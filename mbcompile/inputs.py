@@ -333,6 +333,11 @@ def check_unchanged(inputs: Inputs, arguments: Mapping[str, Any]) -> None:
                 f"input {name!r} is a tensor of shape {tuple(got.shape)} where the example "
                 f"passed {expected!r}; the graph was traced without it: pass the same kind "
                 "of value, or compile again with an example call like this one")
+        if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(got)):
+            raise InputError(
+                f"input {name!r} holds tensors ({type(got).__name__}) where the example "
+                f"passed {expected!r}; the graph was traced without them: pass the same kind "
+                "of value, or compile again with an example call like this one")
         if got is not expected and not same_value(got, expected):
             raise InputError(
                 f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "

@@ -718,6 +718,9 @@ def test_non_tensor_argument_changed_at_call_time_is_an_input_error():
     x, y = _flags_batch()
     cm = mbcompile.compile(model, GBS, 2, 2, example_inputs=(x, y, 0.5))
     _raises(InputError, lambda: cm(x, y, 0.7), "'scale'", "0.5", "0.7", "compile again")
+    # tensors in a container where None was given: named as such, not as a changed number
+    _raises(InputError, lambda: cm(x, y, 0.5, mask={"m": torch.ones(GBS, 3, dtype=DTYPE)}),
+            "'mask' holds tensors (dict) where the example passed None", "compile again")
     # a tensor where None was given at compile time: another graph, captured once for it
     mask = torch.rand(GBS, 3, dtype=DTYPE)
     reference = copy.deepcopy(model)
