@@ -20,7 +20,7 @@ import inspect
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ from mbcompile.errors import (
 )
 from mbcompile.execution.live_hooks import called_as, hook_keys, unwatch, watch_hooks
 from mbcompile.execution.rank_shares import check_not_in_ddp
-from mbcompile.execution.seeding import Guesses
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import (
@@ -59,7 +58,7 @@ from mbcompile.planning.precision import ambient_precision
 from mbcompile.reports.report import render
 from mbcompile.request import Request, device_type
 from mbcompile.selection import Selection
-from mbcompile.variants import for_batch, for_keywords, for_presence, for_shapes
+from mbcompile.variants import Family, for_batch, for_keywords, for_presence, for_shapes
 
 __all__ = ["CompiledModule", "Recompile"]
 
@@ -80,6 +79,8 @@ class Recompile:
     #: the request lowered for another selection of the same batch (another split for a
     #: call's length: ``length_plans.for_length``), on the same capture
     split: Callable[[Request, Selection], CompiledModule] | None = None
+    #: what the module shares with its variants (the first module, the seed guesses)
+    family: Family = field(default_factory=Family)
 
 
 class CompiledModule(ModelFace, nn.Module):
@@ -142,7 +143,8 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
         object.__setattr__(self, "_watchers", {})  # the wrappers put on them, kept across calls
         object.__setattr__(self, "_warned", False)
-        object.__setattr__(self, "_guesses", Guesses())  # shared with variants (variants.py)
+        if recompile.family.root is None:  # compile()'s own module: its variants' first
+            recompile.family.root = self
         # the first training call checks the autocast it runs under against the plan's
         object.__setattr__(self, "_precision_pending", True)
         self._face_state_dict()  # state_dict() keys are the model's own
@@ -358,7 +360,7 @@ class CompiledModule(ModelFace, nn.Module):
                 "Return the loss from forward to get one microbatch's memory.",
                 RetainedActivationsWarning, stacklevel=user_stacklevel())
         if (seed := compiled.channels.config.seed) is not None:  # guesses from any graph's
-            seed.shared = self._guesses  # last step, this module's or a variant's
+            seed.shared = self._recompile.family.guesses  # a variant's last step, or its own
         flat = compiled.graph_module(*values)
         if seed is not None:  # the gradient the loss gets: next guess
             seed.watch(flat)

@@ -46,6 +46,7 @@ from mbcompile.planning.static_memory import check_static_memory
 from mbcompile.reports.report import Validation, validation_of
 from mbcompile.request import Request, make_request
 from mbcompile.selection import Selection, select
+from mbcompile.variants import Family
 
 __all__ = ["compile"]
 
@@ -108,32 +109,35 @@ def _compile_request(request: Request) -> CompiledModule:
         lowered = lower(request, analysed, selection)
         # symbolic dims: the step proved the same at another length, bounded where it holds
         request = _proved(request, selection, lowered, captures, analysed)
-    return _module(request, selection, lowered, captures)
+    return _module(request, selection, lowered, captures, Family())
 
 
-def _module(request: Request, selection: Selection, lowered: Lowered, captures: Captures
-            ) -> CompiledModule:
-    """The compiled module, handed the chain for what it meets later (``Recompile``) and
-    the keywords a transformers model's Trainer will add (compiled without a warning)."""
+def _module(request: Request, selection: Selection, lowered: Lowered, captures: Captures,
+            family: Family) -> CompiledModule:
+    """The compiled module, handed the chain for what it meets later (``Recompile``), the
+    keywords a transformers model's Trainer will add (compiled without a warning) and
+    what it shares with the variants of the same compile() (``family``)."""
     example = {k: v for k, v in request.example.items() if k not in TRAINER_KEYWORDS}
     expected = frozenset(trainer_keywords(request.inner, example))
     return CompiledModule(request, selection, lowered, Recompile(
         functools.partial(_relower, request, selection, captures),
-        functools.partial(_variant, request, selection, captures), expected,
-        functools.partial(_split, captures)), call_split(request, selection, lowered))
+        functools.partial(_variant, request, selection, captures, family), expected,
+        functools.partial(_split, captures, family), family),
+        call_split(request, selection, lowered))
 
 
-def _split(captures: Captures, request: Request, selection: Selection) -> CompiledModule:
+def _split(captures: Captures, family: Family, request: Request, selection: Selection
+           ) -> CompiledModule:
     """``request`` lowered for ``selection``, a plan of the same batch with another MBS (a
     call's length chose it: ``length_plans.py``), on the capture and analysis it has."""
     with _crash_named(request.model):
         analysed = captures.analysed(request)
         lowered = lower(request, analysed, selection)
-    return _module(request, selection, lowered, captures)
+    return _module(request, selection, lowered, captures, family)
 
 
-def _variant(origin: Request, first: Selection, captures: Captures, request: Request
-             ) -> CompiledModule:
+def _variant(origin: Request, first: Selection, captures: Captures, family: Family,
+             request: Request) -> CompiledModule:
     """The chain for ``request``, derived from ``origin`` (``for_batch``, ``for_call``,
     ``for_precision``), whose selection is ``first``: on ``origin``'s capture where one
     serves (``Captures``), with ``first`` itself for the same batch (another keyword set:
@@ -150,7 +154,7 @@ def _variant(origin: Request, first: Selection, captures: Captures, request: Req
             selection = select(request, analysed, prior=first)
         lowered = lower(request, analysed, selection)
         request = _proved(request, selection, lowered, captures, analysed)
-    return _module(request, selection, lowered, captures)
+    return _module(request, selection, lowered, captures, family)
 
 
 def _relower(request: Request, selection: Selection, captures: Captures) -> Lowered:

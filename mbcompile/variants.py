@@ -30,6 +30,7 @@ import torch
 
 from mbcompile.dynamic_shapes import symbolic_reason
 from mbcompile.errors import BatchSizeWarning, RecompileWarning
+from mbcompile.execution.seeding import Guesses
 from mbcompile.inputs import Inputs, check_layout, check_unchanged, with_keywords
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.request import Request
@@ -37,7 +38,19 @@ from mbcompile.request import Request
 #: the ``CompiledModule`` these functions serve (``compiled_module.py`` imports this module)
 CompiledModule = Any
 
-__all__ = ["for_batch", "for_keywords", "for_presence", "for_shapes", "samples"]
+__all__ = ["Family", "for_batch", "for_keywords", "for_presence", "for_shapes", "samples"]
+
+
+class Family:
+    """What a compiled module shares with every variant made from it, handed to each at
+    construction (``Recompile.family``): the first module, where calls that leave out an
+    input compile (``for_presence``: its request has the example's symbolic dims), and
+    the seed guesses of the training loop (``execution/seeding.Guesses``: the gradient
+    the caller sends into the loss belongs to the loop, not to one graph)."""
+
+    def __init__(self) -> None:
+        self.root: CompiledModule | None = None  # the first module constructed with it
+        self.guesses = Guesses()
 
 
 def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, ...],
@@ -76,7 +89,7 @@ def for_presence(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, An
     that kind, and where no variant is made: on ranks (each would compile alone) and
     where forward has no default of None for such an input (leaving it out is not a call
     of the model's)."""
-    root = cm.__dict__.get("_root", cm)
+    root = cm._recompile.family.root or cm
     arguments = _bound(root, args, kwargs)
     flips = _flips(root, arguments) if arguments is not None and cm.rank is None else None
     if not flips:
@@ -123,8 +136,6 @@ def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
     expected, ``Recompile.expected_keywords``: none)."""
     start = time.perf_counter()
     compiled = cm._recompile.variant(request)
-    object.__setattr__(compiled, "_guesses", cm._guesses)  # the loop's scale, not the graph's
-    object.__setattr__(compiled, "_root", cm.__dict__.get("_root", cm))  # for_presence
     cm._variants[key] = compiled
     if category is None:
         return compiled
