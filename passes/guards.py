@@ -108,7 +108,7 @@ class Guard:
         before = "missing" if self.value is _MISSING else repr(self.value)
         # the same container, changed in place: only its fingerprint was kept, not its old
         # contents (repr(self.value) would show the new ones twice)
-        change = f"changed, now {_parts_changed(self.contents, now) or shown}" if (
+        change = f"changed, now {_parts_changed(self.contents, now, self.opaque) or shown}" if (
             self.contents is not None or self.entries is not None) and now is self.value \
             else f"was {before}, now {shown}"
         if self.where:
@@ -117,26 +117,41 @@ class Guard:
         return f"{'.'.join(filter(None, (owner, self.name)))} {change}"
 
 
-def _parts_changed(image: Any, now: Any) -> str:
+def _parts_changed(image: Any, now: Any, opaque: frozenset[int]) -> str:
     """What changed in an object or dict changed in place, by its fingerprint ``image`` at
-    capture: ``.output_hidden_states = True`` (a transformers config, whose whole repr is
-    a page); empty where the image does not say."""
-    def pairs(value_image: Any) -> dict[Any, Any] | None:
-        if isinstance(value_image, tuple) and len(value_image) == 2 and \
-                isinstance(value_image[0], type):
-            value_image = value_image[1]  # an object: the image of its __dict__
-        if isinstance(value_image, tuple) and all(
-                isinstance(p, tuple) and len(p) == 2 for p in value_image):
-            return dict(value_image)
-        return None
-
-    before, after = pairs(image), pairs(fingerprint(now)[0])
-    if before is None or after is None:
+    capture (``opaque``: the containers forward appends to, imaged by identity):
+    ``.output_hidden_states = True`` for a transformers config, whose whole repr is a
+    page; empty where the image does not say. Never raises: it words a warning."""
+    try:
+        before, after = _pairs(image), _pairs(fingerprint(now, opaque)[0])
+        if before is None or after is None:
+            return ""
+        in_dict = isinstance(now, dict)
+        keys = {fingerprint(k)[0]: k for k in now} if in_dict else {}
+        parts = []
+        for k in {**before, **after}:
+            if before.get(k, _MISSING) == after.get(k, _MISSING):
+                continue
+            key = keys.get(k, k)
+            where = f"[{key!r}]" if in_dict else f".{key}"
+            if k not in after:
+                parts.append(f"{where} deleted")
+                continue
+            text = repr(now[key] if in_dict else vars(now)[key])
+            parts.append(f"{where} = {text if len(text) <= 80 else 'another value'}")
+        return ", ".join(parts[:3]) + (f" and {len(parts) - 3} more" if len(parts) > 3 else "")
+    except Exception:  # noqa: BLE001 - a warning's words: the whole repr instead
         return ""
-    keys = [k for k in {**before, **after} if before.get(k, _MISSING) != after.get(k, _MISSING)]
-    if isinstance(now, dict):
-        return ", ".join(f"[{k!r}] = {now.get(k, 'deleted')!r}" for k in keys[:3])
-    return ", ".join(f".{k} = {vars(now).get(k, 'deleted')!r}" for k in keys[:3])
+
+
+def _pairs(image: Any) -> dict[Any, Any] | None:
+    """An object's or a dict's fingerprint as {key's image: value's image}; None for other
+    images."""
+    if isinstance(image, tuple) and len(image) == 2 and isinstance(image[0], type):
+        image = image[1]  # an object: the image of its __dict__
+    if isinstance(image, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in image):
+        return dict(image)
+    return None
 
 
 def written_guard(owner: Any, key: Any, before: Any, item: bool, where: str) -> Guard:

@@ -585,3 +585,43 @@ def test_what_forward_reads_beside_what_it_writes_is_guarded():
         _same(model.stats, ref.stats, f"step {step + 1} stats")
         _same(model.settings.last, ref.settings.last, f"step {step + 1} settings.last")
         _same(model.box, ref.box, f"step {step + 1} box")
+
+
+class _Settings:
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.scale = 1.0
+
+
+class _SettingsNet(nn.Module):
+    """Forward reads an object's numbers and appends to its list, and reads a dict with a
+    tuple key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.cfg, self.table = _Settings(), {(0, 1): 1.0, "k": 0.5}
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.cfg.seen.append(1)
+        scale = self.cfg.scale * self.table[(0, 1)] * self.table.get("k", 1.0)
+        return F.mse_loss(self.lin(x), y) * scale
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda m: setattr(m.cfg, "scale", 2.0), "cfg changed, now .scale = 2.0,"),
+    (lambda m: m.table.pop("k"), "table changed, now ['k'] deleted,"),
+    (lambda m: m.table.__setitem__((0, 1), 3.0), "table changed, now [(0, 1)] = 3.0,"),
+], ids=["attribute", "deleted", "tuple_key"])
+def test_a_recompile_names_what_changed_in_an_object_not_its_whole_repr(change, said):
+    """An object or dict changed in place is named by the part that changed (a
+    transformers config's whole repr is a page), never by a list forward appends to."""
+    torch.manual_seed(0)
+    model = _SettingsNet()
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    cm = mbcompile.compile(model, 8, 1, 2, example_inputs=(x, y), cost_model=False)
+    cm(x, y).backward()
+    change(model)
+    with pytest.warns(mbcompile.RecompileWarning) as seen:
+        cm(x, y).backward()
+    assert said in str(seen[0].message) and ".seen" not in str(seen[0].message)

@@ -108,10 +108,14 @@ class Seed:
             self.shared.last = self
 
     def _guess(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The gradient ``L`` got at the module's last step and that step's overflow flag:
-        this graph's, or another's where one recorded since (``Guesses``)."""
-        last = self.shared.last if self.shared is not None else None
-        return (last or self)._outer, (last or self)._found
+        """The gradient ``L`` got at this graph's last step and that step's overflow flag;
+        at its first step, the module's last step's, of any graph (``Guesses``). Its own
+        first: two graphs of one loop may get different gradients every step (``w *
+        cm(aux) + cm(main)``), and each keeps its own overflow flag."""
+        shared = self.shared
+        source = self if self._outer is not None or shared is None or shared.last is None \
+            else shared.last
+        return source._outer, source._found
 
     def global_count(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int],
                      distributed: bool) -> Any:
