@@ -328,6 +328,8 @@ def check_unchanged(inputs: Inputs, arguments: Mapping[str, Any]) -> None:
     runs."""
     for name, expected in inputs.concrete.items():
         got = arguments[name]
+        if got is expected:  # the usual call: the same None, flag or object
+            continue
         if isinstance(got, torch.Tensor):  # no graph input for it (its values: a big repr)
             raise (InputPresenceError if expected is None else InputError)(
                 f"input {name!r} is a tensor of shape {tuple(got.shape)} where the example "
@@ -338,7 +340,7 @@ def check_unchanged(inputs: Inputs, arguments: Mapping[str, Any]) -> None:
                 f"input {name!r} holds tensors ({type(got).__name__}) where the example "
                 f"passed {expected!r}; the graph was traced without them: pass the same kind "
                 "of value, or compile again with an example call like this one")
-        if got is not expected and not same_value(got, expected):
+        if not same_value(got, expected):
             raise InputError(
                 f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "
                 "non-tensor arguments are fixed when compiling: compile again with the "
