@@ -360,7 +360,7 @@ class CompiledModule(ModelFace, nn.Module):
                 "Return the loss from forward to get one microbatch's memory.",
                 RetainedActivationsWarning, stacklevel=user_stacklevel())
         if (seed := compiled.channels.config.seed) is not None:  # guesses from any graph's
-            seed.shared = self._recompile.family.guesses  # a variant's last step, or its own
+            seed.shared = self._recompile.family.guesses  # at its first step: another's
         flat = compiled.graph_module(*values)
         if seed is not None:  # the gradient the loss gets: next guess
             seed.watch(flat)

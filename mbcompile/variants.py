@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,8 +50,24 @@ class Family:
     the caller sends into the loss belongs to the loop, not to one graph)."""
 
     def __init__(self) -> None:
-        self.root: CompiledModule | None = None  # the first module constructed with it
+        self._root: weakref.ref[Any] | None = None  # weak: a module would hold itself
         self.guesses = Guesses()
+
+    @property
+    def root(self) -> CompiledModule | None:
+        """The first module constructed with it (compile()'s), while it is alive."""
+        return None if self._root is None else self._root()
+
+    @root.setter
+    def root(self, module: CompiledModule) -> None:
+        self._root = weakref.ref(module)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"root": self.root, "guesses": self.guesses}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._root = None if state["root"] is None else weakref.ref(state["root"])
+        self.guesses = state["guesses"]
 
 
 def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, ...],

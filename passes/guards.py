@@ -104,13 +104,17 @@ class Guard:
 
     def describe(self, names: dict[int, str]) -> str:
         now = self.now()
-        shown = "deleted" if now is _MISSING else repr(now)
-        before = "missing" if self.value is _MISSING else repr(self.value)
+
+        def shown(value: Any, absent: str) -> str:
+            return absent if value is _MISSING else repr(value)
+
         # the same container, changed in place: only its fingerprint was kept, not its old
         # contents (repr(self.value) would show the new ones twice)
-        change = f"changed, now {_parts_changed(self.contents, now, self.opaque) or shown}" if (
-            self.contents is not None or self.entries is not None) and now is self.value \
-            else f"was {before}, now {shown}"
+        if (self.contents is not None or self.entries is not None) and now is self.value:
+            parts = _parts_changed(self.contents, now, self.opaque)
+            change = f"changed, now {parts or shown(now, 'deleted')}"
+        else:
+            change = f"was {shown(self.value, 'missing')}, now {shown(now, 'deleted')}"
         if self.where:
             return f"{self.where} {change}"
         owner = names.get(id(self.module), type(self.module).__name__)

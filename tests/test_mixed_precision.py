@@ -187,3 +187,43 @@ def test_two_graphs_with_other_gradients_in_one_loop_each_keep_their_own_guess()
         distances.append(_distance(*grads))
         model.load_state_dict(ref.state_dict())
     assert max(distances[1:]) < 0.01, distances
+
+
+def test_an_overflow_in_one_graph_halves_the_next_guess_of_every_graph():
+    """fp16 with a GradScaler, batches of 8, 4, 8, 8 (the 4: a variant): the batch of 4
+    overflows and the scaler halves its scale; the next batch of 8 fits at the halved
+    scale only. Its graph seeds with its own last gradient, halved for the overflow of
+    the other graph since (it was seeded at the old scale, overflowed and skipped a step
+    eager takes, its scale then half of eager's for the rest of the run)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()  # the output is 0: the error is -y, its gradient scale / N * 2y
+
+    class _Mse(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = model
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+    net = _Mse()
+    x = 0.01 * torch.randn(8, 4)
+    cm = mbcompile.compile(net, 8, 1, 2, example_inputs=(x, torch.zeros(8, 1)), cost_model=False)
+    ref = copy.deepcopy(net)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.0) for m in (net, ref)]  # the output stays 0
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) for _ in range(2)]
+    for step, (batch, y) in enumerate([(8, 1.0), (4, 10.0), (8, 6.0), (8, 6.0)]):
+        got = []
+        for m, call, scaler, opt in zip((net, ref), (cm, ref), scalers, opts):
+            opt.zero_grad(set_to_none=True)
+            with pytest.warns(mbcompile.BatchSizeWarning) if m is net and step == 1 \
+                    else contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.float16):
+                loss = call(x[:batch], torch.full((batch, 1), y))
+            scaler.scale(loss).backward()
+            finite = bool(torch.isfinite(m.lin.weight.grad).all())
+            scaler.step(opt)
+            scaler.update()
+            got.append((scaler.get_scale(), finite))
+        assert got[0] == got[1], (step, got)

@@ -394,3 +394,22 @@ def test_on_ranks_a_call_without_labels_is_refused_and_compiles_nothing(one_rank
     assert not cm._variants
     with pytest.warns(mbcompile.RecompileWarning, match="'scale'"):
         assert_close_errors(step_errors(model, cm, (x, labels), {"scale": scale}), TOL)
+
+
+def test_a_compiled_module_is_freed_when_its_last_reference_goes():
+    """What a module shares with its variants names the module weakly: dropped, it is
+    freed at once with its graphs (a cycle through it waited for the cycle collector)."""
+    import gc
+    import weakref
+
+    model, batch = make_tiny_gpt(GBS, dtype=torch.float64)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=batch, cost_model=False)
+    cm(*batch)[0].backward()
+    held = weakref.ref(cm)
+    gc.collect()
+    gc.disable()
+    try:
+        del cm
+        assert held() is None
+    finally:
+        gc.enable()

@@ -51,18 +51,24 @@ __all__ = ["Guesses", "Seed", "step_seed"]
 
 
 class Guesses:
-    """The ``Seed`` that recorded the gradient of its loss last, among all the graphs a
-    compiled module and its variants run (each has its own ``Seed``): the gradient the
-    caller sends into the loss belongs to the training loop, not to a graph, so every
-    graph guesses it from the last step of any."""
+    """What the graphs of a compiled module and its variants (each with its own ``Seed``)
+    share of the training loop: the gradient the caller sends into the loss belongs to
+    the loop, not to a graph. A graph guesses from its own last step, and at its first
+    from the last step of any (``last``, ``bare``); a GradScaler halves its scale after
+    any graph's overflow, so every graph's guess is halved once per overflow since it
+    last saw its gradient (``overflows``)."""
 
     def __init__(self) -> None:
         self.last: Seed | None = None  # the last to record the gradient its loss got
         self.bare: Seed | None = None  # the last without a tail to see its ``dL/dS``
+        self.overflows: torch.Tensor | None = None  # every graph's overflow flags, summed
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (pickle, deepcopy) drops its graphs and their seeds: it guesses afresh
-        return {"last": None, "bare": None}
+        return {"last": None, "bare": None, "overflows": None}
+
+    def overflowed(self, found: torch.Tensor) -> None:
+        self.overflows = found if self.overflows is None else self.overflows + found
 
 
 class Seed:
@@ -84,6 +90,7 @@ class Seed:
         self._outer: torch.Tensor | None = None  # the gradient L received last (None: 1)
         self._last: torch.Tensor | None = None  # the gradient dL/dS was last (no tail)
         self._found: torch.Tensor | None = None  # the last step's overflow flag, not applied
+        self._seen: torch.Tensor | None = None  # the loop's overflows when it last saw a g
         self.shared: Guesses | None = None  # the module's (set by its call): guesses from it
         # per kind of input (``_kind``): its replays so far, then its trace (False: none)
         self._traced: dict[tuple[Any, ...], Any] = {}
@@ -105,7 +112,7 @@ class Seed:
         ``seed``). No device op."""
         self._outer, self._found = g.detach(), None  # this step's: no halving is due
         if self.shared is not None:
-            self.shared.last = self
+            self.shared.last, self._seen = self, self.shared.overflows
 
     def _guess(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The gradient ``L`` got at this graph's last step and that step's overflow flag;
@@ -115,7 +122,18 @@ class Seed:
         shared = self.shared
         source = self if self._outer is not None or shared is None or shared.last is None \
             else shared.last
-        return source._outer, source._found
+        return source._outer, self._halvings(source)
+
+    def _halvings(self, source: Seed) -> torch.Tensor | None:
+        """How often a GradScaler halved its scale since ``source`` saw its gradient: the
+        overflows of any graph of the module since then (on the device), or without the
+        module's ``Guesses`` its own last flag."""
+        shared = self.shared
+        if shared is None:
+            return source._found
+        if shared.overflows is None or source._seen is None:
+            return shared.overflows
+        return shared.overflows - source._seen
 
     def global_count(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int],
                      distributed: bool) -> Any:
@@ -211,6 +229,8 @@ class Seed:
         GradScaler lowers its scale by half before the next step, so the next guesses
         are half the last gradients (a wrong guess of a power of two rescales exactly)."""
         self._found = found  # applied where a guess is read (``_halved``): no op now
+        if self.shared is not None:
+            self.shared.overflowed(found)
 
     @property
     def outer(self) -> torch.Tensor | None:
@@ -226,7 +246,7 @@ class Seed:
         gradient its loss got; a count that differs is a wrong guess, closer than 1)."""
         bare = self.shared.bare if self.shared is not None else None
         source = self if self._last is not None or bare is None else bare
-        last = _halved(source._last, source._found)
+        last = _halved(source._last, self._halvings(source))
         return None if last is None else _usable(last)
 
     def factor(self, g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
@@ -234,8 +254,10 @@ class Seed:
         that arrived: exactly 1.0 when the guess was right."""
         g = self._last = g.detach()
         self._found = None  # this step's flag, if any, comes after (``overflowed``)
-        if self.tail is None and self.shared is not None:
-            self.shared.bare = self
+        if self.shared is not None:
+            self._seen = self.shared.overflows
+            if self.tail is None:
+                self.shared.bare = self
         if seed is None:
             return g
         # ``g / seed``, exactly 1.0 where they are equal: the seed is nonzero (``_usable``),
@@ -253,11 +275,11 @@ TRACE_AFTER = 32
 
 
 def _halved(g: torch.Tensor | None, found: torch.Tensor | None) -> torch.Tensor | None:
-    """``g``, halved if the last step overflowed (``found`` > 0; device ops only)."""
+    """``g`` halved once per overflow (``found``: a count, or a flag of 0 or 1; device
+    ops only): exact, a power of two (``g * 1.0`` is ``g``)."""
     if g is None or found is None:
         return g
-    half = found.to(device=g.device, dtype=torch.bool).reshape(())
-    return torch.where(half, g * 0.5, g)
+    return g * torch.pow(0.5, found.to(device=g.device, dtype=g.dtype).reshape(()))
 
 
 def _kind(values: Sequence[Any]) -> tuple[Any, ...] | None:
