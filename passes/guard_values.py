@@ -23,8 +23,8 @@ import torch.nn as nn
 
 from .whose_code import user_code
 
-__all__ = ["ATOMS", "Unguardable", "entries_of", "fingerprint", "plain_object",
-           "shadowable_methods", "user_defined"]
+__all__ = ["ATOMS", "Unguardable", "entries_of", "fingerprint", "parts_changed",
+           "plain_object", "shadowable_methods", "user_defined"]
 
 #: compared by value: numbers, strings, flags, None, enum members
 ATOMS = (bool, int, float, str, type(None), enum.Enum)
@@ -58,6 +58,46 @@ def _image(value: Any, reached: set[int], depth: int, budget: list[int]) -> Any:
         return frozenset(_image(v, reached, depth - 1, budget) for v in value)
     return (type(value), _image(object.__getattribute__(value, "__dict__"), reached, depth,
                                 budget))
+
+
+def parts_changed(image: Any, now: Any, opaque: frozenset[int] = frozenset()) -> str:
+    """What changed in an object or dict changed in place, by its fingerprint ``image`` at
+    capture (``opaque``: the containers forward appends to, imaged by identity):
+    ``.output_hidden_states = True`` for a transformers config, whose whole repr is a
+    page; empty where the image does not say. Never raises: it words a warning."""
+    try:
+        before, after = _pairs(image), _pairs(fingerprint(now, opaque)[0])
+        if before is None or after is None:
+            return ""
+        in_dict = isinstance(now, dict)
+        keys = {fingerprint(k)[0]: k for k in now} if in_dict else {}
+        parts = []
+        for k in {**before, **after}:
+            if before.get(k, _ABSENT) == after.get(k, _ABSENT):
+                continue
+            key = keys.get(k, k)
+            where = f"[{key!r}]" if in_dict else f".{key}"
+            if k not in after:
+                parts.append(f"{where} deleted")
+                continue
+            text = repr(now[key] if in_dict else vars(now)[key])
+            parts.append(f"{where} = {text if len(text) <= 80 else 'another value'}")
+        return ", ".join(parts[:3]) + (f" and {len(parts) - 3} more" if len(parts) > 3 else "")
+    except Exception:  # noqa: BLE001 - a warning's words: the whole repr instead
+        return ""
+
+
+def _pairs(image: Any) -> dict[Any, Any] | None:
+    """An object's or a dict's fingerprint as {key's image: value's image}; None for other
+    images."""
+    if isinstance(image, tuple) and len(image) == 2 and isinstance(image[0], type):
+        image = image[1]  # an object: the image of its __dict__
+    if isinstance(image, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in image):
+        return dict(image)
+    return None
+
+
+_ABSENT = object()  # a key one image has and the other not
 
 
 _KINDS: dict[type, str] = {}

@@ -43,6 +43,7 @@ from .guard_values import (
     ATOMS,
     entries_of,
     fingerprint,
+    parts_changed,
     plain_object,
     shadowable_methods,
 )
@@ -111,7 +112,7 @@ class Guard:
         # the same container, changed in place: only its fingerprint was kept, not its old
         # contents (repr(self.value) would show the new ones twice)
         if (self.contents is not None or self.entries is not None) and now is self.value:
-            parts = _parts_changed(self.contents, now, self.opaque)
+            parts = parts_changed(self.contents, now, self.opaque)
             change = f"changed, now {parts or shown(now, 'deleted')}"
         else:
             change = f"was {shown(self.value, 'missing')}, now {shown(now, 'deleted')}"
@@ -119,43 +120,6 @@ class Guard:
             return f"{self.where} {change}"
         owner = names.get(id(self.module), type(self.module).__name__)
         return f"{'.'.join(filter(None, (owner, self.name)))} {change}"
-
-
-def _parts_changed(image: Any, now: Any, opaque: frozenset[int]) -> str:
-    """What changed in an object or dict changed in place, by its fingerprint ``image`` at
-    capture (``opaque``: the containers forward appends to, imaged by identity):
-    ``.output_hidden_states = True`` for a transformers config, whose whole repr is a
-    page; empty where the image does not say. Never raises: it words a warning."""
-    try:
-        before, after = _pairs(image), _pairs(fingerprint(now, opaque)[0])
-        if before is None or after is None:
-            return ""
-        in_dict = isinstance(now, dict)
-        keys = {fingerprint(k)[0]: k for k in now} if in_dict else {}
-        parts = []
-        for k in {**before, **after}:
-            if before.get(k, _MISSING) == after.get(k, _MISSING):
-                continue
-            key = keys.get(k, k)
-            where = f"[{key!r}]" if in_dict else f".{key}"
-            if k not in after:
-                parts.append(f"{where} deleted")
-                continue
-            text = repr(now[key] if in_dict else vars(now)[key])
-            parts.append(f"{where} = {text if len(text) <= 80 else 'another value'}")
-        return ", ".join(parts[:3]) + (f" and {len(parts) - 3} more" if len(parts) > 3 else "")
-    except Exception:  # noqa: BLE001 - a warning's words: the whole repr instead
-        return ""
-
-
-def _pairs(image: Any) -> dict[Any, Any] | None:
-    """An object's or a dict's fingerprint as {key's image: value's image}; None for other
-    images."""
-    if isinstance(image, tuple) and len(image) == 2 and isinstance(image[0], type):
-        image = image[1]  # an object: the image of its __dict__
-    if isinstance(image, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in image):
-        return dict(image)
-    return None
 
 
 def written_guard(owner: Any, key: Any, before: Any, item: bool, where: str) -> Guard:
