@@ -89,9 +89,9 @@ class Seed:
         # is bound by its launches): ``outer`` at the next seed, ``last`` only without a tail.
         self._outer: torch.Tensor | None = None  # the gradient L received last (None: 1)
         self._last: torch.Tensor | None = None  # the gradient dL/dS was last (no tail)
-        self._found: torch.Tensor | None = None  # the last step's overflow flag, not applied
         self._seen: torch.Tensor | None = None  # the loop's overflows when it last saw a g
-        self.shared: Guesses | None = None  # the module's (set by its call): guesses from it
+        #: its own until the module's call hands it the module's (``Guesses``)
+        self.shared = Guesses()
         # per kind of input (``_kind``): its replays so far, then its trace (False: none)
         self._traced: dict[tuple[Any, ...], Any] = {}
 
@@ -110,30 +110,25 @@ class Seed:
     def record(self, g: torch.Tensor) -> None:
         """Keep ``g`` as the next guess, as it is (the seed it gives is made usable:
         ``seed``). No device op."""
-        self._outer, self._found = g.detach(), None  # this step's: no halving is due
-        if self.shared is not None:
-            self.shared.last, self._seen = self, self.shared.overflows
+        self._outer = g.detach()
+        self.shared.last, self._seen = self, self.shared.overflows  # no halving due yet
 
     def _guess(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The gradient ``L`` got at this graph's last step and that step's overflow flag;
-        at its first step, the module's last step's, of any graph (``Guesses``). Its own
+        """The gradient ``L`` got at this graph's last step and the overflows since; at
+        its first step, the module's last step's, of any graph (``Guesses``). Its own
         first: two graphs of one loop may get different gradients every step (``w *
-        cm(aux) + cm(main)``), and each keeps its own overflow flag."""
-        shared = self.shared
-        source = self if self._outer is not None or shared is None or shared.last is None \
-            else shared.last
+        cm(aux) + cm(main)``)."""
+        last = self.shared.last
+        source = self if self._outer is not None or last is None else last
         return source._outer, self._halvings(source)
 
     def _halvings(self, source: Seed) -> torch.Tensor | None:
         """How often a GradScaler halved its scale since ``source`` saw its gradient: the
-        overflows of any graph of the module since then (on the device), or without the
-        module's ``Guesses`` its own last flag."""
-        shared = self.shared
-        if shared is None:
-            return source._found
-        if shared.overflows is None or source._seen is None:
-            return shared.overflows
-        return shared.overflows - source._seen
+        overflows of any graph of the module since then, on the device (None: none)."""
+        overflows = self.shared.overflows
+        if overflows is None or source._seen is None:
+            return overflows
+        return overflows - source._seen
 
     def global_count(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int],
                      distributed: bool) -> Any:
@@ -193,7 +188,7 @@ class Seed:
         if self.tail is None or (self.counted and count is None):
             last = self.last
             return last if last is not None and last.dtype == partial.dtype else None
-        # the guess raw, with the overflow flag: its halving is replayed (and traced) too
+        # the guess raw, with the overflows since: its halving is replayed (and traced) too
         args = (partial.detach(), *self._guess(),
                 *((count,) if self.counted else ()), *(first[i] for i in self.free))
         kind = _kind(args)
@@ -212,11 +207,11 @@ class Seed:
             return None
 
     def _replay(self, partial: torch.Tensor, outer: torch.Tensor | None,
-                found: torch.Tensor | None, *args: Any) -> torch.Tensor:
+                halvings: torch.Tensor | None, *args: Any) -> torch.Tensor:
         """``dL/dS`` of the tail at ``S = 0`` (the tail is affine in ``S``) for the gradient
-        ``outer`` of ``L`` (None: 1; halved where ``found``, ``_halved``), made usable as a
+        ``outer`` of ``L`` (None: 1; halved ``halvings`` times, ``_halved``), made usable as a
         seed."""
-        outer = _halved(outer, found)
+        outer = _halved(outer, halvings)
         with torch.enable_grad():
             s = partial.new_zeros(partial.shape).requires_grad_()
             loss = self.tail(s, *args)
@@ -228,9 +223,7 @@ class Seed:
         """The step's gradients were not finite (``found`` > 0, on the device): a
         GradScaler lowers its scale by half before the next step, so the next guesses
         are half the last gradients (a wrong guess of a power of two rescales exactly)."""
-        self._found = found  # applied where a guess is read (``_halved``): no op now
-        if self.shared is not None:
-            self.shared.overflowed(found)
+        self.shared.overflowed(found)  # applied where a guess is read (``_halved``)
 
     @property
     def outer(self) -> torch.Tensor | None:
@@ -244,7 +237,7 @@ class Seed:
         """The guess of ``dL/dS`` where no tail can be replayed (None: seed with 1): this
         graph's last, or at its first step another's (a two-phase step's ``dL/dS`` is the
         gradient its loss got; a count that differs is a wrong guess, closer than 1)."""
-        bare = self.shared.bare if self.shared is not None else None
+        bare = self.shared.bare
         source = self if self._last is not None or bare is None else bare
         last = _halved(source._last, self._halvings(source))
         return None if last is None else _usable(last)
@@ -253,11 +246,9 @@ class Seed:
         """What the gradients seeded with ``seed`` are multiplied by, given the ``dL/dS``
         that arrived: exactly 1.0 when the guess was right."""
         g = self._last = g.detach()
-        self._found = None  # this step's flag, if any, comes after (``overflowed``)
-        if self.shared is not None:
-            self._seen = self.shared.overflows
-            if self.tail is None:
-                self.shared.bare = self
+        self._seen = self.shared.overflows  # this step's overflow, if any, comes after
+        if self.tail is None:
+            self.shared.bare = self
         if seed is None:
             return g
         # ``g / seed``, exactly 1.0 where they are equal: the seed is nonzero (``_usable``),
@@ -274,12 +265,12 @@ TRACED = 4
 TRACE_AFTER = 32
 
 
-def _halved(g: torch.Tensor | None, found: torch.Tensor | None) -> torch.Tensor | None:
-    """``g`` halved once per overflow (``found``: a count, or a flag of 0 or 1; device
-    ops only): exact, a power of two (``g * 1.0`` is ``g``)."""
-    if g is None or found is None:
+def _halved(g: torch.Tensor | None, halvings: torch.Tensor | None) -> torch.Tensor | None:
+    """``g`` halved once per overflow (``halvings``, a count; device ops only): exact, a
+    power of two (``g * 1.0`` is ``g``)."""
+    if g is None or halvings is None:
         return g
-    return g * torch.pow(0.5, found.to(device=g.device, dtype=g.dtype).reshape(()))
+    return g * torch.pow(0.5, halvings.to(device=g.device, dtype=g.dtype).reshape(()))
 
 
 def _kind(values: Sequence[Any]) -> tuple[Any, ...] | None:
