@@ -80,7 +80,7 @@ def for_keywords(cm: CompiledModule, through: frozenset[str], args: tuple[Any, .
     if variant is None:
         if (presence := for_presence(cm, args, kwargs)) is not None:
             return presence  # labels left out too: said, and kept under that key
-        _check_like_example(cm, args, kwargs)
+        _check_like_example(cm, _bound(cm, args, kwargs))
 
         def listed(names: frozenset[str]) -> str:
             return ", ".join(map(repr, sorted(names))) or "none"
@@ -115,7 +115,7 @@ def for_presence(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, An
     key = ("absent", absent, frozenset(kwargs) - set(root._named or kwargs))
     variant = root._variants.get(key)
     if variant is None:
-        _check_like_example(root, args, kwargs)
+        _check_like_example(root, arguments)
         said = [f"None for {n!r} where the example passed a tensor" if arguments[n] is None
                 else f"a tensor for {n!r} where the example passed None" for n in sorted(flips)]
         variant = _variant(root, key, root._request.for_call(args, kwargs),
@@ -168,13 +168,12 @@ def _variant(cm: CompiledModule, key: Any, request: Request, why: str,
     return compiled
 
 
-def _check_like_example(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
-                        ) -> None:
-    """Raise ``InputError`` when the inputs the example had are shaped otherwise in this
-    call, or its non-tensor arguments differ (the keywords it adds are the variant's own,
-    so are the inputs it leaves out or adds where ``for_presence`` compiles for them; a
-    length that differs under ``dynamic="auto"`` is made symbolic by ``for_call``)."""
-    arguments = _bound(cm, args, kwargs)
+def _check_like_example(cm: CompiledModule, arguments: dict[str, Any] | None) -> None:
+    """Raise ``InputError`` when the inputs the example had are shaped otherwise in the
+    call bound as ``arguments`` (``_bound``), or its non-tensor arguments differ (the
+    keywords it adds are the variant's own, so are the inputs it leaves out or adds where
+    ``for_presence`` compiles for them; a length that differs under ``dynamic="auto"`` is
+    made symbolic by ``for_call``)."""
     if arguments is None:
         return  # the variant's binding says why, with its signature
     inputs: Inputs = cm._inputs
