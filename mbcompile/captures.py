@@ -38,6 +38,7 @@ from mbcompile.analysis import Analysed, analyse, find, in_current_mode, reusabl
 from mbcompile.errors import UnsupportedOpError
 from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import input_layout
+from mbcompile.integrations.transformers import install_output_hooks
 from mbcompile.mode_key import hooks_key, slots
 from mbcompile.passes.guards import failed_guard
 from mbcompile.passes.rules import lookup_rule
@@ -72,7 +73,11 @@ class Captures:
 
     def analysed(self, request: Request, plan: MicrobatchPlan | None = None) -> Analysed:
         """``request``'s graph analysed and decided (``plan``: the plan it is decided for,
-        see ``analyse``), on an earlier capture where one serves."""
+        see ``analyse``), on an earlier capture where one serves. A transformers model
+        asked for outputs its layers' hooks record (by the call, or by its config since)
+        gets those hooks first, as eager's call installs them (``install_output_hooks``):
+        the key and any trace see the model as eager's call leaves it."""
+        install_output_hooks(request.inner, request.example)
         key = capture_key(request)
         found, _ = self._cache.find(key)
         if found is None:

@@ -32,7 +32,6 @@ from mbcompile.execution.live_hooks import global_backward_refused
 from mbcompile.integrations.transformers import (
     TRAINER_KEYWORDS,
     as_the_trainer_sets,
-    install_output_hooks,
     padded_dims,
     plain_calls,
     trainer_keywords,
@@ -102,7 +101,6 @@ def _compile_request(request: Request) -> CompiledModule:
     # before any tracing: a model whose parameters alone cannot fit fails in milliseconds
     check_static_memory(request.inner, request.system, request.shard)
     captures = Captures(request.gbs)
-    install_output_hooks(request.inner, request.example)  # as eager's first call would
     with _crash_named(request.model):
         analysed = captures.analysed(request)
         selection = select(request, analysed)
@@ -143,7 +141,6 @@ def _variant(origin: Request, first: Selection, captures: Captures, family: Fami
     serves (``Captures``), with ``first`` itself for the same batch (another keyword set:
     the same plan), else planned with ``first``'s cost model (nothing probed twice; a
     forward-only call probes nothing). Another precision is probed afresh in it."""
-    install_output_hooks(request.inner, request.example)  # a keyword asking for outputs
     with _crash_named(request.model):
         analysed = captures.analysed(request)
         if request.precision != origin.precision:
@@ -161,7 +158,6 @@ def _relower(request: Request, selection: Selection, captures: Captures) -> Lowe
     """The request's graph in the model's current train/eval mode and Python state
     (captured once per state, for the module and its variants), lowered again for the
     same selection; with symbolic dims checked the same at other lengths."""
-    install_output_hooks(request.inner, request.example)  # a config now asking for outputs
     with global_hooks.hidden():  # no probe calls one (the trace shows them: code_reach)
         analysed = captures.analysed(request, plan=selection.plan)
         lowered = lower(request, analysed, selection)
