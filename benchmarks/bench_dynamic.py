@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_dynamic.py [--steps 200]
         [--model gpt2|llama|gpt2-cls|bert-mlm] [--upfront] [--floor]
-        [--num-csx 2] [--mbs 2|auto]
+        [--num-csx 2] [--mbs 2|auto] [--layers 2] [--width 32]
 
 The collator pads each batch to its own longest row (rows of 5 to 60 tokens), so every
 step has another sequence length: ``DataCollatorForLanguageModeling(tok, mlm=False)`` for
@@ -29,7 +29,9 @@ then the seed of a step's backwards, replayed and traced (``seed_costs``). The c
 module is planned for ``NUM_CSX`` (2) systems at ``MBS`` (2) rows, the case where ``GBS``
 rows do not fit; ``--num-csx 1 --mbs auto`` plans it as a user on one machine whose
 batch fits gets it (``"auto"`` on this host: the whole batch in one microbatch), the
-accumulating Trainer staying at ``MBS`` rows.
+accumulating Trainer staying at ``MBS`` rows. ``--layers`` and ``--width`` size the model
+(two layers of width 32 by default): the compile's fixed cost (one ``torch.export``,
+whose first use in a process imports ``torch._dynamo``) against steps that take longer.
 """
 
 from __future__ import annotations
@@ -95,23 +97,25 @@ def collator(transformers: Any, name: str) -> Any:
     return transformers.DataCollatorForLanguageModeling(tok, mlm=name == "bert-mlm")
 
 
-def make_model(transformers: Any, name: str) -> nn.Module:
-    """A two-layer model of width 32 in float64, without dropout; its loss without
-    transformers' float32 upcast (``float64_regions`` keeps Llama's RMSNorm in float64)."""
+def make_model(transformers: Any, name: str, layers: int = 2, width: int = 32) -> nn.Module:
+    """A model of ``layers`` layers of ``width`` (two of 32 by default) in float64, without
+    dropout; its loss without transformers' float32 upcast (``float64_regions`` keeps
+    Llama's RMSNorm in float64)."""
     torch.manual_seed(0)
     if name in ("gpt2", "gpt2-cls"):
         config = transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=PAD,
-            num_labels=CLASSES, problem_type="single_label_classification")
+            n_layer=layers, n_embd=width, n_head=4, vocab_size=VOCAB, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            pad_token_id=PAD, num_labels=CLASSES, problem_type="single_label_classification")
         # (without problem_type, the first call sets it: a change of the config that forward
         # reads, so the next call compiles again, once, as a guard must)
         model = (transformers.GPT2LMHeadModel if name == "gpt2" else
                  transformers.GPT2ForSequenceClassification)(config)
     elif name == "bert-mlm":
         config = transformers.BertConfig(
-            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-            vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.0,
+            num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width,
+            num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, pad_token_id=PAD)
         model = transformers.BertForMaskedLM(config)
         # softmax ignores a key bias (it adds the same to every key of a query): its gradient
@@ -121,9 +125,9 @@ def make_model(transformers: Any, name: str) -> nn.Module:
             layer.attention.self.key.bias.requires_grad_(False)
     else:
         config = transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-            bos_token_id=0, eos_token_id=0, pad_token_id=PAD)
+            num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+            max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=PAD)
         model = transformers.LlamaForCausalLM(config)
     model = model.double()
     if name != "gpt2-cls":  # its loss is a CrossEntropyLoss() in the logits' dtype already
@@ -220,8 +224,8 @@ def compiles_timed() -> Iterator[list[tuple[float, float]]]:
 
 
 def run_both(transformers: Any, name: str, steps: int, upfront: bool = False,
-             accumulate: bool = False, num_csx: int = NUM_CSX, mbs: int | str = MBS
-             ) -> dict[str, Any]:
+             accumulate: bool = False, num_csx: int = NUM_CSX, mbs: int | str = MBS,
+             layers: int = 2, width: int = 32) -> dict[str, Any]:
     """The plain Trainer and the compiled one from the same start, in this process: wall
     seconds of each (compile included), compile seconds, compiles, parameter errors.
 
@@ -229,7 +233,7 @@ def run_both(transformers: Any, name: str, steps: int, upfront: bool = False,
     ``num_items_in_batch`` in the example, the lengths symbolic (``dynamic=``) and the
     config as the Trainer sets it (``use_cache=False``, a value forward reads): one
     compile, no variant at the first step."""
-    plain = make_model(transformers, name)
+    plain = make_model(transformers, name, layers, width)
     model, accumulated = copy.deepcopy(plain), copy.deepcopy(plain)
     data = RandomLengths(GBS, 0, labelled=name == "gpt2-cls")
     example = dict(collator(transformers, name)([data[i] for i in range(GBS)]))
@@ -353,6 +357,10 @@ def main() -> None:
     parser.add_argument("--mbs", default=str(MBS),
                         help="the compiled module's MBS: an int (planned without the cost "
                              "model), or auto (the cost model's pick for this host)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=32,
+                        help="the model's width (a multiple of 4): where the compile's fixed "
+                             "cost is amortised")
     parser.add_argument("--floor", action="store_true",
                         help="time the step alone: whole batch, microbatches by hand, compiled")
     args = parser.parse_args()
@@ -371,9 +379,10 @@ def main() -> None:
         return
     mbs = int(args.mbs) if args.mbs.isdigit() else args.mbs
     run = run_both(transformers, args.model, args.steps, args.upfront, accumulate=True,
-                   num_csx=args.num_csx, mbs=mbs)
+                   num_csx=args.num_csx, mbs=mbs, layers=args.layers, width=args.width)
     plan = run["cm"].plan
-    print(f"{args.model}{' (up front)' if args.upfront else ''}, {args.steps} steps of {GBS} "
+    print(f"{args.model}{' (up front)' if args.upfront else ''} ({args.layers} layers, width "
+          f"{args.width}), {args.steps} steps of {GBS} "
           f"rows of {SHORTEST}-{LONGEST} tokens, padded per batch, {args.num_csx} system(s), "
           f"mbs {mbs!r} (the last step's plan: mbs {plan.mbs}, {plan.num_microbatches} "
           f"microbatch(es) per system):")
