@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import ArgumentTypeError, CaptureError, InputError
+from mbcompile.passes.export_shapes import has_tensor
 from mbcompile.passes.guard_values import fingerprint
 from mbcompile.passes.guards import plain
 
@@ -118,14 +119,12 @@ def bind_example(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_
             explicit = False
         if not explicit and isinstance(value, torch.Tensor) and value.dim() == 0:
             d = None  # a scalar (a token count, a temperature) has no batch dim to split
-        has_tensor = any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
         if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
             raise ArgumentTypeError(f"in_dims for input {name!r} must be an int or None, "
                                     f"got {d!r}")
-        dims.append(d if has_tensor else None)
+        dims.append(d if has_tensor(value) else None)
     concrete = {n: values[n] for n, d in zip(names, dims)
-                if d is None and not any(isinstance(t, torch.Tensor)
-                                         for t in pytree.tree_leaves(values[n]))}
+                if d is None and not has_tensor(values[n])}
     images = {n: fingerprint(v)[0] for n, v in concrete.items() if not plain(v)}
     inputs = Inputs(names, tuple(dims), concrete, images=images)
     batch_size(inputs, [values[n] for n in names], check_ndim=True)
@@ -330,16 +329,14 @@ def check_unchanged(inputs: Inputs, arguments: Mapping[str, Any]) -> None:
         got = arguments[name]
         if got is expected:  # the usual call: the same None, flag or object
             continue
-        if isinstance(got, torch.Tensor):  # no graph input for it (its values: a big repr)
-            raise (InputPresenceError if expected is None else InputError)(
-                f"input {name!r} is a tensor of shape {tuple(got.shape)} where the example "
-                f"passed {expected!r}; the graph was traced without it: pass the same kind "
-                "of value, or compile again with an example call like this one")
-        if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(got)):
-            raise InputError(
-                f"input {name!r} holds tensors ({type(got).__name__}) where the example "
-                f"passed {expected!r}; the graph was traced without them: pass the same kind "
-                "of value, or compile again with an example call like this one")
+        if has_tensor(got):  # no graph input for it (named by its shape: a repr is big)
+            bare = isinstance(got, torch.Tensor)
+            what = (f"is a tensor of shape {tuple(got.shape)}" if bare
+                    else f"holds tensors ({type(got).__name__})")
+            raise (InputPresenceError if bare and expected is None else InputError)(
+                f"input {name!r} {what} where the example passed {expected!r}; the graph was "
+                "traced without it: pass the same kind of value, or compile again with an "
+                "example call like this one")
         if not same_value(got, expected):
             raise InputError(
                 f"argument {name!r} was {expected!r} at compile time and is {got!r} now; "
