@@ -59,7 +59,12 @@ from .capture import CaptureResult
 from .code_reach import reached_code
 from .custom_functions import checked_in_export
 from .errors import CaptureError
-from .export_hooks import backward_hooks_refused, global_hooks_refused, tensor_hooks_refused
+from .export_hooks import (
+    backward_hooks_refused,
+    global_hooks_refused,
+    root_hooks_refused,
+    tensor_hooks_refused,
+)
 from .export_losses import cumulative_batch_norm_refused, losses_read_values_refused
 from .export_shapes import export_kwargs, has_tensor, length_baked_in
 from .forward_modes import (
@@ -326,6 +331,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     try:
         name = type(model).__name__
         backward_hooks_refused(model, name, fx_error)
+        root_hooks_refused(model, name, fx_error)
         global_hooks_refused(name, fx_error)
         cumulative_batch_norm_refused(model, name, fx_error)
         concrete = {n: v for n, v in example.items() if not has_tensor(v)}
