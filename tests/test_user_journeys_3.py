@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import TOL, rel_err
 from test_dynamic_shapes import unchanged
 from test_token_split import BUDGET
 from test_user_journeys import (
@@ -42,9 +43,10 @@ from test_user_journeys import (
     sgd,
     train,
 )
+from test_user_journeys_2 import twin
 
 import mbcompile
-from mbcompile.errors import InputError
+from mbcompile.errors import CaptureError, InputError
 from mbcompile.models import TinyGPT
 
 # --------------------------------------------------------------------------- #
@@ -293,3 +295,321 @@ def test_a_token_counter_refuses_a_new_length_with_the_fix_changing_nothing():
     assert str(opt.state_dict()) == str(state) and int(model.seen) == 2 * GBS * EXAMPLE
     model.zero_grad(set_to_none=True)
     journey(model, cm, [train(12), train(12, 3)], adam)
+
+
+# --------------------------------------------------------------------------- #
+# Predictions, hooks and submodules' modes between steps
+# --------------------------------------------------------------------------- #
+
+
+class Predicts(TinyGPT):
+    """Returns the logits alone when called without labels (predictions)."""
+
+    def __init__(self) -> None:
+        super().__init__(seq=64)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        if labels is None:
+            x = self.tok(ids) + self.pos(torch.arange(ids.size(1), device=ids.device))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+        return super().forward(ids, labels)
+
+
+def _predict(length: int, batch: int = GBS, kind: str = "no_grad") -> Step:
+    return kind, (_batch(length, batch, seed=300 + length)[0],)
+
+
+def test_predictions_without_labels_at_new_lengths_between_training_steps():
+    """Calls without labels (their own graph, once) at the example's length, at new
+    lengths and batch sizes, in eval and under ``no_grad``, the first new length met by a
+    prediction; training goes on with Adam as eager's."""
+    torch.manual_seed(0)
+    model = Predicts().to(DTYPE)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
+                           cost_model=False)
+    steps = [train(12), _predict(12), _predict(9), train(9), _predict(20, 3, "eval"),
+             train(20), _predict(1, 1), train(5, 3), _predict(12), train(12)]
+    journey(model, cm, steps, adam, clip=0.5)
+
+
+def test_hooks_added_after_compile_at_a_new_length():
+    """A forward hook that halves a block's output (on the model's own block, traced),
+    registered after two steps at two lengths, then removed: eager's at every length."""
+    model, cm = _gpt(2)
+    handles: list[Any] = []
+
+    def add(m: nn.Module) -> None:
+        handles.append(m.blocks[1].register_forward_hook(lambda mod, args, out: out * 0.5))
+
+    def remove(m: nn.Module) -> None:
+        handles.pop(0).remove()
+
+    steps = [train(12), train(8), (add, None), train(8), train(20, 3), evaluate(5),
+             (remove, None), train(5), train(12)]
+    journey(model, cm, steps, sgd)
+
+
+def test_a_pre_hook_on_the_model_added_mid_run_is_refused_naming_the_fix_changing_nothing():
+    """A forward pre-hook on the model itself (reversing the rows) cannot run in a traced
+    forward: the call after it is refused, naming the fix, with nothing changed; removed,
+    training goes on."""
+    model, cm = _gpt(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for length in (12, 8):
+        opt.zero_grad()
+        cm(*_batch(length))[0].backward()
+        opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    handle = model.register_forward_pre_hook(lambda m, args: (args[0].flip(1), args[1].flip(1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with unchanged(model, cm), pytest.raises(CaptureError, match="on a submodule"):
+            cm(*_batch(8))
+    assert str(opt.state_dict()) == str(state)
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    journey(model, cm, [train(8), train(12)], sgd)
+
+
+def _reverse_all(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.flip(1) for a in args)
+
+
+@pytest.mark.xfail(strict=True, reason="a forward pre-hook on the model that maps over its "
+                   "args (tuple(a.flip(1) for a in args)) is silently left out: torch.export "
+                   "captures the model called by keywords, so the hook sees args=() (indexing "
+                   "args[0] is the CaptureError above); loss 4.078 where eager's is 4.492")
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_pre_hook_on_the_model_runs_or_is_refused(when):
+    """Registered before compile or mid-run: the compiled step is eager's with the hook,
+    or refused with a ``CaptureError``; never the step without it."""
+    from mbcompile.models import make_tiny_gpt
+
+    model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    if when == "before":
+        model.register_forward_pre_hook(_reverse_all)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
+                           cost_model=False)
+    add = (lambda m: m.register_forward_pre_hook(_reverse_all), None)
+    steps = [train(12), train(8), *([add] if when == "after" else []), train(8), train(12)]
+    try:
+        journey(model, cm, steps, sgd)
+    except CaptureError as refused:
+        assert "register them on a submodule" in str(refused)
+
+
+class Frozen(TinyGPT):
+    """A side branch with a BatchNorm that runs only while its submodule is in eval mode
+    (frozen, as fine-tuning freezes a part), read through ``self.extra.training``."""
+
+    def __init__(self) -> None:
+        super().__init__(seq=64)
+        self.extra = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.tok(ids) + self.pos(torch.arange(ids.size(1), device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln(x)
+        if not self.extra.training:
+            x = x + 0.1 * self.extra[1](self.extra[0](x).transpose(1, 2)).transpose(1, 2)
+        logits = self.head(x)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def test_a_submodule_switched_to_eval_alone_between_steps_at_changing_lengths():
+    torch.manual_seed(0)
+    model = Frozen().to(DTYPE)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
+                           cost_model=False)
+    steps = [train(12), train(8), (lambda m: m.extra.eval(), None), train(9), train(12),
+             train(5, 3), evaluate(20), (lambda m: m.extra.train(), None), train(7)]
+    journey(model, cm, steps, sgd)
+
+
+def test_recompute_with_a_token_budget_at_changing_lengths():
+    model, cm = _gpt({"tokens": 30}, cost_model=False, recompute=True, outputs="all")
+    assert cm.plan.recompute
+    journey(model, cm, [train(12), train(8), evaluate(20), train(20, 3), train(1), train(30)],
+            adam)
+
+
+# --------------------------------------------------------------------------- #
+# Losses that couple samples, at changing lengths and batch sizes
+# --------------------------------------------------------------------------- #
+
+
+class Contrastive(TinyGPT):
+    """The LM loss plus a contrastive loss between each row's mean-pooled hidden states
+    (over its real tokens) and its first token's, over the batch: a two-phase step whose
+    frontier keeps one size at every length. ``scale`` is Python state."""
+
+    def __init__(self) -> None:
+        super().__init__(seq=64)
+        self.proj, self.scale = nn.Linear(32, 16), 5.0
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.tok(ids) + self.pos(torch.arange(ids.size(1), device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        h = self.ln(x)
+        logits = self.head(h)
+        mask = (labels != -100).to(h.dtype)
+        pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        a, b = F.normalize(self.proj(pooled), dim=-1), F.normalize(self.proj(h[:, 0]), dim=-1)
+        contrastive = F.cross_entropy(a @ b.T * self.scale,
+                                      torch.arange(ids.size(0), device=ids.device))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + 0.5 * contrastive, logits
+
+
+class Rooted(TinyGPT):
+    """``loss.sqrt()``: a non-linear function of the batch's mean, a two-phase step whose
+    frontier (the logits it returns) grows with the length."""
+
+    def __init__(self) -> None:
+        super().__init__(seq=64)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, logits = super().forward(ids, labels)
+        return loss.sqrt(), logits
+
+
+def _two_phase(cls: type[nn.Module], mbs: Any = 2, **options: Any) -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    model = cls().to(DTYPE)
+    options.setdefault("cost_model", False)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, mbs, example_inputs=_batch(EXAMPLE), **options)
+    assert cm.analysis.two_phase
+    return model, cm
+
+
+COUPLED = [train(12), train(8), evaluate(20), train(20, 3), train(5), no_grad(7, 5), train(1),
+           train(12, 1), train(12)]
+
+
+def test_a_contrastive_loss_at_changing_lengths_batch_sizes_and_scales():
+    model, cm = _two_phase(Contrastive)
+    journey(model, cm, [*COUPLED[:4], _set(scale=10.0), *COUPLED[4:]], adam, clip=1.0)
+
+
+@pytest.mark.parametrize("mbs", [2, {"tokens": 30}], ids=["mbs2", "tokens"])
+def test_a_rooted_loss_at_changing_lengths_and_batch_sizes(mbs):
+    model, cm = _two_phase(Rooted, mbs)
+    journey(model, cm, COUPLED, sgd)
+
+
+@pytest.mark.xfail(strict=True, reason="mbs='auto', system=: after a step at 24 and a hook "
+                   "added (compiled again), a short batch (5) at 40 is refused with a MixingError "
+                   "'Tensor.sqrt cannot be microbatched' (the two-phase step 'does not fit' at "
+                   "40: 1.53 of 1.50 MB), where the full batch at 40 runs (4 rows a microbatch), "
+                   "and so does the short batch at 40 without the hook")
+def test_a_short_batch_of_a_two_phase_step_at_a_new_length_after_a_recompile_trains():
+    model, cm = _two_phase(Rooted, "auto", cost_model=True, system=BUDGET)
+    probe = (lambda m: m.head.register_forward_hook(mbcompile.per_microbatch(
+        lambda module, args, out: None)), None)  # does nothing: a recompile, no change
+    journey(model, cm, [train(24), probe, train(40, 5), train(40)], sgd)
+
+
+def test_the_users_own_accumulation_over_calls_of_other_lengths_and_batch_sizes():
+    """Two calls per step, each loss weighted, of other lengths and batch sizes, with
+    AdamW stepping every second step (four calls accumulated): a two-phase loss."""
+    model, cm = _two_phase(Rooted)
+
+    def step(i: int, m: nn.Module, call: Any, state: dict[str, Any]) -> Any:
+        if i % 2 == 0:
+            state["opt"].zero_grad()
+        outs = []
+        for k, (length, batch, weight) in enumerate([(12, GBS, 0.5), (8 + i, 5, 0.25)]):
+            out = call(*_batch(length, batch, seed=10 * i + k))
+            (out[0] * weight).backward()
+            outs.append(out)
+        if i % 2 == 1:
+            state["opt"].step()
+        return outs
+
+    twin(model, cm, 4, step, setup=lambda m: {"opt": torch.optim.AdamW(m.parameters(), lr=1e-2)})
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoints and copies mid-run, low precision
+# --------------------------------------------------------------------------- #
+
+
+def test_a_checkpoint_with_the_optimizers_state_restored_at_another_length():
+    """Model and AdamW state saved at step 2 (length 20), restored at step 4 (after a
+    short batch at a new length): the parameters and the optimizer's moments are eager's."""
+    model, cm = _gpt(2)
+    saved: dict[int, Any] = {}
+    shapes = [(12, GBS), (8, GBS), (20, GBS), (5, 3), (9, GBS), (20, GBS), (12, GBS)]
+
+    def step(i: int, m: nn.Module, call: Any, state: dict[str, Any]) -> Any:
+        if i == 2:
+            saved[id(m)] = copy.deepcopy((call.state_dict(), state["opt"].state_dict()))
+        if i == 4:
+            call.load_state_dict(saved[id(m)][0])
+            state["opt"].load_state_dict(saved[id(m)][1])
+        state["opt"].zero_grad(set_to_none=True)
+        out = call(*_batch(*shapes[i]))
+        out[0].backward()
+        state["opt"].step()
+        return out
+
+    _, (got, want) = twin(model, cm, len(shapes), step,
+                          setup=lambda m: {"opt": torch.optim.AdamW(m.parameters(), lr=1e-2)})
+    for a, b in zip(got["opt"].state.values(), want["opt"].state.values()):
+        assert all(rel_err(a[k], b[k]) <= TOL for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_a_deep_copy_taken_mid_run_at_a_new_length_trains_apart():
+    """``copy.deepcopy(cm)`` after steps at two lengths: the copy has its own parameters
+    and trains as eager on new lengths and batch sizes; the original's steps after it are
+    eager's too, and the copy's weights load back into it."""
+    model, cm = _gpt(2)
+    journey(model, cm, [train(12), train(8)], sgd)
+    other = copy.deepcopy(cm)
+    assert other.module.head.weight is not model.head.weight
+    journey(other.module, other, [train(20), train(12), evaluate(5), train(5, 3)], adam)
+    journey(model, cm, [train(9), train(12), train(3, 3)], adam)
+    cm.load_state_dict(other.state_dict())
+    journey(model, cm, [train(17), train(12)], adam)
+
+
+def _slices(batch: int) -> list[tuple[int, int]]:
+    """The microbatches a call of ``batch`` samples runs (gbs 7's: the compiled plan's)."""
+    plan = mbcompile.make_plan(batch, min(NUM_CSX, batch), min(2, -(-batch // NUM_CSX)))
+    return [s for system in plan.microbatch_slices for s in system]
+
+
+def test_bf16_autocast_at_changing_lengths_is_as_close_as_a_hand_loop():
+    """bf16 autocast, lengths 1-30 and short batches: the compiled step's gradients are as
+    close to eager's float32 ones as a hand loop's over the same microbatches, each loss
+    weighted by its share of the batch's tokens."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq=64)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
+                           cost_model=False)
+    eager, hand = copy.deepcopy(model), copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for length, batch in [(12, GBS), (8, GBS), (20, GBS), (5, 3), (1, GBS), (30, 5)]:
+            ids, labels = _batch(length, batch)
+            grads = []
+            for m in (model, eager, hand):
+                m.zero_grad(set_to_none=True)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    if m is hand:
+                        count = (labels != -100).sum()
+                        for a, b in _slices(batch):
+                            share = (labels[a:b] != -100).sum() / count
+                            (m(ids[a:b], labels[a:b])[0] * share).backward()
+                    else:
+                        (cm if m is model else m)(ids, labels)[0].backward()
+                grads.append(torch.cat([p.grad.double().flatten() for p in m.parameters()]))
+            ours, theirs = (float((g - grads[1]).norm() / grads[1].norm())
+                            for g in (grads[0], grads[2]))
+            assert ours <= 1.5 * theirs + 1e-6, (length, batch, ours, theirs)
