@@ -377,23 +377,34 @@ def _reverse_all(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(a.flip(1) for a in args)
 
 
-@pytest.mark.xfail(strict=True, reason="a forward pre-hook on the model that maps over its "
-                   "args (tuple(a.flip(1) for a in args)) is silently left out: torch.export "
-                   "captures the model called by keywords, so the hook sees args=() (indexing "
-                   "args[0] is the CaptureError above); loss 4.078 where eager's is 4.492")
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_a_pre_hook_on_the_model_runs_or_is_refused(when):
-    """Registered before compile or mid-run: the compiled step is eager's with the hook,
-    or refused with a ``CaptureError``; never the step without it."""
+def _penalise_inputs(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+    return out[0] + 0.01 * sum(a.to(out[0].dtype).mean() for a in args), out[1]
+
+
+@pytest.mark.xfail(strict=True, reason="hooks on the model itself that map over its args are "
+                   "silently left out: torch.export captures the model called by keywords, so "
+                   "a hook sees args=() (indexing args[0] is the CaptureError above); with "
+                   "tuple(a.flip(1) for a in args) the loss is 4.078 where eager's is 4.492")
+@pytest.mark.parametrize("hook, when", [("pre", "before"), ("pre", "after"), ("post", "after")])
+def test_a_hook_on_the_model_runs_or_is_refused(hook, when):
+    """A forward pre-hook reversing the rows, or a forward hook adding a penalty on the
+    inputs, registered before compile or mid-run: the compiled step is eager's with the
+    hook, or refused with a ``CaptureError``; never the step without it."""
     from mbcompile.models import make_tiny_gpt
+
+    def register(m: nn.Module) -> None:
+        if hook == "pre":
+            m.register_forward_pre_hook(_reverse_all)
+        else:
+            m.register_forward_hook(_penalise_inputs)
 
     model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
     if when == "before":
-        model.register_forward_pre_hook(_reverse_all)
+        register(model)
     cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
                            cost_model=False)
-    add = (lambda m: m.register_forward_pre_hook(_reverse_all), None)
-    steps = [train(12), train(8), *([add] if when == "after" else []), train(8), train(12)]
+    steps = [train(12), train(8), *([(register, None)] if when == "after" else []), train(8),
+             train(12)]
     try:
         journey(model, cm, steps, sgd)
     except CaptureError as refused:
@@ -613,3 +624,39 @@ def test_bf16_autocast_at_changing_lengths_is_as_close_as_a_hand_loop():
             ours, theirs = (float((g - grads[1]).norm() / grads[1].norm())
                             for g in (grads[0], grads[2]))
             assert ours <= 1.5 * theirs + 1e-6, (length, batch, ours, theirs)
+
+
+# --------------------------------------------------------------------------- #
+# transformers: predictions without labels at new lengths
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.slow  # 12-15 s each: a capture per kind of call, each symbolic in the length
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.zoo)])
+def test_hf_predictions_without_labels_at_new_lengths_between_steps(name, monkeypatch):
+    """``model(input_ids, attention_mask)`` for logits (eval and ``no_grad``) at the
+    example's length, new lengths and batch sizes, one sample at length 1, between Adam
+    steps at changing lengths."""
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    from test_hf_models import GRAD_FLOOR, build, rms_norm_in_input_dtype
+    from test_user_journeys import _hf_batch
+
+    if name == "llama":
+        from transformers.models.llama import modeling_llama
+
+        monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
+
+    def logits(length: int, batch: int = GBS, kind: str = "no_grad") -> Step:
+        b = _hf_batch(length, batch, seed=50 + length)
+        return kind, {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+
+    def hf(length: int, batch: int = GBS) -> Step:
+        return "train", _hf_batch(length, batch, seed=length)
+
+    model = build(tf, name)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_kwargs=_hf_batch(8, seed=9),
+                           cost_model=False)
+    steps = [hf(8), logits(8), logits(5), hf(5), logits(12, 3, "eval"), hf(12), hf(3, 1),
+             logits(1, 1), hf(8)]
+    journey(model, cm, steps, adam, floor=GRAD_FLOOR, loss=lambda out: out.loss)
