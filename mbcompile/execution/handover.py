@@ -80,6 +80,8 @@ def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n
             others and not bool(torch.stack([x.eq(g).all() for x in others]).all())):
         raise MicrobatchError("microbatch losses received different gradients; only the "
                               "combined loss can be differentiated")
+    if owner.deferred is not None:  # the first float16 step: its backwards run now, with g
+        step, owner.seed_value = owner.deferred.backward(g), g
     seeding = owner.seeding
     factor = g if seeding is None else seeding.factor(g, owner.seed_value)
     if noise is not None:
