@@ -203,3 +203,121 @@ def test_dropout_in_the_first_fp16_step_draws_the_hand_loops_masks():
         states.append(torch.get_rng_state())
     assert torch.equal(states[0], states[1])
     assert _distance(_grad(model), _grad(hand)) < 1e-2  # seeded with 1: 25%
+
+
+def _grads_set(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Gradients already in ``.grad`` (a step accumulating onto them), and their copies."""
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_failure_in_the_second_forward_changes_nothing():
+    """A microbatch failing in ``loss.backward()`` (an injected failure): the error names
+    it, ``.grad`` and the RNG are as before the backward, the step is not handed over."""
+    model, batch = _model()
+    cm = _compile(model, batch)
+    calls: list[int] = []
+
+    def fail_in_backward(module: Any, args: Any, out: Any) -> None:
+        calls.append(1)
+        if len(calls) == len(SIZES) + 2:  # the second microbatch's second forward
+            raise RuntimeError("injected")
+
+    model.b.register_forward_hook(mbcompile.per_microbatch(fail_in_backward))
+    before = _grads_set(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = cm(*batch)
+    state = torch.get_rng_state()
+    with pytest.raises(mbcompile.MicrobatchError, match="microbatch 1 failed in its forward "
+                       "again in loss.backward"):
+        (loss * 65536.0).backward()
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_an_input_changed_in_place_before_backward_is_refused():
+    """The second forward reads the inputs again: one changed in place between the call
+    and ``loss.backward()`` (eager refuses that too: its saved input changed) would give
+    the gradient of another loss; refused, nothing handed over."""
+    model, batch = _model()
+    cm = _compile(model, batch)
+    before = _grads_set(model)
+    x = batch[0].clone()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = cm(x, batch[1])
+    x.add_(1.0)
+    with pytest.raises(mbcompile.MicrobatchError, match="computed another loss than the call"):
+        (loss * 65536.0).backward()
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+
+
+def test_nonfinite_raise_in_the_first_fp16_step_raises_in_the_call():
+    model, (x, y) = _model()
+    cm = mbcompile.compile(model, GBS, 1, MBS, example_inputs=(x, y), cost_model=False,
+                           precision="fp16-mixed", nonfinite="raise")
+    before = _grads_set(model)
+    bad = x.clone()
+    bad[4] = float("nan")
+    with pytest.raises(mbcompile.MicrobatchError, match="microbatch 1 is nan"), \
+            torch.autocast("cpu", dtype=torch.float16):
+        cm(bad, y)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
+
+
+def test_parameter_hooks_fire_once_on_the_steps_gradient():
+    """A parameter's tensor and post-accumulate-grad hooks fire once per step, on the full
+    gradient, in the first float16 step as in every other (``handover.hooks_aside``)."""
+    model, batch = _model()
+    ref = copy.deepcopy(model)
+    cm = _compile(model, batch)
+    fired: list[str] = []
+    model.a.weight.register_hook(lambda g: fired.append("tensor"))
+    model.a.weight.register_post_accumulate_grad_hook(lambda p: fired.append("accumulated"))
+    for call in (cm, ref):
+        _step(call, batch, torch.amp.GradScaler("cpu"))
+    assert fired == ["tensor", "accumulated"]
+    assert _distance(_grad(model), _grad(ref)) < 1e-3
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = (torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(5),
+                                     torch.nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.b(self.norm(self.a(x))), y) * 1e-5
+
+
+def test_running_statistics_are_updated_once_per_microbatch():
+    """BatchNorm with per-microbatch statistics: the call's forwards update the running
+    statistics, as a hand loop's do; the second forwards in backward do not again."""
+    torch.manual_seed(0)
+    model = _Normed()
+    _, batch = _model()
+    hand = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, 1, MBS, example_inputs=batch, cost_model=False,
+                           precision="fp16-mixed", batch_norm="per_microbatch")
+    _step(cm, batch, torch.amp.GradScaler("cpu"))
+    _step(hand, batch, torch.amp.GradScaler("cpu"), hand=True)
+    for mine, theirs in zip(model.norm.buffers(), hand.norm.buffers()):
+        assert torch.equal(mine, theirs)
+    assert _distance(_grad(model), _grad(hand)) < 1e-2
+
+
+def test_the_second_forwards_watch_hooks_as_the_call_does():
+    """In ``loss.backward()`` the second forwards run the hooks as the call runs them: a
+    global module hook marked per-microbatch is called on the user's layers only, never on
+    mbcompile's own modules (its microbatch body), once per microbatch in each forward."""
+    model, batch = _model()
+    cm = _compile(model, batch)
+    seen: list[str] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(mbcompile.per_microbatch(
+        lambda module, args, out: seen.append(type(module).__name__)))
+    try:
+        _step(cm, batch, torch.amp.GradScaler("cpu"))
+    finally:
+        handle.remove()
+    layers = [name for name in seen if name != "_SmallLoss"]  # torch's call of cm: the model
+    assert layers == ["Linear", "Dropout", "Linear"] * 2 * len(SIZES), seen

@@ -18,9 +18,10 @@ where the guessed one does not. So a first step that computes in float16 waits::
    activations are alive, and the call returns what it returns on every other step;
 2. in ``loss.backward()``, when ``g`` arrives, each microbatch runs again from the RNG
    state its forward started from (``replay.RngStates``: the same dropout masks), under
-   the call's autocast, with running statistics updated once (``replay.RunningStatistics``),
-   and its backward is seeded with ``g`` itself: no guess, the factor is exactly 1. The
-   forward must compute the loss the call returned (checked on the device, read once).
+   the call's autocast and hooks (``live_hooks.rewatched``), with running statistics
+   updated once (``replay.RunningStatistics``), and its backward is seeded with ``g``
+   itself: no guess, the factor is exactly 1. The forward must compute the loss the
+   call returned (checked on the device, read once).
 
 It costs one more forward per microbatch, at the first step of a run (and of a graph
 compiled before any step of its module was backpropagated); every later step is guessed
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from mbcompile.execution.handover import hooks_aside
+from mbcompile.execution.live_hooks import in_step, rewatched
 from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
 from mbcompile.execution.step_checks import StepChecks
 from mbcompile.passes.errors import MicrobatchError
@@ -81,6 +83,7 @@ class DeferredStep:
         self.states: list[RngStates] = []  # the RNG state each microbatch's forward began at
         self.prints: list[torch.Tensor] = []  # each microbatch's loss partial, fingerprinted
         self.autocast = _Autocast({"cpu", self.params[0].device.type})
+        self.watching = in_step.watching  # the hooks the call watches, watched again then
 
     def forward(self) -> list[tuple[Any, ...]]:
         """Every microbatch's forward, its graph dropped: what the call returns."""
@@ -116,7 +119,8 @@ class DeferredStep:
             p.grad = None
         same = []
         try:
-            with torch.enable_grad(), self.autocast(), hooks_aside(params):
+            with torch.enable_grad(), self.autocast(), hooks_aside(params), \
+                    rewatched(self.watching):
                 for i in range(len(loop.microbatches)):
                     self.states[i].restore()
                     partial = loop._in_microbatch(i, lambda i=i: loop._call(i),

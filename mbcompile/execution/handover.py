@@ -8,6 +8,9 @@ gradient their loss will receive (``seeding.py``). Their backward is one functio
     loss.backward()  ->  hand_over(...)  ->  grads * factor  ->  AccumulateGrad into .grad
                                              (factor: exactly 1.0 when the guess was right)
 
+A first step in float16, with nothing to guess from, builds its gradients in the
+hand-over instead, seeded with the gradient that arrived (``deferred.py``).
+
 Post-accumulate-grad hooks (``p.register_post_accumulate_grad_hook``, an optimizer
 stepping in backward) and a parameter's tensor hooks (``p.register_hook``) are set aside
 while the step's own backwards run (``hooks_aside``): they fire once per step, on the

@@ -6,7 +6,8 @@ microbatch's forward *and* backward at once, so only one microbatch's activation
 are alive, through ``handover.FusedStep``: the step's gradient is built in fresh
 ``.grad`` slots, each backward seeded as eager's (``seeding.py``), checked at most
 once at the end of the step (one device read), and handed to the user's
-``loss.backward()``.
+``loss.backward()``. A first step in float16 runs its backwards there instead, seeded
+with the gradient that arrived (``deferred.py``).
 
 What the loop reports besides outputs (the noise scale to update, the last
 call's loss counts) travels in an explicit ``StepChannels`` object that the

@@ -10,7 +10,8 @@ seeds them with the same value from two things it knows in time:
    first backward (``passes/loss_counts.py``; a count the shapes fix is read off the
    first microbatch), summed over systems (and ranks) in the tail's own order;
 2. ``g``, speculated to be the gradient the caller sent into ``L`` at the previous step
-   (1 at the first): a GradScaler's scale changes rarely, ``loss * w`` not at all. The
+   (1 at the first, where a float16 step waits for ``g`` instead: ``deferred.py``): a
+   GradScaler's scale changes rarely, ``loss * w`` not at all. The
    previous step of any graph of the module (``Guesses``): a graph compiled mid-run (a
    new length, batch size, mode) guesses the scale, not 1, at its first step, where an
    fp16 backward seeded with 1 underflows.
