@@ -58,7 +58,8 @@ class _Steps:
     """How many compiled microbatch calls are running (the wrapper acts only inside one)."""
 
     depth = 0
-    #: the arguments of the last call's ``watch_hooks``: a first float16 step's second
+    #: the running call's ``watch_hooks`` arguments while it watches a hook (None: none,
+    #: so nothing holds the user's layers after it): a first float16 step's second
     #: forwards, in ``loss.backward()``, watch the hooks its call watched (``rewatched``)
     watching: tuple[Any, ...] | None = None
 
@@ -200,7 +201,7 @@ def watch_hooks(layers: Sequence[tuple[str, torch.nn.Module]], known: frozenset[
     with ``opaque`` (a body compiled with ``torch_compile``) each wrapper is hidden from
     dynamo, which calls it as it is; dynamo guards on the hooks it meets, so a new wrapper
     on every call would compile the body again on every call."""
-    _Steps.watching = (layers, known, cache, opaque)
+    _Steps.watching = None
     if not cache and not any(global_hooks.tables) and not any(
             m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
             or m._backward_hooks for _, m in layers):
@@ -220,6 +221,8 @@ def watch_hooks(layers: Sequence[tuple[str, torch.nn.Module]], known: frozenset[
                 hooks[key] = kept[2]
     for key in cache.keys() - {key for _, key, _ in watched}:
         del cache[key]  # a hook removed: its wrapper goes with it
+    if watched:  # until ``unwatch``
+        _Steps.watching = (layers, known, cache, opaque)
     return watched
 
 
@@ -231,6 +234,7 @@ def _as_function(hook: WatchedHook | _OnLayers) -> Any:
 
 
 def unwatch(watched: list[tuple[dict[int, Any], int, Any]]) -> None:
+    _Steps.watching = None
     for hooks, key, fn in watched:
         if key in hooks:  # a hook may remove itself
             hooks[key] = fn
