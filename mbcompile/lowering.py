@@ -116,7 +116,8 @@ def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
     return StepConfig(plan.reshard_after_forward, template, joint, plan.gradient_sync,
                       step_seed(rewritten, analysed.analysis.loss_outputs),
                       request.options.nonfinite, lengths_vary=bool(request.inputs.symbolic)
-                      or request.options.dynamic == "auto")
+                      or request.options.dynamic == "auto",
+                      replayable=not analysed.state.targets)
 
 
 def _static(request: Request) -> dict[str, Any]:

@@ -8,6 +8,9 @@ gradient their loss will receive (``seeding.py``). Their backward is one functio
     loss.backward()  ->  hand_over(...)  ->  grads * factor  ->  AccumulateGrad into .grad
                                              (factor: exactly 1.0 when the guess was right)
 
+A first step in float16, with nothing to guess from, builds its gradients in the
+hand-over instead, seeded with the gradient that arrived (``deferred.py``).
+
 Post-accumulate-grad hooks (``p.register_post_accumulate_grad_hook``, an optimizer
 stepping in backward) and a parameter's tensor hooks (``p.register_hook``) are set aside
 while the step's own backwards run (``hooks_aside``): they fire once per step, on the
@@ -80,6 +83,8 @@ def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n
             others and not bool(torch.stack([x.eq(g).all() for x in others]).all())):
         raise MicrobatchError("microbatch losses received different gradients; only the "
                               "combined loss can be differentiated")
+    if owner.deferred is not None:  # the first float16 step: its backwards run now, with g
+        step, owner.seed_value = owner.deferred.backward(g), g
     seeding = owner.seeding
     factor = g if seeding is None else seeding.factor(g, owner.seed_value)
     if noise is not None:

@@ -36,7 +36,8 @@ changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -50,13 +51,17 @@ from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
 from mbcompile.passes.python_state import REWIRED
 
 __all__ = ["UncheckedHookError", "WatchedHook", "called_as", "global_backward_refused",
-           "hook_keys", "in_step", "unwatch", "watch_hooks"]
+           "hook_keys", "in_step", "rewatched", "unwatch", "watch_hooks"]
 
 
 class _Steps:
     """How many compiled microbatch calls are running (the wrapper acts only inside one)."""
 
     depth = 0
+    #: the running call's ``watch_hooks`` arguments while it watches a hook (None: none,
+    #: so nothing holds the user's layers after it): a first float16 step's second
+    #: forwards, in ``loss.backward()``, watch the hooks its call watched (``rewatched``)
+    watching: tuple[Any, ...] | None = None
 
     @staticmethod
     def enter() -> None:
@@ -196,6 +201,7 @@ def watch_hooks(layers: Sequence[tuple[str, torch.nn.Module]], known: frozenset[
     with ``opaque`` (a body compiled with ``torch_compile``) each wrapper is hidden from
     dynamo, which calls it as it is; dynamo guards on the hooks it meets, so a new wrapper
     on every call would compile the body again on every call."""
+    _Steps.watching = None
     if not cache and not any(global_hooks.tables) and not any(
             m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
             or m._backward_hooks for _, m in layers):
@@ -215,6 +221,8 @@ def watch_hooks(layers: Sequence[tuple[str, torch.nn.Module]], known: frozenset[
                 hooks[key] = kept[2]
     for key in cache.keys() - {key for _, key, _ in watched}:
         del cache[key]  # a hook removed: its wrapper goes with it
+    if watched:  # until ``unwatch``
+        _Steps.watching = (layers, known, cache, opaque)
     return watched
 
 
@@ -226,9 +234,22 @@ def _as_function(hook: WatchedHook | _OnLayers) -> Any:
 
 
 def unwatch(watched: list[tuple[dict[int, Any], int, Any]]) -> None:
+    _Steps.watching = None
     for hooks, key, fn in watched:
         if key in hooks:  # a hook may remove itself
             hooks[key] = fn
+
+
+@contextlib.contextmanager
+def rewatched(watching: tuple[Any, ...] | None) -> Iterator[None]:
+    """The hooks a call watched (``watching``: ``in_step.watching`` during it) watched
+    again, after it: a first float16 step runs its second forwards in ``loss.backward()``
+    (``deferred.py``) with its hooks as they ran in the call."""
+    watched = watch_hooks(*watching) if watching is not None else []
+    try:
+        yield
+    finally:
+        unwatch(watched)
 
 
 class _OnModel:

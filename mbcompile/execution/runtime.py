@@ -6,7 +6,8 @@ microbatch's forward *and* backward at once, so only one microbatch's activation
 are alive, through ``handover.FusedStep``: the step's gradient is built in fresh
 ``.grad`` slots, each backward seeded as eager's (``seeding.py``), checked at most
 once at the end of the step (one device read), and handed to the user's
-``loss.backward()``.
+``loss.backward()``. A first step in float16 runs its backwards there instead, seeded
+with the gradient that arrived (``deferred.py``).
 
 What the loop reports besides outputs (the noise scale to update, the last
 call's loss counts) travels in an explicit ``StepChannels`` object that the
@@ -25,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from mbcompile.execution.deferred import deferred
 from mbcompile.execution.handover import FusedStep, hand_over, hooks_aside
 from mbcompile.execution.live_hooks import UncheckedHookError, in_step
 from mbcompile.execution.noise import NoiseScale
@@ -72,7 +74,8 @@ class _Loop:
                  fused_index: int | None, systems: Sequence[int], distributed: bool,
                  count_index: int | None = None, sizes: Sequence[int] = (),
                  noise: NoiseScale | None = None, sharded: Any = None, joint: Any = None,
-                 seeding: Seed | None = None, nonfinite: str = "return") -> None:
+                 seeding: Seed | None = None, nonfinite: str = "return",
+                 replayable: bool = True) -> None:
         # ``joint.JointStep``: a body compiled with torch.compile runs each training
         # microbatch as one forward-backward graph (None: forward, then autograd)
         self.joint = joint
@@ -94,6 +97,9 @@ class _Loop:
         # how each backward is seeded (``seeding.py``; None: with 1), and the seed it used
         self.seeding = seeding
         self.seed_value: torch.Tensor | None = None
+        # a first float16 step's backwards wait for the real seed (``deferred.py``), where
+        # a microbatch can run again after the call (``StepConfig.replayable``)
+        self.replayable, self.deferred = replayable, None
         self.nonfinite = nonfinite  # "return": a non-finite loss is the caller's; "raise"
         self.no_grad_outputs: list[bool] = []
         self.step_grads: list[torch.Tensor | None] | None = None
@@ -214,6 +220,9 @@ class _Loop:
         return self._agreed(lambda: self._run_fused(params), lambda: self.checks.packed())
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+        self.deferred = deferred(self, params)
+        if self.deferred is not None:  # the first float16 step: no guess to seed it with
+            return self.deferred.forward()
         joint = self._joint(params)
         if joint is None:
             return self._run_autograd(params)
@@ -374,7 +383,8 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
         sharded, params, joint = known(body)
         config = channels.config
         loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes,
-                     channels.noise, sharded, joint, config.seed, config.nonfinite)
+                     channels.noise, sharded, joint, config.seed, config.nonfinite,
+                     config.replayable)
         loop.refused, channels.refused = channels.refused, None
         results = _run(loop, params)
         if count_index is not None:  # kept for reports (token counts); no copy, no sync

@@ -10,7 +10,8 @@ seeds them with the same value from two things it knows in time:
    first backward (``passes/loss_counts.py``; a count the shapes fix is read off the
    first microbatch), summed over systems (and ranks) in the tail's own order;
 2. ``g``, speculated to be the gradient the caller sent into ``L`` at the previous step
-   (1 at the first): a GradScaler's scale changes rarely, ``loss * w`` not at all. The
+   (1 at the first, where a float16 step waits for ``g`` instead: ``deferred.py``): a
+   GradScaler's scale changes rarely, ``loss * w`` not at all. The
    previous step of any graph of the module (``Guesses``): a graph compiled mid-run (a
    new length, batch size, mode) guesses the scale, not 1, at its first step, where an
    fp16 backward seeded with 1 underflows.
@@ -121,6 +122,14 @@ class Seed:
         last = self.shared.last
         source = self if self._outer is not None or last is None else last
         return source._outer, self._halvings(source)
+
+    def unguessed(self) -> bool:
+        """Whether this step's seed would be 1 for want of any gradient seen before, by this
+        graph or any graph of its module (a first float16 step waits for the real one
+        instead: ``deferred.py``). Either guess the step may use (``seed``): the tail's
+        replay of the last gradient of ``L``, or the last ``dL/dS``."""
+        replayed, bare = self.tail is not None, self.tail is None or self.counted
+        return (replayed and self._guess()[0] is None) or (bare and self._bare()._last is None)
 
     def _halvings(self, source: Seed) -> torch.Tensor | None:
         """How often a GradScaler halved its scale since ``source`` saw its gradient: the
@@ -237,10 +246,14 @@ class Seed:
         """The guess of ``dL/dS`` where no tail can be replayed (None: seed with 1): this
         graph's last, or at its first step another's (a two-phase step's ``dL/dS`` is the
         gradient its loss got; a count that differs is a wrong guess, closer than 1)."""
-        bare = self.shared.bare
-        source = self if self._last is not None or bare is None else bare
+        source = self._bare()
         last = _halved(source._last, self._halvings(source))
         return None if last is None else _usable(last)
+
+    def _bare(self) -> Seed:
+        """Whose last ``dL/dS`` this graph guesses from: its own, at its first step another's."""
+        bare = self.shared.bare
+        return self if self._last is not None or bare is None else bare
 
     def factor(self, g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
         """What the gradients seeded with ``seed`` are multiplied by, given the ``dL/dS``

@@ -43,3 +43,7 @@ class StepConfig:
     #: have other shapes there, which the ranks exchange before gathering it
     #: (``frontier_gather``). The same on every rank, whichever variant each one runs.
     lengths_vary: bool = False
+    #: A microbatch can run again after the call (the graph writes no state back, which
+    #: a second forward would read): a first float16 step may wait for its seed
+    #: (``deferred.py``).
+    replayable: bool = True

@@ -79,6 +79,7 @@ class _Step:
         self.refused: BaseException | None = None
         # the loss's backward is seeded with the gradient it got last step (seeding.py)
         self.seeding, self.seed_value, self.nonfinite = seeding, None, nonfinite
+        self.deferred = None  # its backwards run in its forward (the fused step's may wait)
 
     # ------------------------------------------------------------ helpers
     def _join(self, results: list[tuple[Any, ...]], failure: BaseException | None = None
