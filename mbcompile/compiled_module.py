@@ -304,7 +304,7 @@ class CompiledModule(ModelFace, nn.Module):
         gbs = self._selection.plan.gbs
         object.__setattr__(self, "_ran", None)
         if self.rank is None and batch is not None and batch != gbs:
-            return for_batch(self, batch, arguments)(*args, **kwargs)
+            return self._runs(for_batch(self, batch, arguments))(*args, **kwargs)
         # the call's length chooses its split (on ranks: the rank's share, checked above)
         if self._split is not None and batch is not None and (
                 batch == gbs or self.rank is not None):

@@ -124,7 +124,7 @@ class CallSplit:
         ``length`` (None: no model over lengths)."""
         if self.lengths is None:
             return None
-        return self.lengths.at(length - self.split.example_length).estimate(
+        return self.lengths.at_length(length).estimate(
             selection.plan.gbs, selection.plan.num_csx, mbs, selection.system)
 
     def length(self, values: Sequence[Any]) -> int:
@@ -154,11 +154,12 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
     """How calls of ``request``'s module (planned as ``selection``, lowered as ``lowered``)
     split by their length (an int MBS, or ``"auto"`` without a memory budget: the example's
     split at every length, its plan shown at the call's length); None where nothing
-    follows it (no symbolic dim, a forward-only variant, a graph run unsplit). On ranks each
+    follows it (no symbolic dim, a graph run unsplit). A forward-only variant (eval, or
+    ``no_grad``, of another batch size) follows the training step's rule at its batch
+    size: a forward keeps less alive than the step that rule was checked for. On ranks each
     rank chooses its own call's split (why that is exact: the module's docstring)."""
     symbolic, policy, plan = request.inputs.symbolic, request.policy, selection.plan
-    if (not symbolic or request.forward_only
-            or lowered.graph_module is lowered.original_graph_module):
+    if not symbolic or lowered.graph_module is lowered.original_graph_module:
         return None
     names = request.inputs.names
     dims = tuple((names.index(n), d, _size(request.example[n], d))
@@ -206,7 +207,7 @@ def _by_memory(request: Request, selection: Selection, lowered: Lowered,
                       "longest rows so that they fit", CostModelWarning,
                       stacklevel=user_stacklevel())
         return _fixed(plan, length, lengths), None
-    memory = _Memory(lengths, length, plan.pbs, selection.system)
+    memory = _Memory(lengths, plan.pbs, selection.system)
     shortest = length + max(max(low or 1, 1) - size for (_, _, size), (low, _) in
                             zip(dims, _bounds(symbolic)))
     highs = [high - size for (_, _, size), (_, high) in zip(dims, _bounds(symbolic))
@@ -225,12 +226,11 @@ class _Memory:
     """The modelled memory of a split at a length (picklable, as the module is)."""
 
     lengths: LengthCost
-    example_length: int
     pbs: int
     system: SystemSpec
 
     def estimate(self, length: int, mbs: int) -> MemoryEstimate:
-        return self.lengths.at(length - self.example_length).memory(
+        return self.lengths.at_length(length).memory(
             self.pbs, mbs, num_microbatches(self.pbs, mbs), self.system)
 
     def fits(self, length: int, mbs: int) -> bool:

@@ -247,7 +247,9 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
                                              o.in_dims, planning_only)
     inputs = dataclasses.replace(inputs, symbolic=symbolic_dims(
         o.dynamic, inputs.names, inputs.in_dims, values))
-    policy = _at_example_tokens(policy, inputs, values, sizes[0], type(model).__name__)
+    if policy.mode == "tokens":  # an int MBS at the example's length now: its choices
+        policy = _at_example_tokens(policy, inputs, values, sizes[0], type(model).__name__)
+        choices = check_policy(sizes, policy, planning_only)
     outputs, torch_compile = _check_outputs(o.outputs), _check_torch_compile(o.torch_compile)
     checked = dataclasses.replace(o, outputs=outputs, recompute=_check_recompute(o.recompute),
                                   example_inputs=None, example_kwargs=None)  # bound: example
@@ -415,8 +417,6 @@ def _at_example_tokens(policy: MbsPolicy, inputs: Inputs, values: Mapping[str, A
                        pbs: int, name: str) -> MbsPolicy:
     """A token budget (``mbs={"tokens": n}``) as the int MBS of the example's length, the
     budget kept beside it for calls of other lengths (``planning/length_split.py``)."""
-    if policy.mode != "tokens":
-        return policy
     tokens = tokens_per_sample(inputs, values)
     if tokens is None:
         raise InputError(

@@ -51,8 +51,13 @@ class LengthCost:
     at each step, whose figures are quadratic in the length too."""
 
     def __init__(self, base: CostModel, steps: tuple[int, int, int], fits: Sequence[Fit],
-                 ones: Sequence[Probe], inputs: Sequence[float], checked: int) -> None:
+                 ones: Sequence[Probe], inputs: Sequence[float], checked: int,
+                 length: int = 0) -> None:
         self.base = base
+        #: the example's length (its first symbolic dim) that ``delta`` counts from: a
+        #: variant whose example has another length (a short batch at a long length) asks
+        #: the same model with ``at_length``
+        self.length = length
         self.steps = steps  # the three deltas the fits were probed at (0 among them)
         self._fits = list(fits)
         self._ones = list(ones)
@@ -94,6 +99,10 @@ class LengthCost:
                   for k in first.arrays()}
         return replace(first, saved=sum(wi * p.saved for wi, p in zip(w, self._ones)),
                        outputs=sum(wi * p.outputs for wi, p in zip(w, self._ones)), **arrays)
+
+    def at_length(self, length: int) -> CostModel:
+        """The cost model at ``length`` (of the first symbolic dim, as the example's)."""
+        return self.at(length - self.length)
 
     def at(self, delta: int) -> CostModel:
         """The cost model at length step ``delta``: every size from the fit."""
@@ -214,7 +223,7 @@ def length_cost(base: CostModel, gm: Any, names: Sequence[str], symbolic: Mappin
                                  "part has no model over lengths yet")
         fits.append(fitted)
         inputs.append(_input_bytes_per_sample(values, prober.in_dims))
-    model = LengthCost(base, steps[:3], fits, ones, inputs, steps[3])
+    model = LengthCost(base, steps[:3], fits, ones, inputs, steps[3], int(sizes[0][0]))
     one = model.one_at(steps[3])
     if not reproduces(model.fit_at(steps[3]), exact[0]) or (
             one is not None and not _same(one, exact[1])):
