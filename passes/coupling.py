@@ -52,13 +52,16 @@ class Partition:
         """Whether the tail holds ops that mix samples (a two-phase step)."""
         return any(isinstance(n.meta.get(FACT), Coupled) for n in self.tail)
 
-    def frontier_bytes(self) -> float:
-        """Bytes of the joined frontier at the full batch (the shape pass's values)."""
+    def frontier_bytes(self, grown: int = 0) -> float:
+        """Bytes of the joined frontier at the full batch (the shape pass's values), or at
+        ``grown`` samples more (fewer, if negative): a batch of another size than the
+        analysis saw, each dim grown as it grew from its batch ``a`` to ``b = a + 1``."""
         total = 0.0
         for n in self.frontier:
             info = n.meta.get(SHAPES)
             if isinstance(info, ValueInfo) and info.is_tensor and info.dtype is not None:
-                total += math.prod(info.shape_a) * info.dtype.itemsize
+                total += math.prod(a + grown * (b - a) for a, b in zip(
+                    info.shape_a, info.shape_b or info.shape_a)) * info.dtype.itemsize
         return total
 
 

@@ -106,3 +106,22 @@ def test_coupling_reject_keeps_the_strict_error():
         mbcompile.compile(LateContrast(), GBS, 1, 8, example_inputs=_batch(), coupling="reject")
     with pytest.raises(mbcompile.InputError, match="coupling must be one of"):
         mbcompile.compile(LateContrast(), GBS, 1, 8, example_inputs=_batch(), coupling="yes")
+
+
+@pytest.mark.parametrize("batch", [GBS // 4, 2 * GBS])
+def test_a_batch_of_another_size_sizes_the_frontier_and_coupled_part_at_its_own_batch(batch):
+    """A short last batch or a larger one (``batch_sizes="any"``) reuses the analysis of
+    the example's batch; its two-phase memory is sized at the call's batch, as a compile for
+    that batch sizes it (the frontier was the example's: a larger batch under-counted)."""
+    torch.manual_seed(0)
+    model = LateContrast()
+    cm = mbcompile.compile(model, GBS, 1, 8, example_inputs=_batch(), coupling="two_phase")
+    x, y = torch.randn(batch, 8), torch.randint(0, 3, (batch,))
+    with pytest.warns(mbcompile.BatchSizeWarning):
+        cm(x, y).backward()
+    fresh = mbcompile.compile(copy.deepcopy(model), batch, 1, 8, example_inputs=(x, y),
+                              coupling="two_phase")
+    got, want = cm.estimate.memory, fresh.estimate.memory
+    assert cm.plan.gbs == batch and got.frontier > 0
+    assert got.frontier == pytest.approx(want.frontier)
+    assert got.coupled == pytest.approx(want.coupled)

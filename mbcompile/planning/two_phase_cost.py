@@ -51,8 +51,8 @@ class _CoupledProber(Prober):
     """Probes C on fake inputs shaped like the joined frontier at the full batch."""
 
     def __init__(self, coupled: fx.GraphModule, free: Sequence[fx.Node],
-                 free_values: Sequence[Any], device: torch.device, loss_index: int | None
-                 ) -> None:
+                 free_values: Sequence[Any], device: torch.device, loss_index: int | None,
+                 grown: int = 0) -> None:
         super().__init__(coupled, [], [], (loss_index,) if loss_index is not None else None)
         self.free_values = list(free_values)
         self.device = device
@@ -61,8 +61,10 @@ class _CoupledProber(Prober):
         for n in coupled.graph.nodes:
             if n.op == "placeholder" and n.name not in names:
                 info = n.meta.get(SHAPES)
-                if isinstance(info, ValueInfo) and info.is_tensor:
-                    self.shapes.append((tuple(info.shape_a), info.dtype or torch.float32))
+                if isinstance(info, ValueInfo) and info.is_tensor:  # at the call's batch
+                    shape = tuple(a + grown * (b - a) for a, b in zip(
+                        info.shape_a, info.shape_b or info.shape_a))
+                    self.shapes.append((shape, info.dtype or torch.float32))
                 else:
                     self.shapes.append(((), torch.float64))  # a count kept as a number
 
@@ -142,12 +144,25 @@ def analyse_two_phase_cost(analysis: BatchAnalysis, values: Sequence[Any],
     free = [by_name[n.name] if n.name in by_name else shaped_like(n) for n in free_nodes]  # draws
     tensors = [t for v in values for t in ([v] if isinstance(v, torch.Tensor) else [])]
     device = tensors[0].device if tensors else torch.device("cpu")
-    prober = _CoupledProber(coupled, free_nodes, free, device, analysis.coupled_loss)
+    grown = _grown(placeholders, values, in_dims)
+    prober = _CoupledProber(coupled, free_nodes, free, device, analysis.coupled_loss, grown)
     static = static_figures(analysis.graph_module, values, in_dims, analysis.fused)
     static = replace(static, output_bytes_per_sample=p_model.static.output_bytes_per_sample)
     with probe_precision(precision, prober):
         coupled_probe = prober(1)
-    return TwoPhaseCostModel(p_model, coupled_probe, part.frontier_bytes(), static)
+    return TwoPhaseCostModel(p_model, coupled_probe, part.frontier_bytes(grown), static)
+
+
+def _grown(placeholders: Sequence[fx.Node], values: Sequence[Any],
+           in_dims: Sequence[int | None]) -> int:
+    """How many samples more ``values`` (a batch-size variant's example) hold than the
+    analysis's example did: its frontier is sized at that batch, not the analysis's."""
+    for node, value, d in zip(placeholders, values, in_dims):
+        info = node.meta.get(SHAPES)
+        if d is not None and isinstance(value, torch.Tensor) and isinstance(info, ValueInfo) \
+                and info.is_tensor and d < len(info.shape_a):
+            return int(value.shape[d]) - int(info.shape_a[d])
+    return 0
 
 
 def two_phase_reason(model: TwoPhaseCostModel, est: Estimate) -> str:
