@@ -18,7 +18,9 @@ where the guessed one does not. So a first step that computes in float16 waits::
    activations are alive, and the call returns what it returns on every other step;
 2. in ``loss.backward()``, when ``g`` arrives, each microbatch runs again from the RNG
    state its forward started from (``replay.RngStates``: the same dropout masks), under
-   the call's autocast and hooks (``live_hooks.rewatched``), with running statistics
+   the call's autocast and with the hooks the call ran with (``live_hooks.CallHooks``:
+   eager fixes a step's hooks at its forward, so one added or removed between the call
+   and backward is as at the call), watched as there (``rewatched``), with running statistics
    updated once (``replay.RunningStatistics``), and its backward is seeded with ``g``
    itself: no guess, the factor is exactly 1. The forward must compute the loss the
    call returned (checked on the device, read once).
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from mbcompile.execution.handover import hooks_aside
-from mbcompile.execution.live_hooks import in_step, rewatched
+from mbcompile.execution.live_hooks import CallHooks, in_step, rewatched
 from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
 from mbcompile.execution.step_checks import StepChecks
 from mbcompile.passes.errors import MicrobatchError
@@ -67,7 +69,7 @@ def deferred(loop: Any, params: Sequence[torch.Tensor]) -> DeferredStep | None:
     seeding = loop.seeding
     if (seeding is None or not loop.replayable or not seeding.unguessed()
             or loop.distributed or loop.sharded is not None or loop.joint is not None
-            or loop.noise is not None or loop.refused is not None
+            or loop.noise is not None or loop.refused is not None or in_step.watching is None
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             or not computes_in_float16(params, loop.microbatches[0])):
         return None
@@ -83,7 +85,9 @@ class DeferredStep:
         self.states: list[RngStates] = []  # the RNG state each microbatch's forward began at
         self.prints: list[torch.Tensor] = []  # each microbatch's loss partial, fingerprinted
         self.autocast = _Autocast({"cpu", self.params[0].device.type})
-        self.watching = in_step.watching  # the hooks the call watches, watched again then
+        # the hooks the call runs with, run and watched again then (eager fixes a step's
+        # hooks at its forward: one added or removed between the call and backward is not)
+        self.watching, self.hooks = in_step.watching, CallHooks()
 
     def forward(self) -> list[tuple[Any, ...]]:
         """Every microbatch's forward, its graph dropped: what the call returns."""
@@ -119,7 +123,7 @@ class DeferredStep:
             p.grad = None
         same = []
         try:
-            with torch.enable_grad(), self.autocast(), hooks_aside(params), \
+            with torch.enable_grad(), self.autocast(), hooks_aside(params), self.hooks(), \
                     rewatched(self.watching):
                 for i in range(len(loop.microbatches)):
                     self.states[i].restore()
