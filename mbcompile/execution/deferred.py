@@ -7,7 +7,9 @@ is 1. In float32 and bfloat16 a wrong power-of-two seed is rescaled exactly afte
 in float16 it is not: eager's backward, seeded with a GradScaler's 65536, keeps an
 intermediate gradient that a backward seeded with 1 underflows (a loss of order 1e-5:
 8% from eager's gradients), and eager's may overflow (a skipped step, the scale halved)
-where the guessed one does not. So a first step that computes in float16 waits::
+where the guessed one does not. So a first step that computes in float16 (an autocast
+at the call, a float16 trained parameter or input: ``computes_in_float16``; or a body
+that computes in float16 by itself, decided at lowering: ``body_in_float16``) waits::
 
     call:           for mb: states[mb] = RngStates(); out = body(mb)   # graph dropped
     loss.backward(): g arrives at the partial sums (handover.hand_over)
@@ -39,6 +41,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from mbcompile.execution.handover import hooks_aside
 from mbcompile.execution.live_hooks import CallHooks, in_step, rewatched
@@ -47,20 +51,39 @@ from mbcompile.execution.step_checks import StepChecks
 from mbcompile.passes.errors import MicrobatchError
 from mbcompile.passes.generators import generators_of
 
-__all__ = ["DeferredStep", "computes_in_float16", "deferred"]
+__all__ = ["DeferredStep", "body_in_float16", "computes_in_float16", "deferred"]
 
 _AGAIN = ("forward again in loss.backward() (the first float16 step)",
           "backward in loss.backward() (the first float16 step)")
 
 
 def computes_in_float16(params: Sequence[torch.Tensor], inputs: Sequence[Any]) -> bool:
-    """Whether a step computes in float16, decided on the host: an autocast to float16 on
-    the parameters' device (or the CPU's), or a float16 parameter or input."""
+    """Whether a step computes in float16, decided on the host at the call: an autocast to
+    float16 on the parameters' device (or the CPU's), or a float16 trained parameter or
+    input (what the body computes in whatever the call: ``body_in_float16``)."""
     for kind in {"cpu", params[0].device.type}:
         if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16:
             return True
     return any(isinstance(t, torch.Tensor) and t.dtype == torch.float16
                for t in (*params, *inputs))
+
+
+def body_in_float16(body: fx.GraphModule) -> bool:
+    """Whether a microbatch body computes in float16 whatever the caller's autocast,
+    decided at lowering (``seeding.step_seed``): a float16 parameter or buffer (a frozen
+    ``.half()`` base layer under trainable float32 ones), a node whose recorded value is
+    float16 (export records each node's: an autocast to float16 inside forward), or one
+    that names float16 (``.half()``, ``.to(torch.float16)``, an autocast's arguments)."""
+    if any(t.dtype == torch.float16 for t in (*body.parameters(), *body.buffers())):
+        return True
+    for n in body.graph.nodes:
+        if n.op == "call_method" and n.target == "half":
+            return True
+        values = (n.meta.get("val"), n.args, n.kwargs)
+        if any(v is torch.float16 or isinstance(v, torch.Tensor) and v.dtype == torch.float16
+               for v in pytree.tree_leaves(values)):
+            return True
+    return False
 
 
 def deferred(loop: Any, params: Sequence[torch.Tensor]) -> DeferredStep | None:
@@ -71,7 +94,7 @@ def deferred(loop: Any, params: Sequence[torch.Tensor]) -> DeferredStep | None:
             or loop.distributed or loop.sharded is not None or loop.joint is not None
             or loop.noise is not None or loop.refused is not None or in_step.watching is None
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-            or not computes_in_float16(params, loop.microbatches[0])):
+            or not (seeding.float16 or computes_in_float16(params, loop.microbatches[0]))):
         return None
     return DeferredStep(loop, params)
 
