@@ -458,3 +458,44 @@ def test_a_body_that_computes_in_float16_by_itself_waits_too(cls, capture):
     want = _grad(ref)
     ours, theirs = _distance(_grad(model), want), _distance(_grad(hand), want)
     assert ours <= max(1.1 * theirs, 1e-4), (ours, theirs)  # fp16's rounding (eps 1e-3)
+
+
+class _Tokens(_SmallLoss):
+    """A token-mean loss: counted over the step (``ignore_index``), near 1e-5."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.b(torch.tanh(self.a(x)))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                 ignore_index=-100) * self.small
+
+
+def _tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    x, labels = torch.randn(n, 5, 6, generator=g), torch.randint(0, 4, (n, 5), generator=g)
+    labels[torch.rand(n, 5, generator=g) < 0.3] = -100
+    return x, labels
+
+
+def test_a_batch_size_compiled_mid_run_with_a_counted_loss_is_guessed():
+    """The module was backpropagated: a batch of another size (its own graph, its own
+    count) replays the module's last gradient through its tail, and runs each microbatch
+    once. Measured before: it waited again (each microbatch's forward twice)."""
+    torch.manual_seed(0)
+    model = _Tokens()
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, 1, MBS, example_inputs=_tokens(GBS),
+                           cost_model=False, precision="fp16-mixed", batch_sizes="any")
+    seen: list[int] = []
+    scalers = [torch.amp.GradScaler("cpu") for _ in range(2)]
+    for n in (GBS, 5):
+        batch = _tokens(n)
+        if n == 5:
+            model.b.register_forward_hook(mbcompile.per_microbatch(
+                lambda module, args, out: seen.append(out.shape[0])))
+        for call, scaler in zip((cm, ref), scalers):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = call(*batch)
+            scaler.scale(loss).backward()
+        assert _distance(_grad(model), _grad(ref)) < 1e-3  # as a hand loop's: 3e-4
+    assert sum(cm.plan.microbatch_sizes, ()) == (3, 2)  # the variant's plan
+    assert seen == [3, 2]  # one forward per microbatch

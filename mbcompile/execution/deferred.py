@@ -90,9 +90,10 @@ def deferred(loop: Any, params: Sequence[torch.Tensor]) -> DeferredStep | None:
     """The loop's step as a ``DeferredStep`` where it is a first float16 step that can wait
     for its seed, else None (guessed, as every later step: the cheap tests first)."""
     seeding = loop.seeding
-    if (seeding is None or not loop.replayable or not seeding.unguessed()
-            or loop.distributed or loop.sharded is not None or loop.joint is not None
+    if (seeding is None or not loop.replayable or loop.distributed
+            or loop.sharded is not None or loop.joint is not None
             or loop.noise is not None or loop.refused is not None or in_step.watching is None
+            or not seeding.unguessed(loop.microbatches, loop.systems)  # (a count, once)
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             or not (seeding.float16 or computes_in_float16(params, loop.microbatches[0]))):
         return None

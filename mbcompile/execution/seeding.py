@@ -129,13 +129,22 @@ class Seed:
         source = self if self._outer is not None or last is None else last
         return source._outer, self._halvings(source)
 
-    def unguessed(self) -> bool:
-        """Whether this step's seed would be 1 for want of any gradient seen before, by this
-        graph or any graph of its module (a first float16 step waits for the real one
-        instead: ``deferred.py``). Either guess the step may use (``seed``): the tail's
-        replay of the last gradient of ``L``, or the last ``dL/dS``."""
-        replayed, bare = self.tail is not None, self.tail is None or self.counted
-        return (replayed and self._guess()[0] is None) or (bare and self._bare()._last is None)
+    def unguessed(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int]
+                  ) -> bool:
+        """Whether this step's seed (in one process) would be 1 for want of any gradient
+        seen before, by this graph or any graph of its module (a first float16 step waits
+        for the real one instead: ``deferred.py``). The guess the step uses (``seed``): the
+        tail's replay of the last gradient of ``L``, or, where there is no tail or its count
+        is not known before the forwards, the last ``dL/dS`` (only tail-less graphs leave
+        one for another graph: a counted graph of another batch size has its own count)."""
+        replayed = self.tail is not None
+        if replayed and self._guess()[0] is None:
+            return True
+        if (replayed and not self.counted) or self._bare()._last is not None:
+            return False
+        # a counted tail replays where the count pre-pass gives the count (read off the
+        # first microbatch's forward otherwise: not known yet, so the bare guess may be used)
+        return not replayed or self.global_count(microbatches, systems, False) is None
 
     def _halvings(self, source: Seed) -> torch.Tensor | None:
         """How often a GradScaler halved its scale since ``source`` saw its gradient: the
