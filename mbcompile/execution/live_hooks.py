@@ -51,8 +51,9 @@ from mbcompile.passes.hook_sandbox import Kept, call_sandboxed, runs_per_microba
 from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
 from mbcompile.passes.python_state import REWIRED
 
-__all__ = ["CallHooks", "UncheckedHookError", "WatchedHook", "called_as", "global_backward_refused",
-           "hook_keys", "in_step", "rewatched", "unwatch", "watch_hooks"]
+__all__ = ["CallHooks", "UncheckedHookError", "WatchedHook", "called_as",
+           "global_backward_refused", "hook_keys", "in_step", "rewatched", "unwatch",
+           "watch_hooks"]
 
 
 class _Steps:
