@@ -314,9 +314,7 @@ class CompiledModule(ModelFace, nn.Module):
         compiled = self._compiled()
         watched = watch_hooks(self._live_layers, self._hooks_known, self._watchers,
                               opaque=self._request.torch_compile is not None)  # global too
-        if not watched:
-            return self._call(compiled, values, arguments)
-        try:
+        try:  # a first float16 step reads the call's hooks (``live_hooks.CallHooks``)
             return self._call(compiled, values, arguments)
         finally:
             unwatch(watched)

@@ -58,7 +58,8 @@ def _compile(model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
 
 
 def _grad(model: torch.nn.Module) -> torch.Tensor:
-    g = torch.cat([p.grad.double().flatten() for p in model.parameters()])
+    g = torch.cat([p.grad.double().flatten() for p in model.parameters()
+                   if p.requires_grad])
     model.zero_grad(set_to_none=True)
     return g
 
@@ -353,3 +354,170 @@ def test_a_graph_that_writes_state_back_keeps_the_guessed_first_step():
         _step(call, batch, None)
     assert _distance(model.center, ref.center) < 1e-3
     assert _distance(_grad(model), _grad(ref)) < 1e-2
+
+
+def _halve_input_grad(module: Any, grad_in: Any, grad_out: Any) -> tuple[torch.Tensor]:
+    return (grad_in[0] * 0.5,)
+
+
+def _twice(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 2.0
+
+
+def _between(model: torch.nn.Module, change: str, seen: list[str]) -> Callable[[], None]:
+    """``change`` made to ``model``'s hooks between the call and ``loss.backward()``; what
+    undoes it after the step."""
+    if change == "backward hook added":
+        handle = model.b.register_full_backward_hook(_halve_input_grad)
+    elif change == "forward hook added":
+        handle = model.a.register_forward_hook(lambda m, a, out: seen.append("added"))
+    elif change == "global hook added":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, a, out: seen.append(type(m).__name__))
+    else:  # the hook present at the call removed: eager's step still ran it
+        for hooks in (model.a._forward_hooks, model.b._backward_hooks):
+            hooks.clear()
+        return lambda: None
+    return handle.remove
+
+
+@pytest.mark.parametrize("change", ["backward hook added", "forward hook added",
+                                    "global hook added", "hooks removed"])
+def test_the_second_forwards_run_the_hooks_the_call_ran_with(change):
+    """Eager fixes a step's hooks at its forward: a hook added between the call and
+    ``loss.backward()`` does not run for the step, a full backward hook removed between
+    still does. Measured before: a full backward hook (grad_in * 0.5) added between halved
+    ``a``'s gradient (0.500 of eager's), removed between doubled it (2.000); a forward hook
+    added between ran per microbatch in backward, unchecked (eager: never); a global hook
+    added between was called on mbcompile's own microbatch body; a forward hook (out * 2)
+    removed between made the second forwards compute another loss (MicrobatchError)."""
+    model, batch = _model(small=1.0)
+    if change == "hooks removed":
+        model.a.register_forward_hook(_twice)
+        model.b.register_full_backward_hook(_halve_input_grad)
+    ref = copy.deepcopy(model)
+    cm = _compile(model, batch)
+    grads, seen = [], []
+    for m, call in ((model, cm), (ref, ref)):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = call(*batch)
+        undo = _between(m, change, seen)
+        hooks = [dict(h) for h in (m.a._forward_hooks, m.b._backward_hooks)]
+        try:
+            torch.amp.GradScaler("cpu").scale(loss).backward()
+        finally:
+            after = [dict(h) for h in (m.a._forward_hooks, m.b._backward_hooks)]
+            undo()
+        assert after == hooks  # the user's hooks as they were before backward
+        grads.append(_grad(m))
+    assert seen == []
+    assert _distance(grads[0], grads[1]) < 1e-3  # the hand loop's: 2.7e-4
+
+
+class _FrozenHalfBase(_SmallLoss):
+    """LoRA-like: a frozen float16 base layer between trainable float32 ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(16, 16).half().requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.base(torch.tanh(self.a(x)).half()).float()
+        return torch.nn.functional.mse_loss(self.b(h), y) * self.small
+
+
+class _InnerAutocast(_SmallLoss):
+    """Enters a float16 autocast inside forward (export captures its casts)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = self.b(torch.tanh(self.a(x)))
+        return torch.nn.functional.mse_loss(out.float(), y) * self.small
+
+
+@pytest.mark.parametrize(("cls", "capture"), [(_FrozenHalfBase, "fx"),
+                                              (_InnerAutocast, "export")],
+                         ids=["frozen_half_base", "autocast_in_forward"])
+def test_a_body_that_computes_in_float16_by_itself_waits_too(cls, capture):
+    """No autocast at the call and float32 trained parameters and inputs, yet the body
+    computes in float16: a frozen ``.half()`` layer (measured: the first step 32% from
+    eager's gradients, now 1e-5, a hand loop 1e-7) or an autocast inside forward (27%,
+    now 0.027% as a hand loop). Decided at lowering (``deferred.body_in_float16``)."""
+    torch.manual_seed(0)
+    model = cls()
+    _, batch = _model()
+    ref, hand = _three(model)
+    cm = mbcompile.compile(model, GBS, 1, MBS, example_inputs=batch, cost_model=False,
+                           capture=capture)
+    scalers = [torch.amp.GradScaler("cpu") for _ in range(3)]
+    x, y = batch
+    scalers[0].scale(cm(x, y)).backward()
+    scalers[1].scale(ref(x, y)).backward()
+    for s, n in zip(STARTS, SIZES):
+        scalers[2].scale(hand(x[s:s + n], y[s:s + n]) * (n / GBS)).backward()
+    want = _grad(ref)
+    ours, theirs = _distance(_grad(model), want), _distance(_grad(hand), want)
+    assert ours <= max(1.1 * theirs, 1e-4), (ours, theirs)  # fp16's rounding (eps 1e-3)
+
+
+class _Tokens(_SmallLoss):
+    """A token-mean loss: counted over the step (``ignore_index``), near 1e-5."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.b(torch.tanh(self.a(x)))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                                 ignore_index=-100) * self.small
+
+
+def _tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    x, labels = torch.randn(n, 5, 6, generator=g), torch.randint(0, 4, (n, 5), generator=g)
+    labels[torch.rand(n, 5, generator=g) < 0.3] = -100
+    return x, labels
+
+
+def test_a_batch_size_compiled_mid_run_with_a_counted_loss_is_guessed():
+    """The module was backpropagated: a batch of another size (its own graph, its own
+    count) replays the module's last gradient through its tail, and runs each microbatch
+    once. Measured before: it waited again (each microbatch's forward twice)."""
+    torch.manual_seed(0)
+    model = _Tokens()
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, 1, MBS, example_inputs=_tokens(GBS),
+                           cost_model=False, precision="fp16-mixed", batch_sizes="any")
+    seen: list[int] = []
+    scalers = [torch.amp.GradScaler("cpu") for _ in range(2)]
+    for n in (GBS, 5):
+        batch = _tokens(n)
+        if n == 5:
+            model.b.register_forward_hook(mbcompile.per_microbatch(
+                lambda module, args, out: seen.append(out.shape[0])))
+        for call, scaler in zip((cm, ref), scalers):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = call(*batch)
+            scaler.scale(loss).backward()
+        assert _distance(_grad(model), _grad(ref)) < 1e-3  # as a hand loop's: 3e-4
+    assert sum(cm.plan.microbatch_sizes, ()) == (3, 2)  # the variant's plan
+    assert seen == [3, 2]  # one forward per microbatch
+
+
+@pytest.mark.parametrize("precision", ["fp16-mixed", "32"])
+def test_the_batch_is_freed_at_backward_while_the_loss_is_kept(precision):
+    """Eager frees the inputs its graph saved at backward; the step held the whole batch
+    (every microbatch, for the second forwards of the first fp16 step) for as long as the
+    caller kept the loss. Measured before: alive until the loss was dropped."""
+    import gc
+    import weakref
+
+    model, batch = _model()
+    cm = _compile(model, batch, precision)
+    x, y = (t.clone() for t in batch)
+    kept = weakref.ref(x)
+    with torch.autocast("cpu", dtype=torch.float16, enabled=precision != "32"):
+        loss = cm(x, y)
+    loss.backward(retain_graph=True)
+    del x, y
+    gc.collect()
+    assert kept() is None
+    with pytest.raises(mbcompile.MicrobatchError, match="ran twice"):
+        loss.backward()  # handed over once, refused again as before

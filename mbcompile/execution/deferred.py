@@ -7,7 +7,9 @@ is 1. In float32 and bfloat16 a wrong power-of-two seed is rescaled exactly afte
 in float16 it is not: eager's backward, seeded with a GradScaler's 65536, keeps an
 intermediate gradient that a backward seeded with 1 underflows (a loss of order 1e-5:
 8% from eager's gradients), and eager's may overflow (a skipped step, the scale halved)
-where the guessed one does not. So a first step that computes in float16 waits::
+where the guessed one does not. So a first step that computes in float16 (an autocast
+at the call, a float16 trained parameter or input: ``computes_in_float16``; or a body
+that computes in float16 by itself, decided at lowering: ``body_in_float16``) waits::
 
     call:           for mb: states[mb] = RngStates(); out = body(mb)   # graph dropped
     loss.backward(): g arrives at the partial sums (handover.hand_over)
@@ -18,7 +20,9 @@ where the guessed one does not. So a first step that computes in float16 waits::
    activations are alive, and the call returns what it returns on every other step;
 2. in ``loss.backward()``, when ``g`` arrives, each microbatch runs again from the RNG
    state its forward started from (``replay.RngStates``: the same dropout masks), under
-   the call's autocast and hooks (``live_hooks.rewatched``), with running statistics
+   the call's autocast and with the hooks the call ran with (``live_hooks.CallHooks``:
+   eager fixes a step's hooks at its forward, so one added or removed between the call
+   and backward is as at the call), watched as there (``rewatched``), with running statistics
    updated once (``replay.RunningStatistics``), and its backward is seeded with ``g``
    itself: no guess, the factor is exactly 1. The forward must compute the loss the
    call returned (checked on the device, read once).
@@ -37,23 +41,26 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from mbcompile.execution.handover import hooks_aside
-from mbcompile.execution.live_hooks import in_step, rewatched
+from mbcompile.execution.live_hooks import CallHooks, in_step, rewatched
 from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
 from mbcompile.execution.step_checks import StepChecks
 from mbcompile.passes.errors import MicrobatchError
 from mbcompile.passes.generators import generators_of
 
-__all__ = ["DeferredStep", "computes_in_float16", "deferred"]
+__all__ = ["DeferredStep", "body_in_float16", "computes_in_float16", "deferred"]
 
 _AGAIN = ("forward again in loss.backward() (the first float16 step)",
           "backward in loss.backward() (the first float16 step)")
 
 
 def computes_in_float16(params: Sequence[torch.Tensor], inputs: Sequence[Any]) -> bool:
-    """Whether a step computes in float16, decided on the host: an autocast to float16 on
-    the parameters' device (or the CPU's), or a float16 parameter or input."""
+    """Whether a step computes in float16, decided on the host at the call: an autocast to
+    float16 on the parameters' device (or the CPU's), or a float16 trained parameter or
+    input (what the body computes in whatever the call: ``body_in_float16``)."""
     for kind in {"cpu", params[0].device.type}:
         if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.float16:
             return True
@@ -61,15 +68,34 @@ def computes_in_float16(params: Sequence[torch.Tensor], inputs: Sequence[Any]) -
                for t in (*params, *inputs))
 
 
+def body_in_float16(body: fx.GraphModule) -> bool:
+    """Whether a microbatch body computes in float16 whatever the caller's autocast,
+    decided at lowering (``seeding.step_seed``): a float16 parameter or buffer (a frozen
+    ``.half()`` base layer under trainable float32 ones), a node whose recorded value is
+    float16 (export records each node's: an autocast to float16 inside forward), or one
+    that names float16 (``.half()``, ``.to(torch.float16)``, an autocast's arguments)."""
+    if any(t.dtype == torch.float16 for t in (*body.parameters(), *body.buffers())):
+        return True
+    for n in body.graph.nodes:
+        if n.op == "call_method" and n.target == "half":
+            return True
+        values = (n.meta.get("val"), n.args, n.kwargs)
+        if any(v is torch.float16 or isinstance(v, torch.Tensor) and v.dtype == torch.float16
+               for v in pytree.tree_leaves(values)):
+            return True
+    return False
+
+
 def deferred(loop: Any, params: Sequence[torch.Tensor]) -> DeferredStep | None:
     """The loop's step as a ``DeferredStep`` where it is a first float16 step that can wait
     for its seed, else None (guessed, as every later step: the cheap tests first)."""
     seeding = loop.seeding
-    if (seeding is None or not loop.replayable or not seeding.unguessed()
-            or loop.distributed or loop.sharded is not None or loop.joint is not None
-            or loop.noise is not None or loop.refused is not None
+    if (seeding is None or not loop.replayable or loop.distributed
+            or loop.sharded is not None or loop.joint is not None
+            or loop.noise is not None or loop.refused is not None or in_step.watching is None
+            or not seeding.unguessed(loop.microbatches, loop.systems)  # (a count, once)
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-            or not computes_in_float16(params, loop.microbatches[0])):
+            or not (seeding.float16 or computes_in_float16(params, loop.microbatches[0]))):
         return None
     return DeferredStep(loop, params)
 
@@ -83,7 +109,9 @@ class DeferredStep:
         self.states: list[RngStates] = []  # the RNG state each microbatch's forward began at
         self.prints: list[torch.Tensor] = []  # each microbatch's loss partial, fingerprinted
         self.autocast = _Autocast({"cpu", self.params[0].device.type})
-        self.watching = in_step.watching  # the hooks the call watches, watched again then
+        # the hooks the call runs with, run and watched again then (eager fixes a step's
+        # hooks at its forward: one added or removed between the call and backward is not)
+        self.watching, self.hooks = in_step.watching, CallHooks()
 
     def forward(self) -> list[tuple[Any, ...]]:
         """Every microbatch's forward, its graph dropped: what the call returns."""
@@ -119,7 +147,7 @@ class DeferredStep:
             p.grad = None
         same = []
         try:
-            with torch.enable_grad(), self.autocast(), hooks_aside(params), \
+            with torch.enable_grad(), self.autocast(), hooks_aside(params), self.hooks(), \
                     rewatched(self.watching):
                 for i in range(len(loop.microbatches)):
                     self.states[i].restore()

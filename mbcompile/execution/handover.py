@@ -154,9 +154,14 @@ class FusedStep(torch.autograd.Function):
         loop: Any = ctx.loop
         width = sum(loop.layout[0])
         loss_pos = sum(loop.layout[0][:loop.fused_index])  # among a microbatch's tensors
-        return hand_over(loop, grads, [m * width + loss_pos for m in range(len(loop.layout))],
-                         ctx.n_params, lambda step: _reduce(loop, step),
-                         None if loop.noise is None else lambda g: _measure_noise(loop, g))
+        try:
+            return hand_over(loop, grads, [m * width + loss_pos
+                                           for m in range(len(loop.layout))],
+                             ctx.n_params, lambda step: _reduce(loop, step),
+                             None if loop.noise is None else lambda g: _measure_noise(loop, g))
+        finally:
+            if loop.step_grads is None:  # handed over (or refused for good): as eager frees
+                loop.microbatches, loop.deferred = (), None  # its inputs, while loss is kept
 
 
 def _reduce(loop: Any, step: list[torch.Tensor | None]) -> None:

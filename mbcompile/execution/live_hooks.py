@@ -41,6 +41,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.nn.modules import module as module_globals
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import UncheckedHookError
@@ -50,18 +51,21 @@ from mbcompile.passes.hook_sandbox import Kept, call_sandboxed, runs_per_microba
 from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
 from mbcompile.passes.python_state import REWIRED
 
-__all__ = ["UncheckedHookError", "WatchedHook", "called_as", "global_backward_refused",
-           "hook_keys", "in_step", "rewatched", "unwatch", "watch_hooks"]
+__all__ = ["CallHooks", "UncheckedHookError", "WatchedHook", "called_as",
+           "global_backward_refused", "hook_keys", "in_step", "rewatched", "unwatch",
+           "watch_hooks"]
 
 
 class _Steps:
     """How many compiled microbatch calls are running (the wrapper acts only inside one)."""
 
     depth = 0
-    #: the running call's ``watch_hooks`` arguments while it watches a hook (None: none,
-    #: so nothing holds the user's layers after it): a first float16 step's second
-    #: forwards, in ``loss.backward()``, watch the hooks its call watched (``rewatched``)
+    #: the running call's ``watch_hooks`` arguments and what it wrapped (None outside a
+    #: call, so nothing holds the user's layers after it): a first float16 step's second
+    #: forwards, in ``loss.backward()``, run with the hooks its call ran with
+    #: (``CallHooks``), watched as the call watched them (``rewatched``)
     watching: tuple[Any, ...] | None = None
+    watched: list[tuple[dict[int, Any], int, Any]] = []
 
     @staticmethod
     def enter() -> None:
@@ -201,7 +205,7 @@ def watch_hooks(layers: Sequence[tuple[str, torch.nn.Module]], known: frozenset[
     with ``opaque`` (a body compiled with ``torch_compile``) each wrapper is hidden from
     dynamo, which calls it as it is; dynamo guards on the hooks it meets, so a new wrapper
     on every call would compile the body again on every call."""
-    _Steps.watching = None
+    _Steps.watching, _Steps.watched = (layers, known, cache, opaque), []
     if not cache and not any(global_hooks.tables) and not any(
             m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks
             or m._backward_hooks for _, m in layers):
@@ -221,8 +225,7 @@ def watch_hooks(layers: Sequence[tuple[str, torch.nn.Module]], known: frozenset[
                 hooks[key] = kept[2]
     for key in cache.keys() - {key for _, key, _ in watched}:
         del cache[key]  # a hook removed: its wrapper goes with it
-    if watched:  # until ``unwatch``
-        _Steps.watching = (layers, known, cache, opaque)
+    _Steps.watched = watched  # until ``unwatch``
     return watched
 
 
@@ -234,22 +237,71 @@ def _as_function(hook: WatchedHook | _OnLayers) -> Any:
 
 
 def unwatch(watched: list[tuple[dict[int, Any], int, Any]]) -> None:
-    _Steps.watching = None
+    _Steps.watching, _Steps.watched = None, []
     for hooks, key, fn in watched:
         if key in hooks:  # a hook may remove itself
             hooks[key] = fn
 
 
 @contextlib.contextmanager
-def rewatched(watching: tuple[Any, ...] | None) -> Iterator[None]:
-    """The hooks a call watched (``watching``: ``in_step.watching`` during it) watched
-    again, after it: a first float16 step runs its second forwards in ``loss.backward()``
-    (``deferred.py``) with its hooks as they ran in the call."""
-    watched = watch_hooks(*watching) if watching is not None else []
+def rewatched(watching: tuple[Any, ...]) -> Iterator[None]:
+    """The hooks of a call (``watching``: ``in_step.watching`` during it) watched again,
+    after it: a first float16 step runs its second forwards in ``loss.backward()``
+    (``deferred.py``) with its hooks watched as in the call, none run unchecked, and no
+    global hook called on mbcompile's own modules."""
+    watched = watch_hooks(*watching)
     try:
         yield
     finally:
         unwatch(watched)
+
+
+def _tables(layers: Iterable[tuple[str, torch.nn.Module]]) -> list[dict[int, Any]]:
+    """Every hook table a step's call reads: each live layer's, with the flags torch keeps
+    per hook (keywords, always called), and the global ones."""
+    return [*(t for _, m in layers for t in (
+        *_hook_dicts(m), m._forward_pre_hooks_with_kwargs, m._forward_hooks_with_kwargs,
+        m._forward_hooks_always_called)), *global_hooks.tables,
+        module_globals._global_forward_hooks_always_called,
+        module_globals._global_forward_hooks_with_kwargs]
+
+
+class CallHooks:
+    """The hooks a running call runs with (taken during it), to run a first float16 step's
+    second forwards with in ``loss.backward()``: eager fixes a step's hooks at its forward,
+    so a hook added between the call and ``backward()`` never runs for the step, and a
+    full backward hook removed between still does."""
+
+    def __init__(self) -> None:
+        layers = _Steps.watching[0] if _Steps.watching is not None else ()
+        user = {(id(table), key): fn.fn if isinstance(fn, _OnModel) else fn
+                for table, key, fn in _Steps.watched}  # under the call's wrappers
+        self.tables = [(t, {k: user.get((id(t), k), v) for k, v in t.items()})
+                       for t in _tables(layers)]
+        self.full = [(m, m._is_full_backward_hook) for _, m in layers]
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        """The call's hooks in place in the block (in place: torch holds the tables by
+        identity), and those in place now after it."""
+        now = [(table, dict(table)) for table, _ in self.tables]
+        full = [(m, m._is_full_backward_hook) for m, _ in self.full]
+        try:
+            _put(self.tables, self.full)
+            yield
+        finally:
+            _put(now, full)
+
+
+def _put(tables: list[tuple[dict[int, Any], dict[int, Any]]],
+         full: list[tuple[torch.nn.Module, bool | None]]) -> None:
+    """Each table holding what it is paired with, in its order, and each layer's kind of
+    backward hook (full or not, which torch records on the layer) as paired."""
+    for table, held in tables:
+        table.clear()
+        table.update(held)
+    for m, flag in full:
+        m._is_full_backward_hook = flag
 
 
 class _OnModel:

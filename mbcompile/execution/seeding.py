@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from mbcompile.execution.deferred import body_in_float16
 from mbcompile.passes import ops
 from mbcompile.passes.graph_walks import ancestors
 from mbcompile.passes.loss_counts import count_graph
@@ -76,9 +77,14 @@ class Seed:
     """One compiled graph's seeding: the tail to replay, the count pre-pass, and the
     gradients seen at the last step (the guesses for the next)."""
 
+    #: the body computes in float16 whatever the call (``deferred.body_in_float16``): a
+    #: wrong seed is not rescaled exactly, so its first step waits for the real one
+    float16 = False
+
     def __init__(self, tail: fx.GraphModule | None = None, loss_pos: int | None = None,
                  free: Sequence[int] = (), counted: bool = False,
-                 counts: fx.GraphModule | None = None) -> None:
+                 counts: fx.GraphModule | None = None, float16: bool = False) -> None:
+        self.float16 = float16
         self.tail = tail  # (S, [N], *free inputs) -> L; None: not replayable
         self.loss_pos = loss_pos  # L among the graph's outputs (watched for its gradient)
         self.free = tuple(free)  # the inputs the tail reads, by place in a microbatch
@@ -123,13 +129,22 @@ class Seed:
         source = self if self._outer is not None or last is None else last
         return source._outer, self._halvings(source)
 
-    def unguessed(self) -> bool:
-        """Whether this step's seed would be 1 for want of any gradient seen before, by this
-        graph or any graph of its module (a first float16 step waits for the real one
-        instead: ``deferred.py``). Either guess the step may use (``seed``): the tail's
-        replay of the last gradient of ``L``, or the last ``dL/dS``."""
-        replayed, bare = self.tail is not None, self.tail is None or self.counted
-        return (replayed and self._guess()[0] is None) or (bare and self._bare()._last is None)
+    def unguessed(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int]
+                  ) -> bool:
+        """Whether this step's seed (in one process) would be 1 for want of any gradient
+        seen before, by this graph or any graph of its module (a first float16 step waits
+        for the real one instead: ``deferred.py``). The guess the step uses (``seed``): the
+        tail's replay of the last gradient of ``L``, or, where there is no tail or its count
+        is not known before the forwards, the last ``dL/dS`` (only tail-less graphs leave
+        one for another graph: a counted graph of another batch size has its own count)."""
+        replayed = self.tail is not None
+        if replayed and self._guess()[0] is None:
+            return True
+        if (replayed and not self.counted) or self._bare()._last is not None:
+            return False
+        # a counted tail replays where the count pre-pass gives the count (read off the
+        # first microbatch's forward otherwise: not known yet, so the bare guess may be used)
+        return not replayed or self.global_count(microbatches, systems, False) is None
 
     def _halvings(self, source: Seed) -> torch.Tensor | None:
         """How often a GradScaler halved its scale since ``source`` saw its gradient: the
@@ -363,14 +378,15 @@ def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
     out = nodes[-1]
     leaves = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     losses = [i for i in loss_outputs if isinstance(leaves[i], fx.Node)]
-    bare = Seed(counted=count is not None, counts=counts)
+    float16 = body_in_float16(body)
+    bare = Seed(counted=count is not None, counts=counts, float16=float16)
     if total is None or len(losses) != 1:
         return bare
     tail = _tail(top, leaves[losses[0]], total, denominator, split)
     if tail is None:
         return bare
     graph, free = tail
-    return Seed(graph, losses[0], free, denominator is not None, counts)
+    return Seed(graph, losses[0], free, denominator is not None, counts, float16)
 
 
 def _tail(top: fx.GraphModule, loss: fx.Node, total: fx.Node, count: fx.Node | None,
