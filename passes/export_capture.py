@@ -59,12 +59,7 @@ from .capture import CaptureResult
 from .code_reach import reached_code
 from .custom_functions import checked_in_export
 from .errors import CaptureError
-from .export_hooks import (
-    backward_hooks_refused,
-    global_hooks_refused,
-    root_hooks_refused,
-    tensor_hooks_refused,
-)
+from .export_hooks import backward_hooks_refused, global_hooks_refused, tensor_hooks_refused
 from .export_losses import cumulative_batch_norm_refused, losses_read_values_refused
 from .export_shapes import export_kwargs, has_tensor, length_baked_in
 from .forward_modes import (
@@ -77,6 +72,7 @@ from .guards import recorded_reads, unwritten
 from .keyword_view import keyword_view
 from .output_spec import flatten_output
 from .python_state import python_state_kept
+from .root_hooks import root_hooks_watched
 from .side_effects import prints_recorded, record_effects, refuse_tensors, rewiring_refused
 from .slot_guards import slot_guards
 from .state_updates import has_mutations, mutates
@@ -331,7 +327,6 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     try:
         name = type(model).__name__
         backward_hooks_refused(model, name, fx_error)
-        root_hooks_refused(model, name, fx_error)
         global_hooks_refused(name, fx_error)
         cumulative_batch_norm_refused(model, name, fx_error)
         concrete = {n: v for n, v in example.items() if not has_tensor(v)}
@@ -343,6 +338,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                     checked_in_export(name), inference_mode_as_no_grad(), \
                     tensor_hooks_refused(name), differentiation_refused(name, fx_error), \
                     losses_read_values_refused(name, fx_error), \
+                    root_hooks_watched(model, name, fx_error), \
                     torch.enable_grad(), reached_code(model, snapshot.add_slot, name) as reach:
                 try:
                     program = _export(model, kwargs, dynamic, strict=False)

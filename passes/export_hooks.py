@@ -30,33 +30,7 @@ from .errors import CaptureError
 from .global_hooks import forward_hooks
 from .sources import user_frame
 
-__all__ = ["backward_hooks_refused", "global_hooks_refused", "root_hooks_refused",
-           "tensor_hooks_refused"]
-
-
-def root_hooks_refused(model: torch.nn.Module, model_name: str,
-                       fx_error: BaseException | None = None) -> None:
-    """A ``CaptureError`` where the model itself has forward hooks or pre-hooks: export
-    calls it with every input by keyword (defaults included), so a hook sees other
-    arguments than eager's call hands it (``tuple(a.flip(1) for a in args)`` sees none and
-    changes nothing, silently). A submodule's hooks see what forward passes it, as in
-    eager; ``capture.py`` refuses the same hooks for torch.fx."""
-    hooks = [h for table in (model._forward_pre_hooks, model._forward_hooks)
-             for h in table.values()]
-    if hooks:
-        fn = getattr(hooks[0], "__wrapped__", hooks[0])
-        if fx_error is not None and "hooks on the model itself" in str(fx_error):
-            fx_error = None  # the same refusal, torch.fx's words
-        raise CaptureError(
-            f"{model_name} has hooks on the model itself (the forward hook "
-            f"{getattr(fn, '__qualname__', type(fn).__name__)!r}"
-            f"{f' and {len(hooks) - 1} more' if len(hooks) > 1 else ''}); torch.export calls "
-            "the model with every input by keyword, so a hook of the model would not see "
-            "the arguments eager's call passes it, and the step would differ silently. Fix: "
-            "register them on a submodule (its hooks see what forward passes it), move their "
-            "work into forward, or compile a wrapper Module whose forward calls the model; "
-            "nothing was changed"
-            + (f"\n  torch.fx.symbolic_trace failed first: {fx_error}" if fx_error else ""))
+__all__ = ["backward_hooks_refused", "global_hooks_refused", "tensor_hooks_refused"]
 
 
 def backward_hooks_refused(model: torch.nn.Module, model_name: str,

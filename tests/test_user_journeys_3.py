@@ -400,7 +400,7 @@ def test_a_hook_on_the_model_that_reads_its_args_is_refused_changing_nothing(hoo
     if when == "before":
         handle = register(model)
         before = copy.deepcopy(model.state_dict())
-        with pytest.raises(CaptureError, match="register them on a submodule"):
+        with pytest.raises(CaptureError, match="register it on a submodule"):
             mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
                               cost_model=False)
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -413,11 +413,39 @@ def test_a_hook_on_the_model_that_reads_its_args_is_refused_changing_nothing(hoo
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with unchanged(model, cm), pytest.raises(CaptureError,
-                                                     match="register them on a submodule"):
+                                                     match="register it on a submodule"):
                 cm(*_batch(8))
         handle.remove()
         model.zero_grad(set_to_none=True)
         journey(model, cm, [train(8), train(12)], sgd)
+
+
+def _halve_loss(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+    return out[0] * 0.5, out[1]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_hook_on_the_model_that_reads_only_its_output_is_eagers(when):
+    """A forward hook on the model itself that halves the loss and reads nothing of the
+    call: traced as eager runs it, registered before compile, or mid-run and removed."""
+    from mbcompile.models import make_tiny_gpt
+
+    model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    handles: list[Any] = []
+
+    def add(m: nn.Module) -> None:
+        handles.append(m.register_forward_hook(_halve_loss))
+
+    def remove(m: nn.Module) -> None:
+        handles.pop(0).remove()
+
+    if when == "before":
+        add(model)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
+                           cost_model=False)
+    later = [(add, None), train(8), train(20, 3), (remove, None)] if when == "after" else [
+        train(8), train(20, 3)]  # (the eager twin is a deep copy: the hook comes with it)
+    journey(model, cm, [train(12), *later, train(8)], sgd)
 
 
 class Frozen(TinyGPT):
