@@ -245,6 +245,38 @@ def test_hf_trainer_bf16_on_cpu_rounds_as_the_plain_trainer(tf, tmp_path):
     assert max(errors.values()) < 0.05, errors  # bf16 rounding of SGD's update
 
 
+def test_hf_trainer_on_a_model_compiled_in_eval_mode_evaluates_first_and_predicts(tf, tmp_path):
+    """Compiled in eval mode (as ``from_pretrained`` leaves a model), ``eval_on_start`` (the
+    first call an evaluation), evaluation every 2 steps in batches of 5 and 2, then
+    ``predict()`` on unlabelled rows padded by ``DataCollatorWithPadding``: the logits of
+    the trained model at their own lengths, as the plain Trainer's."""
+    bd = _bench()
+    plain, model, _ = _hf_pair(tf)
+    plain.eval()
+    model.eval()
+    rows = bd.RandomLengths(HF_GBS, 0)
+    cm = mbcompile.compile(model, HF_GBS, NUM_CSX, MBS, cost_model=False, example_kwargs=dict(
+        bd.collator(tf, "gpt2")([rows[i] for i in range(HF_GBS)])))
+    start = {k: v.clone() for k, v in plain.state_dict().items()}
+    runs = []
+    for i, m in enumerate((plain, cm)):
+        trainer = _hf_trainer(tf, m, tmp_path / f"run{i}", eval_strategy="steps", eval_steps=2,
+                              eval_on_start=True, per_device_eval_batch_size=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # batch sizes and the call without labels
+            trainer.train()
+            trainer.data_collator = tf.DataCollatorWithPadding(bd.tokenizer(tf))
+            predicted = trainer.predict(bd.RandomLengths(5, 9)).predictions
+        runs.append({"trainer": trainer, "logits": predicted[0] if isinstance(
+            predicted, tuple) else predicted})
+    assert max(_updates(start, plain, model).values()) < 1e-9
+    assert _logged(runs[1], "eval_loss") == pytest.approx(_logged(runs[0], "eval_loss"),
+                                                          rel=1e-12)
+    assert len(_logged(runs[0], "eval_loss")) == 3  # at the start, steps 2 and 4
+    want, got = runs[0]["logits"], runs[1]["logits"]
+    assert got.shape == want.shape and abs(got - want).max() <= 1e-12 * abs(want).max()
+
+
 @pytest.fixture(scope="module")
 def resumed(tf: Any, tmp_path_factory: Any) -> dict[str, Any]:
     """Four steps of the plain Trainer; of ``Trainer(model=cm)`` saving every 2 steps; and
@@ -266,12 +298,14 @@ def resumed(tf: Any, tmp_path_factory: Any) -> dict[str, Any]:
     return {"plain": plain, "models": models, "recompiles": seen}
 
 
+@pytest.mark.slow  # the fixture: three Trainer runs, 25 s on 2 cores
 @pytest.mark.xdist_group("user_journeys_4.resumed")
 def test_hf_trainer_resumed_from_a_checkpoint_trains_as_the_uninterrupted_run(resumed):
     for model in resumed["models"]:
         assert _max_diff(model, resumed["plain"]) < 1e-12
 
 
+@pytest.mark.slow  # the fixture: three Trainer runs, 25 s on 2 cores
 @pytest.mark.xdist_group("user_journeys_4.resumed")
 @pytest.mark.xfail(strict=True, reason="the Trainer's checkpoint (save_pretrained sets "
                    "config.architectures and config.dtype) recompiles GPT2LMHeadModel mid-run "
@@ -362,6 +396,55 @@ def test_accelerate_accumulate_and_clip_over_changing_lengths_match_the_plain_lo
     assert _max_diff(model, ref) < (1e-12 if exact else 1e-2)
 
 
+def _accelerate_resumable(model: torch.nn.Module, call: Any, folder: Path,
+                          stop: int | None = None, resume: bool = False) -> None:
+    """AdamW with a schedule; ``save_state`` after ``stop`` steps, or ``load_state`` and go
+    on after the 4 steps it holds, as Accelerate's checkpointing docs resume."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)
+    call, opt, schedule, loader = accelerator.prepare(
+        call, opt, schedule, torch.utils.data.DataLoader(_data(), batch_size=None))
+    if resume:
+        accelerator.load_state(str(folder))
+    for i, (x, y) in enumerate(loader):
+        if resume and i < 4:
+            continue  # the batches before the checkpoint
+        accelerator.backward(call(x, y)[0])
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        if i + 1 == stop:
+            accelerator.save_state(str(folder))
+            break
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def test_accelerate_save_state_and_load_state_mid_run_resume_as_the_plain_run(tmp_path):
+    """``accelerator.save_state`` of the prepared cm, optimizer and schedule after 4 steps;
+    a fresh model compiled again, ``load_state`` and the rest of the batches: the plain
+    loop's parameters (its model.safetensors holds the model's own names)."""
+    model, cm = _tiny()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _accelerate_resumable(ref, ref, tmp_path / "plain")
+        _accelerate_resumable(model, cm, tmp_path / "compiled", stop=4)
+        again, cm_again = _tiny()
+        _accelerate_resumable(again, cm_again, tmp_path / "compiled", resume=True)
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "compiled" / "model.safetensors")
+    assert set(saved) == set(model.state_dict())
+    assert _max_diff(again, ref) < 1e-11
+
+
 def _lightning(call: Any, **options: Any) -> list[float]:
     """A LightningModule holding ``call``: AdamW with a step schedule, validation every 2
     steps on batches of 5 and 2 samples at other lengths; the losses it saw."""
@@ -416,6 +499,58 @@ def test_lightning_accumulation_and_clipping_over_changing_lengths_match_the_pla
     assert len(got) == len(want) == 9 + 2 * 5  # the sanity check and 4 validations
     assert got == pytest.approx(want, rel=1e-12)
     assert _max_diff(model, ref) < 1e-11
+
+
+def _lightning_resumable(call: Any, folder: Path, checkpoint: Path | None = None) -> None:
+    """9 steps of AdamW with a schedule, a checkpoint every 3 (``ModelCheckpoint``), or
+    ``fit(ckpt_path=...)`` from one."""
+    import pytorch_lightning as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.call = call
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            return self.call(*batch)[0]
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return {"optimizer": opt,
+                    "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)}
+
+    every = pl.callbacks.ModelCheckpoint(dirpath=str(folder), every_n_train_steps=3,
+                                         save_top_k=-1)
+    trainer = pl.Trainer(max_steps=len(LENGTHS) + 1, accelerator="cpu", devices=1,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(folder), callbacks=[every])
+    trainer.fit(Module(), torch.utils.data.DataLoader(_data(), batch_size=None),
+                ckpt_path=None if checkpoint is None else str(checkpoint))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lightning_resumed_from_a_mid_epoch_checkpoint_as_the_plain_module(tmp_path):
+    """``fit(ckpt_path=<step 3>)`` with a fresh model compiled again ends where the plain
+    module's resume from its own step-3 checkpoint ends (Lightning replays the epoch of a
+    plain loader from its start: not the uninterrupted run, for either)."""
+    from mbcompile.models import TinyGPT as Plain
+
+    model, cm = _tiny()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _lightning_resumable(ref, tmp_path / "plain")
+        _lightning_resumable(cm, tmp_path / "compiled")
+        assert _max_diff(model, ref) < 1e-11
+        step3 = "epoch=0-step=3.ckpt"
+        saved = torch.load(tmp_path / "compiled" / step3, weights_only=False)["state_dict"]
+        assert set(saved) == {f"call.{k}" for k in model.state_dict()}
+        torch.manual_seed(0)
+        plain_again = Plain().double()
+        _lightning_resumable(plain_again, tmp_path / "plain-again", tmp_path / "plain" / step3)
+        again, cm_again = _tiny()
+        _lightning_resumable(cm_again, tmp_path / "again", tmp_path / "compiled" / step3)
+    assert _max_diff(again, plain_again) < 1e-11
 
 
 # --------------------------------------------------------------------------- #
@@ -510,10 +645,18 @@ def _padded(length: int, rank0: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
+def _nothing_on_rank_1(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 1's rows (4-6) all -100: it counts no token, the global count still holds."""
+    ids, labels = _batch(length, seed=length)
+    labels[4:] = -100
+    return ids, labels
+
+
 # (kind, global batch, each rank's length or each rank's own rows)
 RANK_STEPS = [("train", _batch(12, seed=1), None), ("train", _padded(15, 8), (8, 15)),
-              ("train", _padded(10, 3), (3, 10)), ("eval", _batch(9, seed=5), None),
-              ("no_grad", _padded(13, 4), (4, 13)), ("train", _batch(14, seed=2), None)]
+              ("train", _padded(10, 3), (3, 10)), ("eval", _padded(11, 6), (6, 11)),
+              ("no_grad", _padded(13, 4), (4, 13)), ("train", _padded(9, 1), (1, 9)),
+              ("train", _nothing_on_rank_1(14), None)]
 SHORT = _batch(12, 5, seed=3)  # a short last batch: 3 + 2 rows, as a sampler shares it
 REFUSED = [("train", None, (tuple(t[:3] for t in SHORT), tuple(t[3:] for t in SHORT)))]
 
@@ -594,12 +737,14 @@ def _plain_ranks(steps: list[Any]) -> tuple[torch.nn.Module, list[float | None],
 @pytest.mark.slow
 @pytest.mark.xdist_group("user_journeys_4.ranks")
 @pytest.mark.parametrize("mbs,fsdp", [(MBS, False), ({"tokens": 24}, False),
-                                      ({"tokens": 24}, True), (MBS, True)])
+                                      ({"tokens": 24}, True), (MBS, True)],
+                         ids=["mbs2", "tokens", "tokens-fsdp2", "mbs2-fsdp2"])
 def test_two_ranks_at_lengths_of_their_own_with_eval_and_a_refused_short_batch(
         tmp_path, mbs, fsdp):
-    """Each rank's share padded to its own length (rank 0's shorter, then longer: under a
-    token budget the ranks run different numbers of microbatches), an eval call and a
-    ``no_grad`` call between steps, and a short last batch shared 3 + 2 as a sampler
+    """Each rank's share padded to its own length (rank 0's shorter, then longer, then of
+    length 1: under a token budget the ranks run different numbers of microbatches), an
+    eval call and a ``no_grad`` call between steps at lengths of their own, a step where
+    rank 1 counts no token, and a short last batch shared 3 + 2 as a sampler
     shares it, which each rank refuses (its share of gbs 7 is 4 or 3) changing nothing:
     losses and parameters are the one-process full batch's, on both ranks."""
     from test_distributed import _run
