@@ -105,3 +105,26 @@ def test_trainer_on_two_ranks_at_changing_lengths_with_validation_is_the_plain_l
                    "ends with gloo's 'Connection closed by peer'")
 def test_trainer_on_two_ranks_trains_a_short_last_batch_and_validates_a_small_one(tmp_path):
     _check_ranks(tmp_path, len(LENGTHS) + 1, short=True)
+
+
+@pytest.mark.xfail(strict=True, reason="a call whose rows match one rank's share but not the "
+                   "other's (4 + 4 rows of an 8-row batch, as a loader of batch_size 4 per "
+                   "process hands them; gbs 7 shares 4 + 3) is refused on rank 1 alone, before "
+                   "any collective: rank 0 runs the step and its collectives pair with rank "
+                   "1's next step (both log loss 4.3051 for different steps), then rank 0 "
+                   "fails with gloo's 'Connection closed by peer' (eval: SIGABRT)")
+def test_a_call_refused_on_one_rank_is_refused_on_every_rank(tmp_path):
+    from test_distributed import _run
+    from test_user_journeys_4 import RANK_STEPS, _plain_ranks, ranks_journey
+
+    rows = _batch(9, 8, seed=4)
+    steps = [RANK_STEPS[0], ("train", None, (tuple(t[:4] for t in rows),
+                                            tuple(t[4:] for t in rows))), RANK_STEPS[0]]
+    _run(ranks_journey, 2, str(tmp_path), steps, MBS, False, timeout_s=60,
+         collective_timeout_s=15)
+    _, losses, _ = _plain_ranks(steps)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["outcomes"][1].startswith("InputError"), (rank, got["outcomes"])
+        assert got["outcomes"][2] == "ok", (rank, got["outcomes"])
+        assert got["losses"][2] == pytest.approx(losses[2], rel=1e-12), rank
