@@ -5,6 +5,7 @@ exactly on one process. Each rank's rows and parameters against a plain full-bat
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import warnings
@@ -19,7 +20,8 @@ from test_user_journeys_4 import GBS, LENGTHS, MBS, _data
 import mbcompile
 from mbcompile.models import TinyGPT
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("user_journeys_4.ranks")]
+pytestmark = pytest.mark.slow  # ranks and Trainer runs: 8 s or more each on 2 cores
+RANKS = pytest.mark.xdist_group("user_journeys_4.ranks")  # one forkserver, one rank pair at a time
 
 
 def _validation(short: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -92,12 +94,14 @@ def _check_ranks(folder: Path, steps: int, short: bool) -> None:
             assert (got["params"][name] - p.detach()).abs().max() < 1e-12, (rank, name)
 
 
+@RANKS
 def test_trainer_on_two_ranks_at_changing_lengths_with_validation_is_the_plain_loop(tmp_path):
     """Eight batches padded to their own length (3 to 16), validation at another length
     every 4 steps and at the end: every rank logs the global loss, as one process does."""
     _check_ranks(tmp_path, len(LENGTHS), short=False)
 
 
+@RANKS
 @pytest.mark.xfail(strict=True, reason="mbcompile.Trainer on 2 gloo ranks: the epoch's short "
                    "last batch (5 of gbs 7; one process trains it exactly) and a validation "
                    "batch of 4 are cut with shard(batch, cm.plan, rank): rank 1 raises torch's "
@@ -107,6 +111,7 @@ def test_trainer_on_two_ranks_trains_a_short_last_batch_and_validates_a_small_on
     _check_ranks(tmp_path, len(LENGTHS) + 1, short=True)
 
 
+@RANKS
 @pytest.mark.xfail(strict=True, reason="a call whose rows match one rank's share but not the "
                    "other's (4 + 4 rows of an 8-row batch, as a loader of batch_size 4 per "
                    "process hands them; gbs 7 shares 4 + 3) is refused on rank 1 alone, before "
@@ -128,3 +133,40 @@ def test_a_call_refused_on_one_rank_is_refused_on_every_rank(tmp_path):
         assert got["outcomes"][1].startswith("InputError"), (rank, got["outcomes"])
         assert got["outcomes"][2] == "ok", (rank, got["outcomes"])
         assert got["losses"][2] == pytest.approx(losses[2], rel=1e-12), rank
+
+
+def test_hf_trainer_trains_a_lora_model_with_checkpointing_and_saves_its_adapter(tmp_path):
+    """``Trainer(model=cm)`` on a LoRA ``PeftModel`` (compiled through its wrapper) with the
+    padding collator, ``gradient_checkpointing=True`` (its input hook: one recompile),
+    evaluation every 2 steps and a checkpoint at step 2: as the plain Trainer, and the
+    checkpoint is the adapter's own files (no recompile for it)."""
+    tf = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from test_user_journeys_4 import HF_GBS, NUM_CSX, _bench, _hf_trainer, _logged, _updates
+
+    tf.logging.set_verbosity_error()
+    bd = _bench()
+    torch.manual_seed(1)
+    plain = peft.get_peft_model(bd.make_model(tf, "gpt2", layers=1), peft.LoraConfig(
+        r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True,
+        lora_dropout=0.0))
+    model = copy.deepcopy(plain)
+    rows = bd.RandomLengths(HF_GBS, 0)
+    cm = mbcompile.compile(model, HF_GBS, NUM_CSX, MBS, cost_model=False, example_kwargs=dict(
+        bd.collator(tf, "gpt2")([rows[i] for i in range(HF_GBS)])))
+    start = {k: v.clone() for k, v in plain.state_dict().items()}
+    runs = []
+    for i, m in enumerate((plain, cm)):
+        trainer = _hf_trainer(tf, m, tmp_path / f"run{i}", eval_strategy="steps", eval_steps=2,
+                              learning_rate=1e-2, save_strategy="steps", save_steps=2,
+                              gradient_checkpointing=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.train()
+        runs.append({"trainer": trainer, "recompiles": [
+            str(w.message) for w in seen if issubclass(w.category, mbcompile.RecompileWarning)]})
+    assert max(_updates(start, plain, model).values()) < 1e-9
+    for key in ("loss", "eval_loss"):
+        assert _logged(runs[1], key) == pytest.approx(_logged(runs[0], key), rel=1e-12), key
+    assert len(runs[1]["recompiles"]) == 1 and "hooks of" in runs[1]["recompiles"][0]
+    assert (tmp_path / "run1" / "checkpoint-2" / "adapter_model.safetensors").exists()
