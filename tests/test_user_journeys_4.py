@@ -75,17 +75,21 @@ def _bench() -> Any:
     return bench_dynamic
 
 
-def _hf_pair(tf: Any, dtype: torch.dtype = torch.float64) -> tuple[Any, Any, Any]:
-    """A one-layer GPT-2 (no dropout, its loss in its own dtype), a copy, and the copy
-    compiled from one batch of the padding collator."""
+def _compile_copy(tf: Any, plain: Any) -> tuple[Any, Any]:
+    """A copy of ``plain`` and the copy compiled from one batch of the padding collator."""
     bd = _bench()
-    plain = bd.make_model(tf, "gpt2", layers=1).to(dtype)
     model = copy.deepcopy(plain)
     rows = bd.RandomLengths(HF_GBS, 0)
     example = bd.collator(tf, "gpt2")([rows[i] for i in range(HF_GBS)])
-    cm = mbcompile.compile(model, HF_GBS, NUM_CSX, MBS, example_kwargs=dict(example),
-                           cost_model=False)
-    return plain, model, cm
+    return model, mbcompile.compile(model, HF_GBS, NUM_CSX, MBS, cost_model=False,
+                                    example_kwargs=dict(example))
+
+
+def _hf_pair(tf: Any, dtype: torch.dtype = torch.float64) -> tuple[Any, Any, Any]:
+    """A one-layer GPT-2 (no dropout, its loss in its own dtype), a copy, and the copy
+    compiled from one batch of the padding collator."""
+    plain = _bench().make_model(tf, "gpt2", layers=1).to(dtype)
+    return (plain, *_compile_copy(tf, plain))
 
 
 def _hf_trainer(tf: Any, model: Any, out: Path, collator: Any = None, train: Any = None,
@@ -251,12 +255,8 @@ def test_hf_trainer_on_a_model_compiled_in_eval_mode_evaluates_first_and_predict
     ``predict()`` on unlabelled rows padded by ``DataCollatorWithPadding``: the logits of
     the trained model at their own lengths, as the plain Trainer's."""
     bd = _bench()
-    plain, model, _ = _hf_pair(tf)
-    plain.eval()
-    model.eval()
-    rows = bd.RandomLengths(HF_GBS, 0)
-    cm = mbcompile.compile(model, HF_GBS, NUM_CSX, MBS, cost_model=False, example_kwargs=dict(
-        bd.collator(tf, "gpt2")([rows[i] for i in range(HF_GBS)])))
+    plain = bd.make_model(tf, "gpt2", layers=1).eval()
+    model, cm = _compile_copy(tf, plain)
     start = {k: v.clone() for k, v in plain.state_dict().items()}
     runs = []
     for i, m in enumerate((plain, cm)):

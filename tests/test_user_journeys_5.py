@@ -5,7 +5,6 @@ exactly on one process. Each rank's rows and parameters against a plain full-bat
 
 from __future__ import annotations
 
-import copy
 import io
 import os
 import warnings
@@ -142,7 +141,7 @@ def test_hf_trainer_trains_a_lora_model_with_checkpointing_and_saves_its_adapter
     checkpoint is the adapter's own files (no recompile for it)."""
     tf = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from test_user_journeys_4 import HF_GBS, NUM_CSX, _bench, _hf_trainer, _logged, _updates
+    from test_user_journeys_4 import _bench, _compile_copy, _hf_trainer, _logged, _updates
 
     tf.logging.set_verbosity_error()
     bd = _bench()
@@ -150,10 +149,7 @@ def test_hf_trainer_trains_a_lora_model_with_checkpointing_and_saves_its_adapter
     plain = peft.get_peft_model(bd.make_model(tf, "gpt2", layers=1), peft.LoraConfig(
         r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True,
         lora_dropout=0.0))
-    model = copy.deepcopy(plain)
-    rows = bd.RandomLengths(HF_GBS, 0)
-    cm = mbcompile.compile(model, HF_GBS, NUM_CSX, MBS, cost_model=False, example_kwargs=dict(
-        bd.collator(tf, "gpt2")([rows[i] for i in range(HF_GBS)])))
+    model, cm = _compile_copy(tf, plain)
     start = {k: v.clone() for k, v in plain.state_dict().items()}
     runs = []
     for i, m in enumerate((plain, cm)):
