@@ -662,7 +662,7 @@ REFUSED = [("train", None, (tuple(t[:3] for t in SHORT), tuple(t[3:] for t in SH
 
 
 def ranks_journey(rank: int, world: int, out_dir: str, steps: list[Any], mbs: Any,
-                  fsdp: bool) -> None:
+                  fsdp: bool, clip: float | None = None) -> None:
     """The steps on this rank's share (cut to its length, or its own rows), SGD; saves the
     losses, what each step raised, the full parameters and ``.grad`` after each refusal."""
     torch.manual_seed(0)
@@ -693,6 +693,8 @@ def ranks_journey(rank: int, world: int, out_dir: str, steps: list[Any], mbs: An
                 if kind == "train":
                     loss = cm(*share)[0]
                     loss.backward()
+                    if clip is not None:  # of the full gradient (FSDP2: of DTensors)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                     opt.step()
                 else:
                     with torch.no_grad():
@@ -709,8 +711,8 @@ def ranks_journey(rank: int, world: int, out_dir: str, steps: list[Any], mbs: An
     torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _plain_ranks(steps: list[Any]) -> tuple[torch.nn.Module, list[float | None],
-                                            list[dict[str, torch.Tensor]]]:
+def _plain_ranks(steps: list[Any], clip: float | None = None
+                 ) -> tuple[torch.nn.Module, list[float | None], list[dict[str, torch.Tensor]]]:
     """The same steps on the global batches in one process (a refused step skipped)."""
     torch.manual_seed(0)
     model = TinyGPT().double()
@@ -728,6 +730,8 @@ def _plain_ranks(steps: list[Any]) -> tuple[torch.nn.Module, list[float | None],
             loss = model(*batch)[0]
         if kind == "train":
             loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
         losses.append(float(loss.detach()))
         model.train()
@@ -736,22 +740,23 @@ def _plain_ranks(steps: list[Any]) -> tuple[torch.nn.Module, list[float | None],
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("user_journeys_4.ranks")
-@pytest.mark.parametrize("mbs,fsdp", [(MBS, False), ({"tokens": 24}, False),
-                                      ({"tokens": 24}, True), (MBS, True)],
-                         ids=["mbs2", "tokens", "tokens-fsdp2", "mbs2-fsdp2"])
+@pytest.mark.parametrize("mbs,fsdp,clip", [(MBS, False, None), ({"tokens": 24}, False, 0.5),
+                                           ({"tokens": 24}, True, 0.5), (MBS, True, None)],
+                         ids=["mbs2", "tokens-clip", "tokens-fsdp2-clip", "mbs2-fsdp2"])
 def test_two_ranks_at_lengths_of_their_own_with_eval_and_a_refused_short_batch(
-        tmp_path, mbs, fsdp):
+        tmp_path, mbs, fsdp, clip):
     """Each rank's share padded to its own length (rank 0's shorter, then longer, then of
     length 1: under a token budget the ranks run different numbers of microbatches), an
     eval call and a ``no_grad`` call between steps at lengths of their own, a step where
-    rank 1 counts no token, and a short last batch shared 3 + 2 as a sampler
-    shares it, which each rank refuses (its share of gbs 7 is 4 or 3) changing nothing:
-    losses and parameters are the one-process full batch's, on both ranks."""
+    rank 1 counts no token, ``clip_grad_norm_`` that clips (FSDP2: over DTensor shards),
+    and a short last batch shared 3 + 2 as a sampler shares it, which each rank refuses
+    (its share of gbs 7 is 4 or 3) changing nothing: losses and parameters are the
+    one-process full batch's, on both ranks."""
     from test_distributed import _run
 
     steps = RANK_STEPS[:3] + REFUSED + RANK_STEPS[3:]
-    _run(ranks_journey, 2, str(tmp_path), steps, mbs, fsdp)
-    model, losses, at_refusal = _plain_ranks(steps)
+    _run(ranks_journey, 2, str(tmp_path), steps, mbs, fsdp, clip)
+    model, losses, at_refusal = _plain_ranks(steps, clip)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         refusal = got["outcomes"][3]
