@@ -339,7 +339,8 @@ class CompiledModule(ModelFace, nn.Module):
                 raise InputError(
                     f"rank {self.rank} was called with {batch} samples but its share of "
                     f"gbs={self.plan.gbs} is {local} (plan.per_system_batch_sizes[{self.rank}]); "
-                    "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank)")
+                    "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank); "
+                    "every step's global batch has gbs samples (drop a short last one)")
         elif (batch is not None and batch != self._selection.plan.gbs
               and self._request.options.batch_sizes == "fixed"):
             raise InputError(

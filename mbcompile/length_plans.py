@@ -289,19 +289,22 @@ def split_selection(selection: Selection, split: CallSplit, mbs: int, length: in
     a call of ``length``): the plan of that MBS, why, and its estimate at that length."""
     plan = selection.plan
     cut = plan_for(plan.per_system_batch_sizes, MbsPolicy("int", mbs))
-    rule = split.split
-    if rule.mode == "tokens":
-        reason = (f"mbs={{'tokens': {rule.budget}}}, per call: {mbs} samples per microbatch, "
-                  f"the most whose tokens fit {rule.budget} at the call's length")
-    else:
-        reason = (f"auto, per call: mbs {mbs} is the largest whose modelled peak fits "
-                  f"{rule.system} at the call's length"
-                  + (f" (the example's mbs {rule.cap}, chosen for time, at most)"
-                     if rule.cap is not None else ""))
     estimate = split.estimate_at(length, selection, mbs)  # None: no model over lengths
     new = dataclasses.replace(plan, mbs=cut.mbs, num_microbatches=cut.num_microbatches,
-                              microbatch_sizes=cut.microbatch_sizes, reason=reason)
+                              microbatch_sizes=cut.microbatch_sizes,
+                              reason=_per_call(split.split, mbs))
     return dataclasses.replace(selection, plan=new, estimate=estimate, exploration=None)
+
+
+def _per_call(rule: LengthSplit, mbs: int) -> str:
+    """Why a call of another length than the example's runs ``mbs``: ``plan.reason``."""
+    if rule.mode == "tokens":
+        return (f"mbs={{'tokens': {rule.budget}}}, per call: {mbs} samples per microbatch, "
+                f"the most whose tokens fit {rule.budget} at the call's length")
+    return (f"auto, per call: mbs {mbs} is the largest whose modelled peak fits "
+            f"{rule.system} at the call's length"
+            + (f" (the example's mbs {rule.cap}, chosen for time, at most)"
+               if rule.cap is not None else ""))
 
 
 def for_length(cm: nn.Module, values: Sequence[Any]) -> nn.Module:
@@ -340,8 +343,12 @@ def for_length(cm: nn.Module, values: Sequence[Any]) -> nn.Module:
         estimate = split.estimate_at(length, own, mbs)  # the figures at this call's length
         if estimate is None:  # no model over lengths: the plan's own
             estimate = own.estimate
-        shown = split.shown[key] = dataclasses.replace(
-            own, plan=dataclasses.replace(own.plan, tokens_per_sample=tokens), estimate=estimate)
+        reason = own.plan.reason  # at the example's length, or a split of its own, its own
+        if target is cm and length != split.split.example_length and split.split.mode in (
+                "tokens", "auto"):
+            reason = _per_call(split.split, mbs)
+        shown = split.shown[key] = dataclasses.replace(own, plan=dataclasses.replace(
+            own.plan, tokens_per_sample=tokens, reason=reason), estimate=estimate)
     object.__setattr__(split, "last_length", length)
     object.__setattr__(cm, "_ran", (target, shown))
     return target

@@ -770,13 +770,11 @@ def test_two_ranks_at_lengths_of_their_own_with_eval_and_a_refused_short_batch(
             assert (got["params"][name] - p.detach()).abs().max() < 1e-13, (rank, name)
 
 
-@pytest.mark.xfail(strict=True, reason="mbcompile.distributed.shard(batch, cm.plan, rank) of "
-                   "a short last batch (5 of gbs 7 over 2 ranks) hands rank 0 4 rows silently "
-                   "(it trains on them, its collectives then pair with rank 1's next step) and "
-                   "raises torch's RuntimeError 'start (4) + length (3) exceeds dimension size "
-                   "(5)' on rank 1; the InputError for a 3 + 2 split advises this very call")
 @pytest.mark.parametrize("rank", [0, 1])
 def test_shard_refuses_a_batch_that_is_not_gbs_on_every_rank(rank):
+    """(A short last batch, 5 of gbs 7 over 2 ranks, handed rank 0 4 rows silently and
+    raised torch's 'start (4) + length (3) exceeds dimension size (5)' on rank 1.)"""
     plan = make_plan(GBS, 2, MBS)
-    with pytest.raises(InputError, match="gbs=7"):
+    with pytest.raises(InputError, match="gbs=7") as refused:
         mbdist.shard(SHORT, plan, rank)
+    assert "drop_last=True" in str(refused.value)

@@ -173,12 +173,10 @@ def test_hf_trainer_trains_a_lora_model_with_checkpointing_and_saves_its_adapter
     assert (tmp_path / "run1" / "checkpoint-2" / "adapter_model.safetensors").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="mbs={'tokens': 24} at a length whose most rows equal "
-                   "the example's MBS (8 or 7, example 12: mbs 2 either way) keeps the example's "
-                   "reason: cm.plan says 'tokens (8 per sample) ... at most 16' and 'reason: 2 "
-                   "samples of 12 tokens (24 tokens) per microbatch'; at 6 it says the call's")
 def test_a_token_budgets_plan_reason_is_the_calls_length():
-    """What ``cm.plan`` (and a Trainer's log of it) says of the last call, at each length."""
+    """What ``cm.plan`` (and a Trainer's log of it) says of the last call, at each length.
+    (At a length whose MBS is the example's, it said the example's: '2 samples of 12
+    tokens' at length 8.)"""
     torch.manual_seed(0)
     model = TinyGPT().double()
     cm = mbcompile.compile(model, GBS, 2, {"tokens": 24}, example_inputs=_batch(12),

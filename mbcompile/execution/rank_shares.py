@@ -58,7 +58,17 @@ def rank_slice(plan: MicrobatchPlan, rank: int) -> slice:
 
 
 def shard(batch: Any, plan: MicrobatchPlan, rank: int, dim: int = 0) -> Any:
-    """Rank ``rank``'s share of a global batch (views along ``dim`` of every tensor)."""
+    """Rank ``rank``'s share of a global batch (views along ``dim`` of every tensor);
+    ``InputError`` for a batch of another size than ``plan.gbs`` (a short last batch),
+    on every rank alike, before anything is cut: its shares are not the plan's."""
+    sizes = {int(t.shape[dim]) for t in pytree.tree_leaves(batch)
+             if isinstance(t, torch.Tensor) and t.dim() > dim}
+    if sizes and sizes != {plan.gbs}:
+        raise InputError(
+            f"shard() cuts a global batch of gbs={plan.gbs} samples by the plan, but this one "
+            f"has {', '.join(map(str, sorted(sizes)))} along dim {dim}; on ranks every step's "
+            f"batch has gbs samples: drop the short last batch (DataLoader(..., "
+            f"drop_last=True)), or batch with mbcompile.distributed.PlanSampler")
     s = rank_slice(plan, rank)
     return pytree.tree_map(
         lambda t: t.narrow(dim, s.start, s.stop - s.start) if isinstance(t, torch.Tensor) else t,
