@@ -34,7 +34,7 @@ from mbcompile.errors import (
     RetainedActivationsWarning,
 )
 from mbcompile.execution.live_hooks import called_as, hook_keys, unwatch, watch_hooks
-from mbcompile.execution.rank_shares import check_not_in_ddp
+from mbcompile.execution.rank_shares import check_not_in_ddp, share_refused
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import (
@@ -294,7 +294,7 @@ class CompiledModule(ModelFace, nn.Module):
             if through != self._keywords:
                 return self._runs(for_keywords(self, through, args, kwargs))(*args, **kwargs)
         try:
-            arguments, values, batch, varying = self._checked(args, kwargs)
+            arguments, values, batch, varying, refused = self._checked(args, kwargs)
         except InputPresenceError:  # an input left out (or given) where the example's wasn't
             if (variant := for_presence(self, args, kwargs)) is None:
                 raise  # on ranks, or an input forward has no default for
@@ -312,6 +312,8 @@ class CompiledModule(ModelFace, nn.Module):
             if other is not self:
                 return other(*args, **kwargs)
         compiled = self._compiled()
+        if refused is not None:  # raised in the step: StepChannels.refused
+            compiled.channels.refused = refused
         watched = watch_hooks(self._live_layers, self._hooks_known, self._watchers,
                               opaque=self._request.torch_compile is not None)  # global too
         try:  # a first float16 step reads the call's hooks (``live_hooks.CallHooks``)
@@ -327,27 +329,26 @@ class CompiledModule(ModelFace, nn.Module):
     def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The call bound to the compiled signature (its arguments by name, defaults
         applied), its inputs in placeholder order, its batch size and the dims that changed
-        size (``check_layout``); raises ``InputError`` for a call the graphs cannot run."""
+        size (``check_layout``), and on ranks the error of a call that is not the rank's
+        share (its inputs then the example's: ``share_refused``); raises ``InputError`` for
+        a call the graphs cannot run."""
         arguments = self._binder.bind(args, kwargs)
         values = [arguments[n] for n in self._inputs.names]
         check_unchanged(self._inputs, arguments)  # its non-tensor arguments
         batch = batch_size(self._inputs, values)
+        refused = None if self.rank is None else share_refused(self._selection.plan, self.rank,
+                                                               batch)
+        if refused is not None:  # run on the example, to raise in the step on every rank
+            values = [self._request.example[n] for n in self._inputs.names]
+            batch = batch_size(self._inputs, values)
         varying = check_layout(self._inputs, values, self._layout, self._request.options.dynamic)
-        if self.rank is not None:
-            local = self.plan.per_system_batch_sizes[self.rank]
-            if batch is not None and batch != local:
-                raise InputError(
-                    f"rank {self.rank} was called with {batch} samples but its share of "
-                    f"gbs={self.plan.gbs} is {local} (plan.per_system_batch_sizes[{self.rank}]); "
-                    "cut the global batch with mbcompile.distributed.shard(batch, cm.plan, rank); "
-                    "every step's global batch has gbs samples (drop a short last one)")
-        elif (batch is not None and batch != self._selection.plan.gbs
-              and self._request.options.batch_sizes == "fixed"):
+        if (self.rank is None and batch is not None and batch != self._selection.plan.gbs
+                and self._request.options.batch_sizes == "fixed"):
             raise InputError(
                 f"the batch has {batch} samples but the module was compiled for "
                 f"gbs={self.plan.gbs} with batch_sizes='fixed'; pass batches of "
                 f"{self.plan.gbs} samples, or compile with batch_sizes='any'")
-        return arguments, values, batch, varying
+        return arguments, values, batch, varying, refused
 
     def _call(self, compiled: Lowered, values: list[Any], arguments: dict[str, Any]) -> Any:
         if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned

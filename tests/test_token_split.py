@@ -283,7 +283,8 @@ def _check_refused(saved: list[dict[str, Any]], policy: str) -> None:
     error, text = {"tokens": ("PlanError", "one sample has 64 tokens"),
                    "auto": ("DoesNotFitError", "length 64 does not fit")}[policy]
     assert second["error"] == error and text in second["message"], second
-    assert first["error"] == "MicrobatchError" and "rank(s) [1] failed" in first["message"]
+    assert first["error"] == "InputError" and "rank(s) [1] refused their call" in \
+        first["message"]  # told apart from a failure in the microbatches
     assert first["unchanged"] and second["unchanged"]
     for r in range(2):
         assert torch.equal(saved[r]["refused"]["loss_after"], saved[r]["steps"][0]["loss"])
@@ -353,14 +354,19 @@ def _check_two_phase_ranks(saved: list[dict[str, Any]]) -> None:
                 assert outputs == "loss" or rel_err(got["logits"], logits) <= TOL
     mixed = [saved[r]["loss"][0] for r in range(2)]  # one step, two splits (the plan's)
     assert [(m["mbs"], m["microbatches"]) for m in mixed] == [(4, 1), (1, 4)]
+    # rank 0 is told which: a refusal (the step's status, or the frontier's gather of a
+    # two-phase step: "failed ..., or that rank refused its call"), or a failure
+    told = {"refused": (("InputError", "rank(s) [1] refused their call"),
+                        ("MicrobatchError", "or that rank refused its call")),
+            "failed": (("MicrobatchError", "rank(s) [1] failed"),)}
     for stopped, error, text in (("refused", "PlanError", "one sample has 64 tokens"),
                                  ("failed", "MicrobatchError", "injected failure")):
         for outputs in ("loss", "all") if stopped == "refused" else (None,):
             got = [saved[r][outputs][stopped] if outputs else saved[r][stopped]
                    for r in range(2)]
             assert got[1]["error"] == error and text in got[1]["message"], got[1]
-            assert got[0]["error"] == "MicrobatchError" and "rank(s) [1] failed" in \
-                got[0]["message"]
+            assert any(got[0]["error"] == e and t in got[0]["message"]
+                       for e, t in told[stopped]), got[0]
             assert got[0]["unchanged"] and got[1]["unchanged"]
     loss, logits, _ = _eager_step(model, 0, token_split_workers.LENGTHS[0], share)
     for r in range(2):

@@ -115,13 +115,10 @@ def test_trainer_on_two_ranks_trains_a_short_last_batch_and_validates_a_small_on
 
 @pytest.mark.slow  # two ranks: 8 s or more on 2 cores
 @RANKS
-@pytest.mark.xfail(strict=True, reason="a call whose rows match one rank's share but not the "
-                   "other's (4 + 4 rows of an 8-row batch, as a loader of batch_size 4 per "
-                   "process hands them; gbs 7 shares 4 + 3) is refused on rank 1 alone, before "
-                   "any collective: rank 0 runs the step and its collectives pair with rank "
-                   "1's next step (both log loss 4.3051 for different steps), then rank 0 "
-                   "fails with gloo's 'Connection closed by peer' (eval: SIGABRT)")
 def test_a_call_refused_on_one_rank_is_refused_on_every_rank(tmp_path):
+    # (4 + 4 rows of an 8-row batch where gbs 7 shares 4 + 3: rank 1 refused alone, before
+    # any collective; rank 0 ran the step, its collectives paired with rank 1's next step,
+    # then gloo's 'Connection closed by peer', SIGABRT in eval)
     from test_distributed import _run
     from test_user_journeys_4 import RANK_STEPS, _plain_ranks, ranks_journey
 

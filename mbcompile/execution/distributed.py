@@ -40,7 +40,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from mbcompile.execution.launcher import free_port, launch
 from mbcompile.execution.rank_shares import PlanSampler, check_world, rank_slice, shard
-from mbcompile.passes.errors import MicrobatchError
+from mbcompile.passes.errors import InputError, MicrobatchError
 from mbcompile.planning import buckets
 
 __all__ = [
@@ -78,17 +78,28 @@ def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
     no other rank failed (the caller raises for its own).
     """
     device = checks.device if checks is not None else torch.device("cpu")
+    world = dist.get_world_size()
     bit = 1 << dist.get_rank()
-    flag = torch.full((1,), bit if error is not None else 0, dtype=torch.int64, device=device)
+    # a call a rank refused (its share, its length: ``StepChannels.refused``) in a plane of
+    # its own, so the other ranks name it as that (int64: up to 31 ranks; beyond, a failure)
+    plane = world if getattr(error, "call_refused", False) and world <= 31 else 0
+    flag = torch.full((1,), bit << plane if error is not None else 0, dtype=torch.int64,
+                      device=device)
     if failed_locally is not None:
         flag.add_(failed_locally.to(torch.int64) * bit)
     dist.all_reduce(flag)
     packed = flag if checks is None else torch.cat([flag.double(), checks.double()])
     values = read(packed)
     status = int(values[0])
-    failed = [r for r in range(dist.get_world_size()) if status >> r & 1]
+    failed = [r for r in range(world) if status >> r & 1]
+    refused = [r for r in range(world) if world <= 31 and status >> (world + r) & 1]
     if error is not None:
         raise error
+    if refused:
+        raise InputError(
+            f"rank(s) {refused} refused their call (their error says why: a batch that is "
+            f"not the rank's share of the plan, a length no split fits); this rank "
+            f"({dist.get_rank()}) stops the step too, with parameters and gradients as they were")
     if failed and not status & bit:
         raise MicrobatchError(
             f"rank(s) {failed} failed in their microbatches; this rank ({dist.get_rank()}) "

@@ -18,7 +18,8 @@ from torch.utils import _pytree as pytree
 from mbcompile.passes.errors import InputError
 from mbcompile.planning.plan import MicrobatchPlan
 
-__all__ = ["PlanSampler", "check_not_in_ddp", "check_world", "rank_slice", "shard"]
+__all__ = ["PlanSampler", "check_not_in_ddp", "check_world", "rank_slice", "shard",
+           "share_refused"]
 
 
 def check_world(plan: MicrobatchPlan) -> int:
@@ -49,6 +50,22 @@ def check_not_in_ddp() -> None:
             "would all-reduce them a second time: do not wrap it (with Accelerate, prepare it "
             "with mbcompile.integrations.accelerate.prepare(accelerator, cm, opt, loader) "
             "instead of accelerator.prepare)")
+
+
+def share_refused(plan: MicrobatchPlan, rank: int, batch: int | None) -> InputError | None:
+    """The error of a call of ``batch`` samples on ``rank`` that is not its share of the
+    plan (None: it is). The rank does not raise it at once: the other ranks may be in the
+    step already (their shares fit), so it runs the step on the example, its collectives
+    paired with theirs, and raises in it (``StepChannels.refused``): every rank stops the
+    step, changing nothing."""
+    local = plan.per_system_batch_sizes[rank]
+    if batch is None or batch == local:
+        return None
+    return InputError(
+        f"rank {rank} was called with {batch} samples but its share of gbs={plan.gbs} is "
+        f"{local} (plan.per_system_batch_sizes[{rank}]); cut the global batch with "
+        "mbcompile.distributed.shard(batch, cm.plan, rank); every step's global batch has "
+        "gbs samples (drop a short last one); the step was stopped on every rank")
 
 
 def rank_slice(plan: MicrobatchPlan, rank: int) -> slice:

@@ -32,7 +32,7 @@ from mbcompile.execution.live_hooks import UncheckedHookError, in_step
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.replay import RngStates
 from mbcompile.execution.seeding import Seed
-from mbcompile.execution.step_checks import StepChecks, read_host
+from mbcompile.execution.step_checks import StepChecks, read_host, take_refused
 from mbcompile.execution.step_config import StepConfig
 from mbcompile.passes.errors import (
     InputError,
@@ -385,7 +385,7 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
         loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes,
                      channels.noise, sharded, joint, config.seed, config.nonfinite,
                      config.replayable)
-        loop.refused, channels.refused = channels.refused, None
+        loop.refused = take_refused(channels)
         results = _run(loop, params)
         if count_index is not None:  # kept for reports (token counts); no copy, no sync
             channels.last_counts = tuple(r[count_index] for r in results)

@@ -16,7 +16,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepChecks", "read_host"]
+__all__ = ["StepChecks", "read_host", "take_refused"]
+
+
+def take_refused(channels: Any) -> BaseException | None:
+    """The refusal a rank left for its step (``StepChannels.refused``: a call that is not
+    its share, a length no split fits), taken once and marked as a refusal, so that the
+    step's status (``distributed.step_status``) names it to the other ranks as that."""
+    refused, channels.refused = channels.refused, None
+    if refused is not None:
+        refused.call_refused = True  # type: ignore[attr-defined]
+    return refused
 
 
 class StepChecks:

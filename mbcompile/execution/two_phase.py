@@ -33,6 +33,7 @@ from mbcompile.execution.frontier_gather import RankGather, mark_sent
 from mbcompile.execution.handover import hand_over, hooks_aside
 from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
 from mbcompile.execution.runtime import StepChannels, _Loop, read_host
+from mbcompile.execution.step_checks import take_refused
 from mbcompile.passes import ops
 from mbcompile.passes.errors import InputError, MicrobatchError
 from mbcompile.passes.facts import PARAMS
@@ -421,7 +422,7 @@ def make_two_phase(channels: StepChannels, gather: RankGather | None = None,
         step = _Step(body, coupled, microbatches, free, outputs, loss_index, systems, sizes,
                      gather, sums, keep_coupled_grads, config.frontier_template, config.seed,
                      config.nonfinite)
-        step.refused, channels.refused = channels.refused, None
+        step.refused = take_refused(channels)
         params = list(dict.fromkeys(
             p for m in (body, coupled) for p in m.parameters() if p.requires_grad))
         if not params or not torch.is_grad_enabled() or loss_index is None:
