@@ -80,10 +80,10 @@ class CallSplit:
     dims: tuple[tuple[int, int, int], ...]
     tokens: tuple[int, int] | None
     model: LengthCost | None = dataclasses.field(default=None, repr=False, compare=False)
-    #: what makes ``rule`` and ``model`` where they were left to the first use (a
+    #: what makes ``rule``, ``model`` and ``dims`` where they were left to the first use (a
     #: ``compile_only`` module: its length model is asked for by its report, if at all)
-    pending: Callable[[], tuple[LengthSplit, LengthCost | None]] | None = dataclasses.field(
-        default=None, repr=False, compare=False)
+    pending: Callable[[], tuple[LengthSplit, LengthCost | None, Any]] | None = \
+        dataclasses.field(default=None, repr=False, compare=False)
     #: the selections shown for (mbs, length) (``for_length``)
     shown: dict[tuple[int, int], Selection] = dataclasses.field(
         default_factory=dict, repr=False, compare=False)
@@ -109,9 +109,10 @@ class CallSplit:
 
     def _make(self) -> None:
         assert self.pending is not None
-        rule, model = self.pending()
+        rule, model, dims = self.pending()
         object.__setattr__(self, "rule", rule)
         object.__setattr__(self, "model", model)
+        object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "pending", None)  # its closure holds the graphs
 
     def __getstate__(self) -> dict[str, Any]:
@@ -132,8 +133,7 @@ class CallSplit:
         if self.split.mode == "tokens" and self.tokens is not None:
             index, dim = self.tokens
             return int(values[index].shape[dim])
-        return self.split.example_length + max(
-            _size(values[i], d) - size for i, d, size in self.dims)
+        return self.dims[0][2] + max(_size(values[i], d) - size for i, d, size in self.dims)
 
     def mbs_for(self, values: Sequence[Any]) -> tuple[int, int]:
         """``(mbs, length)`` of the call: raises ``DoesNotFitError`` (auto: no MBS fits the
@@ -180,10 +180,10 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
         note = ("no memory budget given (system=None plans for this host, whose memory does "
                 "not bind): give system= to cut each call by memory")
     else:  # a length model: its probes are most of a 70B plan's, so compile_only leaves it
-        made = functools.partial(_by_memory, request, selection, lowered, dims, length)
+        made = functools.partial(_by_memory, request, selection, lowered, dims)
         if request.options.compile_only:  # to the report that asks for it, if one does
             return CallSplit(None, dims, tokens, pending=made)
-        rule, model = made()
+        rule, model, dims = made()
         return CallSplit(rule, dims, tokens, model)
     return CallSplit(_fixed(plan, length, note), dims, tokens)
 
@@ -194,10 +194,13 @@ def _fixed(plan: MicrobatchPlan, length: int, note: str) -> LengthSplit:
 
 
 def _by_memory(request: Request, selection: Selection, lowered: Lowered,
-               dims: tuple[tuple[int, int, int], ...], length: int
-               ) -> tuple[LengthSplit, LengthCost | None]:
-    """``"auto"``'s split by memory at every length, and its length model; the example's
-    split where no length model holds (a ``CostModelWarning`` says why)."""
+               dims: tuple[tuple[int, int, int], ...]
+               ) -> tuple[LengthSplit, LengthCost | None, tuple[tuple[int, int, int], ...]]:
+    """``"auto"``'s split by memory at every length, its length model and the dims a
+    call's length is read in: the model's example's sizes (a variant of another example,
+    a short batch first seen at a long length, reads the model in the model's frame, each
+    dim apart); the example's split where no length model holds (a ``CostModelWarning``
+    says why)."""
     plan, symbolic = selection.plan, request.inputs.symbolic
     lengths = _length_model(request, selection, lowered)
     if isinstance(lengths, str):  # asked to cut by memory, and it cannot: say so
@@ -206,19 +209,23 @@ def _by_memory(request: Request, selection: Selection, lowered: Lowered,
                       f"example's plan (mbs {plan.mbs}); compile with an example of the "
                       "longest rows so that they fit", CostModelWarning,
                       stacklevel=user_stacklevel())
-        return _fixed(plan, length, lengths), None
+        return _fixed(plan, dims[0][2], lengths), None, dims
+    names = request.inputs.names
+    framed = tuple((i, d, lengths.sizes.get((names[i], d), size)) for i, d, size in dims)
+    anchor = framed[0][2]  # the model's example's length: a call's, in its frame
+    length = anchor + max(size - at for (_, _, size), (_, _, at) in zip(dims, framed))
     memory = _Memory(lengths, plan.pbs, selection.system)
-    shortest = length + max(max(low or 1, 1) - size for (_, _, size), (low, _) in
-                            zip(dims, _bounds(symbolic)))
-    highs = [high - size for (_, _, size), (_, high) in zip(dims, _bounds(symbolic))
+    shortest = anchor + max(max(low or 1, 1) - size for (_, _, size), (low, _) in
+                            zip(framed, _bounds(symbolic)))
+    highs = [high - size for (_, _, size), (_, high) in zip(framed, _bounds(symbolic))
              if high is not None]
     split = auto_split(memory.fits, memory.peak,
                        example_length=length, shortest=shortest,
-                       longest=length + min(highs) if highs else None,
+                       longest=anchor + min(highs) if highs else None,
                        capacity=memory.system.usable_bytes, system=memory.system.name,
                        note=lengths.note, recompute=plan.recompute,
                        supported=plan.supported_mbs, pbs=plan.pbs, example_mbs=plan.mbs)
-    return split, lengths
+    return split, lengths, framed
 
 
 @dataclass(frozen=True)
@@ -318,14 +325,19 @@ def for_length(cm: nn.Module, values: Sequence[Any]) -> nn.Module:
     try:
         mbs, length = split.mbs_for(values)
     except (DoesNotFitError, PlanError) as exc:
-        if cm.rank is None:
+        if isinstance(exc, DoesNotFitError) and not (torch.is_grad_enabled()
+                                                     and cm._inner.training):
+            # a forward-only call (eval, no_grad) holds neither activations saved for a
+            # backward nor gradients, which the training model's peak does: the least MBS
+            mbs, length = split.split.supported[0], split.length(values)
+        elif cm.rank is None:
             raise
-        # the other ranks are in this step already: this one joins its collectives with
-        # the example's split and raises there, so every rank stops it
-        channels = cm._compiled().channels
-        channels.refused = exc
-        object.__setattr__(split, "refused_in", channels)
-        return cm
+        else:  # the other ranks are in this step already: this one joins its collectives
+            # with the example's split and raises there, so every rank stops it
+            channels = cm._compiled().channels
+            channels.refused = exc
+            object.__setattr__(split, "refused_in", channels)
+            return cm
     key = (mbs, length)
     shown = split.shown.get(key)
     target = cm if mbs == cm._selection.plan.mbs else cm._variants.get(("split", mbs))

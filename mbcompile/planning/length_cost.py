@@ -52,12 +52,13 @@ class LengthCost:
 
     def __init__(self, base: CostModel, steps: tuple[int, int, int], fits: Sequence[Fit],
                  ones: Sequence[Probe], inputs: Sequence[float], checked: int,
-                 length: int = 0) -> None:
+                 sizes: dict[tuple[str, int], int] | None = None) -> None:
         self.base = base
-        #: the example's length (its first symbolic dim) that ``delta`` counts from: a
-        #: variant whose example has another length (a short batch at a long length) asks
-        #: the same model with ``at_length``
-        self.length = length
+        #: the example's size of each symbolic (input, dim), the frame ``delta`` counts
+        #: from: a variant whose example has other lengths (a short batch at a long length)
+        #: reads the same model in this frame (``length_plans``)
+        self.sizes = dict(sizes or {})
+        self.length = next(iter(self.sizes.values()), 0)  # the first dim's: ``at_length``'s
         self.steps = steps  # the three deltas the fits were probed at (0 among them)
         self._fits = list(fits)
         self._ones = list(ones)
@@ -223,13 +224,27 @@ def length_cost(base: CostModel, gm: Any, names: Sequence[str], symbolic: Mappin
                                  "part has no model over lengths yet")
         fits.append(fitted)
         inputs.append(_input_bytes_per_sample(values, prober.in_dims))
-    model = LengthCost(base, steps[:3], fits, ones, inputs, steps[3], int(sizes[0][0]))
+    model = LengthCost(base, steps[:3], fits, ones, inputs, steps[3], dim_sizes(example, symbolic))
     one = model.one_at(steps[3])
     if not reproduces(model.fit_at(steps[3]), exact[0]) or (
             one is not None and not _same(one, exact[1])):
         raise CostModelError(f"the figures are not quadratic in the length: the fit does not "
                              f"reproduce the exact probes at length step {steps[3]:+d}")
     return model
+
+
+def dim_sizes(example: Mapping[str, Any], symbolic: Mapping[str, Any]
+              ) -> dict[tuple[str, int], int]:
+    """The size of each symbolic (input, dim) in ``example`` (an input holding several
+    tensors: their largest), in the symbolic dims' order."""
+    out: dict[tuple[str, int], int] = {}
+    for name, dims in symbolic.items():
+        for d in dims:
+            held = [int(t.shape[d]) for t in pytree.tree_leaves(example[name])
+                    if isinstance(t, torch.Tensor) and t.dim() > d]
+            if held:
+                out[(name, d)] = max(held)
+    return out
 
 
 def _same(p: Probe, q: Probe) -> bool:
