@@ -46,7 +46,6 @@ import contextlib
 import inspect
 import logging
 import operator
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -59,9 +58,10 @@ from .capture import CaptureResult
 from .code_reach import reached_code
 from .custom_functions import checked_in_export
 from .errors import CaptureError
+from .export_errors import SPECIALISED, export_error
 from .export_hooks import backward_hooks_refused, global_hooks_refused, tensor_hooks_refused
 from .export_losses import cumulative_batch_norm_refused, losses_read_values_refused
-from .export_shapes import export_kwargs, has_tensor, length_baked_in
+from .export_shapes import export_kwargs, has_tensor
 from .forward_modes import (
     detach_no_grad_regions,
     differentiation_refused,
@@ -180,37 +180,6 @@ def _input_getter(graph: fx.Graph, node: fx.Node, path: Sequence[Any]) -> fx.Nod
         else:
             raise CaptureError(f"cannot map input path element {key!r} of an exported graph")
     return node
-
-
-_SPECIALISED = re.compile(r"specialized it to be a constant \((\d+)\)")
-
-
-def _export_error(model: torch.nn.Module, exc: BaseException,
-                  fx_error: BaseException | None,
-                  in_dims: Mapping[str, int | None] | None = None) -> CaptureError:
-    """A ``CaptureError`` that says why export failed in the user's terms."""
-    text = str(exc)
-    tried = f"  torch.fx.symbolic_trace failed first: {fx_error}\n" if fx_error else ""
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    baked = _SPECIALISED.search(text)
-    length = length_baked_in(model, text, in_dims or {})
-    if length is not None:
-        return length
-    if baked:
-        why = (f"  the batch size is baked in: the code only works for a batch of "
-               f"{baked.group(1)} (a constant in a view or reshape, such as "
-               f"x.view({baked.group(1)}, -1), or a branch on the batch size), so it cannot "
-               "run on microbatches of other sizes.\n"
-               "  Fix: derive batch sizes from the input (x.view(x.size(0), -1), x.flatten(1), "
-               "or -1).")
-    else:
-        why = (f"  torch.export: {type(exc).__name__}: {first}\n"
-               "  Export needs shapes that do not depend on tensor values and code that works "
-               "for any batch size. Fix: remove data-dependent Python (branches on tensor "
-               "values, .item(), boolean-mask indexing), derive batch sizes from x.size(0) "
-               "instead of constants, or pass an already captured torch.fx.GraphModule.")
-    return CaptureError(f"torch.export could not capture {type(model).__name__}.forward with "
-                        f"a dynamic batch dimension\n{tried}{why}")
 
 
 def _read_len_symbolically(model: torch.nn.Module, kwargs: dict[str, Any],
@@ -345,7 +314,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                 except Exception as exc:
                     # export traced the whole forward before it refused the specialised
                     # batch dim: the recorders above still judge that trace when it ends
-                    if not _SPECIALISED.search(str(exc)):
+                    if not SPECIALISED.search(str(exc)):
                         raise
                     specialised = exc
             changes = snapshot.changes() + snapshot.unseen_assignments(writes)
@@ -357,11 +326,11 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         if specialised is not None:
             program = _read_len_symbolically(model, kwargs, dynamic, example, name)
             if program is None:
-                raise _export_error(model, specialised, fx_error, in_dims) from specialised
+                raise export_error(model, specialised, fx_error, in_dims) from specialised
     except CaptureError:
         raise
     except Exception as exc:  # any export failure becomes one clear error
-        raise _export_error(model, exc, fx_error, in_dims) from exc
+        raise export_error(model, exc, fx_error, in_dims) from exc
     if has_mutations(program.graph_module):
         # In-place writes, grad-mode and autocast regions: functionalize, so that ops become
         # values, state writes one final copy_ each (the state-updates pass lifts those) and

@@ -315,13 +315,10 @@ def test_hf_trainer_saving_a_checkpoint_compiles_nothing_again(resumed):
     assert resumed["recompiles"][0] == [], resumed["recompiles"][0]
 
 
-@pytest.mark.xfail(strict=True, reason="Trainer(neftune_noise_alpha=5) adds its noise hook to "
-                   "wte after compile: the recapture fails with a CaptureError about a "
-                   "'dynamic batch dimension' and GuardOnDataDependentSymNode that names "
-                   "neither the hook nor NEFTune nor a fix; the plain Trainer trains")
 def test_hf_trainer_with_neftune_trains_or_names_the_hook(tf, tmp_path):
     """NEFTune draws noise per call (as dropout does): the compiled step may draw it per
-    microbatch, or refuse the hook by name; a capture error about the batch dim is neither."""
+    microbatch, or refuse the hook by name; a capture error about the batch dim is neither.
+    (Its refusal named neither the hook nor NEFTune nor a fix.)"""
     _, model, cm = _hf_pair(tf)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = _hf_trainer(tf, cm, tmp_path, neftune_noise_alpha=5.0, max_steps=2)

@@ -1,0 +1,74 @@
+"""Why ``torch.export`` failed, in the user's terms (``export_capture``'s refusal).
+
+>>> raise export_error(model, exc, fx_error, in_dims) from exc
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+import torch
+
+from .errors import CaptureError
+from .export_shapes import length_baked_in
+from .sources import is_library
+
+__all__ = ["SPECIALISED", "export_error"]
+
+SPECIALISED = re.compile(r"specialized it to be a constant \((\d+)\)")
+
+
+def _in_hook(model: torch.nn.Module, exc: BaseException) -> str:
+    """A line naming the forward hook (or pre-hook) of one of ``model``'s modules that export
+    failed in, if it failed in one: the graph traces a hook as part of forward, so one
+    registered after compile (transformers' NEFTune noise) is captured with the rest."""
+    code, tb = None, exc.__traceback__
+    while tb is not None:  # the innermost frame outside torch and mbcompile
+        if not is_library(os.path.abspath(tb.tb_frame.f_code.co_filename)):
+            code = tb.tb_frame.f_code
+        tb = tb.tb_next
+    if code is None:
+        return ""
+    for name, module in model.named_modules():
+        for kind, table in (("forward hook", module._forward_hooks),
+                            ("forward pre-hook", module._forward_pre_hooks)):
+            for hook in table.values():
+                fn = getattr(hook, "__wrapped__", hook)
+                if getattr(fn, "__code__", None) is code:
+                    return (f"  it failed in the {kind} {fn.__qualname__!r} of "
+                            f"{name or 'the model'!r}, which the graph traces with forward: "
+                            "make it work for any batch and length, or remove it while "
+                            "training with mbcompile (transformers' NEFTune: "
+                            "neftune_noise_alpha=None)\n")
+    return ""
+
+
+def export_error(model: torch.nn.Module, exc: BaseException,
+                  fx_error: BaseException | None,
+                  in_dims: Mapping[str, int | None] | None = None) -> CaptureError:
+    """A ``CaptureError`` that says why export failed in the user's terms."""
+    text = str(exc)
+    tried = f"  torch.fx.symbolic_trace failed first: {fx_error}\n" if fx_error else ""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    baked = SPECIALISED.search(text)
+    length = length_baked_in(model, text, in_dims or {})
+    if length is not None:
+        return length
+    if baked:
+        why = (f"  the batch size is baked in: the code only works for a batch of "
+               f"{baked.group(1)} (a constant in a view or reshape, such as "
+               f"x.view({baked.group(1)}, -1), or a branch on the batch size), so it cannot "
+               "run on microbatches of other sizes.\n"
+               "  Fix: derive batch sizes from the input (x.view(x.size(0), -1), x.flatten(1), "
+               "or -1).")
+    else:
+        why = (f"  torch.export: {type(exc).__name__}: {first}\n{_in_hook(model, exc)}"
+               "  Export needs shapes that do not depend on tensor values and code that works "
+               "for any batch size. Fix: remove data-dependent Python (branches on tensor "
+               "values, .item(), boolean-mask indexing), derive batch sizes from x.size(0) "
+               "instead of constants, or pass an already captured torch.fx.GraphModule.")
+    return CaptureError(f"torch.export could not capture {type(model).__name__}.forward with "
+                        f"a dynamic batch dimension\n{tried}{why}")
+
