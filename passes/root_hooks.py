@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
 
@@ -76,18 +77,48 @@ class _Kwargs(dict):
 
 
 _watch_methods(_Args, tuple, ("__iter__", "__getitem__", "__len__", "__contains__",
-                              "__add__", "__mul__", "__eq__", "__ne__", "__hash__",
-                              "__repr__", "index", "count"))
+                              "__add__", "__mul__", "__eq__", "__ne__", "__lt__", "__le__",
+                              "__gt__", "__ge__", "__hash__", "__repr__", "index", "count"))
 _watch_methods(_Kwargs, dict, ("__iter__", "__getitem__", "__len__", "__contains__", "get",
-                               "keys", "values", "items", "copy", "pop", "setdefault",
-                               "__eq__", "__ne__", "__repr__", "__or__"))
+                               "keys", "values", "items", "copy", "pop", "popitem",
+                               "setdefault", "update", "clear", "__setitem__", "__delitem__",
+                               "__reversed__", "__eq__", "__ne__", "__repr__", "__or__",
+                               "__ror__", "__ior__"))
 
 
-def _watching(fn: Callable[..., Any], with_kwargs: bool, read: _Read) -> Callable[..., Any]:
+def _flattened(watched: Any) -> tuple[list[Any], Any]:
+    """torch's pytree reads a watched ``args``/``kwargs`` (``tree_leaves(args)``) as a
+    read: it flattens them as the plain tuple and dict they hold."""
+    watched._read.mark(watched._hook)
+    if isinstance(watched, dict):
+        keys = list(dict.keys(watched))
+        return [dict.__getitem__(watched, k) for k in keys], keys
+    return list(tuple.__iter__(watched)), None
+
+
+pytree.register_pytree_node(_Args, _flattened, lambda values, _: tuple(values))
+pytree.register_pytree_node(_Kwargs, _flattened, lambda values, keys: dict(zip(keys, values)))
+
+
+def _watching(fn: Callable[..., Any], with_kwargs: bool, pre: bool, read: _Read
+              ) -> Callable[..., Any]:
     def watched(module: torch.nn.Module, args: tuple[Any, ...], *rest: Any) -> Any:
+        seen_args, seen = _Args(args, read, fn), rest
         if with_kwargs:
-            rest = (_Kwargs(rest[0], read, fn), *rest[1:])
-        return fn(module, _Args(args, read, fn), *rest)
+            seen = (_Kwargs(rest[0], read, fn), *rest[1:])
+        out = fn(module, seen_args, *seen)
+        if not pre or out is None:
+            return out
+        # a pre-hook's result is the call's arguments: handed back as they came, they are
+        # torch's own again (its call unpacks them, which is no read of the hook's); any
+        # other result rewrites them from what the hook saw, which is not eager's
+        if out is seen_args:
+            return args
+        if with_kwargs and isinstance(out, tuple) and len(out) == 2 and \
+                out[0] is seen_args and out[1] is seen[0]:
+            return args, rest[0]
+        read.mark(fn)
+        return out
 
     watched.__wrapped__ = fn  # type: ignore[attr-defined]
     return watched
@@ -107,9 +138,14 @@ def root_hooks_watched(model: torch.nn.Module, model_name: str,
             if getattr(fn, "__module__", "").startswith("mbcompile."):
                 continue
             swapped.append((hooks, key, fn))
-            hooks[key] = _watching(fn, key in keyed, read)
+            hooks[key] = _watching(fn, key in keyed, hooks is model._forward_pre_hooks, read)
+    failed: BaseException | None = None
     try:
         yield
+    except BaseException as exc:  # a hook that read them may be why export failed
+        if not read.names:
+            raise
+        failed = exc
     finally:
         for hooks, key, fn in swapped:
             if key in hooks:
@@ -124,4 +160,5 @@ def root_hooks_watched(model: torch.nn.Module, model_name: str,
             "it, and the step would differ silently. Fix: register it on a submodule (its "
             "hooks see what forward passes it), move its work into forward, or compile a "
             "wrapper Module whose forward calls the model; nothing was changed"
-            + (f"\n  torch.fx.symbolic_trace failed first: {fx_error}" if fx_error else ""))
+            + (f"\n  torch.fx.symbolic_trace failed first: {fx_error}" if fx_error else "")
+        ) from failed

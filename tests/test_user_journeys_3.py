@@ -44,6 +44,7 @@ from test_user_journeys import (
     train,
 )
 from test_user_journeys_2 import twin
+from torch.utils import _pytree as pytree
 
 import mbcompile
 from mbcompile.errors import CaptureError, InputError
@@ -382,7 +383,14 @@ def _penalise_inputs(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
     return out[0] + 0.01 * sum(a.to(out[0].dtype).mean() for a in args), out[1]
 
 
-@pytest.mark.parametrize("hook, when", [("pre", "before"), ("pre", "after"), ("post", "after")])
+def _count_inputs(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+    """Reads its args through torch's pytree (which a tuple subclass does not go through)."""
+    n = len([x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)])
+    return out[0] * (1 + n), out[1]
+
+
+@pytest.mark.parametrize("hook, when", [("pre", "before"), ("pre", "after"), ("post", "after"),
+                                        ("tree", "before")])
 def test_a_hook_on_the_model_that_reads_its_args_is_refused_changing_nothing(hook, when):
     """A forward pre-hook reversing the rows, or a forward hook adding a penalty on the
     inputs, on the model itself: export calls the model by keyword, so the hook would see
@@ -394,7 +402,7 @@ def test_a_hook_on_the_model_that_reads_its_args_is_refused_changing_nothing(hoo
     def register(m: nn.Module) -> Any:
         if hook == "pre":
             return m.register_forward_pre_hook(_reverse_all)
-        return m.register_forward_hook(_penalise_inputs)
+        return m.register_forward_hook(_penalise_inputs if hook == "post" else _count_inputs)
 
     model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
     if when == "before":
@@ -422,6 +430,27 @@ def test_a_hook_on_the_model_that_reads_its_args_is_refused_changing_nothing(hoo
 
 def _halve_loss(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
     return out[0] * 0.5, out[1]
+
+
+def _passes_through(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args, kwargs  # the call as it came: no read of it
+
+
+@pytest.mark.parametrize("hook", ["post", "pre"])
+def test_a_hook_on_the_model_that_passes_the_call_through_is_eagers(hook):
+    """A forward hook on the model itself that reads only its output, or a pre-hook that
+    hands the call back as it came: exact under export (the pre-hook was refused as a
+    reader: torch's own call unpacked what it returned)."""
+    from mbcompile.models import make_tiny_gpt
+
+    model, _ = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    if hook == "post":
+        model.register_forward_hook(_halve_loss)
+    else:
+        model.register_forward_pre_hook(_passes_through, with_kwargs=True)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
+                           cost_model=False, capture="export")
+    journey(model, cm, [train(12), train(8), train(20, 3)], sgd)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

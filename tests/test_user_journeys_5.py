@@ -116,17 +116,19 @@ def test_trainer_on_two_ranks_trains_a_short_last_batch_and_validates_a_small_on
 
 @pytest.mark.slow  # two ranks: 8 s or more on 2 cores
 @RANKS
-def test_a_call_refused_on_one_rank_is_refused_on_every_rank(tmp_path):
+@pytest.mark.parametrize("kind, fsdp", [("train", False), ("no_grad", True)])
+def test_a_call_refused_on_one_rank_is_refused_on_every_rank(tmp_path, kind, fsdp):
     # (4 + 4 rows of an 8-row batch where gbs 7 shares 4 + 3: rank 1 refused alone, before
     # any collective; rank 0 ran the step, its collectives paired with rank 1's next step,
-    # then gloo's 'Connection closed by peer', SIGABRT in eval)
+    # then gloo's 'Connection closed by peer', SIGABRT in eval; then, under no_grad with
+    # FSDP2, rank 1 refused before its gathers: gloo's size mismatch, SIGABRT)
     from test_distributed import _run
     from test_user_journeys_4 import RANK_STEPS, _plain_ranks, ranks_journey
 
     rows = _batch(9, 8, seed=4)
-    steps = [RANK_STEPS[0], ("train", None, (tuple(t[:4] for t in rows),
-                                            tuple(t[4:] for t in rows))), RANK_STEPS[0]]
-    _run(ranks_journey, 2, str(tmp_path), steps, MBS, False, timeout_s=60,
+    steps = [RANK_STEPS[0], (kind, None, (tuple(t[:4] for t in rows),
+                                         tuple(t[4:] for t in rows))), RANK_STEPS[0]]
+    _run(ranks_journey, 2, str(tmp_path), steps, MBS, fsdp, timeout_s=60,
          collective_timeout_s=15)
     _, losses, _ = _plain_ranks(steps)
     for rank in range(2):

@@ -119,11 +119,13 @@ class _Loop:
 
     def run(self) -> list[tuple[Any, ...]]:
         def loop() -> list[tuple[Any, ...]]:
-            if self.refused is not None:
-                raise self.refused
+            if self.refused is not None and self.sharded is None:
+                raise self.refused  # (sharded: its rounds first, their gathers paired)
             with self._step():
                 outs = [(real, self._in_microbatch(i, lambda i=i: self._call(i)))
                         for _, i, real in self._schedule()]
+            if self.refused is not None:
+                raise self.refused
             return [out for real, out in outs if real]
 
         return self._agreed(loop)
