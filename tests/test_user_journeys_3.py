@@ -304,6 +304,14 @@ def test_a_token_counter_refuses_a_new_length_with_the_fix_changing_nothing():
 # --------------------------------------------------------------------------- #
 
 
+def _hidden(model: TinyGPT, ids: torch.Tensor) -> torch.Tensor:
+    """The tiny GPT's hidden states before its final norm (the trunk its variants share)."""
+    x = model.tok(ids) + model.pos(torch.arange(ids.size(1), device=ids.device))
+    for block in model.blocks:
+        x = block(x)
+    return x
+
+
 class Predicts(TinyGPT):
     """Returns the logits alone when called without labels (predictions)."""
 
@@ -312,10 +320,7 @@ class Predicts(TinyGPT):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         if labels is None:
-            x = self.tok(ids) + self.pos(torch.arange(ids.size(1), device=ids.device))
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln(x))
+            return self.head(self.ln(_hidden(self, ids)))
         return super().forward(ids, labels)
 
 
@@ -487,10 +492,7 @@ class Frozen(TinyGPT):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.tok(ids) + self.pos(torch.arange(ids.size(1), device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        x = self.ln(x)
+        x = self.ln(_hidden(self, ids))
         if not self.extra.training:
             x = x + 0.1 * self.extra[1](self.extra[0](x).transpose(1, 2)).transpose(1, 2)
         logits = self.head(x)
@@ -530,10 +532,7 @@ class Contrastive(TinyGPT):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.tok(ids) + self.pos(torch.arange(ids.size(1), device=ids.device))
-        for block in self.blocks:
-            x = block(x)
-        h = self.ln(x)
+        h = self.ln(_hidden(self, ids))
         logits = self.head(h)
         mask = (labels != -100).to(h.dtype)
         pooled = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
