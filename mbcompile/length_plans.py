@@ -37,14 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from mbcompile.errors import CostModelError, CostModelWarning, DoesNotFitError, PlanError
 from mbcompile.passes.recompute import checkpoint_blocks
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.planning.cost import CostModel
 from mbcompile.planning.estimates import Estimate, MemoryEstimate
-from mbcompile.planning.length_cost import LengthCost, length_cost
+from mbcompile.planning.length_cost import LengthCost, length_cost, size_along
 from mbcompile.planning.length_split import LengthSplit, auto_split, tokens_split
 from mbcompile.planning.mbs_policy import MbsPolicy
 from mbcompile.planning.microbatch_plan import MicrobatchPlan
@@ -133,7 +132,7 @@ class CallSplit:
         if self.split.mode == "tokens" and self.tokens is not None:
             index, dim = self.tokens
             return int(values[index].shape[dim])
-        return self.dims[0][2] + max(_size(values[i], d) - size for i, d, size in self.dims)
+        return self.dims[0][2] + max(size_along(values[i], d) - size for i, d, size in self.dims)
 
     def mbs_for(self, values: Sequence[Any]) -> tuple[int, int]:
         """``(mbs, length)`` of the call: raises ``DoesNotFitError`` (auto: no MBS fits the
@@ -141,13 +140,6 @@ class CallSplit:
         anything ran."""
         length = self.length(values)
         return self.split.mbs_at(length), length
-
-
-def _size(value: Any, dim: int) -> int:
-    if isinstance(value, torch.Tensor):
-        return int(value.shape[dim])
-    return max(int(t.shape[dim]) for t in pytree.tree_leaves(value)
-               if isinstance(t, torch.Tensor) and t.dim() > dim)
 
 
 def call_split(request: Request, selection: Selection, lowered: Lowered) -> CallSplit | None:
@@ -162,7 +154,7 @@ def call_split(request: Request, selection: Selection, lowered: Lowered) -> Call
     if not symbolic or lowered.graph_module is lowered.original_graph_module:
         return None
     names = request.inputs.names
-    dims = tuple((names.index(n), d, _size(request.example[n], d))
+    dims = tuple((names.index(n), d, size_along(request.example[n], d))
                  for n, ds in symbolic.items() for d in ds)
     common = dict(supported=plan.supported_mbs, pbs=plan.pbs, example_mbs=plan.mbs)
     tokens = _token_ids(request)

@@ -60,8 +60,7 @@ class Partition:
         for n in self.frontier:
             info = n.meta.get(SHAPES)
             if isinstance(info, ValueInfo) and info.is_tensor and info.dtype is not None:
-                total += math.prod(a + grown * (b - a) for a, b in zip(
-                    info.shape_a, info.shape_b or info.shape_a)) * info.dtype.itemsize
+                total += math.prod(info.shape_grown(grown)) * info.dtype.itemsize
         return total
 
 

@@ -185,6 +185,12 @@ class ValueInfo:
     int_b: int | float | None = None
     value_a: Any = field(default=None, compare=False, repr=False)
 
+    def shape_grown(self, samples: int) -> tuple[int, ...]:
+        """The shape at ``samples`` more than ``a`` (fewer, if negative): each dim grown as
+        it grew from ``a`` to ``b`` (a batch-size variant's, from the analysis's values)."""
+        return tuple(x + samples * (y - x) for x, y in zip(self.shape_a,
+                                                           self.shape_b or self.shape_a))
+
     @property
     def batch_dims(self) -> tuple[int, ...]:
         """Dims whose size changes with the batch size."""

@@ -82,7 +82,8 @@ def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
     bit = 1 << dist.get_rank()
     # a call a rank refused (its share, its length: ``StepChannels.refused``) in a plane of
     # its own, so the other ranks name it as that (int64: up to 31 ranks; beyond, a failure)
-    plane = world if getattr(error, "call_refused", False) and world <= 31 else 0
+    planes = world <= 31
+    plane = world if planes and getattr(error, "call_refused", False) else 0
     flag = torch.full((1,), bit << plane if error is not None else 0, dtype=torch.int64,
                       device=device)
     if failed_locally is not None:
@@ -92,7 +93,7 @@ def step_status(error: BaseException | None, checks: torch.Tensor | None = None,
     values = read(packed)
     status = int(values[0])
     failed = [r for r in range(world) if status >> r & 1]
-    refused = [r for r in range(world) if world <= 31 and status >> (world + r) & 1]
+    refused = [r for r in range(world) if planes and status >> (world + r) & 1]
     if error is not None:
         raise error
     if refused:

@@ -233,18 +233,21 @@ def length_cost(base: CostModel, gm: Any, names: Sequence[str], symbolic: Mappin
     return model
 
 
+def size_along(value: Any, dim: int) -> int:
+    """``value``'s size along ``dim``: a tensor's, or the largest of the tensors it holds
+    (read on every call whose split follows its length: a tensor without a walk)."""
+    if isinstance(value, torch.Tensor):
+        return int(value.shape[dim])
+    return max(int(t.shape[dim]) for t in pytree.tree_leaves(value)
+               if isinstance(t, torch.Tensor) and t.dim() > dim)
+
+
 def dim_sizes(example: Mapping[str, Any], symbolic: Mapping[str, Any]
               ) -> dict[tuple[str, int], int]:
-    """The size of each symbolic (input, dim) in ``example`` (an input holding several
-    tensors: their largest), in the symbolic dims' order."""
-    out: dict[tuple[str, int], int] = {}
-    for name, dims in symbolic.items():
-        for d in dims:
-            held = [int(t.shape[d]) for t in pytree.tree_leaves(example[name])
-                    if isinstance(t, torch.Tensor) and t.dim() > d]
-            if held:
-                out[(name, d)] = max(held)
-    return out
+    """The size of each symbolic (input, dim) in ``example`` (``size_along``), in the
+    symbolic dims' order."""
+    return {(name, d): size_along(example[name], d) for name, dims in symbolic.items()
+            for d in dims}
 
 
 def _same(p: Probe, q: Probe) -> bool:

@@ -62,9 +62,7 @@ class _CoupledProber(Prober):
             if n.op == "placeholder" and n.name not in names:
                 info = n.meta.get(SHAPES)
                 if isinstance(info, ValueInfo) and info.is_tensor:  # at the call's batch
-                    shape = tuple(a + grown * (b - a) for a, b in zip(
-                        info.shape_a, info.shape_b or info.shape_a))
-                    self.shapes.append((shape, info.dtype or torch.float32))
+                    self.shapes.append((info.shape_grown(grown), info.dtype or torch.float32))
                 else:
                     self.shapes.append(((), torch.float64))  # a count kept as a number
 
