@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from mbcompile.execution.handover import hooks_aside
+from mbcompile.execution.handover import grads_aside, hooks_aside
 from mbcompile.execution.live_hooks import CallHooks, in_step, rewatched
 from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
 from mbcompile.execution.step_checks import StepChecks
@@ -142,13 +142,10 @@ class DeferredStep:
         loop, params = self.loop, self.params
         now = RngStates(loop.microbatches[0], self.generators)
         statistics = RunningStatistics(loop.body)  # updated by the call's forwards, once
-        saved = [p.grad for p in params]
-        for p in params:
-            p.grad = None
         same = []
         try:
-            with torch.enable_grad(), self.autocast(), hooks_aside(params), self.hooks(), \
-                    rewatched(self.watching):
+            with grads_aside(params), torch.enable_grad(), self.autocast(), \
+                    hooks_aside(params), self.hooks(), rewatched(self.watching):
                 for i in range(len(loop.microbatches)):
                     self.states[i].restore()
                     partial = loop._in_microbatch(i, lambda i=i: loop._call(i),
@@ -156,10 +153,8 @@ class DeferredStep:
                     same.append(same_values(fingerprint(partial), self.prints[i]))
                     loop._in_microbatch(i, lambda p=partial: p.backward(g), _AGAIN[1])
                     del partial
-            grads = [p.grad for p in params]
+                grads = [p.grad for p in params]
         finally:
-            for p, s in zip(params, saved):
-                p.grad = s
             statistics.restore()
             now.restore()
             self.states = []

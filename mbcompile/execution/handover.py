@@ -21,7 +21,7 @@ eager (on an FSDP2-sharded model too, where FSDP calls them after its reduce-sca
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from mbcompile.execution.noise import estimate_noise_scale
 from mbcompile.passes.errors import MicrobatchError
 from mbcompile.passes.hook_tables import emptied
 
-__all__ = ["FusedStep", "hand_over", "hooks_aside"]
+__all__ = ["FusedStep", "grads_aside", "hand_over", "hooks_aside"]
 
 
 def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n_params: int,
@@ -122,6 +122,21 @@ def hooks_aside(params: Sequence[torch.Tensor]) -> contextlib.AbstractContextMan
     the step's gradient (``weight.register_hook(lambda g: g * 0.5)`` scaled by 0.25)."""
     return emptied(hooks for p in params
                    for hooks in (p._post_accumulate_grad_hooks, p._backward_hooks))
+
+
+@contextlib.contextmanager
+def grads_aside(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The user's ``.grad`` of ``params`` set aside (None) while the block builds the
+    step's gradient in fresh slots with autograd's own accumulation, and put back whatever
+    happens (a failed step leaves them as they were)."""
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
 
 
 class FusedStep(torch.autograd.Function):

@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from mbcompile.execution.deferred import deferred
-from mbcompile.execution.handover import FusedStep, hand_over, hooks_aside
+from mbcompile.execution.handover import FusedStep, grads_aside, hand_over, hooks_aside
 from mbcompile.execution.live_hooks import UncheckedHookError, in_step
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.replay import RngStates
@@ -272,13 +272,14 @@ class _Loop:
         return joint
 
     def _run_autograd(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
-        # Set the user's gradients aside so autograd's own accumulation builds this
-        # step's gradient in fresh .grad slots; put them back whatever happens.
-        # The user's post-accumulate-grad and tensor hooks of parameters wait for the
-        # caller's backward (handover.py).
-        saved = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        # The user's gradients set aside, so autograd's own accumulation builds this
+        # step's gradient in fresh .grad slots, and put back whatever happens. The user's
+        # post-accumulate-grad and tensor hooks of parameters wait for the caller's
+        # backward (handover.py).
+        with grads_aside(params):
+            return self._autograd_step(params)
+
+    def _autograd_step(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         checks = self.checks = StepChecks(len(self.microbatches), params[0].device,
                                           self.noise is not None)
         hooks: list[Any] = []
@@ -340,8 +341,6 @@ class _Loop:
         finally:
             for h in hooks:
                 h.remove()
-            for p, g in zip(params, saved):
-                p.grad = g
         return results
 
     def _drain(self, k: int, rounds: int, in_backward: bool = False) -> None:

@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from mbcompile.execution import runtime
 from mbcompile.execution.frontier_gather import RankGather, mark_sent
-from mbcompile.execution.handover import hand_over, hooks_aside
+from mbcompile.execution.handover import grads_aside, hand_over, hooks_aside
 from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
 from mbcompile.execution.runtime import StepChannels, _Loop, read_host
 from mbcompile.execution.step_checks import take_refused
@@ -184,15 +184,8 @@ class _Step:
         return outs
 
     def run_fused(self, params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-        saved = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            with hooks_aside(params):  # post-accumulate-grad hooks fire in loss.backward()
-                outs, loss = self._three_phases(params)
-        finally:
-            for p, g in zip(params, saved):
-                p.grad = g
+        with grads_aside(params), hooks_aside(params):  # (those fire in loss.backward())
+            outs, loss = self._three_phases(params)
         self._check(loss)
         return outs
 
