@@ -32,14 +32,16 @@ import torch
 from mbcompile.dynamic_shapes import symbolic_reason
 from mbcompile.errors import BatchSizeWarning, RecompileWarning
 from mbcompile.execution.seeding import Guesses
-from mbcompile.inputs import Inputs, check_layout, check_unchanged, with_keywords
+from mbcompile.inputs import Inputs, batch_size, check_layout, check_unchanged, with_keywords
+from mbcompile.passes.errors import InputError
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.request import Request
 
 #: the ``CompiledModule`` these functions serve (``compiled_module.py`` imports this module)
 CompiledModule = Any
 
-__all__ = ["Family", "for_batch", "for_keywords", "for_presence", "for_shapes", "samples"]
+__all__ = ["Family", "for_batch", "for_global_batch", "for_keywords", "for_presence",
+           "for_shapes", "samples"]
 
 
 class Family:
@@ -134,6 +136,39 @@ def for_batch(cm: CompiledModule, batch: int, arguments: Mapping[str, Any]) -> C
         f"a batch of {samples(batch)}, where {type(cm.module).__name__} was compiled "
         f"for gbs={cm.plan.gbs}", BatchSizeWarning,
         "compile(..., batch_sizes='fixed') makes another batch size an error")
+
+
+def for_global_batch(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> CompiledModule:
+    """On ranks, the module that runs a global batch (``args``, ``kwargs``) that every rank
+    holds, as the Trainer does; it then cuts the rank's share by that module's ``plan``
+    (``cm.plan`` shows it too). ``cm`` for ``gbs`` samples. For another size (the epoch's
+    short last batch, a smaller validation batch), the variant one process runs
+    (``for_batch``, after ``for_shapes`` where the length changed, as ``forward`` derives
+    it): planned for that many samples over the same ranks (5 on 2 ranks: shares of 3 and
+    2), its counts the global batch's, reduced over the ranks as for ``gbs``. Every rank
+    holds the same batch, so every rank compiles the same variant, or raises the same
+    ``InputError`` before anything runs: fewer samples than ranks (a rank without a
+    sample), or ``batch_sizes="fixed"``."""
+    object.__setattr__(cm, "_ran", None)
+    arguments = cm._binder.bind(args, kwargs)
+    values = [arguments[n] for n in cm._inputs.names]
+    batch, plan = batch_size(cm._inputs, values), cm._selection.plan
+    if batch is None or batch == plan.gbs:
+        return cm
+    if cm._request.options.batch_sizes == "fixed" or batch < plan.num_csx:
+        fixed = cm._request.options.batch_sizes == "fixed"
+        raise InputError(
+            f"a global batch of {samples(batch)} on {plan.num_csx} ranks, where the module was "
+            f"compiled for gbs={plan.gbs}" + (
+                " with batch_sizes='fixed': pass batches of gbs samples, or compile with "
+                "batch_sizes='any'" if fixed else
+                f": rank {batch} would have no sample; every rank trains a share of at least "
+                f"one: drop the short last batch (DataLoader(..., drop_last=True)) or batch at "
+                f"least {plan.num_csx} samples") + "; nothing ran, on any rank")
+    varying = check_layout(cm._inputs, values, cm._layout, cm._request.options.dynamic)
+    module = for_shapes(cm, varying) if varying else cm
+    return cm._runs(for_batch(module, batch, arguments))
 
 
 def for_shapes(cm: CompiledModule, varying: Mapping[str, frozenset[int]]) -> CompiledModule:

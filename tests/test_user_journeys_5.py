@@ -104,12 +104,6 @@ def test_trainer_on_two_ranks_at_changing_lengths_with_validation_is_the_plain_l
 
 @pytest.mark.slow  # two ranks: 8 s or more on 2 cores
 @RANKS
-@pytest.mark.xfail(strict=True, reason="mbcompile.Trainer on 2 gloo ranks: the epoch's short "
-                   "last batch (5 of gbs 7; one process trains it exactly) and a validation "
-                   "batch of 4 are refused on both ranks alike by shard()'s InputError (it "
-                   "names drop_last=True); training them needs a plan of another batch size "
-                   "on ranks, not built (it was torch's narrow error on rank 1 and gloo's "
-                   "'Connection closed by peer' on rank 0)")
 def test_trainer_on_two_ranks_trains_a_short_last_batch_and_validates_a_small_one(tmp_path):
     _check_ranks(tmp_path, len(LENGTHS) + 1, short=True)
 

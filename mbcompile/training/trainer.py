@@ -300,25 +300,30 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         return make_row(phase, step, self.global_step, cm.plan, loss, seconds, lr, self.metrics,
                         output, batch)
 
-    def _local(self, batch: Any, cm: CompiledModule) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The call's arguments: the whole batch, or this rank's share of it."""
-        if self.backend == "torch.distributed":
-            import torch.distributed as dist
+    def _local(self, batch: Any, cm: CompiledModule
+               ) -> tuple[CompiledModule, tuple[Any, ...], dict[str, Any]]:
+        """The module that runs ``batch`` and the call's arguments: the whole batch, or on
+        ranks this rank's share of it, cut by the plan for its size (a short last batch
+        runs a variant planned for its size over the ranks: ``for_global_batch``)."""
+        if self.backend != "torch.distributed":
+            return (cm, *batch_args(batch))
+        import torch.distributed as dist
 
-            from mbcompile.execution.rank_shares import shard
+        from mbcompile.execution.rank_shares import shard
+        from mbcompile.variants import for_global_batch
 
-            if not isinstance(self.in_dims, int):
-                raise TrainerError("the torch.distributed backend in the Trainer shards "
-                                   "batches along one dim: give in_dims as an int")
-            batch = shard(batch, cm.plan, dist.get_rank(), self.in_dims)
-        return batch_args(batch)
+        if not isinstance(self.in_dims, int):
+            raise TrainerError("the torch.distributed backend in the Trainer shards "
+                               "batches along one dim: give in_dims as an int")
+        runs = for_global_batch(cm, *batch_args(batch))
+        return (runs, *batch_args(shard(batch, runs.plan, dist.get_rank(), self.in_dims)))
 
     def _train_step(self, step: int, batch: Any, task: Any, total: int | None) -> dict[str, Any]:
         cm = self.compile("train", batch)
-        args, kwargs = self._local(batch, cm)
+        runs, args, kwargs = self._local(batch, cm)
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        output = cm(*args, **kwargs)
+        output = runs(*args, **kwargs)
         loss = cm.loss_of(output)  # the analysis's rule: the leaf the step trains
         if not math.isfinite(float(loss.detach())):
             raise TrainerError(f"train step {step}: the loss is {float(loss)}; the step was not "
@@ -418,9 +423,9 @@ class Trainer(CheckpointingMixin, ProgressMixin):
             self.model.eval()
             for step, batch in enumerate(batches(val_data, max_steps, "validation"), 1):
                 cm = self.compile("validate", batch)
-                args, kwargs = self._local(batch, cm)
+                runs, args, kwargs = self._local(batch, cm)
                 started = time.perf_counter()
-                output = cm(*args, **kwargs)
+                output = runs(*args, **kwargs)
                 loss = cm.loss_of(output)
                 row = self._row("validate", step, cm, loss, output, batch,
                                 time.perf_counter() - started)
