@@ -105,6 +105,9 @@ def test_trainer_on_two_ranks_at_changing_lengths_with_validation_is_the_plain_l
 @pytest.mark.slow  # two ranks: 8 s or more on 2 cores
 @RANKS
 def test_trainer_on_two_ranks_trains_a_short_last_batch_and_validates_a_small_one(tmp_path):
+    """The epoch's short last batch (5 of gbs 7) and a validation batch of 4: every rank
+    runs its share of a plan for that size, as one process runs the batch (it was refused
+    on both ranks by shard()'s InputError naming drop_last=True)."""
     _check_ranks(tmp_path, len(LENGTHS) + 1, short=True)
 
 

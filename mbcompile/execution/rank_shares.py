@@ -84,8 +84,9 @@ def shard(batch: Any, plan: MicrobatchPlan, rank: int, dim: int = 0) -> Any:
         raise InputError(
             f"shard() cuts a global batch of gbs={plan.gbs} samples by the plan, but this one "
             f"has {', '.join(map(str, sorted(sizes)))} along dim {dim}; on ranks every step's "
-            f"batch has gbs samples: drop the short last batch (DataLoader(..., "
-            f"drop_last=True)), or batch with mbcompile.distributed.PlanSampler")
+            f"batch cut by hand has gbs samples: drop the short last batch (DataLoader(..., "
+            f"drop_last=True)), batch with mbcompile.distributed.PlanSampler, or train with "
+            f"mbcompile.Trainer, which plans a batch of another size for its size")
     s = rank_slice(plan, rank)
     return pytree.tree_map(
         lambda t: t.narrow(dim, s.start, s.stop - s.start) if isinstance(t, torch.Tensor) else t,
