@@ -324,7 +324,7 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         output = runs(*args, **kwargs)
-        loss = cm.loss_of(output)  # the analysis's rule: the leaf the step trains
+        loss = runs.loss_of(output)  # the analysis's rule: the leaf the step trains
         if not math.isfinite(float(loss.detach())):
             raise TrainerError(f"train step {step}: the loss is {float(loss)}; the step was not "
                                "applied (parameters and optimizer state are unchanged)")
@@ -426,7 +426,7 @@ class Trainer(CheckpointingMixin, ProgressMixin):
                 runs, args, kwargs = self._local(batch, cm)
                 started = time.perf_counter()
                 output = runs(*args, **kwargs)
-                loss = cm.loss_of(output)
+                loss = runs.loss_of(output)
                 row = self._row("validate", step, cm, loss, output, batch,
                                 time.perf_counter() - started)
                 self._record(row, task, total)
