@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from typing import Any
 
 import pytest
@@ -120,3 +121,31 @@ def test_a_batch_of_fewer_rows_than_ranks_is_refused_on_every_rank(tmp_path, fsd
         for name, p in ref["model"].named_parameters():  # as after the first step alone
             assert (got["grads"][name] - p.grad).abs().max() < 1e-12, (rank, name)
             assert (got["params"][name] - p.detach()).abs().max() < 1e-12, (rank, name)
+
+
+@pytest.mark.parametrize("rows, batch_sizes, shares, error", [
+    (GBS, "any", (4, 3), None),                      # gbs: the module itself
+    (5, "any", (3, 2), None),                        # the variant for 5 rows over 2 systems
+    (1, "any", None, "rank 1 would have no sample"),  # fewer rows than systems
+    (5, "fixed", None, "with batch_sizes='fixed'"),
+])
+def test_the_module_for_a_global_batch_and_its_shares(rows, batch_sizes, shares, error):
+    """What every rank derives from the global batch (here on one process, the same
+    arithmetic): the plan whose shares it cuts, or the same refusal, nothing compiled."""
+    from mbcompile.variants import for_global_batch
+
+    torch.manual_seed(0)
+    cm = mbcompile.compile(TinyGPT().double(), GBS, 2, MBS, example_inputs=TRAIN[0],
+                           cost_model=False, batch_sizes=batch_sizes)
+    batch = _batch(6, rows, seed=2)
+    if error is not None:
+        with pytest.raises(mbcompile.InputError, match=f"global batch of .* on 2 ranks.*{error}"):
+            for_global_batch(cm, batch, {})
+        assert not cm._variants
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mbcompile.BatchSizeWarning)
+        runs = for_global_batch(cm, batch, {})
+    assert (runs is cm) == (rows == GBS)
+    assert tuple(runs.plan.per_system_batch_sizes) == shares
+    assert cm.plan.gbs == rows  # the row the Trainer logs: the plan that ran
