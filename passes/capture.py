@@ -335,4 +335,9 @@ def _effects_as_outputs(graph: fx.Graph, changes: Sequence[Change], prints: Sequ
     effects = record_effects(changes, prints, name, len(leaves), returned)
     if effects.outputs:
         out.args = (leaves + effects.outputs,)
+        # fx makes an attribute's node (``x.shape`` printed, ``x.dtype`` stored) when it is
+        # first asked for, here, after the output: it must come before the output reads it
+        nodes = list(graph.nodes)
+        for late in nodes[nodes.index(out) + 1:]:
+            out.prepend(late)
     return effects

@@ -320,7 +320,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
             changes = snapshot.changes() + snapshot.unseen_assignments(writes)
             rewired = snapshot.rewired()
         rewiring_refused(rewired, name)
-        refuse_tensors(changes, prints, name)  # plain values are replayed as they are
+        refuse_tensors(changes, prints, name, fx_error)  # plain values are replayed as they are
         effects = record_effects(changes, prints, name)
         read = slot_guards(reach.slots, name)  # the globals as the user holds them again
         if specialised is not None:

@@ -259,7 +259,7 @@ def shadowable_methods(model: nn.Module) -> list[tuple[nn.Module, str]]:
     for module in model.modules():
         fn = type(module).forward
         code = getattr(fn, "__code__", None)
-        if code is None or fn.__module__.startswith("torch.nn"):
+        if code is None or (fn.__module__ or "").startswith("torch.nn"):
             continue
         for name in code.co_names:
             if name not in vars(module) and callable(getattr(type(module), name, None)) \

@@ -184,7 +184,12 @@ def _map(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) ->
         return fn(value)
     if isinstance(value, tuple):
         items = [_map(v, fn, kind) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if hasattr(value, "_fields"):
+            return type(value)(*items)
+        try:
+            return type(value)(items)
+        except TypeError:  # a torch.Size holds ints only, not what ``fn`` made of its sizes
+            return tuple(items)
     if isinstance(value, list):
         return type(value)(_map(v, fn, kind) for v in value)
     if isinstance(value, dict):
@@ -378,9 +383,11 @@ def _holds(value: Any, ids: frozenset[int], depth: int = 4) -> bool:
 
 
 def refuse_tensors(changes: Sequence[Change], prints: Sequence[PrintCall | LevelRead],
-                   model_name: str) -> None:
+                   model_name: str, fx_error: BaseException | None = None) -> None:
     """Under torch.export: an effect that holds a tensor is refused (export traces fake
-    tensors, and mbcompile does not map them to graph outputs yet)."""
+    tensors, and mbcompile does not map them to graph outputs yet). The fix names the fx
+    capture, which replays them, unless fx already failed on this forward (``fx_error``):
+    then what made it fail, and the way around both."""
     held = [(c.where, c.value) for c in changes] + [
         (f"print at {p.where}", (p.args, p.kwargs)) for p in prints if isinstance(p, PrintCall)]
     for where, value in held:
@@ -389,9 +396,9 @@ def refuse_tensors(changes: Sequence[Change], prints: Sequence[PrintCall | Level
         if found:
             raise CaptureError(
                 f"{model_name}.forward writes a tensor to {where}; under torch.export mbcompile "
-                "cannot replay that write once per step with the full batch's value. Fix: "
-                "compile with capture='fx' (it replays such writes), or return the value "
-                "from forward and store it outside")
+                "cannot replay that write once per step with the full batch's value. "
+                + _fx_fix(fx_error, "it replays such writes",
+                          "return the value from forward and store it outside"))
         # a size read off an input is symbolic there (the batch dim, a length that varies):
         # replayed as it is, it would leave export's symbol (``s23``) in the user's state
         _map(value, found.append, (torch.SymInt, torch.SymFloat, torch.SymBool))
@@ -399,8 +406,19 @@ def refuse_tensors(changes: Sequence[Change], prints: Sequence[PrintCall | Level
             raise CaptureError(
                 f"{model_name}.forward writes a size read off an input ({found[0]}) to "
                 f"{where}; under torch.export that size is symbolic, and mbcompile cannot "
-                "replay it with each call's value. Fix: compile with capture='fx' (it "
-                "replays sizes with the full batch's), or read the size outside forward")
+                "replay it with each call's value. "
+                + _fx_fix(fx_error, "it replays x.shape, x.size() and x.shape[0] with the full "
+                          "batch's sizes; tuple(x.shape) it cannot trace",
+                          "read the size outside forward"))
+
+
+def _fx_fix(fx_error: BaseException | None, why: str, otherwise: str) -> str:
+    """The fix of an effect export cannot replay: the fx capture, or (fx failed) the rest."""
+    if fx_error is None:
+        return f"Fix: compile with capture='fx' ({why}), or {otherwise}"
+    return (f"The torch.fx capture ({why}) failed first on this forward: "
+            f"{str(fx_error).splitlines()[0]}. Fix: make forward traceable by torch.fx, or "
+            f"{otherwise}")
 
 
 def rewiring_refused(rewired: Sequence[str], model_name: str) -> None:

@@ -13,6 +13,7 @@ generator as they were.
 
 from __future__ import annotations
 
+import datetime
 import io
 import random
 import time
@@ -123,7 +124,30 @@ class Refused(nn.Module):
             h = h * (1 + 0 * time.time())
         elif self.how == "clock_imported":
             h = h * (1 + 0 * perf_counter())
+        elif self.how == "datetime_now":  # a class method, bound anew at each access
+            h = h * (1 + 0 * datetime.datetime.now().microsecond)
+        elif self.how == "date_today":
+            h = h * (1 + 0 * datetime.date.today().day)
+        elif self.how == "localtime":
+            h = h * (1 + 0 * time.localtime().tm_sec)
         return F.mse_loss(h, y)
+
+
+def _clock_in_a_closure(how: str, path: Path | None = None) -> nn.Module:
+    """A model class defined in a function that imports the clock: forward reaches it
+    through a closure variable, not a global (it compiled, the time frozen at compile)."""
+    import datetime as clock_module
+    import time as clock
+
+    class ClosureClock(Refused):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            global COUNTER
+            COUNTER += 1
+            stamp = clock.time() if how == "closure_time" else \
+                clock_module.datetime.now().timestamp()
+            return F.mse_loss(self.lin(x) * (1 + 0 * stamp), y)
+
+    return ClosureClock(how, path)
 
 
 class ReadsFile(nn.Module):
@@ -159,6 +183,11 @@ REFUSALS = {
     "numpy_random": "draws from numpy's random generator",
     "clock": "reads the clock",
     "clock_imported": "reads the clock",
+    "datetime_now": r"reads the clock \(datetime.now\)",
+    "date_today": r"reads the clock \(date.today\)",
+    "localtime": "reads the clock",
+    "closure_time": "reads the clock",
+    "closure_datetime": r"reads the clock \(datetime.now\)",
     "file_object": "the global LOG_FILE, a StringIO",
     "array": "the global ARRAY, a ndarray",
     "module": "the global ENCODER, a Linear",
@@ -170,7 +199,9 @@ def test_a_call_no_step_can_replay_is_refused_with_nothing_changed(how: str, tmp
                                                                    ) -> None:
     torch.manual_seed(0)
     path = tmp_path / "written.txt"
-    kind = {"file_object": ReadsFile, "array": ReadsArray, "module": ReadsModule}.get(how, Refused)
+    kind = {"file_object": ReadsFile, "array": ReadsArray, "module": ReadsModule,
+            "closure_time": _clock_in_a_closure, "closure_datetime": _clock_in_a_closure,
+            }.get(how, Refused)
     model = kind(how, path).double()
     x, y = torch.randn(GBS, 4, dtype=torch.float64), torch.randn(GBS, 3, dtype=torch.float64)
     before = state_of(model)

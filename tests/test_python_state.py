@@ -131,6 +131,8 @@ class Logging(nn.Module):
             self.returned = loss  # the very tensor forward returns
         if self.kind in ("print", "all"):
             print("loss", loss.detach(), "rows", o.detach()[:2])
+        if self.kind in ("shape", "all"):  # a size, a dtype: fx made their node after output
+            print("batch", x.shape, x.size(), o.shape[1:], o.dtype)
         return loss, o
 
 
@@ -138,7 +140,7 @@ def _logged(m: nn.Module) -> Any:
     return m.stats, m.history, m.last, vars(m).get("returned", None)
 
 
-@pytest.mark.parametrize("kind", ["dict", "list", "attr", "print", "all"])
+@pytest.mark.parametrize("kind", ["dict", "list", "attr", "print", "shape", "all"])
 def test_logging_in_forward_is_replayed_once_per_step_with_full_batch_values(kind, capsys):
     torch.manual_seed(0)
     model = Logging(kind)
@@ -146,6 +148,52 @@ def test_logging_in_forward_is_replayed_once_per_step_with_full_batch_values(kin
     if kind == "attr":
         out = cm(*_batch())
         assert model.returned is out[0]  # the returned tensor itself, as in eager
+
+
+def test_a_printed_shape_is_the_calls_full_batch_at_every_batch_size(capsys):
+    """``print(x.shape)`` (a MixingError about a node fx made after the output, before) is
+    replayed with each call's full batch, at gbs and at other batch sizes."""
+    torch.manual_seed(0)
+    model = Logging("shape")
+    ref = copy.deepcopy(model)
+    cm = _compile(model, _batch())
+    for n in (GBS, 5, 9):
+        for call in (cm, ref):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", mbcompile.MbcompileWarning)
+                call(*_batch(n))
+        got, want = capsys.readouterr().out.splitlines()
+        assert got == want == f"batch torch.Size([{n}, 4]) torch.Size([{n}, 4]) " \
+            "torch.Size([3]) torch.float64", (n, got, want)
+
+
+def test_a_forward_made_by_exec_compiles_and_trains_as_eager(capsys):
+    """A forward defined by ``exec`` in a namespace without ``__name__`` (code generated at
+    run time) has no ``__module__``: compile raised AttributeError reading it."""
+    namespace: dict[str, Any] = {"F": F}
+    exec("def forward(self, x, y):\n    return F.mse_loss(self.a(x), y), self.a(x)\n",
+         namespace)
+    model = type("Generated", (Logging,), {"forward": namespace["forward"]})("none")
+    _three_steps(model, _logged, capsys)
+
+
+def test_a_printed_shape_under_export_is_refused_naming_why_fx_failed():
+    """Under torch.export a printed size of the batch dim is symbolic: refused (it was a
+    TypeError out of torch.Size), and where fx failed first the fix does not send the user
+    back to it."""
+    class Iterated(Logging):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            print("batch", tuple(x.shape))  # fx cannot iterate a traced size
+            return F.mse_loss(self.a(x), y)
+
+    for capture, fix in (("export", "compile with capture='fx'"),
+                         ("auto", "failed first on this forward")):
+        model = Iterated("shape")
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(mbcompile.CaptureError, match="size read off an input") as err:
+            _compile(model, _batch(), capture=capture)
+        assert fix in str(err.value), (capture, str(err.value))
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.parametrize("kw", [{"recompute": True}, {"torch_compile": COMPILED},
