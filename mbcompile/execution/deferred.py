@@ -29,9 +29,12 @@ that computes in float16 by itself, decided at lowering: ``body_in_float16``) wa
 
 It costs one more forward per microbatch, at the first step of a run (and of a graph
 compiled before any step of its module was backpropagated); every later step is guessed
-from it. Not taken, the step is guessed as before: float32 and bfloat16, ranks, FSDP,
-``torch_compile``'s joint graphs, the noise scale, a graph that writes state back (the
-write would be seen by the second forward), inside a ``saved_tensors_hooks`` context.
+from it. On ranks each rank's backwards run in its own ``loss.backward()``, which then
+agrees on a status (a second forward that failed on one rank stops every rank) and
+all-reduces the gradients (no overlap, that step only). Not taken, the step is guessed
+as before: float32 and bfloat16, FSDP, ``torch_compile``'s joint graphs, the noise
+scale, a graph that writes state back (the write would be seen by the second forward),
+inside a ``saved_tensors_hooks`` context.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from torch.utils import _pytree as pytree
 from mbcompile.execution.handover import grads_aside, hooks_aside
 from mbcompile.execution.live_hooks import CallHooks, in_step, rewatched
 from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
-from mbcompile.execution.step_checks import StepChecks
+from mbcompile.execution.step_checks import StepChecks, read_host
 from mbcompile.passes.errors import MicrobatchError
 from mbcompile.passes.generators import generators_of
 
@@ -90,9 +93,11 @@ def deferred(loop: Any, params: Sequence[torch.Tensor]) -> DeferredStep | None:
     """The loop's step as a ``DeferredStep`` where it is a first float16 step that can wait
     for its seed, else None (guessed, as every later step: the cheap tests first)."""
     seeding = loop.seeding
-    if (seeding is None or not loop.replayable or loop.distributed
+    # the same answer on every rank (nothing here reads a rank's own share but its dtypes;
+    # a rank that refuses its call raises in ``forward``, the others stop at the status)
+    if (seeding is None or not loop.replayable
             or loop.sharded is not None or loop.joint is not None
-            or loop.noise is not None or loop.refused is not None or in_step.watching is None
+            or loop.noise is not None or in_step.watching is None
             or not seeding.unguessed(loop.microbatches, loop.systems)  # (a count, once)
             or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
             or not (seeding.float16 or computes_in_float16(params, loop.microbatches[0]))):
@@ -117,6 +122,8 @@ class DeferredStep:
         """Every microbatch's forward, its graph dropped: what the call returns."""
         loop = self.loop
         checks = loop.checks = StepChecks(len(loop.microbatches), self.params[0].device, False)
+        if loop.refused is not None:  # on ranks: raised here, every rank stops at the status
+            raise loop.refused
         results = []
         with torch.enable_grad():
             for i, mb in enumerate(loop.microbatches):
@@ -154,10 +161,28 @@ class DeferredStep:
                     loop._in_microbatch(i, lambda p=partial: p.backward(g), _AGAIN[1])
                     del partial
                 grads = [p.grad for p in params]
+            self._check(same)
+        except Exception as exc:
+            if loop.distributed:  # every rank learns it before the gradients' all-reduce
+                self._agree(exc)
+            raise
         finally:
             statistics.restore()
             now.restore()
             self.states = []
+        if loop.distributed:
+            self._agree(None)
+        return grads
+
+    def _agree(self, error: BaseException | None) -> None:
+        """On ranks: the status all-reduce of the second forwards and backwards (raises
+        ``error`` here, and on every other rank where one failed)."""
+        from mbcompile.execution.distributed import step_status
+
+        step_status(error, torch.zeros(0, device=self.params[0].device), read=read_host)
+
+    def _check(self, same: list[torch.Tensor]) -> None:
+        """The second forwards computed the losses the call returned (one device read)."""
         if same and not bool(torch.stack(same).all()):  # one read, at the first step only
             raise MicrobatchError(
                 "the first float16 step runs each microbatch's forward again in "
@@ -169,7 +194,6 @@ class DeferredStep:
                 "backward. Fix: keep the generator as an attribute of the module that draws "
                 "from it, or draw the noise outside the model and pass it in; nothing was "
                 "handed over (the parameters' .grad are as they were)")
-        return grads
 
 
 class _Autocast:

@@ -73,7 +73,8 @@ def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n
             "add the terms into one backward ((2 * loss).backward()), or call the module "
             "again for each backward")
     step, owner.step_grads = owner.step_grads, None
-    reduce(step)
+    if owner.deferred is None:  # (a first float16 step's are made below, then reduced)
+        reduce(step)
     loss_grads = [grads[i] for i in loss_positions]
     if all(g is None for g in loss_grads):
         return (None, None) + (None,) * n_params
@@ -85,6 +86,7 @@ def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n
                               "combined loss can be differentiated")
     if owner.deferred is not None:  # the first float16 step: its backwards run now, with g
         step, owner.seed_value = owner.deferred.backward(g), g
+        reduce(step)
     seeding = owner.seeding
     factor = g if seeding is None else seeding.factor(g, owner.seed_value)
     if noise is not None:

@@ -210,6 +210,9 @@ class _Loop:
         return result
 
     def run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+        # decided alike on every rank, before its collectives: a first float16 step reduces
+        # its gradients when its backwards have run, in loss.backward(), with no overlap
+        self.deferred = deferred(self, params)
         if self.distributed:
             from mbcompile.execution import distributed
 
@@ -217,12 +220,12 @@ class _Loop:
             self.reduced = [not (self.sharded is not None and self.sharded.owns(p))
                             for p in params]
             replicated = [p for p, r in zip(params, self.reduced) if r]
-            if distributed.OVERLAP and replicated:  # made first: a failing rank can still join
-                self.reducer = distributed.OverlappedReduce(replicated)
-        return self._agreed(lambda: self._run_fused(params), lambda: self.checks.packed())
+            if distributed.OVERLAP and replicated and self.deferred is None:
+                self.reducer = distributed.OverlappedReduce(replicated)  # made first: a
+        return self._agreed(lambda: self._run_fused(params),     # failing rank can still join
+                            lambda: self.checks.packed())
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
-        self.deferred = deferred(self, params)
         if self.deferred is not None:  # the first float16 step: no guess to seed it with
             return self.deferred.forward()
         joint = self._joint(params)
