@@ -91,7 +91,12 @@ def test_demo_runs_with_no_files(tmp_path):
     (tmp_path / "run.yaml").write_text(textwrap.dedent(printed))
     fit = run("fit", "run.yaml", "--max-steps", "1", "--out", "next", cwd=tmp_path)
     assert fit.returncode == 0, fit.stderr
-    assert (tmp_path / "next" / "metrics.csv").exists()
+    # ... and plans what the demo's Trainer ran: its small systems, not the host's
+    ran = re.search(r"train: compiled .* mbs (\d+) \(requested auto\), (\d+) microbatches", out)
+    with open(tmp_path / "next" / "metrics.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["mbs"], row["num_microbatches"]) == ran.groups()
+    assert ran[0].split(": ", 1)[1].split(":", 1)[1] in fit.stdout  # gbs, mbs, microbatches
 
 
 @pytest.mark.parametrize("example", tiered(EXAMPLE_FILES, fast=("tiny_gpt",)))
