@@ -456,3 +456,29 @@ def test_ctrl_c_exits_130_with_a_short_message(tmp_path):
     assert len(err.splitlines()) <= 3  # the message, what was kept, the mbs warning
     with open(tmp_path / "run" / "metrics.csv") as f:
         assert len(list(csv.DictReader(f))) >= 5
+
+
+def test_explore_plans_only_in_the_cli(tmp_path, capsys):
+    """``--mbs explore`` compares MBS values and pins none: ``compile`` implies
+    --compile-only; ``fit`` and ``validate`` refuse it, before building anything, with the
+    command that explores (not the Python API's ``compile_only=True``)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: mlp\nbatch_size: 8\nnum_csx: 2\n"
+                    "callbacks: [{ScopedValidateFlags: {micro_batch_size: explore}}]\n")
+    art = tmp_path / "art"
+    assert main(["compile", str(path), "--mbs", "explore", "--out", str(art)]) == 0
+    out = capsys.readouterr().out
+    assert "compiling with --compile-only" in out and "compile-only: mlp" in out
+    assert (art / "plan.txt").exists()
+    assert main(["fit", str(path), "--mbs", "explore:1:2", "--out", str(tmp_path / "f")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --mbs is explore:1:2: ")
+    assert f"`mbcompile compile {path} --mbs explore:1:2 --compile-only`" in err
+    assert "compile_only=True" not in err
+    # the config's validate flag explores: fit (which validates) and validate refuse it
+    for command in ("fit", "validate"):
+        assert main([command, str(path), "--out", str(tmp_path / "f")]) == 1
+        err = capsys.readouterr().err
+        assert f"{path}'s validate micro_batch_size is explore" in err
+        assert "--mbs explore --compile-only --phase validate`" in err
+    assert not (tmp_path / "f").exists()  # refused before anything ran

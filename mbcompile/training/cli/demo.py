@@ -15,7 +15,7 @@ from rich.console import Console
 import mbcompile.compiler as compiler
 from mbcompile.check import relative_error
 from mbcompile.models import make_tiny_gpt, token_batch
-from mbcompile.planning.plan import make_plan
+from mbcompile.planning.plan import make_plan, parse_mbs
 from mbcompile.planning.systems import TEXT_FIELDS, SystemSpec, get_system
 from mbcompile.training.cli.messages import EXIT_OK, CommandError, echo
 from mbcompile.training.flags import GlobalFlags
@@ -106,6 +106,10 @@ def _split_line(plan: Any) -> str:
 
 def run_demo(args: argparse.Namespace) -> int:
     gbs, num_csx = args.gbs, args.num_csx
+    if parse_mbs(args.mbs).mode == "explore":
+        raise CommandError(f"--mbs {args.mbs} plans only, and the demo trains: explore a "
+                           "config's MBS with `mbcompile compile CONFIG.yaml --mbs explore "
+                           "--compile-only`")
     if gbs < num_csx:
         raise CommandError(f"--gbs {gbs} is smaller than --num-csx {num_csx}: each system "
                            "needs at least one sample")
