@@ -152,6 +152,14 @@ def test_fit_two_steps(fits, example):
     assert [r["step"] for r in rows if r["phase"] == "train"] == ["1", "2"]
     assert any(r["phase"] == "validate" for r in rows)
     assert (out / "metrics.jsonl").exists()
+    # the summary's validation loss is the last validation's mean, as its own line says
+    validated = [r for r in rows if r["phase"] == "validate"]
+    last = validated[max(i for i, r in enumerate(validated) if r["step"] == "1"):]
+    mean = sum(float(r["loss"]) for r in last) / len(last)
+    said = re.search(r"last validation: mean loss (\d+\.\d+) over (\d+) steps?$",
+                     result.stdout, re.M)
+    assert (float(said[1]), int(said[2])) == (pytest.approx(mean, abs=5e-5), len(last))
+    assert f"validate: mean loss {said[1]} over {len(last)} steps" in result.stdout
 
 
 @pytest.mark.slow
@@ -162,7 +170,8 @@ def test_fit_on_cpu_ranks_matches_one_process(tmp_path, fits, monkeypatch, capsy
     ranks = run("fit", str(EXAMPLES / "mlp.yaml"), "--max-steps", "2", "--nproc", "3",
                 "--out", "ranks", cwd=tmp_path, timeout=240)
     assert one.returncode == 0 and ranks.returncode == 0, ranks.stderr
-    def losses(out: str) -> list[float]:  # "trained 2 steps: loss a -> b; last validation loss c"
+    def losses(out: str) -> list[float]:  # "trained 2 steps: loss a -> b; last validation:
+        # mean loss c over 2 steps"
         line = next(line for line in out.splitlines() if line.startswith("trained"))
         return [float(x) for x in re.findall(r"\d+\.\d+", line)]
 

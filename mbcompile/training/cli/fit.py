@@ -217,11 +217,14 @@ def _fit(cfg: Config, args: argparse.Namespace, out: Path, rank: int = 0) -> int
         raise
     train_rows = [r for r in rows if r["phase"] == "train"]
     val_rows = [r for r in rows if r["phase"] == "validate"]
+    if val_rows:  # the last validation: the rows from its step 1 on
+        last = val_rows[max(i for i, r in enumerate(val_rows) if r["step"] == 1):]
+        mean = sum(r["loss"] for r in last) / len(last)
+        validated = (f"; last validation: mean loss {mean:.4f} over {len(last)} "
+                     f"step{'s' if len(last) != 1 else ''}")
     if train_rows:
         say(f"trained {len(train_rows)} steps: loss {train_rows[0]['loss']:.4f} -> "
-            f"{train_rows[-1]['loss']:.4f}" + (f"; last validation loss "
-                                                f"{val_rows[-1]['loss']:.4f}" if val_rows
-                                                else ""))
+            f"{train_rows[-1]['loss']:.4f}" + (validated if val_rows else ""))
     say(f"metrics: {log_dir / 'metrics.csv'} and {log_dir / 'metrics.jsonl'}")
     if trainer.last_checkpoint is not None:
         say(f"checkpoint: {trainer.last_checkpoint}")
