@@ -412,3 +412,39 @@ def test_model_init_meta_plans_what_the_materialised_model_plans(tmp_path):
     with pytest.raises(ConfigError, match=r"model.init: unknown value 'metal' \(did you mean "
                                           r"'meta'\?\)"):
         load_config(write(tmp_path, "model: {name: mlp, init: metal}\nbatch_size: 8\n"))
+
+
+def test_compile_options_reach_compile_and_fit_alike(tmp_path, capsys):
+    """``compile_options:`` sets more of compile()'s options by name: the Trainer that
+    ``fit`` builds and ``mbcompile compile`` get them the same way; a misspelt option is
+    a located ConfigError with "did you mean", an option with a key of its own is sent
+    there."""
+    from mbcompile.training.cli.main import main
+
+    head = "model: mlp\nbatch_size: 8\nnum_csx: 2\n"
+    path = write(tmp_path, head + "compile_options:\n  precision: bf16-mixed\n"
+                                  "  recompute: false\n  nonfinite: return\n"
+                                  "  optimizer: adamw-mixed\n")
+    cfg = load_config(path)
+    options = {"precision": "bf16-mixed", "recompute": False, "nonfinite": "return",
+               "optimizer": "adamw-mixed"}
+    assert cfg.compile_options == options
+    trainer = build_trainer(cfg, log_dir=str(tmp_path / "run"), progress=False)
+    assert options.items() <= trainer.compile_options.items()
+    assert options.items() <= compile_options(cfg).items()
+    # mbcompile compile plans under them: the plan's precision is the config's
+    assert main(["compile", str(path), "--compile-only", "--mbs", "2",
+                 "--out", str(tmp_path / "art")]) == 0
+    plan = (tmp_path / "art" / "plan.txt").read_text()
+    assert "precision: bf16-mixed" in plan and "adamw-mixed" in plan
+    assert "precision: bf16-mixed" in capsys.readouterr().out
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, head + "compile_options:\n  recompte: true\n"))
+    assert str(info.value).startswith(f"{tmp_path / 'run.yaml'}:5: compile_options: unknown "
+                                      "key 'recompte' (did you mean 'recompute'?)")
+    with pytest.raises(ConfigError, match=r"run.yaml:5: compile_options.outputs: outputs has "
+                                          r"a key of its own: write outputs: at the top level"):
+        load_config(write(tmp_path, head + "compile_options:\n  outputs: all\n"))
+    with pytest.raises(ConfigError, match=r"run.yaml:4: compile_options: this section must "
+                                          r"be a mapping of mbcompile.compile's options"):
+        load_config(write(tmp_path, head + "compile_options: bf16-mixed\n"))

@@ -124,7 +124,9 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
     model = build_model(cfg)
     model.train(phase == "train")
     # the plan holds the state of the optimizer fit would train with, as fit's Trainer does
-    options["optimizer"] = build_optimizer(cfg, model)
+    # (a name in compile_options, e.g. adamw-mixed, says what the instance cannot)
+    if "optimizer" not in options:
+        options["optimizer"] = build_optimizer(cfg, model)
     args, kwargs = batch_args(_first_batch(cfg, phase))
     if cfg.model_init == "meta":  # the example's shapes and dtypes, on the model's device
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))

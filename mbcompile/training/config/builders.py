@@ -154,11 +154,13 @@ def build_callbacks(cfg: Config, mbs: Any = None) -> list[Callback]:
 
 def compile_options(cfg: Config, *, compile_only: bool = False,
                     validate_only: bool = False) -> dict[str, Any]:
-    """The keyword options of ``mbcompile.compile`` that ``cfg`` sets: ``in_dims``,
-    ``outputs``, ``system``, ``backend``, ``compile_only`` and ``validate_only``
-    (``mbcompile compile``). ``outputs`` is the one ``build_trainer`` hands the Trainer,
-    so that ``compile`` plans the step ``fit`` runs."""
-    options: dict[str, Any] = {"in_dims": cfg.in_dims, "outputs": cfg.outputs}
+    """The keyword options of ``mbcompile.compile`` that ``cfg`` sets: its
+    ``compile_options``, ``in_dims``, ``outputs``, ``system``, ``backend``, ``compile_only``
+    and ``validate_only`` (``mbcompile compile``). ``compile_options`` and ``outputs`` are
+    what ``build_trainer`` hands the Trainer, so that ``compile`` plans the step ``fit``
+    runs."""
+    options: dict[str, Any] = {**cfg.compile_options, "in_dims": cfg.in_dims,
+                               "outputs": cfg.outputs}
     if cfg.system is not None:
         options["system"] = cfg.system
     if cfg.backend != "auto":
@@ -196,7 +198,8 @@ def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
                    backend=cfg.backend,
                    in_dims=cfg.in_dims, log_dir=log_dir if write_metrics else None,
                    log_every=cfg.log_every, progress=progress, console=console,
-                   compile_options={"outputs": cfg.outputs, **(compile_options or {})},
+                   compile_options={**cfg.compile_options, "outputs": cfg.outputs,
+                                    **(compile_options or {})},
                    checkpoint_dir=checkpoint_dir or os.path.join(log_dir, "checkpoints"),
                    checkpoint_every=cfg.checkpoint_every,
                    keep_checkpoints=cfg.keep_checkpoints, config=cfg.to_plain(),

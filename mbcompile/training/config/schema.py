@@ -39,6 +39,7 @@ from mbcompile.training.flags import (
     ScopedValidateFlags,
     resolve_key,
 )
+from mbcompile.training.trainer import COMPILE_OPTIONS
 
 __all__ = ["BACKENDS", "BUILTIN_MODELS", "CALLBACKS", "DEFAULT_OUTPUTS", "DEFAULT_OUTPUT_ROOT",
            "REQUIRED_TOP", "SHARDS", "SYNTHETIC", "TOP_KEYS", "Sections"]
@@ -83,7 +84,12 @@ TOP_KEYS: dict[str, str] = {
     "shard": "'none' (default) or 'fsdp': fully_shard each repeated block and the root",
     "outputs": "what a training step returns, for compile and fit alike: 'loss' (default: "
                "the logits are never kept), 'all', or a list of output names",
+    "compile_options": "more of mbcompile.compile's options, by name, for compile and fit "
+                       "alike: {precision: bf16-mixed, recompute: true, ...}",
 }
+#: compile()'s options set by a top-level key of their own, so not under compile_options
+#: (``optimizer:`` builds the instance; compile_options.optimizer may name a state layout).
+OWN_KEY_OPTIONS = ("system", "backend", "outputs", "compile_only", "validate_only")
 LR_SCALING_KEYS = ("reference_batch_size", "rule", "warmup_steps")
 REQUIRED_TOP = ("model", "batch_size")
 FIT_KEYS = {"max_steps": 10, "val_steps": 2, "val_every": None, "log_every": 1,
@@ -407,6 +413,20 @@ class Sections(Checks):
             raise self.fail(path, f"must be one of {', '.join(OUTPUT_MODES)} or a list of "
                             f"output names, got {type_name(value)} {value!r}")
         return value
+
+    def compile_options(self, value: Any) -> dict[str, Any]:
+        """``compile_options:`` the options ``Trainer(compile_options=...)`` takes, by name,
+        but those set by a key of their own here (``outputs``, ``system``, ...). Their values
+        are ``mbcompile.compile``'s to check, when it runs."""
+        path: Path_ = ("compile_options",)
+        if value is None:
+            return {}
+        for k in value if isinstance(value, dict) else ():
+            if k in OWN_KEY_OPTIONS:
+                raise self.fail(path + (k,), f"{k} has a key of its own: write {k}: at the top "
+                                "level of the file, not under compile_options", key=True)
+        allowed = [k for k in COMPILE_OPTIONS if k not in OWN_KEY_OPTIONS]
+        return dict(self.mapping(path, value, allowed, what=" of mbcompile.compile's options"))
 
     def in_dims(self, value: Any) -> Any:
         path: Path_ = ("in_dims",)
