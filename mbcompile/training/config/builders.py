@@ -101,8 +101,9 @@ def build_data(cfg: Config, split: str = "train") -> Iterable[Any]:
 
     A factory is called as ``factory(**kwargs, split=..., batch_size=...)`` (the last
     two only where its signature takes them) and returns a dataloader (any iterable
-    of batches) or a map-style/iterable ``Dataset``, which is batched here with
-    ``drop_last=True`` so every batch has exactly ``batch_size`` samples.
+    of batches) or a map-style/iterable ``Dataset``, which is batched here: every row once
+    an epoch, the last batch short where the rows do not divide (the Trainer trains it
+    exactly); ``data.drop_last: true`` leaves it out, so every batch has ``batch_size``.
     """
     if cfg.data == SYNTHETIC:
         return synthetic_batches(cfg, split)
@@ -123,7 +124,7 @@ def build_data(cfg: Config, split: str = "train") -> Iterable[Any]:
         g = torch.Generator().manual_seed(cfg.data_seed)
         shuffle = split == "train" and not isinstance(data, torch.utils.data.IterableDataset)
         return torch.utils.data.DataLoader(data, batch_size=cfg.batch_size, shuffle=shuffle,
-                                           drop_last=True, generator=g)
+                                           drop_last=cfg.drop_last, generator=g)
     if not isinstance(data, Iterable):
         raise cfg.error(path, f"the data factory {cfg.data!r} returned a "
                         f"{type(data).__name__}; return a dataloader (an iterable of batches) "

@@ -73,6 +73,8 @@ class Config:
     outputs: Any = DEFAULT_OUTPUTS  # compile's ``outputs``: "loss", "all" or output names
     #: ``compile_options:``: more of compile's options, by name (``Trainer(compile_options=)``)
     compile_options: Mapping[str, Any] = field(default_factory=dict)
+    #: ``data.drop_last``: a factory's Dataset is batched without its short last batch
+    drop_last: bool = False
 
     @property
     def builtin(self) -> bool:
@@ -107,7 +109,8 @@ def parse_config(data: Any, marks: Marks) -> Config:
     top = v.mapping((), data, TOP_KEYS, REQUIRED_TOP)
     model, model_kwargs, model_config = v.model(top["model"])
     model_init = v.model_init(top["model"])
-    data_source, data_kwargs, data_seed, num_batches = v.data(top.get("data", SYNTHETIC), model)
+    data_source, data_kwargs, data_seed, num_batches, drop_last = v.data(
+        top.get("data", SYNTHETIC), model)
     batch_size = v.integer(("batch_size",), top["batch_size"], 1)
     num_csx = v.integer(("num_csx",), top.get("num_csx", 1), 1)
     if batch_size < num_csx:
@@ -146,4 +149,5 @@ def parse_config(data: Any, marks: Marks) -> Config:
         output_dir=output_dir, compile_only=compile_only, validate_only=validate_only,
         lr_scaling=lr_scaling, checkpoint_every=fit["checkpoint_every"],
         keep_checkpoints=fit["keep_checkpoints"], shard=shard, model_config=model_config,
-        model_init=model_init, outputs=outputs, compile_options=options, marks=marks)
+        model_init=model_init, outputs=outputs, compile_options=options, drop_last=drop_last,
+        marks=marks)

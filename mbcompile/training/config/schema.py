@@ -94,7 +94,7 @@ LR_SCALING_KEYS = ("reference_batch_size", "rule", "warmup_steps")
 REQUIRED_TOP = ("model", "batch_size")
 FIT_KEYS = {"max_steps": 10, "val_steps": 2, "val_every": None, "log_every": 1,
             "checkpoint_every": None, "keep_checkpoints": 2}
-DATA_KEYS = ("source", "kwargs", "seed", "num_batches")
+DATA_KEYS = ("source", "kwargs", "seed", "num_batches", "drop_last")
 MODEL_KEYS = ("name", "class", "kwargs", "config", "init")  # name and class: one key, two spellings
 #: ``model.init``: "random" draws the weights from ``seed``; "meta" builds the model on the
 #: meta device (shapes, no values), for compile-only and validate-only plans of large models.
@@ -181,7 +181,8 @@ class Sections(Checks):
                             "give its fields under model.config ({class: " + name +
                             ", config: {hidden_size: 32, ...}})", key=True)
 
-    def data(self, value: Any, model: str) -> tuple[str, dict[str, Any], int | None, int]:
+    def data(self, value: Any, model: str
+             ) -> tuple[str, dict[str, Any], int | None, int, bool]:
         path: Path_ = ("data",)
         section: dict[str, Any] = {}
         if isinstance(value, str):
@@ -195,6 +196,7 @@ class Sections(Checks):
         kwargs = self.kwargs(path + ("kwargs",), section.get("kwargs"))
         seed = self.optional_integer(path + ("seed",), section.get("seed"), 0)
         num_batches = self.integer(path + ("num_batches",), section.get("num_batches", 4), 1)
+        drop_last = self.boolean(path + ("drop_last",), section.get("drop_last", False))
         if source == SYNTHETIC:
             if kwargs:
                 raise self.fail(path + ("kwargs",), "synthetic data takes no kwargs (only seed "
@@ -206,7 +208,7 @@ class Sections(Checks):
                                 f"({', '.join(BUILTIN_MODELS)}); for {model!r} give data: "
                                 "{source: package.module:factory} returning a dataset or a "
                                 "dataloader")
-            return source, kwargs, seed, num_batches
+            return source, kwargs, seed, num_batches, drop_last
         if ":" not in source:
             raise self.fail(source_path, f"unknown data source {source!r}"
                             f"{suggest_from(source, [SYNTHETIC])}; use 'synthetic' or an import "
@@ -217,7 +219,7 @@ class Sections(Checks):
         accepted = signature_names(factory)
         self.signature_kwargs(path + ("kwargs",), factory, kwargs,
                               provided=[p for p in ("split", "batch_size") if p in accepted])
-        return source, kwargs, seed, num_batches
+        return source, kwargs, seed, num_batches, drop_last
 
     def system(self, value: Any) -> Any:
         """A preset name (kept as written: compile resolves it) or a mapping of
