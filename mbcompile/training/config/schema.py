@@ -39,7 +39,6 @@ from mbcompile.training.flags import (
     ScopedValidateFlags,
     resolve_key,
 )
-from mbcompile.training.trainer import COMPILE_OPTIONS
 
 __all__ = ["BACKENDS", "BUILTIN_MODELS", "CALLBACKS", "DEFAULT_OUTPUTS", "DEFAULT_OUTPUT_ROOT",
            "REQUIRED_TOP", "SHARDS", "SYNTHETIC", "TOP_KEYS", "Sections"]
@@ -423,6 +422,9 @@ class Sections(Checks):
         path: Path_ = ("compile_options",)
         if value is None:
             return {}
+        # here, not at the top: only a config that sets options pays for importing the Trainer
+        from mbcompile.training.trainer import COMPILE_OPTIONS
+
         for k in value if isinstance(value, dict) else ():
             if k in OWN_KEY_OPTIONS:
                 raise self.fail(path + (k,), f"{k} has a key of its own: write {k}: at the top "
