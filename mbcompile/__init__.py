@@ -53,7 +53,9 @@ _NAMES = {
         "CompileOnlyError", "CostModelError", "CostModelWarning", "DoesNotFitError",
         "TwoPhaseWarning")},
 }
-#: modules users reach as ``mbcompile.<name>`` (``mbcompile.distributed.shard``, ...)
+#: modules users reach as ``mbcompile.<name>`` (``mbcompile.distributed.shard``, ...); those
+#: that live deeper have a file of that name too (``mbcompile/distributed.py``), so that
+#: ``import mbcompile.distributed`` and ``from mbcompile.distributed import shard`` work
 _MODULES = {
     "check": "mbcompile.check",
     "errors": "mbcompile.errors",

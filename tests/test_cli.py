@@ -91,7 +91,12 @@ def test_demo_runs_with_no_files(tmp_path):
     (tmp_path / "run.yaml").write_text(textwrap.dedent(printed))
     fit = run("fit", "run.yaml", "--max-steps", "1", "--out", "next", cwd=tmp_path)
     assert fit.returncode == 0, fit.stderr
-    assert (tmp_path / "next" / "metrics.csv").exists()
+    # ... and plans what the demo's Trainer ran: its small systems, not the host's
+    ran = re.search(r"train: compiled .* mbs (\d+) \(requested auto\), (\d+) microbatches", out)
+    with open(tmp_path / "next" / "metrics.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["mbs"], row["num_microbatches"]) == ran.groups()
+    assert ran[0].split(": ", 1)[1].split(":", 1)[1] in fit.stdout  # gbs, mbs, microbatches
 
 
 @pytest.mark.parametrize("example", tiered(EXAMPLE_FILES, fast=("tiny_gpt",)))
@@ -147,6 +152,14 @@ def test_fit_two_steps(fits, example):
     assert [r["step"] for r in rows if r["phase"] == "train"] == ["1", "2"]
     assert any(r["phase"] == "validate" for r in rows)
     assert (out / "metrics.jsonl").exists()
+    # the summary's validation loss is the last validation's mean, as its own line says
+    validated = [r for r in rows if r["phase"] == "validate"]
+    last = validated[max(i for i, r in enumerate(validated) if r["step"] == "1"):]
+    mean = sum(float(r["loss"]) for r in last) / len(last)
+    said = re.search(r"last validation: mean loss (\d+\.\d+) over (\d+) steps?$",
+                     result.stdout, re.M)
+    assert (float(said[1]), int(said[2])) == (pytest.approx(mean, abs=5e-5), len(last))
+    assert f"validate: mean loss {said[1]} over {len(last)} steps" in result.stdout
 
 
 @pytest.mark.slow
@@ -157,7 +170,8 @@ def test_fit_on_cpu_ranks_matches_one_process(tmp_path, fits, monkeypatch, capsy
     ranks = run("fit", str(EXAMPLES / "mlp.yaml"), "--max-steps", "2", "--nproc", "3",
                 "--out", "ranks", cwd=tmp_path, timeout=240)
     assert one.returncode == 0 and ranks.returncode == 0, ranks.stderr
-    def losses(out: str) -> list[float]:  # "trained 2 steps: loss a -> b; last validation loss c"
+    def losses(out: str) -> list[float]:  # "trained 2 steps: loss a -> b; last validation:
+        # mean loss c over 2 steps"
         line = next(line for line in out.splitlines() if line.startswith("trained"))
         return [float(x) for x in re.findall(r"\d+\.\d+", line)]
 
@@ -451,3 +465,29 @@ def test_ctrl_c_exits_130_with_a_short_message(tmp_path):
     assert len(err.splitlines()) <= 3  # the message, what was kept, the mbs warning
     with open(tmp_path / "run" / "metrics.csv") as f:
         assert len(list(csv.DictReader(f))) >= 5
+
+
+def test_explore_plans_only_in_the_cli(tmp_path, capsys):
+    """``--mbs explore`` compares MBS values and pins none: ``compile`` implies
+    --compile-only; ``fit`` and ``validate`` refuse it, before building anything, with the
+    command that explores (not the Python API's ``compile_only=True``)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: mlp\nbatch_size: 8\nnum_csx: 2\n"
+                    "callbacks: [{ScopedValidateFlags: {micro_batch_size: explore}}]\n")
+    art = tmp_path / "art"
+    assert main(["compile", str(path), "--mbs", "explore", "--out", str(art)]) == 0
+    out = capsys.readouterr().out
+    assert "compiling with --compile-only" in out and "compile-only: mlp" in out
+    assert (art / "plan.txt").exists()
+    assert main(["fit", str(path), "--mbs", "explore:1:2", "--out", str(tmp_path / "f")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --mbs is explore:1:2: ")
+    assert f"`mbcompile compile {path} --mbs explore:1:2 --compile-only`" in err
+    assert "compile_only=True" not in err
+    # the config's validate flag explores: fit (which validates) and validate refuse it
+    for command in ("fit", "validate"):
+        assert main([command, str(path), "--out", str(tmp_path / "f")]) == 1
+        err = capsys.readouterr().err
+        assert f"{path}'s validate micro_batch_size is explore" in err
+        assert "--mbs explore --compile-only --phase validate`" in err
+    assert not (tmp_path / "f").exists()  # refused before anything ran

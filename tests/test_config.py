@@ -280,10 +280,35 @@ def test_import_path_model_and_dataset_factory(tmp_path, user_module):
     """))
     model = build_model(cfg)
     batches = list(build_data(cfg, "train"))
-    assert len(batches) == 3  # 20 samples in batches of 6, the last partial one dropped
-    assert all(x.shape == (6, 4) and y.shape == (6,) for x, y in batches)
+    assert [len(y) for _, y in batches] == [6, 6, 6, 2]  # 20 samples: the short last kept
+    assert all(x.shape == (len(y), 4) for x, y in batches)
     assert torch.isfinite(model(*batches[0]))
-    assert len(list(build_data(cfg, "validate"))) == 1
+    assert [len(y) for _, y in build_data(cfg, "validate")] == [6, 4]
+
+
+def test_every_row_of_a_dataset_is_trained_once_an_epoch(tmp_path, user_module):
+    """A factory's Dataset is batched with its short last batch (the Trainer trains it
+    exactly): one epoch of fit trains every row once. ``data.drop_last: true`` keeps whole
+    batches only."""
+    def config(drop_last: str) -> Path:
+        return write(tmp_path, f"""
+            model: {{name: {user_module}:Net, kwargs: {{features: 4}}}}
+            data: {{source: {user_module}:dataset, kwargs: {{features: 4}}{drop_last}}}
+            batch_size: 6
+            num_csx: 2
+            callbacks: [{{GlobalFlags: {{micro_batch_size: 2}}}}]
+        """)
+
+    cfg = load_config(config(""))
+    assert not cfg.drop_last
+    rows = torch.cat([x for x, _ in build_data(cfg, "train")])  # shuffled: every row once
+    dataset = sys.modules[user_module].dataset("train", 4)
+    assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, dataset.x.tolist()))
+    trainer = build_trainer(cfg, log_dir=str(tmp_path / "run"), progress=False)
+    trained = trainer.fit(build_data(cfg, "train"), max_steps=4)  # one epoch: 6 + 6 + 6 + 2
+    assert [r["samples"] for r in trained] == [6, 6, 6, 2]
+    cfg = load_config(config(", drop_last: true"))
+    assert [len(y) for _, y in build_data(cfg, "train")] == [6, 6, 6]
 
 
 def test_import_path_kwargs_are_checked_against_the_signature(tmp_path, user_module):
@@ -412,3 +437,39 @@ def test_model_init_meta_plans_what_the_materialised_model_plans(tmp_path):
     with pytest.raises(ConfigError, match=r"model.init: unknown value 'metal' \(did you mean "
                                           r"'meta'\?\)"):
         load_config(write(tmp_path, "model: {name: mlp, init: metal}\nbatch_size: 8\n"))
+
+
+def test_compile_options_reach_compile_and_fit_alike(tmp_path, capsys):
+    """``compile_options:`` sets more of compile()'s options by name: the Trainer that
+    ``fit`` builds and ``mbcompile compile`` get them the same way; a misspelt option is
+    a located ConfigError with "did you mean", an option with a key of its own is sent
+    there."""
+    from mbcompile.training.cli.main import main
+
+    head = "model: mlp\nbatch_size: 8\nnum_csx: 2\n"
+    path = write(tmp_path, head + "compile_options:\n  precision: bf16-mixed\n"
+                                  "  recompute: false\n  nonfinite: return\n"
+                                  "  optimizer: adamw-mixed\n")
+    cfg = load_config(path)
+    options = {"precision": "bf16-mixed", "recompute": False, "nonfinite": "return",
+               "optimizer": "adamw-mixed"}
+    assert cfg.compile_options == options
+    trainer = build_trainer(cfg, log_dir=str(tmp_path / "run"), progress=False)
+    assert options.items() <= trainer.compile_options.items()
+    assert options.items() <= compile_options(cfg).items()
+    # mbcompile compile plans under them: the plan's precision is the config's
+    assert main(["compile", str(path), "--compile-only", "--mbs", "2",
+                 "--out", str(tmp_path / "art")]) == 0
+    plan = (tmp_path / "art" / "plan.txt").read_text()
+    assert "precision: bf16-mixed" in plan and "adamw-mixed" in plan
+    assert "precision: bf16-mixed" in capsys.readouterr().out
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, head + "compile_options:\n  recompte: true\n"))
+    assert str(info.value).startswith(f"{tmp_path / 'run.yaml'}:5: compile_options: unknown "
+                                      "key 'recompte' (did you mean 'recompute'?)")
+    with pytest.raises(ConfigError, match=r"run.yaml:5: compile_options.outputs: outputs has "
+                                          r"a key of its own: write outputs: at the top level"):
+        load_config(write(tmp_path, head + "compile_options:\n  outputs: all\n"))
+    with pytest.raises(ConfigError, match=r"run.yaml:4: compile_options: this section must "
+                                          r"be a mapping of mbcompile.compile's options"):
+        load_config(write(tmp_path, head + "compile_options: bf16-mixed\n"))

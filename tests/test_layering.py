@@ -237,10 +237,10 @@ def test_relative_imports_resolve_from_a_subpackage() -> None:
 
 #: reached as ``mbcompile.<module>.<name>``: the lazily loaded modules users spell out
 DOTTED = [("distributed", "shard"), ("systems", "SystemSpec"), ("check", "compare_to_eager"),
-          ("models", "make_mlp"), ("errors", "MixingError")]
+          ("models", "make_mlp"), ("errors", "MixingError"), ("buckets", "bucket_cap")]
 
 _LAZY_PROBE = """
-import json, sys
+import importlib, json, sys
 import mbcompile
 loaded = sorted(m for m in sys.modules if m == "mbcompile" or m.startswith("mbcompile."))
 torch_loaded = "torch" in sys.modules
@@ -250,7 +250,14 @@ for name in mbcompile.__all__:
         getattr(mbcompile, name)
     except Exception as exc:
         failed[name] = f"{type(exc).__name__}: {exc}"
-for module, name in DOTTED:
+for module, name in DOTTED:  # imported first: `import mbcompile.distributed`, `from ...`
+    try:
+        imported = importlib.import_module(f"mbcompile.{module}")
+        exec(f"from mbcompile.{module} import {name}")
+        if getattr(mbcompile, module) is not imported:
+            failed[f"import mbcompile.{module}"] = "another module than the attribute"
+    except Exception as exc:
+        failed[f"import mbcompile.{module}"] = f"{type(exc).__name__}: {exc}"
     try:
         getattr(getattr(mbcompile, module), name)
     except Exception as exc:
@@ -307,6 +314,25 @@ def test_public_names_are_the_defining_objects() -> None:
 
     assert mbcompile.MixingError is errors.MixingError is mbcompile.errors.MixingError
     assert mbcompile.SystemSpec is mbcompile.systems.SystemSpec
+
+
+def test_module_spellings_are_the_modules_themselves() -> None:
+    """``import mbcompile.buckets`` is ``mbcompile.planning.buckets`` itself, not a copy
+    of its names: a bucket size set through it is the one the plan and the run read."""
+    import mbcompile.buckets
+    import mbcompile.distributed
+    from mbcompile.distributed import shard
+    from mbcompile.execution import distributed
+    from mbcompile.planning import buckets
+
+    assert mbcompile.buckets is buckets and mbcompile.distributed is distributed
+    assert shard is distributed.shard
+    before = buckets.MIN_BUCKETS
+    try:
+        mbcompile.buckets.MIN_BUCKETS = before + 1
+        assert buckets.MIN_BUCKETS == before + 1
+    finally:
+        mbcompile.buckets.MIN_BUCKETS = before
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

@@ -171,7 +171,8 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         self.progress = progress
         self.console = console if console is not None else Console(soft_wrap=True)
         self.flags = Flags()
-        #: The compiled module of each (phase, MBS); a phase compiles once and reuses it.
+        #: The compiled module of each (phase, requested MBS as JSON text: ``("train", "2")``,
+        #: ``("validate", '"auto"')``); a phase compiles once and reuses it.
         self.compiled: dict[tuple[str, str], CompiledModule] = {}
         self._layouts: dict[tuple[str, str], Any] = {}  # the layout each one was compiled for
         self.history: list[dict[str, Any]] = []

@@ -100,6 +100,12 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
                    compile_only: bool = False, validate_only: bool = False) -> int:
     from mbcompile.reports.draw import draw
 
+    mbs = cfg.flags(phase)["micro_batch_size"] if mbs is None else mbs
+    if parse_mbs(mbs).mode == "explore" and not (compile_only or validate_only):
+        # exploring compares MBS values and pins none: it plans, and builds nothing to run
+        echo(f"mbs={mbs} explores MBS values and builds no module to run: compiling with "
+             "--compile-only")
+        compile_only = True
     planning_only = compile_only or validate_only
     if cfg.shard != "none" and not planning_only:
         raise CommandError(f"{cfg.file} shards the model (shard: {cfg.shard}), which happens on "
@@ -118,8 +124,9 @@ def compile_config(cfg: Config, out: Path, *, mbs: Any = None, phase: str = "tra
     model = build_model(cfg)
     model.train(phase == "train")
     # the plan holds the state of the optimizer fit would train with, as fit's Trainer does
-    options["optimizer"] = build_optimizer(cfg, model)
-    mbs = cfg.flags(phase)["micro_batch_size"] if mbs is None else mbs
+    # (a name in compile_options, e.g. adamw-mixed, says what the instance cannot)
+    if "optimizer" not in options:
+        options["optimizer"] = build_optimizer(cfg, model)
     args, kwargs = batch_args(_first_batch(cfg, phase))
     if cfg.model_init == "meta":  # the example's shapes and dtypes, on the model's device
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))

@@ -15,8 +15,8 @@ from rich.console import Console
 import mbcompile.compiler as compiler
 from mbcompile.check import relative_error
 from mbcompile.models import make_tiny_gpt, token_batch
-from mbcompile.planning.plan import make_plan
-from mbcompile.planning.systems import SystemSpec, get_system
+from mbcompile.planning.plan import make_plan, parse_mbs
+from mbcompile.planning.systems import TEXT_FIELDS, SystemSpec, get_system
 from mbcompile.training.cli.messages import EXIT_OK, CommandError, echo
 from mbcompile.training.flags import GlobalFlags
 from mbcompile.training.trainer import Trainer
@@ -30,13 +30,34 @@ DEMO_TOLERANCE = 1e-4
 DEMO_OUTPUTS = "loss"
 
 
-def next_config(gbs: int, num_csx: int, mbs: Any) -> str:
+def next_config(gbs: int, num_csx: int, mbs: Any, system: SystemSpec | None = None) -> str:
     """The config the demo ends with: its own run as YAML, for ``mbcompile fit`` (printed,
-    not a file of the repository, so the hint works wherever mbcompile is installed)."""
-    return (f"model: tiny_gpt\nbatch_size: {gbs}\nnum_csx: {num_csx}\n"
-            "optimizer: {name: AdamW, lr: 3.0e-3}\n"
-            f"callbacks: [{{GlobalFlags: {{micro_batch_size: {mbs}}}}}]\n"
-            "fit: {max_steps: 20, checkpoint_every: 10}\n")
+    not a file of the repository, so the hint works wherever mbcompile is installed).
+
+    ``system`` is the demo's made-up small system: its figures are written out (those
+    that differ from ``SystemSpec``'s defaults, which the config's mapping fills in), so
+    that the config plans what the demo ran instead of planning on the host.
+    """
+    lines = [f"model: tiny_gpt\nbatch_size: {gbs}\nnum_csx: {num_csx}\n"]
+    if system is not None:
+        lines.append("system:  # the demo's simulated systems: this host with less memory\n")
+        lines.append(f"  name: {system.name}\n")
+        for f in dataclasses.fields(SystemSpec):
+            value = getattr(system, f.name)
+            if f.name not in TEXT_FIELDS and value != f.default:
+                lines.append(f"  {f.name}: {_number(value)}\n")
+    # on the demo's systems the validation step would not fit (a forward-only step is
+    # planned with the memory of a training step): the config trains only, as the demo does
+    validate = ", val_steps: 0}  # as the demo: no validation" if system is not None else "}"
+    lines.append("optimizer: {name: AdamW, lr: 3.0e-3}\n"
+                 f"callbacks: [{{GlobalFlags: {{micro_batch_size: {mbs}}}}}]\n"
+                 f"fit: {{max_steps: 20, checkpoint_every: 10{validate}\n")
+    return "".join(lines)
+
+
+def _number(value: float) -> str:
+    """``value`` as YAML reads it back exactly: an integral figure without ``.0``."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +106,10 @@ def _split_line(plan: Any) -> str:
 
 def run_demo(args: argparse.Namespace) -> int:
     gbs, num_csx = args.gbs, args.num_csx
+    if parse_mbs(args.mbs).mode == "explore":
+        raise CommandError(f"--mbs {args.mbs} plans only, and the demo trains: explore a "
+                           "config's MBS with `mbcompile compile CONFIG.yaml --mbs explore "
+                           "--compile-only`")
     if gbs < num_csx:
         raise CommandError(f"--gbs {gbs} is smaller than --num-csx {num_csx}: each system "
                            "needs at least one sample")
@@ -151,6 +176,6 @@ def run_demo(args: argparse.Namespace) -> int:
     echo()
     echo("Next, train from a config: save these lines as run.yaml and run `mbcompile fit "
          "run.yaml` (`mbcompile --help` says where it writes metrics and checkpoints):")
-    echo("".join(f"  {line}\n" for line in next_config(gbs, num_csx, args.mbs).splitlines())
-         .rstrip())
+    config = next_config(gbs, num_csx, args.mbs, system)
+    echo("".join(f"  {line}\n" for line in config.splitlines()).rstrip())
     return EXIT_OK

@@ -30,6 +30,7 @@ from mbcompile.execution.world import (
     resolve_backend,
     under_launcher,
 )
+from mbcompile.planning.plan import parse_mbs
 from mbcompile.training.checkpoint import (
     CheckpointError,
     TrainingInterrupted,
@@ -58,6 +59,7 @@ def run_fit(args: argparse.Namespace) -> int:
              "compiling only, no training")
         return compile_config(cfg, out, mbs=args.mbs, compile_only=cfg.compile_only,
                               validate_only=cfg.validate_only)
+    _refuse_explore(cfg, args.mbs, ("train", "validate"))
     if getattr(args, "nproc", None):
         if under_launcher():
             raise CommandError(
@@ -79,6 +81,24 @@ def run_fit(args: argparse.Namespace) -> int:
     code = _fit(cfg, args, out, _rank())
     leave_launcher_group()  # only after a run every rank finished: a barrier
     return code
+
+
+def _refuse_explore(cfg: Config, mbs: Any, phases: tuple[str, ...]) -> None:
+    """``mbs=explore`` compares MBS values and pins none: it plans, it cannot run a step.
+    Say so before building anything, with the command that explores."""
+    for phase in phases:
+        value = cfg.flags(phase)["micro_batch_size"] if mbs is None else mbs
+        if parse_mbs(value).mode == "explore":
+            where = "--mbs" if mbs is not None else f"{cfg.file}'s {phase} micro_batch_size"
+            if isinstance(value, dict):  # {explore: {min, max}}: as --mbs spells it
+                bounds = value["explore"] or {}
+                value = f"explore:{bounds.get('min', '')}:{bounds.get('max', '')}"
+            flag = " --phase validate" if phase == "validate" else ""
+            raise CommandError(
+                f"{where} is {value}: exploring compares MBS values and pins none, so it "
+                f"plans only and cannot run a step. Explore with `mbcompile compile "
+                f"{cfg.file} --mbs {value} --compile-only{flag}` (plan.txt and explore.png "
+                "say which MBS is best), then run with --mbs <that value>")
 
 
 def _launch_ranks(args: argparse.Namespace, out: Path) -> int:
@@ -197,11 +217,14 @@ def _fit(cfg: Config, args: argparse.Namespace, out: Path, rank: int = 0) -> int
         raise
     train_rows = [r for r in rows if r["phase"] == "train"]
     val_rows = [r for r in rows if r["phase"] == "validate"]
+    if val_rows:  # the last validation: the rows from its step 1 on
+        last = val_rows[max(i for i, r in enumerate(val_rows) if r["step"] == 1):]
+        mean = sum(r["loss"] for r in last) / len(last)
+        validated = (f"; last validation: mean loss {mean:.4f} over {len(last)} "
+                     f"step{'s' if len(last) != 1 else ''}")
     if train_rows:
         say(f"trained {len(train_rows)} steps: loss {train_rows[0]['loss']:.4f} -> "
-            f"{train_rows[-1]['loss']:.4f}" + (f"; last validation loss "
-                                                f"{val_rows[-1]['loss']:.4f}" if val_rows
-                                                else ""))
+            f"{train_rows[-1]['loss']:.4f}" + (validated if val_rows else ""))
     say(f"metrics: {log_dir / 'metrics.csv'} and {log_dir / 'metrics.jsonl'}")
     if trainer.last_checkpoint is not None:
         say(f"checkpoint: {trainer.last_checkpoint}")
@@ -232,6 +255,7 @@ def _kept(done: int, out: Path) -> str:
 def run_validate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     out = Path(args.out or cfg.output_dir)
+    _refuse_explore(cfg, args.mbs, ("validate",))
     if launcher_world_size() > 1:  # a launcher's ranks: validate on them
         _init_from_environment(cfg)
     rank = _rank()  # on ranks, rank 0 alone prints and writes the metrics

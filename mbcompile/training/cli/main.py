@@ -130,10 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-csx", type=_positive, default=4,
                       help="simulated systems (default 4)")
     demo.add_argument("--mbs", type=mbs_argument, default="auto",
-                      help="micro batch size: an int, auto (default) or none")
+                      help="micro batch size: an int, auto (default) or none (explore plans "
+                           "only: see mbcompile compile)")
     demo.set_defaults(run=_Command("demo", "run_demo"))
 
-    def config_command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+    def config_command(name: str, help_text: str, description: str,
+                       explore: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_text, description=description)
         p.add_argument("config", metavar="CONFIG.yaml", help="the run's YAML configuration")
         p.add_argument("--out", metavar="DIR", default=None,
@@ -141,13 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "mbcompile-artifacts/<config name>)")
         p.add_argument("--mbs", type=mbs_argument, default=None, metavar="VALUE",
                        help="override every micro_batch_size flag: an int, auto, none, "
-                            "explore or explore:MIN:MAX")
+                            f"explore or explore:MIN:MAX ({explore})")
         return p
 
     fit = config_command("fit", "train (and validate) as the config says",
                          "Train the configured model, validating as `fit:` says; logs every "
                          "step to the terminal and to metrics.csv and metrics.jsonl. With "
-                         "compile_only or validate_only in the config it only compiles.")
+                         "compile_only or validate_only in the config it only compiles.",
+                         "explore plans only: explore with `mbcompile compile CONFIG.yaml "
+                         "--mbs explore --compile-only`, then fit with the MBS it picks")
     fit.add_argument("--nproc", type=_positive, default=None, metavar="N",
                      help="launch N CPU ranks (gloo on 127.0.0.1), one per system: the "
                           "config's num_csx must be N")
@@ -161,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     val = config_command("validate", "run the validation phase only",
                          "Run the configured model in eval mode on the validation data "
-                         "(ScopedValidateFlags apply) and report the mean loss.")
+                         "(ScopedValidateFlags apply) and report the mean loss.",
+                         "explore plans only: explore with `mbcompile compile CONFIG.yaml "
+                         "--mbs explore --compile-only --phase validate`")
     val.add_argument("--steps", type=_positive, default=None,
                      help="validation steps (default: fit.val_steps, or data.num_batches)")
     val.set_defaults(run=_Command("fit", "run_validate"))
@@ -170,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "Compile the configured model (the train phase's flags unless "
                           "--phase validate) and write the artifacts folder: plan.txt, "
                           "plan.json, graph.py, original_graph.py, graph.dot, graph.svg "
-                          "and explore.png (when exploring).")
+                          "and explore.png (when exploring).",
+                          "explore plans only: it implies --compile-only")
     mode = comp.add_mutually_exclusive_group()
     mode.add_argument("--compile-only", action="store_true",
                       help="trace, analyse, plan and estimate; the result never runs")

@@ -101,8 +101,9 @@ def build_data(cfg: Config, split: str = "train") -> Iterable[Any]:
 
     A factory is called as ``factory(**kwargs, split=..., batch_size=...)`` (the last
     two only where its signature takes them) and returns a dataloader (any iterable
-    of batches) or a map-style/iterable ``Dataset``, which is batched here with
-    ``drop_last=True`` so every batch has exactly ``batch_size`` samples.
+    of batches) or a map-style/iterable ``Dataset``, which is batched here: every row once
+    an epoch, the last batch short where the rows do not divide (the Trainer trains it
+    exactly); ``data.drop_last: true`` leaves it out, so every batch has ``batch_size``.
     """
     if cfg.data == SYNTHETIC:
         return synthetic_batches(cfg, split)
@@ -123,7 +124,7 @@ def build_data(cfg: Config, split: str = "train") -> Iterable[Any]:
         g = torch.Generator().manual_seed(cfg.data_seed)
         shuffle = split == "train" and not isinstance(data, torch.utils.data.IterableDataset)
         return torch.utils.data.DataLoader(data, batch_size=cfg.batch_size, shuffle=shuffle,
-                                           drop_last=True, generator=g)
+                                           drop_last=cfg.drop_last, generator=g)
     if not isinstance(data, Iterable):
         raise cfg.error(path, f"the data factory {cfg.data!r} returned a "
                         f"{type(data).__name__}; return a dataloader (an iterable of batches) "
@@ -154,11 +155,13 @@ def build_callbacks(cfg: Config, mbs: Any = None) -> list[Callback]:
 
 def compile_options(cfg: Config, *, compile_only: bool = False,
                     validate_only: bool = False) -> dict[str, Any]:
-    """The keyword options of ``mbcompile.compile`` that ``cfg`` sets: ``in_dims``,
-    ``outputs``, ``system``, ``backend``, ``compile_only`` and ``validate_only``
-    (``mbcompile compile``). ``outputs`` is the one ``build_trainer`` hands the Trainer,
-    so that ``compile`` plans the step ``fit`` runs."""
-    options: dict[str, Any] = {"in_dims": cfg.in_dims, "outputs": cfg.outputs}
+    """The keyword options of ``mbcompile.compile`` that ``cfg`` sets: its
+    ``compile_options``, ``in_dims``, ``outputs``, ``system``, ``backend``, ``compile_only``
+    and ``validate_only`` (``mbcompile compile``). ``compile_options`` and ``outputs`` are
+    what ``build_trainer`` hands the Trainer, so that ``compile`` plans the step ``fit``
+    runs."""
+    options: dict[str, Any] = {**cfg.compile_options, "in_dims": cfg.in_dims,
+                               "outputs": cfg.outputs}
     if cfg.system is not None:
         options["system"] = cfg.system
     if cfg.backend != "auto":
@@ -196,7 +199,8 @@ def build_trainer(cfg: Config, *, mbs: Any = None, log_dir: str | None = None,
                    backend=cfg.backend,
                    in_dims=cfg.in_dims, log_dir=log_dir if write_metrics else None,
                    log_every=cfg.log_every, progress=progress, console=console,
-                   compile_options={"outputs": cfg.outputs, **(compile_options or {})},
+                   compile_options={**cfg.compile_options, "outputs": cfg.outputs,
+                                    **(compile_options or {})},
                    checkpoint_dir=checkpoint_dir or os.path.join(log_dir, "checkpoints"),
                    checkpoint_every=cfg.checkpoint_every,
                    keep_checkpoints=cfg.keep_checkpoints, config=cfg.to_plain(),

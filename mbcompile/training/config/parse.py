@@ -71,6 +71,10 @@ class Config:
     model_config: Mapping[str, Any] | None = None
     model_init: str = "random"  # or "meta": built without values, for plans only (MODEL_INITS)
     outputs: Any = DEFAULT_OUTPUTS  # compile's ``outputs``: "loss", "all" or output names
+    #: ``compile_options:``: more of compile's options, by name (``Trainer(compile_options=)``)
+    compile_options: Mapping[str, Any] = field(default_factory=dict)
+    #: ``data.drop_last``: a factory's Dataset is batched without its short last batch
+    drop_last: bool = False
 
     @property
     def builtin(self) -> bool:
@@ -105,7 +109,8 @@ def parse_config(data: Any, marks: Marks) -> Config:
     top = v.mapping((), data, TOP_KEYS, REQUIRED_TOP)
     model, model_kwargs, model_config = v.model(top["model"])
     model_init = v.model_init(top["model"])
-    data_source, data_kwargs, data_seed, num_batches = v.data(top.get("data", SYNTHETIC), model)
+    data_source, data_kwargs, data_seed, num_batches, drop_last = v.data(
+        top.get("data", SYNTHETIC), model)
     batch_size = v.integer(("batch_size",), top["batch_size"], 1)
     num_csx = v.integer(("num_csx",), top.get("num_csx", 1), 1)
     if batch_size < num_csx:
@@ -129,6 +134,7 @@ def parse_config(data: Any, marks: Marks) -> Config:
     lr_scaling = v.lr_scaling(top.get("lr_scaling"))
     in_dims = v.in_dims(top.get("in_dims", 0))
     outputs = v.outputs(top.get("outputs", DEFAULT_OUTPUTS))
+    options = v.compile_options(top.get("compile_options"))
     output_dir = top.get("output_dir")
     if output_dir is None:
         output_dir = os.path.join(DEFAULT_OUTPUT_ROOT, Path(marks.file).stem)
@@ -143,5 +149,5 @@ def parse_config(data: Any, marks: Marks) -> Config:
         output_dir=output_dir, compile_only=compile_only, validate_only=validate_only,
         lr_scaling=lr_scaling, checkpoint_every=fit["checkpoint_every"],
         keep_checkpoints=fit["keep_checkpoints"], shard=shard, model_config=model_config,
-        model_init=model_init,
-        outputs=outputs, marks=marks)
+        model_init=model_init, outputs=outputs, compile_options=options, drop_last=drop_last,
+        marks=marks)

@@ -83,12 +83,17 @@ TOP_KEYS: dict[str, str] = {
     "shard": "'none' (default) or 'fsdp': fully_shard each repeated block and the root",
     "outputs": "what a training step returns, for compile and fit alike: 'loss' (default: "
                "the logits are never kept), 'all', or a list of output names",
+    "compile_options": "more of mbcompile.compile's options, by name, for compile and fit "
+                       "alike: {precision: bf16-mixed, recompute: true, ...}",
 }
+#: compile()'s options set by a top-level key of their own, so not under compile_options
+#: (``optimizer:`` builds the instance; compile_options.optimizer may name a state layout).
+OWN_KEY_OPTIONS = ("system", "backend", "outputs", "compile_only", "validate_only")
 LR_SCALING_KEYS = ("reference_batch_size", "rule", "warmup_steps")
 REQUIRED_TOP = ("model", "batch_size")
 FIT_KEYS = {"max_steps": 10, "val_steps": 2, "val_every": None, "log_every": 1,
             "checkpoint_every": None, "keep_checkpoints": 2}
-DATA_KEYS = ("source", "kwargs", "seed", "num_batches")
+DATA_KEYS = ("source", "kwargs", "seed", "num_batches", "drop_last")
 MODEL_KEYS = ("name", "class", "kwargs", "config", "init")  # name and class: one key, two spellings
 #: ``model.init``: "random" draws the weights from ``seed``; "meta" builds the model on the
 #: meta device (shapes, no values), for compile-only and validate-only plans of large models.
@@ -175,7 +180,8 @@ class Sections(Checks):
                             "give its fields under model.config ({class: " + name +
                             ", config: {hidden_size: 32, ...}})", key=True)
 
-    def data(self, value: Any, model: str) -> tuple[str, dict[str, Any], int | None, int]:
+    def data(self, value: Any, model: str
+             ) -> tuple[str, dict[str, Any], int | None, int, bool]:
         path: Path_ = ("data",)
         section: dict[str, Any] = {}
         if isinstance(value, str):
@@ -189,6 +195,7 @@ class Sections(Checks):
         kwargs = self.kwargs(path + ("kwargs",), section.get("kwargs"))
         seed = self.optional_integer(path + ("seed",), section.get("seed"), 0)
         num_batches = self.integer(path + ("num_batches",), section.get("num_batches", 4), 1)
+        drop_last = self.boolean(path + ("drop_last",), section.get("drop_last", False))
         if source == SYNTHETIC:
             if kwargs:
                 raise self.fail(path + ("kwargs",), "synthetic data takes no kwargs (only seed "
@@ -200,7 +207,7 @@ class Sections(Checks):
                                 f"({', '.join(BUILTIN_MODELS)}); for {model!r} give data: "
                                 "{source: package.module:factory} returning a dataset or a "
                                 "dataloader")
-            return source, kwargs, seed, num_batches
+            return source, kwargs, seed, num_batches, drop_last
         if ":" not in source:
             raise self.fail(source_path, f"unknown data source {source!r}"
                             f"{suggest_from(source, [SYNTHETIC])}; use 'synthetic' or an import "
@@ -211,7 +218,7 @@ class Sections(Checks):
         accepted = signature_names(factory)
         self.signature_kwargs(path + ("kwargs",), factory, kwargs,
                               provided=[p for p in ("split", "batch_size") if p in accepted])
-        return source, kwargs, seed, num_batches
+        return source, kwargs, seed, num_batches, drop_last
 
     def system(self, value: Any) -> Any:
         """A preset name (kept as written: compile resolves it) or a mapping of
@@ -407,6 +414,23 @@ class Sections(Checks):
             raise self.fail(path, f"must be one of {', '.join(OUTPUT_MODES)} or a list of "
                             f"output names, got {type_name(value)} {value!r}")
         return value
+
+    def compile_options(self, value: Any) -> dict[str, Any]:
+        """``compile_options:`` the options ``Trainer(compile_options=...)`` takes, by name,
+        but those set by a key of their own here (``outputs``, ``system``, ...). Their values
+        are ``mbcompile.compile``'s to check, when it runs."""
+        path: Path_ = ("compile_options",)
+        if value is None:
+            return {}
+        # here, not at the top: only a config that sets options pays for importing the Trainer
+        from mbcompile.training.trainer import COMPILE_OPTIONS
+
+        for k in value if isinstance(value, dict) else ():
+            if k in OWN_KEY_OPTIONS:
+                raise self.fail(path + (k,), f"{k} has a key of its own: write {k}: at the top "
+                                "level of the file, not under compile_options", key=True)
+        allowed = [k for k in COMPILE_OPTIONS if k not in OWN_KEY_OPTIONS]
+        return dict(self.mapping(path, value, allowed, what=" of mbcompile.compile's options"))
 
     def in_dims(self, value: Any) -> Any:
         path: Path_ = ("in_dims",)
