@@ -157,19 +157,44 @@ def test_validation_runs_on_the_train_phase_module_at_a_pinned_mbs(monkeypatch):
     assert rows[-1]["loss"] == pytest.approx(float(eager), rel=1e-12)  # no dropout: eval mode
 
 
-def test_validation_compiles_its_own_module_for_auto_or_another_layout(monkeypatch):
-    """``auto`` picks the MBS for the mode's own step, and a module takes only batches laid
-    out like its example: then the validation phase compiles for itself, as before."""
+def test_validation_runs_on_the_train_phase_module_at_auto_unless_laid_out_otherwise(
+        monkeypatch):
+    """``auto``'s MBS was checked for a training step, which holds more than a forward: the
+    validation phase runs on the train phase's module (it compiled its own, planned as a
+    training step without activation checkpointing). A module takes only batches laid out
+    like its example: then the validation phase compiles for itself."""
     calls = count_compiles(monkeypatch)
     trainer = make_trainer(GlobalFlags(micro_batch_size="auto"))
     trainer.fit(batches(1), batches(1, seed=1), max_steps=1, val_steps=1)
-    assert calls == ["auto", "auto"]
-    assert trainer.compiled[("validate", '"auto"')] is not trainer.compiled[("train", '"auto"')]
+    assert calls == ["auto"]
+    assert trainer.compiled[("validate", '"auto"')] is trainer.compiled[("train", '"auto"')]
     calls.clear()
     trainer = make_trainer(GlobalFlags(micro_batch_size=3))
     x, y = batches(1, seed=1)[0]
     rows = trainer.fit(batches(1), [{"x": x, "y": y}], max_steps=1, val_steps=1)
     assert calls == [3, 3] and rows[-1]["phase"] == "validate"
+
+
+def test_a_validation_on_systems_that_fit_training_only_with_checkpointing_runs():
+    """The demo's systems (``cli/demo.py``): memory between what MBS 1 needs with
+    activation checkpointing and the whole batch. Training picks a split that fits; the
+    first validation was refused ("even mbs=1 does not fit", 10 steps into a fit): its own
+    compile in eval mode charged gradients and optimizer state and no checkpointing."""
+    from mbcompile.models import make_tiny_gpt
+    from mbcompile.training.cli.demo import _demo_system
+
+    torch.manual_seed(0)
+    model, batch = make_tiny_gpt(16, dtype=torch.float32)
+    system = _demo_system(model, batch, 16, 4).spec
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters()), gbs=16, num_csx=4,
+                      callbacks=[GlobalFlags(micro_batch_size="auto")], system=system,
+                      console=Console(file=io.StringIO()))
+    rows = trainer.fit([batch], [batch], max_steps=1, val_steps=1)
+    assert [r["phase"] for r in rows] == ["train", "validate"]
+    model.eval()
+    with torch.no_grad():
+        eager = model(*batch)[0]
+    assert rows[-1]["loss"] == pytest.approx(float(eager), rel=1e-5)
 
 
 def test_the_trainer_takes_every_compile_option_it_does_not_set_itself():

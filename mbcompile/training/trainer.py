@@ -57,7 +57,6 @@ from mbcompile.errors import ArgumentTypeError
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.world import resolve_backend
 from mbcompile.integrations.transformers import called_plainly
-from mbcompile.planning.plan import parse_mbs
 from mbcompile.training.batches import (
     TrainerError,
     batch_args,
@@ -239,20 +238,21 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         """The module for ``phase`` ("train" or "validate") at the current flags' MBS.
 
         Compiled from ``batch`` on the first call for that (phase, MBS), reused after.
-        Validation runs on the module the train phase compiled when that one's plan is
-        the one a compile in eval mode would make (a pinned MBS: an int or "none" is plan
-        arithmetic) and the batch is laid out like its example: the module compiles its
-        eval-mode graph itself, once, on the first call in eval mode. ``"auto"`` chooses
-        the MBS for the mode's own step (a training step's memory holds what backward
-        needs), so an auto validation compiles its own.
-        """
+        Validation runs on the module the train phase compiled at the same MBS flag when
+        the batch is laid out like its example: the module compiles its eval-mode graph
+        itself, once, on the first call in eval mode, on the training plan (a pinned MBS
+        is plan arithmetic, the same in either mode; an ``"auto"`` or token budget's MBS
+        was checked for a training step, which holds more than a forward: gradients,
+        optimizer state, activations saved for backward). A compile of its own in eval
+        mode would be planned as a training step without activation checkpointing, and
+        could refuse, at the first validation, a model that trains at that MBS."""
         mbs = self.flags.micro_batch_size
         key = (phase, _mbs_key(mbs))
         if key in self.compiled:
             return self.compiled[key]
         layout = batch_layout(batch)
         trained = self.compiled.get(("train", key[1]))
-        if (phase == "validate" and trained is not None and parse_mbs(mbs).mode in ("int", "none")
+        if (phase == "validate" and trained is not None
                 and same_layout(self._layouts.get(("train", key[1])), layout)):
             self.compiled[key] = trained
             if self.progress:
