@@ -195,6 +195,12 @@ def test_a_validation_on_systems_that_fit_training_only_with_checkpointing_runs(
     with torch.no_grad():
         eager = model(*batch)[0]
     assert rows[-1]["loss"] == pytest.approx(float(eager), rel=1e-5)
+    # validation alone (mbcompile validate): its own module, planned as a training step
+    alone = Trainer(model, torch.optim.AdamW(model.parameters()), gbs=16, num_csx=4,
+                    callbacks=[GlobalFlags(micro_batch_size="auto")], system=system,
+                    console=Console(file=io.StringIO()))
+    assert alone.validate([batch])["loss"] == pytest.approx(float(eager), rel=1e-5)
+    assert not model.training  # the modes it had are back
 
 
 def test_the_trainer_takes_every_compile_option_it_does_not_set_itself():

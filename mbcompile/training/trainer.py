@@ -68,6 +68,7 @@ from mbcompile.training.data_cursor import DataCursor, batches, length
 from mbcompile.training.flags import Callback, Flags
 from mbcompile.training.lr_scaling import LRScaling
 from mbcompile.training.metrics import COLUMNS, Metric, MetricsLog, make_row
+from mbcompile.training.phase_modes import planned_for_training
 from mbcompile.training.progress import ProgressMixin
 from mbcompile.training.rng import broadcast_rng_state, preserved_rng
 from mbcompile.training.sharding import is_fsdp, shard_for_training, shard_model
@@ -240,12 +241,9 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         Compiled from ``batch`` on the first call for that (phase, MBS), reused after.
         Validation runs on the module the train phase compiled at the same MBS flag when
         the batch is laid out like its example: the module compiles its eval-mode graph
-        itself, once, on the first call in eval mode, on the training plan (a pinned MBS
-        is plan arithmetic, the same in either mode; an ``"auto"`` or token budget's MBS
-        was checked for a training step, which holds more than a forward: gradients,
-        optimizer state, activations saved for backward). A compile of its own in eval
-        mode would be planned as a training step without activation checkpointing, and
-        could refuse, at the first validation, a model that trains at that MBS."""
+        itself, once, on the first call in eval mode, on the training plan (an MBS checked
+        for a training step fits a forward); else it compiles its own, also planned as a
+        training step (``phase_modes.planned_for_training``)."""
         mbs = self.flags.micro_batch_size
         key = (phase, _mbs_key(mbs))
         if key in self.compiled:
@@ -261,8 +259,10 @@ class Trainer(CheckpointingMixin, ProgressMixin):
             return trained
         args, kwargs = batch_args(batch)
         started = time.perf_counter()
-        # the example's own call: this loop never passes transformers' Trainer keywords
-        with preserved_rng(), called_plainly():  # a resumed run compiles at another step
+        # the example's own call: this loop never passes transformers' Trainer keywords;
+        # the RNG kept: a resumed run compiles at another step
+        with preserved_rng(), called_plainly(), \
+                planned_for_training(self.model, phase == "validate"):
             cm = compiler.compile(self.model, self.gbs, self.num_csx, mbs,
                                   example_inputs=args or None, example_kwargs=kwargs or None,
                                   in_dims=self.in_dims, **self._options())
