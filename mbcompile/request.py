@@ -36,7 +36,7 @@ from mbcompile.inputs import (
 )
 from mbcompile.options import CompileOptions
 from mbcompile.passes.capture import fsdp_modules, gathered_dtypes
-from mbcompile.passes.unwrap import unwrap
+from mbcompile.passes.unwrap import held_modules_refused, unwrap
 from mbcompile.planning.cost import ShardSpec
 from mbcompile.planning.mbs_policy import MbsPolicy, parse_mbs
 from mbcompile.planning.optimizer_state import with_optimizer
@@ -214,6 +214,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
     model = _check_module(model, planning_only)
     unwrapped = unwrap(model)  # DDP, torch.compile, peft: bind and capture what they call
     inner = unwrapped.module
+    held_modules_refused(inner)  # a compiled or TorchScript submodule: named, before tracing
     if o.capture not in CAPTURES:
         raise InputError(f"capture must be one of {CAPTURES}, got {o.capture!r}")
     units = fsdp_modules(inner)  # FSDP2 units of a sharded model, or none

@@ -40,12 +40,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from .errors import CaptureError
 
-__all__ = ["RULES", "Step", "Unwrapped", "unwrap"]
+__all__ = ["RULES", "Step", "Unwrapped", "held_modules_refused", "unwrap"]
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,45 @@ def _only_variadic(fn: Callable[..., object]) -> bool:
     return all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
 
 
+def _compiled(m: nn.Module) -> Step | None:
+    # mbcompile's own CompiledModule (its face: ``isinstance`` answers as its model's class,
+    # so the type is asked): compile() of it (a notebook cell run twice) compiles its model
+    face = sys.modules.get("mbcompile.face")
+    if face is None or not issubclass(type(m), face.ModelFace):
+        return None
+    return Step(m._modules["module"], "a module mbcompile compiled: its model is compiled "
+                                      "again, for this compile's plan (the first compiled "
+                                      "module keeps its own)")
+
+
+def held_modules_refused(model: nn.Module) -> None:
+    """``CaptureError`` for a submodule no capture can trace, naming it and the fix: a
+    module mbcompile compiled (a distillation teacher compiled to evaluate it), whose call
+    is a microbatch loop, and a TorchScript module (``torch.jit.script``, ``trace``,
+    ``load``), whose code is not Python. Checked before anything is traced or changed."""
+    face = sys.modules.get("mbcompile.face")
+    for name, sub in model.named_modules():
+        if not name:
+            continue
+        if face is not None and issubclass(type(sub), face.ModelFace):
+            raise CaptureError(
+                f"{type(model).__name__}.{name} is a module mbcompile compiled; a compiled "
+                "module's call runs its own microbatch loop, which cannot be traced into "
+                f"another. Fix: hold its model instead ({name} = <compiled>.module: the same "
+                "parameters, computed as one full batch, which the compiled step splits "
+                "exactly); nothing was changed")
+        if isinstance(sub, torch.jit.ScriptModule):
+            raise CaptureError(
+                f"{type(model).__name__}.{name} is a TorchScript module ({type(sub).__name__}: "
+                "torch.jit.script, trace or load), whose code neither torch.fx nor "
+                f"torch.export can trace. Fix: hold the eager module instead, or compute "
+                f"{name}'s outputs outside the model and pass them in as inputs; nothing was "
+                "changed")
+
+
 # One rule per wrapper type: what its forward does with the call, and so what it forwards to.
 RULES: tuple[Callable[[nn.Module], Step | None], ...] = (
+    _compiled,  # a CompiledModule: -> .module, its model
     _torch_compile,  # OptimizedModule.forward runs _orig_mod through dynamo: -> ._orig_mod
     _distributed_data_parallel,  # syncs buffers, calls .module, arms the all-reduce: -> .module
     _data_parallel,  # scatters the batch over replicas of .module, gathers: -> .module

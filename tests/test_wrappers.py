@@ -390,3 +390,60 @@ def test_compile_ddp_over_ranks_needs_the_distributed_backend(
     monkeypatch.setattr(ddp, "process_group", _TwoRanks())
     with pytest.raises(mbcompile.InputError, match="backend='torch.distributed'"):
         mbcompile.compile(ddp, GBS, 2, 1, example_inputs=inputs)
+
+
+def test_compiling_a_compiled_module_compiles_its_model() -> None:
+    """``compile(cm)`` (a notebook cell run twice): its model compiled again for the new
+    plan, the parameters shared; the first compiled module keeps its own plan. (It was a
+    CaptureError quoting CompiledModule's read-only ``__class__``.)"""
+    net, inputs = mlp(GBS)
+    first = mbcompile.compile(net, GBS, NUM_CSX, 1, example_inputs=inputs, cost_model=False)
+    again = mbcompile.compile(first, GBS, 2, 3, example_inputs=inputs, cost_model=False)
+    assert again.module is first and again.plan.mbs == 3 and first.plan.mbs == 1
+    assert any("unwrapped CompiledModule" in w for w in again.plan.warnings)
+    assert list(map(id, again.parameters())) == list(map(id, net.parameters()))
+    for cm in (again, first):
+        net.zero_grad(set_to_none=True)
+        loss, pred = cm(*inputs)
+        loss.backward()
+        got = grads_of(net)
+        net.zero_grad(set_to_none=True)
+        ref_loss, ref_pred = net(*inputs)
+        ref_loss.backward()
+        assert rel_err(loss, ref_loss) <= TOL and rel_err(pred, ref_pred) <= TOL
+        assert_close_errors(grad_errors(got, grads_of(net)), TOL)
+
+
+class Distilling(nn.Module):
+    """A student trained on a teacher the user prepared (compiled, scripted) beforehand."""
+
+    def __init__(self, teacher: nn.Module, student: nn.Module) -> None:
+        super().__init__()
+        self.teacher, self.student = teacher, student
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            soft = self.teacher(x, y)[1]
+        return F.mse_loss(self.student(x, y)[1], soft)
+
+
+@pytest.mark.parametrize("prepare", ["compiled", "scripted", "traced"])
+def test_a_compiled_or_scripted_submodule_is_refused_by_name_changing_nothing(prepare: str
+                                                                                ) -> None:
+    """The capture cannot trace into either (a compiled module's call is its microbatch
+    loop; TorchScript's code is not Python): refused naming the submodule and the fix,
+    the wrapper's class and state as they were. (Both were CaptureErrors quoting internals,
+    ``__class__`` has no setter and ParameterDict's contains(), and the first left the
+    wrapper's class replaced.)"""
+    teacher, inputs = mlp(GBS)
+    held = {"compiled": lambda: mbcompile.compile(teacher, GBS, NUM_CSX, 1,
+                                                  example_inputs=inputs, cost_model=False),
+            "scripted": lambda: torch.jit.script(teacher),
+            "traced": lambda: torch.jit.trace(teacher, inputs)}[prepare]()
+    model = Distilling(held, mlp(GBS)[0])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(mbcompile.CaptureError, match=r"Distilling\.teacher is a") as err:
+        mbcompile.compile(model, GBS, NUM_CSX, 1, example_inputs=inputs, cost_model=False)
+    assert "Fix:" in str(err.value) and "__class__" not in str(err.value)
+    assert type(model) is Distilling
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
