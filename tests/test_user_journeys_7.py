@@ -15,10 +15,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from models import TOL, rel_err
-from test_user_journeys import DTYPE, GBS, NUM_CSX, _batch, _gpt, adam
+from test_user_journeys import DTYPE, EXAMPLE, GBS, NUM_CSX, _batch, _gpt, adam
+from test_user_journeys_2 import twin
 from test_user_journeys_4 import HF_GBS, _bench, _updates
+from test_user_journeys_6 import Switch
 
 import mbcompile
+from mbcompile.errors import MicrobatchError
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +133,9 @@ def test_mixtral_load_balancing_loss_in_the_trainer_matches_the_plain_trainer(tf
 class Normed(nn.Module):
     """BatchNorm in training (a two-phase step); called without labels it predicts."""
 
-    def __init__(self) -> None:
+    def __init__(self, bias: bool = True) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(),
+        self.net = nn.Sequential(nn.Linear(6, 16, bias=bias), nn.BatchNorm1d(16), nn.ReLU(),
                                  nn.Linear(16, 3))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
@@ -192,3 +195,54 @@ def test_an_ema_keyed_by_state_dict_names_and_updated_from_named_parameters():
                     ema[name].lerp_(p, 0.1)
     assert all(rel_err(emas[0][k], emas[1][k]) <= TOL for k in emas[1])
     assert [n for n, _ in cm.named_parameters()] == [n for n, _ in model.named_parameters()]
+
+
+def test_an_input_gradient_penalty_through_a_two_phase_step_is_eagers():
+    """BatchNorm in training couples the batch; ``autograd.grad(loss, x,
+    create_graph=True)`` outside the model and ``(loss + |dL/dx|^2).backward()``, at a
+    short batch too (no bias before BatchNorm: its gradient would be rounding alone)."""
+    torch.manual_seed(0)
+    model = Normed(bias=False).to(DTYPE)
+    x, y = torch.randn(GBS, 6, dtype=DTYPE), torch.randint(0, 3, (GBS,))
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=(x, y), cost_model=False)
+    assert "two-phase" in cm.plan.reason, cm.plan.reason
+
+    def step(i: int, m: nn.Module, call: Any, state: dict[str, Any]) -> Any:
+        n = 5 if i == 1 else GBS
+        x = torch.randn(n, 6, dtype=DTYPE).requires_grad_()
+        state["opt"].zero_grad(set_to_none=True)
+        out = call(x, torch.randint(0, 3, (n,)))
+        (dx,) = torch.autograd.grad(out[0], x, create_graph=True)
+        (out[0] + dx.pow(2).sum()).backward()
+        state["opt"].step()
+        return out, dx
+
+    twin(model, cm, 3, step, setup=lambda m: {"opt": torch.optim.SGD(m.parameters(), 0.1)})
+
+
+class KeepsAux(Switch):
+    """The MoE pattern that keeps the aux loss on the module, with its graph, for the
+    training loop to add (``loss + coef * model.aux_loss``)."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        _, logits, self.aux_loss, _ = super().forward(ids, labels)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+@pytest.mark.parametrize("capture", ["auto", "fx"])
+def test_an_aux_loss_kept_on_the_module_and_added_in_the_loop_is_refused_changing_nothing(
+        capture):
+    """Eager backpropagates through ``model.aux_loss``; the step backpropagates its loss
+    only, so ``backward()`` is refused naming the fix (put it in the loss), every ``.grad``
+    as it was."""
+    torch.manual_seed(0)
+    model = KeepsAux().to(DTYPE)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=_batch(EXAMPLE),
+                           cost_model=False, capture=capture)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    out = cm(*_batch(12))
+    with pytest.raises(MicrobatchError, match="compute everything you backpropagate through"):
+        (out[0] + 0.1 * model.aux_loss).backward()
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
