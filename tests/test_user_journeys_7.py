@@ -246,3 +246,46 @@ def test_an_aux_loss_kept_on_the_module_and_added_in_the_loop_is_refused_changin
     with pytest.raises(MicrobatchError, match="compute everything you backpropagate through"):
         (out[0] + 0.1 * model.aux_loss).backward()
     assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+
+
+class MoCo(nn.Module):
+    """MoCo: a momentum key encoder updated in place in forward and a queue of keys written
+    at a pointer the forward reads with ``int()`` (eager: a new position every step)."""
+
+    def __init__(self, size: int = 21) -> None:
+        super().__init__()
+        self.query = nn.Linear(6, 8)
+        self.key = copy.deepcopy(self.query).requires_grad_(False)
+        self.register_buffer("queue", F.normalize(torch.randn(size, 8), dim=1))
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        q = F.normalize(self.query(a), dim=1)
+        with torch.no_grad():
+            for p, k in zip(self.query.parameters(), self.key.parameters()):
+                k.mul_(0.99).add_(0.01 * p)
+            keys = F.normalize(self.key(b), dim=1)
+        logits = torch.cat([(q * keys).sum(1, keepdim=True), q @ self.queue.T], 1) / 0.1
+        loss = F.cross_entropy(logits, torch.zeros(len(a), dtype=torch.long))
+        start = int(self.ptr)
+        self.queue[start:start + len(a)] = keys
+        self.ptr.fill_((start + len(a)) % len(self.queue))
+        return loss
+
+
+@pytest.mark.xfail(strict=True, reason="refused (CaptureError), but at the wrong line: fx's "
+                   "failure is reported at the key encoder's EMA (k.mul_(0.99).add_(...), "
+                   "documented as supported; 'descriptor mul_ ... _Proxy', passes/fx_tracer.py "
+                   "StateAsProxies) and export's as 'GuardOnDataDependentSymNode: ... u0' with "
+                   "no line; the read that no step can replay, start = int(self.ptr), is not "
+                   "named (with StateAsProxies fixed, fx names it)")
+def test_a_moco_queue_pointer_read_with_int_is_refused_at_its_line_changing_nothing():
+    torch.manual_seed(0)
+    model = MoCo().to(DTYPE)
+    a = torch.randn(GBS, 6, dtype=DTYPE)
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(mbcompile.MbcompileError) as refused:
+        mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=(a, a + 0.1),
+                          cost_model=False)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert "int(self.ptr)" in str(refused.value), refused.value
