@@ -305,24 +305,45 @@ class Distilling(nn.Module):
         return self.student(x, y, logits)
 
 
-@pytest.mark.xfail(strict=True, reason="compile() of a model holding a compiled module "
-                   "raises CaptureError quoting \"AttributeError: property '__class__' of "
-                   "'CompiledModule' object has no setter\" (at contextlib.py:137, for fx and "
-                   "export alike) and names no fix; and it leaves the wrapper's class "
-                   "replaced: type(wrapper) is Distilling is False afterwards (passes/guards.py "
-                   "sets each module's __class__ to a recording subclass before its try, and "
-                   "CompiledModule.__class__ is a read-only property, face.py)")
-def test_a_wrapper_holding_a_compiled_teacher_compiles_exactly_or_is_refused_by_name():
+def _xfail(reason: str) -> Any:
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param("compiled", marks=_xfail(
+        "compile() of a model holding a compiled module raises CaptureError quoting "
+        "\"AttributeError: property '__class__' of 'CompiledModule' object has no setter\" (at "
+        "contextlib.py:137, for fx and export alike) and names no fix; and it leaves the "
+        "wrapper's class replaced: type(wrapper) is Distilling is False afterwards "
+        "(passes/guards.py sets each module's __class__ to a recording subclass before its "
+        "try, and CompiledModule.__class__ is a read-only property, face.py)")),
+    pytest.param("torchscript", marks=_xfail(
+        "a TorchScript teacher (torch.jit.script or trace; torch.jit.load): CaptureError "
+        "quoting \"TypeError: contains(): incompatible function arguments ... "
+        "(self: torch._C.ParameterDict, arg0: str) ... Invoked with: <torch.ParameterDict>, "
+        "0\" at contextlib.py:158 and fx's generic advice; no fix named "
+        "(passes/python_state.py _same_items indexes the script module's ParameterDict by "
+        "position; before it passes/guard_values.py shadowable_methods fails on "
+        "'_CachedForward' object has no attribute '__getattr__')")),
+    "torch.compile"])
+def test_a_wrapper_holding_a_prepared_teacher_compiles_exactly_or_is_refused_by_name(kind):
+    """The teacher compiled by mbcompile (to evaluate it), scripted (as ``torch.jit.load``
+    gives it) or ``torch.compile``d: exact, or refused naming the teacher, changing
+    nothing."""
     torch.manual_seed(0)
     teacher, student = Teacher().to(DTYPE).eval(), Student().to(DTYPE)
     x, y = torch.randn(GBS, 8, dtype=DTYPE), torch.randint(0, 5, (GBS,))
-    taught = mbcompile.compile(teacher, GBS, NUM_CSX, 2, example_inputs=(x,), cost_model=False)
-    model = Distilling(taught, student)
+    prepared = {"compiled": lambda: mbcompile.compile(teacher, GBS, NUM_CSX, 2, cost_model=False,
+                                                      example_inputs=(x,)),
+                "torchscript": lambda: torch.jit.script(teacher),
+                "torch.compile": lambda: torch.compile(teacher, backend="eager")}[kind]()
+    model = Distilling(prepared, student)
     state = copy.deepcopy(model.state_dict())
     try:
         cm = mbcompile.compile(model, GBS, NUM_CSX, 2, example_inputs=(x, y), cost_model=False)
-    except mbcompile.MbcompileError as exc:  # refused: naming the compiled submodule
+    except mbcompile.MbcompileError as exc:  # refused: naming the teacher
         assert "teacher" in str(exc) and "__class__" not in str(exc), exc
+        assert "contains()" not in str(exc), exc
         assert type(model) is Distilling
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
         return
