@@ -125,12 +125,12 @@ def test_a_switch_load_balancing_and_z_loss_train_as_eager_in_a_two_phase_step()
 @pytest.mark.parametrize("options", [
     {"recompute": True},
     pytest.param({"recompute": True, "torch_compile": {"backend": "aot_eager"}},
-                 marks=pytest.mark.slow, id="recompute-torch_compile"),  # 25 s
+                 marks=pytest.mark.slow, id="recompute-torch_compile"),  # 25-45 s
 ], ids=["recompute", "recompute-torch_compile"])
 def test_a_switch_two_phase_step_with_recompute_and_torch_compile_at_changing_lengths(options):
     model, cm = _switch(**options)
-    journey(model, cm, [train(12), train(8), train(20, 5), evaluate(9), train(12), train(3, 3)],
-            adam, clip=0.5)
+    journey(model, cm, [train(12), train(8), train(20, 5), evaluate(9), train(3, 3)], adam,
+            clip=0.5)
 
 
 class Capacity(nn.Module):
@@ -203,7 +203,7 @@ def _moe_batch(length: int, batch: int = GBS, seed: int = 0) -> dict[str, torch.
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
-@pytest.mark.slow  # 25 s: Mixtral's export and its two-phase steps
+@pytest.mark.slow  # 20-35 s: Mixtral's export and its two-phase steps
 def test_mixtral_with_router_logits_trains_as_eager_over_lengths_and_batch_sizes(tf):
     """``output_router_logits=True``: the load-balancing loss over the whole batch's router
     logits, in float32 (the grouped_mm experts have no float64), with SGD (Adam would
@@ -217,8 +217,7 @@ def test_mixtral_with_router_logits_trains_as_eager_over_lengths_and_batch_sizes
                            cost_model=False)
     assert _is_two_phase(cm), cm.plan.reason
     steps = [("train", _moe_batch(8, seed=1)), ("train", _moe_batch(5, seed=2)),
-             ("train", _moe_batch(12, 5, seed=3)), ("eval", _moe_batch(6, seed=4)),
-             ("train", _moe_batch(8, seed=5))]
+             ("train", _moe_batch(12, 5, seed=3)), ("eval", _moe_batch(6, seed=4))]
     journey(model, cm, steps, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), clip=1.0,
             floor=GRAD_FLOOR, tol=FLOAT32_TOL, loss=lambda out: out.loss)
 

@@ -2,7 +2,11 @@
 covers): T5 in ``Seq2SeqTrainer`` with ``DataCollatorForSeq2Seq`` (encoder and decoder
 lengths both change per batch, the collator asks the model for its decoder inputs,
 predictions by ``generate``), Mixtral's load-balancing loss in ``Trainer``, SWA's
-``update_bn`` on ``AveragedModel(cm)``, and what the compiled module's names say."""
+``update_bn`` on ``AveragedModel(cm)``, an EMA keyed by the compiled module's names, an
+input-gradient penalty through a two-phase step, an aux loss kept on the module, MoCo's
+queue, a distillation wrapper around a teacher already compiled, scripted or
+``torch.compile``d, sharpness-aware minimisation, and a compiled generator without a
+loss feeding an eager critic."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from models import TOL, rel_err
 from test_user_journeys import DTYPE, EXAMPLE, GBS, NUM_CSX, _batch, _gpt, adam
 from test_user_journeys_2 import twin
 from test_user_journeys_4 import HF_GBS, _bench, _updates
-from test_user_journeys_6 import Student, Switch, Teacher
+from test_user_journeys_6 import Critic, Student, Switch, Teacher, _gan_batch, _generator
 
 import mbcompile
 from mbcompile.errors import MicrobatchError
@@ -354,3 +358,55 @@ def test_a_wrapper_holding_a_prepared_teacher_compiles_exactly_or_is_refused_by_
         return out
 
     twin(model, cm, 2, step)
+
+
+def test_sharpness_aware_minimisation_two_calls_per_step_with_weights_moved_between():
+    """SAM: the gradient at the weights, the weights moved in place along it (``p.add_``),
+    a second call and backward on the same batch, the weights moved back, SGD's step."""
+    model, cm = _gpt(2)
+
+    def step(i: int, m: nn.Module, call: Any, state: dict[str, Any]) -> Any:
+        batch, opt = _batch((12, 8, 20, 12)[i]), state["opt"]
+        opt.zero_grad(set_to_none=True)
+        first = call(*batch)
+        first[0].backward()
+        norm = torch.stack([p.grad.norm() for p in m.parameters()]).norm()
+        with torch.no_grad():
+            moved = [p.grad * 0.05 / norm for p in m.parameters()]
+            torch._foreach_add_(list(m.parameters()), moved)
+        opt.zero_grad(set_to_none=True)
+        second = call(*batch)
+        second[0].backward()
+        with torch.no_grad():
+            torch._foreach_sub_(list(m.parameters()), moved)
+        opt.step()
+        return first, second
+
+    twin(model, cm, 4, step, setup=lambda m: {
+        "opt": torch.optim.SGD(m.parameters(), 0.1, momentum=0.9)})
+
+
+def test_a_compiled_generator_without_a_loss_feeding_an_eager_critic():
+    """DCGAN as usually written: ``fake = G(z)`` (compiled, BatchNorm: two-phase, no loss
+    inside, so the activations are kept), the critic's step on ``fake.detach()``, then the
+    generator's on the same ``fake`` through the critic; a short batch of 5."""
+    torch.manual_seed(0)
+    pair = nn.ModuleDict({"g": _generator(), "d": Critic()}).to(DTYPE)
+    generator = mbcompile.compile(pair["g"], GBS, NUM_CSX, 2, cost_model=False,
+                                  example_inputs=(_gan_batch(GBS)[1],))
+
+    def step(i: int, m: nn.Module, call: Any, state: dict[str, Any]) -> Any:
+        real, z, _ = _gan_batch(5 if i == 2 else GBS)
+        fake = (generator if m is pair else m["g"])(z)
+        state["d"].zero_grad(set_to_none=True)
+        critic = m["d"](fake.detach()).mean() - m["d"](real).mean()
+        critic.backward()
+        state["d"].step()
+        state["g"].zero_grad(set_to_none=True)
+        loss = -m["d"](fake).mean()
+        loss.backward()
+        state["g"].step()
+        return critic, loss, fake
+
+    twin(pair, None, 4, step, setup=lambda m: {
+        k: torch.optim.SGD(m[k].parameters(), 1e-2, momentum=0.5) for k in "dg"})
