@@ -356,6 +356,7 @@ def test_a_wrapper_holding_a_prepared_teacher_compiles_exactly_or_is_refused_by_
         assert type(model) is Distilling
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
         return
+
     twin(model, cm, 2, lambda i, m, call, _: _backward(call(x + i, y)))
 
 
