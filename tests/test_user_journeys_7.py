@@ -429,3 +429,27 @@ def test_compiling_a_compiled_module_again_recompiles_its_model_or_names_cm_modu
         return
     assert again.plan.mbs == 3
     twin(model, again, 2, lambda i, m, call, _: _backward(call(*_batch((12, 8)[i]))))
+
+
+@pytest.mark.parametrize("reentrant", [
+    pytest.param(False, marks=_xfail(
+        "checkpoint(cm, ids, labels, use_reentrant=False): MicrobatchError 'system 0, "
+        "microbatch 1 failed in its forward: AssertionError: Unexpected state: "
+        "target_frame.early_stop is set' (torch's checkpoint frame meets the step's "
+        "backward inside forward); names neither the checkpoint nor a fix (recompute=)")),
+    pytest.param(True, marks=_xfail(
+        "checkpoint(cm, ids, labels, use_reentrant=True): torch's bare RuntimeError "
+        "'element 0 of tensors does not require grad and does not have a grad_fn' at "
+        "backward (the reentrant checkpoint calls cm under no_grad: a forward-only step, "
+        "whose loss has no graph); eager recomputes and trains"))], ids=["plain", "reentrant"])
+def test_an_outer_checkpoint_around_the_compiled_module_is_eagers_or_refused_by_name(
+        reentrant):
+    model, cm = _gpt(2)
+    from torch.utils.checkpoint import checkpoint
+
+    try:
+        twin(model, cm, 2, lambda i, m, call, _: _backward(
+            checkpoint(call, *_batch((12, 8)[i]), use_reentrant=reentrant)))
+    except mbcompile.MbcompileError as exc:  # refused: naming the checkpoint and the fix
+        assert "checkpoint" in str(exc) and "recompute" in str(exc), exc
+        assert all(p.grad is None for p in model.parameters())
