@@ -749,12 +749,9 @@ def test_functional_call_on_an_exported_module_is_eagers():
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason="torch.func.grad over functional_call(cm, ...) (per-"
-                   "sample gradients, meta-learning libraries) raises torch's bare "
-                   "RuntimeError 'In order to use an autograd.Function with functorch "
-                   "transforms ... it must override the setup_context staticmethod' "
-                   "(execution/handover.py FusedStep): not an MbcompileError, no fix named")
 def test_torch_func_grad_through_the_compiled_module_is_eagers_or_refused_by_name():
+    """(torch's bare RuntimeError 'In order to use an autograd.Function with functorch
+    transforms ... must override the setup_context staticmethod', before: no fix named.)"""
     model, cm, x, y = _classifier()
     params = {n: p.detach() for n, p in model.named_parameters()}
     want = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x, y)))(params)

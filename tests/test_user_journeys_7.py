@@ -314,10 +314,6 @@ def _backward(out: Any) -> Any:
     return out
 
 
-def _xfail(reason: str) -> Any:
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
 @pytest.mark.parametrize("kind", ["compiled", "torchscript", "torch.compile"])
 def test_a_wrapper_holding_a_prepared_teacher_compiles_exactly_or_is_refused_by_name(kind):
     """The teacher compiled by mbcompile (to evaluate it), scripted (as ``torch.jit.load``
@@ -407,19 +403,11 @@ def test_compiling_a_compiled_module_again_recompiles_its_model():
     twin(model, again, 2, lambda i, m, call, _: _backward(call(*_batch((12, 8)[i]))))
 
 
-@pytest.mark.parametrize("reentrant", [
-    pytest.param(False, marks=_xfail(
-        "checkpoint(cm, ids, labels, use_reentrant=False): MicrobatchError 'system 0, "
-        "microbatch 1 failed in its forward: AssertionError: Unexpected state: "
-        "target_frame.early_stop is set' (torch's checkpoint frame meets the step's "
-        "backward inside forward); names neither the checkpoint nor a fix (recompute=)")),
-    pytest.param(True, marks=_xfail(
-        "checkpoint(cm, ids, labels, use_reentrant=True): torch's bare RuntimeError "
-        "'element 0 of tensors does not require grad and does not have a grad_fn' at "
-        "backward (the reentrant checkpoint calls cm under no_grad: a forward-only step, "
-        "whose loss has no graph); eager recomputes and trains"))], ids=["plain", "reentrant"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["plain", "reentrant"])
 def test_an_outer_checkpoint_around_the_compiled_module_is_eagers_or_refused_by_name(
         reentrant):
+    """(Before: 'Unexpected state: target_frame.early_stop is set' inside the step, plain;
+    torch's bare 'element 0 of tensors does not require grad' at backward, reentrant.)"""
     model, cm = _gpt(2)
     from torch.utils.checkpoint import checkpoint
 
