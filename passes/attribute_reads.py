@@ -5,12 +5,11 @@ A plain object is guarded whole by default (``guard_values.fingerprint``): any c
 it compiles again. A transformers config holds far more than forward reads, and training
 changes some of it: the HF Trainer's checkpoint (``save_pretrained``) sets
 ``config.architectures`` and ``config.dtype``, which no forward reads. So while the
-capture traces, each plain object read from a module's attribute is an instance of a
-reading subclass (same name and module; ``watched``), whose ``__getattribute__`` notes
-every name asked of it, found or not (``getattr`` with a default, ``hasattr``), through a
-property or method of its class too (their code reads ``self`` through it). After the
-capture, each name is asked again (``settled``): the guard holds while every name gives
-what it gave then.
+capture traces, the class of each plain object read from a module's attribute has a
+``__getattribute__`` (``watch``) that notes every name asked of that object, found or not
+(``getattr`` with a default, ``hasattr``), through a property or method of its class too
+(their code reads ``self`` through it). After the capture, each name is asked again
+(``settled``): the guard holds while every name gives what it gave then.
 
 Before (``config`` guarded whole)::
 
@@ -50,28 +49,26 @@ __all__ = ["AttributeReads", "Record", "paused", "settled", "state_version", "wa
            "watched"]
 
 _STATE = threading.local()  # .records: {id(obj): Record} of the capture in progress, or None
-_READING: dict[type, type] = {}  # a class -> its reading subclass
+#: a class whose ``__getattribute__`` records (``_hook``) -> what its own namespace held
+#: there before (``_MISSING``: nothing, it inherited one)
+_HOOKED: dict[type, Any] = {}
 _MISSING = object()
 #: asked of an object, these give its whole state to code that reads it past
 #: ``__getattribute__`` (a dict, ``object.__getstate__``, ``copyreg``)
 _WHOLE = frozenset({"__dict__", "__getstate__", "__reduce__", "__reduce_ex__", "__copy__",
                     "__deepcopy__", "__getnewargs__", "__getnewargs_ex__"})
-#: what a reading subclass keeps of what ``type()`` and the base's ``__init_subclass__`` set
-#: (transformers makes every config class a dataclass there: another ``__eq__``, no hash)
-_KEPT = frozenset({"__getattribute__", "__module__", "__qualname__", "__doc__"})
 
 
 class Record:
     """What forward asked of one watched object while the capture traced: ``names`` in the
     order first asked; ``whole``: why it reads the object whole (empty: it does not);
     ``children``: the plain objects it read that are watched too, by the key that holds
-    them in its ``__dict__``; ``cls``: its own class, put back after (None: an outer
-    capture's watch, left in place)."""
+    them in its ``__dict__``; ``peers``: the records of the capture, by the object's id."""
 
-    __slots__ = ("children", "cls", "names", "obj", "peers", "whole")
+    __slots__ = ("children", "names", "obj", "peers", "whole")
 
-    def __init__(self, obj: Any, cls: type | None, peers: dict[int, Record]) -> None:
-        self.obj, self.cls, self.peers = obj, cls, peers
+    def __init__(self, obj: Any, peers: dict[int, Record]) -> None:
+        self.obj, self.peers = obj, peers
         self.names: dict[str, None] = {}
         self.whole = ""
         self.children: dict[str, Any] = {}
@@ -86,7 +83,7 @@ class Record:
             return
         if name not in self.names:
             self.names[name] = None
-            code = _bypassing_code(type(self.obj).__mro__[1], name)
+            code = _bypassing_code(type(self.obj), name)
             if code and not self.whole:
                 self.whole = f"{code} reads past __getattribute__"
         if self.whole or value is self.obj or value is _MISSING or not plain_object(value):
@@ -99,9 +96,9 @@ class Record:
 
 
 def watch(obj: Any) -> Record | None:
-    """Record what is asked of ``obj`` for the rest of the capture in progress (its class a
-    reading subclass until it ends); None outside a capture, or where its class cannot be
-    subclassed or assigned (it is then guarded whole)."""
+    """Record what is asked of ``obj`` for the rest of the capture in progress (its class's
+    ``__getattribute__`` a recording one until it ends); None outside a capture, or where
+    its class takes no attribute (a built-in type's object: it is then guarded whole)."""
     records = getattr(_STATE, "records", None)
     if records is None:
         return None
@@ -109,31 +106,30 @@ def watch(obj: Any) -> Record | None:
     if record is not None:
         return record
     cls = type(obj)
-    if cls in _READING.values():  # a capture inside a capture: the outer one reads it
-        record = records[id(obj)] = Record(obj, None, records)
-        return record
-    try:
-        object.__setattr__(obj, "__class__", _reading(cls))
-    except Exception:  # noqa: BLE001 - a class that takes no subclass: guarded whole
-        return None
-    record = records[id(obj)] = Record(obj, cls, records)
+    if cls not in _HOOKED:  # else an outer capture's, or an earlier object's, in place
+        try:
+            _hook(cls)
+        except (TypeError, AttributeError):  # an immutable type: guarded whole
+            return None
+        _STATE.hooked.append(cls)
+    record = records[id(obj)] = Record(obj, records)
     return record
 
 
-def _reading(cls: type) -> type:
-    """``cls`` with a ``__getattribute__`` that tells the record of the object (if any) each
-    name asked of it."""
-    sub = _READING.get(cls)
-    if sub is not None:
-        return sub
+def _hook(cls: type) -> None:
+    """Give ``cls`` a ``__getattribute__`` that tells the record of the object (if any) each
+    name asked of it, then asks what it asked before. On the class itself, not a subclass:
+    ``type(config) is GPT2Config`` stays true, and no ``__init_subclass__`` runs (transformers
+    makes every config class a dataclass there)."""
+    inner = cls.__getattribute__  # its own, or inherited: transformers' maps names
 
     def __getattribute__(self: Any, name: str) -> Any:
         records = getattr(_STATE, "records", None)
         record = records.get(id(self)) if records else None
         if record is None:
-            return super(sub, self).__getattribute__(name)
+            return inner(self, name)
         try:
-            value = super(sub, self).__getattribute__(name)
+            value = inner(self, name)
         except AttributeError:  # ``hasattr``, ``getattr(config, name, None)``: read missing
             record.asked(name, _MISSING, sys._getframe(1))
             if not record.whole and _bypassing_code(cls, "__getattr__"):
@@ -142,13 +138,17 @@ def _reading(cls: type) -> type:
         record.asked(name, value, sys._getframe(1))
         return value
 
-    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                      "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__})
-    for name in set(vars(sub)) - _KEPT:
-        type.__delattr__(sub, name)  # the base's own: its __eq__, its hash
-    _READING[cls] = sub
-    return sub
+    own = vars(cls).get("__getattribute__", _MISSING)
+    type.__setattr__(cls, "__getattribute__", __getattribute__)
+    _HOOKED[cls] = own
+
+
+def _unhook(cls: type) -> None:
+    own = _HOOKED.pop(cls)
+    if own is _MISSING:
+        type.__delattr__(cls, "__getattribute__")
+    else:
+        type.__setattr__(cls, "__getattribute__", own)
 
 
 def _bypassing_code(cls: type, name: str) -> str:
@@ -181,17 +181,18 @@ _BYPASSING: dict[types.CodeType, bool] = {}
 @contextlib.contextmanager
 def watched() -> Iterator[dict[int, Record]]:
     """The block is a capture: ``watch`` records what is asked of the objects it is given;
-    each gets its own class back when the block ends. Yields the records, by id."""
-    outer = getattr(_STATE, "records", None)
+    the classes it hooked for them are as they were when the block ends. Yields the
+    records, by the object's id."""
+    outer = getattr(_STATE, "records", None), getattr(_STATE, "hooked", None)
     records: dict[int, Record] = {}
-    _STATE.records = records
+    _STATE.records, _STATE.hooked = records, []
     try:
         yield records
     finally:
-        _STATE.records = outer
-        for record in records.values():
-            if record.cls is not None and type(record.obj) is _READING.get(record.cls):
-                object.__setattr__(record.obj, "__class__", record.cls)
+        hooked = _STATE.hooked
+        _STATE.records, _STATE.hooked = outer
+        for cls in reversed(hooked):
+            _unhook(cls)
 
 
 @contextlib.contextmanager

@@ -261,3 +261,23 @@ def test_a_nested_transformers_config_is_guarded_by_what_forward_reads_of_it(tf,
     change(config)
     said = _step(model, cm, seed=2)
     assert len(said) == 1 and named in said[0], said
+
+
+def test_after_a_change_forward_never_reads_the_new_state_is_checked_fast(monkeypatch):
+    """The reads are asked once after the change (``Guard.holds``, called where the
+    one-function check of ``passes/guard_code.py`` says no); from then on that check
+    compares the new contents, as it compared the first."""
+    from mbcompile import guard_cache
+
+    model = Reads(_scale_and_beta)
+    cm = _compiled(model, example_inputs=_batch())
+    asked = []
+    failed_guard = guard_cache.failed_guard
+    monkeypatch.setattr(guard_cache, "failed_guard",
+                        lambda guards: asked.append(1) or failed_guard(guards))
+    _step(model, cm)
+    assert asked == []
+    model.cfg.note = "run 2"
+    for seed in (2, 3, 4):
+        assert _step(model, cm, seed=seed) == []
+    assert len(asked) == 1, len(asked)
