@@ -130,6 +130,7 @@ def test_an_attribute_forward_reads_compiles_again_and_runs_its_new_value(change
 def test_a_property_is_guarded_by_what_its_getter_reads():
     model = Reads(lambda cfg: cfg.doubled)
     cm = _compiled(model, example_inputs=_batch())
+    assert _step(model, cm) == []
     model.cfg.note = "run 2"
     assert _step(model, cm) == []
     model.cfg.scale = 0.5
@@ -148,6 +149,7 @@ def test_a_missing_attribute_read_by_hasattr_or_getattr_with_a_default_is_guarde
     nothing; one of those it asks for compiles again, and the step is eager's with it."""
     model = Reads(_gain)
     cm = _compiled(model, example_inputs=_batch())
+    assert _step(model, cm) == []
     model.cfg.other = 1.0
     assert _step(model, cm) == []
     setattr(model.cfg, name, 4.0)
@@ -254,6 +256,7 @@ def test_a_nested_transformers_config_is_guarded_by_what_forward_reads_of_it(tf,
     torch.manual_seed(0)
     model = SubConfigs(config)
     cm = _compiled(model, example_inputs=_batch())
+    assert _step(model, cm) == []
     config.architectures = ["SubConfigs"]
     config.decoder.architectures = ["GPT2LMHeadModel"]
     config.encoder.n_head = 1  # the encoder's: never read
@@ -281,3 +284,26 @@ def test_after_a_change_forward_never_reads_the_new_state_is_checked_fast(monkey
     for seed in (2, 3, 4):
         assert _step(model, cm, seed=seed) == []
     assert len(asked) == 1, len(asked)
+
+
+@pytest.mark.slow  # T5's compile: about 9 s on 2 cores
+def test_t5s_three_configs_are_each_guarded_by_what_forward_reads_of_them(tf, tmp_path):
+    """T5 keeps its config and a copy each for its encoder and its decoder: the checkpoint
+    compiles nothing, a field the decoder reads compiles again, and the step is eager's."""
+    torch.manual_seed(0)
+    config = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                         num_decoder_layers=1, num_heads=4, relative_attention_num_buckets=8,
+                         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                         dropout_rate=0.0)
+    model = tf.T5ForConditionalGeneration(config).double()
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(2, 64, (GBS, 7), generator=g),
+             "labels": torch.randint(2, 64, (GBS, 5), generator=g)}
+    cm = _compiled(model, example_kwargs=batch)
+    assert _step(model, cm, **batch) == []
+    model.save_pretrained(tmp_path)
+    model.encoder.config.architectures = ["T5Stack"]
+    assert _step(model, cm, **batch) == []
+    model.decoder.config._attn_implementation = "eager"
+    said = _step(model, cm, **batch)
+    assert len(said) == 1 and "._attn_implementation = 'eager'" in said[0], said
