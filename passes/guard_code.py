@@ -164,7 +164,9 @@ class _Code:
             self.tests.append(  # the same entries
                 f"(_v := {self.at}[{key}]) is {self.const(guard.value)} and "
                 f"{_entries_code(guard.value)} == {self.const(guard.entries)}")
-        elif guard.contents is not None:  # an object read by attribute: its last state
+        elif guard.contents is not None:
+            if guard.attributes is not None and now is guard.value:
+                guard.holds()  # the object as it is now, where forward reads the same of it
             image = guard.contents if guard.attributes is None else guard.attributes.state
             walk = _walker(image)
             if walk is None or now is not guard.value or not walk(guard.value, None):

@@ -307,3 +307,25 @@ def test_t5s_three_configs_are_each_guarded_by_what_forward_reads_of_them(tf, tm
     model.decoder.config._attn_implementation = "eager"
     said = _step(model, cm, **batch)
     assert len(said) == 1 and "._attn_implementation = 'eager'" in said[0], said
+
+
+def test_a_config_the_compile_switched_is_checked_fast_from_the_first_call(tf, monkeypatch):
+    """compile() captures GPT-2's call as the Trainer makes it (``num_items_in_batch``),
+    with ``use_cache`` as the Trainer sets it (False), and puts the user's True back;
+    forward never reads it. A call as the Trainer's compiles nothing again, and each is
+    checked by the one function (``Guard.holds`` is not asked: it fingerprints the whole
+    config on each call)."""
+    from mbcompile.passes.guards import Guard
+
+    model, batch = _gpt2(tf)
+    assert model.config.use_cache is True
+    cm = _compiled(model, example_kwargs=batch)
+    batch["num_items_in_batch"] = batch["labels"][:, 1:].ne(-100).sum()
+    assert _step(model, cm, **batch) == []
+    asked = []
+    holds = Guard.holds
+    monkeypatch.setattr(Guard, "holds", lambda self: asked.append(self.where or self.name)
+                        or holds(self))
+    for _ in range(3):
+        assert _step(model, cm, **batch) == []
+    assert "config" not in asked, asked  # (a logger's level is asked: no dict to walk)
