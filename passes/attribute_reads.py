@@ -49,9 +49,10 @@ __all__ = ["AttributeReads", "Record", "paused", "settled", "state_version", "wa
            "watched"]
 
 _STATE = threading.local()  # .records: {id(obj): Record} of the capture in progress, or None
-#: a class whose ``__getattribute__`` records (``_hook``) -> what its own namespace held
-#: there before (``_MISSING``: nothing, it inherited one)
-_HOOKED: dict[type, Any] = {}
+#: a class whose ``__getattribute__`` records (``_hook``) -> [what its own namespace held
+#: there before (``_MISSING``: nothing, it inherited one), how many captures watch with it]
+_HOOKED: dict[type, list[Any]] = {}
+_HOOKING = threading.Lock()  # captures on two threads hook and put back one class
 _MISSING = object()
 #: asked of an object, these give its whole state to code that reads it past
 #: ``__getattribute__`` (a dict, ``object.__getstate__``, ``copyreg``)
@@ -106,11 +107,14 @@ def watch(obj: Any) -> Record | None:
     if record is not None:
         return record
     cls = type(obj)
-    if cls not in _HOOKED:  # else an outer capture's, or an earlier object's, in place
-        try:
-            _hook(cls)
-        except (TypeError, AttributeError):  # an immutable type: guarded whole
-            return None
+    if cls not in _STATE.hooked:  # this capture's first object of its class
+        with _HOOKING:
+            try:
+                if cls not in _HOOKED:  # else an outer capture's, or another thread's
+                    _hook(cls)
+            except (TypeError, AttributeError):  # an immutable type: guarded whole
+                return None
+            _HOOKED[cls][1] += 1
         _STATE.hooked.append(cls)
     record = records[id(obj)] = Record(obj, records)
     return record
@@ -140,15 +144,20 @@ def _hook(cls: type) -> None:
 
     own = vars(cls).get("__getattribute__", _MISSING)
     type.__setattr__(cls, "__getattribute__", __getattribute__)
-    _HOOKED[cls] = own
+    _HOOKED[cls] = [own, 0]
 
 
 def _unhook(cls: type) -> None:
-    own = _HOOKED.pop(cls)
-    if own is _MISSING:
-        type.__delattr__(cls, "__getattribute__")
-    else:
-        type.__setattr__(cls, "__getattribute__", own)
+    """One capture less watches with ``cls``'s hook: the last puts its own back."""
+    with _HOOKING:
+        _HOOKED[cls][1] -= 1
+        if _HOOKED[cls][1]:
+            return
+        own = _HOOKED.pop(cls)[0]
+        if own is _MISSING:
+            type.__delattr__(cls, "__getattribute__")
+        else:
+            type.__setattr__(cls, "__getattribute__", own)
 
 
 def _bypassing_code(cls: type, name: str) -> str:
