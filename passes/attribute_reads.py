@@ -239,10 +239,13 @@ class AttributeReads:
         parts = []
         for name, image in self.reads:
             value = _asked(now, name)
-            if not _same(image, value, now):
-                text = repr(value) if value is not _MISSING else ""
-                parts.append(f".{name} deleted" if value is _MISSING else
-                             f".{name} = {text if len(text) <= 80 else 'another value'}")
+            if _same(image, value, now):
+                continue
+            if value is _MISSING or value is _FAILED:
+                parts.append(f".{name} {'deleted' if value is _MISSING else 'raises'}")
+                continue
+            text = repr(value)
+            parts.append(f".{name} = {text if len(text) <= 80 else 'another value'}")
         return parts
 
 

@@ -21,7 +21,8 @@ identity (fx holds it as a constant); submodules, parameters and buffers are che
 by identity elsewhere (``CompiledModule``). A plain value forward reads and then
 assigns (``self.calls += 1``) is guarded too: the capture's side effects replay the
 write (``side_effects.py``), exact while the value read is the one traced, and the
-next call, which reads the new value, compiles again for it.
+next call, which reads the new value, compiles again for it. A plain object a module holds
+(a config) is guarded by the attributes forward asked of it (``attribute_reads.py``).
 """
 
 from __future__ import annotations
