@@ -329,3 +329,26 @@ def test_a_config_the_compile_switched_is_checked_fast_from_the_first_call(tf, m
     for _ in range(3):
         assert _step(model, cm, **batch) == []
     assert "config" not in asked, asked  # (a logger's level is asked: no dict to walk)
+
+
+class ReadsItsDict(nn.Module):
+    """Reads its transformers config's ``__dict__`` (a user's code cannot call ``to_dict()``
+    in forward: a method of an installed package's object is refused there; transformers'
+    own code calls it with ``self.__dict__`` read the same way)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.lin(x), y) * self.config.__dict__["layer_norm_epsilon"] * 1e5
+
+
+def test_a_transformers_config_read_through_its_dict_is_guarded_whole(tf):
+    model = ReadsItsDict(tf.GPT2Config(n_layer=1))
+    cm = _compiled(model, example_inputs=_batch())
+    assert _step(model, cm) == []
+    model.config.architectures = ["ReadsItsDict"]
+    said = _step(model, cm, seed=2)
+    assert len(said) == 1 and ".architectures = ['ReadsItsDict']" in said[0], said
