@@ -35,13 +35,11 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import datetime
 import dis
 import io
 import itertools
 import os
 import sys
-import time
 import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +50,7 @@ import torch
 import torch.nn as nn
 
 from . import global_hooks
+from .clock_reads import CLOCK_FUNCTIONS, clock_read, names_clock
 from .errors import CaptureError
 from .host_draws import draws_refused
 from .library_calls import IN_PACKAGE
@@ -165,29 +164,14 @@ _RNG = {torch.random.manual_seed: "seeds a random generator (torch.manual_seed)"
         torch.random.fork_rng: "seeds a random generator (fork_rng)"}
 _REFUSED: dict[int, str] = {
     **{id(f): what for f, what in _RNG.items()},
-    **{id(f): "reads the clock" for f in (time.time, time.time_ns, time.perf_counter,
-                                         time.perf_counter_ns, time.monotonic,
-                                         time.monotonic_ns, time.process_time,
-                                         time.process_time_ns, time.thread_time,
-                                         time.thread_time_ns, time.localtime, time.gmtime,
-                                         time.ctime, time.asctime, time.strftime)}}
-#: datetime's clock reads: class methods, bound anew at each access (no id to look up)
-_DATETIME_CLOCK = frozenset({"now", "utcnow", "today"})
-#: where code reaches the clock by an attribute: a module or class held in a closure
-#: (``import time`` inside the function that defines the model) is not a global chain
-_CLOCK_OWNERS = {id(time): frozenset(n for n in dir(time) if _REFUSED.get(id(getattr(time, n)))),
-                 **{id(c): _DATETIME_CLOCK for c in (datetime, datetime.datetime, datetime.date)}}
+    **{id(f): "reads the clock" for f in CLOCK_FUNCTIONS}}
 _RNG_NAMES = {(f.__module__, f.__name__): what for f, what in _RNG.items()}
 _GENERATOR_METHODS = frozenset({"manual_seed", "seed", "set_state", "get_state"})
 
 
 def _refused(value: Any) -> str | None:
     """Why forward cannot call ``value`` (None: it can)."""
-    what = _REFUSED.get(id(value))
-    owner = getattr(value, "__self__", None)
-    if what is None and isinstance(owner, type) and issubclass(owner, datetime.date) and \
-            getattr(value, "__name__", "") in _DATETIME_CLOCK:
-        what = f"reads the clock ({owner.__name__}.{value.__name__})"
+    what = _REFUSED.get(id(value)) or clock_read(value)
     if what is None and callable(value):
         # by name too: a wrapper of torch.manual_seed (a test's or a library's patch)
         # is another object than the one this table was built from
@@ -271,8 +255,8 @@ class Reach:
               where: str = "") -> None:
         """What a name leads to: a function's code (and closure), a class's methods, a
         module's attributes this code names, a callable object's attributes."""
-        if _refused(value) is not None or (info is not None and not _CLOCK_OWNERS.get(
-                id(value), frozenset()).isdisjoint(info.attributes)):
+        if _refused(value) is not None or (info is not None
+                                           and names_clock(value, info.attributes)):
             self.suspects = True  # named: the trace is watched for the call itself
         elif _user_function(value):
             self.walk(value.__code__, value.__globals__, value.__closure__)

@@ -40,15 +40,28 @@ def _root(config: Any) -> Path:
 
 
 def _module_file(root: Path, module: str) -> Path | None:
-    """The source file of ``module``; ``mbcompile.passes`` is the top-level passes/."""
+    """The source file of ``module``; ``mbcompile.passes`` is the top-level passes/. A
+    module that puts another in its own place (``sys.modules[__name__] = distributed``:
+    ``mbcompile/distributed.py``) is that other module's file."""
     parts = module.split(".")
     if parts[:2] == ["mbcompile", "passes"]:
         parts = ["passes", *parts[2:]]
     base = root.joinpath(*parts)
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
+            alias = _ALIAS.search(path.read_text())
+            if alias:
+                package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                name = alias.group(1)
+                target = _defines(path.read_text(), package, name)  # from x import name
+                if target:
+                    return _module_file(root, f"{target}.{name}") or _module_file(root, target)
+                return path
             return path
     return None
+
+
+_ALIAS = re.compile(r"^sys\.modules\[__name__\]\s*=\s*(\w+)", re.M)
 
 
 def _defines(source: str, package: str, name: str) -> str | None:

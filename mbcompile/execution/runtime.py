@@ -9,9 +9,8 @@ once at the end of the step (one device read), and handed to the user's
 ``loss.backward()``. A first step in float16 runs its backwards there instead, seeded
 with the gradient that arrived (``deferred.py``).
 
-What the loop reports besides outputs (the noise scale to update, the last
-call's loss counts) travels in an explicit ``StepChannels`` object that the
-backend binds into the loop, never as attributes of a module.
+What the loop reports besides outputs (the noise scale to update, the last call's loss
+counts) travels in a ``StepChannels`` the backend binds into the loop, never on a module.
 """
 
 from __future__ import annotations
@@ -210,8 +209,8 @@ class _Loop:
         return result
 
     def run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
-        # decided alike on every rank, before its collectives: a first float16 step reduces
-        # its gradients when its backwards have run, in loss.backward(), with no overlap
+        # alike on every rank, before any collective (a first float16 step reduces when its
+        # backwards have run, in loss.backward(), without overlap)
         self.deferred = deferred(self, params)
         if self.distributed:
             from mbcompile.execution import distributed
@@ -220,10 +219,9 @@ class _Loop:
             self.reduced = [not (self.sharded is not None and self.sharded.owns(p))
                             for p in params]
             replicated = [p for p, r in zip(params, self.reduced) if r]
-            if distributed.OVERLAP and replicated and self.deferred is None:
-                self.reducer = distributed.OverlappedReduce(replicated)  # made first: a
-        return self._agreed(lambda: self._run_fused(params),     # failing rank can still join
-                            lambda: self.checks.packed())
+            if distributed.OVERLAP and replicated and self.deferred is None:  # made first:
+                self.reducer = distributed.OverlappedReduce(replicated)  # a failing rank joins
+        return self._agreed(lambda: self._run_fused(params), lambda: self.checks.packed())
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         if self.deferred is not None:  # the first float16 step: no guess to seed it with
