@@ -34,7 +34,6 @@ from mbcompile.errors import (
     RetainedActivationsWarning,
 )
 from mbcompile.execution.live_hooks import called_as, hook_keys, unwatch, watch_hooks
-from mbcompile.execution.outer_calls import outer_calls_refused
 from mbcompile.execution.rank_shares import check_not_in_ddp, share_refused
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
@@ -284,7 +283,6 @@ class CompiledModule(ModelFace, nn.Module):
         if self.compile_only:
             raise CompileOnlyError.of(self.plan.mbs, self.exploration, shapes_only=any(
                 map(holds_no_data, self._inner.parameters())))
-        outer_calls_refused()  # torch.func, torch.utils.checkpoint: named, nothing run
         if self.rank is not None:  # on ranks: never inside DDP, which would reduce again
             check_not_in_ddp()
         if self._precision_pending and torch.is_grad_enabled():

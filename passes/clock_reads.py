@@ -17,10 +17,11 @@ from typing import Any
 
 __all__ = ["CLOCK_FUNCTIONS", "clock_read", "names_clock"]
 
+#: (not ``localtime``, ``gmtime``, ``ctime``, ``strftime``: given a time they read no clock,
+#: and a profile's call event does not tell their arguments)
 CLOCK_FUNCTIONS = (time.time, time.time_ns, time.perf_counter, time.perf_counter_ns,
                    time.monotonic, time.monotonic_ns, time.process_time, time.process_time_ns,
-                   time.thread_time, time.thread_time_ns, time.localtime, time.gmtime,
-                   time.ctime, time.asctime, time.strftime)
+                   time.thread_time, time.thread_time_ns)
 _DATETIME = frozenset({"now", "utcnow", "today"})
 _OWNERS = {id(time): frozenset(f.__name__ for f in CLOCK_FUNCTIONS),
            **{id(c): _DATETIME for c in (datetime, datetime.datetime, datetime.date)}}

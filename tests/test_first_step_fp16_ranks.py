@@ -17,12 +17,40 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_first_step_fp16 import _distance, _grad, _model, _step
+from test_first_step_fp16 import _distance, _grad, _model, _SmallLoss, _step
 
 import mbcompile
 
 GBS, WORLD, MBS = 7, 2, 2  # ranks of 4 and 3 samples, microbatches (2, 2) and (2, 1)
 RANKS = pytest.mark.xdist_group("first_step_fp16_ranks")  # one rank pair at a time
+
+
+class _WithOutput(_SmallLoss):
+    """The loss and the output: a gradient may be sent into the output, on one rank."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.b(torch.tanh(self.a(x)))
+        return torch.nn.functional.mse_loss(out, y) * self.small, out
+
+
+def output_gradient_on_one_rank(rank: int, world: int, out_dir: str) -> None:
+    """Rank 1 sends a gradient into the output (refused in backward before the deferred
+    backwards run); rank 0 does not, and runs them: both must stop, neither hang."""
+    _, (x, y) = _model(1e-5)
+    torch.manual_seed(0)
+    model = _WithOutput(1e-5)
+    cm = mbcompile.compile(model, GBS, world, MBS, example_inputs=(x, y), cost_model=False,
+                           precision="fp16-mixed", backend="torch.distributed")
+    share = mbcompile.distributed.shard((x, y), cm.plan, rank)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss, out = cm(*share)
+    try:
+        (loss + out.float().sum() * float(rank)).backward()
+        outcome = "ok"
+    except mbcompile.MbcompileError as exc:
+        outcome = type(exc).__name__
+    torch.save({"outcome": outcome, "grads": [p.grad for p in model.parameters()]},
+               Path(out_dir) / f"rank{rank}.pt")
 
 
 def first_step_on_ranks(rank: int, world: int, out_dir: str, fail_on: int | None) -> None:
@@ -90,3 +118,17 @@ def test_a_second_forward_failing_on_one_rank_stops_every_rank_changing_nothing(
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert [g["outcome"] for g in got] == ["MicrobatchError", "MicrobatchError"]
     assert all(t is None for g in got for t in g["grads"])  # .grad as before: None
+
+
+@pytest.mark.slow  # two ranks: 8 s or more on 2 cores
+@RANKS
+def test_a_backward_refused_on_one_rank_before_the_deferred_backwards_stops_both(tmp_path):
+    """(Found by a review: rank 1 raised alone while rank 0 waited in the deferred
+    backward's status all-reduce, until gloo's timeout.)"""
+    from test_distributed import _run
+
+    _run(output_gradient_on_one_rank, WORLD, str(tmp_path), timeout_s=60,
+         collective_timeout_s=20)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert [g["outcome"] for g in got] == ["MicrobatchError", "MicrobatchError"]
+    assert all(t is None for g in got for t in g["grads"])

@@ -128,8 +128,8 @@ class Refused(nn.Module):
             h = h * (1 + 0 * datetime.datetime.now().microsecond)
         elif self.how == "date_today":
             h = h * (1 + 0 * datetime.date.today().day)
-        elif self.how == "localtime":
-            h = h * (1 + 0 * time.localtime().tm_sec)
+        elif self.how == "thread_time":
+            h = h * (1 + 0 * time.thread_time())
         return F.mse_loss(h, y)
 
 
@@ -185,7 +185,7 @@ REFUSALS = {
     "clock_imported": "reads the clock",
     "datetime_now": r"reads the clock \(datetime.now\)",
     "date_today": r"reads the clock \(date.today\)",
-    "localtime": "reads the clock",
+    "thread_time": "reads the clock",
     "closure_time": "reads the clock",
     "closure_datetime": r"reads the clock \(datetime.now\)",
     "file_object": "the global LOG_FILE, a StringIO",

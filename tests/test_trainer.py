@@ -203,6 +203,34 @@ def test_a_validation_on_systems_that_fit_training_only_with_checkpointing_runs(
     assert not model.training  # the modes it had are back
 
 
+def test_a_validation_alone_of_batchnorm_on_one_row_batches_is_eagers():
+    """Compiled as training would be, a BatchNorm model cannot run a batch of one row (in
+    train mode it needs two): the validation's own compile falls back to eval mode, as
+    before, instead of refusing (found by a review)."""
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.lin = nn.BatchNorm1d(6), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.lin(self.bn(x)), y)
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    val = [(torch.randn(1, 6, generator=g), torch.randint(0, 3, (1,), generator=g))
+           for _ in range(2)]
+    model = Normed().double()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), gbs=1, num_csx=1,
+                      callbacks=[GlobalFlags(micro_batch_size=1)],
+                      compile_options={"cost_model": False}, console=Console(file=io.StringIO()))
+    got = trainer.validate([(x.double(), y) for x, y in val])["loss"]
+    model.eval()
+    with torch.no_grad():
+        want = sum(float(model(x.double(), y)) for x, y in val) / 2
+    assert got == pytest.approx(want, rel=1e-12)
+    assert model.bn.training is False and int(model.bn.num_batches_tracked) == 0
+
+
 def test_the_trainer_takes_every_compile_option_it_does_not_set_itself():
     """``COMPILE_OPTIONS`` is stated by hand; this keeps it equal to ``compile``'s own
     keyword options (the product never reads compile's signature). ``shard`` is the

@@ -117,6 +117,7 @@ class DeferredStep:
         # the hooks the call runs with, run and watched again then (eager fixes a step's
         # hooks at its forward: one added or removed between the call and backward is not)
         self.watching, self.hooks = in_step.watching, CallHooks()
+        self.agreed = False  # on ranks: the backward's status all-reduce was made (``agree``)
 
     def forward(self) -> list[tuple[Any, ...]]:
         """Every microbatch's forward, its graph dropped: what the call returns."""
@@ -164,21 +165,22 @@ class DeferredStep:
             self._check(same)
         except Exception as exc:
             if loop.distributed:  # every rank learns it before the gradients' all-reduce
-                self._agree(exc)
+                self.agree(exc)
             raise
         finally:
             statistics.restore()
             now.restore()
             self.states = []
         if loop.distributed:
-            self._agree(None)
+            self.agree(None)
         return grads
 
-    def _agree(self, error: BaseException | None) -> None:
-        """On ranks: the status all-reduce of the second forwards and backwards (raises
-        ``error`` here, and on every other rank where one failed)."""
+    def agree(self, error: BaseException | None) -> None:
+        """On ranks: the status all-reduce of the backward (raises ``error`` here, and on
+        every other rank where one failed), once (``agreed``)."""
         from mbcompile.execution.distributed import step_status
 
+        self.agreed = True
         step_status(error, torch.zeros(0, device=self.params[0].device), read=read_host)
 
     def _check(self, same: list[torch.Tensor]) -> None:

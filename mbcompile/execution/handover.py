@@ -48,6 +48,18 @@ def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n
     sums (the same for each: the loss is their sum, maybe scaled) over the seed their
     backwards ran with, exactly 1.0 when the seed was ``g``.
     """
+    deferred = owner.deferred
+    try:
+        return _hand_over(owner, grads, loss_positions, n_params, reduce, noise)
+    except Exception as exc:
+        if deferred is not None and owner.distributed and not deferred.agreed:
+            deferred.agree(exc)  # refused before its backwards: the other ranks wait there
+        raise
+
+
+def _hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n_params: int,
+               reduce: Callable[[list[torch.Tensor | None]], None],
+               noise: Callable[[torch.Tensor], None] | None) -> tuple[Any, ...]:
     if torch.is_grad_enabled():  # grad mode is on in a backward under create_graph=True
         raise MicrobatchError(
             "a backward with create_graph=True (a gradient penalty on the step's gradients, "

@@ -29,6 +29,7 @@ from mbcompile.execution.deferred import deferred
 from mbcompile.execution.handover import FusedStep, grads_aside, hand_over, hooks_aside
 from mbcompile.execution.live_hooks import UncheckedHookError, in_step
 from mbcompile.execution.noise import NoiseScale
+from mbcompile.execution.outer_calls import outer_calls_refused
 from mbcompile.execution.replay import RngStates
 from mbcompile.execution.seeding import Seed
 from mbcompile.execution.step_checks import StepChecks, read_host, take_refused
@@ -209,9 +210,7 @@ class _Loop:
         return result
 
     def run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
-        # alike on every rank, before any collective (a first float16 step reduces when its
-        # backwards have run, in loss.backward(), without overlap)
-        self.deferred = deferred(self, params)
+        self.deferred = deferred(self, params)  # alike on every rank, before a collective
         if self.distributed:
             from mbcompile.execution import distributed
 
@@ -435,10 +434,11 @@ def _run(loop: _Loop, params: Sequence[torch.Tensor] | None = None) -> list[tupl
         if loop.distributed:
             raise InputError(
                 "training on torch.distributed needs the loss computed inside the model (one "
-                "scalar loss) and inputs that do not require grad: gradients are reduced once "
-                "per step from the per-microbatch backward. Return the loss from forward, or "
-                "wrap the model in DistributedDataParallel and use the simulated backend")
+                "scalar loss) and inputs that do not require grad: gradients are reduced once per "
+                "step from the per-microbatch backward. Return the loss from forward, or wrap "
+                "the model in DistributedDataParallel and use the simulated backend")
         return loop.run()
+    outer_calls_refused()  # inside torch.func or torch.utils.checkpoint: named, nothing run
     flat = iter(FusedStep.apply(loop, len(params), *params))
     return [tuple(next(flat) if is_t else c for is_t, c in zip(layout, consts))
             for layout, consts in zip(loop.layout, loop.constants)]

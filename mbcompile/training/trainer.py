@@ -68,7 +68,7 @@ from mbcompile.training.data_cursor import DataCursor, batches, length
 from mbcompile.training.flags import Callback, Flags
 from mbcompile.training.lr_scaling import LRScaling
 from mbcompile.training.metrics import COLUMNS, Metric, MetricsLog, make_row
-from mbcompile.training.phase_modes import planned_for_training
+from mbcompile.training.phase_modes import compiled_for_phase
 from mbcompile.training.progress import ProgressMixin
 from mbcompile.training.rng import broadcast_rng_state, preserved_rng
 from mbcompile.training.sharding import is_fsdp, shard_for_training, shard_model
@@ -243,7 +243,7 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         the batch is laid out like its example: the module compiles its eval-mode graph
         itself, once, on the first call in eval mode, on the training plan (an MBS checked
         for a training step fits a forward); else it compiles its own, also planned as a
-        training step (``phase_modes.planned_for_training``)."""
+        training step (``phase_modes.compiled_for_phase``)."""
         mbs = self.flags.micro_batch_size
         key = (phase, _mbs_key(mbs))
         if key in self.compiled:
@@ -261,11 +261,10 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         started = time.perf_counter()
         # the example's own call: this loop never passes transformers' Trainer keywords;
         # the RNG kept: a resumed run compiles at another step
-        with preserved_rng(), called_plainly(), \
-                planned_for_training(self.model, phase == "validate"):
-            cm = compiler.compile(self.model, self.gbs, self.num_csx, mbs,
-                                  example_inputs=args or None, example_kwargs=kwargs or None,
-                                  in_dims=self.in_dims, **self._options())
+        with preserved_rng(), called_plainly():
+            cm = compiled_for_phase(self.model, phase == "validate", lambda: compiler.compile(
+                self.model, self.gbs, self.num_csx, mbs, example_inputs=args or None,
+                example_kwargs=kwargs or None, in_dims=self.in_dims, **self._options()))
         self.compiled[key], self._layouts[key] = cm, layout
         if self.progress:
             p = cm.plan
