@@ -286,7 +286,8 @@ def test_after_a_change_forward_never_reads_the_new_state_is_checked_fast(monkey
     assert len(asked) == 1, len(asked)
 
 
-@pytest.mark.slow  # T5's compile: about 9 s on 2 cores
+@pytest.mark.zoo  # T5's compile: about 9 s on 2 cores (nested configs: the EncoderDecoderConfig
+# test runs the mechanism in CI)
 def test_t5s_three_configs_are_each_guarded_by_what_forward_reads_of_them(tf, tmp_path):
     """T5 keeps its config and a copy each for its encoder and its decoder: the checkpoint
     compiles nothing, a field the decoder reads compiles again, and the step is eager's."""

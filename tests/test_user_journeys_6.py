@@ -125,7 +125,7 @@ def test_a_switch_load_balancing_and_z_loss_train_as_eager_in_a_two_phase_step()
 @pytest.mark.parametrize("options", [
     {"recompute": True},
     pytest.param({"recompute": True, "torch_compile": {"backend": "aot_eager"}},
-                 marks=pytest.mark.slow, id="recompute-torch_compile"),  # 25-45 s
+                 marks=pytest.mark.zoo, id="recompute-torch_compile"),  # 25-45 s
 ], ids=["recompute", "recompute-torch_compile"])
 def test_a_switch_two_phase_step_with_recompute_and_torch_compile_at_changing_lengths(options):
     model, cm = _switch(**options)
@@ -203,7 +203,8 @@ def _moe_batch(length: int, batch: int = GBS, seed: int = 0) -> dict[str, torch.
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
-@pytest.mark.slow  # 20-35 s: Mixtral's export and its two-phase steps
+@pytest.mark.zoo  # 20-35 s: Mixtral's export and its two-phase steps (more MoE: test_two_phase
+# and test_moe run the mechanism in CI)
 def test_mixtral_with_router_logits_trains_as_eager_over_lengths_and_batch_sizes(tf):
     """``output_router_logits=True``: the load-balancing loss over the whole batch's router
     logits, in float32 (the grouped_mm experts have no float64), with SGD (Adam would

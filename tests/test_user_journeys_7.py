@@ -103,7 +103,8 @@ def test_t5_in_seq2seq_trainer_with_a_padding_seq2seq_collator_matches_the_plain
     assert (runs[1][2] == runs[0][2]).all()
 
 
-@pytest.mark.slow  # 15 s: Mixtral's export and its two-phase steps
+@pytest.mark.zoo  # 15 s: Mixtral's export and its two-phase steps (more MoE: Mixtral's
+# two-phase step runs in CI in test_two_phase and test_moe)
 def test_mixtral_load_balancing_loss_in_the_trainer_matches_the_plain_trainer(tf, tmp_path):
     """``output_router_logits=True`` under the Trainer's ``num_items_in_batch`` and a
     padding collator (rows of 5-60 tokens), evaluation in batches of 4 and 3: the aux loss
