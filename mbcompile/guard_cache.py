@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from mbcompile.passes.attribute_reads import state_version
 from mbcompile.passes.guard_code import fast_check
 from mbcompile.passes.guards import Guard, failed_guard
 
@@ -40,9 +39,8 @@ class GuardCache(dict):  # type: ignore[type-arg]
         super().__init__()
         self.failures: Counter[tuple[int, Any]] = Counter()  # (id(module), name) -> count
         self.modules: dict[int, Any] = {}  # keeps the modules counted above alive
-        # id(entry) -> (entry, its guards as one function: guard_code.py, the states of the
-        # objects guarded by what forward read of them it compares), for the entries kept
-        self.checks: dict[int, tuple[Any, Callable[[], bool], int]] = {}
+        # id(entry) -> (entry, its guards as one function: guard_code.py), for the entries kept
+        self.checks: dict[int, tuple[Any, Callable[[], bool]]] = {}
 
     def find(self, key: Any) -> tuple[Any, Guard | None]:
         """The newest entry for ``key`` whose guards hold, else ``(None, the newest entry's
@@ -52,14 +50,11 @@ class GuardCache(dict):  # type: ignore[type-arg]
         for entry in entries:
             check = self.checks.get(id(entry))
             if check is None:
-                check = self.checks[id(entry)] = (entry, fast_check(entry.guards),
-                                                  state_version(entry.guards))
+                check = self.checks[id(entry)] = (entry, fast_check(entry.guards))
             if check[1]():  # every guard holds: the common case, a few µs
                 return entry, None
             failed = failed_guard(entry.guards)  # the guards' own answer, and which failed
             if failed is None:
-                if state_version(entry.guards) != check[2]:  # a config changed where forward
-                    del self.checks[id(entry)]  # reads nothing: checked fast from its new state
                 return entry, None
             first = first or failed
         if first is not None and not first.item:

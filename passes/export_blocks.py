@@ -154,8 +154,7 @@ def _moved(guard: Guard, module: nn.Module) -> Guard:
     if guard.contents is None or guard.feeds is not None:
         return moved
     contents, reached = fingerprint(moved.now())
-    return replace(moved, value=moved.now(), contents=contents, reached=reached,
-                   attributes=guard.attributes if moved.now() is guard.value else None)
+    return replace(moved, value=moved.now(), contents=contents, reached=reached)
 
 
 def _users_guards(guards: tuple[Guard, ...], model: nn.Module, cut: nn.Module, path: str,

@@ -165,13 +165,10 @@ class _Code:
                 f"(_v := {self.at}[{key}]) is {self.const(guard.value)} and "
                 f"{_entries_code(guard.value)} == {self.const(guard.entries)}")
         elif guard.contents is not None:
-            if guard.attributes is not None and now is guard.value:
-                guard.holds()  # the object as it is now, where forward reads the same of it
-            image = guard.contents if guard.attributes is None else guard.attributes.state
-            walk = _walker(image)
+            walk = _walker(guard.contents)
             if walk is None or now is not guard.value or not walk(guard.value, None):
                 return False  # its type is stricter than the image (an OrderedDict)
-            self.walk(image, f"{self.at}[{key}]")
+            self.walk(guard.contents, f"{self.at}[{key}]")
         else:
             self.plain.append((guard.name, guard.value))
         return True

@@ -21,8 +21,7 @@ identity (fx holds it as a constant); submodules, parameters and buffers are che
 by identity elsewhere (``CompiledModule``). A plain value forward reads and then
 assigns (``self.calls += 1``) is guarded too: the capture's side effects replay the
 write (``side_effects.py``), exact while the value read is the one traced, and the
-next call, which reads the new value, compiles again for it. A plain object a module holds
-(a config) is guarded by the attributes forward asked of it (``attribute_reads.py``).
+next call, which reads the new value, compiles again for it.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .attribute_reads import paused, settled, watch, watched
 from .errors import CaptureError
 from .guard_values import (
     ATOMS,
@@ -82,9 +80,7 @@ class Guard:
     #: (``len(self.box["seen"])``: ``("seen",)``), checked by ``unwritten``
     reads: frozenset[tuple[Any, ...]] = frozenset()
     opaque: frozenset[int] = frozenset()  # inside ``contents``: forward writes them, by id
-    #: a plain object held whole unless what forward read of it differs: ``AttributeReads``
-    #: (during the capture, the ``Record`` of its reads: ``attribute_reads.py``)
-    attributes: Any = None
+
 
     def now(self) -> Any:
         if self.item:
@@ -103,8 +99,6 @@ class Guard:
             return now is self.value
         if self.entries is not None:
             return now is self.value and entries_of(now) == self.entries
-        if self.attributes is not None:
-            return self.attributes.holds(now)
         if self.contents is not None:
             return fingerprint(now, self.opaque)[0] == self.contents
         return type(now) is type(self.value) and now == self.value
@@ -118,8 +112,7 @@ class Guard:
         # the same container, changed in place: only its fingerprint was kept, not its old
         # contents (repr(self.value) would show the new ones twice)
         if (self.contents is not None or self.entries is not None) and now is self.value:
-            parts = ", ".join(self.attributes.changed(now)) if self.attributes is not None \
-                else parts_changed(self.contents, now, self.opaque)
+            parts = parts_changed(self.contents, now, self.opaque)
             change = f"changed, now {parts or shown(now, 'deleted')}"
         else:
             change = f"was {shown(self.value, 'missing')}, now {shown(now, 'deleted')}"
@@ -178,8 +171,7 @@ def unrecorded() -> Iterator[None]:
     sink = getattr(_LOCAL, "sink", None)
     _LOCAL.sink = None
     try:
-        with paused():
-            yield
+        yield
     finally:
         _LOCAL.sink = sink
 
@@ -234,11 +226,8 @@ def _recording(cls: type) -> type:
                         if path is not None:
                             _LOCAL.paths.setdefault(key, set()).add(path)
                         # fingerprinted once the capture has put back what it switched
-                        # for the trace (export's use_cache=False): ``unwritten``; an
-                        # object's reads recorded from now on (``attribute_reads``)
-                        sink.setdefault(key, Guard(self, name, value, contents=_PENDING,
-                                                   attributes=plain_object(value) and watch(
-                                                       value) or None))
+                        # for the trace (export's use_cache=False): ``unwritten``
+                        sink.setdefault(key, Guard(self, name, value, contents=_PENDING))
                     elif isinstance(value, torch.Tensor):  # a tensor kept in a plain attribute:
                         # fx holds it as a constant, so a new one (a replayed write) recompiles
                         sink.setdefault(key, Guard(self, name, value, identity=True))
@@ -362,28 +351,20 @@ def recorded_reads(model: nn.Module, model_name: str = "",
     written: dict[tuple[int, str], tuple[Any, str, Any]] = {}
     paths: dict[tuple[int, str], set[tuple[Any, ...]]] = {}
     _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.paths = sink, written, as_input, paths
-    records: dict[int, Any] = {}  # the plain objects watched: ``attribute_reads``
     try:
-        with watched() as records:
-            yield guards
+        yield guards
     finally:
         _LOCAL.sink, _LOCAL.written, _LOCAL.as_input, _LOCAL.paths = outer
         if writes is not None:
             writes.update(written)
         for m, cls in zip(modules, classes):
             m.__class__ = cls
-        for record in records.values():  # a watched object's watched ones: a text_config
-            for child_key, child in record.children.items():
-                sink.setdefault((id(record.obj), child_key), Guard(
-                    record.obj, child_key, child, contents=_PENDING, attributes=record.peers[
-                        id(child)], where=f"{type(record.obj).__name__}.{child_key}"))
         fingerprinted: set[int] = set()  # a config read by every layer: fingerprinted once
         for key, guard in sink.items():
             if key in paths:
                 guard = replace(guard, reads=frozenset(paths[key]))
             if guard.contents is not None and id(guard.value) in fingerprinted:
-                guard = replace(guard, contents=None, reached=frozenset(), identity=True,
-                                attributes=None)
+                guard = replace(guard, contents=None, reached=frozenset(), identity=True)
             elif guard.contents is not None:
                 fingerprinted.add(id(guard.value))
             guards.append(guard)
@@ -424,9 +405,8 @@ def unwritten(guards: Sequence[Guard], written: frozenset[int],
             if reached & written:  # what it holds beside them is guarded: by id only
                 opaque = reached & written
                 image, reached = fingerprint(guard.value, opaque)
-                guard = replace(guard, opaque=opaque, attributes=None)
-            guard = replace(guard, contents=image, reached=reached,
-                            attributes=settled(guard.attributes, image))
+                guard = replace(guard, opaque=opaque)
+            guard = replace(guard, contents=image, reached=reached)
         done.append(guard)
     return tuple(done)
 

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
     import torch.fx as fx
 
-__all__ = ["SITE_DIRS", "installed_package", "is_library", "own_code", "source_line",
-           "user_frame", "user_stacklevel"]
+__all__ = ["SITE_DIRS", "installed_package", "is_library", "source_line", "user_frame",
+           "user_stacklevel"]
 
 # found without importing torch: plan arithmetic warns through here and stays torch-free
 _TORCH_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec("torch").origin)) + os.sep
@@ -54,12 +54,6 @@ def is_library(path: str) -> bool:
     # a trace asks about the same few files at every node (the log and print watches, the
     # stacks): an absolute path's answer is kept, a relative one depends on the directory
     return _library_file(path) if os.path.isabs(path) else _is_library(path)
-
-
-@functools.lru_cache(maxsize=1024)
-def own_code(path: str) -> bool:
-    """True for a file of mbcompile's package or its passes (not torch's)."""
-    return os.path.abspath(path).startswith((_PASSES_DIR, _package_dir()))
 
 
 def _is_library(path: str) -> bool:
