@@ -24,7 +24,7 @@ import torch.nn as nn
 from .whose_code import user_code
 
 __all__ = ["ATOMS", "Unguardable", "entries_of", "fingerprint", "parts_changed",
-           "plain_object", "shadowable_methods", "user_defined"]
+           "plain_object", "shadowable_methods", "slotted_object", "user_defined"]
 
 #: compared by value: numbers, strings, flags, None, enum members
 ATOMS = (bool, int, float, str, type(None), enum.Enum)
@@ -56,8 +56,18 @@ def _image(value: Any, reached: set[int], depth: int, budget: list[int]) -> Any:
                 tuple(_image(v, reached, depth - 1, budget) for v in value))
     if kind == "set":
         return frozenset(_image(v, reached, depth - 1, budget) for v in value)
+    if kind == "slots":  # (a dataclass(slots=True), an attrs class): each slot's value
+        return (type(value), tuple((n, _image(_slot(value, n), reached, depth - 1, budget))
+                                   for n in _SLOTS[type(value)]))
     return (type(value), _image(object.__getattribute__(value, "__dict__"), reached, depth,
                                 budget))
+
+
+def _slot(value: Any, name: str) -> Any:
+    try:
+        return object.__getattribute__(value, name)
+    except AttributeError:
+        return _ABSENT  # (a slot never set: the same marker every time)
 
 
 def parts_changed(image: Any, now: Any, opaque: frozenset[int] = frozenset()) -> str:
@@ -217,20 +227,42 @@ def _kind(t: type) -> str:
         kind = "set"
     elif _plain_type(t):
         kind = "object"
+    elif _plain_type(t, slotted=True):  # fingerprinted by its slots (not a plain_object)
+        kind = "slots"
+        _SLOTS[t] = tuple(dict.fromkeys(n for c in t.__mro__ for n in _names(c)))
     else:
         kind = "id"
     _KINDS[t] = kind
     return kind
 
 
-def _plain_type(t: type) -> bool:
-    return (t.__dictoffset__ != 0 and not issubclass(t, _OPAQUE)
+_SLOTS: dict[type, tuple[str, ...]] = {}  # a slotted type's slot names, base classes' too
+
+
+def _names(c: type) -> tuple[str, ...]:
+    slots = vars(c).get("__slots__", ())
+    return tuple(n for n in ((slots,) if isinstance(slots, str) else slots)
+                 if n not in ("__dict__", "__weakref__"))
+
+
+def _plain_type(t: type, slotted: bool = False) -> bool:
+    """A user's class whose instances hold state in ``__dict__`` (``slotted``: in slots
+    only, no ``__dict__``)."""
+    held = (t.__dictoffset__ == 0 and any(_names(c) for c in t.__mro__)) if slotted \
+        else t.__dictoffset__ != 0
+    return (held and not issubclass(t, _OPAQUE)
             and not any("__call__" in vars(c) for c in t.__mro__ if c is not object)
             and not t.__module__.startswith("torch"))
 
 
 _OPAQUE = (nn.Module, torch.Tensor, types.ModuleType, type, types.FunctionType,
            types.MethodType, types.BuiltinFunctionType)
+
+
+def slotted_object(value: Any) -> bool:
+    """A user's object that holds its state in slots only (``dataclass(slots=True)``, an
+    attrs class): guarded by its fingerprint, which reads each slot."""
+    return (_KINDS.get(type(value)) or _kind(type(value))) == "slots"
 
 
 def plain_object(value: Any) -> bool:

@@ -46,6 +46,7 @@ from .guard_values import (
     parts_changed,
     plain_object,
     shadowable_methods,
+    slotted_object,
 )
 from .python_state import MODULE_INTERNALS
 from .read_paths import Call, Get, appended_read, path_after, shown
@@ -221,7 +222,7 @@ def _recording(cls: type) -> type:
                     if plain(value):
                         sink.setdefault(key, Guard(self, name, value))
                     elif isinstance(value, (dict, list, tuple, set, frozenset)) or \
-                            plain_object(value):  # a dict of flags, a config object
+                            plain_object(value) or slotted_object(value):  # a config object
                         path = _read_path(sys._getframe(1))
                         if path is not None:
                             _LOCAL.paths.setdefault(key, set()).add(path)

@@ -673,3 +673,38 @@ def test_a_recompile_names_what_changed_in_an_object_not_its_whole_repr(change, 
     with pytest.warns(mbcompile.RecompileWarning) as seen:
         cm(x, y).backward()
     assert said in str(seen[0].message) and ".seen" not in str(seen[0].message)
+
+
+@dataclasses.dataclass(slots=True)
+class _SlotsConfig:
+    scale: float = 2.0
+
+
+class _SlotsPlain:
+    __slots__ = ("scale",)
+
+    def __init__(self) -> None:
+        self.scale = 2.0
+
+
+@pytest.mark.parametrize("kind", [_SlotsConfig, _SlotsPlain], ids=["dataclass", "plain"])
+def test_a_config_with_slots_changed_after_compile_compiles_again(kind):
+    """A config object without ``__dict__`` (``dataclass(slots=True)``, a ``__slots__``
+    class) was not guarded at all: its value changed after compile, the compiled step
+    kept the old one (4.18 against eager's 6.26), silently."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.cfg = nn.Linear(4, 3), kind()
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(self.a(x), y) * self.cfg.scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    cm = _compile(model, _batch())
+    cm(*_batch())
+    model.cfg.scale = 3.0
+    with pytest.warns(mbcompile.RecompileWarning, match="cfg changed"):
+        got = cm(*_batch())
+    assert rel_err(got, copy.deepcopy(model)(*_batch())) <= TOL
