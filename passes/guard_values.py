@@ -59,8 +59,11 @@ def _image(value: Any, reached: set[int], depth: int, budget: list[int]) -> Any:
     if kind == "slots":  # (a dataclass(slots=True), an attrs class): each slot's value
         return (type(value), tuple((n, _image(_slot(value, n), reached, depth - 1, budget))
                                    for n in _SLOTS[type(value)]))
-    return (type(value), _image(object.__getattribute__(value, "__dict__"), reached, depth,
-                                budget))
+    image = _image(object.__getattribute__(value, "__dict__"), reached, depth, budget)
+    extra = _SLOTS.get(type(value))  # slots beside its __dict__ (pydantic's private fields)
+    if extra and isinstance(image, tuple) and image[:1] != ("id",):
+        image += tuple((n, _image(_slot(value, n), reached, depth - 1, budget)) for n in extra)
+    return (type(value), image)
 
 
 def _slot(value: Any, name: str) -> Any:
@@ -227,6 +230,9 @@ def _kind(t: type) -> str:
         kind = "set"
     elif _plain_type(t):
         kind = "object"
+        slots = tuple(dict.fromkeys(n for c in t.__mro__ for n in _names(c)))
+        if slots:  # a __dict__ and slots too: both are its state
+            _SLOTS[t] = slots
     elif _plain_type(t, slotted=True):  # fingerprinted by its slots (not a plain_object)
         kind = "slots"
         _SLOTS[t] = tuple(dict.fromkeys(n for c in t.__mro__ for n in _names(c)))

@@ -687,11 +687,30 @@ class _SlotsPlain:
         self.scale = 2.0
 
 
-@pytest.mark.parametrize("kind", [_SlotsConfig, _SlotsPlain], ids=["dataclass", "plain"])
+class _SlotsBesideDict:
+    """A ``__dict__`` and slots (as pydantic keeps its private attributes)."""
+
+    __slots__ = ("__dict__", "_scale")
+
+    def __init__(self) -> None:
+        self.name, self._scale = "cfg", 2.0
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = value
+
+
+@pytest.mark.parametrize("kind", [_SlotsConfig, _SlotsPlain, _SlotsBesideDict],
+                         ids=["dataclass", "plain", "beside_dict"])
 def test_a_config_with_slots_changed_after_compile_compiles_again(kind):
     """A config object without ``__dict__`` (``dataclass(slots=True)``, a ``__slots__``
-    class) was not guarded at all: its value changed after compile, the compiled step
-    kept the old one (4.18 against eager's 6.26), silently."""
+    class) was not guarded at all, and one with slots beside its ``__dict__`` (pydantic's
+    private attributes) was guarded by its ``__dict__`` only: its value changed after
+    compile, the compiled step kept the old one (4.18 against eager's 6.26), silently."""
     class Scaled(nn.Module):
         def __init__(self) -> None:
             super().__init__()
