@@ -139,8 +139,10 @@ def journey(model: nn.Module, cm: Any, steps: list[Step], optimizer: Optimizer |
     return [f"{type(w.message).__name__}: {w.message}" for w in caught]
 
 
-def _gpt(mbs: Any, **options: Any) -> tuple[nn.Module, Any]:
+def _gpt(mbs: Any, freeze_qkv_bias: bool = False, **options: Any) -> tuple[nn.Module, Any]:
     model, (ids, labels) = make_tiny_gpt(GBS, dtype=DTYPE, seq=64)
+    for block in model.blocks if freeze_qkv_bias else ():
+        block.qkv.bias.requires_grad_(False)
     if isinstance(mbs, int):
         options.setdefault("cost_model", False)  # an int MBS: no probes needed
     cm = mbcompile.compile(model, GBS, NUM_CSX, mbs, example_inputs=(
@@ -185,7 +187,11 @@ def test_dynamic_true_with_adam_and_the_first_new_length_in_eval():
     pytest.param(dict(mbs=1, outputs="all", recompute=True), id="mbs1-recompute"),
 ])
 def test_split_options_over_changing_lengths_with_adam(options):
-    model, cm = _gpt(options.pop("mbs"), **options)
+    """The key third of ``qkv.bias`` gets a gradient that is rounding alone (softmax cancels
+    a key bias), which Adam turns into steps that differ by more than rounding (1.1e-10 at
+    mbs 1 with recompute on one CPU, within 1e-10 on another; the query and value thirds
+    agree to 1e-16): the biases are frozen here, as bench_dynamic freezes BERT's."""
+    model, cm = _gpt(options.pop("mbs"), freeze_qkv_bias=True, **options)
     journey(model, cm, [*LENGTHS[:3], train(40), *LENGTHS[3:]], adam, clip=0.3)
     journey(model, cm, EVAL_FIRST, adam)
 
