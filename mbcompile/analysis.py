@@ -45,7 +45,6 @@ from mbcompile.passes.state_updates import (
     StateUpdates,
     has_mutations,
     lift_state_updates,
-    mutates,
 )
 from mbcompile.planning.plan import MicrobatchPlan
 from mbcompile.request import Request
@@ -264,7 +263,9 @@ def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
     With ``capture="auto"``, a torch.fx graph that writes in place, or that the analysis
     refuses for an op it has no rule for (an ``fx.wrap``-ped function, an opaque layer),
     is captured again with torch.export, which functionalizes in-place writes and looks
-    inside such calls; the export graph is kept when the analysis accepts it.
+    inside such calls; the export graph is kept when the analysis accepts it. Where export
+    cannot capture the model, the fx graph's writes are values already
+    (``passes/fx_writes.py``).
     """
     with seeding_refused(model):  # a seed set in forward would be set once, at compile
         captured = _weights_set_after(_capture(model, request), model)
@@ -274,10 +275,6 @@ def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
         exported = _export_instead(model, request)
         if isinstance(exported, CaptureResult):
             return _analyse_captured(exported, request)
-        if _writes_state(captured.graph_module):
-            # only export's functionalization turns a write into the model's state into a
-            # value written back once; its error says why it could not capture the model
-            raise exported
         may_export = False  # export cannot capture this model: do not try it twice
     analysed = _analyse_captured(captured, request)
     if may_export and isinstance(analysed.rejected, UnsupportedOpError):
@@ -304,12 +301,6 @@ def _weights_set_after(captured: CaptureResult, model: nn.Module) -> CaptureResu
     step (``passes/legacy_weights.py``)."""
     effects = weights_set_after(captured.effects, model, captured.graph_module)
     return captured if effects is captured.effects else replace(captured, effects=effects)
-
-
-def _writes_state(gm: fx.GraphModule) -> bool:
-    """Whether an fx graph writes in place into a parameter, a buffer or an input."""
-    return any(mutates(n) and n.args and isinstance(n.args[0], fx.Node)
-               and n.args[0].op in ("get_attr", "placeholder") for n in gm.graph.nodes)
 
 
 def _analyse_captured(captured: CaptureResult, request: Request) -> Analysed:

@@ -49,6 +49,7 @@ from .custom_functions import refused_in_fx
 from .errors import CaptureError
 from .forward_modes import autocast_regions
 from .fx_tracer import FlatOutputTracer, StateAsProxies, hooks_see_every_use, user_stack
+from .fx_writes import writes_as_values
 from .generators import generators_made_refused, generators_of
 from .graph_code import graph_module
 from .guards import (
@@ -204,6 +205,7 @@ def capture(model: torch.nn.Module, concrete_args: Mapping[str, Any] | None = No
                 graph.output(tuple(env[n] for n in leaves))
             else:
                 env[node] = graph.node_copy(node, lambda n: env[n])
+        writes_as_values(graph, gm)
         return CaptureResult(fx.GraphModule(gm, graph), spec, concrete_args, "graph_module")
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(
@@ -303,6 +305,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
     # the module's code is made from the graph as it is when first needed (a lazy
     # GraphModule, ``graph_code.py``: a split step runs the body, not this graph), so it has
     # the hooks' uses and the user's stacks set here
+    writes_as_values(graph, gm)  # before any pass reads values: a write is one (fx_writes.py)
     hooks_see_every_use(graph)
     for node in graph.nodes:
         if node.stack_trace:

@@ -337,7 +337,10 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         # autocast regions explicit casts. Lowering inlines a no-grad region as if grad were
         # on: what it reads is detached first, which keeps it no-grad.
         detach_no_grad_regions(program.graph_module)
-        program = program.run_decompositions({})
+        try:
+            program = program.run_decompositions({})
+        except Exception as exc:  # export's own lowering (a written weight another layer ties)
+            raise export_error(model, exc, fx_error, in_dims) from exc
     exported = program.module()
     old = exported.graph
 

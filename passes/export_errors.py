@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import re
+import traceback
 from collections.abc import Mapping
 
 import torch
 
 from .errors import CaptureError
 from .export_shapes import length_baked_in
-from .sources import is_library
+from .sources import is_library, user_frame
 
 __all__ = ["SPECIALISED", "export_error"]
 
@@ -64,7 +65,9 @@ def export_error(model: torch.nn.Module, exc: BaseException,
                "  Fix: derive batch sizes from the input (x.view(x.size(0), -1), x.flatten(1), "
                "or -1).")
     else:
-        why = (f"  torch.export: {type(exc).__name__}: {first}\n{_in_hook(model, exc)}"
+        where = user_frame(traceback.extract_tb(exc.__traceback__))
+        at = f"  at {where}\n" if not where.startswith("<") else ""
+        why = (f"  torch.export: {type(exc).__name__}: {first}\n{at}{_in_hook(model, exc)}"
                "  Export needs shapes that do not depend on tensor values and code that works "
                "for any batch size. Fix: remove data-dependent Python (branches on tensor "
                "values, .item(), boolean-mask indexing), derive batch sizes from x.size(0) "

@@ -18,7 +18,9 @@ import bisect
 import dis
 import functools
 import inspect
+import operator
 import sys
+import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -33,9 +35,10 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
 from .forward_modes import autocast_state, differentiation_error, stamp_modes
+from .fx_writes import attribute_at, is_write, written_state, written_tensor
 from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
 from .output_spec import OutputSpec, flatten_output, through_leaves
-from .sources import source_line
+from .sources import source_line, user_frame
 from .trace_stacks import FX_STACK, traced_stack, user_stack
 
 __all__ = ["FlatOutputTracer", "StateAsProxies", "hooks_see_every_use", "user_stack"]
@@ -67,6 +70,20 @@ class _Proxy(fx.Proxy):
         return _Attribute(self, k)
 
 
+def _in_place_operator(op: Callable[[Any, Any], Any]) -> Callable[[fx.Proxy, Any], fx.Proxy]:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    return method
+
+
+# ``h += x`` as ``operator.iadd(h, x)``: fx's proxy has no in-place operators, so Python
+# records ``h + x``, and a tensor another name holds (or the caller's input) would keep its
+# old value; fx_writes.py follows the write
+for _op_name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
+              "lshift", "rshift", "matmul"):
+    setattr(_Proxy, f"__i{_op_name}__", _in_place_operator(getattr(operator, f"i{_op_name}")))
+
+
 class _Attribute(_Proxy, fx.proxy.Attribute):
     """fx's attribute proxy (``x.shape``) with ``_Proxy``'s ``__iter__``."""
 
@@ -86,6 +103,7 @@ class FlatOutputTracer(fx.Tracer):
         self.output_spec: OutputSpec | None = None
         self.units = units
         self.ambient_autocast = autocast_state()
+        self.written: dict[fx.Node, str] = {}  # a write into state (or its result) -> the state
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -110,7 +128,17 @@ class FlatOutputTracer(fx.Tracer):
             node.stack_trace = stack
         # the grad mode and autocast state forward's own regions set (passes/forward_modes.py)
         stamp_modes(node, self.ambient_autocast)
+        if is_write(node):  # a layer holding that state is traced into from now on
+            base = written_tensor(node)
+            state = (written_state(base) or self.written.get(base)) \
+                if isinstance(base, fx.Node) else None
+            if state is not None:
+                self.written[node] = state
         return node
+
+    def written_ids(self) -> set[int]:
+        """The tensors of the model's state forward wrote so far in the trace."""
+        return {id(attribute_at(self.root, name)) for name in set(self.written.values())}
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         # modules the user trusts as per-sample (mbcompile.trust_module) stay single nodes
@@ -126,6 +154,9 @@ class FlatOutputTracer(fx.Tracer):
             return True
         if not torch.is_grad_enabled():
             return False  # traced into, so that its parameters are read (and detached) here
+        if self.written and self.written_ids() & {id(t) for t in (*m.parameters(),
+                                                                   *m.buffers())}:
+            return False  # it reads state forward wrote: traced into, it reads the new value
         if _runs_more_than_forward(m):
             return False  # its hooks and parametrizations are part of the step: traced too
         # a sharded model holds DTensor shards: its layers become functions of stand-ins
@@ -178,31 +209,66 @@ class FlatOutputTracer(fx.Tracer):
 class StateAsProxies(TorchFunctionMode):
     """While fx traces: a call without any proxy argument that fx would not see becomes a
     node when it writes into the model's own state (``for p in self.teacher.parameters():
-    p.mul_(0.9)``: the parameters enter as ``get_attr`` nodes) or draws random numbers
-    (``torch.randn(4, generator=self.g)``).
+    p.mul_(0.9)``: the parameters enter as ``get_attr`` nodes), computes a tensor from a
+    parameter (the EMA's ``(1 - m) * p``) or from a buffer forward wrote before, or draws
+    random numbers (``torch.randn(4, generator=self.g)``).
 
     Without this such a call runs on real tensors at trace time: the EMA updates the
-    teacher once, at compile; the draw advances the generator once, and its noise is a
-    constant of every step. (A state tensor used together with a proxy is fx's own
-    business: it becomes a ``get_attr``.)
+    teacher once, at compile, from the weights of compile time; the draw advances the
+    generator once, and its noise is a constant of every step. (A state tensor used
+    together with a proxy is fx's own business: it becomes a ``get_attr``.)
     """
 
-    def __init__(self, tracer: fx.Tracer, model: torch.nn.Module) -> None:
+    def __init__(self, tracer: FlatOutputTracer, model: torch.nn.Module) -> None:
         super().__init__()
         self.tracer = tracer
         self.state = {id(t): name for name, t in (*model.named_parameters(),
                                                   *model.named_buffers())}
+        self.parameters = {id(t) for t in model.parameters()}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
-        if not any(isinstance(v, fx.Proxy) for v in leaves):  # fx would not see the call
-            if func in _RANDOM_FACTORIES:
-                return self.tracer.create_proxy("call_function", func, tuple(args), kwargs)
-            if _in_place(func) and args and isinstance(args[0], torch.Tensor) \
-                    and id(args[0]) in self.state:  # a write into the model's state
-                args, kwargs = pytree.tree_map(self._as_proxy, (args, kwargs))
+        if any(isinstance(v, fx.Proxy) for v in leaves):  # fx sees the call itself
+            return func(*args, **kwargs)
+        if func in _RANDOM_FACTORIES:
+            return self.tracer.create_proxy("call_function", func, tuple(args), kwargs)
+        state = [v for v in leaves if isinstance(v, torch.Tensor) and id(v) in self.state]
+        if not state:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name.startswith("_foreach_") and name.endswith("_") and args and any(
+                id(v) in self.state for v in pytree.tree_leaves(args[0])):
+            where = user_frame(traceback.extract_stack())
+            raise CaptureError(  # before it runs: the model must stay as it was
+                f"forward writes the model's state with torch.{name} ({where}), which "
+                "torch.fx cannot record. Fix: write "
+                "each tensor with its own in-place op (q.mul_(m) in a loop), or compile "
+                "with capture='auto' or capture='export'")
+        if getattr(func, "__self__", None) is torch._C.TensorBase.data:
+            # p.data of the model's state: what fx makes of a proxy's .data, so that a write
+            # there (the EMA's q.data.mul_(0.9)) is one into the state (fx_writes.py)
+            return self.tracer.create_proxy("call_function", getattr,
+                                            (self._as_proxy(args[0]), "data"), {})
+        if getattr(func, "__name__", "") == "__get__":
+            return func(*args, **kwargs)
+        if _in_place(func):
+            if not (args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.state):
+                return func(*args, **kwargs)
+        else:
+            result = func(*args, **kwargs)  # pure: a count or a shape is kept as it is
+            varying = self.parameters | self.tracer.written_ids()
+            if not any(id(v) in varying for v in state) or not any(
+                    isinstance(v, torch.Tensor) for v in pytree.tree_leaves(result)):
+                return result  # (a buffer forward does not write: a constant, as fx makes it)
+        # a write into the model's state, or a tensor computed from a parameter (the EMA's
+        # ``(1 - m) * p``): run at trace time it would be a constant of compile's values
+        args, kwargs = pytree.tree_map(self._as_proxy, (args, kwargs))
+        if torch.overrides.is_tensor_method_or_property(func):
+            # by name on the proxy: ``TensorBase.mul_`` is a descriptor that refuses
+            # anything but a real tensor as its ``self``
+            return self.tracer.create_proxy("call_method", func.__name__, tuple(args), kwargs)
         return func(*args, **kwargs)
 
     def _as_proxy(self, value: Any) -> Any:

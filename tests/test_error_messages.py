@@ -116,8 +116,9 @@ def product_of_reductions(s, h, y):
     return F.cross_entropy(h, y) * h.pow(2).mean()
 
 
-def in_place_unused(s, h, y):
-    h.masked_fill_(h > 1, 1.0)
+def in_place_unused(s, h, y):  # a write into a tensor nothing reads after it
+    g = h * 2
+    g.masked_fill_(g > 1, 1.0)
     return h.pow(2).mean()
 
 
@@ -280,8 +281,8 @@ operator.mul at node 'mul' cannot be microbatched
     - run the batch unsplit: mbcompile.compile(model, gbs, num_csx=1, mbs='none') (one system, one microbatch)"""),
     "in-place-unused": (in_place_unused, None, MixingError, """\
 Tensor.masked_fill_ at node 'masked_fill_' cannot be microbatched
-  at <file>:<line>: h.masked_fill_(h > 1, 1.0)
-  path from the batched input: x -> lin -> masked_fill_
+  at <file>:<line>: g.masked_fill_(g > 1, 1.0)
+  path from the batched input: x -> lin -> mul -> masked_fill_
   why: it changes a batched tensor in place and nothing reads its result; mbcompile's rewrite follows values, not mutations
   fix:
     - use the out-of-place form and its result: x = x.masked_fill(m, v), x = torch.where(mask, v, x)

@@ -508,13 +508,7 @@ class Byol(nn.Module):
         return (2 - 2 * F.cosine_similarity(online, target, dim=-1)).mean(), online
 
 
-@pytest.mark.parametrize("capture", ["auto", pytest.param("fx", marks=pytest.mark.xfail(
-    strict=True, reason="under torch.fx (the capture a gradient penalty needs, and 'auto's "
-    "fallback when export refuses) every in-place EMA form over the target's parameters "
-    "(q.mul_(m).add_(...), q.lerp_(p, w), q.copy_(...)) is refused: CaptureError 'torch.fx "
-    "could not trace ... TypeError: descriptor 'mul_' for 'torch._C.TensorBase' objects "
-    "doesn't apply to a '_Proxy' object' (passes/fx_tracer.py StateAsProxies."
-    "__torch_function__ calls the method descriptor on the get_attr proxy)"))])
+@pytest.mark.parametrize("capture", ["auto", "fx"])
 def test_byol_ema_target_updated_inside_forward_is_eagers(capture):
     torch.manual_seed(0)
     model = Byol().to(DTYPE)

@@ -278,12 +278,6 @@ class MoCo(nn.Module):
         return loss
 
 
-@pytest.mark.xfail(strict=True, reason="refused (CaptureError), but at the wrong line: fx's "
-                   "failure is reported at the key encoder's EMA (k.mul_(0.99).add_(...), "
-                   "documented as supported; 'descriptor mul_ ... _Proxy', passes/fx_tracer.py "
-                   "StateAsProxies) and export's as 'GuardOnDataDependentSymNode: ... u0' with "
-                   "no line; the read that no step can replay, start = int(self.ptr), is not "
-                   "named (with StateAsProxies fixed, fx names it)")
 def test_a_moco_queue_pointer_read_with_int_is_refused_at_its_line_changing_nothing():
     torch.manual_seed(0)
     model = MoCo().to(DTYPE)

@@ -65,7 +65,8 @@ BINARY = spellings(
     "lt", "le", "gt", "ge", "greater", "greater_equal", "less", "less_equal", "not_equal",
     "isclose", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
     "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift", "where", "masked_fill",
-    "masked_fill_", "lerp", "addcmul", "addcdiv", "heaviside", "bucketize", "polar",
+    "masked_fill_", "lerp", "lerp_", "addcmul", "addcmul_", "addcdiv", "addcdiv_", "heaviside",
+    "bucketize", "polar",
     "complex", "ldexp", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "isin")
 OPERATORS = [
     operator.floordiv, operator.mod, operator.pow, operator.eq, operator.ne, operator.lt,
