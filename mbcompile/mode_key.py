@@ -18,20 +18,24 @@ __all__ = ["hooks_by_module", "hooks_changed", "hooks_key", "is_submodule", "slo
 
 
 def slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
-    """The identity of what fills each module's parameter, buffer and submodule slots."""
-    return tuple(id(v) for m in modules
-                 for held in (m._parameters, m._buffers, m._modules) for v in held.values())
+    """The identity of what fills each module's parameter, buffer and submodule slots, and
+    of its class (``m.__class__ = Patched`` changes the code forward runs)."""
+    return (*map(id, map(type, modules)),
+            *(id(v) for m in modules
+              for held in (m._parameters, m._buffers, m._modules) for v in held.values()))
 
 
 def hooks_key(modules: Sequence[nn.Module], live: frozenset[int]) -> tuple[Any, ...]:
-    """The keys of the hooks the graphs were traced through: every module's but those of
+    """The hooks the graphs were traced through (each key and function: one replaced under
+    its key changes what runs): every module's but those of
     the ``live`` layers (their hooks run at their call), and the global module hooks. Read
     on every call (hooks are rare: a module without any costs four truth tests)."""
-    out: list[Any] = [tuple(tuple(h) for h in _GLOBAL_HOOKS) if any(_GLOBAL_HOOKS) else ()]
+    out: list[Any] = [tuple(tuple(h.items()) for h in _GLOBAL_HOOKS) if any(_GLOBAL_HOOKS)
+                      else ()]
     for i, m in enumerate(modules):
         if m._backward_pre_hooks or m._backward_hooks or (
                 (m._forward_pre_hooks or m._forward_hooks) and id(m) not in live):
-            out.append((i, tuple(tuple(h) for h in _hook_dicts(m, id(m) in live))))
+            out.append((i, tuple(tuple(h.items()) for h in _hook_dicts(m, id(m) in live))))
     return tuple(out)
 
 
@@ -57,9 +61,10 @@ _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for ki
 def hooks_by_module(model: nn.Module, live: frozenset[int]) -> dict[str, Any]:
     """Per module name: the module's id and the keys of the hooks ``hooks_key`` watches (to
     name whose changed, or which module was replaced)."""
-    state = {name or "<model>": (id(m), tuple(tuple(h) for h in _hook_dicts(m, id(m) in live)))
+    state = {name or "<model>": (id(m), tuple(tuple(h.items())
+                                              for h in _hook_dicts(m, id(m) in live)))
              for name, m in model.named_modules()}
-    state["<global module hooks>"] = (None, tuple(tuple(h) for h in _GLOBAL_HOOKS))
+    state["<global module hooks>"] = (None, tuple(tuple(h.items()) for h in _GLOBAL_HOOKS))
     return state
 
 

@@ -226,6 +226,12 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
     name = type(model).__name__
     units = fsdp_modules(model)
     with fsdp_view(model, units):
+        if "forward" in vars(model):  # fx traces type(model).forward, eager calls this
+            raise CaptureError(
+                f"{name}.forward was replaced on the instance (model.forward = ...); "
+                "torch.fx traces the class's forward, not the one eager calls. Fix: compile "
+                "with capture='auto' or capture='export', or compile a Module whose forward "
+                "calls the replacement")
         root_hooks = [k for k in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
                                   "_backward_pre_hooks") if getattr(model, k, None)]
         if root_hooks:

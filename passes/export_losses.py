@@ -63,8 +63,18 @@ class losses_read_values_refused(TorchFunctionMode):  # noqa: N801 (a context ma
 
 def cumulative_batch_norm_refused(model: nn.Module, model_name: str,
                                   fx_error: BaseException | None = None) -> None:
-    """Refuse before export traces a BatchNorm in training with ``momentum=None``."""
+    """Refuse before export traces a BatchNorm in training with ``momentum=None``, or an
+    embedding with ``max_norm`` (its rows renormalised in place at every call: export
+    records a write into a trained parameter, with no line to show)."""
     for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None \
+                and module.weight.requires_grad:
+            raise CaptureError(
+                f"{model_name}: {type(module).__name__} {name!r} has max_norm="
+                f"{module.max_norm}: it renormalises the rows it looks up in place, in its "
+                "trained weight, which torch.export cannot keep; " + _fix(fx_error).replace(
+                    "compute this part outside the compiled module",
+                    "renormalise the weight outside forward (max_norm=None)"))
         if (isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None
                 and module.training and module.track_running_stats):
             raise CaptureError(

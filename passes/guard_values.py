@@ -24,7 +24,7 @@ import torch.nn as nn
 from .whose_code import user_code
 
 __all__ = ["ATOMS", "Unguardable", "entries_of", "fingerprint", "parts_changed",
-           "plain_object", "shadowable_methods", "slotted_object", "user_defined"]
+           "method_lookups", "plain_object", "slotted_object", "user_defined"]
 
 #: compared by value: numbers, strings, flags, None, enum members
 ATOMS = (bool, int, float, str, type(None), enum.Enum)
@@ -289,18 +289,30 @@ def user_defined(value: Any) -> bool:
     return False
 
 
-def shadowable_methods(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """``(module, name)`` of each method a user's forward calls on ``self`` by name that
-    is the class's own (no instance attribute yet): assigning one later would change
-    what forward calls."""
-    found = []
+def method_lookups(model: nn.Module, missing: Any) -> list[tuple[Any, str, Any]]:
+    """``(owner, name, value)`` of every place Python looks up each module's ``forward``
+    and each method a forward calls on ``self`` by name: the instance's ``__dict__``, then
+    each class of the MRO up to the one that defines it (``missing`` where absent). Each
+    is guarded by identity: code replaced after compile, on the instance (``m.forward =
+    wrapped``) or on a class (``Block.forward = patched``, a library's
+    ``GPT2MLP.forward``), changes what eager runs, so it compiles again."""
+    found: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+    names_of: dict[type, set[str]] = {}
     for module in model.modules():
-        fn = type(module).forward
-        code = getattr(fn, "__code__", None)
-        if code is None or (fn.__module__ or "").startswith("torch.nn"):
-            continue
-        for name in code.co_names:
-            if name not in vars(module) and callable(getattr(type(module), name, None)) \
-                    and not name.startswith("__"):
-                found.append((module, name))
-    return found
+        cls = type(module)
+        if cls not in names_of:
+            code = getattr(cls.forward, "__code__", None)
+            names_of[cls] = {"forward", *(
+                n for n in (code.co_names if code is not None else ())
+                if not n.startswith("__") and callable(getattr(cls, n, None)))}
+        for name in names_of[cls]:
+            own = vars(module).get(name, missing)
+            found[(id(module), name)] = (module, name, own)
+            for owner in cls.__mro__ if own is missing else ():
+                if owner in (nn.Module, object):  # torch's own base: no user's code
+                    break
+                value = vars(owner).get(name, missing)
+                found[(id(owner), name)] = (owner, name, value)
+                if value is not missing:
+                    break
+    return list(found.values())

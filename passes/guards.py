@@ -43,9 +43,9 @@ from .guard_values import (
     ATOMS,
     entries_of,
     fingerprint,
+    method_lookups,
     parts_changed,
     plain_object,
-    shadowable_methods,
     slotted_object,
 )
 from .python_state import MODULE_INTERNALS
@@ -369,10 +369,16 @@ def recorded_reads(model: nn.Module, model_name: str = "",
             elif guard.contents is not None:
                 fingerprinted.add(id(guard.value))
             guards.append(guard)
-        # the methods forward calls on self (an instance attribute assigned later would shadow
-        # one); the globals it reads: ``slot_guards``
-        guards.extend(Guard(m, n, _MISSING, identity=True, where=f"{type(m).__name__}.{n}")
-                      for m, n in shadowable_methods(model))
+        # the code forward runs: each forward and the methods it calls on self, wherever
+        # Python looks them up (replaced later, they compile again); the globals it reads:
+        # ``slot_guards``
+        guards.extend(Guard(owner, n, value, identity=True, where=f"{_named(owner)}.{n}")
+                      for owner, n, value in method_lookups(model, _MISSING))
+
+
+def _named(owner: Any) -> str:
+    """A class by its name, a module instance by its class's."""
+    return owner.__name__ if isinstance(owner, type) else type(owner).__name__
 
 
 def unwritten(guards: Sequence[Guard], written: frozenset[int],

@@ -292,3 +292,34 @@ def test_a_write_into_a_trained_parameters_data_is_refused_changing_nothing(capt
         mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=(
             torch.randn(GBS, 4, dtype=DTYPE),), cost_model=False, capture=capture_with)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+class MaxNormEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(10, 8, max_norm=1.0), nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.lin(self.emb(ids).mean(1)), y)
+
+
+def test_an_embedding_with_max_norm_is_refused_by_export_naming_it_and_runs_under_fx():
+    """Its rows are renormalised in place at each call: export's refusal named a write
+    into 'emb.weight' at '<source line not recorded>' and told to freeze it."""
+    torch.manual_seed(0)
+    model = MaxNormEmbedding().to(DTYPE)
+    ids, y = torch.randint(0, 10, (GBS, 5)), torch.randint(0, 3, (GBS,))
+    with pytest.raises(mbcompile.CaptureError, match=r"Embedding 'emb' has max_norm=1.0.*"
+                       r"capture='fx'"):
+        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=(ids, y),
+                          cost_model=False, capture="export")
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=(ids, y),
+                           cost_model=False, capture="fx")
+    got, want = cm(ids, y), ref(ids, y)
+    got.backward()
+    want.backward()
+    assert torch.allclose(got, want, rtol=TOL, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=TOL, atol=TOL)  # the rows renormalised as eager's
+        assert torch.allclose(p.grad, q.grad, rtol=TOL, atol=TOL)

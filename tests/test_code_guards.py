@@ -1,0 +1,149 @@
+"""Code replaced after compile compiles again (``guard_values.method_lookups``).
+
+The graph holds what forward's code did at compile. Each of these replacements changed
+what eager runs while the compiled module kept the old code, silently (a submodule's
+forward replaced on the instance: 1.2169 eager against 1.1983 compiled; ``Block.forward``
+patched on the class, a helper method, ``nn.Linear.forward`` under export, the model's own
+forward wrapped, a hook replaced under its key, ``m.__class__`` swapped). Each step here
+is compared with eager's: the loss, every ``.grad`` and the parameters after it.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mbcompile
+
+DTYPE = torch.float64
+GBS, NUM_CSX, MBS = 7, 2, 2
+TOL = 1e-12
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.squash(self.lin(h)))
+
+    def squash(self, h: torch.Tensor) -> torch.Tensor:
+        return h * 0.5
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 8), Block(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.out(self.block(self.inp(x))), y)
+
+
+def _doubled(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(self.lin(h)) * 2
+
+
+def _wrap_root(m: nn.Module) -> None:
+    forward = m.forward
+    m.forward = lambda x, y: forward(2 * x, y)
+
+
+def _replace_hook(m: nn.Module) -> None:
+    hooks = m.block._forward_hooks
+    hooks[next(iter(hooks))] = lambda module, args, out: out * 3
+
+
+class Doubled(Block):
+    forward = _doubled
+
+
+#: name -> (applied to the compiled and the eager model between the steps, capture)
+CHANGES: dict[str, tuple[Callable[[nn.Module], None], str]] = {
+    "instance forward": (lambda m: setattr(m.block, "forward",
+                                           types.MethodType(_doubled, m.block)), "auto"),
+    "instance forward, export": (lambda m: setattr(m.block, "forward",
+                                                   types.MethodType(_doubled, m.block)),
+                                 "export"),
+    "root forward wrapped": (_wrap_root, "auto"),
+    "hook replaced under its key": (_replace_hook, "auto"),
+    "class swapped": (lambda m: setattr(m.block, "__class__", Doubled), "auto"),
+}
+
+
+def _steps(model: nn.Module, ref: nn.Module, cm: Any, change: Callable[[nn.Module], None]
+           | None) -> list[str]:
+    """Two SGD steps each way, ``change`` applied to both models between them; returns the
+    RecompileWarnings."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(2):
+            if step and change is not None:
+                change(model)
+                change(ref)
+            torch.manual_seed(step)
+            x, y = torch.randn(GBS, 4, dtype=DTYPE), torch.randint(0, 3, (GBS,))
+            losses = []
+            for call, opt in zip((cm, ref), opts):
+                opt.zero_grad(set_to_none=True)
+                losses.append(call(x, y))
+                losses[-1].backward()
+                opt.step()
+            assert torch.allclose(losses[0], losses[1], rtol=TOL, atol=0), (step, losses)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.allclose(p.grad, q.grad, rtol=TOL, atol=TOL), (step, name)
+                assert torch.allclose(p, q, rtol=TOL, atol=TOL), (step, name)
+    return [str(w.message) for w in seen if issubclass(w.category, mbcompile.RecompileWarning)]
+
+
+def _pair(capture: str = "auto", hooked: bool = False) -> tuple[nn.Module, nn.Module, Any]:
+    torch.manual_seed(0)
+    model = Net().to(DTYPE)
+    if hooked:
+        model.block.register_forward_hook(lambda module, args, out: out * 2)
+    ref = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=(
+        torch.randn(GBS, 4, dtype=DTYPE), torch.randint(0, 3, (GBS,))), cost_model=False,
+        capture=capture)
+    return model, ref, cm
+
+
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_code_replaced_on_an_instance_compiles_again(name: str) -> None:
+    change, capture = CHANGES[name]
+    model, ref, cm = _pair(capture, hooked=name.startswith("hook"))
+    _steps(model, ref, cm, change)
+
+
+@pytest.mark.parametrize("owner,attr,new", [
+    (Block, "forward", _doubled),
+    (Block, "squash", lambda self, h: h * 0.25),
+    (nn.Linear, "forward", lambda self, h: F.linear(h, self.weight, self.bias) * 1.5),
+], ids=["Block.forward", "Block.squash (a helper forward calls)", "nn.Linear.forward"])
+@pytest.mark.parametrize("capture", ["auto", "export"])
+def test_a_method_patched_on_the_class_compiles_again(owner: type, attr: str, new: Any,
+                                                      capture: str, monkeypatch) -> None:
+    model, ref, cm = _pair(capture)
+    said = _steps(model, ref, cm, lambda m: monkeypatch.setattr(owner, attr, new))
+    if owner is Block:  # named where it changed (a torch layer under fx: called live)
+        assert any(f"Block.{attr}" in w for w in said), said
+
+
+def test_the_models_forward_replaced_under_fx_is_refused_at_the_call_changing_nothing():
+    model, ref, cm = _pair("fx")
+    _steps(model, ref, cm, None)
+    _wrap_root(model)
+    state = copy.deepcopy(model.state_dict())
+    with pytest.raises(mbcompile.MbcompileError, match="replaced on the instance"):
+        cm(torch.randn(GBS, 4, dtype=DTYPE), torch.randint(0, 3, (GBS,)))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
