@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import CaptureError
 from .facts import GRAD_ENABLED, SHAPES
-from .hook_sandbox import hooks_sandboxed
+from .hook_sandbox import call_sandboxed, hooks_sandboxed, runs_per_microbatch
 from .ops import TensorHook
 from .python_state import MODULE_INTERNALS
 from .sources import source_line
@@ -226,7 +226,17 @@ def check_tensor_hooks(graph: fx.Graph, model_name: str) -> None:
         info = node.meta.get(SHAPES)
         if not getattr(info, "is_tensor", False) or not (info.dtype.is_floating_point):
             continue
-        why = _hook_misbehaves(node.target.fn, info)
+        wrote: list[str] = []
+        why = _hook_misbehaves(node.target.fn, info, wrote)
+        if wrote and not runs_per_microbatch(node.target.fn):
+            raise CaptureError(
+                f"{model_name}.forward registers a tensor hook at {source_line(node)} that "
+                f"writes Python state ({wrote[0]}); the compiled step runs it on each "
+                "microbatch's gradient, where eager runs it once on the whole batch's. Fix: "
+                "read the gradient after backward (h.retain_grad(), then h.grad), or mark "
+                "the hook mbcompile.per_microbatch(hook) to run it on each microbatch as "
+                "written (it was called on made-up gradients here, with what it wrote put "
+                "back)")
         if why is not None:
             raise CaptureError(
                 f"{model_name}.forward registers a tensor hook at {source_line(node)} that "
@@ -237,13 +247,17 @@ def check_tensor_hooks(graph: fx.Graph, model_name: str) -> None:
                 "compile without the hook")
 
 
-def _hook_misbehaves(fn: Any, info: Any) -> str | None:
+def _hook_misbehaves(fn: Any, info: Any, wrote: list[str]) -> str | None:
+    """Why ``fn`` cannot run per microbatch, or None; called sandboxed (it changes
+    nothing), what it would have written put in ``wrote``."""
     dtype = torch.float64  # the check's own precision, whatever the model's
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(info.shape_a, generator=generator, dtype=dtype) for _ in range(2))
 
     def hooked(g: torch.Tensor) -> torch.Tensor:
-        out = fn(g.clone())
+        out, what = call_sandboxed(fn, None, (g.clone(),), module_first=False)
+        if what is not None:
+            wrote.append(what)
         return g if out is None else out
 
     def close(x: torch.Tensor, y: torch.Tensor) -> bool:

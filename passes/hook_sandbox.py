@@ -111,7 +111,9 @@ def _unwrapped(fn: Any) -> tuple[Any, list[Any]]:
     arguments, a method's ``self``, a callable object itself)."""
     bound: list[Any] = []
     while True:
-        if isinstance(fn, functools.partial):
+        if isinstance(fn, _Marked):
+            fn = fn.fn
+        elif isinstance(fn, functools.partial):
             bound.extend((*fn.args, *fn.keywords.values()))
             fn = fn.func
         elif isinstance(fn, types.MethodType):
