@@ -226,7 +226,11 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
     name = type(model).__name__
     units = fsdp_modules(model)
     with fsdp_view(model, units):
-        if "forward" in vars(model):  # fx traces type(model).forward, eager calls this
+        own = vars(model).get("forward")
+        if own is not None and not (getattr(own, "__func__", None) is type(model).forward
+                                    and getattr(own, "__self__", None) is model):
+            # fx traces type(model).forward, eager calls this (a rebinding of the class's
+            # own, as accelerate's prepare leaves, is the same code)
             raise CaptureError(
                 f"{name}.forward was replaced on the instance (model.forward = ...); "
                 "torch.fx traces the class's forward, not the one eager calls. Fix: compile "

@@ -329,7 +329,7 @@ def _mixed_by_hooks(layer: torch.nn.Module, info: Any, dim: int) -> str | None:
         for start, size in ((0, n), (0, n // 2), (n // 2, n - n // 2)):
             _rewired_back(wiring)
             piece = x.narrow(dim, start, size).detach().requires_grad_(backward)
-            with torch.set_grad_enabled(backward):
+            with torch.enable_grad():  # a hook may register a tensor hook on the output
                 out = probe(piece)
             if not isinstance(out, torch.Tensor) or out.dim() <= dim:
                 return None  # not a tensor-to-tensor layer: nothing this check can compare

@@ -14,6 +14,7 @@ global by value, a method by the absence of an instance attribute that would sha
 from __future__ import annotations
 
 import enum
+import inspect
 import sys
 import types
 from typing import Any
@@ -291,28 +292,37 @@ def user_defined(value: Any) -> bool:
 
 def method_lookups(model: nn.Module, missing: Any) -> list[tuple[Any, str, Any]]:
     """``(owner, name, value)`` of every place Python looks up each module's ``forward``
-    and each method a forward calls on ``self`` by name: the instance's ``__dict__``, then
-    each class of the MRO up to the one that defines it (``missing`` where absent). Each
-    is guarded by identity: code replaced after compile, on the instance (``m.forward =
-    wrapped``) or on a class (``Block.forward = patched``, a library's
+    and the methods and properties its code reaches on ``self`` by name (through the
+    methods it calls, too): the instance's ``__dict__``, then each class of the MRO but
+    ``nn.Module`` and ``object`` (``missing`` where absent: a ``super()`` call reaches past
+    the first definer). Each is guarded by identity: code replaced after compile, on the instance
+    (``m.forward = wrapped``) or on a class (``Block.forward = patched``, a library's
     ``GPT2MLP.forward``), changes what eager runs, so it compiles again."""
     found: dict[tuple[int, str], tuple[Any, str, Any]] = {}
     names_of: dict[type, set[str]] = {}
     for module in model.modules():
         cls = type(module)
         if cls not in names_of:
-            code = getattr(cls.forward, "__code__", None)
-            names_of[cls] = {"forward", *(
-                n for n in (code.co_names if code is not None else ())
-                if not n.startswith("__") and callable(getattr(cls, n, None)))}
+            names_of[cls] = _reached_names(cls)
+        mro = [c for c in cls.__mro__ if c not in (nn.Module, object)]
         for name in names_of[cls]:
-            own = vars(module).get(name, missing)
-            found[(id(module), name)] = (module, name, own)
-            for owner in cls.__mro__ if own is missing else ():
-                if owner in (nn.Module, object):  # torch's own base: no user's code
-                    break
-                value = vars(owner).get(name, missing)
-                found[(id(owner), name)] = (owner, name, value)
-                if value is not missing:
-                    break
+            found[(id(module), name)] = (module, name, vars(module).get(name, missing))
+            for owner in mro:
+                found[(id(owner), name)] = (owner, name, vars(owner).get(name, missing))
     return list(found.values())
+
+
+def _reached_names(cls: type) -> set[str]:
+    """``forward`` and the names its code, and the code of each method or property it
+    reaches so, reads on the class: the methods that run when forward does."""
+    names, todo = {"forward"}, ["forward"]
+    while todo:
+        found = inspect.getattr_static(cls, todo.pop(), None)
+        fn = found.fget if isinstance(found, property) else getattr(found, "__func__", found)
+        for name in getattr(getattr(fn, "__code__", None), "co_names", ()):
+            held = inspect.getattr_static(cls, name, None)
+            if name not in names and not name.startswith("__") and isinstance(
+                    held, (types.FunctionType, staticmethod, classmethod, property)):
+                names.add(name)
+                todo.append(name)
+    return names

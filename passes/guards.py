@@ -232,6 +232,9 @@ def _recording(cls: type) -> type:
                     elif isinstance(value, torch.Tensor):  # a tensor kept in a plain attribute:
                         # fx holds it as a constant, so a new one (a replayed write) recompiles
                         sink.setdefault(key, Guard(self, name, value, identity=True))
+                    elif isinstance(value, types.BuiltinFunctionType):  # self.act = torch.tanh:
+                        # the trace calls it by name, a replacement would not be seen
+                        sink.setdefault(key, Guard(self, name, value, identity=True))
                     elif callable(value) and holds_state(value):  # a schedule object
                         path = _read_path(sys._getframe(1))
                         if path is not None:

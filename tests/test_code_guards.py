@@ -4,7 +4,9 @@ The graph holds what forward's code did at compile. Each of these replacements c
 what eager runs while the compiled module kept the old code, silently (a submodule's
 forward replaced on the instance: 1.2169 eager against 1.1983 compiled; ``Block.forward``
 patched on the class, a helper method, ``nn.Linear.forward`` under export, the model's own
-forward wrapped, a hook replaced under its key, ``m.__class__`` swapped). Each step here
+forward wrapped, a hook replaced under its key, ``m.__class__`` swapped, a parent's forward
+reached through ``super()``, a method a helper calls, a property, ``self.act = torch.sin``
+for ``torch.tanh``). Each step here
 is compared with eager's: the loss, every ``.grad`` and the parameters after it.
 """
 
@@ -28,16 +30,31 @@ GBS, NUM_CSX, MBS = 7, 2, 2
 TOL = 1e-12
 
 
-class Block(nn.Module):
+class Base(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.act(h)
+
+
+class Block(Base):
+    """Code forward reaches: the parent's forward through super(), a helper and the helper
+    it calls, a property, a torch function held in an attribute."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 8)
+        self.lin, self.act = nn.Linear(8, 8), torch.tanh
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.squash(self.lin(h)))
+        return super().forward(self.squash(self.lin(h))) * self.scale
 
     def squash(self, h: torch.Tensor) -> torch.Tensor:
+        return self.inner(h) + 0.1
+
+    def inner(self, h: torch.Tensor) -> torch.Tensor:
         return h * 0.5
+
+    @property
+    def scale(self) -> float:
+        return 1.0
 
 
 class Net(nn.Module):
@@ -77,6 +94,7 @@ CHANGES: dict[str, tuple[Callable[[nn.Module], None], str]] = {
     "root forward wrapped": (_wrap_root, "auto"),
     "hook replaced under its key": (_replace_hook, "auto"),
     "class swapped": (lambda m: setattr(m.block, "__class__", Doubled), "auto"),
+    "a torch function in an attribute": (lambda m: setattr(m.block, "act", torch.sin), "auto"),
 }
 
 
@@ -127,16 +145,20 @@ def test_code_replaced_on_an_instance_compiles_again(name: str) -> None:
 
 @pytest.mark.parametrize("owner,attr,new", [
     (Block, "forward", _doubled),
+    (Base, "forward", lambda self, h: torch.sin(h)),
     (Block, "squash", lambda self, h: h * 0.25),
+    (Block, "inner", lambda self, h: h * 0.25),
+    (Block, "scale", property(lambda self: 2.0)),
     (nn.Linear, "forward", lambda self, h: F.linear(h, self.weight, self.bias) * 1.5),
-], ids=["Block.forward", "Block.squash (a helper forward calls)", "nn.Linear.forward"])
+], ids=["Block.forward", "Base.forward (through super())", "Block.squash (a helper)",
+        "Block.inner (through the helper)", "Block.scale (a property)", "nn.Linear.forward"])
 @pytest.mark.parametrize("capture", ["auto", "export"])
 def test_a_method_patched_on_the_class_compiles_again(owner: type, attr: str, new: Any,
                                                       capture: str, monkeypatch) -> None:
     model, ref, cm = _pair(capture)
     said = _steps(model, ref, cm, lambda m: monkeypatch.setattr(owner, attr, new))
-    if owner is Block:  # named where it changed (a torch layer under fx: called live)
-        assert any(f"Block.{attr}" in w for w in said), said
+    if owner is not nn.Linear:  # named where it changed (a torch layer under fx: live)
+        assert any(f"{owner.__name__}.{attr}" in w for w in said), said
 
 
 def test_the_models_forward_replaced_under_fx_is_refused_at_the_call_changing_nothing():

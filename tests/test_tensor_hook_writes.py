@@ -10,6 +10,7 @@ before any step): the check called it unsandboxed. Now it is called sandboxed
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mbcompile
+from mbcompile.errors import UncheckedHookError
 
 DTYPE = torch.float64
 GBS = 7
@@ -64,3 +66,34 @@ def test_a_tensor_hook_marked_per_microbatch_runs_on_each_microbatch_as_written(
     assert SEEN == [] and model.calls == 0  # compile wrote nothing
     cm(*batch).backward()
     assert sorted(SEEN) == [(1, 6), (2, 6), (2, 6), (2, 6)] and model.calls == 4
+
+
+def _halve_its_gradient(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+    out.register_hook(lambda g: g * 0.5)
+
+
+class LayerRegistersAHook(nn.Module):
+    """Captum's way: a forward hook of a layer registers a tensor hook on its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.a.register_forward_hook(_halve_its_gradient)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
+def test_a_layer_hook_that_registers_a_tensor_hook_is_refused_by_name():
+    """It crashed compile: 'compiling ... failed in mbcompile itself: RuntimeError: cannot
+    register a hook on a tensor that doesn't require gradient' (the layer's check ran it
+    without grad). Now it compiles, and the step refuses it as any layer hook that
+    registers one (``UncheckedHookError``), before it changes anything."""
+    torch.manual_seed(0)
+    model = LayerRegistersAHook().to(DTYPE)
+    state = copy.deepcopy(model.state_dict())
+    cm, batch = _compile(model)
+    with pytest.raises(UncheckedHookError, match="tensor hook it registers"):
+        cm(*batch)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
