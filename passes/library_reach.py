@@ -11,6 +11,7 @@ would follow it and the compiled step would not. So for each module of the model
 on its class and the installed functions it names, and takes as slots:
 
 - the plain values (numbers, strings, flags, None, tuples of them): guarded by value;
+- the package's functions it calls (``eager_attention_forward``): by identity;
 - the containers (a dict, a list, a tuple, a set; ``ACT2FN``), and the containers an
   object of the package's holds in its attributes or its class's (``ALL_ATTENTION_FUNCTIONS``:
   its ``_local_mapping``, its class's ``_global_mapping``), ``library`` slots: guarded by
@@ -100,7 +101,8 @@ def _walk_code(code: types.CodeType, space: dict[str, Any], reach: Reach, names:
             reach.slot(space, name, where)
         elif isinstance(value, _CONTAINERS):
             reach.slot(space, name, where, library=True)
-        elif _installed_function(value):
+        elif _installed_function(value):  # by identity: patched after compile, it compiles
+            reach.slot(space, name, where, library=True)  # again (``eager_attention_forward``)
             _walk(value, reach, names)
         elif _package_object(value):
             reach.slot(space, name, where, library=True)  # the object itself, by identity

@@ -169,3 +169,36 @@ def test_the_models_forward_replaced_under_fx_is_refused_at_the_call_changing_no
     with pytest.raises(mbcompile.MbcompileError, match="replaced on the instance"):
         cm(torch.randn(GBS, 4, dtype=DTYPE), torch.randint(0, 3, (GBS,)))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_an_installed_packages_function_patched_after_compile_compiles_again(monkeypatch):
+    """transformers' ``eager_attention_forward`` replaced after compile ran the old one
+    (3.907367 against eager's 3.907366, parameters 6e-6 apart after a step)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2 import modeling_gpt2
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50,
+                                     n_positions=16, attn_implementation="eager",
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).to(DTYPE)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 50, (GBS, 8))
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_kwargs={
+        "input_ids": ids, "labels": ids}, cost_model=False)
+    original = modeling_gpt2.eager_attention_forward
+    before = ref(input_ids=ids, labels=ids).loss
+    cm(input_ids=ids, labels=ids)  # the call's own variant, compiled before the patch
+
+    def sharper(module: nn.Module, query: Any, key: Any, value: Any, *args: Any,
+                **kwargs: Any) -> Any:
+        return original(module, query * 2, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_gpt2, "eager_attention_forward", sharper)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got, want = cm(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    # the loss is float32 (transformers upcasts the logits): rounding, against the patch's
+    assert abs(float(got - want)) < 1e-3 * abs(float(want - before)), (got, want, before)
+    said = [str(w.message) for w in seen if issubclass(w.category, mbcompile.RecompileWarning)]
+    assert any("eager_attention_forward" in w for w in said), [str(w.message) for w in seen]
