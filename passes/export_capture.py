@@ -60,7 +60,7 @@ from .custom_functions import checked_in_export
 from .errors import CaptureError
 from .export_errors import SPECIALISED, export_error
 from .export_hooks import backward_hooks_refused, global_hooks_refused, tensor_hooks_refused
-from .export_losses import cumulative_batch_norm_refused, losses_read_values_refused
+from .export_losses import layers_export_refuses, losses_read_values_refused
 from .export_shapes import export_kwargs, has_tensor
 from .forward_modes import (
     detach_no_grad_regions,
@@ -297,7 +297,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         name = type(model).__name__
         backward_hooks_refused(model, name, fx_error)
         global_hooks_refused(name, fx_error)
-        cumulative_batch_norm_refused(model, name, fx_error)
+        layers_export_refuses(model, name, fx_error)
         concrete = {n: v for n, v in example.items() if not has_tensor(v)}
         # what forward wrote is read after the inner block has put back its own switches
         with python_state_kept(model, concrete) as snapshot, prints_recorded() as prints:

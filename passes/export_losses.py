@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from .errors import CaptureError
 from .sources import user_frame
 
-__all__ = ["cumulative_batch_norm_refused", "losses_read_values_refused"]
+__all__ = ["layers_export_refuses", "losses_read_values_refused"]
 
 _WHY = {F.gaussian_nll_loss: "its check that var >= 0 reads the variances' values",
         F.ctc_loss: "torch has no shape-only kernel for it (it sizes its work by the longest "
@@ -61,8 +61,8 @@ class losses_read_values_refused(TorchFunctionMode):  # noqa: N801 (a context ma
         return func(*args, **(kwargs or {}))
 
 
-def cumulative_batch_norm_refused(model: nn.Module, model_name: str,
-                                  fx_error: BaseException | None = None) -> None:
+def layers_export_refuses(model: nn.Module, model_name: str,
+                          fx_error: BaseException | None = None) -> None:
     """Refuse before export traces a BatchNorm in training with ``momentum=None``, or an
     embedding with ``max_norm`` (its rows renormalised in place at every call: export
     records a write into a trained parameter, with no line to show)."""

@@ -18,7 +18,6 @@ import bisect
 import dis
 import functools
 import inspect
-import operator
 import sys
 import traceback
 import types
@@ -39,6 +38,7 @@ from .fx_writes import attribute_at, is_write, written_state, written_tensor
 from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
 from .output_spec import OutputSpec, flatten_output, through_leaves
 from .sources import source_line, user_frame
+from .state_updates import IN_PLACE_OPERATORS
 from .trace_stacks import FX_STACK, traced_stack, user_stack
 
 __all__ = ["FlatOutputTracer", "StateAsProxies", "hooks_see_every_use", "user_stack"]
@@ -79,9 +79,8 @@ def _in_place_operator(op: Callable[[Any, Any], Any]) -> Callable[[fx.Proxy, Any
 # ``h += x`` as ``operator.iadd(h, x)``: fx's proxy has no in-place operators, so Python
 # records ``h + x``, and a tensor another name holds (or the caller's input) would keep its
 # old value; fx_writes.py follows the write
-for _op_name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
-              "lshift", "rshift", "matmul"):
-    setattr(_Proxy, f"__i{_op_name}__", _in_place_operator(getattr(operator, f"i{_op_name}")))
+for _op in IN_PLACE_OPERATORS:
+    setattr(_Proxy, f"__{_op.__name__}__", _in_place_operator(_op))
 
 
 class _Attribute(_Proxy, fx.proxy.Attribute):
@@ -104,6 +103,7 @@ class FlatOutputTracer(fx.Tracer):
         self.units = units
         self.ambient_autocast = autocast_state()
         self.written: dict[fx.Node, str] = {}  # a write into state (or its result) -> the state
+        self.written_ids: set[int] = set()  # the tensors of the state written so far
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -134,11 +134,8 @@ class FlatOutputTracer(fx.Tracer):
                 if isinstance(base, fx.Node) else None
             if state is not None:
                 self.written[node] = state
+                self.written_ids.add(id(attribute_at(self.root, state)))
         return node
-
-    def written_ids(self) -> set[int]:
-        """The tensors of the model's state forward wrote so far in the trace."""
-        return {id(attribute_at(self.root, name)) for name in set(self.written.values())}
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         # modules the user trusts as per-sample (mbcompile.trust_module) stay single nodes
@@ -154,8 +151,8 @@ class FlatOutputTracer(fx.Tracer):
             return True
         if not torch.is_grad_enabled():
             return False  # traced into, so that its parameters are read (and detached) here
-        if self.written and self.written_ids() & {id(t) for t in (*m.parameters(),
-                                                                   *m.buffers())}:
+        if self.written_ids and self.written_ids & {id(t) for t in (*m.parameters(),
+                                                                     *m.buffers())}:
             return False  # it reads state forward wrote: traced into, it reads the new value
         if _runs_more_than_forward(m):
             return False  # its hooks and parametrizations are part of the step: traced too
@@ -251,15 +248,15 @@ class StateAsProxies(TorchFunctionMode):
             # there (the EMA's q.data.mul_(0.9)) is one into the state (fx_writes.py)
             return self.tracer.create_proxy("call_function", getattr,
                                             (self._as_proxy(args[0]), "data"), {})
-        if getattr(func, "__name__", "") == "__get__":
+        if name == "__get__":
             return func(*args, **kwargs)
         if _in_place(func):
             if not (args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.state):
                 return func(*args, **kwargs)
         else:
             result = func(*args, **kwargs)  # pure: a count or a shape is kept as it is
-            varying = self.parameters | self.tracer.written_ids()
-            if not any(id(v) in varying for v in state) or not any(
+            written = self.tracer.written_ids
+            if not any(id(v) in self.parameters or id(v) in written for v in state) or not any(
                     isinstance(v, torch.Tensor) for v in pytree.tree_leaves(result)):
                 return result  # (a buffer forward does not write: a constant, as fx makes it)
         # a write into the model's state, or a tensor computed from a parameter (the EMA's

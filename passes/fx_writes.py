@@ -44,13 +44,9 @@ import torch.fx as fx
 
 from .errors import CaptureError
 from .sources import source_line
+from .state_updates import IN_PLACE_OPERATORS
 
 __all__ = ["attribute_at", "is_write", "writes_as_values", "written_state", "written_tensor"]
-
-_IN_PLACE_OPERATORS = frozenset(
-    getattr(operator, f"i{name}") for name in (
-        "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor",
-        "lshift", "rshift", "matmul"))
 
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "rename_", "retain_grad_"})
 
@@ -81,7 +77,7 @@ def is_write(node: fx.Node) -> bool:
     if isinstance(node.kwargs.get("out"), fx.Node):
         return True
     if node.op == "call_function":
-        return node.target in _IN_PLACE_OPERATORS or node.target is operator.setitem
+        return node.target in IN_PLACE_OPERATORS or node.target is operator.setitem
     if not isinstance(node.args[0], fx.Node):
         return False
     name = _name(node)
@@ -151,6 +147,11 @@ def _read_after(view: fx.Node, write: fx.Node, order: dict[fx.Node, int],
         _aliases(u) and _read_after(u, write, order, skip))) for u in view.users)
 
 
+def _read_later(tensor: fx.Node, write: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether a node after ``write`` reads ``tensor`` itself."""
+    return any(order.get(u, -1) > order[write] for u in tensor.users)
+
+
 def _viewed(tensor: fx.Node) -> fx.Node:
     """What ``tensor`` may be a view of, through every op that may alias (itself if none)."""
     while _aliases(tensor) and tensor.args and isinstance(tensor.args[0], fx.Node):
@@ -162,8 +163,8 @@ def _layer_reads_written(node: fx.Node, latest: dict[fx.Node, fx.Node], root: An
     """Refuse a layer kept as one call that holds state forward wrote before calling it: it
     would read the state as it was before the step (the write is written back after it).
     The state is compared by identity (a weight tied to another layer's)."""
-    held = {id(t) for t in (*root.get_submodule(str(node.target)).parameters(),
-                            *root.get_submodule(str(node.target)).buffers())}
+    layer = root.get_submodule(str(node.target))
+    held = {id(t) for t in (*layer.parameters(), *layer.buffers())}
     for tensor in latest:
         if tensor.op == "get_attr" and id(attribute_at(root, str(tensor.target))) in held:
             raise CaptureError(
@@ -230,15 +231,14 @@ def writes_as_values(graph: fx.Graph, root: Any) -> bool:
         if views:
             raise _refused(node, f"into {tensor.name!r}, of which {views[0].name!r} is a view "
                            "read after the write")
-        if node.target in _IN_PLACE_OPERATORS and tensor.op not in ("get_attr", "placeholder") \
-                and any(order.get(u, -1) > order[node] for u in base.users):
+        if node.target in IN_PLACE_OPERATORS and tensor.op not in ("get_attr", "placeholder") \
+                and _read_later(base, node, order):
             # ``r = h; h += x`` then ``r`` read: a tensor sees the write, an int does not,
             # and the graph does not say which ``h`` is yet
             raise _refused(node, f"with {_name(node)} into {tensor.name!r}, which is read "
                            "again after it under another name")
         if _is_setitem(node):  # returns None: nothing can carry its value
-            if any(order.get(u, -1) > order[node] for u in base.users) or \
-                    tensor.op in ("get_attr", "placeholder"):
+            if _read_later(base, node, order) or tensor.op in ("get_attr", "placeholder"):
                 raise _refused(node, f"by indexing into {tensor.name!r} (x[i] = v)")
             continue
         if tensor.op in ("get_attr", "placeholder") and tensor not in latest:

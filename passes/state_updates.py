@@ -26,6 +26,7 @@ After (``StateUpdates.targets == (StateTarget("buffer", "center"),)``)::
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ import torch.fx as fx
 from .errors import CaptureError
 from .sources import source_line
 
-__all__ = ["StateTarget", "StateUpdates", "has_mutations", "lift_state_updates", "mutates"]
+__all__ = ["IN_PLACE_OPERATORS", "StateTarget", "StateUpdates", "has_mutations",
+           "lift_state_updates", "mutates"]
 
 _COPIES = (torch.ops.aten.copy_.default, torch.Tensor.copy_, "copy_")
 
@@ -131,8 +133,10 @@ def lift_state_updates(gm: fx.GraphModule) -> StateUpdates:
     return StateUpdates(gm, n_outputs, tuple(targets))
 
 
-_IN_PLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow",
-                       "iand", "ior", "ixor", "ilshift", "irshift", "imatmul"}
+#: ``x += y`` and its kin (``operator.iadd``): what fx records for a proxy's ``+=``
+IN_PLACE_OPERATORS = frozenset(getattr(operator, f"i{name}") for name in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+    "rshift", "matmul"))
 
 
 def mutates(node: fx.Node) -> bool:
@@ -147,8 +151,7 @@ def mutates(node: fx.Node) -> bool:
         return False
     if isinstance(target, torch._ops.HigherOrderOperator):
         return True
-    if getattr(target, "__module__", None) == "_operator" and \
-            getattr(target, "__name__", "") in _IN_PLACE_OPERATORS:
+    if target in IN_PLACE_OPERATORS:
         return True
     schema = getattr(target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
