@@ -37,6 +37,7 @@ from mbcompile.passes.forward_modes import (
     detach_grad_free_inputs,
 )
 from mbcompile.passes.generators import seeding_refused
+from mbcompile.passes.layer_settings import rule_reads
 from mbcompile.passes.legacy_weights import weights_set_after
 from mbcompile.passes.microbatch_rewrite import Cut, constants_at, cut_graph
 from mbcompile.passes.shape_prop import BlockRun, ShapePropagationError, shapes_and_cut
@@ -322,7 +323,11 @@ def _shaped(captured: CaptureResult, state: StateUpdates, request: Request) -> A
     if detach_grad_free_inputs(gm.graph, lambda n: getattr(n.meta.get(SHAPES), "is_tensor",
                                                            False)):
         gm.recompile()
-    return replace(_with_facts(captured, state, request, gbs), block_run=block_run)
+    with rule_reads(gm) as settings:  # a loss's reduction, a softmax's dim: guarded
+        found = _with_facts(captured, state, request, gbs)
+    if settings:
+        captured = replace(captured, guards=(*captured.guards, *settings))
+    return replace(found, captured=captured, block_run=block_run)
 
 
 def _with_facts(captured: CaptureResult, state: StateUpdates, request: Request, gbs: int,

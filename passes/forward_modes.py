@@ -364,12 +364,17 @@ def _copy_of(layer: torch.nn.Module) -> torch.nn.Module:
     a tqdm bar, a file) is shared by the copy instead (its calls are sandboxed)."""
     import copy
 
+    # a weight a pre-hook computes (``torch.nn.utils.prune``: ``weight_orig * weight_mask``)
+    # is a plain attribute outside autograd's leaves, which deepcopy refuses: its value
+    computed = {id(v): v.detach().clone() for m in layer.modules() for v in vars(m).values()
+                if isinstance(v, torch.Tensor) and not v.is_leaf}
     try:
-        return copy.deepcopy(layer)
+        return copy.deepcopy(layer, dict(computed))
     except Exception:  # noqa: BLE001 - any failure of a user object's copy: share it instead
         hooks = (layer._forward_hooks, layer._forward_pre_hooks, layer._backward_hooks,
                  layer._backward_pre_hooks)
-        return copy.deepcopy(layer, {id(h): h for d in hooks for h in d.values()})
+        return copy.deepcopy(layer, {**computed, **{id(h): h for d in hooks
+                                                     for h in d.values()}})
 
 
 def _joined_equal(pieces: list[torch.Tensor], dim: int) -> bool:

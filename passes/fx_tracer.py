@@ -27,14 +27,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.nn.utils import parametrize
-from torch.nn.utils.spectral_norm import SpectralNorm as _LegacySpectralNorm
-from torch.nn.utils.weight_norm import WeightNorm as _LegacyWeightNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
 from .forward_modes import autocast_state, differentiation_error, stamp_modes
 from .fx_writes import attribute_at, is_write, written_state, written_tensor
+from .guard_values import NUMPY_NUMBERS
+from .legacy_weights import WEIGHT_HOOKS
 from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
 from .output_spec import OutputSpec, flatten_output, through_leaves
 from .sources import source_line, user_frame
@@ -118,6 +118,13 @@ class FlatOutputTracer(fx.Tracer):
         if target in _DIFFERENTIATIONS or (kind == "call_method" and target == "backward"):
             raise differentiation_error(self.model_name)
         return super().create_proxy(kind, target, args, kwargs, *rest, **more)
+
+    def create_arg(self, a: Any) -> Any:
+        # a numpy scalar (``np.cos`` of a schedule) as the Python number it equals: fx would
+        # write ``np.float64(0.5)`` into the graph's code, which has no ``np``
+        if isinstance(a, NUMPY_NUMBERS):
+            return super().create_arg(a.item())
+        return super().create_arg(a)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         # the user's frames of the stack, as fx would record it and user_stack keep them
@@ -313,16 +320,13 @@ def hooks_see_every_use(graph: fx.Graph) -> bool:
 def _runs_more_than_forward(m: torch.nn.Module) -> bool:
     """A layer whose call recomputes its weight: a parametrization (spectral norm's power
     iteration also updates buffers), or the pre-hook of legacy ``spectral_norm`` /
-    ``weight_norm``. Kept as one node, that work would run once per microbatch instead of
-    once per step, so it is traced. (Other hooks of a layer run at its call, once per
-    microbatch: a hook of the user's that keeps state belongs on a module of their own,
-    whose hooks are traced.)"""
+    ``weight_norm`` or of ``prune``. Kept as one node, that work would run once per
+    microbatch instead of once per step, so it is traced. (Other hooks of a layer run at
+    its call, once per microbatch: a hook of the user's that keeps state belongs on a
+    module of their own, whose hooks are traced.)"""
     return (parametrize.is_parametrized(m)
             or type(m).__module__.startswith("torch.nn.utils.parametriz")
-            or any(isinstance(h, _WEIGHT_HOOKS) for h in m._forward_pre_hooks.values()))
-
-
-_WEIGHT_HOOKS = (_LegacySpectralNorm, _LegacyWeightNorm)
+            or any(isinstance(h, WEIGHT_HOOKS) for h in m._forward_pre_hooks.values()))
 
 
 _DIFFERENTIATIONS = (torch.autograd.backward,)  # grad: a penalty, kept (penalties.py)

@@ -24,11 +24,18 @@ import torch.nn as nn
 
 from .whose_code import user_code
 
-__all__ = ["ATOMS", "Unguardable", "entries_of", "fingerprint", "parts_changed",
+__all__ = ["ATOMS", "NUMPY_NUMBERS", "Unguardable", "entries_of", "fingerprint", "parts_changed",
            "method_lookups", "plain_object", "slotted_object", "user_defined"]
 
-#: compared by value: numbers, strings, flags, None, enum members
-ATOMS = (bool, int, float, str, type(None), enum.Enum)
+try:  # numpy's scalars (``np.float32(0.5)``, ``np.cos`` of a schedule) are numbers too
+    import numpy as _numpy
+
+    NUMPY_NUMBERS: tuple[type, ...] = (_numpy.bool_, _numpy.number)
+except ImportError:  # torch runs without numpy
+    NUMPY_NUMBERS = ()
+
+#: compared by value: numbers (numpy's too), strings, flags, None, enum members
+ATOMS = (bool, int, float, str, type(None), enum.Enum, *NUMPY_NUMBERS)
 _DEPTH, _ITEMS = 6, 2_000  # deeper or larger: compared by identity only
 
 

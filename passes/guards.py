@@ -41,6 +41,7 @@ import torch.nn as nn
 from .errors import CaptureError
 from .guard_values import (
     ATOMS,
+    NUMPY_NUMBERS,
     entries_of,
     fingerprint,
     method_lookups,
@@ -214,8 +215,8 @@ def _recording(cls: type) -> type:
                 key = (id(self), name)
                 if name in own and own[name] is value and key not in _LOCAL.written:
                     make = _LOCAL.as_input
-                    if make is not None and key in inputs_wanted() and \
-                            type(value) in (int, float):
+                    if make is not None and key in inputs_wanted() and (type(value) in (
+                            int, float) or isinstance(value, NUMPY_NUMBERS)):
                         guard = sink.setdefault(key, Guard(self, name, value,
                                                            feeds=NumberInput(value)))
                         return make(guard.feeds)
@@ -330,8 +331,8 @@ def _missing_read(obj: Any, name: str) -> None:
 @contextlib.contextmanager
 def recorded_reads(model: nn.Module, model_name: str = "",
                    as_input: Callable[[NumberInput], Any] | None = None,
-                   writes: dict[tuple[int, str], tuple[Any, str, Any]] | None = None
-                   ) -> Iterator[list[Guard]]:
+                   writes: dict[tuple[int, str], tuple[Any, str, Any]] | None = None,
+                   layers: Sequence[nn.Module] | None = None) -> Iterator[list[Guard]]:
     """While the block traces ``model``: record the plain attributes read from its modules.
 
     The list yielded is filled when the block ends, first read first. Each module's class
@@ -343,8 +344,10 @@ def recorded_reads(model: nn.Module, model_name: str = "",
     (the tracer's proxy of ``read_number(holder)``); each such read is guarded by type.
     ``writes``: filled with the attributes forward assigned, ``(module, name, last value)``
     (torch.export puts them back itself before the capture's snapshot can see them).
+    ``layers``: record the reads of these modules only, and not the code they run
+    (``layer_settings.py``).
     """
-    modules = list(model.modules())
+    modules = list(model.modules()) if layers is None else list(layers)
     classes = [type(m) for m in modules]
     sink: dict[tuple[int, str], Guard] = {}
     outer = (getattr(_LOCAL, "sink", None), getattr(_LOCAL, "written", None),
@@ -376,7 +379,8 @@ def recorded_reads(model: nn.Module, model_name: str = "",
         # Python looks them up (replaced later, they compile again); the globals it reads:
         # ``slot_guards``
         guards.extend(Guard(owner, n, value, identity=True, where=f"{_named(owner)}.{n}")
-                      for owner, n, value in method_lookups(model, _MISSING))
+                      for owner, n, value in (method_lookups(model, _MISSING)
+                                              if layers is None else ()))
 
 
 def _named(owner: Any) -> str:

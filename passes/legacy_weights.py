@@ -1,8 +1,9 @@
-"""The plain ``weight`` attribute of legacy ``spectral_norm`` / ``weight_norm``, set after a step.
+"""The plain ``weight`` of legacy ``spectral_norm``, ``weight_norm`` and ``prune``, set per step.
 
-The legacy forms (``torch.nn.utils.spectral_norm``, ``torch.nn.utils.weight_norm``) keep
-the layer's weight as a plain attribute that a forward pre-hook recomputes at every call
-(``module.weight = weight_orig / sigma``). Both captures trace that hook: the step uses
+The legacy forms (``torch.nn.utils.spectral_norm``, ``torch.nn.utils.weight_norm``) and
+``torch.nn.utils.prune`` keep the layer's weight as a plain attribute that a forward
+pre-hook recomputes at every call (``module.weight = weight_orig / sigma``,
+``module.weight = weight_orig * weight_mask``). Both captures trace that hook: the step uses
 the weight the graph computes, and the plain attribute is left alone, so after a compiled
 step ``module.weight`` would still hold the last eager call's value (``torch.export``
 restores the module's attributes after tracing; ``torch.fx`` records the write as a side
@@ -31,12 +32,16 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from .side_effects import Effects, SetAttr
 
-__all__ = ["SetLegacyWeight", "weights_set_after"]
+__all__ = ["WEIGHT_HOOKS", "SetLegacyWeight", "weights_set_after"]
+
+#: the forward pre-hooks that recompute a layer's weight into a plain attribute
+WEIGHT_HOOKS = (SpectralNorm, WeightNorm, BasePruningMethod)
 
 
 @dataclass(frozen=True)
@@ -44,16 +49,18 @@ class SetLegacyWeight:
     """``module.<name> = hook.compute_weight(module)``, once after each step."""
 
     module: torch.nn.Module
-    hook: SpectralNorm | WeightNorm
+    hook: SpectralNorm | WeightNorm | BasePruningMethod
     where: str
 
     def apply(self, flat: Sequence[Any]) -> None:
         with torch.no_grad():  # a leaf, as state is written back: the model stays copyable
             if isinstance(self.hook, SpectralNorm):  # u, v hold the step's iteration already
                 weight = self.hook.compute_weight(self.module, do_power_iteration=False)
+            elif isinstance(self.hook, BasePruningMethod):
+                weight = self.hook.apply_mask(self.module)
             else:
                 weight = self.hook.compute_weight(self.module)
-        setattr(self.module, self.hook.name, weight)
+        setattr(self.module, _name(self.hook), weight)
 
     def __repr__(self) -> str:  # compared between two captures (dynamic_shapes.py)
         return f"SetLegacyWeight({self.where})"
@@ -78,13 +85,18 @@ def weights_set_after(effects: Effects, model: torch.nn.Module, gm: fx.GraphModu
     added = []
     for path, module in model.named_modules():
         for hook in module._forward_pre_hooks.values():
-            if not isinstance(hook, (SpectralNorm, WeightNorm)):
+            if not isinstance(hook, WEIGHT_HOOKS):
                 continue
-            source = f"{hook.name}_orig" if isinstance(hook, SpectralNorm) else f"{hook.name}_v"
+            name = _name(hook)
+            source = f"{name}_v" if isinstance(hook, WeightNorm) else f"{name}_orig"
             if (".".join(filter(None, (path, source))) in read
-                    and (id(module), hook.name) not in written):
-                added.append(SetLegacyWeight(module, hook,
-                                             ".".join(filter(None, (path, hook.name)))))
+                    and (id(module), name) not in written):
+                added.append(SetLegacyWeight(module, hook, ".".join(filter(None, (path, name)))))
     if not added:
         return effects
     return dataclasses.replace(effects, records=(*effects.records, *added))
+
+
+def _name(hook: SpectralNorm | WeightNorm | BasePruningMethod) -> str:
+    """The attribute ``hook`` recomputes."""
+    return hook._tensor_name if isinstance(hook, BasePruningMethod) else hook.name

@@ -171,9 +171,11 @@ def apply_rule(rule: Rule, ctx: RuleContext) -> Fact:
     positions = [f for f in batched_facts(ctx.arg_facts()) if f.positions]
     if not positions or getattr(rule, "handles_positions", False):
         return fact
-    key = ctx.module.__class__ if ctx.module is not None else rule_key(ctx.node.target)
+    # a layer by its class's MRO, as ``lookup`` finds its rule (the rules run on a layer
+    # whose class is a recording subclass: ``layer_settings.py``)
+    keys = type(ctx.module).__mro__ if ctx.module is not None else (rule_key(ctx.node.target),)
     others = [f for f in batched_facts(ctx.arg_facts()) if not f.positions]
-    keeps = key in TABLE.position_preserving
+    keeps = any(key in TABLE.position_preserving for key in keys)
     if keeps and not others and isinstance(fact, Batched) and fact.factor == positions[0].factor:
         return dataclasses.replace(fact, positions=True)
     if isinstance(fact, Container) and keeps and not others:
