@@ -4,14 +4,12 @@
 >>> loss = cm(ids, labels)          # same call and output structure as model(ids, labels)
 >>> loss.backward()                 # param.grad == the full-batch gradient, to rounding
 
-It only runs what it is given (torch.compile's ``OptimizedModule`` is the model): the
-``Selection`` (the one plan) and the ``Lowered`` graph of compile()'s chain. What
-compile() did not see goes back through the chain, handed in as ``Recompile``: the
-module never imports the compiler. A train/eval change (``cm.train()``, ``cm.eval()``
-can change what is safe: BatchNorm mixes samples only in training), a replaced
-parameter or a changed guard lowers again with the same plan, once per state; another
-batch size (``Request.for_batch``) or keyword set (``Request.for_call``) is a request
-derived from the first, compiled once on the first capture and kept (``variants.py``).
+It runs the ``Selection`` (the one plan) and the ``Lowered`` graph of compile()'s chain.
+What compile() did not see goes back through the chain, handed in as ``Recompile`` (it
+never imports the compiler): a train/eval change (BatchNorm mixes samples only in
+training), a replaced parameter or a changed guard lowers again with the same plan, once
+per state; another batch size, keyword set or length is a request derived from the
+first, compiled once on the first capture and kept (``variants.py``).
 """
 
 from __future__ import annotations
@@ -58,7 +56,14 @@ from mbcompile.planning.precision import ambient_precision
 from mbcompile.reports.report import render
 from mbcompile.request import Request, device_type
 from mbcompile.selection import Selection
-from mbcompile.variants import Family, for_batch, for_keywords, for_presence, for_shapes
+from mbcompile.variants import (
+    Family,
+    for_batch,
+    for_keywords,
+    for_presence,
+    for_shapes,
+    for_size_one,
+)
 
 __all__ = ["CompiledModule", "Recompile"]
 
@@ -97,9 +102,8 @@ class CompiledModule(ModelFace, nn.Module):
     ``cm.generate(...)``), and ``inspect.signature(cm.forward)`` is the model's forward's.
     A batch of another size than ``gbs`` is planned and compiled on first sight, once per
     size (and per kind of call: training, or forward only), in milliseconds, with a
-    ``BatchSizeWarning`` (unless compiled with ``batch_sizes="fixed"``); so is
-    a call that passes other keywords through forward's ``**kwargs`` than the example did
-    (``num_items_in_batch``), with a ``RecompileWarning``.
+    ``BatchSizeWarning`` (unless ``batch_sizes="fixed"``); so are other keywords through
+    ``**kwargs`` and other lengths, with a ``RecompileWarning`` (``variants.py``).
     """
 
     def __init__(self, request: Request, selection: Selection, lowered: Lowered,
@@ -287,8 +291,10 @@ class CompiledModule(ModelFace, nn.Module):
             check_not_in_ddp()
         if self._precision_pending and torch.is_grad_enabled():
             self._plan_for_ambient_precision()
-        # a call another variant runs (other keywords through **kwargs, another batch size)
-        # goes there before this module compiles anything for the current mode
+        # a call another variant runs (other keywords through **kwargs, a size of 1 where the
+        # step has a symbol) goes there before this module compiles anything for its mode
+        if self._inputs.symbolic and (one := for_size_one(self, args, kwargs)) is not None:
+            return self._runs(one)(*args, **kwargs)
         if self._named is not None:  # forward takes **kwargs: which keywords reach them
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:

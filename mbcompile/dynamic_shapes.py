@@ -36,8 +36,8 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import ArgumentTypeError, InputError, MbcompileError, RecompileWarning
 
-__all__ = ["Bounds", "PAD_FIX", "Symbolic", "checked_symbolic", "length_step", "resized",
-           "symbolic_dims", "symbolic_reason"]
+__all__ = ["Bounds", "PAD_FIX", "Symbolic", "at_size_one", "checked_symbolic", "length_step",
+           "off_one", "resized", "size_one_dims", "symbolic_dims", "symbolic_reason"]
 
 Bounds = tuple[int | None, int | None]  # inclusive (min, max); None: unbounded
 Symbolic = Mapping[str, Mapping[int, Bounds]]  # input name -> its symbolic dims
@@ -142,6 +142,56 @@ def resized(value: Any, dims: Mapping[int, Bounds], step: int) -> Any:
         return t
 
     return pytree.tree_map(one, value)
+
+
+def size_one_dims(symbolic: Symbolic, names: Sequence[str], values: Sequence[Any]
+                  ) -> dict[str, frozenset[int]]:
+    """The symbolic dims that have size 1 in a call (``values``, by ``names``), by input.
+
+    A symbolic size is 2 or more, as torch.export's and torch.compile's are: code that sets
+    1 apart (a branch on ``T > 1``, ``squeeze()``, broadcasting) is traced for sizes of 2
+    and more, so a call of size 1 runs a step compiled with that dim fixed at 1
+    (``at_size_one``), once."""
+    ones: dict[str, frozenset[int]] = {}
+    for name, value in zip(names, values):
+        dims = symbolic.get(name)
+        if dims:
+            found = {d for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
+                     for d in dims if d < t.dim() and t.shape[d] == 1}
+            if found:
+                ones[name] = frozenset(found)
+    return ones
+
+
+def at_size_one(request: Any, ones: Mapping[str, frozenset[int]]) -> Any:
+    """``request`` (a ``Request``) with the dims ``ones`` names fixed at size 1: not
+    symbolic, its example cut to their first slice."""
+    def first(dims: frozenset[int]) -> Callable[[Any], Any]:
+        def one(t: Any) -> Any:
+            if isinstance(t, torch.Tensor):
+                for d in dims:
+                    t = t.narrow(d, 0, 1).contiguous() if d < t.dim() else t
+            return t
+        return one
+
+    example = {n: pytree.tree_map(first(ones[n]), v) if n in ones else v
+               for n, v in request.example.items()}
+    symbolic = {n: {d: b for d, b in ds.items() if d not in ones.get(n, ())}
+                for n, ds in request.inputs.symbolic.items()}
+    inputs = dataclasses.replace(request.inputs, symbolic={n: ds for n, ds in symbolic.items()
+                                                           if ds})
+    return dataclasses.replace(request, example=example, inputs=inputs)
+
+
+def off_one(example: Mapping[str, Any], symbolic: Symbolic) -> dict[str, Any]:
+    """``example`` with each symbolic dim of size 1 made longer (its last slice repeated):
+    torch.export cannot capture a dim of size 1 symbolic (it fixes sizes 0 and 1)."""
+    ones = size_one_dims(symbolic, list(example), list(example.values()))
+    if not ones:
+        return dict(example)
+    step = length_step([(1, symbolic[n][d]) for n, ds in ones.items() for d in ds])
+    return {n: resized(v, dict.fromkeys(ones[n]), step) if n in ones else v
+            for n, v in example.items()}
 
 
 def checked_symbolic(request: Any, lowered: Any, relower: Callable[[Any], Any],

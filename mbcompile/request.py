@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from mbcompile.dynamic_shapes import length_step, resized, symbolic_dims
+from mbcompile.dynamic_shapes import length_step, off_one, resized, symbolic_dims
 from mbcompile.errors import ArgumentTypeError, InputError, PlanError
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.execution.world import resolve_backend
@@ -144,7 +144,8 @@ class Request:
         signature, values, inputs = bind_example(self.inner, args, kwargs, known,
                                                  self.options.planning_only, default)
         inputs = dataclasses.replace(inputs, symbolic=self._symbolic_for(values, inputs))
-        return dataclasses.replace(self, signature=signature, example=values, inputs=inputs)
+        return dataclasses.replace(self, signature=signature, inputs=inputs,
+                                   example=off_one(values, inputs.symbolic))
 
     def _symbolic_for(self, values: Mapping[str, Any], new: Inputs
                       ) -> dict[str, dict[int, Any]]:
@@ -175,9 +176,9 @@ class Request:
     def for_shapes(self, varying: Mapping[str, Iterable[int]]) -> Request:
         """This request with the ``varying`` dims (by input) symbolic too: a call changed
         their sizes (``dynamic="auto"``), so one compiled step must run every size."""
-        inputs = dataclasses.replace(self.inputs,
-                                     symbolic=_with_dims(self.inputs.symbolic, varying))
-        return dataclasses.replace(self, inputs=inputs)
+        symbolic = _with_dims(self.inputs.symbolic, varying)
+        inputs = dataclasses.replace(self.inputs, symbolic=symbolic)
+        return dataclasses.replace(self, inputs=inputs, example=off_one(self.example, symbolic))
 
     def at_other_lengths(self) -> Request:
         """This request with its example resized along each symbolic dim (``resized``):
@@ -248,6 +249,7 @@ def make_request(model: Any, gbs: int, num_csx: int, mbs: Any = "auto", **option
                                              o.in_dims, planning_only)
     inputs = dataclasses.replace(inputs, symbolic=symbolic_dims(
         o.dynamic, inputs.names, inputs.in_dims, values))
+    values = off_one(values, inputs.symbolic)  # a symbolic dim is 2 or more
     if policy.mode == "tokens":  # an int MBS at the example's length now: its choices
         policy = _at_example_tokens(policy, inputs, values, sizes[0], type(model).__name__)
         choices = check_policy(sizes, policy, planning_only)

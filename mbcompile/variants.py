@@ -6,8 +6,9 @@
 [(3, True)]
 
 A batch of another size (``for_batch``), other keywords through forward's ``**kwargs``
-(``for_call``) or another length under ``dynamic="auto"`` (``for_shapes``: the dims that
-changed become symbolic, once) is a request derived from the first, sent through compile()'s chain
+(``for_call``), another length under ``dynamic="auto"`` (``for_shapes``: the dims that
+changed become symbolic, once) or a size of 1 in a symbolic dim (``for_size_one``) is a
+request derived from the first, sent through compile()'s chain
 (``Recompile.variant``, handed in by the compiler) and kept under its key: the batch size
 and whether the call runs a backward (a forward-only call, in eval mode or under
 ``no_grad``, is planned without probes), or the keyword set. The chain reuses the first
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mbcompile.dynamic_shapes import symbolic_reason
+from mbcompile.dynamic_shapes import at_size_one, size_one_dims, symbolic_reason
 from mbcompile.errors import BatchSizeWarning, RecompileWarning
 from mbcompile.execution.seeding import Guesses
 from mbcompile.inputs import Inputs, batch_size, check_layout, check_unchanged, with_keywords
@@ -41,7 +42,7 @@ from mbcompile.request import Request
 CompiledModule = Any
 
 __all__ = ["Family", "for_batch", "for_global_batch", "for_keywords", "for_presence",
-           "for_shapes", "samples"]
+           "for_shapes", "for_size_one", "samples"]
 
 
 class Family:
@@ -178,6 +179,29 @@ def for_shapes(cm: CompiledModule, varying: Mapping[str, frozenset[int]]) -> Com
     return cm._variants.get(key) or _variant(
         cm, key, cm._request.for_shapes(varying),
         *symbolic_reason(cm._inputs.names, cm._layout, varying))
+
+
+def for_size_one(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> CompiledModule | None:
+    """For a call with size 1 in a dim ``cm`` compiled symbolic (``size_one_dims``: a
+    symbolic size is 2 or more), the module compiled with that dim fixed at 1, once; None
+    for any other call (one that does not bind too: the checks that follow say why)."""
+    try:
+        arguments = cm._binder.bind(args, kwargs)
+    except InputError:
+        return None
+    names = cm._inputs.names
+    ones = size_one_dims(cm._inputs.symbolic, names, [arguments.get(n) for n in names])
+    if not ones:
+        return None
+    key = ("size one", frozenset((n, d) for n, dims in ones.items() for d in dims))
+    dims = ", ".join(f"{n!r} dim {d}" for n, ds in ones.items() for d in sorted(ds))
+    return cm._variants.get(key) or _variant(
+        cm, key, at_size_one(cm._request, ones),
+        f"a call has size 1 in {dims}, which {type(cm.module).__name__} was compiled with "
+        "symbolic (a symbolic size is 2 or more, as torch.export's: code may set 1 apart)",
+        RecompileWarning, "pad such calls to 2 tokens (pad_to_multiple_of=2) to run them on "
+        "the symbolic step")
 
 
 def _variant(cm: CompiledModule, key: Any, request: Request, why: str,

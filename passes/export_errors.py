@@ -52,7 +52,9 @@ def export_error(model: torch.nn.Module, exc: BaseException,
     """A ``CaptureError`` that says why export failed in the user's terms."""
     text = str(exc)
     tried = f"  torch.fx.symbolic_trace failed first: {fx_error}\n" if fx_error else ""
-    first = text.strip().splitlines()[0] if text.strip() else ""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    # the first line, and what it introduces ("Found the following conflicts ...:")
+    first = " ".join(lines[:2] if lines and lines[0].endswith(":") else lines[:1])
     baked = SPECIALISED.search(text)
     length = length_baked_in(model, text, in_dims or {})
     if length is not None:
