@@ -305,3 +305,53 @@ def test_the_hf_trainer_trains_a_float64_gpt2_as_its_own_loop_for_40_steps(tmp_p
     errors = {k: float((v - plain.state_dict()[k]).abs().max())
               for k, v in model.state_dict().items()}
     assert max(errors.values()) <= 1e-9, errors
+
+
+class _Squares(torch.nn.Module):
+    """A mean of squares, in float16 under fp16 autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.l2(torch.tanh(self.l1(x)))
+        return ((out - y.to(out.dtype)) ** 2).mean()
+
+
+@pytest.mark.parametrize("case", ["fp16-scale-overflows", "float64-loss-times-inf"])
+def test_an_infinite_gradient_into_the_loss_leaves_the_next_steps_seed_finite(case: str) -> None:
+    """The last step's gradient is the next step's guess: an infinite one (the default
+    GradScaler's 65536 cast into a float16 loss; ``loss * inf``) seeded the next step with
+    inf, so its gradients were NaN and the scaler skipped a step eager takes."""
+    fp16 = case.startswith("fp16")
+    dtype = torch.float32 if fp16 else torch.float64
+
+    def run(compiled: bool) -> tuple[list[float], torch.Tensor]:
+        torch.manual_seed(0)
+        model = _Squares().to(dtype)
+        g = torch.Generator().manual_seed(3)
+        data = [(torch.randn(8, 6, generator=g, dtype=dtype),
+                 torch.randn(8, 3, generator=g, dtype=dtype)) for _ in range(5)]
+        call = mbcompile.compile(model, 8, 2, 2, example_inputs=data[0], cost_model=False) \
+            if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=65536.0 if fp16 else 1024.0)
+        scales = []
+        for step, (x, y) in enumerate(data):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                    loss = call(x, y)
+            if not fp16 and step == 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            scales.append(scaler.get_scale())
+        return scales, torch.cat([p.detach().double().flatten() for p in model.parameters()])
+
+    (want_scales, want), (got_scales, got) = run(False), run(True)
+    assert got_scales == want_scales  # the same steps skipped: one, where eager skips it
+    assert float((got - want).norm() / want.norm()) < (1e-3 if fp16 else 1e-12)

@@ -234,8 +234,11 @@ class Seed:
                 halvings: torch.Tensor | None, *args: Any) -> torch.Tensor:
         """``dL/dS`` of the tail at ``S = 0`` (the tail is affine in ``S``) for the gradient
         ``outer`` of ``L`` (None: 1; halved ``halvings`` times, ``_halved``), made usable as a
-        seed."""
+        seed. A guess that is not finite (the last step's gradient overflowed: halving
+        keeps it infinite) is 1, as ``outer`` says: only this step's own count may make the
+        seed infinite, or the next step of a GradScaler would be NaN where eager's is not."""
         outer = _halved(outer, halvings)
+        outer = None if outer is None else _usable(outer)
         with torch.enable_grad():
             s = partial.new_zeros(partial.shape).requires_grad_()
             loss = self.tail(s, *args)
