@@ -46,6 +46,7 @@ from mbcompile.inputs import (
 from mbcompile.length_plans import CallSplit, for_length, last_run
 from mbcompile.lowering import Lowered
 from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
+from mbcompile.passes.autocast_regions import refuse_outer_autocast
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.fake_probe import holds_no_data
 from mbcompile.passes.guards import numbers_as_inputs
@@ -139,18 +140,17 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_inputs", request.inputs)
         object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
         object.__setattr__(self, "_cache", GuardCache())
-        object.__setattr__(self, "_modules_seen", ())  # _mode_key's module list and slots
-        object.__setattr__(self, "_slots_seen", None)
-        object.__setattr__(self, "_hooks_seen", None)  # _hooks_by_module at the last compile
+        self.__dict__.update(_modules_seen=(), _slots_seen=None,  # _mode_key's, and
+                             _hooks_seen=None)  # _hooks_by_module at the last compile
         object.__setattr__(self, "_live_hooks", frozenset())  # layers whose hooks run live
         object.__setattr__(self, "_live_layers", ())  # (name, layer) of those layers
         object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
         object.__setattr__(self, "_watchers", {})  # the wrappers put on them, kept across calls
-        object.__setattr__(self, "_warned", False)
+        # _precision_pending: the first training call checks its autocast against the plan
+        self.__dict__.update(_warned=False, _precision_pending=True,
+                             _regions=lowered.autocast_regions)  # forward's own autocast
         if recompile.family.root is None:  # compile()'s own module: its variants' first
             recompile.family.root = self
-        # the first training call checks the autocast it runs under against the plan's
-        object.__setattr__(self, "_precision_pending", True)
         self._face_state_dict()  # state_dict() keys are the model's own
         self._keep(lowered)
 
@@ -289,6 +289,7 @@ class CompiledModule(ModelFace, nn.Module):
                 map(holds_no_data, self._inner.parameters())))
         if self.rank is not None:  # on ranks: never inside DDP, which would reduce again
             check_not_in_ddp()
+        refuse_outer_autocast(type(self._inner).__name__, self._regions)  # on forward's own
         if self._precision_pending and torch.is_grad_enabled():
             self._plan_for_ambient_precision()
         # a call another variant runs (other keywords through **kwargs, a size of 1 where the
@@ -415,12 +416,9 @@ class CompiledModule(ModelFace, nn.Module):
             "backward can run per microbatch, and return it")
 
     def token_counts(self) -> dict[str, Any] | None:
-        """What the loss's mean counted in the last call: non-padding tokens for a token
-        loss (targets not equal to ``ignore_index``), elements for an MSE, ...
-
-        ``{"global": n, "per_system": [...], "per_microbatch": [[...], ...]}``; None
-        before the first call or when the loss is not a mean.
-        """
+        """What the loss's mean counted in the last call (non-padding tokens for a token
+        loss, elements for an MSE): ``{"global": n, "per_system": [...], "per_microbatch":
+        [[...], ...]}``; None before the first call or when the loss is not a mean."""
         if self._ran is not None and self._ran[0] is not self:  # the last call ran there
             return self._ran[0].token_counts()
         counts = self._compiled().channels.last_counts

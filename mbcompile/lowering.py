@@ -56,6 +56,7 @@ class Lowered:
     state: StateUpdates  # which graph outputs are state to write back, and where
     guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
     effects: Effects = NO_EFFECTS  # forward's side effects: replayed after each step
+    autocast_regions: tuple[str, ...] = ()  # where forward enters autocast regions of its own
 
 
 def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered:
@@ -73,7 +74,8 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
         # graph runs as it is
         return Lowered(code_now(gm), gm, captured.output_spec, False,
                        StepChannels(noise=request.noise_scale), analysed.analysis,
-                       analysed.state, captured.guards, captured.effects)
+                       analysed.state, captured.guards, captured.effects,
+                       captured.autocast_regions)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
@@ -96,7 +98,8 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
                                                *request.inner.modules())})
     splits = plan.num_nonempty_microbatches > 1
     return Lowered(bound, gm, captured.output_spec, splits and not analysed.analysis.fused,
-                   channels, analysed.analysis, analysed.state, captured.guards, captured.effects)
+                   channels, analysed.analysis, analysed.state, captured.guards, captured.effects,
+                   captured.autocast_regions)
 
 
 def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,

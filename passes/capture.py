@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .autocast_regions import autocast_entered
 from .code_reach import reached_code
 from .custom_functions import refused_in_fx
 from .errors import CaptureError
@@ -87,6 +88,8 @@ class CaptureResult:
     method: str = "symbolic_trace"
     guards: tuple[Guard, ...] = ()  # the plain attributes forward read (passes/guards.py)
     effects: Effects = NO_EFFECTS  # what forward writes into Python objects, replayed per step
+    #: where forward enters autocast regions of its own (``autocast_regions.py``)
+    autocast_regions: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- FSDP2
@@ -260,7 +263,8 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                     refused_in_fx(name), torch.enable_grad(), \
                     (contextlib.nullcontext() if units else StateAsProxies(tracer, model)), \
                     reached_code(model, snapshot.add_slot, name,
-                                 lambda m: tracer.is_leaf_module(m, ""), concrete_args) as reach:
+                                 lambda m: tracer.is_leaf_module(m, ""), concrete_args) as reach, \
+                    autocast_entered() as regions:
                 graph = tracer.trace(model, concrete_args=concrete_args or None)
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
@@ -323,7 +327,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
     return CaptureResult(gm, tracer.output_spec, concrete_args,
                          guards=(*unwritten((*guards, *slot_guards(reach.slots, name)),
                                             effects.written, effects.keys_set()), *effects.guards),
-                         effects=effects)
+                         effects=effects, autocast_regions=tuple(regions))
 
 
 def _number_input(tracer: fx.Tracer, numbers: dict[str, NumberInput], holder: NumberInput

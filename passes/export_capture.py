@@ -54,6 +54,7 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
+from .autocast_regions import autocast_entered
 from .capture import CaptureResult
 from .code_reach import reached_code
 from .custom_functions import checked_in_export
@@ -308,7 +309,8 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                     tensor_hooks_refused(name), differentiation_refused(name, fx_error), \
                     losses_read_values_refused(name, fx_error), \
                     root_hooks_watched(model, name, fx_error), \
-                    torch.enable_grad(), reached_code(model, snapshot.add_slot, name) as reach:
+                    torch.enable_grad(), reached_code(model, snapshot.add_slot, name) as reach, \
+                    autocast_entered() as regions:
                 try:
                     program = _export(model, kwargs, dynamic, strict=False)
                 except Exception as exc:
@@ -407,4 +409,4 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                             type(model).__name__)
     guards = (*unwritten((*guards, *read), effects.written, effects.keys_set()),
               *effects.guards)
-    return CaptureResult(gm, spec, concrete, "export", guards, effects)
+    return CaptureResult(gm, spec, concrete, "export", guards, effects, tuple(regions))
