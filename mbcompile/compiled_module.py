@@ -292,10 +292,8 @@ class CompiledModule(ModelFace, nn.Module):
         refuse_outer_autocast(type(self._inner).__name__, self._regions)  # on forward's own
         if self._precision_pending and torch.is_grad_enabled():
             self._plan_for_ambient_precision()
-        # a call another variant runs (other keywords through **kwargs, a size of 1 where the
-        # step has a symbol) goes there before this module compiles anything for its mode
-        if self._inputs.symbolic and (one := for_size_one(self, args, kwargs)) is not None:
-            return self._runs(one)(*args, **kwargs)
+        # a call another variant runs (other keywords through **kwargs, another batch size)
+        # goes there before this module compiles anything for the current mode
         if self._named is not None:  # forward takes **kwargs: which keywords reach them
             through = frozenset(k for k in kwargs if k not in self._named)
             if through != self._keywords:
@@ -308,6 +306,8 @@ class CompiledModule(ModelFace, nn.Module):
             return self._runs(variant)(*args, **kwargs)
         if varying:  # dynamic="auto": a length changed, so compile once with it symbolic
             return self._runs(for_shapes(self, varying))(*args, **kwargs)
+        if self._inputs.symbolic and (one := for_size_one(self, values)) is not None:
+            return self._runs(one)(*args, **kwargs)  # a size of 1 where the step has a symbol
         gbs = self._selection.plan.gbs
         object.__setattr__(self, "_ran", None)
         if self.rank is None and batch is not None and batch != gbs:

@@ -25,7 +25,7 @@ import dataclasses
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -181,17 +181,11 @@ def for_shapes(cm: CompiledModule, varying: Mapping[str, frozenset[int]]) -> Com
         *symbolic_reason(cm._inputs.names, cm._layout, varying))
 
 
-def for_size_one(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> CompiledModule | None:
-    """For a call with size 1 in a dim ``cm`` compiled symbolic (``size_one_dims``: a
-    symbolic size is 2 or more), the module compiled with that dim fixed at 1, once; None
-    for any other call (one that does not bind too: the checks that follow say why)."""
-    try:
-        arguments = cm._binder.bind(args, kwargs)
-    except InputError:
-        return None
-    names = cm._inputs.names
-    ones = size_one_dims(cm._inputs.symbolic, names, [arguments.get(n) for n in names])
+def for_size_one(cm: CompiledModule, values: Sequence[Any]) -> CompiledModule | None:
+    """For a call (its inputs ``values``) with size 1 in a dim ``cm`` compiled symbolic
+    (``size_one_dims``: a symbolic size is 2 or more), the module compiled with that dim
+    fixed at 1, once; None for any other call."""
+    ones = size_one_dims(cm._inputs.symbolic, cm._inputs.names, values)
     if not ones:
         return None
     key = ("size one", frozenset((n, d) for n, dims in ones.items() for d in dims))

@@ -48,6 +48,7 @@ from .facts import (
     ValueInfo,
 )
 from .graph_walks import ancestors
+from .guards import own_class
 from .penalties import DIFFERENTIATIONS
 from .rules import (
     MBS_NONE,
@@ -72,7 +73,7 @@ def describe_op(node: fx.Node, gm: fx.GraphModule) -> str:
     """A readable name for the op: ``torch.nn.BatchNorm1d (module 'bn')``, ``Tensor.view``,
     ``torch.ops.aten.batch_norm``, ``torch.nn.functional.softmax``."""
     if node.op == "call_module":
-        cls = type(gm.get_submodule(node.target))
+        cls = own_class(gm.get_submodule(node.target))
         return f"{_qualname(cls)} (module {node.target!r})"
     if node.op == "call_method":
         return f"Tensor.{node.target}"
@@ -414,5 +415,5 @@ def _op_key_repr(node: fx.Node, module: nn.Module | None) -> str:
     if node.op == "call_method":
         return repr(node.target)
     if module is not None:
-        return _qualname(type(module))
+        return _qualname(own_class(module))
     return _qualname(node.target)

@@ -54,7 +54,7 @@ from .read_paths import Call, Get, appended_read, path_after, shown
 from .whose_code import holds_state, user_code
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
-           "numbers_as_inputs", "plain", "read_number", "recorded_reads", "unrecorded",
+           "numbers_as_inputs", "own_class", "plain", "read_number", "recorded_reads", "unrecorded",
            "unwritten", "written_guard"]
 
 _MISSING = object()
@@ -195,6 +195,13 @@ def plain(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(plain(v) for v in value)
     return isinstance(value, ATOMS)
+
+
+def own_class(obj: Any) -> type:
+    """``type(obj)``, or while a capture records ``obj``'s reads the class it records for
+    (``_recording``: errors name ``torch.nn.BatchNorm1d``, not its recording subclass)."""
+    cls = type(obj)
+    return cls.__base__ if cls in _RECORDING.values() else cls  # type: ignore[return-value]
 
 
 def _recording(cls: type) -> type:
