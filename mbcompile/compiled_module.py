@@ -147,8 +147,7 @@ class CompiledModule(ModelFace, nn.Module):
         object.__setattr__(self, "_hooks_known", frozenset())  # their hooks checked at compile
         object.__setattr__(self, "_watchers", {})  # the wrappers put on them, kept across calls
         # _precision_pending: the first training call checks its autocast against the plan
-        self.__dict__.update(_warned=False, _precision_pending=True,
-                             _regions=lowered.autocast_regions)  # forward's own autocast
+        self.__dict__.update(_warned=False, _precision_pending=True)
         if recompile.family.root is None:  # compile()'s own module: its variants' first
             recompile.family.root = self
         self._face_state_dict()  # state_dict() keys are the model's own
@@ -289,7 +288,6 @@ class CompiledModule(ModelFace, nn.Module):
                 map(holds_no_data, self._inner.parameters())))
         if self.rank is not None:  # on ranks: never inside DDP, which would reduce again
             check_not_in_ddp()
-        refuse_outer_autocast(type(self._inner).__name__, self._regions)  # on forward's own
         if self._precision_pending and torch.is_grad_enabled():
             self._plan_for_ambient_precision()
         # a call another variant runs (other keywords through **kwargs, another batch size)
@@ -319,6 +317,7 @@ class CompiledModule(ModelFace, nn.Module):
             if other is not self:
                 return other(*args, **kwargs)
         compiled = self._compiled()
+        refuse_outer_autocast(type(self._inner).__name__, compiled.autocast_regions)
         if refused is not None:  # raised in the step: StepChannels.refused
             compiled.channels.refused = refused
         watched = watch_hooks(self._live_layers, self._hooks_known, self._watchers,

@@ -155,8 +155,9 @@ def size_one_dims(symbolic: Symbolic, names: Sequence[str], values: Sequence[Any
     ones: dict[str, frozenset[int]] = {}
     for name, value in zip(names, values):
         dims = symbolic.get(name)
-        if dims:
-            found = {d for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)
+        if dims:  # (every call of a module with a symbolic dim: a tensor is not walked)
+            leaves = (value,) if isinstance(value, torch.Tensor) else pytree.tree_leaves(value)
+            found = {d for t in leaves if isinstance(t, torch.Tensor)
                      for d in dims if d < t.dim() and t.shape[d] == 1}
             if found:
                 ones[name] = frozenset(found)

@@ -28,6 +28,7 @@ from mbcompile.execution.seeding import step_seed
 from mbcompile.execution.step_config import StepConfig
 from mbcompile.passes import ops
 from mbcompile.passes.attr_shortcuts import shortcut_attrs
+from mbcompile.passes.autocast_regions import Region
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
 from mbcompile.passes.graph_code import code_now
@@ -56,7 +57,7 @@ class Lowered:
     state: StateUpdates  # which graph outputs are state to write back, and where
     guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
     effects: Effects = NO_EFFECTS  # forward's side effects: replayed after each step
-    autocast_regions: tuple[str, ...] = ()  # where forward enters autocast regions of its own
+    autocast_regions: tuple[Region, ...] = ()  # forward's own autocast regions
 
 
 def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered:

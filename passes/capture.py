@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .autocast_regions import autocast_entered
+from .autocast_regions import Region, autocast_entered
 from .code_reach import reached_code
 from .custom_functions import refused_in_fx
 from .errors import CaptureError
@@ -89,7 +89,7 @@ class CaptureResult:
     guards: tuple[Guard, ...] = ()  # the plain attributes forward read (passes/guards.py)
     effects: Effects = NO_EFFECTS  # what forward writes into Python objects, replayed per step
     #: where forward enters autocast regions of its own (``autocast_regions.py``)
-    autocast_regions: tuple[str, ...] = ()
+    autocast_regions: tuple[Region, ...] = ()
 
 
 # --------------------------------------------------------------------------- FSDP2

@@ -10,8 +10,10 @@ wrapper compiled in the model's place) runs as eager does under the autocast.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -53,6 +55,28 @@ class Float16Block(Float32Loss):
         return F.cross_entropy(logits.float(), y), logits
 
 
+class AsksFirst(Float32Loss):
+    """transformers' ``maybe_autocast``: a region entered only when an autocast is on."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.l1(x))
+        region = torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") \
+            else contextlib.nullcontext()
+        with region:
+            logits = self.l2(h.float())
+        return F.cross_entropy(logits, y), logits
+
+
+class InEvalOnly(Float32Loss):
+    """A float32 head in eval mode only: the region is met by the eval mode's capture."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.l1(x))
+        with torch.autocast("cpu", enabled=self.training):
+            logits = self.l2(h.float())
+        return F.cross_entropy(logits, y), logits
+
+
 class UnderAutocast(nn.Module):
     """The fix the refusal names: the outer autocast inside forward."""
 
@@ -76,14 +100,18 @@ def _pair(cls: type) -> tuple[nn.Module, nn.Module]:
     return model, copy.deepcopy(model)
 
 
-@pytest.mark.parametrize("cls", [Float32Loss, Decorated, Float16Block])
-def test_a_call_under_an_outer_autocast_is_refused_naming_the_region(cls: type) -> None:
-    model, eager = _pair(cls)
+def _compiled(model: nn.Module) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=_data(),
-                               cost_model=False)
-    with pytest.raises(mbcompile.MbcompileError, match="autocast regions of its own") as err:
+        return mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=_data(),
+                                 cost_model=False)
+
+
+@pytest.mark.parametrize("cls", [Float32Loss, Decorated, Float16Block, AsksFirst])
+def test_a_call_under_an_outer_autocast_is_refused_naming_the_region(cls: type) -> None:
+    model, eager = _pair(cls)
+    cm = _compiled(model)
+    with pytest.raises(mbcompile.MbcompileError, match="forward (enters|asks)") as err:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             cm(*_data())
     assert "test_autocast_regions.py" in str(err.value) and "Fix:" in str(err.value)
@@ -122,3 +150,39 @@ def test_a_model_without_regions_of_its_own_runs_under_an_outer_autocast() -> No
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got, want = cm(ids, labels), eager(ids, labels)
     assert torch.equal(got[0], want[0]) and got[1].dtype == want[1].dtype == torch.bfloat16
+
+
+def test_a_region_met_in_another_mode_is_refused_there() -> None:
+    model, eager = _pair(InEvalOnly)
+    cm = _compiled(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = cm(*_data()), eager(*_data())  # training: the region is the outer's
+            assert torch.equal(got[1], want[1])
+            cm.eval()
+            eager.eval()
+            with torch.no_grad(), pytest.raises(mbcompile.MbcompileError, match="enabled=False"):
+                cm(*_data())
+
+
+class OwnBfloat16(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(self.layer(x).float(), y)
+
+
+def test_a_region_that_sets_what_the_outer_autocast_sets_runs_as_eager() -> None:
+    """A model that autocasts itself, called under the same autocast (the HF Trainer's
+    ``bf16=True``): the region changes nothing there, in eager and in the step alike."""
+    model, eager = _pair(OwnBfloat16)
+    cm = _compiled(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = cm(*_data()), eager(*_data())
+    assert got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-6)
