@@ -31,6 +31,7 @@ from mbcompile.errors import (
     RecompileWarning,
     RetainedActivationsWarning,
 )
+from mbcompile.execution.handover import output_grads_refused
 from mbcompile.execution.live_hooks import called_as, hook_keys, unwatch, watch_hooks
 from mbcompile.execution.rank_shares import check_not_in_ddp, share_refused
 from mbcompile.face import ModelFace
@@ -370,6 +371,8 @@ class CompiledModule(ModelFace, nn.Module):
         flat = compiled.graph_module(*values)
         if seed is not None:  # the gradient the loss gets: next guess
             seed.watch(flat)
+        if compiled.graph_module is not compiled.original_graph_module:  # split: backward ran
+            output_grads_refused(flat, *compiled.analysis.loss_outputs[:1])  # in the call
         state = compiled.state
         if state.targets:  # the step succeeded: write the state back once, as eager does
             state.write_back(self._inner, flat[state.n_outputs:], arguments)

@@ -139,3 +139,44 @@ def test_the_trainer_keeps_outputs_only_for_its_metrics():
     measured = mbcompile.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), gbs=GBS,
                                  num_csx=2, progress=False, metrics=metric)
     assert measured.compile("train", batch)(*batch)[1] is not None
+
+
+class CoupledOut(nn.Module):
+    """A loss that couples samples (the root of a batch mean): a two-phase step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.lin(x)
+        return F.mse_loss(out, y).sqrt(), out
+
+
+@pytest.mark.parametrize("step", ["split", "two-phase"])
+@pytest.mark.parametrize("asks", ["retain_grad", "register_hook"])
+def test_an_output_that_asks_for_its_gradient_is_refused_and_changes_nothing(step: str,
+                                                                            asks: str) -> None:
+    """The step's backward ran in the call, for the loss: the logits are not on the loss's
+    graph, so ``logits.retain_grad()`` got None silently where eager's gets dL/dlogits."""
+    torch.manual_seed(0)
+    if step == "split":
+        model, (x, y) = make_tiny_gpt(batch=7, dtype=torch.float64)
+    else:
+        model = CoupledOut().double()
+        x, y = torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    cm = mbcompile.compile(model, 7, 2, 2, example_inputs=(x, y), cost_model=False)
+    loss, out = cm(x, y)
+    if asks == "retain_grad":
+        out.retain_grad()
+    else:
+        out.register_hook(lambda g: g)
+    with pytest.raises(mbcompile.MicrobatchError, match="asks for its gradient"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    loss, out = cm(x, y)  # without asking: eager's step
+    loss.backward()
+    eager(x, y)[0].backward()
+    assert all(relative_error(p.grad, q.grad) <= 1e-10
+               for p, q in zip(model.parameters(), eager.parameters()))

@@ -21,6 +21,7 @@ eager (on an FSDP2-sharded model too, where FSDP calls them after its reduce-sca
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from mbcompile.execution.noise import estimate_noise_scale
 from mbcompile.passes.errors import MicrobatchError
 from mbcompile.passes.hook_tables import emptied
 
-__all__ = ["FusedStep", "grads_aside", "hand_over", "hooks_aside"]
+__all__ = ["FusedStep", "grads_aside", "hand_over", "hooks_aside", "output_grads_refused"]
 
 
 def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n_params: int,
@@ -109,6 +110,37 @@ def _hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], 
         if seeding is not None and overflow is not None:
             seeding.overflowed(overflow)
     return (None, None, *step)
+
+
+def output_grads_refused(flat: Sequence[Any], loss_pos: int | None = None) -> None:
+    """Refuse the backward of a step whose outputs other than its loss (``flat``, the loss
+    at ``loss_pos``) ask for their gradient (``logits.retain_grad()``, a tensor hook on
+    them, registered after the call): the step's backwards ran in the call, for the loss,
+    so they are not on the loss's graph and would get none, where eager's get
+    ``dL/dlogits``. A hook on the loss checks, before anything is handed over."""
+    if loss_pos is None:  # no trained loss: a gradient into an output is refused already
+        return
+    loss = flat[loss_pos]
+    if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+        return
+    outputs = [weakref.ref(t) for i, t in enumerate(flat) if i != loss_pos
+               and isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outputs:
+        return
+
+    def check(g: torch.Tensor) -> None:
+        if any(t is not None and (t.retains_grad or t._backward_hooks)
+               for t in (ref() for ref in outputs)):
+            raise MicrobatchError(
+                "an output of the compiled module other than its loss asks for its gradient "
+                "(retain_grad(), or a hook registered on it), but the step's backward ran "
+                "in the call, per microbatch, for the loss only: that output is not on the "
+                "loss's graph and would get no gradient, where eager's gets one. Nothing was "
+                "handed over (the parameters' .grad are as they were). Compute what you need "
+                "from that gradient inside forward, or run that step on the model itself "
+                "(cm.module)")
+
+    loss.register_hook(check)
 
 
 def _scale(grads: list[torch.Tensor], factor: torch.Tensor) -> torch.Tensor | None:
