@@ -272,10 +272,13 @@ def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
                    if isinstance(x, fx.Node) and isinstance(x.meta.get(FACT), (Reduced, Coupled))
                    and x.meta.get(PARAMS) and not _is_detach(x))
     if coupling is not None:
-        # the loss is the first scalar trained output (a model's `loss`; an `aux_loss` next
-        # to it is an output too, and a gradient sent into it is refused, never dropped)
+        # the loss is the first scalar trained output that couples samples, else the first
+        # (a statistic returned before it, `p.mean()`, is not the loss: the coupling is
+        # what the step runs in phases); an `aux_loss` next to it is an output too, and a
+        # gradient sent into it is refused, never dropped
         losses = tuple(i for i in losses if _is_scalar(leaves[i]))
-        one = losses[0] if losses else None
+        coupled = [i for i in losses if isinstance(leaves[i].meta.get(FACT), Coupled)]
+        one = (coupled or losses)[0] if losses else None
         return BatchAnalysis(gm, coupling, reductions, None, losses, two_phase=True,
                              coupled_loss=one)
     # what a gradient can reach from the outputs: not through detach (state updates)

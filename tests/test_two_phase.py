@@ -469,3 +469,33 @@ def test_mixtral_runs_as_a_two_phase_step(mixtral: dict[str, Any]) -> None:
     retained = [str(w.message) for w in mixtral["warnings"]
                 if issubclass(w.category, RetainedActivationsWarning)]
     assert not retained
+
+
+class StatisticFirst(nn.Module):
+    """Returns a statistic (a batch mean) before its loss (the root of an MSE: coupled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.l2(torch.tanh(self.l1(x)))
+        return p.mean(), torch.nn.functional.mse_loss(p, y).sqrt()
+
+
+def test_the_coupled_scalar_is_the_loss_not_a_statistic_returned_before_it() -> None:
+    """The first scalar trained output was taken for the loss: backward of the loss then
+    raised that it was "a per-sample output" (found by a hunt)."""
+    torch.manual_seed(0)
+    model = StatisticFirst().double()
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(GBS, 4, generator=g).double(), torch.randn(GBS, 3, generator=g).double()
+    cm = mbcompile.compile(model, GBS, 2, 2, example_inputs=(x, y), cost_model=False)
+    assert cm.analysis.coupled_loss == 1
+    got, want = cm(x, y), eager(x, y)
+    assert all(abs(float(a - b)) <= TOL for a, b in zip(got, want))
+    got[1].backward()
+    want[1].backward()
+    assert all(float((p.grad - q.grad).abs().max()) <= TOL
+               for p, q in zip(model.parameters(), eager.parameters()))

@@ -75,9 +75,10 @@ def _hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], 
     if extra and bool(torch.stack([x.ne(0).any() for x in extra]).any()):
         raise MicrobatchError(
             "a gradient flows into an output of the compiled module other than its loss (a "
-            "per-sample output), but the step's backward already ran, for the loss only; "
-            "compute everything you backpropagate through inside the model (return it in "
-            "the loss), or call the module under torch.no_grad() for outputs you only read")
+            "per-sample output, or a second loss next to it), but the step's backward "
+            "already ran, for the loss only; compute everything you backpropagate through "
+            "inside the model (add it into the loss there), or call the module under "
+            "torch.no_grad() for outputs you only read")
     if owner.step_grads is None:
         raise MicrobatchError(
             "backward through a compiled module's step ran twice; each call's gradients "
