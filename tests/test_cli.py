@@ -369,7 +369,25 @@ def test_validate_command(tmp_path, capsys):
     code = main(["validate", str(EXAMPLES / "mlp.yaml"), "--steps", "1", "--out",
                  str(tmp_path / "v")])
     assert code == 0, capsys.readouterr().err
-    assert "validated 1 steps: mean loss" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "validated 1 steps: mean loss" in said and "no checkpoint in" in said
+
+
+def test_validate_after_fit_validates_its_weights_and_keeps_its_metrics(tmp_path, capsys):
+    """It wrote the fit's metrics.csv over with its one row, and validated the model as the
+    config builds it, untrained (found by a hunt)."""
+    out = tmp_path / "run"
+    assert main(["fit", str(EXAMPLES / "mlp.yaml"), "--max-steps", "2", "--out",
+                 str(out)]) == 0
+    before = (out / "metrics.csv").read_text()
+    fitted = [r for r in csv.DictReader(before.splitlines()) if r["phase"] == "validate"]
+    capsys.readouterr()
+    assert main(["validate", str(EXAMPLES / "mlp.yaml"), "--out", str(out)]) == 0
+    assert "validating the weights of" in capsys.readouterr().out
+    assert (out / "metrics.csv").read_text() == before
+    rows = list(csv.DictReader((out / "validate" / "metrics.csv").read_text().splitlines()))
+    assert [(r["step"], r["global_step"], r["loss"]) for r in rows] == \
+        [(r["step"], r["global_step"], r["loss"]) for r in fitted]
 
 
 def test_artifacts_take_the_report_and_the_exploration_plot(tmp_path):

@@ -127,14 +127,7 @@ class CheckpointingMixin:
             self._print(f"resume: checkpoint {ck.path} was {changed[0]}")
         if self._ranks()[0] == 0:  # one warning, not one per rank
             warn_config(ck.path, t.get("config"), self.config)
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
-            set_state_dict(self.model, self.optimizer, model_state_dict=ck.state["model"],
-                           optim_state_dict=ck.state["optimizer"])
-        else:
-            self.model.load_state_dict(ck.state["model"])
-            self.optimizer.load_state_dict(ck.state["optimizer"])
+        self._load_state(ck)
         self.global_step = int(t["global_step"])
         if t.get("lr_scaling") is not None and self.lr_scaling is not None:
             state = dict(t["lr_scaling"])
@@ -151,6 +144,32 @@ class CheckpointingMixin:
         self._print(f"resumed from {ck.path}: step {t['step']}, global step "
                     f"{self.global_step}")
         return ck
+
+    def load_weights(self) -> Checkpoint | None:
+        """The newest good checkpoint's weights into the model, for validating what a fit
+        trained (``mbcompile validate``), and its global step for the rows; its data
+        position, RNG states and metrics are left alone. None where there is none (the
+        model as it was built)."""
+        if self.checkpoints is None:
+            return None
+        ck = self.checkpoints.load_newest(
+            check=lambda path, t: check_run(path, t["run"], self._run_shape()),
+            targets=(lambda *_: self._state()) if self.sharded else None)
+        if ck is not None:
+            self._load_state(ck)
+            self.global_step = int(ck.trainer["global_step"])
+        return ck
+
+    def _load_state(self, ck: Checkpoint) -> None:
+        """``ck``'s model and optimizer state into the Trainer's (sharded: each rank's)."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(self.model, self.optimizer, model_state_dict=ck.state["model"],
+                           optim_state_dict=ck.state["optimizer"])
+        else:
+            self.model.load_state_dict(ck.state["model"])
+            self.optimizer.load_state_dict(ck.state["optimizer"])
 
     def _run_shape(self) -> dict[str, Any]:
         """The run's shape, checked on resume (``elastic.check_run``): the systems and

@@ -259,15 +259,22 @@ def run_validate(args: argparse.Namespace) -> int:
     if launcher_world_size() > 1:  # a launcher's ranks: validate on them
         _init_from_environment(cfg)
     rank = _rank()  # on ranks, rank 0 alone prints and writes the metrics
-    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(out), write_metrics=not rank,
+    # its own metrics files: a fit's in ``out`` (and its resume) are left as they are
+    trainer = build_trainer(cfg, mbs=args.mbs, log_dir=str(out / "validate"),
+                            checkpoint_dir=out / "checkpoints", write_metrics=not rank,
                             progress=not rank,
                             console=Console(soft_wrap=True, quiet=bool(rank)))
+    ck = trainer.load_weights()  # what a fit into ``out`` trained, if it saved any
+    if not rank:
+        echo(f"validating the weights of {ck.path}" if ck is not None else
+             f"no checkpoint in {out / 'checkpoints'}: validating the model as the config "
+             "builds it")
     steps = args.steps or cfg.val_steps or None
     summary = trainer.validate(build_data(cfg, "validate"), max_steps=steps)
     if summary["loss"] is None or not math.isfinite(summary["loss"]):
         raise CommandError(f"validation loss is {summary['loss']}")
     if not rank:
         echo(f"validated {summary['steps']} steps: mean loss {summary['loss']:.4f} "
-             f"(mbs {summary['mbs']}); metrics: {out / 'metrics.csv'}")
+             f"(mbs {summary['mbs']}); metrics: {out / 'validate' / 'metrics.csv'}")
     leave_launcher_group()
     return EXIT_OK
