@@ -68,7 +68,7 @@ from mbcompile.training.data_cursor import DataCursor, batches, length
 from mbcompile.training.flags import Callback, Flags
 from mbcompile.training.lr_scaling import LRScaling
 from mbcompile.training.metrics import COLUMNS, Metric, MetricsLog, make_row
-from mbcompile.training.phase_modes import compiled_for_phase
+from mbcompile.training.phase_modes import compiled_for_phase, step_autocast
 from mbcompile.training.progress import ProgressMixin
 from mbcompile.training.rng import broadcast_rng_state, preserved_rng
 from mbcompile.training.sharding import is_fsdp, shard_for_training, shard_model
@@ -167,6 +167,7 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         self.callbacks = list(callbacks)
         self.metrics = dict(metrics or {})
         self.compile_options = dict(compile_options or {})
+        self._autocast = step_autocast(model, self.compile_options)  # (precision:)
         self.log_every = log_every
         self.progress = progress
         self.console = console if console is not None else Console(soft_wrap=True)
@@ -323,7 +324,8 @@ class Trainer(CheckpointingMixin, ProgressMixin):
         runs, args, kwargs = self._local(batch, cm)
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        output = runs(*args, **kwargs)
+        with self._autocast():
+            output = runs(*args, **kwargs)
         loss = runs.loss_of(output)  # the analysis's rule: the leaf the step trains
         if not math.isfinite(float(loss.detach())):
             raise TrainerError(f"train step {step}: the loss is {float(loss)}; the step was not "
@@ -425,7 +427,8 @@ class Trainer(CheckpointingMixin, ProgressMixin):
                 cm = self.compile("validate", batch)
                 runs, args, kwargs = self._local(batch, cm)
                 started = time.perf_counter()
-                output = runs(*args, **kwargs)
+                with self._autocast():
+                    output = runs(*args, **kwargs)
                 loss = runs.loss_of(output)
                 row = self._row("validate", step, cm, loss, output, batch,
                                 time.perf_counter() - started)
