@@ -180,3 +180,16 @@ def test_check_run_fixes_gbs_model_optimizer_and_sharding_and_lets_systems_chang
                        r"\(now None\): .*another model's; sharded and unsharded .* Resume "
                        "it with the model and shard it was written with"):
         check_run(Path("ck"), run, {**run, "shard": None, "model": "MLP", "world_size": 1})
+
+
+def test_a_changed_config_says_which_values_the_resumed_run_keeps(capsys):
+    """A changed lr was said to continue "with the new values", while the optimizer's
+    state dict restored the checkpoint's (found by a hunt)."""
+    from mbcompile.training.elastic import warn_config
+
+    then = {"optimizer_kwargs": {"lr": 0.01}, "outputs": "loss", "lr_scaling": {"warmup_steps": 2}}
+    now = {"optimizer_kwargs": {"lr": 0.001}, "outputs": "all", "lr_scaling": {"warmup_steps": 8}}
+    warn_config(Path("ck"), then, now)
+    err = capsys.readouterr().err
+    assert "outputs (the run continues with the new values)" in err
+    assert "lr_scaling, optimizer_kwargs (the run continues with the checkpoint's" in err

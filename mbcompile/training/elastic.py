@@ -81,14 +81,27 @@ def check_run(path: Path, written: Mapping[str, Any], now: Mapping[str, Any]) ->
             "sample order and LR schedule; the plan is recomputed")
 
 
+#: Config keys whose checkpointed state wins on resume: the optimizer's hyperparameters
+#: are in its state dict (``Optimizer.load_state_dict`` restores them), and the LR
+#: scaling's ramp in the trainer's state, so the run continues as it was going.
+KEPT_ON_RESUME = ("optimizer_kwargs", "lr_scaling")
+
+
 def warn_config(path: Path, then: Any, now: Mapping[str, Any] | None) -> None:
     """Say on stderr which config keys (other than ``VOLATILE_CONFIG``) differ from the
-    ones checkpoint ``path`` was written with; the run goes on with the new values."""
+    ones checkpoint ``path`` was written with, and which values the run goes on with: the
+    checkpoint's for ``KEPT_ON_RESUME`` (it said "the new values" for them too, while the
+    learning rate stayed the checkpoint's), the new ones for the rest."""
     if not isinstance(then, dict) or now is None:
         return
     keys = sorted(k for k in set(then) | set(now)
                   if k not in VOLATILE_CONFIG and then.get(k) != now.get(k))
-    if keys:
+    kept = [k for k in keys if k in KEPT_ON_RESUME]
+    new = [k for k in keys if k not in KEPT_ON_RESUME]
+    said = ([f"{', '.join(new)} (the run continues with the new values)"] if new else []) + (
+        [f"{', '.join(kept)} (the run continues with the checkpoint's: the optimizer's "
+         "hyperparameters and the learning-rate scaling are part of the state it resumes; "
+         "to train with the new ones, start a new run in another folder)"] if kept else [])
+    if said:
         print(f"resume: the config differs from the one checkpoint {path} was written "
-              f"with in: {', '.join(keys)}; the run continues with the new values",
-              file=sys.stderr, flush=True)
+              f"with in: {'; and in '.join(said)}", file=sys.stderr, flush=True)
