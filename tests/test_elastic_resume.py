@@ -95,6 +95,22 @@ def test_another_gbs_or_optimizer_is_refused_with_what_differs(tmp_path):
         fit(tmp_path / "run", 2, 4, resume=True, optimizer=torch.optim.SGD)
 
 
+def test_a_model_of_the_same_class_and_another_shape_is_refused_loading_nothing(tmp_path):
+    """torch's own RuntimeError halfway through load_state_dict, some tensors copied in,
+    before (found by a hunt)."""
+    fit(tmp_path / "run", 2, 2)
+    torch.manual_seed(0)
+    model = DropoutMLP(hidden=32, p=0.0, double=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), gbs=GBS,
+                      num_csx=2, callbacks=[GlobalFlags(micro_batch_size=2)], progress=False,
+                      log_dir=tmp_path / "run", checkpoint_every=2)
+    with pytest.raises(CheckpointError, match=r"l1.weight has shape \(16, \d+\) \(the model's: "
+                       r"\(32, \d+\)\).*nothing was loaded"):
+        trainer.fit(shuffled(GBS, samples=24, double=True), max_steps=4, resume=True)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 # --------------------------------------------------------------------------- #
 # torch.distributed ranks, through ``mbcompile fit --nproc``
 # --------------------------------------------------------------------------- #

@@ -24,6 +24,7 @@ import torch.nn as nn
 from mbcompile.execution.noise import NoiseScale
 from mbcompile.training.checkpoint import (
     Checkpoint,
+    CheckpointError,
     CheckpointStore,
     TrainingInterrupted,
     control_group,
@@ -168,6 +169,7 @@ class CheckpointingMixin:
             set_state_dict(self.model, self.optimizer, model_state_dict=ck.state["model"],
                            optim_state_dict=ck.state["optimizer"])
         else:
+            _refuse_another_shape(ck, self.model, self.optimizer)  # before anything loads
             self.model.load_state_dict(ck.state["model"])
             self.optimizer.load_state_dict(ck.state["optimizer"])
 
@@ -190,3 +192,26 @@ class CheckpointingMixin:
         if self.checkpoints is not None:
             self.checkpoints.group = self._group
         return self._group
+
+
+def _refuse_another_shape(ck: Checkpoint, model: nn.Module,
+                          optimizer: torch.optim.Optimizer) -> None:
+    """A model or optimizer of the run's classes but of another shape (a wider layer,
+    another parameter group) is refused with what differs, before any state is loaded:
+    ``load_state_dict`` raised torch's own error halfway, with some tensors copied in."""
+    ours, theirs = model.state_dict(), ck.state["model"]
+    differ = [f"{k} is missing" for k in ours if k not in theirs][:3] + [
+        f"{k} is not the model's" for k in theirs if k not in ours][:3] + [
+        f"{k} has shape {tuple(theirs[k].shape)} (the model's: {tuple(v.shape)})"
+        for k, v in ours.items() if k in theirs and hasattr(theirs[k], "shape")
+        and tuple(theirs[k].shape) != tuple(v.shape)][:3]
+    groups = len(ck.state["optimizer"].get("param_groups", ()))
+    if groups != len(optimizer.param_groups):
+        differ.append(f"the optimizer has {groups} parameter groups (yours: "
+                      f"{len(optimizer.param_groups)})")
+    if differ:
+        raise CheckpointError(
+            f"checkpoint {ck.path} was written with another shape of "
+            f"{type(model).__name__}: {'; '.join(differ)}. Resume it with the model and "
+            "optimizer it was written with, or start a new run in another folder; nothing "
+            "was loaded")
