@@ -83,10 +83,9 @@ __all__ = ["COMPILE_OPTIONS", "CheckpointError", "Trainer", "TrainerError",
 #: example call and ``in_dims`` from each phase's first batch). ``system`` and ``backend``
 #: are the Trainer's own arguments as well; given there, they win.
 COMPILE_OPTIONS = ("system", "backend", "measure_noise_scale", "capture", "batch_norm",
-                   "coupling", "outputs", "torch_compile", "recompute",
-                   "reshard_after_forward", "gradient_sync", "nonfinite", "compile_only",
-                   "validate_only", "measure", "cost_model", "batch_sizes", "dynamic",
-                   "optimizer", "precision")
+                   "coupling", "outputs", "torch_compile", "recompute", "reshard_after_forward",
+                   "gradient_sync", "nonfinite", "compile_only", "validate_only", "measure",
+                   "cost_model", "batch_sizes", "dynamic", "optimizer", "precision")
 
 
 def _mbs_key(mbs: Any) -> str:
@@ -417,11 +416,12 @@ class Trainer(CheckpointingMixin, ProgressMixin):
 
     def validate(self, val_data: Iterable[Any], *, max_steps: int | None = None
                  ) -> dict[str, Any]:
-        """Run the model in eval mode over ``val_data``; returns the mean loss and metrics."""
+        """Run the model in eval mode over ``val_data``, RNGs untouched: mean loss, metrics."""
         _check_steps("max_steps", max_steps)
         start = len(self.history)
         total = length(val_data, max_steps)
-        with self._task("validate", total) as task, self._phase("validate"), torch.no_grad():
+        with self._task("validate", total) as task, self._phase("validate"), torch.no_grad(), \
+                preserved_rng():
             self.model.eval()
             for step, batch in enumerate(batches(val_data, max_steps, "validation"), 1):
                 cm = self.compile("validate", batch)
