@@ -391,3 +391,18 @@ class _Regressor(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(self.net(x), y)
+
+
+def test_resumed_metrics_stay_under_their_own_headers(tmp_path):
+    """A resumed Trainer whose metrics come in another order wrote its values under the
+    first run's headers in metrics.csv (pred_mean and pred_max swapped; found by a hunt)."""
+    from mbcompile.training.metrics import MetricsLog
+
+    first = MetricsLog(tmp_path, ["phase", "a", "b"])
+    first.write({"phase": "train", "a": 1, "b": 2})
+    first.write({"phase": "train", "a": 3, "b": 4})
+    again = MetricsLog(tmp_path, ["phase", "b", "a"])
+    again.resume(1)
+    again.write({"phase": "train", "a": 5, "b": 6})
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").read_text().splitlines()))
+    assert [(r["a"], r["b"]) for r in rows] == [("1", "2"), ("5", "6")]

@@ -72,9 +72,11 @@ class MetricsLog:
         header = records[0] if records else list(self.columns)
         self._replace(self.json_path, "".join(line + "\n" for line in kept))
         with open(self.csv_path.with_name(self.csv_path.name + ".tmp"), "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(header)
-            writer.writerows(records[1:rows + 1])
+            # under this run's columns, by name: a Trainer whose metrics come in another
+            # order wrote its values under the first run's headers
+            writer = csv.DictWriter(f, self.columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(dict(zip(header, r)) for r in records[1:rows + 1])
         os.replace(self.csv_path.with_name(self.csv_path.name + ".tmp"), self.csv_path)
         self._started, self.rows = True, len(kept)
         return [json.loads(line) for line in kept]
