@@ -35,8 +35,8 @@ __all__ = ["rule_reads"]
 def rule_reads(gm: fx.GraphModule) -> Iterator[list[Guard]]:
     """While the block runs the batch rules on ``gm``: the settings they read off the
     layers its ``call_module`` nodes call, as guards (the list is filled when it ends)."""
-    layers = {id(m): m for m in (gm.get_submodule(n.target) for n in gm.graph.nodes
-                                 if n.op == "call_module")}
+    layers = {id(m): m for n in gm.graph.nodes if n.op == "call_module"  # and their own
+              for m in gm.get_submodule(n.target).modules()}  # (a stack's attention layers)
     settings: list[Guard] = []
     with recorded_reads(gm, layers=list(layers.values())) as guards:
         yield settings

@@ -184,3 +184,31 @@ def test_a_layer_pruned_before_or_after_compile_trains_as_eager(capture: str, wh
         # the plain weight the pre-hook computes holds this step's value, as eager's
         assert torch.allclose(model.head.weight, eager.head.weight.detach(), rtol=TOL, atol=TOL)
     assert (model.head.weight == 0).sum() == (eager.head.weight == 0).sum() > 0
+
+
+class Encoded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.enc(x).mean(1)), y)
+
+
+def test_a_setting_of_a_layer_inside_a_layer_called_whole_is_guarded() -> None:
+    """The rule reads a stack's ``batch_first`` off its attention layer, a child of the
+    layer fx calls whole."""
+    torch.manual_seed(0)
+    model = Encoded().to(DTYPE)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(GBS, 5, 8, generator=g, dtype=DTYPE), torch.randint(0, 3, (GBS,))
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=(x, y), cost_model=False,
+                           capture="fx")
+    cm(x, y)
+    model.enc.self_attn.batch_first = False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = cm(x, y)
+    assert any("enc.self_attn.batch_first" in str(w.message) for w in seen)
+    assert torch.allclose(got, copy.deepcopy(model)(x, y), rtol=TOL, atol=TOL)
