@@ -27,15 +27,14 @@ def slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
 
 def hooks_key(modules: Sequence[nn.Module], live: frozenset[int]) -> tuple[Any, ...]:
     """The hooks the graphs were traced through (each key and function: one replaced under
-    its key changes what runs): every module's but those of
-    the ``live`` layers (their hooks run at their call), and the global module hooks. Read
-    on every call (hooks are rare: a module without any costs four truth tests)."""
-    out: list[Any] = [tuple(tuple(h.items()) for h in _GLOBAL_HOOKS) if any(_GLOBAL_HOOKS)
-                      else ()]
+    its key changes what runs): every module's but those of the ``live`` layers (their
+    hooks run at their call), and the global module hooks. Read on every call (hooks are
+    rare: a module without any costs four truth tests)."""
+    out: list[Any] = [_entries(_GLOBAL_HOOKS) if any(_GLOBAL_HOOKS) else ()]
     for i, m in enumerate(modules):
         if m._backward_pre_hooks or m._backward_hooks or (
                 (m._forward_pre_hooks or m._forward_hooks) and id(m) not in live):
-            out.append((i, tuple(tuple(h.items()) for h in _hook_dicts(m, id(m) in live))))
+            out.append((i, _entries(_hook_dicts(m, id(m) in live))))
     return tuple(out)
 
 
@@ -45,6 +44,12 @@ def is_submodule(model: nn.Module, target: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def _entries(tables: Sequence[dict[int, Any]]) -> tuple[tuple[tuple[int, Any], ...], ...]:
+    """Each hook table's (key, hook) pairs: what ``hooks_key`` and ``hooks_by_module``
+    compare."""
+    return tuple(tuple(h.items()) for h in tables)
 
 
 def _hook_dicts(m: nn.Module, live: bool = False) -> tuple[dict[int, Any], ...]:
@@ -61,10 +66,9 @@ _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, f"_global_{kind}_hooks") for ki
 def hooks_by_module(model: nn.Module, live: frozenset[int]) -> dict[str, Any]:
     """Per module name: the module's id and the keys of the hooks ``hooks_key`` watches (to
     name whose changed, or which module was replaced)."""
-    state = {name or "<model>": (id(m), tuple(tuple(h.items())
-                                              for h in _hook_dicts(m, id(m) in live)))
+    state = {name or "<model>": (id(m), _entries(_hook_dicts(m, id(m) in live)))
              for name, m in model.named_modules()}
-    state["<global module hooks>"] = (None, tuple(tuple(h.items()) for h in _GLOBAL_HOOKS))
+    state["<global module hooks>"] = (None, _entries(_GLOBAL_HOOKS))
     return state
 
 

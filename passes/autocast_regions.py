@@ -96,8 +96,8 @@ def refuse_outer_autocast(name: str, regions: Sequence[Region]) -> None:
     changed = [r for r in regions if not r.kept_under(outer)]
     if not changed:
         return
-    device = changed[0].device
     first = changed[0]
+    device = first.device
     what = ("asks whether autocast is on" if first.asks else
             f"enters torch.autocast({device!r}, dtype={first.dtype}, enabled={first.enabled})")
     more = f", and {len(changed) - 1} more" if len(changed) > 1 else ""

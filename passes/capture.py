@@ -48,7 +48,7 @@ from .autocast_regions import Region, autocast_entered
 from .code_reach import reached_code
 from .custom_functions import refused_in_fx
 from .errors import CaptureError
-from .forward_modes import autocast_regions
+from .forward_modes import autocast_nodes
 from .fx_tracer import FlatOutputTracer, StateAsProxies, hooks_see_every_use, user_stack
 from .fx_writes import writes_as_values
 from .generators import generators_made_refused, generators_of
@@ -309,7 +309,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
             "(torch.export writes it back once per step), or update it in place "
             f"(self.{rebound[0].rsplit('.', 1)[-1]}.add_(...))")
     rewiring_refused(rewired, name)
-    autocast = autocast_regions(graph)
+    autocast = autocast_nodes(graph)
     if autocast:
         raise CaptureError(
             f"{name}.forward has an autocast region ({source_line(autocast[0])}); torch.fx "

@@ -56,7 +56,7 @@ from .ops import TensorHook
 from .python_state import MODULE_INTERNALS
 from .sources import source_line
 
-__all__ = ["GRAD_ENABLED", "autocast_regions", "autocast_state", "detach_grad_free_inputs",
+__all__ = ["GRAD_ENABLED", "autocast_nodes", "autocast_state", "detach_grad_free_inputs",
            "detach_no_grad_regions", "differentiation_error", "differentiation_refused",
            "check_layer_hooks", "check_tensor_hooks", "inference_mode_as_no_grad",
            "stamp_modes"]
@@ -79,7 +79,7 @@ def stamp_modes(node: fx.Node, ambient_autocast: tuple[Any, ...]) -> None:
         node.meta[_AUTOCAST] = state
 
 
-def autocast_regions(graph: fx.Graph) -> list[fx.Node]:
+def autocast_nodes(graph: fx.Graph) -> list[fx.Node]:
     """The nodes a trace stamped as created inside an autocast region of forward."""
     return [n for n in graph.nodes if n.meta.get(_AUTOCAST)]
 

@@ -98,10 +98,14 @@ def warn_config(path: Path, then: Any, now: Mapping[str, Any] | None) -> None:
                   if k not in VOLATILE_CONFIG and then.get(k) != now.get(k))
     kept = [k for k in keys if k in KEPT_ON_RESUME]
     new = [k for k in keys if k not in KEPT_ON_RESUME]
-    said = ([f"{', '.join(new)} (the run continues with the new values)"] if new else []) + (
-        [f"{', '.join(kept)} (the run continues with the checkpoint's: the optimizer's "
-         "hyperparameters and the learning-rate scaling are part of the state it resumes; "
-         "to train with the new ones, start a new run in another folder)"] if kept else [])
+    said = []
+    if new:
+        said.append(f"{', '.join(new)} (the run continues with the new values)")
+    if kept:
+        said.append(f"{', '.join(kept)} (the run continues with the checkpoint's: the "
+                    "optimizer's hyperparameters and the learning-rate scaling are part of "
+                    "the state it resumes; to train with the new ones, start a new run in "
+                    "another folder)")
     if said:
         print(f"resume: the config differs from the one checkpoint {path} was written "
               f"with in: {'; and in '.join(said)}", file=sys.stderr, flush=True)
