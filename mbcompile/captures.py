@@ -6,14 +6,14 @@
 
 A capture and its batch facts depend on what the call hands the graph (the inputs by
 name, their batch dims and their shapes besides the batch dim, the values fixed at
-compile time), on the model's train/eval mode, on what fills its parameter, buffer
-and submodule slots, on its hooks, and on the Python values forward read (the
-capture's guards, ``passes/guards.py``). Those are the key; the batch size is not:
-the batch dim is symbolic and the facts hold at any batch of two or more samples
-(``analysis.reusable`` says where not). So another batch size, or a train/eval mode
-seen before, needs only the decisions (``analyse(..., found=)``: mode, kept outputs,
-the cut at its batch), a plan and a lowering. A sequence length made symbolic can join
-the key the same way (leave its dim out of the shapes).
+compile time), on the model's train/eval mode, on what fills its parameter, buffer and
+submodule slots, on their dtypes and devices, on its hooks, and on the Python values
+forward read (the capture's guards, ``passes/guards.py``). Those are the key; the batch
+size is not: the batch dim is symbolic and the facts hold at any batch of two or more
+samples (``analysis.reusable`` says where not). So another batch size, or a train/eval
+mode seen before, needs only the decisions (``analyse(..., found=)``: mode, kept
+outputs, the cut at its batch), a plan and a lowering. A sequence length made symbolic
+can join the key the same way (leave its dim out of the shapes).
 
 A train/eval mode not seen before reuses a capture made in the other mode where the
 graph is the same (``_in_other_mode``): its trace read no ``training`` flag that changed
@@ -39,7 +39,7 @@ from mbcompile.errors import UnsupportedOpError
 from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import input_layout
 from mbcompile.integrations.transformers import install_output_hooks
-from mbcompile.mode_key import hooks_key, slots
+from mbcompile.mode_key import hooks_key, slots, tensor_kinds
 from mbcompile.passes.guards import failed_guard
 from mbcompile.passes.rules import lookup_rule
 from mbcompile.passes.rules.registry import MODE_FREE_RULES
@@ -58,7 +58,7 @@ def capture_key(request: Request) -> tuple[Any, ...]:
     concrete = tuple((name, repr(value)) for name, value in inputs.concrete.items())
     return (inputs.names, inputs.in_dims, concrete, input_layout(inputs, request.values),
             tuple(m.training for m in modules), slots(modules),
-            hooks_key(modules, frozenset()))
+            hooks_key(modules, frozenset()), tensor_kinds(modules))
 
 
 class Captures:

@@ -33,6 +33,7 @@ from mbcompile.errors import (
 )
 from mbcompile.execution.handover import output_grads_refused
 from mbcompile.execution.live_hooks import called_as, hook_keys, unwatch, watch_hooks
+from mbcompile.execution.outer_calls import outside_dynamo
 from mbcompile.execution.rank_shares import check_not_in_ddp, share_refused
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
@@ -46,7 +47,7 @@ from mbcompile.inputs import (
 )
 from mbcompile.length_plans import CallSplit, for_length, last_run
 from mbcompile.lowering import Lowered
-from mbcompile.mode_key import hooks_by_module, hooks_changed, hooks_key, is_submodule, slots
+from mbcompile.mode_key import changed_since, hooks_by_module, is_submodule, key_of, slots
 from mbcompile.passes.autocast_regions import refuse_outer_autocast
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.fake_probe import holds_no_data
@@ -171,17 +172,12 @@ class CompiledModule(ModelFace, nn.Module):
 
     # -------------------------------------------------------------- compiling
     def _mode_key(self) -> tuple[Any, ...]:
-        """(every module's training flag, the identity of every parameter, buffer and
-        submodule slot, the keys of every hook): the graphs hold the model's Parameter and
-        buffer objects (get_attr copies the reference), so replacing one
-        (``load_state_dict(assign=True)``, a new head) recompiles, and so does a change of
-        train/eval mode or of the hooks the graphs were traced through. A parameter's
-        ``requires_grad`` is read live on every call: nothing compiled depends on it.
-
-        Read on every call, so it walks a module list kept from the last call (a module
-        walk costs more than the rest of the call's checks together); a replaced submodule
-        shows in its parent's slots, and then the list is walked afresh.
-        """
+        """``mode_key.key_of``: the graphs hold the model's Parameter and buffer objects
+        (get_attr copies the reference), so replacing one (``load_state_dict(assign=True)``,
+        a new head) recompiles, as does a change of train/eval mode, of the hooks the graphs
+        were traced through or of a dtype (``model.half()``). ``requires_grad`` is read live.
+        Read on every call, it walks the module list of the last call (a walk costs more
+        than the call's other checks); a replaced submodule shows in its parent's slots."""
         modules = self._modules_seen
         filled = slots(modules)
         if filled != self._slots_seen:
@@ -189,7 +185,7 @@ class CompiledModule(ModelFace, nn.Module):
             filled = slots(modules)
             object.__setattr__(self, "_modules_seen", modules)
             object.__setattr__(self, "_slots_seen", filled)
-        return tuple(m.training for m in modules), filled, hooks_key(modules, self._live_hooks)
+        return key_of(modules, filled, self._live_hooks)
 
     def _compiled(self) -> Lowered:
         key = self._mode_key()
@@ -199,7 +195,8 @@ class CompiledModule(ModelFace, nn.Module):
         if failed is not None:
             self._recompiling(f"{failed.describe(self._names())}, which forward reads")
         elif self._cache:
-            changed = hooks_changed(self.module, self._hooks_seen, self._live_hooks)
+            changed = changed_since(self.module, self._hooks_seen, self._live_hooks,
+                                    self._cache.last, key)
             if changed:
                 self._recompiling(changed)
         for stale in [k for k in self._cache if k[1] != key[1]]:
@@ -280,7 +277,10 @@ class CompiledModule(ModelFace, nn.Module):
 
     # ---------------------------------------------------------------- calling
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's call, where a global module hook sees the model (``called_as``)."""
+        """torch's call, where a global hook sees the model (``called_as``); out of dynamo's
+        graph under ``torch.compile(cm)`` (``Trainer(torch_compile=True)``)."""
+        if torch.compiler.is_compiling():
+            return outside_dynamo(self, super()._call_impl, args, kwargs)
         return called_as(self, self.module, super()._call_impl, args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

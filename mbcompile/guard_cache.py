@@ -41,6 +41,7 @@ class GuardCache(dict):  # type: ignore[type-arg]
         self.modules: dict[int, Any] = {}  # keeps the modules counted above alive
         # id(entry) -> (entry, its guards as one function: guard_code.py), for the entries kept
         self.checks: dict[int, tuple[Any, Callable[[], bool]]] = {}
+        self.last: Any = None  # the key of the entry put last (what a recompile compares)
 
     def find(self, key: Any) -> tuple[Any, Guard | None]:
         """The newest entry for ``key`` whose guards hold, else ``(None, the newest entry's
@@ -63,7 +64,7 @@ class GuardCache(dict):  # type: ignore[type-arg]
         return None, first
 
     def put(self, key: Any, compiled: _Guarded) -> None:
-        entries = self.setdefault(key, [])
+        self.last, entries = key, self.setdefault(key, [])
         entries.insert(0, compiled)
         del entries[LIMIT:]
         self._prune()

@@ -4,7 +4,11 @@ A ``CompiledModule`` keeps one compiled graph per key: every module's ``training
 flag, the identity of what fills every parameter, buffer and submodule slot, and the
 keys of the hooks the graphs were traced through (``CompiledModule._mode_key``).
 The helpers here compute the slots and hook parts cheaply, on every call, and name
-what changed when a recompile warns.
+what changed when a recompile warns. So is the dtype and device of every parameter and
+buffer, and torch's default dtype (``tensor_kinds``): ``model.to(torch.bfloat16)`` keeps
+the Parameter objects, but a graph captured before it holds casts to the old dtype
+(torch.export writes GPT-2's ``position_embeds.to(device)`` as a cast to float32), and a
+``torch.tensor(0.1)`` in forward is made in the default dtype of its capture.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.nn as nn
 
-__all__ = ["hooks_by_module", "hooks_changed", "hooks_key", "is_submodule", "slots"]
+__all__ = ["changed_since", "hooks_by_module", "hooks_changed", "hooks_key", "is_submodule",
+           "key_of", "kinds_changed", "slots", "tensor_kinds"]
 
 
 def slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
@@ -23,6 +29,45 @@ def slots(modules: Sequence[nn.Module]) -> tuple[int, ...]:
     return (*map(id, map(type, modules)),
             *(id(v) for m in modules
               for held in (m._parameters, m._buffers, m._modules) for v in held.values()))
+
+
+def key_of(modules: Sequence[nn.Module], filled: tuple[int, ...], live: frozenset[int]
+           ) -> tuple[Any, ...]:
+    """The mode key: (training flags, ``slots``, ``hooks_key``, ``tensor_kinds``)."""
+    return (tuple(m.training for m in modules), filled, hooks_key(modules, live),
+            tensor_kinds(modules))
+
+
+def changed_since(model: nn.Module, hooks_before: Mapping[str, Any] | None,
+                  live: frozenset[int], before: tuple[Any, ...] | None,
+                  now: tuple[Any, ...]) -> str | None:
+    """What a recompile names: whose hooks changed, else which dtypes or devices did."""
+    return hooks_changed(model, hooks_before, live) or kinds_changed(
+        before[3] if before is not None else None, now[3])
+
+
+def tensor_kinds(modules: Sequence[nn.Module]) -> tuple[Any, ...]:
+    """torch's default dtype, then the dtype and device of each parameter and buffer."""
+    return (torch.get_default_dtype(), *((v.dtype, v.device) for m in modules
+                                         for held in (m._parameters, m._buffers)
+                                         for v in held.values() if v is not None))
+
+
+def kinds_changed(before: tuple[Any, ...] | None, now: tuple[Any, ...]) -> str | None:
+    """What ``tensor_kinds`` says changed since ``before`` (None: nothing did)."""
+    if before is None or before == now:
+        return None
+
+    def kinds(key: tuple[Any, ...], other: tuple[Any, ...]) -> str:
+        return ", ".join(sorted({f"{str(dtype).removeprefix('torch.')} on {device}"
+                                 for dtype, device in set(key[1:]) - set(other[1:])}))
+
+    said = [f"torch's default dtype was {before[0]}, now {now[0]}"] if before[0] != now[0] \
+        else []
+    if before[1:] != now[1:]:
+        said.append(f"the model's parameters or buffers were {kinds(before, now) or 'as now'}"
+                    f", now {kinds(now, before) or 'fewer'}")
+    return "; ".join(said)
 
 
 def hooks_key(modules: Sequence[nn.Module], live: frozenset[int]) -> tuple[Any, ...]:

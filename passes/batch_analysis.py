@@ -58,6 +58,7 @@ from .rules import (
     is_aten,
     is_dispatch_fact,
     lookup_rule,
+    loss_rule,
     node_name,
     output_reason,
 )
@@ -272,13 +273,15 @@ def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
                    if isinstance(x, fx.Node) and isinstance(x.meta.get(FACT), (Reduced, Coupled))
                    and x.meta.get(PARAMS) and not _is_detach(x))
     if coupling is not None:
-        # the loss is the first scalar trained output that couples samples, else the first
-        # (a statistic returned before it, `p.mean()`, is not the loss: the coupling is
-        # what the step runs in phases); an `aux_loss` next to it is an output too, and a
+        # the loss is the first scalar trained output that couples samples or that a loss
+        # function computed, else the first: a statistic returned before it (`p.mean()`
+        # before a contrastive loss) or after a cross entropy (a collapse metric
+        # `h.std()`) is not the loss; an `aux_loss` next to it is an output too, and a
         # gradient sent into it is refused, never dropped
         losses = tuple(i for i in losses if _is_scalar(leaves[i]))
-        coupled = [i for i in losses if isinstance(leaves[i].meta.get(FACT), Coupled)]
-        one = (coupled or losses)[0] if losses else None
+        likely = [i for i in losses if isinstance(leaves[i].meta.get(FACT), Coupled)
+                  or _is_loss_fn(leaves[i], gm)]
+        one = (likely or losses)[0] if losses else None
         return BatchAnalysis(gm, coupling, reductions, None, losses, two_phase=True,
                              coupled_loss=one)
     # what a gradient can reach from the outputs: not through detach (state updates)
@@ -288,6 +291,12 @@ def analyse_batch(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
     scalar = len(trained) == 1 and _is_scalar(trained[0])
     losses = tuple(i for i in losses if isinstance(leaves[i].meta.get(FACT), Reduced))
     return BatchAnalysis(gm, None, reductions, trained[0] if scalar else None, losses)
+
+
+def _is_loss_fn(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether a torch loss function (``F.cross_entropy``, ``nn.MSELoss``) computed it."""
+    module = gm.get_submodule(node.target) if node.op == "call_module" else None
+    return node.op != "placeholder" and lookup_rule(node, module) is loss_rule
 
 
 def _is_scalar(node: fx.Node) -> bool:

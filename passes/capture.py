@@ -249,6 +249,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                 "compile a wrapper Module whose forward calls the model (hooks of submodules "
                 "are traced)")
         state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        before = set(model.__dict__)  # what fx stores on the root for constants is not
         versions = {n: t._version for n, t in state.items()}
         owned = generators_of(model)  # before fx stores a generator forward made on it
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -273,7 +274,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                                       else tracer.root, graph, name)
                 generators_made_refused(gm, [*owned, *(s.owner.get(s.key) for s in reach.slots)],
                                         name)
-                for attr in numbers:
+                for attr in [*numbers, *_stashed_constants(tracer, model, before)]:
                     del model.__dict__[attr]
                 rebound, rewired = snapshot.rebound_slots(), snapshot.rewired()
                 effects = _effects_as_outputs(graph, snapshot.changes(), prints, name)
@@ -340,6 +341,15 @@ def _number_input(tracer: fx.Tracer, numbers: dict[str, NumberInput], holder: Nu
         object.__setattr__(tracer.root, attr, holder)
     return tracer.create_proxy("call_function", read_number,
                                (tracer.create_proxy("get_attr", attr, (), {}),), {})
+
+
+def _stashed_constants(tracer: fx.Tracer, model: torch.nn.Module, before: set[str]
+                       ) -> list[str]:
+    """The attributes fx stored on the root for tensors forward made (``_tensor_constant0``
+    for ``torch.tensor([1., 2.])``): the graph module holds its own copy, and left on the
+    model they would be forward's writes, replayed onto it every step."""
+    return [name for name in tracer.tensor_attrs.values()
+            if name not in before and name in model.__dict__]
 
 
 def _effects_as_outputs(graph: fx.Graph, changes: Sequence[Change], prints: Sequence[Any],

@@ -81,9 +81,7 @@ _DATA_DEPENDENT: tuple[type[BaseException], ...] = (
 def _info(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return ValueInfo(True, tuple(value.shape), (), value.dtype)
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):  # sizes, and numbers computed from them (1 / B)
+    if isinstance(value, (int, float)):  # sizes, numbers computed from them (1 / B, B > 4)
         return ValueInfo(False, int_a=value, value_a=value)
     if isinstance(value, (tuple, list)):  # torch.Size and namedtuples too
         kind = type(value)  # namedtuples name their fields; torch.return_types (structseq) too

@@ -212,3 +212,38 @@ def test_a_setting_of_a_layer_inside_a_layer_called_whole_is_guarded() -> None:
         got = cm(x, y)
     assert any("enc.self_attn.batch_first" in str(w.message) for w in seen)
     assert torch.allclose(got, copy.deepcopy(model)(x, y), rtol=TOL, atol=TOL)
+
+
+class Scaled(nn.Module):
+    """A tensor made in forward (``torch.tensor(2.0)``: the default dtype's) and a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.lin(x) * torch.tensor(2.0) + torch.tensor(0.1), y)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_model_cast_after_its_first_step_is_compiled_for_the_new_dtype(capture: str) -> None:
+    """``model.to(dtype)`` keeps the Parameter objects, but a graph captured before holds
+    casts and constants of the old dtype (Lightning's "64-true", a Trainer's
+    ``bf16_full_eval``): the dtype is part of what a graph is kept for."""
+    torch.manual_seed(0)
+    model = Scaled().float()
+    x, y = _data()
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=(x.float(), y),
+                           cost_model=False, capture=capture)
+    cm(x.float(), y).backward()
+    model.to(DTYPE)
+    eager = copy.deepcopy(model)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPE)  # as Lightning's "64-true" runs fit
+    try:
+        recompiled = _step(model, eager, cm, _data(), _sgd(model, eager))
+        recompiled += _step(model, eager, cm, _data(), _sgd(model, eager))
+    finally:
+        torch.set_default_dtype(before)
+    assert len(recompiled) == 1, recompiled
+    assert "float32 on cpu, now float64 on cpu" in recompiled[0], recompiled

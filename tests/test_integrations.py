@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mbcompile
 from mbcompile.errors import InputError
-from mbcompile.integrations.accelerate import _check_loader, prepare
+from mbcompile.integrations.accelerate import _check_loader, _check_schedulers, prepare
 from mbcompile.models import make_tiny_gpt
 from mbcompile.planning.plan import make_plan
 
@@ -113,3 +113,22 @@ def test_a_plan_sampler_loader_is_left_out_of_prepare():
                         batch_sampler=mbcompile.distributed.PlanSampler(14, plan, 0))
     with pytest.raises(InputError, match="leave it out of prepare"):
         _check_loader(loader, plan, 2, False)
+
+
+@pytest.mark.parametrize("split,with_optimizer,refused", [
+    (False, True, True), (True, True, False), (False, False, False)])
+def test_a_scheduler_that_would_step_once_per_process_is_refused(split, with_optimizer,
+                                                                  refused):
+    """Without split_batches Accelerate steps a prepared scheduler num_processes times per
+    optimizer step; the compiled module's step is one global batch (a hunt: the schedule
+    ran twice as fast on 2 processes, parameters 0.27 relative off one process's run)."""
+    opt = torch.optim.SGD(_compiled().parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)
+    accelerator = _processes(split_batches=split, step_scheduler_with_optimizer=with_optimizer)
+    if refused:
+        with pytest.raises(InputError, match="split_batches=True"):
+            _check_schedulers(accelerator, (opt, sched))
+    else:
+        _check_schedulers(accelerator, (opt, sched))
+    _check_schedulers(_processes(split_batches=False, step_scheduler_with_optimizer=True),
+                      (opt,))  # no scheduler, nothing to refuse

@@ -63,3 +63,34 @@ def test_vmap_and_jacrev_of_a_forward_run_as_eagers():
     cm.eval()
     enc.eval()
     assert rel_err(torch.func.jacrev(cm)(x), torch.func.jacrev(enc)(x)) <= TOL
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_torch_compile_around_the_compiled_module_runs_its_step(capture: str) -> None:
+    """``torch.compile(cm)`` (``Trainer(torch_compile=True)``): dynamo leaves the step's
+    Python alone (a graph break) and the step is exact, as uncompiled."""
+    enc, head, x = _encoder()
+    y = torch.randn(GBS, 1, dtype=torch.float64)
+    model = nn.Sequential(enc, head)
+    eager = copy.deepcopy(model)
+
+    class Loss(nn.Module):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.mse_loss(self.net(x), y)
+
+    cm = mbcompile.compile(Loss(model), GBS, 1, 2, example_inputs=(x, y), cost_model=False,
+                           capture=capture)
+    wrapped = torch.compile(cm, backend="eager")
+    for _ in range(2):
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+        got, want = wrapped(x, y), Loss(eager)(x, y)
+        got.backward()
+        want.backward()
+        assert rel_err(got, want) <= TOL
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert rel_err(p.grad, q.grad) <= TOL

@@ -16,15 +16,33 @@ that trains nothing (``no_grad``, frozen parameters, ``vmap`` of a forward) is n
 and runs as before. A reentrant checkpoint calls its function under ``no_grad``: the
 compiled call is then forward-only, as eager's, and eager's own error follows at backward
 where no input required grad.
+
+One wrapper is let through: ``torch.compile(cm)`` (``Trainer(torch_compile=True)``,
+``Accelerator(dynamo_backend=...)``). Dynamo would trace into the step's Python (its
+split, the seeding, the hand-over) and fail there; ``outside_dynamo`` makes the call a
+graph break, so the step runs as it does uncompiled (``compile(..., torch_compile=True)``
+is the way to have inductor compile the microbatch body).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
+from mbcompile.execution.live_hooks import called_as
 from mbcompile.passes.errors import InputError
 
-__all__ = ["outer_calls_refused"]
+__all__ = ["outer_calls_refused", "outside_dynamo"]
+
+
+@torch._disable_dynamo
+def outside_dynamo(compiled: torch.nn.Module, call: Callable[..., Any],
+                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``called_as`` out of dynamo's trace: what ``torch.compile(cm)`` runs at the call
+    (torch imports dynamo only here, where it is already imported)."""
+    return called_as(compiled, compiled.module, call, args, kwargs)
 
 
 def outer_calls_refused() -> None:

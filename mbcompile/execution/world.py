@@ -1,8 +1,10 @@
 """Which backend a compile runs on: the launcher's world decides ``backend="auto"``.
 
-Launchers (torchrun, SLURM through torchrun, ``accelerate launch``, Lightning's DDP,
-DeepSpeed's) start one process per rank and set up the process group before the model
-is compiled; that group is the contract. So ``backend="auto"`` (the default) means:
+Launchers (torchrun, SLURM through torchrun, ``accelerate launch``, DeepSpeed's) start
+one process per rank and set up the process group before the model is compiled; that
+group is the contract. (Lightning's DDP sets it up in ``fit``, after a module compiled in
+``__init__``: that module is simulated, and DDP averages each rank's own batch.) So
+``backend="auto"`` (the default) means:
 
 - a process group of more than one rank is initialised: ``"torch.distributed"``, one
   system per rank, so ``num_csx`` must be the world size;

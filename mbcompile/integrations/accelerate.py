@@ -31,6 +31,7 @@ from typing import Any
 
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from mbcompile.compiled_module import CompiledModule
@@ -59,6 +60,8 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
     compiled = [o for o in objects if isinstance(o, CompiledModule)]
     for cm in compiled:
         _check_setup(accelerator, cm)
+    if compiled and accelerator.num_processes > 1:
+        _check_schedulers(accelerator, objects)
     if len(compiled) == 1 and accelerator.num_processes > 1:
         plan = compiled[0].plan
         for loader in objects:
@@ -103,6 +106,23 @@ def _check_setup(accelerator: Accelerator, cm: CompiledModule) -> None:
             "compiled module already runs the global batch as microbatches and hands back its "
             "gradient. Keep gradient_accumulation_steps=1; for a larger batch, compile with a "
             "larger gbs (exact, also for token-weighted losses)")
+
+
+def _check_schedulers(accelerator: Accelerator, objects: tuple[Any, ...]) -> None:
+    """A prepared LR scheduler steps once per process at each optimizer step, unless the
+    batches are split (Accelerate takes each process's batch for a whole one): with a
+    compiled module the global batch is the one step, so it would step too fast."""
+    if accelerator.split_batches or not accelerator.step_scheduler_with_optimizer:
+        return
+    if any(isinstance(o, LRScheduler) for o in objects):
+        raise InputError(
+            f"a learning-rate scheduler prepared on {accelerator.num_processes} processes "
+            "without split_batches steps once per process at every optimizer step "
+            f"({accelerator.num_processes} steps of the schedule per global batch), but the "
+            "compiled module's step is one global batch. Fix: build the loader with "
+            "batch_size=gbs and Accelerator(dataloader_config=DataLoaderConfiguration("
+            "split_batches=True)), or Accelerator(step_scheduler_with_optimizer=False); "
+            "nothing was prepared")
 
 
 def _check_loader(loader: DataLoader, plan: MicrobatchPlan, world: int,

@@ -212,9 +212,17 @@ def has_batched(facts: Iterable[Fact]) -> bool:
 
 
 def number_fact(info: ValueInfo, ctx: RuleContext) -> Fact:
-    """A Python number seen at two batch sizes: free, a batch size, or derived from one."""
-    if info.int_a is None or info.int_a == info.int_b:
+    """A Python number seen at two batch sizes: free, a batch size, or derived from one.
+
+    A number computed from a batch size is derived from it even where its two values
+    agree: ``x.size(0) > 4`` and ``min(x.size(0), 4)`` are the same at gbs and gbs + 1,
+    but not at a microbatch's size, which the loop body would compute them at.
+    """
+    if info.int_a is None:
         return Free()
+    if info.int_a == info.int_b:
+        derived = any(isinstance(f, BatchSize) for f in ctx.arg_facts())
+        return BatchSize(0, multiple=False) if derived else Free()
     factor = factor_of(info.int_a, info.int_b, ctx.gbs)
     return BatchSize(factor) if factor else BatchSize(0, multiple=False)
 

@@ -66,8 +66,7 @@ BINARY = spellings(
     "isclose", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
     "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift", "where", "masked_fill",
     "masked_fill_", "lerp", "lerp_", "addcmul", "addcmul_", "addcdiv", "addcdiv_", "heaviside",
-    "bucketize", "polar",
-    "complex", "ldexp", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__", "isin")
+    "polar", "complex", "ldexp", "__and__", "__or__", "__xor__", "__lshift__", "__rshift__")
 OPERATORS = [
     operator.floordiv, operator.mod, operator.pow, operator.eq, operator.ne, operator.lt,
     operator.le, operator.gt, operator.ge, operator.and_, operator.or_, operator.invert,
@@ -104,7 +103,7 @@ RESHAPES = [
 DIM_MOVES = [
     "permute", "transpose", "transpose_", "t", "swapaxes", "swapdims", "movedim", "moveaxis",
     "unsqueeze", "unsqueeze_", "expand", "expand_as", "broadcast_to", "narrow", "select",
-    "slice", "as_strided", "adjoint", "mT", "mH", torch.broadcast_tensors,
+    "slice", "adjoint", "mT", "mH", torch.broadcast_tensors,
     *aten("broadcast_tensors"),
     *spellings("permute", "transpose", "t", "swapaxes", "swapdims", "movedim", "moveaxis",
                "unsqueeze", "expand", "expand_as", "broadcast_to", "narrow", "select", "slice",
@@ -161,9 +160,12 @@ MATMULS = [
                                              "addbmm", "addmv", "_addmm_activation",
                                              method=False)]
 PRODUCTS = [
-    "dot", "vdot", "inner", "outer", "ger", "kron", "tensordot", "cross", "linalg_cross",
-    *spellings("dot", "vdot", "inner", "outer", "ger", "kron", "tensordot", "cross", "einsum",
-               "chain_matmul", "linalg_cross", method=False)]
+    "dot", "vdot", "inner", "outer", "ger", "tensordot",
+    *spellings("dot", "vdot", "inner", "outer", "ger", "tensordot", "einsum", "chain_matmul",
+               method=False)]
+CROSSES = ["cross", *spellings("cross", "linalg_cross", method=False), torch.linalg.cross]
+KRONS = ["kron", *spellings("kron", method=False)]
+AS_STRIDED = ["as_strided", *spellings("as_strided", "as_strided_copy", method=False)]
 LINEARS = [nn.Linear, nn.LazyLinear, *spellings("linear", method=False)]
 BILINEARS = [nn.Bilinear, *spellings("bilinear", method=False)]
 EMBEDDING_BAGS = [nn.EmbeddingBag, F.embedding_bag,

@@ -145,6 +145,9 @@ def gather_rule(ctx: RuleContext) -> Fact:
         source, dim, idx = ctx.arg(0, "input"), ctx.arg(1, "dim"), ctx.arg(2, "index")
     d = _dim_of(ctx, source, dim)
     fact, ifact = ctx.fact(source), ctx.fact(idx)
+    if name == "take_along_dim" and dim is None and isinstance(fact, Batched):
+        ctx.mix("without a dim it indexes the flattened input, whose elements are every "
+                "sample's", "name the dim it takes along: take_along_dim(x, idx, dim=-1)")
     if isinstance(fact, Batched) and d == fact.dim and not (
             isinstance(ifact, Batched) and ifact.positions):
         ctx.mix(f"it {'writes' if 'scatter' in name or 'index_' in name else 'reads'} along "

@@ -114,11 +114,16 @@ def _batch_first(ctx: RuleContext) -> bool:
 
 def _check_batch_first(ctx: RuleContext, inputs: Sequence[tuple[int, str]],
                        consequence: str) -> None:
-    """A 3-d input of a sequence layer must have its batch dim where batch_first says."""
+    """A 3-d input of a sequence layer must have its batch dim where batch_first says; a
+    batched 2-d input is one unbatched (L, features) sequence whose positions are samples."""
     want = 0 if _batch_first(ctx) else 1
     for index, name in inputs:
         value = ctx.arg(index, name)
         f = ctx.fact(value)
+        if isinstance(f, Batched) and ctx.ndim(value) == 2:
+            ctx.mix(f"it gets an unbatched (L, features) sequence whose positions are "
+                    f"samples, so {consequence}",
+                    "add the batch dim: (B, L, features) with batch_first=True")
         if isinstance(f, Batched) and ctx.ndim(value) == 3 and f.dim != want:
             ctx.mix(f"its batch dim is {want} (batch_first={want == 0}) but the input's batch "
                     f"dim is {f.dim}, so {consequence}",
@@ -142,9 +147,8 @@ def rnn_rule(ctx: RuleContext) -> Fact:
     """RNN/LSTM/GRU: per sample along dim 0 (batch_first) or 1; hidden states carry dim 1."""
     _check_batch_first(ctx, ((0, "input"),),
                        "it would run over samples as if they were time steps")
-    x, hx = ctx.arg(0, "input"), ctx.arg(1, "hx")
+    hx = ctx.arg(1, "hx")
     states = list(hx) if isinstance(hx, (tuple, list)) else [hx]
-    xfact = ctx.fact(x)
     for s in states:
         sf = ctx.fact(s) if isinstance(s, fx.Node) else Free()
         for f in ([g for _, g in sf.items] if isinstance(sf, Container) else [sf]):
@@ -152,9 +156,6 @@ def rnn_rule(ctx: RuleContext) -> Fact:
                 ctx.mix(f"its initial hidden state has the batch at dim {f.dim}; RNN states "
                         "are (layers, B, hidden) whatever batch_first says",
                         "pass h0 with the batch at dim 1")
-    if ctx.ndim(x) == 2 and isinstance(xfact, Batched):
-        ctx.mix("it gets an unbatched (L, features) sequence whose time steps are samples",
-                "add the batch dim: (B, L, features) with batch_first=True")
     return per_sample(ctx)
 
 
@@ -184,7 +185,8 @@ def embedding_bag_rule(ctx: RuleContext) -> Fact:
         ids, offsets = ctx.arg(1, "indices"), ctx.arg(2, "offsets")
     else:  # F.embedding_bag(input, weight, offsets=None, ...)
         ids, offsets = ctx.arg(0, "input"), ctx.arg(2, "offsets")
-    if offsets is not None and isinstance(ctx.fact(ids), Batched):
+    if offsets is not None and (isinstance(ctx.fact(ids), Batched)
+                                or isinstance(ctx.fact(offsets), Batched)):
         ctx.mix("its bags are given by offsets into one flat index tensor, so the split "
                 "points do not follow samples",
                 "pass 2-d (B, L) indices (pad with padding_idx) so each row is one bag")

@@ -63,6 +63,7 @@ from .grouped_matmuls import grouped_matmul
 from .groups import (
     ACTIVATIONS,
     ADDS,
+    AS_STRIDED,
     ATTENTIONS,
     BATCH_NORMS,
     BILINEARS,
@@ -71,6 +72,7 @@ from .groups import (
     CONVOLUTIONS,
     CONVS_AND_POOLS,
     CREATIONS,
+    CROSSES,
     DATA_SHAPED,
     DETACHES,
     DIAGONALS,
@@ -91,6 +93,7 @@ from .groups import (
     INDEX_SELECTS,
     INSTANCE_NORMS,
     JOINS,
+    KRONS,
     LAYER_NORMS,
     LINEARS,
     LOCAL_NORMS,
@@ -144,6 +147,7 @@ from .groups import (
     VECTOR_NORMS,
     VECTOR_PAIRS,
 )
+from .hidden_reads import as_strided_rule, cross_rule, kron_rule, whole_argument
 from .indexing import (
     aten_index_rule,
     gather_rule,
@@ -235,6 +239,8 @@ TABLE.add(UNARY_MATH, pointwise)  # f(x), f_(x): batch dim unchanged
 TABLE.add(ACTIVATIONS, pointwise)  # act(x): functional, ATen and module
 TABLE.add(DROPOUTS, per_sample)  # x * mask (its random mask is the one inexact op)
 TABLE.add(BINARY, pointwise)  # f(a, b), f(a, b, c): batch dim from the batched side
+TABLE.add(spellings("isin"), whole_argument(1, "test_elements", "is tested against"))  # x in y
+TABLE.add(spellings("bucketize"), whole_argument(1, "boundaries", "is placed among"))  # bins of y
 TABLE.add(OPERATORS, pointwise)  # a == b, a ** b, ~a, a // b: as above
 TABLE.add(spellings("one_hot"), pointwise)  # (B, ...) ids -> (B, ..., classes)
 # --- Linear arithmetic: a reduction may be added to, or scaled by, batch-free values -----
@@ -253,6 +259,7 @@ TABLE.add(EXPORT_CHECKS, drop_rule)  # export's asserts: no value, batch-free
 # --- Reshapes and dim moves: values untouched; the shapes locate the batch dim -----------
 TABLE.add(RESHAPES, reshape_rule, keeps_positions=True)  # (B, T, C) -> (B*T, C) batch-major
 TABLE.add(DIM_MOVES, per_sample, keeps_positions=True)  # permute, expand, select: dims move
+TABLE.add(AS_STRIDED, as_strided_rule)  # explicit strides may cross into other rows
 TABLE.add(SQUEEZES, squeeze_rule, keeps_positions=True)  # the size-1 dims of the full batch
 TABLE.add(REPEATS, repeat_rule, keeps_positions=True)  # copies along the batch interleave
 TABLE.add(REPEAT_INTERLEAVES, per_sample, keeps_positions=True)  # r copies of each sample, in order
@@ -297,6 +304,8 @@ TABLE.add(spellings("arange", method=False) + aten("range"), arange_rule)  # ara
 # --- Contractions: the batch dim must not be contracted ----------------------------------
 TABLE.add(MATMULS, matmul_rule)  # (B, n, k) @ (k, m)
 TABLE.add(PRODUCTS, per_sample)  # the shapes show whether the batch survives (einsum's letter)
+TABLE.add(KRONS, kron_rule)  # kron(x, a): a block of rows per sample; kron(a, x) interleaves
+TABLE.add(CROSSES, cross_rule)  # along a dim of size 3; cross(a, b) picks it: specialised
 TABLE.add(LINEARS, linear_layer_rule)  # (B, ..., in) -> (B, ..., out)
 TABLE.add(BILINEARS, bilinear_rule)  # x1 A x2 per sample
 # --- Embeddings: rows of a batch-free table picked by per-sample ids ---------------------
