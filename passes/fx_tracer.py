@@ -170,12 +170,16 @@ class FlatOutputTracer(fx.Tracer):
                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if (m._backward_hooks or m._backward_pre_hooks) and torch.is_grad_enabled() and \
                 not self.is_leaf_module(m, self.path_of_module(m)):
+            fix = ("register it on the torch layers inside (their calls are kept with their "
+                   "hooks, checked at compile), or remove it while training") \
+                if self.units is None else (
+                "a model sharded with FSDP2 has every layer traced through (its parameters "
+                "are stand-ins for the shards), so remove it while training, or register a "
+                "tensor hook on the layer's output in forward (h.register_hook(fn))")
             raise CaptureError(
                 f"{type(m).__name__} {self.path_of_module(m)!r} has a backward hook "
                 "(register_full_backward_hook) and torch.fx traces through its call, which "
-                "leaves no place for it: it would never run in the compiled step. Fix: "
-                "register it on the torch layers inside (their calls are kept with their "
-                "hooks, checked at compile), or remove it while training")
+                f"leaves no place for it: it would never run in the compiled step. Fix: {fix}")
         if self.units is None or id(m) not in self.units:
             return super().call_module(m, forward, args, kwargs)
         name = self.path_of_module(m)

@@ -595,3 +595,24 @@ def test_unpacking_a_proxy_traces_as_fx_does(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.undo()
     with pytest.raises(CaptureError, match="cannot be iterated"):
         capture(_Unpacks(iterate=True))
+
+
+def test_a_backward_hook_under_fsdp2_is_refused_with_a_fix_that_applies():
+    """A sharded model's layers are traced through (their parameters are stand-ins for the
+    shards), so "register it on the torch layers inside" would not help: the message says
+    what does (a hunt on ranks)."""
+    from mbcompile.passes.fx_tracer import FlatOutputTracer
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.head = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.a(x)).sum()
+
+    model = Net()
+    model.head.register_full_backward_hook(lambda *args: None)
+    with pytest.raises(CaptureError, match="sharded with FSDP2.*register_hook"):
+        FlatOutputTracer({id(model): model}, "Net").trace(model)
+    FlatOutputTracer(None, "Net").trace(model)  # unsharded: the layer's call keeps its hook
