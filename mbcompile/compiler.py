@@ -29,6 +29,7 @@ from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.dynamic_shapes import checked_symbolic
 from mbcompile.errors import CaptureError, MbcompileError
 from mbcompile.execution.live_hooks import global_backward_refused
+from mbcompile.execution.replicas import replicas_agreed
 from mbcompile.integrations.transformers import (
     TRAINER_KEYWORDS,
     as_the_trainer_sets,
@@ -64,10 +65,11 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto",
     parameter is described once, in docs/api.md.
     """
     global_backward_refused("Nothing was compiled or changed")
-    request = make_request(model, gbs, num_csx, mbs, **options)
-    if request.options.validate_only:
-        return _validate(request)
-    return _compile_as_called(request)
+    with replicas_agreed(model, gbs, options):  # on ranks: the same model, failed or not
+        request = make_request(model, gbs, num_csx, mbs, **options)
+        if request.options.validate_only:
+            return _validate(request)
+        return _compile_as_called(request)
 
 
 compile.__signature__ = signature_with_options(compile)  # type: ignore[attr-defined]

@@ -85,7 +85,8 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
     rewritten = microbatch_rewrite(
         analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
         in_dims={p.target: d for p, d in zip(placeholders, in_dims)}, keep=analysed.kept,
-        recompute=plan.recompute and analysed.training, cut=analysed.cut)
+        recompute=plan.recompute and analysed.training, cut=analysed.cut,
+        rows=None if rank is None else (offset, plan.gbs))  # on ranks: draws at the gbs
     channels = StepChannels(noise=request.noise_scale,
                             config=_step_config(request, plan, analysed, rewritten, slices))
     # the code of the step and its body, made once, here (fx would have made the body's

@@ -182,12 +182,24 @@ def _refuse_generator_fills_of_likes(graph: fx.Graph, sources: Sequence[fx.Node]
 
 
 def emit_draws(graph: fx.Graph, env: dict[fx.Node, Any], draws: Sequence[fx.Node],
-               batch: int) -> None:
+               batch: int, rows: tuple[int, int] | None = None) -> dict[fx.Node, Any]:
     """The ``draws`` and what they need into ``graph`` (``env`` maps the source graph's
     placeholders already there): sizes read off batched tensors become their value at
-    ``batch`` samples, a device read off one is the batched input's device."""
+    ``batch`` samples, a device read off one is the batched input's device. Returns what
+    the body reads of each draw: the draw, or with ``rows`` (this process's samples of the
+    global ``batch``, a rank's share) a per-sample draw's own rows.
+
+    On ranks every rank draws the whole global batch, from generators that agree when the
+    ranks are seeded alike, so each generator advances as eager's, each rank's rows are
+    eager's rows, and the coupled part of a two-phase step (run on the whole batch on every
+    rank) reads the whole draw::
+
+        randn = torch.randn((8, 4), generator=_opaque_obj0)   # gbs 8, on each rank
+        rows = randn.narrow(0, 4, 4)                           # rank 1's samples 4-7
+        microbatches = split(x, y, rows, ...)
+    """
     if not draws:
-        return
+        return {}
     source = draws[0].graph
     inputs = _batched_inputs(source)
     base = _analysed_batch(inputs)
@@ -206,6 +218,17 @@ def emit_draws(graph: fx.Graph, env: dict[fx.Node, Any], draws: Sequence[fx.Node
                                      else env[a])
         else:
             env[n] = graph.node_copy(n, lambda a: env[a])
+    return {d: _rows(graph, env[d], d, rows) for d in draws}
+
+
+def _rows(graph: fx.Graph, drawn: Any, draw: fx.Node, rows: tuple[int, int] | None) -> Any:
+    """What the body reads of ``drawn``: its ``rows`` along its batch dim (per-sample); the
+    whole draw without ``rows``, or when it is batch-free."""
+    fact = draw.meta.get(FACT)
+    if rows is None or not isinstance(fact, Batched):
+        return drawn
+    start, stop = rows
+    return graph.call_method("narrow", (drawn, fact.dim, start, stop - start))
 
 
 def _analysed_batch(inputs: Sequence[fx.Node]) -> int:

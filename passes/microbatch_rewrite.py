@@ -151,7 +151,8 @@ def two_phase_parts(analysis: BatchAnalysis, cut: Cut | None = None
 def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, int]],
                        systems: Sequence[int], in_dims: Mapping[str, Any],
                        keep: Collection[int] | None = None,
-                       recompute: bool = False, cut: Cut | None = None) -> fx.GraphModule:
+                       recompute: bool = False, cut: Cut | None = None,
+                       rows: tuple[int, int] | None = None) -> fx.GraphModule:
     """Return the microbatched ``GraphModule`` (with the body as submodule ``body``).
 
     ``slices`` are the non-empty microbatches' (start, stop) in the batch the
@@ -167,7 +168,9 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     are neither computed after the loop nor kept per microbatch (a training step's
     logits that nobody reads). ``recompute``: the body's repeated blocks run under
     activation checkpointing (``recompute.py``). ``cut``: the graph already cut for ``keep``
-    (``cut_graph``), as the analysis hands it to the cost model too.
+    (``cut_graph``), as the analysis hands it to the cost model too. ``rows``: on ranks,
+    (this process's first sample, the global batch): draws are made at the global batch,
+    and the body reads this process's rows of them (``draws.emit_draws``).
     """
     parts = cut if cut is not None else cut_graph(analysis, keep)
     gm, placeholders, leaves = parts.gm, parts.placeholders, parts.leaves
@@ -179,10 +182,14 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     # 2. The top graph: split -> loop -> accumulate -> tail, or split -> two-phase step.
     top = fx.Graph()
     top_env: dict[fx.Node, Any] = {p: top.node_copy(p) for p in placeholders}
-    emit_draws(top, top_env, parts.draws, batch=sum(b - a for a, b in slices))
+    share = sum(b - a for a, b in slices)
+    start, batch = rows if rows is not None else (0, share)
+    drawn = emit_draws(top, top_env, parts.draws, batch,
+                       None if rows is None else (start, start + share))
     dims = [in_dims.get(p.target) for p in placeholders] + [
         d.meta[FACT].dim if isinstance(d.meta[FACT], Batched) else None for d in parts.body_draws]
-    mbs = _call(top, ops.split, tuple(top_env[p] for p in (*placeholders, *parts.body_draws)),
+    mbs = _call(top, ops.split, (*(top_env[p] for p in placeholders),
+                                 *(drawn[d] for d in parts.body_draws)),
                 {"slices": tuple(slices), "in_dims": tuple(dims)}, "microbatches")
     body_ref = top.get_attr("body")
     root: dict[str, Any] = {"body": body}

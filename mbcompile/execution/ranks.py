@@ -29,7 +29,11 @@ def bindings(channels: StepChannels, shares: Sequence[int] = ()
     """What this backend binds the rewritten graph's loop ops to; ``shares`` are the ranks'
     samples per step (a two-phase step gathers its frontier over them, exchanging its shapes
     first where a dim is symbolic). Rank 0 alone keeps the coupled part's own gradients, so
-    the gradient all-reduce counts them once."""
+    the gradient all-reduce counts them once. Every backward is seeded alike on every rank
+    (``seeding.Seed.ranks``): the gradients are summed over ranks before the factor that
+    corrects the seed is applied."""
+    if channels.config.seed is not None:
+        channels.config.seed.ranks = True
     rank = dist.get_rank()
     gather = RankGather(shares, rank, exchange=channels.config.lengths_vary)
     return {ops.microbatch_loop: make_loop(channels, distributed=True),

@@ -31,6 +31,13 @@ Where nothing can be replayed the guess is the previous step's ``dL/dS`` itself
 (right whenever ``N`` does not change between steps). After a step whose gradients
 were not finite the guess is halved, as a GradScaler halves its scale; a scale that
 grows (every 2000 finite steps by default) is guessed one step late.
+
+On ranks (``Seed.ranks``) the seed must be one number on every rank: each rank's backwards
+are seeded before the gradients are summed over ranks, and the factor is applied to the
+sum. So every guess there is the module's (the last gradient of any of its graphs: every
+rank saw the same steps, whichever graph each ran), never a graph's own, and a count
+the shapes fix (known to each rank for its share only) is not replayed: its seed is the
+module's last ``dL/dS``, rescaled exactly by the factor where ``N`` changed.
 """
 
 from __future__ import annotations
@@ -56,13 +63,13 @@ class Guesses:
     """What the graphs of a compiled module and its variants (each with its own ``Seed``)
     share of the training loop: the gradient the caller sends into the loss belongs to
     the loop, not to a graph. A graph guesses from its own last step, and at its first
-    from the last step of any (``last``, ``bare``); a GradScaler halves its scale after
-    any graph's overflow, so every graph's guess is halved once per overflow since it
-    last saw its gradient (``overflows``)."""
+    (on ranks at every step) from the last step of any (``last``, ``bare``); a GradScaler
+    halves its scale after any graph's overflow, so every graph's guess is halved once
+    per overflow since it last saw its gradient (``overflows``)."""
 
     def __init__(self) -> None:
         self.last: Seed | None = None  # the last to record the gradient its loss got
-        self.bare: Seed | None = None  # the last without a tail to see its ``dL/dS``
+        self.bare: Seed | None = None  # the last without a tail (ranks: any) to see dL/dS
         self.overflows: torch.Tensor | None = None  # every graph's overflow flags, summed
 
     def __getstate__(self) -> dict[str, Any]:
@@ -80,6 +87,9 @@ class Seed:
     #: the body computes in float16 whatever the call (``deferred.body_in_float16``): a
     #: wrong seed is not rescaled exactly, so its first step waits for the real one
     float16 = False
+    #: the step runs on ranks (set by their backend, ``ranks.bindings``): guesses only from
+    #: what every rank saw alike, the module's steps, so that every rank seeds alike
+    ranks = False
 
     def __init__(self, tail: fx.GraphModule | None = None, loss_pos: int | None = None,
                  free: Sequence[int] = (), counted: bool = False,
@@ -126,7 +136,10 @@ class Seed:
         first: two graphs of one loop may get different gradients every step (``w *
         cm(aux) + cm(main)``)."""
         last = self.shared.last
-        source = self if self._outer is not None or last is None else last
+        if self.ranks:  # the module's, whichever graph each rank ran (``_bare``)
+            source = self if last is None else last
+        else:
+            source = self if self._outer is not None or last is None else last
         return source._outer, self._halvings(source)
 
     def unguessed(self, microbatches: Sequence[tuple[Any, ...]], systems: Sequence[int]
@@ -142,6 +155,8 @@ class Seed:
             return True
         if (replayed and not self.counted) or self._bare()._last is not None:
             return False
+        if self.ranks:  # the same answer on every rank: the pre-pass's all-reduced count
+            return not replayed or self.counts is None
         # a counted tail replays where the count pre-pass gives the count (read off the
         # first microbatch's forward otherwise: not known yet, so the bare guess may be used)
         return not replayed or self.global_count(microbatches, systems, False) is None
@@ -191,7 +206,9 @@ class Seed:
 
     def guess_count(self, first: Any, sizes: Sequence[int], distributed: bool) -> Any:
         """``N`` from the first microbatch when the shapes fix it (a Python int): the
-        elements per sample times the samples (checked by the factor, like every guess)."""
+        elements per sample times the samples (checked by the factor, like every guess).
+        Not on ranks: a rank knows its own share's (its length may be another rank's),
+        and a seed from it would differ between ranks (the module's last ``dL/dS`` instead)."""
         if not self.counted or distributed or not isinstance(first, int) or not sizes:
             return None
         per_sample, rest = divmod(first, sizes[0])
@@ -269,8 +286,12 @@ class Seed:
         return None if last is None else _usable(last)
 
     def _bare(self) -> Seed:
-        """Whose last ``dL/dS`` this graph guesses from: its own, at its first step another's."""
+        """Whose last ``dL/dS`` this graph guesses from: its own, at its first step another's;
+        on ranks the module's last, of any graph (each rank may run another graph: a rank
+        that recompiled for its own length, its own split), which every rank saw alike."""
         bare = self.shared.bare
+        if self.ranks:
+            return self if bare is None else bare
         return self if self._last is not None or bare is None else bare
 
     def factor(self, g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
@@ -278,7 +299,7 @@ class Seed:
         that arrived: exactly 1.0 when the guess was right."""
         g = self._last = g.detach()
         self._seen = self.shared.overflows  # this step's overflow, if any, comes after
-        if self.tail is None:
+        if self.tail is None or self.ranks:  # (on ranks any graph's: ``_bare``)
             self.shared.bare = self
         if seed is None:
             return g
