@@ -13,8 +13,8 @@ the first step's collectives.
 
 Two collectives, at compile only: an ``all_gather_object`` of each rank's outcome and
 layout (names, shapes, dtypes, ``requires_grad``, gbs), then, for a replicated model with
-data, an all-reduce of two checksums per tensor (its sum and its sum of squares, in
-float64). Sharded (FSDP2) models hold different shards by design: only their layout is
+data, an all-reduce of two checksums per tensor (its sum, accumulated in float64, and its
+norm). Sharded (FSDP2) models hold different shards by design: only their layout is
 compared. Compiles that run nothing (``compile_only``, ``validate_only``) exchange
 nothing, so one rank may plan alone.
 """
@@ -108,7 +108,7 @@ def _said(entry: list[Any] | None) -> str:
 def _compare_values(model: nn.Module) -> None:
     """Refuse replicas whose parameters or buffers differ (their checksums' max and min
     over ranks differ)."""
-    state = [(n, t) for n, t in _state(model) if t.is_floating_point() or t.is_complex()]
+    state = [(n, t) for n, t in _state(model) if t.is_floating_point()]
     from torch.distributed.tensor import DTensor
 
     if not state or any(holds_no_data(t) or isinstance(t, DTensor)
@@ -117,9 +117,10 @@ def _compare_values(model: nn.Module) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend() == "nccl" else torch.device("cpu")
     with torch.no_grad():
-        sums = torch.stack([torch.stack([t.detach().double().sum(),
-                                         t.detach().double().square().sum()]).to(device)
-                            for _, t in state]).flatten()
+        # no float64 copy of a tensor: a sum accumulated in float64, a norm in its dtype
+        sums = torch.stack([torch.stack([t.detach().sum(dtype=torch.float64),
+                                         torch.linalg.vector_norm(t.detach()).double()])
+                            for _, t in state]).to(device).flatten()
     both = torch.cat([sums, -sums])
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     n = sums.numel()
