@@ -37,13 +37,24 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from . import ops, partials
 from .batch_analysis import BatchAnalysis
 from .coupling import Partition, partition
 from .draws import emit_draws, hoisted_draws
-from .facts import FACT, REDUCTION, Batched, BatchSize, ReductionSpec, at_analysed_batch_only
+from .facts import (
+    FACT,
+    REDUCTION,
+    SHAPES,
+    Batched,
+    BatchSize,
+    Coupled,
+    ReductionSpec,
+    ValueInfo,
+    at_analysed_batch_only,
+)
 from .graph_code import graph_module
 from .graph_walks import ancestors
 from .recompute import checkpoint_blocks
@@ -205,6 +216,8 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
                       "sizes": sizes}, "two_phase")
         results = [_call(top, operator.getitem, (step, i), {}, x.name, x)
                    if isinstance(x, fx.Node) else x for i, x in enumerate(leaves)]
+        if rows is not None:  # C ran on the whole batch: a rank returns its rows, as a split
+            results = [_rows_of(top, r, x, start, share) for r, x in zip(results, leaves)]
         top.output(tuple(results))
     else:
         loss = analysis.trained_loss
@@ -342,6 +355,26 @@ def _input_like(graph: fx.Graph, node: fx.Node) -> fx.Node:
     ph = graph.placeholder(node.name)
     ph.meta = dict(node.meta)
     return ph
+
+
+def _rows_of(top: fx.Graph, value: Any, leaf: Any, start: int, share: int) -> Any:
+    """A per-sample output of a two-phase step on ranks: this rank's rows of the whole
+    batch's (``factor`` rows per sample where the batch dim was merged). A coupled one
+    (BatchNorm's logits) is per-sample where one dim grows with the batch, by whole rows."""
+    fact = leaf.meta.get(FACT) if isinstance(leaf, fx.Node) else None
+    info = leaf.meta.get(SHAPES) if isinstance(leaf, fx.Node) else None
+    if isinstance(fact, Batched) and fact.major and not fact.positions:
+        dim, factor = fact.dim, fact.factor
+    elif isinstance(fact, Coupled) and isinstance(info, ValueInfo) and info.is_tensor \
+            and len(info.batch_dims) == 1:
+        dim = info.batch_dims[0]
+        factor = info.shape_b[dim] - info.shape_a[dim]
+        if factor <= 0 or info.shape_a[dim] % factor:
+            return value
+    else:
+        return value
+    return _call(top, torch.narrow, (value, dim, start * factor, share * factor), {},
+                 f"{leaf.name}_rows", leaf)
 
 
 def _call(graph: fx.Graph, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

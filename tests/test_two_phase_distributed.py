@@ -90,6 +90,11 @@ def test_every_family_on_ranks(tmp_path, world, gbs, mbs):
             assert relative_error(grads, eager) <= 1e-10, (family, rank)
             for n, b in model.named_buffers():
                 assert relative_error(mine["buffers"][n], b) <= 1e-10, (family, rank, n)
+            # the per-sample outputs are this rank's rows, as a split step returns them
+            start, stop = mine["rows"]
+            for i, o in enumerate(out[1:] if isinstance(out, tuple) else ()):
+                assert relative_error(mine["outputs"][i], o.detach()[start:stop]) <= 1e-10, (
+                    family, rank, i)
 
 
 @pytest.mark.slow

@@ -139,7 +139,10 @@ def families_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> No
         out = cm(*mbdist.shard(batch, cm.plan, rank))
         loss = out[0] if isinstance(out, tuple) else out
         loss.backward()
+        rest = [o.detach() for o in out[1:]] if isinstance(out, tuple) else []
         results[family] = {"loss": loss.detach(), "two_phase": "two-phase" in cm.plan.reason,
+                           "outputs": rest,
+                           "rows": (lambda s: (s.start, s.stop))(mbdist.rank_slice(cm.plan, rank)),
                            "grads": {n: p.grad for n, p in model.named_parameters()},
                            "buffers": {n: b.clone() for n, b in model.named_buffers()}}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
