@@ -31,6 +31,8 @@ from mbcompile.passes.attr_shortcuts import shortcut_attrs
 from mbcompile.passes.autocast_regions import Region
 from mbcompile.passes.batch_analysis import BatchAnalysis
 from mbcompile.passes.capture import OutputSpec
+from mbcompile.passes.draws import is_draw
+from mbcompile.passes.errors import InputError
 from mbcompile.passes.graph_code import code_now
 from mbcompile.passes.guards import Guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
@@ -87,6 +89,14 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
         in_dims={p.target: d for p, d in zip(placeholders, in_dims)}, keep=analysed.kept,
         recompute=plan.recompute and analysed.training, cut=analysed.cut,
         rows=None if rank is None else (offset, plan.gbs))  # on ranks: draws at the gbs
+    if plan.recompute and analysed.training and _draws(rewritten.body) and (
+            request.torch_compile or {}).get("backend") == "eager":
+        raise InputError(
+            "recompute with torch_compile's backend 'eager' and random draws in the body "
+            "(dropout): that backend ignores activation checkpointing's replay of the RNG "
+            "(pytorch/pytorch#160773), so the recomputed forward would draw other masks "
+            "than the first and the gradients would not be the forward's. Fix: "
+            "torch_compile={'backend': 'aot_eager'} (or inductor), or recompute=False")
     channels = StepChannels(noise=request.noise_scale,
                             config=_step_config(request, plan, analysed, rewritten, slices))
     # the code of the step and its body, made once, here (fx would have made the body's
@@ -123,6 +133,14 @@ def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,
                       request.options.nonfinite, lengths_vary=bool(request.inputs.symbolic)
                       or request.options.dynamic == "auto",
                       replayable=not analysed.state.targets)
+
+
+def _draws(body: fx.GraphModule) -> bool:
+    """Whether the body draws random numbers: a random op in its graph or its blocks'
+    (``recompute`` splits it into one graph per block), or a layer that draws."""
+    return any(isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)) or (
+        isinstance(m, fx.GraphModule) and any(map(is_draw, m.graph.nodes)))
+        for m in body.modules())
 
 
 def _static(request: Request) -> dict[str, Any]:

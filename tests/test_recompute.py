@@ -79,6 +79,29 @@ def test_recomputation_replays_dropout():
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("backend,refused", [("eager", True), ("aot_eager", False)])
+def test_recomputed_dropout_under_torch_compiles_eager_backend_is_refused(backend, refused):
+    """torch.compile's "eager" backend ignores checkpointing's RNG replay (torch's own,
+    pytorch#160773: a hunt measured gradients 2.1 relative off the forward's masks), so
+    that combination is refused; aot_eager replays as uncompiled recompute does."""
+    torch.manual_seed(0)
+    model = Dropped().double()
+    twin = copy.deepcopy(model)
+    batch = (torch.randn(GBS, 8, dtype=torch.float64), torch.randn(GBS, dtype=torch.float64))
+    options = {"example_inputs": batch, "recompute": True, "torch_compile": {"backend": backend}}
+    if refused:
+        with pytest.raises(mbcompile.InputError, match="aot_eager"):
+            mbcompile.compile(model, GBS, 2, 3, **options)
+        return
+    grads = []
+    for m, extra in ((model, options), (twin, {"example_inputs": batch, "recompute": True})):
+        cm = mbcompile.compile(m, GBS, 2, 3, **extra)
+        torch.manual_seed(5)
+        cm(*batch).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+    assert relative_error(grads[0], grads[1]) <= 1e-12
+
+
 @pytest.mark.slow
 def test_auto_checkpoints_only_when_nothing_fits_without():
     model, batch = make_tiny_gpt(GBS, dtype=torch.float64, depth=4, seq=32)
