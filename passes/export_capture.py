@@ -46,8 +46,6 @@ import contextlib
 import inspect
 import logging
 import operator
-import re
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -280,40 +278,6 @@ def _differentiable_copy(graph: fx.Graph, node: fx.Node, env: Mapping[fx.Node, f
     return out
 
 
-@contextlib.contextmanager
-def _tensor_attributes_refused(name: str, fx_error: BaseException | None) -> Iterator[None]:
-    """A tensor forward assigns to a module attribute (``self.last = h.detach().mean()``):
-    torch.export puts every attribute back and only warns, so the write would be lost
-    silently where eager's sets it; refused as ``refuse_tensors`` refuses a dict's. That
-    warning is taken (every time: "always"), the others are shown as they come."""
-    assigned: list[str] = []
-    with warnings.catch_warnings():  # puts back the filters and showwarning after
-        warnings.filterwarnings("always", message="The tensor attribute")
-        shown = warnings.showwarning
-
-        def show(message: Any, *args: Any, **kwargs: Any) -> None:
-            found = _ASSIGNED.search(str(message))
-            if found is None:
-                shown(message, *args, **kwargs)
-            else:
-                assigned.append(found.group(1).removeprefix("self."))  # as Change names it
-
-        warnings.showwarning = show
-        yield
-    if assigned:
-        raise CaptureError(
-            f"{name}.forward writes a tensor to {assigned[0]}; under torch.export mbcompile "
-            "cannot replay that write once per step with the full batch's value (export puts "
-            "it back). " + (
-                "Fix: compile with capture='fx' (it replays such writes), or return the value "
-                "from forward and store it outside" if fx_error is None else
-                f"The torch.fx capture failed first: {str(fx_error).splitlines()[0]}. Fix: "
-                "return the value from forward and store it outside"))
-
-
-_ASSIGNED = re.compile(r"The tensor attributes? (.+?) (?:was|were) assigned during export")
-
-
 def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                    in_dims: Mapping[str, int | None], *,
                    fx_error: BaseException | None = None,
@@ -346,7 +310,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                     losses_read_values_refused(name, fx_error), \
                     root_hooks_watched(model, name, fx_error), \
                     torch.enable_grad(), reached_code(model, snapshot.add_slot, name) as reach, \
-                    autocast_entered() as regions, _tensor_attributes_refused(name, fx_error):
+                    autocast_entered() as regions:
                 try:
                     program = _export(model, kwargs, dynamic, strict=False)
                 except Exception as exc:

@@ -425,38 +425,3 @@ def test_pickling_works_or_raises_a_clear_error(how):
     assert torch.equal(loss, twin_loss)
     assert all(torch.equal(a, b) for a, b in zip(grads, twin_grads))
 
-
-class Logging(nn.Module):
-    """Blocks that count their calls and keep a tensor for logging (``self.last``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.head, self.n, self.last = nn.Linear(4, 4), nn.Linear(4, 3), 0, None
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.n += 1
-        h = torch.tanh(self.lin(x))
-        self.last = h.detach().mean()
-        return F.cross_entropy(self.head(h), y)
-
-
-def test_a_tensor_written_to_an_attribute_is_refused_by_export_and_replayed_by_auto():
-    """torch.export puts every attribute back and only warns: the write was lost silently
-    (and under "auto", once a counter's recompiles went to export, ``last`` stayed stale:
-    a hunt). Export refuses it by name now; "auto" replays it through fx, as eager sets it."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(5, 4, generator=g, dtype=torch.float64),
-                torch.randint(0, 3, (5,), generator=g)) for _ in range(4)]
-    model = Logging().double()
-    with pytest.raises(mbcompile.CaptureError, match="writes a tensor to last"):
-        mbcompile.compile(model, 5, 1, 5, example_inputs=batches[0], capture="export")
-    assert model.n == 0 and model.last is None
-    eager = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", mbcompile.RecompileWarning)  # the counter's
-        cm = mbcompile.compile(model, 5, 1, 5, example_inputs=batches[0])
-        for x, y in batches:
-            cm(x, y).backward()
-            eager(x, y).backward()
-            assert model.n == eager.n and torch.equal(model.last, eager.last)
