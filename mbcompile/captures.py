@@ -39,7 +39,7 @@ from mbcompile.errors import UnsupportedOpError
 from mbcompile.guard_cache import GuardCache
 from mbcompile.inputs import input_layout
 from mbcompile.integrations.transformers import install_output_hooks
-from mbcompile.mode_key import hooks_key, slots, tensor_kinds
+from mbcompile.mode_key import key_of, slots
 from mbcompile.passes.guards import failed_guard
 from mbcompile.passes.rules import lookup_rule
 from mbcompile.passes.rules.registry import MODE_FREE_RULES
@@ -56,9 +56,9 @@ def capture_key(request: Request) -> tuple[Any, ...]:
     inputs = request.inputs
     modules = tuple(request.inner.modules())
     concrete = tuple((name, repr(value)) for name, value in inputs.concrete.items())
+    # then the compiled module's mode key of the same modules (training flags at ``_MODE``)
     return (inputs.names, inputs.in_dims, concrete, input_layout(inputs, request.values),
-            tuple(m.training for m in modules), slots(modules),
-            hooks_key(modules, frozenset()), tensor_kinds(modules))
+            *key_of(modules, slots(modules), frozenset()))
 
 
 class Captures:

@@ -1,33 +1,28 @@
 """Rules of ops whose output's shape hides what they read: each output element reads a
-whole argument (``isin``, ``bucketize``), the flattened input (``take_along_dim`` without a
-dim), another layout (``kron``, ``as_strided``) or a dim chosen by size (``cross`` without
-a dim). The shapes at two batch sizes look per-sample for all of them, so ``per_sample``
-alone would split them; each rule here says when they are.
+whole argument (``isin``, ``bucketize``), the flattened input (``take_along_dim``
+without a dim), another layout (``kron``; ``as_strided``, ``along(every_dim)`` in the
+table) or a dim chosen by size (``cross`` without a dim). The shapes at two batch sizes
+look per-sample for all of them, so ``per_sample`` alone would split them; each rule
+here says when they are.
 """
 
 from __future__ import annotations
 
 from ..facts import Batched, Fact, ValueInfo
 from .context import Rule, RuleContext
-from .families import check_batch_not_in, per_sample
+from .dims import all_dims
+from .families import along, check_batch_not_in, per_sample
 from .spellings import node_name
 
-__all__ = ["as_strided_rule", "cross_rule", "kron_rule", "whole_argument"]
+__all__ = ["cross_rule", "kron_rule", "whole_argument"]
 
 
 def whole_argument(index: int, name: str, what: str) -> Rule:
     """``f(x, y)`` where every output element reads all of ``y`` (``isin``'s test
     elements, ``bucketize``'s boundaries): a batched ``y`` mixes the samples."""
-
-    def rule(ctx: RuleContext) -> Fact:
-        if isinstance(ctx.fact(ctx.arg(index, name)), Batched):
-            ctx.mix(f"each output element {what} {name}, which holds the whole batch's "
-                    "values, so a microbatch would see only its own",
-                    f"pass a batch-free {name} (a parameter, buffer or constant), or "
-                    "compare within each sample")
-        return per_sample(ctx)
-
-    return rule
+    return along(lambda ctx: all_dims(ctx, ctx.arg(index, name)), f"{what} {name}",
+                 f"pass a batch-free {name} (a parameter, buffer or constant), or compare "
+                 "within each sample", inputs=((index, name),))
 
 
 def kron_rule(ctx: RuleContext) -> Fact:
@@ -47,15 +42,6 @@ def kron_rule(ctx: RuleContext) -> Fact:
                         "samples (row i_a * B + i, for each row i_a of the first)",
                         "put the batched operand first: torch.kron(x, a) and reorder the "
                         "batch-free operand to match")
-    return per_sample(ctx)
-
-
-def as_strided_rule(ctx: RuleContext) -> Fact:
-    """as_strided reads memory by strides it is given, across rows of other samples."""
-    if isinstance(ctx.fact(ctx.arg(0, "input")), Batched):
-        ctx.mix("it reads a batched tensor's memory by explicit strides, which may cross "
-                "from one sample's rows into another's",
-                "use view, reshape, unfold or indexing over the non-batch dims")
     return per_sample(ctx)
 
 

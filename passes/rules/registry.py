@@ -147,7 +147,7 @@ from .groups import (
     VECTOR_NORMS,
     VECTOR_PAIRS,
 )
-from .hidden_reads import as_strided_rule, cross_rule, kron_rule, whole_argument
+from .hidden_reads import cross_rule, kron_rule, whole_argument
 from .indexing import (
     aten_index_rule,
     gather_rule,
@@ -239,8 +239,8 @@ TABLE.add(UNARY_MATH, pointwise)  # f(x), f_(x): batch dim unchanged
 TABLE.add(ACTIVATIONS, pointwise)  # act(x): functional, ATen and module
 TABLE.add(DROPOUTS, per_sample)  # x * mask (its random mask is the one inexact op)
 TABLE.add(BINARY, pointwise)  # f(a, b), f(a, b, c): batch dim from the batched side
-TABLE.add(spellings("isin"), whole_argument(1, "test_elements", "is tested against"))  # x in y
-TABLE.add(spellings("bucketize"), whole_argument(1, "boundaries", "is placed among"))  # bins of y
+TABLE.add(spellings("isin"), whole_argument(1, "test_elements", "tests elements against"))  # x in y
+TABLE.add(spellings("bucketize"), whole_argument(1, "boundaries", "bins elements by"))  # bins of y
 TABLE.add(OPERATORS, pointwise)  # a == b, a ** b, ~a, a // b: as above
 TABLE.add(spellings("one_hot"), pointwise)  # (B, ...) ids -> (B, ..., classes)
 # --- Linear arithmetic: a reduction may be added to, or scaled by, batch-free values -----
@@ -259,7 +259,7 @@ TABLE.add(EXPORT_CHECKS, drop_rule)  # export's asserts: no value, batch-free
 # --- Reshapes and dim moves: values untouched; the shapes locate the batch dim -----------
 TABLE.add(RESHAPES, reshape_rule, keeps_positions=True)  # (B, T, C) -> (B*T, C) batch-major
 TABLE.add(DIM_MOVES, per_sample, keeps_positions=True)  # permute, expand, select: dims move
-TABLE.add(AS_STRIDED, as_strided_rule)  # explicit strides may cross into other rows
+TABLE.add(AS_STRIDED, along(every_dim, "reads memory by explicit strides"))  # any row
 TABLE.add(SQUEEZES, squeeze_rule, keeps_positions=True)  # the size-1 dims of the full batch
 TABLE.add(REPEATS, repeat_rule, keeps_positions=True)  # copies along the batch interleave
 TABLE.add(REPEAT_INTERLEAVES, per_sample, keeps_positions=True)  # r copies of each sample, in order
