@@ -76,7 +76,7 @@ from .slot_guards import slot_guards
 from .sources import source_line, user_frame
 
 __all__ = ["FSDP_PARAM", "CaptureResult", "OutputSpec", "capture", "fsdp_modules",
-           "fsdp_view", "gathered_dtypes", "stand_in"]
+           "effects_as_outputs", "fsdp_view", "gathered_dtypes", "stand_in"]
 
 @dataclass(frozen=True)
 class CaptureResult:
@@ -277,7 +277,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                 for attr in [*numbers, *_stashed_constants(tracer, model, before)]:
                     del model.__dict__[attr]
                 rebound, rewired = snapshot.rebound_slots(), snapshot.rewired()
-                effects = _effects_as_outputs(graph, snapshot.changes(), prints, name)
+                effects = effects_as_outputs(graph, snapshot.changes(), prints, name)
         except CaptureError:
             raise
         except Exception as exc:  # any tracing failure becomes one clear error
@@ -352,7 +352,7 @@ def _stashed_constants(tracer: fx.Tracer, model: torch.nn.Module, before: set[st
             if name not in before and name in model.__dict__]
 
 
-def _effects_as_outputs(graph: fx.Graph, changes: Sequence[Change], prints: Sequence[Any],
+def effects_as_outputs(graph: fx.Graph, changes: Sequence[Change], prints: Sequence[Any],
                         name: str) -> Effects:
     """The trace's side effects (``passes/side_effects.py``); the traced values they hold
     become outputs after the model's own (one already returned keeps its place)."""

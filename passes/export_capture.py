@@ -55,7 +55,7 @@ import torch.fx._pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from .autocast_regions import autocast_entered
-from .capture import CaptureResult
+from .capture import CaptureResult, effects_as_outputs
 from .code_reach import reached_code
 from .custom_functions import checked_in_export
 from .errors import CaptureError
@@ -63,6 +63,7 @@ from .export_errors import SPECIALISED, export_error
 from .export_hooks import backward_hooks_refused, global_hooks_refused, tensor_hooks_refused
 from .export_losses import layers_export_refuses, losses_read_values_refused
 from .export_shapes import export_kwargs, has_tensor
+from .export_writes import TensorWrites, export_warning_dropped, refuse_tensors
 from .forward_modes import (
     detach_no_grad_regions,
     differentiation_refused,
@@ -74,7 +75,7 @@ from .keyword_view import keyword_view
 from .output_spec import flatten_output
 from .python_state import python_state_kept
 from .root_hooks import root_hooks_watched
-from .side_effects import prints_recorded, record_effects, refuse_tensors, rewiring_refused
+from .side_effects import prints_recorded, rewiring_refused
 from .slot_guards import slot_guards
 from .state_updates import has_mutations, mutates
 
@@ -102,8 +103,8 @@ class _Leaf:
         return f"_Leaf({self.index}, {self.path})"
 
 
-def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic: Any, strict: bool
-            ) -> torch.export.ExportedProgram:
+def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic: Any, strict: bool,
+            after: TensorWrites | None = None) -> torch.export.ExportedProgram:
     """``torch.export.export`` of ``model`` called with ``kwargs``, without fake tensors'
     dispatch cache: ``_export(model, {"input_ids": ids}, {"input_ids": {0: batch}}, False)``.
 
@@ -113,12 +114,13 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic: Any, strict
     export's time (1.5 s of CPU against 1.0 s without), for the few hits one trace
     has. The cache only replays outputs it checked: the graph has the same ops (the
     numbering of a node's name may differ: ``benchmarks/RESULTS.md``, "Where compile()'s
-    fixed cost goes").
+    fixed cost goes"). With ``after``, the program returns ``(output, after())``: the
+    tensors forward wrote into Python state (``export_writes.py``).
     """
     from torch._dynamo import config  # imported with torch.export already
 
-    with config.patch(fake_tensor_cache_enabled=False):
-        return torch.export.export(keyword_view(model, list(kwargs)), (), kwargs,
+    with config.patch(fake_tensor_cache_enabled=False), export_warning_dropped():
+        return torch.export.export(keyword_view(model, list(kwargs), after), (), kwargs,
                                    dynamic_shapes=dynamic, strict=strict)
 
 
@@ -303,6 +305,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         # what forward wrote is read after the inner block has put back its own switches
         with python_state_kept(model, concrete) as snapshot, prints_recorded() as prints:
             writes: dict[Any, Any] = {}  # export puts back what forward assigned: kept here
+            tensor_writes: TensorWrites | None = TensorWrites(snapshot, prints)  # read in the trace
             with _cache_off(model, example), recorded_reads(model, name, writes=writes) as \
                     guards, \
                     checked_in_export(name), inference_mode_as_no_grad(), \
@@ -312,7 +315,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
                     torch.enable_grad(), reached_code(model, snapshot.add_slot, name) as reach, \
                     autocast_entered() as regions:
                 try:
-                    program = _export(model, kwargs, dynamic, strict=False)
+                    program = _export(model, kwargs, dynamic, strict=False, after=tensor_writes)
                 except Exception as exc:
                     # export traced the whole forward before it refused the specialised
                     # batch dim: the recorders above still judge that trace when it ends
@@ -322,10 +325,12 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
             changes = snapshot.changes() + snapshot.unseen_assignments(writes)
             rewired = snapshot.rewired()
         rewiring_refused(rewired, name)
-        refuse_tensors(changes, prints, name, fx_error)  # plain values are replayed as they are
-        effects = record_effects(changes, prints, name)
+        # a size is symbolic in the trace; a tensor is an output of the one traced (not of
+        # the TorchDynamo trace taken where that one specialised the batch)
+        refuse_tensors(changes, prints, name, fx_error, tensors=specialised is not None)
         read = slot_guards(reach.slots, name)  # the globals as the user holds them again
         if specialised is not None:
+            tensor_writes = None
             program = _read_len_symbolically(model, kwargs, dynamic, example, name)
             if program is None:
                 raise export_error(model, specialised, fx_error, in_dims) from specialised
@@ -394,11 +399,20 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     flat_out = list(output.args[0])
     structured = pytree.tree_unflatten([_Leaf(i) for i in range(len(flat_out))],
                                        exported._out_spec)
+    written: list[Any] = []
+    if tensor_writes is not None:
+        structured, extra = structured
+        written = [fx.node.map_arg(flat_out[leaf.index], lambda n: env[n])
+                   if isinstance(flat_out[leaf.index], fx.Node) else flat_out[leaf.index]
+                   for leaf in extra]
     leaves: list[Any] = []
     spec = flatten_output(structured, leaves, lambda v: isinstance(v, _Leaf))
     graph.output(tuple(fx.node.map_arg(flat_out[leaf.index], lambda n: env[n])
                        if isinstance(flat_out[leaf.index], fx.Node) else flat_out[leaf.index]
                        for leaf in leaves))
+    if tensor_writes is not None:
+        changes, prints = tensor_writes.merged(changes, prints, written)
+    effects = effects_as_outputs(graph, changes, prints, type(model).__name__)
     # Getters the dropped guards read go (placeholders stay); what changes state does not:
     # export puts a torch.no_grad() region that updates buffers into a higher-order op whose
     # result nobody reads, and dropping it would silently skip the update.

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 from .errors import CaptureError
 from .guards import MISSING, Guard, plain, written_guard
@@ -51,7 +52,8 @@ from .python_state import DELETED, Change
 from .sources import source_line
 
 __all__ = ["NO_EFFECTS", "Effects", "Extend", "Held", "Print", "SetAttr", "SetItem",
-           "prints_recorded", "record_effects", "refuse_tensors", "replay", "rewiring_refused"]
+           "map_leaves", "prints_recorded", "record_effects", "replay", "rewiring_refused",
+           "tensors_in"]
 
 #: ``item()`` and its kind: a Python number read off a tensor, which a graph output cannot be
 _HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "numpy"})
@@ -74,7 +76,7 @@ class Held:
     traced: bool = False
 
     def rebuild(self, flat: Sequence[Any]) -> Any:
-        return _map(self.value, lambda o: flat[o.index], _Out) if self.traced else self.value
+        return map_leaves(self.value, lambda o: flat[o.index], _Out) if self.traced else self.value
 
 
 @dataclass(frozen=True)
@@ -177,13 +179,13 @@ def replay(effects: Effects, flat: Sequence[Any]) -> None:
 
 
 
-def _map(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
+def map_leaves(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) -> Any:
     """``value`` with every leaf of type ``kind`` replaced by ``fn(leaf)``, through tuples
     (named ones too), lists and dicts."""
     if isinstance(value, kind):
         return fn(value)
     if isinstance(value, tuple):
-        items = [_map(v, fn, kind) for v in value]
+        items = [map_leaves(v, fn, kind) for v in value]
         if hasattr(value, "_fields"):
             return type(value)(*items)
         try:
@@ -191,13 +193,20 @@ def _map(value: Any, fn: Callable[[Any], Any], kind: type | tuple[type, ...]) ->
         except TypeError:  # a torch.Size holds ints only, not what ``fn`` made of its sizes
             return tuple(items)
     if isinstance(value, list):
-        return type(value)(_map(v, fn, kind) for v in value)
+        return type(value)(map_leaves(v, fn, kind) for v in value)
     if isinstance(value, dict):
         out = value.copy()
         for k, v in value.items():
-            out[k] = _map(v, fn, kind)
+            out[k] = map_leaves(v, fn, kind)
         return out
     return value
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors ``value`` holds through tuples, lists and dicts, in order."""
+    found: list[torch.Tensor] = []
+    map_leaves(value, found.append, torch.Tensor)
+    return found
 
 
 class _Recorder:
@@ -223,11 +232,9 @@ class _Recorder:
                 self.outputs.append(node)
             return _Out(self.index[node])
 
-        mapped = _map(value, out, fx.Proxy)
-        if not traced:
-            return Held(value)
+        mapped = map_leaves(value, out, fx.Proxy)
         _check_no_hidden_proxy(mapped, what, self.model_name)
-        return Held(mapped, True)
+        return Held(mapped, True) if traced else Held(value)
 
 
 def _check_exact(node: fx.Node, what: str, model_name: str) -> None:
@@ -250,19 +257,38 @@ def _check_exact(node: fx.Node, what: str, model_name: str) -> None:
 
 
 def _check_no_hidden_proxy(value: Any, what: str, model_name: str) -> None:
-    """A traced value inside an object that is not a tuple, list or dict."""
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            _check_no_hidden_proxy(v, what, model_name)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _check_no_hidden_proxy(v, what, model_name)
-    elif hasattr(value, "__dict__") and any(isinstance(v, fx.Proxy)
-                                            for v in vars(value).values()):
+    """A traced value (an fx proxy, export's fake tensor) inside an object that is not a
+    tuple, list or dict: replayed, the user's state would hold the tracer's object."""
+    holder = _traced_holder(value, None, 4, set())
+    if holder is not None:
         raise CaptureError(
-            f"{model_name}.forward writes {what} a {type(value).__name__} that holds a traced "
+            f"{model_name}.forward writes {what} a {type(holder).__name__} that holds a traced "
             "tensor; mbcompile replays a write of tensors held in tuples, lists and dicts "
             "only. Fix: store the tensor itself, or a dict of tensors")
+
+
+def _traced_holder(value: Any, holder: Any, depth: int, seen: set[int]) -> Any:
+    """The first object (not a container) holding a traced value in ``value``, ``depth``
+    levels down; ``None`` where there is none. A module's own tensors are its state."""
+    if isinstance(value, fx.Proxy) or (isinstance(value, torch.Tensor) and is_fake(value)):
+        return holder
+    if depth == 0 or id(value) in seen or isinstance(value, (torch.Tensor, nn.Module, type,
+                                                              types.ModuleType)):
+        return None
+    seen.add(id(value))
+    if isinstance(value, (tuple, list)):
+        items: Any = value
+    elif isinstance(value, dict):
+        items = value.values()
+    elif hasattr(value, "__dict__") and not callable(value):
+        holder, items = value, vars(value).values()
+    else:
+        return None
+    for item in items:
+        found = _traced_holder(item, holder, depth - 1, seen)
+        if found is not None:
+            return found
+    return None
 
 
 def record_effects(changes: Sequence[Change], prints: Sequence[PrintCall | LevelRead],
@@ -380,45 +406,6 @@ def _holds(value: Any, ids: frozenset[int], depth: int = 4) -> bool:
     if depth and isinstance(value, dict):
         return any(_holds(v, ids, depth - 1) for v in value.values())
     return False
-
-
-def refuse_tensors(changes: Sequence[Change], prints: Sequence[PrintCall | LevelRead],
-                   model_name: str, fx_error: BaseException | None = None) -> None:
-    """Under torch.export: an effect that holds a tensor is refused (export traces fake
-    tensors, and mbcompile does not map them to graph outputs yet). The fix names the fx
-    capture, which replays them, unless fx already failed on this forward (``fx_error``):
-    then what made it fail, and the way around both."""
-    held = [(c.where, c.value) for c in changes] + [
-        (f"print at {p.where}", (p.args, p.kwargs)) for p in prints if isinstance(p, PrintCall)]
-    for where, value in held:
-        found: list[Any] = []
-        _map(value, found.append, torch.Tensor)
-        if found:
-            raise CaptureError(
-                f"{model_name}.forward writes a tensor to {where}; under torch.export mbcompile "
-                "cannot replay that write once per step with the full batch's value. "
-                + _fx_fix(fx_error, "it replays such writes",
-                          "return the value from forward and store it outside"))
-        # a size read off an input is symbolic there (the batch dim, a length that varies):
-        # replayed as it is, it would leave export's symbol (``s23``) in the user's state
-        _map(value, found.append, (torch.SymInt, torch.SymFloat, torch.SymBool))
-        if found:
-            raise CaptureError(
-                f"{model_name}.forward writes a size read off an input ({found[0]}) to "
-                f"{where}; under torch.export that size is symbolic, and mbcompile cannot "
-                "replay it with each call's value. "
-                + _fx_fix(fx_error, "it replays x.shape, x.size() and x.shape[0] with the full "
-                          "batch's sizes; tuple(x.shape) it cannot trace",
-                          "read the size outside forward"))
-
-
-def _fx_fix(fx_error: BaseException | None, why: str, otherwise: str) -> str:
-    """The fix of an effect export cannot replay: the fx capture, or (fx failed) the rest."""
-    if fx_error is None:
-        return f"Fix: compile with capture='fx' ({why}), or {otherwise}"
-    return (f"The torch.fx capture ({why}) failed first on this forward: "
-            f"{str(fx_error).splitlines()[0]}. Fix: make forward traceable by torch.fx, or "
-            f"{otherwise}")
 
 
 def rewiring_refused(rewired: Sequence[str], model_name: str) -> None:
