@@ -30,7 +30,8 @@ from .errors import CaptureError
 from .global_hooks import forward_hooks
 from .sources import user_frame
 
-__all__ = ["backward_hooks_refused", "global_hooks_refused", "tensor_hooks_refused"]
+__all__ = ["backward_hooks_refused", "global_hooks_refused", "module_tracker_note",
+           "tensor_hooks_refused"]
 
 
 def backward_hooks_refused(model: torch.nn.Module, model_name: str,
@@ -67,7 +68,19 @@ def global_hooks_refused(model_name: str, fx_error: BaseException | None = None)
             "the forward traceable by torch.fx and compile with capture='fx' (it traces the "
             "hook where forward enters a module, and watches it on each torch layer), or "
             "remove the hook while compiling and training; nothing was changed"
+            + module_tracker_note(fn)
             + (f"\n  torch.fx.symbolic_trace failed first: {fx_error}" if fx_error else ""))
+
+
+def module_tracker_note(fn: Any) -> str:
+    """Where the hook is torch's ``ModuleTracker``'s, who installed it (the user did not)."""
+    if not getattr(fn, "__module__", "").startswith("torch.utils.module_tracker"):
+        return ""
+    return ("\n  That hook is torch.utils.module_tracker.ModuleTracker's, which "
+            "FlopCounterMode installs while it is active (Lightning's ModelSummary does so at "
+            "max_depth other than 1 when the module sets example_input_array): call the "
+            "compiled module outside FlopCounterMode (in Lightning: ModelSummary(max_depth=1), "
+            "or leave example_input_array unset)")
 
 
 @contextlib.contextmanager

@@ -246,3 +246,27 @@ def test_a_backward_hook_of_a_module_fx_traces_through_is_refused(net):
     finally:
         handle.remove()
     assert rows == [] and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_flop_counter_modes_hooks_name_who_installed_them(net, capture):
+    """FlopCounterMode installs torch's ModuleTracker as global hooks (Lightning's
+    ModelSummary with example_input_array does, at max_depth other than 1): the refusal
+    named fixes that do not apply (the user registered no hook); it now names the mode and
+    the Lightning settings that avoid it. Under fx it comes at the call, where the layers
+    run the tracker's hooks per microbatch; under export at compile, where export would
+    call them on fake tensors (at a call, export's graph runs no layer: the call runs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, batch = net
+    params = [p.detach().clone() for p in model.parameters()]
+    fixes = r"ModuleTracker's, which FlopCounterMode installs.*ModelSummary\(max_depth=1\)"
+    if capture == "fx":
+        cm = mbcompile.compile(model, 7, 2, 2, example_inputs=batch, capture="fx")
+        with pytest.raises(UncheckedHookError, match=fixes), FlopCounterMode(display=False):
+            cm(*batch)
+    else:
+        with pytest.raises(mbcompile.CaptureError, match=fixes), FlopCounterMode(display=False):
+            mbcompile.compile(model, 7, 2, 2, example_inputs=batch, capture="export")
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))

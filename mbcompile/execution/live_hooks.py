@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import UncheckedHookError
 from mbcompile.passes import global_hooks, sandbox_patches
+from mbcompile.passes.export_hooks import module_tracker_note
 from mbcompile.passes.hook_reads import reads_only
 from mbcompile.passes.hook_sandbox import Kept, call_sandboxed, runs_per_microbatch
 from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
@@ -143,7 +144,8 @@ class WatchedHook:
                     "replayed once per step with the whole batch's values), or mark it "
                     "mbcompile.per_microbatch(hook) to run it on each microbatch on purpose. "
                     "The step was not run, and what the hook wrote was put back: "
-                    "parameters, gradients and your objects are as they were")
+                    "parameters, gradients and your objects are as they were"
+                    + module_tracker_note(self.fn))
         if not self.checked and (
                 result is not None or any(t._version != v for t, v in zip(tensors, versions))):
             raise UncheckedHookError(
