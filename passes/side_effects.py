@@ -269,9 +269,10 @@ def _check_no_hidden_proxy(value: Any, what: str, model_name: str) -> None:
 
 def _traced_holder(value: Any, holder: Any, depth: int, seen: set[int]) -> Any:
     """The first object (not a container) holding a traced value in ``value``, ``depth``
-    levels down; ``None`` where there is none. A module's own tensors are its state."""
+    levels down (the value itself where only containers hold it); ``None`` where there is
+    none. A module's own tensors are its state."""
     if isinstance(value, fx.Proxy) or (isinstance(value, torch.Tensor) and is_fake(value)):
-        return holder
+        return value if holder is None else holder  # in a container: no output mapped it
     if depth == 0 or id(value) in seen or isinstance(value, (torch.Tensor, nn.Module, type,
                                                               types.ModuleType)):
         return None
