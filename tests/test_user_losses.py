@@ -196,6 +196,42 @@ def test_gaussian_and_ctc_are_exact_with_torch_compile(case):
     assert_three_steps_exact(make, batch, "two_systems", torch_compile=True)
 
 
+class Energy(nn.Module):
+    """An energy model's score (denoising score matching): the input gradient taken inside
+    ``torch.enable_grad()``, so that eager's forward runs under ``torch.no_grad()`` too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = _critic()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_(True)
+            e = self.d(xr)
+            (score,) = torch.autograd.grad(e.sum(), xr, create_graph=True)
+        return (score.pow(2).sum(1) + e[:, 0]).mean(), score
+
+
+def test_an_energy_models_score_is_eagers_under_no_grad():
+    """Evaluated under ``torch.no_grad()`` it failed ("element 0 of tensors does not require
+    grad"): the graph keeps no switch for the ``enable_grad()`` region, so the body now
+    runs with grad on for such a call, its outputs detached: eager's loss, made outside the
+    region, carries no graph either; its score, made inside, does (docs/limits.md)."""
+    cm = assert_three_steps_exact(Energy, _features, "two_systems")
+    cm.module.zero_grad(set_to_none=True)
+    eager = copy.deepcopy(cm.module)
+    for n in (GBS, 4):
+        (x,) = _features(n)
+        x = x[:n]
+        with torch.no_grad():
+            got, want = cm(x), eager(x)
+        assert [t.requires_grad for t in got] == [False, False]
+        assert [t.requires_grad for t in want] == [False, True]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w.detach(), rtol=1e-12, atol=0)
+    assert all(p.grad is None for p in cm.module.parameters())
+
+
 def test_a_gradient_penalty_is_planned_by_the_cost_model():
     """The cost model's fake-tensor probes run the double backward too (mbs='auto')."""
     torch.manual_seed(0)

@@ -17,6 +17,10 @@ and runs as before. A reentrant checkpoint calls its function under ``no_grad``:
 compiled call is then forward-only, as eager's, and eager's own error follows at backward
 where no input required grad.
 
+A call under ``torch.no_grad()`` whose forward takes a gradient inside (an energy model's
+score: ``torch.enable_grad()`` around ``torch.autograd.grad``) runs its body with grad
+on, as eager's region does, and returns its outputs detached (``forward_only``).
+
 One wrapper is let through: ``torch.compile(cm)`` (``Trainer(torch_compile=True)``,
 ``Accelerator(dynamo_backend=...)``). Dynamo would trace into the step's Python (its
 split, the seeding, the hand-over) and fail there; ``outside_dynamo`` makes the call a
@@ -26,15 +30,39 @@ is the way to have inductor compile the microbatch body).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 from mbcompile.execution.live_hooks import called_as
 from mbcompile.passes.errors import InputError
+from mbcompile.passes.penalties import takes_gradients
 
-__all__ = ["outer_calls_refused", "outside_dynamo"]
+__all__ = ["forward_only", "outer_calls_refused", "outside_dynamo"]
+
+_DIFFERENTIATES: weakref.WeakKeyDictionary[fx.GraphModule, bool] = weakref.WeakKeyDictionary()
+
+
+def forward_only(run: Callable[[], list[tuple[Any, ...]]], body: Any
+                 ) -> list[tuple[Any, ...]]:
+    """``run()``, a call that trains nothing. Under ``torch.no_grad()`` a ``body`` that
+    takes a gradient inside runs with grad on: the graph keeps no grad-mode switch for an
+    ``enable_grad()`` region (the trace ran with grad on throughout), and eager's region
+    turns it on for its ``torch.autograd.grad`` (it failed: "element 0 of tensors does
+    not require grad"). Its outputs come back detached, as eager's computed outside that
+    region."""
+    if torch.is_grad_enabled() or not isinstance(body, fx.GraphModule):
+        return run()
+    if body not in _DIFFERENTIATES:
+        _DIFFERENTIATES[body] = takes_gradients(body)
+    if not _DIFFERENTIATES[body]:
+        return run()
+    with torch.enable_grad():
+        results = run()
+    return [tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in r) for r in results]
 
 
 @torch._disable_dynamo

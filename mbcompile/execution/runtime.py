@@ -29,7 +29,7 @@ from mbcompile.execution.deferred import deferred
 from mbcompile.execution.handover import FusedStep, grads_aside, hand_over, hooks_aside
 from mbcompile.execution.live_hooks import UncheckedHookError, in_step
 from mbcompile.execution.noise import NoiseScale
-from mbcompile.execution.outer_calls import outer_calls_refused
+from mbcompile.execution.outer_calls import forward_only, outer_calls_refused
 from mbcompile.execution.replay import RngStates
 from mbcompile.execution.seeding import Seed
 from mbcompile.execution.step_checks import StepChecks, read_host, take_refused
@@ -429,7 +429,7 @@ def _run(loop: _Loop, params: Sequence[torch.Tensor] | None = None) -> list[tupl
     params = [p for p in (loop.body.parameters() if params is None else params)
               if p.requires_grad]
     if not params or not torch.is_grad_enabled():
-        return loop.run()
+        return forward_only(loop.run, loop.body)
     if loop.fused_index is None or any(_requires_grad(mb) for mb in loop.microbatches[:1]):
         if loop.distributed:
             raise InputError(
