@@ -23,9 +23,11 @@ its submodule ``module``:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch.nn as nn
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 __all__ = ["ModelFace", "SignedForward"]
 
@@ -52,9 +54,37 @@ class ModelFace:
     def _face_state_dict(self) -> None:
         """Make ``state_dict()`` keys the model's own (``net.0.weight``, not
         ``module.net.0.weight``), also when this module sits inside a parent: hooks, not
-        overrides, so nesting works; ``load_state_dict`` takes the same keys."""
+        overrides, so nesting works; ``load_state_dict`` takes the same keys, and the keys
+        it reports missing or unexpected are named so too."""
         self.register_state_dict_post_hook(_strip_module_prefix)  # type: ignore[attr-defined]
         self.register_load_state_dict_pre_hook(_add_module_prefix)  # type: ignore[attr-defined]
+        self.register_load_state_dict_post_hook(_named_as_saved)  # type: ignore[attr-defined]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
+        """The model's parameters under the model's names, as ``state_dict()`` keys them:
+        an EMA kept by those keys, and torch.distributed.checkpoint, which names optimizer
+        state from these and model state from ``state_dict()``, see one name per tensor."""
+        for name, p in nn.Module.named_parameters(self, prefix, recurse,  # type: ignore[arg-type]
+                                                  remove_duplicate):
+            yield _model_name(name, prefix), p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
+        """The model's buffers under the model's names (``named_parameters``)."""
+        for name, b in nn.Module.named_buffers(self, prefix, recurse,  # type: ignore[arg-type]
+                                               remove_duplicate):
+            yield _model_name(name, prefix), b
+
+    def get_extra_state(self) -> Any:
+        """torch asks ``self.__class__`` (the model's) whether there is extra state, then
+        asks this module for it (``nn.Module``'s own raises): the model's, which the
+        state-dict hook also moves from the model's key to this one (the same value)."""
+        return self.module.get_extra_state()  # type: ignore[attr-defined]
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing: the model's own ``set_extra_state`` takes the key (``_add_module_prefix``
+        gives it a copy)."""
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # pickle refuses an object whose __class__ is not its type (copyreg.__newobj__)
@@ -99,13 +129,30 @@ def _strip_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: 
                          local_metadata: Any) -> None:
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+        state_dict[_model_name(key, prefix)] = state_dict.pop(key)
 
 
 def _add_module_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                        *args: Any) -> None:
+    module.__dict__["_face_loaded_at"] = prefix  # for the keys it reports (_named_as_saved)
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        state_dict[prefix + "module." + key[len(prefix):]] = state_dict.pop(key)
+        value = state_dict.pop(key)
+        state_dict[prefix + "module." + key[len(prefix):]] = value
+        if key == prefix + _EXTRA_STATE_KEY_SUFFIX:  # asked of this module too (the model's
+            state_dict[key] = value                  # class says it has some): both keys
+
+
+def _named_as_saved(module: nn.Module, incompatible: Any) -> None:
+    """The keys a load reports missing or unexpected, named as ``state_dict()`` names them
+    (``lm_head.weight``, not ``module.lm_head.weight``): also the strict error's names."""
+    prefix = module.__dict__.pop("_face_loaded_at", "")
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [_model_name(k, prefix) for k in keys]
+
+
+def _model_name(name: str, prefix: str) -> str:
+    inner = prefix + "module."
+    return prefix + name[len(inner):] if name.startswith(inner) else name
 
 
 def _rebuild(cls: type) -> Any:

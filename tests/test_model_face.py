@@ -226,3 +226,72 @@ def test_compiled_in_eval_mode_training_compiles_the_training_graph_only_and_say
     trained = mbcompile.compile(model.train(), GBS, SYSTEMS, MBS, example_inputs=batch,
                                 cost_model=False)
     assert not any("eval mode" in note for note in trained.plan.warnings)
+
+
+class _Counted(nn.Module):
+    """A model that checkpoints a Python counter the documented way (extra state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.steps = nn.Linear(4, 2), 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.lin(x), y)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.steps = state["steps"]
+
+
+def test_extra_state_saves_and_loads_through_the_compiled_module():
+    """``cm.state_dict()`` raised torch's "should never be called" error (torch asks the
+    model's class whether there is extra state, then asked the compiled module), and
+    ``cm.load_state_dict`` refused the model's own state; so did every parent holding cm."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model = _Counted()
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    cm = mbcompile.compile(model, 6, 2, 1, example_inputs=(x, y), cost_model=False)
+    model.steps = 5
+    saved = cm.state_dict()
+    assert saved.keys() == model.state_dict().keys() and saved["_extra_state"] == {"steps": 5}
+    assert get_model_state_dict(cm).keys() == saved.keys()
+    parent = nn.ModuleDict({"cm": cm})
+    assert list(parent.state_dict()) == [f"cm.{k}" for k in saved]
+    fresh = _Counted()
+    fresh_cm = mbcompile.compile(fresh, 6, 2, 1, example_inputs=(x, y), cost_model=False)
+    assert not fresh_cm.load_state_dict(saved).missing_keys and fresh.steps == 5
+    model.steps = 0
+    parent.load_state_dict(parent.state_dict() | {"cm._extra_state": {"steps": 9}})
+    assert model.steps == 9
+
+
+def test_named_parameters_and_the_keys_a_load_reports_are_the_state_dicts():
+    """They were ``module.tok.weight`` where ``state_dict()`` says ``tok.weight``:
+    torch.distributed.checkpoint then keyed the optimizer state one way and the model
+    state the other (a checkpoint saved through cm did not load into the model, and
+    ``strict=False`` dropped every optimizer entry), and a load reported keys that exist
+    nowhere."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, batch, cm = _compiled()
+    assert [n for n, _ in cm.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [n for n, _ in cm.named_buffers()] == [n for n, _ in model.named_buffers()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cm(*batch)[0].backward()
+    opt.step()
+    saved_model, saved_opt = get_state_dict(cm, opt)
+    other, _ = make_tiny_gpt(GBS, dtype=torch.float64)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    set_state_dict(other, other_opt, model_state_dict=saved_model, optim_state_dict=saved_opt)
+    assert len(other_opt.state) == len(opt.state) > 0
+    for p, q in zip(other.parameters(), model.parameters()):
+        assert torch.equal(other_opt.state[p]["exp_avg"], opt.state[q]["exp_avg"])
+    name = next(iter(saved_model))
+    partial = {k: v for k, v in cm.state_dict().items() if k != name} | {"extra": torch.ones(1)}
+    keys = cm.load_state_dict(partial, strict=False)
+    assert keys.missing_keys == [name] and keys.unexpected_keys == ["extra"]
+    with pytest.raises(RuntimeError, match=f'Missing key\\(s\\) in state_dict: "{name}"'):
+        cm.load_state_dict(partial)
