@@ -396,6 +396,46 @@ def test_a_crash_resumes_with_lr_warmup_noise_scale_and_metrics_exact(tmp_path):
         assert all(torch.equal(p[k], q[k]) for k in p)
 
 
+class NoisyMLP(DropoutMLP):
+    """Draws its noise from a generator of its own, made again from its seed by __init__."""
+
+    def __init__(self) -> None:
+        super().__init__(p=0.0)
+        self.g = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        h = h + 0.1 * torch.randn(h.shape, generator=self.g, dtype=h.dtype)
+        return torch.nn.functional.mse_loss(self.l2(torch.tanh(h)), y)
+
+
+def test_a_resume_draws_on_from_the_models_own_generator(tmp_path):
+    """The checkpoint kept torch's, Python's and numpy's RNGs but not a generator the model
+    holds: the resumed run drew from its seed again (losses 1.2119 against 1.3380)."""
+    def make(name: str, crash: int | None = None) -> tuple[Trainer, object]:
+        torch.manual_seed(0)
+        model = NoisyMLP().double()
+        data = shuffled(GBS, samples=24)
+        data.loader.dataset.x = data.loader.dataset.x.double()
+        data.loader.dataset.y = data.loader.dataset.y.double()
+        return Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), gbs=GBS,
+                       num_csx=NUM_CSX, log_dir=tmp_path / name, checkpoint_every=2,
+                       callbacks=[GlobalFlags(micro_batch_size=2),
+                                  *([CrashAt(crash)] if crash else [])],
+                       console=Console(file=io.StringIO())), data
+
+    reference, data = make("ref")
+    reference.fit(data, max_steps=5)
+    crashed, data = make("run", crash=3)
+    with pytest.raises(RuntimeError, match="crash"):
+        crashed.fit(data, max_steps=5)
+    resumed, data = make("run")
+    resumed.fit(data, max_steps=5, resume=True)
+    assert rows(tmp_path / "run") == rows(tmp_path / "ref")
+    assert_same_model(dict(resumed.model.state_dict()), dict(reference.model.state_dict()))
+    assert torch.equal(resumed.model.g.get_state(), reference.model.g.get_state())
+
+
 def test_b_simple_is_logged_with_its_row_and_restored_on_resume(tmp_path):
     """The noise-scale monitor's b_simple is in each training row as it is written to
     metrics.jsonl and metrics.csv, so the rows a resumed run reads back from the log (the
@@ -489,9 +529,23 @@ def test_only_plain_data_is_ever_unpickled(tmp_path, capsys):
 
     manifest["files"]["state.pt"] = _digest(bad)
     (tmp_path / "step-00000002" / "MANIFEST.json").write_text(json.dumps(manifest))
-    ck = store.load_newest()
-    assert ck is not None and ck.step == 1
-    assert "step-00000002 is damaged" in capsys.readouterr().err  # refused by weights_only
+    # refused by weights_only: named, and left in place (its files are as written, so it
+    # is not damaged; it was set aside, and the next resume then started from step 0)
+    with pytest.raises(CheckpointError, match="step-00000002 is as it was written, but holds "
+                       "a value torch.load\(weights_only=True\) refuses"):
+        store.load_newest()
+    assert (tmp_path / "step-00000002" / "state.pt").is_file()
+    # what save() is given is checked before anything is written: numpy's scalars become
+    # Python's, any other object is refused by its place
+    store.save(3, {"model": {}, "optimizer": {"param_groups": [{"lr": np.float64(0.1)}]}},
+               {"step": 3, "global_step": 3}, {"rng": {}})
+    lr = read_checkpoint(tmp_path / "step-00000003").state["optimizer"]["param_groups"][0]["lr"]
+    assert type(lr) is float and lr == 0.1
+    with pytest.raises(CheckpointError, match=r"state\['model'\]\['_extra_state'\] is a "
+                       r"test_checkpoint.Payload.*nothing was written"):
+        store.save(4, {"model": {"_extra_state": Payload()}, "optimizer": {}},
+                   {"step": 4, "global_step": 4}, {"rng": {}})
+    assert not [p for p in tmp_path.iterdir() if "00000004" in p.name]
     # DCP's metadata pickle admits its own classes only
     (tmp_path / "dcp").mkdir()
     (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Payload()))

@@ -32,7 +32,9 @@ How a checkpoint is written (``CheckpointStore.save``):
 How one is read back (``CheckpointStore.load_newest``): newest first, a checkpoint
 whose files do not match its manifest (truncated, corrupt, missing) or do not load
 is reported on stderr by its path, renamed to ``step-...damaged`` and the previous
-one is tried.
+one is tried; one whose files are as written but hold a value ``weights_only`` refuses
+is refused (``CheckpointError``), left in place (``save`` checks what it is given:
+``checkpoint_values.py``).
 
 Why loading is safe: no file is unpickled with arbitrary globals.
 ``state.pt`` and ``structure.pt`` are read with ``torch.load(weights_only=True)``
@@ -50,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -62,7 +65,6 @@ from typing import IO, Any
 
 import torch
 
-from mbcompile.errors import MbcompileError
 from mbcompile.training.checkpoint_dcp import (
     DCP,
     Damaged,
@@ -70,6 +72,7 @@ from mbcompile.training.checkpoint_dcp import (
     read_dcp_metadata,
     split_tensors,
 )
+from mbcompile.training.checkpoint_values import CheckpointError, plain_state
 from mbcompile.training.signals import TrainingInterrupted
 
 __all__ = [
@@ -100,10 +103,6 @@ def _step_dir(step: int) -> str:
 
 def _rng_file(rank: int) -> str:
     return f"rng-rank{rank}.json"
-
-
-class CheckpointError(MbcompileError):
-    """A checkpoint cannot be used to resume: written by another run shape, or unreadable."""
 
 
 # --------------------------------------------------------------------------- #
@@ -242,6 +241,16 @@ def _read(path: Path, rank: int = 0, world: int = 1, group: Any = None,
     return Checkpoint(path, int(trainer["global_step"]), state, trainer, rank_state, written)
 
 
+def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
+    """A checkpoint whose files are as written but hold a value ``weights_only`` refuses
+    (written before ``plain_state`` checked them): kept where it is, named."""
+    return CheckpointError(
+        f"checkpoint {path} is as it was written, but holds a value torch.load("
+        f"weights_only=True) refuses: {str(exc).splitlines()[0]}. It was left in place. "
+        "Fix: load it yourself with torch.load(..., weights_only=False) if you trust it, "
+        "and save the model and optimizer again with plain values")
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Verify and read the checkpoint folder ``path`` in this process (also one written by
     ranks, whose RNG file of rank 0 it returns); raises ``CheckpointError`` if damaged."""
@@ -311,6 +320,7 @@ class CheckpointStore:
         this with its own ``rank_state``.
         """
         rank, world = self._rank()
+        state = plain_state(dict(state))  # what weights_only reads back, or refused here
         tmp = self.folder / f".tmp-{_step_dir(step)}"
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -399,6 +409,8 @@ class CheckpointStore:
                     return _read(path, check=check)
                 except CheckpointError:
                     raise
+                except pickle.UnpicklingError as exc:  # as written (verified): not damaged
+                    raise _unreadable(path, exc) from exc
                 except Exception as exc:  # truncated, corrupt, unsafe: the previous one
                     self._set_aside(path, str(exc), err)
             return None

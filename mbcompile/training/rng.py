@@ -1,5 +1,6 @@
 """RNG states as plain Python values: what a checkpoint stores so that a resumed run
-draws the same numbers (torch CPU and CUDA, Python's ``random``, numpy when installed).
+draws the same numbers (torch CPU and CUDA, Python's ``random``, numpy when installed,
+and the ``torch.Generator`` objects the model holds, which forward may draw from).
 
 The states are JSON (hex strings and lists), never pickles: a checkpoint's files are
 read without unpickling anything but tensors (see ``mbcompile.training.checkpoint``).
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["broadcast_rng_state", "preserved_rng", "rng_state", "set_rng_state"]
+__all__ = ["broadcast_rng_state", "generator_states", "preserved_rng", "rng_state",
+           "set_generator_states", "set_rng_state"]
 
 
 def _numpy() -> Any:
@@ -56,6 +58,34 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     if np is not None and "numpy" in state:
         name, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def generator_states(model: torch.nn.Module) -> list[str]:
+    """The states of the generators ``model``'s modules hold (``self.g =
+    torch.Generator()``), in module order: a resumed run's forward draws on from there
+    (they were made again from their seed at ``__init__``)."""
+    from mbcompile.passes.generators import generators_of
+
+    return [_hex(g.get_state()) for g in generators_of(model)]
+
+
+def set_generator_states(model: torch.nn.Module, states: list[str] | None) -> None:
+    """Restore what ``generator_states`` returned (None: a checkpoint written before they
+    were kept, left as they are)."""
+    from mbcompile.passes.generators import generators_of
+
+    if states is None:
+        return
+    generators = generators_of(model)
+    if len(generators) != len(states):
+        from mbcompile.training.checkpoint import CheckpointError
+
+        raise CheckpointError(
+            f"the checkpoint holds the states of {len(states)} torch.Generator objects of "
+            f"the model, and {type(model).__name__} holds {len(generators)}: resume with "
+            "the model the checkpoint was written with")
+    for g, state in zip(generators, states):
+        g.set_state(_unhex(state))
 
 
 def broadcast_rng_state(group: Any) -> None:

@@ -33,7 +33,13 @@ from mbcompile.training.data_cursor import DataCursor
 from mbcompile.training.elastic import check_run, warn_config
 from mbcompile.training.lr_scaling import LRScaling
 from mbcompile.training.metrics import MetricsLog
-from mbcompile.training.rng import preserved_rng, rng_state, set_rng_state
+from mbcompile.training.rng import (
+    generator_states,
+    preserved_rng,
+    rng_state,
+    set_generator_states,
+    set_rng_state,
+)
 from mbcompile.training.signals import describe_signal
 from mbcompile.version import __version__
 
@@ -89,7 +95,8 @@ class CheckpointingMixin:
         }
         with preserved_rng():
             path = self.checkpoints.save(self.global_step, self._state(), trainer,
-                                         {"rng": rng_state(), "pass_rng": cursor.pass_rng})
+                                         {"rng": rng_state(), "pass_rng": cursor.pass_rng,
+                                          "generators": generator_states(self.model)})
         self.last_checkpoint = path
         if self.progress:
             self._print(f"checkpoint after step {step} ({reason}): {path}")
@@ -141,6 +148,7 @@ class CheckpointingMixin:
             self.history = self.log.resume(int(t["metrics_rows"]) if ours else 0)
         cursor.seek(t["data"], ck.rank.get("pass_rng"))
         set_rng_state(ck.rank["rng"])
+        set_generator_states(self.model, ck.rank.get("generators"))
         self.last_checkpoint = ck.path
         self._print(f"resumed from {ck.path}: step {t['step']}, global step "
                     f"{self.global_step}")
