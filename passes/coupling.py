@@ -101,7 +101,7 @@ def partition(graph: fx.Graph, extra_roots: Iterable[fx.Node] = (),
             part.frontier.append(n)
         elif n.op == "placeholder" or n in inputs:
             continue  # an unbatched input: the tail reads it as it is
-        elif isinstance(fact, BatchSize) or _shape_number(n):
+        elif (isinstance(fact, BatchSize) or _shape_number(n)) and not _reads_number_input(n):
             part.constants[n] = n.meta[SHAPES].int_a
         else:
             in_tail.add(n)
@@ -130,6 +130,15 @@ def _shape_number(n: fx.Node) -> bool:
             or not isinstance(info.int_a, (int, float)) or info.int_a != info.int_b:
         return False
     return _reads_batched(n.all_input_nodes)
+
+
+def _reads_number_input(n: fx.Node) -> bool:
+    """Computed from a number the graph reads at run time (``guards.read_number``: a counter
+    fed each call): no constant of compile time (``self.seen += x.shape[0]`` was fixed at
+    the third step's 14 + 7, and the counter stopped). The tail computes it each call."""
+    from .guards import read_number  # the guards import the capture's whole reading side
+
+    return any(a.op == "call_function" and a.target is read_number for a in ancestors([n]))
 
 
 def _reads_batched(nodes: Sequence[fx.Node]) -> bool:

@@ -50,7 +50,7 @@ from .guard_values import (
     slotted_object,
 )
 from .python_state import MODULE_INTERNALS
-from .read_paths import Call, Get, appended_read, path_after, shown
+from .read_paths import Call, Get, appended_read, path_after, read_where_written, shown
 from .whose_code import holds_state, user_code
 
 __all__ = ["MISSING", "Guard", "NumberInput", "failed_guard", "inputs_wanted",
@@ -408,6 +408,9 @@ def unwritten(guards: Sequence[Guard], written: frozenset[int],
     depend on the absence (``setdefault`` keeps the first value; compiled again once set)."""
     done = []
     for guard in guards:
+        done.extend(Guard(o, k, now, item, (guard.where or f"self.{guard.name}") + path,
+                          identity=isinstance(now, torch.Tensor)) for o, k, item, path, now
+                    in read_where_written(guard.value, guard.reads, written, keys_set or {}))
         read = appended_read(guard.value, guard.reads, written) if guard.reads else None
         if read is not None:
             name = (guard.where or f"self.{guard.name}") + shown(read)

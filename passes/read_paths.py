@@ -32,14 +32,14 @@ import dis
 import inspect
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .guard_values import ATOMS, plain_object
 from .whose_code import user_instance
 
-__all__ = ["Attr", "Call", "Get", "appended_read", "path_after", "shown"]
+__all__ = ["Attr", "Call", "Get", "appended_read", "path_after", "read_where_written", "shown"]
 
 
 @dataclass(frozen=True)
@@ -272,6 +272,44 @@ _SELF: dict[types.CodeType, frozenset[tuple[Any, ...]]] = {}
 def _object(value: Any) -> bool:
     """An object whose attributes are followed: a plain one, or one of the user's class."""
     return plain_object(value) or user_instance(value)
+
+
+def read_where_written(value: Any, paths: Iterable[tuple[Any, ...]], written: frozenset[int],
+                       keys_set: Mapping[int, set[Any]]
+                       ) -> list[tuple[Any, Any, bool, str, Any]]:
+    """The locations one of ``paths`` reads in ``value`` that forward also writes
+    (``written``: the ids of the dicts and objects it sets keys or attributes of,
+    ``keys_set`` those keys by id): ``(owner, key, item, path as written, value there)``.
+    The value written may be computed from the one read there (``stats["ema"] = 0.9 *
+    stats["ema"] + 0.1 * loss``), which the trace fixed: a replay is exact only while it
+    is as traced."""
+    found: dict[tuple[int, Any], tuple[Any, Any, bool, str, Any]] = {}
+
+    def read(owner: Any, key: Any, item: bool, where: tuple[Any, ...]) -> None:
+        now = owner.get(key, _ABSENT) if item else vars(owner).get(key, _ABSENT)
+        if now is not _ABSENT:  # (one missing: guards._set_where_missing)
+            found.setdefault((id(owner), key), (owner, key, item, shown(where), now))
+
+    for path in paths:
+        here, walked = value, ()
+        for step in path:
+            key = step.name if isinstance(step, Attr) else step.key if isinstance(step, Get) \
+                else step
+            if id(here) in written and key in keys_set.get(id(here), ()):
+                read(here, key, not isinstance(step, Attr), (*walked, step))
+                break
+            after = _follow(here, step)
+            if after is _ABSENT:
+                break
+            if after is _OPEN:  # read there in a way not followed: as if whole
+                path = walked
+                break
+            here, walked = after, (*walked, step)
+        if len(walked) == len(path):  # read whole (passed on, printed): every key set there
+            for key in keys_set.get(id(here), ()) if id(here) in written else ():
+                item = type(here) is dict
+                read(here, key, item, (*walked, key if item else Attr(key)))
+    return list(found.values())
 
 
 def _follow(value: Any, step: Any) -> Any:

@@ -156,11 +156,14 @@ class Effects:
         return bool(self.records)
 
     def keys_set(self) -> dict[int, set[Any]]:
-        """The keys forward sets, by the id of the dict (or other container) it sets them in."""
+        """The keys forward sets, by the id of the dict (or other container) it sets them in,
+        and the attributes it sets on objects that are not modules."""
         keys: dict[int, set[Any]] = {}
         for record in self.records:
-            if isinstance(record, SetItem) and record.value is not None:
-                keys.setdefault(id(record.owner), set()).add(record.key)
+            if isinstance(record, SetItem) and record.value is not None or isinstance(
+                    record, SetAttr) and not isinstance(record.owner, nn.Module):
+                keys.setdefault(id(record.owner), set()).add(
+                    record.key if isinstance(record, SetItem) else record.name)
         return keys
 
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 from .. import partials
 from ..facts import REDUCTION, Batched, Container, Fact, Free, Reduced, ReductionSpec
 from .context import Rule, RuleContext, batched_facts, join_facts
+from .embedding_flags import check_embedding_flags
 from .families import along, channels_first, check_batch_not_in, per_sample, pointwise
 from .spellings import is_aten, node_name, rule_key
 
@@ -173,8 +174,14 @@ def transformer_layer_rule(ctx: RuleContext) -> Fact:
 
 def embedding_rule(table_index: int, table_name: str = "weight") -> Rule:
     """embedding(ids, table): rows of a batch-free table picked per sample."""
-    return along(lambda ctx: [0], "looks up rows", "look up rows of a batch-free table",
+    rows = along(lambda ctx: [0], "looks up rows", "look up rows of a batch-free table",
                  inputs=((table_index, table_name),))
+
+    def rule(ctx: RuleContext) -> Fact:
+        check_embedding_flags(ctx)
+        return rows(ctx)
+
+    return rule
 
 
 def embedding_bag_rule(ctx: RuleContext) -> Fact:
@@ -191,6 +198,7 @@ def embedding_bag_rule(ctx: RuleContext) -> Fact:
                 "points do not follow samples",
                 "pass 2-d (B, L) indices (pad with padding_idx) so each row is one bag")
     check_batch_not_in(ctx, ids, [-1], "pools a bag")
+    check_embedding_flags(ctx)
     return per_sample(ctx)
 
 
