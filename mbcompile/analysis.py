@@ -305,7 +305,9 @@ def _weights_set_after(captured: CaptureResult, model: nn.Module) -> CaptureResu
 
 
 def _analyse_captured(captured: CaptureResult, request: Request) -> Analysed:
-    return _shaped(captured, lift_state_updates(captured.graph_module), request)
+    state = lift_state_updates(captured.graph_module)
+    state.refuse_plain_tensors(request.model)
+    return _shaped(captured, state, request)
 
 
 def _shaped(captured: CaptureResult, state: StateUpdates, request: Request) -> Analysed:

@@ -72,6 +72,31 @@ class StateUpdates:
                 else:
                     arguments[target.name].copy_(value)
 
+    def refuse_plain_tensors(self, model: torch.nn.Module) -> None:
+        """A ``CaptureError`` where a state forward writes in place is a plain tensor
+        attribute of ``model`` (``self.ema = torch.tensor(0.)``): fx's graph holds it as a
+        buffer, so the write-back raised "is not a buffer" after the step had run, and a
+        variant at another batch size read a stale copy."""
+        for target in self.targets:
+            if target.kind == "buffer" and _plain_tensor(model, target.name):
+                raise CaptureError(
+                    f"forward writes in place into self.{target.name}, a tensor attribute "
+                    "that is not a buffer; mbcompile writes a step's state back into "
+                    "buffers and frozen parameters only. Fix: register it as a buffer "
+                    f"(self.register_buffer({target.name.rpartition('.')[2]!r}, tensor), "
+                    "persistent=False to keep it out of the state_dict); nothing was "
+                    "changed")
+
+
+def _plain_tensor(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``model`` holds a tensor at the dotted ``name`` that is not a buffer."""
+    owner, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(owner) if owner else model
+    except AttributeError:
+        return False
+    return attr not in module._buffers and isinstance(vars(module).get(attr), torch.Tensor)
+
 
 def _target(node: fx.Node, gm: fx.GraphModule) -> StateTarget | None:
     """The state a written-to node stands for (a buffer or an input), if any."""
@@ -79,6 +104,13 @@ def _target(node: fx.Node, gm: fx.GraphModule) -> StateTarget | None:
         return StateTarget("input", str(node.target))
     if node.op == "get_attr":
         owner, _, name = str(node.target).rpartition(".")
+        if name.startswith("_tensor_constant"):  # fx's: a tensor forward made, kept as one
+            raise CaptureError(
+                f"forward writes in place into a tensor it made itself ({source_line(node)}: "
+                "torch.zeros(3).add_(...)); torch.fx keeps such a tensor as a constant of "
+                "the graph, made once, where eager makes it anew each call. Fix: write it "
+                "out of place (t = t + ...), or compile with capture='export' (it traces "
+                "the tensor as made each call); nothing was changed")
         module = gm.get_submodule(owner) if owner else gm
         if name in dict(module.named_buffers(recurse=False)):
             return StateTarget("buffer", str(node.target))
