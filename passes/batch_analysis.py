@@ -25,6 +25,7 @@ A rejection reads (``MixingError``)::
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -168,9 +169,12 @@ def _carries_gradient(node: fx.Node, gm: fx.GraphModule) -> bool:
     name = node_name(node) if node.op != "call_module" else ""
     if name in _NO_VALUES:
         return False
+    broadcast = _broadcast_item(node)
     if node.op == "call_module" and any(True for _ in gm.get_submodule(node.target)
                                         .parameters()):
         found = True
+    elif broadcast is not None:  # broadcast_tensors' k-th output is its k-th input's
+        found = bool(broadcast.meta.get(PARAMS, False))
     else:
         args = node.args[:1] if name in _FIRST_ARG_VALUES else (node.args, node.kwargs)
         flags: list[bool] = []
@@ -186,6 +190,21 @@ def _carries_gradient(node: fx.Node, gm: fx.GraphModule) -> bool:
             info.dtype.is_floating_point or info.dtype.is_complex):
         return False
     return True
+
+
+def _broadcast_item(node: fx.Node) -> fx.Node | None:
+    """The input ``node`` broadcasts, where it is ``broadcast_tensors(...)[k]`` (export's
+    ``mse_loss(o, y)``: a metric computed from the target's carries no gradient)."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    src, k = node.args[0], node.args[1]
+    if not (isinstance(src, fx.Node) and src.op == "call_function" and isinstance(k, int)
+            and src.target in (torch.broadcast_tensors, torch.ops.aten.broadcast_tensors.default)):
+        return None
+    inputs = src.args[0] if len(src.args) == 1 and isinstance(src.args[0], (list, tuple)) \
+        else src.args
+    item = inputs[k] if -len(inputs) <= k < len(inputs) else None
+    return item if isinstance(item, fx.Node) else None
 
 
 def _attribute(gm: fx.GraphModule, target: str) -> object:

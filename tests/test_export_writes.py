@@ -183,3 +183,39 @@ def test_a_traced_tensor_inside_an_object_is_refused_changing_nothing(capture):
                           **plan_free(MBS, capture=capture))
     assert model.info is None
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class Worst(nn.Module):
+    """A detached metric of the outputs and the targets, written and returned, beside a
+    loss that a batch maximum makes a two-phase step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.worst: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        o = self.lin(x)
+        loss = F.mse_loss(o, y)
+        gap = (o.detach() - y).abs().amax()
+        self.worst = gap
+        return loss, gap
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_detached_metric_of_the_targets_carries_no_gradient(capture):
+    """Under export it came back requiring grad, with the two-phase step's grad_fn (kept
+    alive in the model), and (loss + gap).backward() was refused: export writes mse_loss
+    with broadcast_tensors(o, y), whose target output was taken to depend on parameters."""
+    torch.manual_seed(0)
+    model = Worst()
+    eager = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=_batch(GBS),
+                           **plan_free(MBS, capture=capture))
+    (loss, gap), (want_loss, want_gap) = cm(*_batch(GBS)), eager(*_batch(GBS))
+    assert not gap.requires_grad and not model.worst.requires_grad
+    assert model.worst.grad_fn is None
+    (loss + gap).backward()
+    (want_loss + want_gap).backward()
+    _close([gap, model.worst, *(p.grad for p in model.parameters())],
+           [want_gap.detach(), eager.worst, *(p.grad for p in eager.parameters())], "gap")
