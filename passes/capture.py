@@ -68,6 +68,7 @@ from .python_state import Change, python_state_kept
 from .side_effects import (
     NO_EFFECTS,
     Effects,
+    SetAttr,
     prints_recorded,
     record_effects,
     rewiring_refused,
@@ -309,7 +310,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
             "value but not the assignment. Fix: compile with capture='auto' or 'export' "
             "(torch.export writes it back once per step), or update it in place "
             f"(self.{rebound[0].rsplit('.', 1)[-1]}.add_(...))")
-    rewiring_refused(rewired, name)
+    rewiring_refused([*rewired, *_parameters_assigned(graph, effects, model)], name)
     autocast = autocast_nodes(graph)
     if autocast:
         raise CaptureError(
@@ -350,6 +351,25 @@ def _stashed_constants(tracer: fx.Tracer, model: torch.nn.Module, before: set[st
     model they would be forward's writes, replayed onto it every step."""
     return [name for name in tracer.tensor_attrs.values()
             if name not in before and name in model.__dict__]
+
+
+def _parameters_assigned(graph: fx.Graph, effects: Effects, model: torch.nn.Module
+                         ) -> list[str]:
+    """Module attributes forward assigns a parameter to (``self.w = self.lin.weight``):
+    ``nn.Module`` registers it as a parameter of its own, so the next compile could not
+    trace the assignment (fx records the read, export refuses the rewiring)."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    found = []
+    for r in effects.records:
+        if isinstance(r, SetAttr) and isinstance(r.owner, torch.nn.Module) and r.value:
+            node = r.value.rebuild(out.args[0])
+            if isinstance(node, fx.Node) and node.op == "get_attr":
+                try:
+                    model.get_parameter(str(node.target))
+                except AttributeError:
+                    continue
+                found.append(f"{r.where.removeprefix('self.')} (adds a parameter)")
+    return found
 
 
 def effects_as_outputs(graph: fx.Graph, changes: Sequence[Change], prints: Sequence[Any],

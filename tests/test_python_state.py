@@ -724,3 +724,26 @@ def test_a_config_with_slots_changed_after_compile_compiles_again(kind):
     with pytest.warns(mbcompile.RecompileWarning, match="cfg changed"):
         got = cm(*_batch())
     assert rel_err(got, copy.deepcopy(model)(*_batch())) <= TOL
+
+
+class ParameterKept(nn.Module):
+    """Keeps a parameter under a second name in forward: nn.Module registers it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.used = self.a.weight
+        return F.mse_loss(self.a(x), y)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_parameter_assigned_in_forward_is_refused_as_rewiring(capture):
+    """Under fx the first step registered it, as eager does, and the next compile failed
+    with an unrelated tracing error ('cannot assign Proxy as parameter')."""
+    model = ParameterKept()
+    with pytest.raises(mbcompile.CaptureError,
+                       match=r"rewires modules while it runs: used \(adds a parameter\)"):
+        _compile(model, _batch(), capture=capture)
+    assert [n for n, _ in model.named_parameters()] == ["a.weight", "a.bias"]
