@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from .errors import CaptureError
+from .legacy_weights import legacy_weights
 from .print_calls import LevelRead, PrintCall
 from .python_state import Change, Snapshot
 from .side_effects import map_leaves, tensors_in
@@ -46,12 +47,15 @@ class TensorWrites:
     def __init__(self, snapshot: Snapshot, prints: list[PrintCall | LevelRead]) -> None:
         self.snapshot = snapshot
         self.prints = prints
+        # set after each step by their own record (``legacy_weights.SetLegacyWeight``)
+        self.legacy = legacy_weights(module for module, *_ in snapshot.modules)
         self.changes: list[Change] = []
         self.calls: list[PrintCall] = []
         self.tensors: list[torch.Tensor] = []
 
     def __call__(self) -> tuple[torch.Tensor, ...]:
-        self.changes = [c for c in self.snapshot.changes() if tensors_in(c.value)]
+        self.changes = [c for c in self.snapshot.changes() if tensors_in(c.value)
+                        and (id(c.owner), c.key) not in self.legacy]
         self.calls = [p for p in self.prints
                       if isinstance(p, PrintCall) and tensors_in((p.args, p.kwargs))]
         seen: set[int] = set()

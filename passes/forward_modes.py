@@ -9,7 +9,9 @@ inside then requires grad, its results come back with eager's ``requires_grad=Fa
 parameters used only there keep ``.grad`` None, and no global grad mode is switched
 while a graph runs (a failing microbatch cannot leave grad mode off). Every later pass
 (the rewrite, two-phase steps, ``recompute``, the joint graph of ``torch_compile``)
-sees plain ``detach`` nodes.
+sees plain ``detach`` nodes. A tensor that requires grad written in place inside a region
+(``h.clamp_(-0.1, 0.1)``) keeps eager's gradient after it: its later uses read the written
+value with ``h``'s gradient (``no_grad_writes.py``, run first).
 
 Before (traced under ``with torch.no_grad(): t = self.teacher(x)``)::
 
@@ -52,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 from .errors import CaptureError
 from .facts import GRAD_ENABLED, SHAPES
 from .hook_sandbox import call_sandboxed, hooks_sandboxed, runs_per_microbatch
+from .no_grad_writes import straight_through_region, straight_through_writes
 from .ops import TensorHook
 from .python_state import MODULE_INTERNALS
 from .sources import source_line
@@ -96,6 +99,7 @@ def detach_grad_free_inputs(graph: fx.Graph, is_tensor: Callable[[fx.Node], bool
     A node traced with grad on (``torch.enable_grad()`` nested in a no-grad region) reads
     its inputs as they are. Returns how many ``detach`` nodes were inserted.
     """
+    kept = straight_through_writes(graph)  # a write into h keeps h's gradient after it
     made: dict[fx.Node, fx.Node] = {}
     for node in list(graph.nodes):
         if node.op in ("placeholder", "get_attr", "output") or node.meta.get(GRAD_ENABLED, True):
@@ -109,7 +113,7 @@ def detach_grad_free_inputs(graph: fx.Graph, is_tensor: Callable[[fx.Node], bool
                 made[arg].meta = {**arg.meta, GRAD_ENABLED: False,
                                   "stack_trace": node.meta.get("stack_trace")}
             node.replace_input_with(arg, made[arg])
-    return len(made)
+    return len(made) + kept
 
 
 def _is_region(node: fx.Node) -> bool:
@@ -129,6 +133,7 @@ def detach_no_grad_regions(gm: fx.GraphModule) -> None:
         for node in list(graph.nodes):
             if not _is_region(node) or node.args[0]:
                 continue
+            straight_through_region(module, node)  # what it writes keeps its gradient
             args = list(node.args)
             for i, arg in enumerate(args[2:], start=2):
                 if isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor):

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
 from .forward_modes import autocast_state, differentiation_error, stamp_modes
+from .fx_refusals import HOOK_METHODS, refused_call, state_hook_error
 from .fx_writes import attribute_at, is_write, written_state, written_tensor
 from .guard_values import NUMPY_NUMBERS
 from .legacy_weights import WEIGHT_HOOKS
@@ -110,6 +111,9 @@ class FlatOutputTracer(fx.Tracer):
 
     def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any], *rest: Any, **more: Any) -> fx.Proxy:
+        refused = refused_call(kind, target, args, self.model_name)
+        if refused is not None:  # a hook on a parameter, retain_grad() (fx_refusals.py)
+            raise refused
         if kind == "call_method" and target == "register_hook":  # h.register_hook(fn)
             if len(args) != 2 or kwargs or not callable(args[1]):
                 raise CaptureError("Tensor.register_hook in forward takes one hook function")
@@ -246,6 +250,8 @@ class StateAsProxies(TorchFunctionMode):
         if not state:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if name in HOOK_METHODS and args and id(args[0]) in self.state:  # before it runs
+            raise state_hook_error(self.tracer.model_name, self.state[id(args[0])], name)
         if name.startswith("_foreach_") and name.endswith("_") and args and any(
                 id(v) in self.state for v in pytree.tree_leaves(args[0])):
             where = user_frame(traceback.extract_stack())

@@ -43,6 +43,7 @@ from typing import Any
 import torch.fx as fx
 
 from .errors import CaptureError
+from .facts import GRAD_ENABLED
 from .sources import source_line
 from .state_updates import IN_PLACE_OPERATORS
 
@@ -244,7 +245,9 @@ def writes_as_values(graph: fx.Graph, root: Any) -> bool:
         if tensor.op in ("get_attr", "placeholder") and tensor not in latest:
             with graph.inserting_before(node):  # the state's own tensor stays as it was
                 clone = graph.call_method("clone", (base,))
-            clone.meta = dict(node.meta)
+            # the clone stands for the state or input itself, made outside every no-grad
+            # region: written under no-grad, an input keeps its gradient (no_grad_writes.py)
+            clone.meta = {**node.meta, GRAD_ENABLED: True}
             node.replace_input_with(base, clone)
             tensor_of[clone] = tensor
             changed = True

@@ -26,7 +26,7 @@ After (``replay`` of ``SetLegacyWeight``)::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from .side_effects import Effects, SetAttr
 
-__all__ = ["WEIGHT_HOOKS", "SetLegacyWeight", "weights_set_after"]
+__all__ = ["WEIGHT_HOOKS", "SetLegacyWeight", "legacy_weights", "weights_set_after"]
 
 #: the forward pre-hooks that recompute a layer's weight into a plain attribute
 WEIGHT_HOOKS = (SpectralNorm, WeightNorm, BasePruningMethod)
@@ -95,6 +95,13 @@ def weights_set_after(effects: Effects, model: torch.nn.Module, gm: fx.GraphModu
     if not added:
         return effects
     return dataclasses.replace(effects, records=(*effects.records, *added))
+
+
+def legacy_weights(modules: Iterable[torch.nn.Module]) -> set[tuple[int, str]]:
+    """``(id(module), name)`` of each attribute a legacy weight hook of ``modules`` sets:
+    set after each step by ``SetLegacyWeight`` (detached), not as a write forward made."""
+    return {(id(module), _name(hook)) for module in modules
+            for hook in module._forward_pre_hooks.values() if isinstance(hook, WEIGHT_HOOKS)}
 
 
 def _name(hook: SpectralNorm | WeightNorm | BasePruningMethod) -> str:
