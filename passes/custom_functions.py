@@ -18,7 +18,9 @@ straight-through estimator).
   (every float input differentiated, random masks, one vector-Jacobian product with
   the same random cotangent; NaN and infinity must fall at the same places): equal to
   the dtype's rounding, the inlined forward is kept; otherwise the capture is an error
-  naming the Function.
+  naming the Function. An output the Function marks non-differentiable
+  (``ctx.mark_non_differentiable``) is detached where the trace returns it, as eager's
+  has no gradient: export's inlined forward would differentiate it.
 
 Functions of torch itself are traced as before. ``torch.utils.checkpoint``'s reentrant
 ``CheckpointFunction``, whose backward is its forward's derivative recomputed, is traced
@@ -29,7 +31,6 @@ which is not a no-grad region of the model (``passes/forward_modes.py``).
 from __future__ import annotations
 
 import contextlib
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction
 
 from .errors import CaptureError
+from .shared_patch import SharedPatch
 
 __all__ = ["checked_in_export", "refused_in_fx"]
 
@@ -79,10 +81,16 @@ def checked_in_export(model_name: str) -> Iterator[None]:
     # (fairseq's GradMultiply(x, scale) is the forward's derivative only at scale 1)
     calls: dict[tuple[type, str], tuple[type, str, Any]] = {}
 
-    def on_call(cls: type, where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves((args, kwargs))):
+    def on_call(cls: type, where: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> _Finish | None:
+        leaves = pytree.tree_leaves((args, kwargs))
+        if any(isinstance(v, torch.Tensor) for v in leaves):
             like = pytree.tree_map(_like, (args, kwargs))
             calls.setdefault((cls, repr(like)), (cls, where, like))
+        if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
+                                           for v in leaves):
+            return _non_differentiable_detached
+        return None
 
     with _watching(on_call):
         yield
@@ -90,6 +98,19 @@ def checked_in_export(model_name: str) -> Iterator[None]:
         why = _derivative_mismatch(cls, like)
         if why is not None:
             raise CaptureError(_message(model_name, cls, where, why, export=True))
+
+
+def _non_differentiable_detached(out: Any) -> Any:
+    """``out``, what ``apply`` returned while a traced input requires grad, with each float
+    tensor that autograd left without a gradient detached: those are the outputs the
+    Function marked non-differentiable (and tensors nested in what forward returned, which
+    autograd does not wrap). Eager's have no ``grad_fn``; the graph's copy of the forward's
+    ops would be differentiated, so a ``detach`` in the graph stands for the mark."""
+    def detached(t: torch.Tensor) -> torch.Tensor:
+        differentiable = t.is_floating_point() or t.is_complex()
+        return t.detach() if differentiable and not t.requires_grad else t
+
+    return pytree.tree_map_only(torch.Tensor, detached, out)
 
 
 def _message(model_name: str, cls: type, where: str, why: str, export: bool = False) -> str:
@@ -105,47 +126,46 @@ def _message(model_name: str, cls: type, where: str, why: str, export: bool = Fa
 
 _BASE = torch.autograd.Function
 _ORIGINAL = _BASE.__dict__["apply"]
-_LOCK = threading.Lock()
-_USERS = 0  # captures in progress, on any thread: the patch stays while one is
-_LOCAL = threading.local()  # .watchers: this thread's captures, innermost last
+_Finish = Callable[[Any], Any]  # what a watcher does to apply's result
+_Watcher = Callable[[type, str, tuple[Any, ...], dict[str, Any]], _Finish | None]
 
 
 def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    watchers = getattr(_LOCAL, "watchers", None)
-    if watchers and cls is CheckpointFunction:
+    watcher = _PATCH.current()
+    if watcher is not None and cls is CheckpointFunction:
         # reentrant checkpointing: values and gradients are run_function's own; its forward's
         # torch.no_grad() (undone by the recompute in backward) is not a region of the model
         run_function, _, *inputs = args
         return run_function(*inputs)
-    if watchers and not cls.__module__.startswith("torch."):
+    finish = None
+    if watcher is not None and not cls.__module__.startswith("torch."):
         from .sources import user_frame
 
-        watchers[-1](cls, user_frame(traceback.extract_stack()[:-1]), args, kwargs)
-    return _ORIGINAL.__func__(cls, *args, **kwargs)
+        finish = watcher(cls, user_frame(traceback.extract_stack()[:-1]), args, kwargs)
+    out = _ORIGINAL.__func__(cls, *args, **kwargs)
+    return out if finish is None else finish(out)
+
+
+def _install() -> None:
+    _BASE.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
+
+
+def _remove() -> None:
+    _BASE.apply = _ORIGINAL  # type: ignore[method-assign]
+
+
+_PATCH = SharedPatch(_install, _remove)
 
 
 @contextlib.contextmanager
-def _watching(on_call: Callable[[type, str, tuple[Any, ...], dict[str, Any]], None]
-              ) -> Iterator[None]:
+def _watching(on_call: _Watcher) -> Iterator[None]:
     """``Function.apply`` reports each call of a Function defined outside torch, made on
-    this thread, to ``on_call``. The patch is installed by the first capture in progress
-    and removed by the last, whatever the order in which threads finish; other threads'
-    calls go straight to the original."""
-    global _USERS
-    with _LOCK:
-        if _USERS == 0:
-            _BASE.apply = classmethod(_apply)  # type: ignore[method-assign,assignment]
-        _USERS += 1
-    stack = _LOCAL.__dict__.setdefault("watchers", [])
-    stack.append(on_call)
-    try:
+    this thread, to ``on_call``, and hands its result to what ``on_call`` returns, if
+    anything. The patch is installed by the first capture in progress and removed by the
+    last, whatever the order in which threads finish; other threads' calls go straight to
+    the original."""
+    with _PATCH.entered(on_call):
         yield
-    finally:
-        stack.pop()
-        with _LOCK:
-            _USERS -= 1
-            if _USERS == 0:
-                _BASE.apply = _ORIGINAL  # type: ignore[method-assign]
 
 
 def _like(v: Any) -> Any:
@@ -158,7 +178,10 @@ def _like(v: Any) -> Any:
 class _Context:
     """What an old-style ``forward(ctx, ...)`` may call on its context; nothing is kept."""
 
-    needs_input_grad: tuple[bool, ...] = ()
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        # as torch's: one flag per positional input, True for a tensor that requires grad
+        self.needs_input_grad = tuple(isinstance(a, torch.Tensor) and a.requires_grad
+                                      for a in args)
 
     def save_for_backward(self, *tensors: Any) -> None: ...
     def mark_dirty(self, *tensors: Any) -> None: ...
@@ -195,9 +218,16 @@ def _derivative_mismatch(cls: type, like: Any) -> str | None:
             return None  # no float input: no gradient flows through it
         new_style = any("setup_context" in k.__dict__ for k in cls.__mro__
                         if not k.__module__.startswith("torch."))
-        own = run(lambda: cls.apply(*args, **kwargs))
-        derived = run(lambda: cls.forward(*args, **kwargs) if new_style
-                      else cls.forward(_Context(), *args, **kwargs))
+
+        def fresh(fn: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> Any:
+            # each run on its own copies, which are not leaves: forward may write into its
+            # inputs (ctx.mark_dirty), which autograd refuses on a leaf
+            a, k = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+            return fn(a, k)
+
+        own = run(lambda: fresh(lambda a, k: cls.apply(*a, **k)))
+        derived = run(lambda: fresh(lambda a, k: cls.forward(*a, **k) if new_style
+                                    else cls.forward(_Context(a), *a, **k)))
         outs = [i for i, o in enumerate(own) if isinstance(o, torch.Tensor) and o.requires_grad]
         cotangents = {i: torch.randn(own[i].shape, generator=gen, dtype=own[i].dtype)
                       for i in outs}

@@ -59,6 +59,7 @@ from .capture import CaptureResult, effects_as_outputs
 from .code_reach import reached_code
 from .custom_functions import checked_in_export
 from .errors import CaptureError
+from .export_autograd import autograd_state_refused
 from .export_errors import SPECIALISED, export_error
 from .export_hooks import backward_hooks_refused, global_hooks_refused, tensor_hooks_refused
 from .export_losses import layers_export_refuses, losses_read_values_refused
@@ -309,7 +310,8 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
             with _cache_off(model, example), recorded_reads(model, name, writes=writes) as \
                     guards, \
                     checked_in_export(name), inference_mode_as_no_grad(), \
-                    tensor_hooks_refused(name), differentiation_refused(name, fx_error), \
+                    tensor_hooks_refused(name), autograd_state_refused(name), \
+                    differentiation_refused(name, fx_error), \
                     losses_read_values_refused(name, fx_error), \
                     root_hooks_watched(model, name, fx_error), \
                     torch.enable_grad(), reached_code(model, snapshot.add_slot, name) as reach, \
