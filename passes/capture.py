@@ -327,7 +327,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
         if node.stack_trace:
             node.stack_trace = user_stack(node.stack_trace)
     return CaptureResult(gm, tracer.output_spec, concrete_args,
-                         guards=(*unwritten((*guards, *slot_guards(reach.slots, name)),
+                         guards=(*unwritten((*guards, *slot_guards(reach.slots, name, model)),
                                             effects.written, effects.keys_set()), *effects.guards),
                          effects=effects, autocast_regions=tuple(regions))
 

@@ -330,7 +330,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         # a size is symbolic in the trace; a tensor is an output of the one traced (not of
         # the TorchDynamo trace taken where that one specialised the batch)
         refuse_tensors(changes, prints, name, fx_error, tensors=specialised is not None)
-        read = slot_guards(reach.slots, name)  # the globals as the user holds them again
+        read = slot_guards(reach.slots, name, model)  # the globals as the user holds them again
         if specialised is not None:
             tensor_writes = None
             program = _read_len_symbolically(model, kwargs, dynamic, example, name)

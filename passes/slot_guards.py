@@ -20,13 +20,16 @@ from .whose_code import holds_state
 __all__ = ["slot_guards"]
 
 
-def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
+def slot_guards(slots: Sequence[Any], model_name: str, model: nn.Module) -> list[Guard]:
     """The guards of the globals and closure variables forward's code reached
     (``code_reach.Slot``: ``owner[key]``), taken as the user holds them: a plain value by
     value, a container or plain object by its fingerprint (``unwritten`` takes it), a tensor,
-    a generator, a function, class or module of the user's by identity. A file object, a
-    numpy array or a module outside the model are refused: what forward reads of them would
-    be baked in unguarded. Anything else (torch's functions, a logger) is not guarded."""
+    a generator, a function, class or module of the user's, ``model`` or one of its
+    modules (a hook recording into ``model.acts`` through a closure) by identity. A file
+    object, a numpy array or a module outside the model are refused: what forward reads of
+    them would be baked in unguarded. Anything else (torch's functions, a logger) is not
+    guarded."""
+    own = {id(m) for m in model.modules()}
     guards = []
     for slot in slots:
         value = slot.owner.get(slot.key, _MISSING)
@@ -43,7 +46,7 @@ def slot_guards(slots: Sequence[Any], model_name: str) -> list[Guard]:
         elif holds_state(value) and not callable(value):
             guards.append(replace(guard, contents=_PENDING))
         elif isinstance(value, (torch.Tensor, torch.Generator)) or user_defined(value) or \
-                holds_state(value):  # a callable object's attributes are slots of their own
+                holds_state(value) or id(value) in own:  # (a callable's attributes: slots)
             guards.append(replace(guard, identity=True))
         elif isinstance(value, (io.IOBase, nn.Module)) or \
                 type(value).__module__.startswith("numpy"):  # an array, a numpy generator

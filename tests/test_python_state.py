@@ -747,3 +747,27 @@ def test_a_parameter_assigned_in_forward_is_refused_as_rewiring(capture):
                        match=r"rewires modules while it runs: used \(adds a parameter\)"):
         _compile(model, _batch(), capture=capture)
     assert [n for n, _ in model.named_parameters()] == ["a.weight", "a.bias"]
+
+
+def _recording(capture: str | None) -> tuple[nn.Module, Any]:
+    """A net whose layer's hook records into the net's own dict through a closure over the
+    net, and its compiled module (None: eager)."""
+    torch.manual_seed(0)
+    model = Counters("none")
+    model.acts, model.a = {}, nn.Sequential(model.a)  # a module fx traces into
+    model.a.register_forward_hook(
+        lambda mod, args, out: model.acts.__setitem__("a", out.detach()))
+    return model, (model if capture is None else _compile(model, _batch(), capture=capture))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_hook_recording_through_a_closure_over_the_model_is_replayed(capture):
+    """``model.a.register_forward_hook(lambda m, i, o: model.acts.__setitem__(...))`` was
+    refused: the closure's module was taken for one outside the model."""
+    (model, cm), (eager, _) = _recording(capture), _recording(None)
+    for n in (GBS, 5):
+        for call in (cm, eager):
+            call(*_batch(n)).backward()
+        assert model.acts["a"].shape == (n, 3)
+        _same(model.acts, eager.acts, f"batch {n}")
+        _same([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()], "")
