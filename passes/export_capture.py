@@ -172,6 +172,17 @@ def _resolve(root: torch.nn.Module, fallback: torch.nn.Module, target: str) -> A
                        "exported program has")
 
 
+def _own_generator(value: Any, owned: Sequence[tuple[torch.Generator, torch.Tensor]]) -> Any:
+    """The model's own generator where ``value`` is export's copy of it (``self.g`` made in
+    ``__init__``: export lifts a copy, whose draws would leave the model's where it was):
+    the one whose state the copy has, where exactly one has it; else ``value``."""
+    if not isinstance(value, torch.Generator) or any(value is g for g, _ in owned):
+        return value
+    state = value.get_state()
+    same = [g for g, s in owned if torch.equal(s, state)]
+    return same[0] if len(same) == 1 else value
+
+
 def _input_getter(graph: fx.Graph, node: fx.Node, path: Sequence[Any]) -> fx.Node:
     """Nodes that pick the leaf at ``path`` out of a nested input."""
     for key in path:
@@ -296,6 +307,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     """
     names = list(example)
     kwargs, dynamic = export_kwargs(model, example, in_dims, symbolic)
+    owned = [(g, g.get_state()) for g in generators_of(model)]  # export draws from copies
     specialised: BaseException | None = None
     try:
         name = type(model).__name__
@@ -389,7 +401,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         if node.op == "call_function" and node.target in EXPORT_ASSERTIONS:
             continue
         if node.op in ("get_attr", "call_module"):
-            root[node.target] = _resolve(model, exported, node.target)
+            root[node.target] = _own_generator(_resolve(model, exported, node.target), owned)
         if node.target is torch.ops.aten.copy.default and not node.kwargs.get("non_blocking"):
             env[node] = _differentiable_copy(graph, node, env)
             continue
