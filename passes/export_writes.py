@@ -52,16 +52,23 @@ class TensorWrites:
         self.changes: list[Change] = []
         self.calls: list[PrintCall] = []
         self.tensors: list[torch.Tensor] = []
+        # a parameter or buffer itself (``self.snap = self.run``): no output, the model's
+        # own tensor at replay (as an output, its write-back's copy_ became the output's)
+        self.state: dict[int, tuple[torch.nn.Module, str]] = {}
 
     def __call__(self) -> tuple[torch.Tensor, ...]:
         self.changes = [c for c in self.snapshot.changes() if tensors_in(c.value)
                         and (id(c.owner), c.key) not in self.legacy]
         self.calls = [p for p in self.prints
                       if isinstance(p, PrintCall) and tensors_in((p.args, p.kwargs))]
+        state = {id(t): (m, n) for m, *_ in self.snapshot.modules
+                 for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None}
         seen: set[int] = set()
         for t in tensors_in([[c.value for c in self.changes],
                              [(p.args, p.kwargs) for p in self.calls]]):
-            if id(t) not in seen:
+            if id(t) in state:
+                self.state[id(t)] = state[id(t)]
+            elif id(t) not in seen:
                 seen.add(id(t))
                 self.tensors.append(t)
         return tuple(self.tensors)
@@ -71,6 +78,7 @@ class TensorWrites:
         ``tensors[i]`` (a proxy of it, as ``record_effects`` reads the fx trace's)."""
         proxy = {id(t): fx.Proxy(n) if isinstance(n, fx.Node) else n
                  for t, n in zip(self.tensors, nodes, strict=True)}
+        proxy.update((i, getattr(m, n)) for i, (m, n) in self.state.items())
 
         def swap(value: Any) -> Any:
             return _mapped(value, proxy)

@@ -219,3 +219,34 @@ def test_a_detached_metric_of_the_targets_carries_no_gradient(capture):
     (want_loss + want_gap).backward()
     _close([gap, model.worst, *(p.grad for p in model.parameters())],
            [want_gap.detach(), eager.worst, *(p.grad for p in eager.parameters())], "gap")
+
+
+class Snapshotting(nn.Module):
+    """A buffer updated in place, then kept under another name in Python state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("run", torch.zeros(3))
+        self.snap: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        o = self.lin(x)
+        self.run.add_(o.detach().sum(0))
+        self.snap = self.run
+        return F.mse_loss(o, y)
+
+
+def test_a_buffer_kept_in_python_state_is_the_buffer_itself():
+    """The buffer became one more output of the export, whose write-back's copy_ then lay
+    on that output's path: refused as an op with no batch rule, naming a wrong fix."""
+    torch.manual_seed(0)
+    model = Snapshotting()
+    eager = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=_batch(GBS),
+                           **plan_free(MBS, capture="export"))
+    for n in (GBS, 5):
+        cm(*_batch(n)).backward()
+        eager(*_batch(n)).backward()
+        assert model.snap is model.run and eager.snap is eager.run
+        _close(model.run, eager.run, f"batch {n}")
