@@ -79,6 +79,11 @@ def level_guard(read: LevelRead) -> Guard:
                  where=f"logger {read.logger.name!r} enabled for {name}")
 
 
+def _print_to(stream: str, *args: Any, **kwargs: Any) -> None:
+    """``print`` to ``sys.<stream>`` as it is now."""
+    _PRINT(*args, file=getattr(sys, stream), **kwargs)
+
+
 class PrintRecorder:
     """What a block's ``print`` and ``logging`` calls record (``prints_recorded``, and the
     sandboxed hook calls of ``sandbox_patches``): each call, and each level the user's code
@@ -91,7 +96,16 @@ class PrintRecorder:
         self.asked: set[tuple[int, int]] = set()
 
     def printed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.calls.append(PrintCall(_PRINT, args, kwargs, _where()))
+        stream = next((n for n in ("stdout", "stderr")
+                       if kwargs.get("file") is getattr(sys, n)), None)
+        if stream is None:
+            self.calls.append(PrintCall(_PRINT, args, kwargs, _where()))
+            return
+        # print(..., file=sys.stderr) reads sys.stderr at each call (a redirect after
+        # compile is followed), not the stream of compile time
+        rest = {k: v for k, v in kwargs.items() if k != "file"}
+        self.calls.append(PrintCall(functools.partial(_print_to, stream), args, rest,
+                                    _where()))
 
     def logged(self, logger: logging.Logger, level: int, msg: Any, args: Any,
                kwargs: dict[str, Any]) -> bool:

@@ -12,10 +12,13 @@ containers included, is left as it was.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
+import io
 import logging
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -771,3 +774,22 @@ def test_a_hook_recording_through_a_closure_over_the_model_is_replayed(capture):
         assert model.acts["a"].shape == (n, 3)
         _same(model.acts, eager.acts, f"batch {n}")
         _same([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()], "")
+
+
+class ToStderr(Counters):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.a(x), y)
+        print("loss", loss.detach(), file=sys.stderr)
+        return loss
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_print_to_stderr_follows_a_redirect_made_after_compile(capture):
+    """The replay printed to the stream sys.stderr was at compile time."""
+    torch.manual_seed(0)
+    model = ToStderr("none")
+    cm = _compile(model, _batch(), capture=capture)
+    for call in (cm, copy.deepcopy(model)):
+        with contextlib.redirect_stderr(io.StringIO()) as caught:
+            call(*_batch())
+        assert caught.getvalue().startswith("loss tensor(")
