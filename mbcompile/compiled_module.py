@@ -43,6 +43,7 @@ from mbcompile.inputs import (
     batch_size,
     check_layout,
     check_unchanged,
+    check_values,
     input_layout,
 )
 from mbcompile.length_plans import CallSplit, for_length, last_run
@@ -166,8 +167,7 @@ class CompiledModule(ModelFace, nn.Module):
 
     @property
     def plan(self) -> MicrobatchPlan:
-        """The plan (``MicrobatchPlan``): per-system batches, MBS, microbatches, and why; for
-        the last call's shape where the split follows the length."""
+        """The ``MicrobatchPlan`` (of the last call's shape where the split follows it)."""
         return self.selection.plan
 
     # -------------------------------------------------------------- compiling
@@ -334,11 +334,10 @@ class CompiledModule(ModelFace, nn.Module):
         return module
 
     def _checked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The call bound to the compiled signature (its arguments by name, defaults
-        applied), its inputs in placeholder order, its batch size and the dims that changed
-        size (``check_layout``), and on ranks the error of a call that is not the rank's
-        share (its inputs then the example's: ``share_refused``); raises ``InputError`` for
-        a call the graphs cannot run."""
+        """The call bound to the signature (by name, defaults applied), its inputs in
+        placeholder order, batch size, dims that changed size (``check_layout``) and on
+        ranks the error of a call not the rank's share (then the example's inputs:
+        ``share_refused``); ``InputError`` for a call the graphs cannot run."""
         arguments = self._binder.bind(args, kwargs)
         values = [arguments[n] for n in self._inputs.names]
         check_unchanged(self._inputs, arguments)  # its non-tensor arguments
@@ -358,6 +357,8 @@ class CompiledModule(ModelFace, nn.Module):
         return arguments, values, batch, varying, refused
 
     def _call(self, compiled: Lowered, values: list[Any], arguments: dict[str, Any]) -> Any:
+        if compiled.values_fixed:  # a flag in a batch dict: export holds the example's
+            check_values(self._inputs, values, self._layout)
         if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned
                 and any(p.requires_grad for p in self.module.parameters())):
             object.__setattr__(self, "_warned", True)
@@ -404,9 +405,8 @@ class CompiledModule(ModelFace, nn.Module):
             "for it from the start", RecompileWarning, stacklevel=user_stacklevel())
 
     def loss_of(self, output: Any) -> torch.Tensor:
-        """The trained loss in ``output`` (what this module returned): the output leaf the
-        batch analysis found to be the loss, the one rule the cost model and the rewrite
-        follow too. Raises ``InputError`` when the model computes no loss inside."""
+        """The trained loss in ``output`` (what this module returned), as the batch analysis,
+        cost model and rewrite find it; ``InputError`` when the model computes none."""
         compiled = self._compiled()
         for index in compiled.analysis.loss_outputs:
             found = compiled.output_spec.leaf_of(output, index)
@@ -418,9 +418,9 @@ class CompiledModule(ModelFace, nn.Module):
             "backward can run per microbatch, and return it")
 
     def token_counts(self) -> dict[str, Any] | None:
-        """What the loss's mean counted in the last call (non-padding tokens for a token
-        loss, elements for an MSE): ``{"global": n, "per_system": [...], "per_microbatch":
-        [[...], ...]}``; None before the first call or when the loss is not a mean."""
+        """What the loss's mean counted in the last call (non-padding tokens, an MSE's
+        elements): ``{"global": n, "per_system": [...], "per_microbatch": [[...], ...]}``;
+        None before the first call or when the loss is not a mean."""
         if self._ran is not None and self._ran[0] is not self:  # the last call ran there
             return self._ran[0].token_counts()
         counts = self._compiled().channels.last_counts

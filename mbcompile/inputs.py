@@ -26,8 +26,9 @@ from mbcompile.passes.guard_values import fingerprint
 from mbcompile.passes.guards import plain
 
 __all__ = ["CallBinder", "InputPresenceError", "Inputs", "batch_size", "bind_example",
-           "check_unchanged", "check_layout", "input_layout", "keywords_through", "leaf_name",
-           "leaves", "same_value", "tokens_per_sample", "with_keywords"]
+           "check_unchanged", "check_layout", "check_values", "input_layout",
+           "keywords_through", "leaf_name", "leaves", "same_value", "tokens_per_sample",
+           "with_keywords"]
 
 
 @dataclass(frozen=True)
@@ -215,8 +216,20 @@ def input_layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
     for name, value, d in zip(inputs.names, values, inputs.in_dims):
         leaves, spec = pytree.tree_flatten(value)
         free = inputs.symbolic.get(name, {})
-        out.append((spec, tuple(_shape(t, d, free) for t in leaves)))
+        out.append((spec, tuple(_Value(t) if type(t) in _PLAIN else _shape(t, d, free)
+                                for t in leaves)))
     return tuple(out)
+
+
+#: Values inside an input the graph holds as the example's (``{"x": x, "flip": True}``).
+_PLAIN = (bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class _Value:
+    """A number, flag or string inside an input, as the example passed it."""
+
+    value: Any
 
 
 #: How a layout marks a symbolic dim: any size fits.
@@ -257,6 +270,10 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
                     "with an example of this one")
         free = inputs.symbolic.get(name, {})
         for (path, t), want in zip(found, shapes):
+            if isinstance(want, _Value):  # compared where the graph holds it (check_values)
+                if type(t) not in _PLAIN:
+                    _check_value(leaf_name(name, path), t, want)
+                continue
             have = _shape(t, d, free)
             if have == want:
                 _check_bounds(leaf_name(name, path), t, free)
@@ -266,6 +283,30 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
                 raise InputError(_layout_error(leaf_name(name, path), t, d, want, dynamic))
             varying.setdefault(name, set()).update(dims)
     return {n: frozenset(ds) for n, ds in varying.items()}
+
+
+def check_values(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
+    """Raise ``InputError`` where a number, flag or string inside an input differs from the
+    example's, for a graph that holds the example's (torch.export's: a call with another
+    silently ran the example's; torch.fx reads a number there as the call's)."""
+    for name, value, (_, shapes) in zip(inputs.names, values, layout):
+        if any(isinstance(w, _Value) for w in shapes):
+            for (path, t), want in zip(pytree.tree_flatten_with_path(value)[0], shapes):
+                if isinstance(want, _Value):
+                    _check_value(leaf_name(name, path), t, want)
+
+
+def _check_value(name: str, value: Any, want: Any) -> None:
+    """A value inside an input is the example's: the graph holds it (export bakes it in;
+    a call with another silently ran the example's)."""
+    if isinstance(want, _Value) and type(value) is type(want.value) and value == want.value:
+        return
+    was = repr(want.value) if isinstance(want, _Value) else "a tensor" if want else "None"
+    raise InputError(
+        f"input {name} is {value!r} where the example passed {was}; a number, flag or "
+        "string inside an input is fixed at compile time (the graph holds the example's). "
+        "Fix: pass it as a tensor (a 0-dim one is passed whole to every microbatch), keep "
+        "it on the model (a change there compiles again), or compile again with this value")
 
 
 def _sizes_differ(have: Any, want: Any) -> tuple[int, ...]:

@@ -60,6 +60,7 @@ class Lowered:
     guards: tuple[Guard, ...] = ()  # the plain attributes its capture read, and their values
     effects: Effects = NO_EFFECTS  # forward's side effects: replayed after each step
     autocast_regions: tuple[Region, ...] = ()  # forward's own autocast regions
+    values_fixed: bool = False  # holds the example's numbers inside inputs (torch.export)
 
 
 def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered:
@@ -78,7 +79,7 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
         return Lowered(code_now(gm), gm, captured.output_spec, False,
                        StepChannels(noise=request.noise_scale), analysed.analysis,
                        analysed.state, captured.guards, captured.effects,
-                       captured.autocast_regions)
+                       captured.autocast_regions, captured.method == "export")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
@@ -111,7 +112,7 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
     splits = plan.num_nonempty_microbatches > 1
     return Lowered(bound, gm, captured.output_spec, splits and not analysed.analysis.fused,
                    channels, analysed.analysis, analysed.state, captured.guards, captured.effects,
-                   captured.autocast_regions)
+                   captured.autocast_regions, captured.method == "export")
 
 
 def _step_config(request: Request, plan: MicrobatchPlan, analysed: Analysed,

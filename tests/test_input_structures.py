@@ -1,0 +1,77 @@
+"""Inputs and outputs as real code passes them (found by a hunt), exact or refused.
+
+- A flag or number inside a batch dict (``{"x": x, "flip": True, "weight": 3.0}``) under
+  torch.export: the graph held the example's value, and a call with another silently ran
+  it (loss 0.9650 against eager's 1.6952). Now refused at the call, naming the fix;
+  under torch.fx a number there is read as the call's, and stays exact.
+
+Float64, gbs 7 over 2 systems at MBS 2, against eager on a deep copy made before compile.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import plan_free
+
+import mbcompile
+
+pytestmark = pytest.mark.usefixtures("float64_default")  # conftest.py
+
+GBS, SYSTEMS, MBS = 7, 2, 2
+
+
+def _pair(n: int = GBS) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g)
+
+
+class Flagged(nn.Module):
+    """Reads a flag (export only: a branch) and a weight out of the batch dict."""
+
+    def __init__(self, branch: bool) -> None:
+        super().__init__()
+        self.lin, self.branch = nn.Linear(4, 3), branch
+
+    def forward(self, batch: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
+        o = self.lin(batch["x"])
+        if self.branch and batch["flip"]:
+            o = -o
+        return F.mse_loss(o, y) * batch["weight"]
+
+
+def _compiled(capture: str) -> tuple[nn.Module, nn.Module, Any]:
+    torch.manual_seed(0)
+    model = Flagged(branch=capture == "export")
+    eager = copy.deepcopy(model)
+    x, y = _pair()
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS,
+                           example_inputs=({"x": x, "flip": False, "weight": 1.0}, y),
+                           **plan_free(MBS, capture=capture))
+    return model, eager, cm
+
+
+def test_a_value_inside_an_input_that_export_holds_is_refused_when_it_changes():
+    model, eager, cm = _compiled("export")
+    x, y = _pair()
+    same = {"x": x, "flip": False, "weight": 1.0}
+    assert float(cm(same, y)) == pytest.approx(float(eager(same, y)), rel=1e-12)
+    for key, value in (("flip", True), ("weight", 3.0), ("weight", 1)):
+        with pytest.raises(mbcompile.InputError, match=rf"input batch\['{key}'\] is "
+                           rf"{value!r} where the example passed .*fixed at compile time.*"
+                           "Fix: pass it as a tensor"):
+            cm({**same, key: value}, y)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_number_inside_an_input_is_the_calls_under_fx():
+    _, eager, cm = _compiled("fx")
+    x, y = _pair()
+    for weight in (1.0, 3.0, 0.5):
+        batch = {"x": x, "flip": False, "weight": weight}
+        assert float(cm(batch, y)) == pytest.approx(float(eager(batch, y)), rel=1e-12)
