@@ -124,8 +124,9 @@ def output_grads_refused(flat: Sequence[Any], loss_pos: int | None = None) -> No
     loss = flat[loss_pos]
     if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
         return
-    outputs = [weakref.ref(t) for i, t in enumerate(flat) if i != loss_pos
-               and isinstance(t, torch.Tensor) and t.requires_grad]
+    outputs = [weakref.ref(t) for i, t in enumerate(flat) if i != loss_pos and t is not loss
+               and isinstance(t, torch.Tensor) and t.requires_grad]  # (the loss twice: its
+    # own check's hook is not the user's)
     if not outputs:
         return
 
