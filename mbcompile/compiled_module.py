@@ -37,13 +37,13 @@ from mbcompile.execution.outer_calls import outside_dynamo
 from mbcompile.execution.rank_shares import check_not_in_ddp, share_refused
 from mbcompile.face import ModelFace
 from mbcompile.guard_cache import GuardCache
+from mbcompile.held_inputs import check_held
 from mbcompile.inputs import (
     CallBinder,
     InputPresenceError,
     batch_size,
     check_layout,
     check_unchanged,
-    check_values,
     input_layout,
 )
 from mbcompile.length_plans import CallSplit, for_length, last_run
@@ -357,8 +357,8 @@ class CompiledModule(ModelFace, nn.Module):
         return arguments, values, batch, varying, refused
 
     def _call(self, compiled: Lowered, values: list[Any], arguments: dict[str, Any]) -> Any:
-        if compiled.values_fixed:  # a flag in a batch dict: export holds the example's
-            check_values(self._inputs, values, self._layout)
+        check_held(self._inputs, values, self._layout, compiled.values_fixed,
+                   compiled.state.written_inputs)  # what this graph assumes of the call
         if (compiled.retains_activations and torch.is_grad_enabled() and not self._warned
                 and any(p.requires_grad for p in self.module.parameters())):
             object.__setattr__(self, "_warned", True)

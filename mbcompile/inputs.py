@@ -26,7 +26,8 @@ from mbcompile.passes.guard_values import fingerprint
 from mbcompile.passes.guards import plain
 
 __all__ = ["CallBinder", "InputPresenceError", "Inputs", "batch_size", "bind_example",
-           "check_unchanged", "check_layout", "check_values", "input_layout",
+           "ExampleValue", "PLAIN", "check_unchanged", "check_layout", "check_value",
+           "input_layout",
            "keywords_through", "leaf_name", "leaves", "same_value", "tokens_per_sample",
            "with_keywords"]
 
@@ -216,17 +217,17 @@ def input_layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
     for name, value, d in zip(inputs.names, values, inputs.in_dims):
         leaves, spec = pytree.tree_flatten(value)
         free = inputs.symbolic.get(name, {})
-        out.append((spec, tuple(_Value(t) if type(t) in _PLAIN else _shape(t, d, free)
+        out.append((spec, tuple(ExampleValue(t) if type(t) in PLAIN else _shape(t, d, free)
                                 for t in leaves)))
     return tuple(out)
 
 
 #: Values inside an input the graph holds as the example's (``{"x": x, "flip": True}``).
-_PLAIN = (bool, int, float, str)
+PLAIN = (bool, int, float, str)
 
 
 @dataclass(frozen=True)
-class _Value:
+class ExampleValue:
     """A number, flag or string inside an input, as the example passed it."""
 
     value: Any
@@ -270,9 +271,9 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
                     "with an example of this one")
         free = inputs.symbolic.get(name, {})
         for (path, t), want in zip(found, shapes):
-            if isinstance(want, _Value):  # compared where the graph holds it (check_values)
-                if type(t) not in _PLAIN:
-                    _check_value(leaf_name(name, path), t, want)
+            if isinstance(want, ExampleValue):  # compared where the graph holds it (check_values)
+                if type(t) not in PLAIN:
+                    check_value(leaf_name(name, path), t, want)
                 continue
             have = _shape(t, d, free)
             if have == want:
@@ -285,23 +286,12 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
     return {n: frozenset(ds) for n, ds in varying.items()}
 
 
-def check_values(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
-    """Raise ``InputError`` where a number, flag or string inside an input differs from the
-    example's, for a graph that holds the example's (torch.export's: a call with another
-    silently ran the example's; torch.fx reads a number there as the call's)."""
-    for name, value, (_, shapes) in zip(inputs.names, values, layout):
-        if any(isinstance(w, _Value) for w in shapes):
-            for (path, t), want in zip(pytree.tree_flatten_with_path(value)[0], shapes):
-                if isinstance(want, _Value):
-                    _check_value(leaf_name(name, path), t, want)
-
-
-def _check_value(name: str, value: Any, want: Any) -> None:
+def check_value(name: str, value: Any, want: Any) -> None:
     """A value inside an input is the example's: the graph holds it (export bakes it in;
     a call with another silently ran the example's)."""
-    if isinstance(want, _Value) and type(value) is type(want.value) and value == want.value:
+    if isinstance(want, ExampleValue) and type(value) is type(want.value) and value == want.value:
         return
-    was = repr(want.value) if isinstance(want, _Value) else "a tensor" if want else "None"
+    was = repr(want.value) if isinstance(want, ExampleValue) else "a tensor" if want else "None"
     raise InputError(
         f"input {name} is {value!r} where the example passed {was}; a number, flag or "
         "string inside an input is fixed at compile time (the graph holds the example's). "

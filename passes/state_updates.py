@@ -59,6 +59,11 @@ class StateUpdates:
     n_outputs: int  # the model's own outputs; the rest are state, in ``targets`` order
     targets: tuple[StateTarget, ...] = ()
 
+    @property
+    def written_inputs(self) -> tuple[str, ...]:
+        """The inputs forward writes in place (written back after the step)."""
+        return tuple(t.name for t in self.targets if t.kind == "input")
+
     def write_back(self, model: torch.nn.Module, new: Sequence[Any],
                    arguments: Mapping[str, Any]) -> None:
         """Write a step's ``new`` state (its outputs past ``n_outputs``) into ``model``'s
