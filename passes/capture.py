@@ -49,6 +49,7 @@ from .code_reach import reached_code
 from .custom_functions import refused_in_fx
 from .errors import CaptureError
 from .forward_modes import autocast_nodes
+from .fx_instance_checks import tensor_checks_answered, tensor_checks_refused
 from .fx_tracer import FlatOutputTracer, StateAsProxies, hooks_see_every_use, user_stack
 from .fx_writes import writes_as_values
 from .generators import generators_made_refused, generators_of
@@ -259,6 +260,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
         try:
             # a training forward is traced: no-grad regions are forward's own, not the caller's
             numbers: dict[str, NumberInput] = {}
+            tensor_checks_refused(model, name)  # isinstance(h, torch.Tensor): eager's answer
             with python_state_kept(model, concrete_args) as snapshot, prints_recorded() as \
                     prints, numbers_as_inputs(wanted), recorded_reads(
                         model, name, lambda h: _number_input(tracer, numbers, h)) as guards, \
@@ -267,7 +269,8 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                     reached_code(model, snapshot.add_slot, name,
                                  lambda m: tracer.is_leaf_module(m, ""), concrete_args) as reach, \
                     autocast_entered() as regions:
-                graph = tracer.trace(model, concrete_args=concrete_args or None)
+                with tensor_checks_answered():
+                    graph = tracer.trace(model, concrete_args=concrete_args or None)
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
                 with unrecorded():  # it copies the root's training flag: not forward's read

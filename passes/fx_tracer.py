@@ -41,6 +41,7 @@ from .output_spec import OutputSpec, flatten_output, through_leaves
 from .sources import source_line, user_frame
 from .state_updates import IN_PLACE_OPERATORS
 from .trace_stacks import FX_STACK, traced_stack, user_stack
+from .whose_code import user_code
 
 __all__ = ["FlatOutputTracer", "StateAsProxies", "hooks_see_every_use", "user_stack"]
 
@@ -69,6 +70,29 @@ class _Proxy(fx.Proxy):
 
     def __getattr__(self, k: str) -> fx.Proxy:
         return _Attribute(self, k)
+
+    def __str__(self) -> str:
+        return _as_text(self, fx.Proxy.__repr__(self))
+
+    def __format__(self, spec: str) -> str:
+        return _as_text(self, fx.Proxy.__repr__(self))
+
+
+def _as_text(proxy: fx.Proxy, text: str) -> str:
+    """``str(h.dtype)``, ``f"{h.shape[1]}"`` in the user's code: a CaptureError at its line
+    (fx's text, ``Proxy(getattr_2)``, took a branch on it the wrong way, silently);
+    ``capture="auto"`` then captures with torch.export, whose values are concrete there.
+    Elsewhere (torch's, mbcompile's messages) fx's text."""
+    frame = sys._getframe(2)
+    if not user_code(frame.f_code.co_filename):
+        return text
+    where = user_frame(traceback.extract_stack(frame, limit=1))
+    raise CaptureError(
+        f"forward makes text of a traced value at {where} (str(x.dtype), f\"{{h.shape[1]}}\"); "
+        "torch.fx traces symbols, so the text would be fx's (Proxy(...)) and a branch on it "
+        "would go the wrong way. Fix: use the value itself: compare it (x.dtype == "
+        "torch.float64, h.shape[1] == 3), or print it as its own argument (print('loss', "
+        "loss.detach())); or compile with capture='export' (capture='auto' does)")
 
 
 def _in_place_operator(op: Callable[[Any, Any], Any]) -> Callable[[fx.Proxy, Any], fx.Proxy]:

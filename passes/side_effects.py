@@ -237,6 +237,14 @@ class _Recorder:
 
         mapped = map_leaves(value, out, fx.Proxy)
         _check_no_hidden_proxy(mapped, what, self.model_name)
+        texts: list[str] = []
+        map_leaves(value, texts.append, str)
+        if any("Proxy(" in t or "FakeTensor(" in t for t in texts):
+            raise CaptureError(
+                f"{self.model_name}.forward writes {what} a string formatted from a traced "
+                "value (f\"{loss}\", str(x.dtype) under torch.fx); the string holds no value "
+                "to write at each step. Fix: store the tensor or the number itself, and "
+                "format it outside forward")
         return Held(mapped, True) if traced else Held(value)
 
 
@@ -355,7 +363,7 @@ def record_effects(changes: Sequence[Change], prints: Sequence[PrintCall | Level
                 "the trace held, so it would not show what eager shows there. Fix: print "
                 "the values themselves (print('loss', loss.detach())), or print the "
                 "container from the training loop")
-        if any(isinstance(a, str) and "Proxy(" in a for a in shown):
+        if any(isinstance(a, str) and ("Proxy(" in a or "FakeTensor(" in a) for a in shown):
             raise CaptureError(
                 f"{model_name}.forward formats a traced tensor into a string it prints at "
                 f"{call.where}; the string holds no value to print at each step. Fix: pass "
