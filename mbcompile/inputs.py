@@ -94,6 +94,16 @@ def bind_example(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_
             f"example_inputs hold tensors on the meta device (input {meta[0]!r}), which have no "
             "values to run the model on; pass real tensors (any batch size) on the model's "
             "device, or compile with compile_only=True (or validate_only=True) to plan only")
+    for name in names:
+        opaque = _opaque_holder(values[name])
+        if opaque is not None:
+            raise InputError(
+                f"input {name!r} holds tensors inside a {opaque.__module__}."
+                f"{opaque.__qualname__}, which mbcompile cannot look into (torch's pytree "
+                "does not know it): its tensors would be constants of the graph, not split "
+                "into microbatches. Fix: pass a dict, tuple or list of them (dict(batch), "
+                "dataclasses.asdict(batch)), or register the class with "
+                "torch.utils._pytree (register_dataclass, register_pytree_node)")
     if isinstance(in_dims, dict) and set(in_dims) - set(names):
         unknown = sorted(set(in_dims) - set(names))
         raise InputError(
@@ -235,6 +245,20 @@ class ExampleValue:
 
 #: How a layout marks a symbolic dim: any size fits.
 ANY = "any"
+
+
+def _opaque_holder(value: Any) -> type | None:
+    """The type of a leaf of ``value`` (as torch's pytree sees it) that is not a tensor but
+    holds tensors one level down: a dataclass, a namespace, a ``UserDict``, transformers'
+    ``BatchEncoding`` passed whole; None where there is none."""
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, (torch.Tensor, nn.Module)) or type(leaf) in PLAIN:
+            continue
+        inner = leaf.values() if isinstance(leaf, Mapping) else \
+            vars(leaf).values() if hasattr(leaf, "__dict__") else ()
+        if any(isinstance(v, torch.Tensor) for v in inner):
+            return type(leaf)
+    return None
 
 
 def _shape(t: Any, d: int | None, free: Mapping[int, Any] = {}  # noqa: B006 - read only

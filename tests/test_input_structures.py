@@ -229,3 +229,25 @@ def test_a_string_formatted_from_a_traced_tensor_is_refused_under_export(stored,
         mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=_pair(),
                           **plan_free(MBS, capture="export"))
     assert capsys.readouterr().out == "" and model.note == ""
+
+
+class FromObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return F.mse_loss(self.lin(batch.x), batch.y)
+
+
+def test_a_batch_object_torch_cannot_look_into_is_refused_at_compile():
+    """A dataclass (or namespace) batch was compiled with its tensors as constants of the
+    graph, nothing split; the next call failed with a long error naming a wrong fix."""
+    import types
+
+    x, y = _pair()
+    for batch in (types.SimpleNamespace(x=x, y=y),):
+        with pytest.raises(mbcompile.InputError, match=r"input 'batch' holds tensors inside a "
+                           r"types.SimpleNamespace.*Fix: pass a dict"):
+            mbcompile.compile(FromObject(), GBS, SYSTEMS, MBS, example_inputs=(batch,),
+                              **plan_free(MBS))
