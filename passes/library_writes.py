@@ -268,7 +268,10 @@ def library_writes_refused(allowed: frozenset[str], refused: list[str]) -> Itera
         local = frame.f_locals
         owner = local.get(code.co_varnames[0], None) if code.co_argcount else None
         method = code.co_argcount and code.co_varnames[0] in ("self", "cls")
-        if method and not isinstance(owner, (nn.Module, *_TRACED)):
+        # a constructor writes only the object it makes (a ModelOutput of traced values),
+        # and is judged as a function below: given no traced value (tqdm(...)), refused
+        if method and not isinstance(owner, (nn.Module, *_TRACED)) and \
+                code.co_name != "__init__":
             if _reads(code, owner):
                 return
             refuse(code.co_qualname, path, caller, "a method of the package's object: it "
@@ -276,6 +279,8 @@ def library_writes_refused(allowed: frozenset[str], refused: list[str]) -> Itera
         if not any(_traced(v) for v in local.values()):
             refuse(code.co_qualname, path, caller, "given no traced value, it computes "
                    "nothing of the graph: it is made for its effect")
+        if code.co_name == "__init__":  # (returns None: what it makes is the object)
+            return
         if _returns_none(frame):
             refuse(code.co_qualname, path, caller, "it is declared to return None, so it is "
                    "made for its effect")

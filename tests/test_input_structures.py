@@ -251,3 +251,37 @@ def test_a_batch_object_torch_cannot_look_into_is_refused_at_compile():
                            r"types.SimpleNamespace.*Fix: pass a dict"):
             mbcompile.compile(FromObject(), GBS, SYSTEMS, MBS, example_inputs=(batch,),
                               **plan_free(MBS))
+
+
+class OwnHead(nn.Module):
+    """A model of one's own that returns transformers' output type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        logits = self.lin(x)
+        return SequenceClassifierOutput(loss=F.cross_entropy(logits, labels), logits=logits)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_transformers_output_made_by_ones_own_model_is_eagers(capture):
+    """Its constructor was refused as a write into an object of the package's."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = OwnHead()
+    eager = copy.deepcopy(model)
+    x = _pair()[0]
+    labels = torch.randint(0, 3, (GBS,), generator=torch.Generator().manual_seed(3))
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=(x, labels),
+                           **plan_free(MBS, capture=capture))
+    got, want = cm(x, labels), eager(x, labels)
+    assert type(got) is type(want)
+    got.loss.backward()
+    want.loss.backward()
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=0)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
