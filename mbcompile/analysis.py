@@ -40,7 +40,12 @@ from mbcompile.passes.generators import seeding_refused
 from mbcompile.passes.layer_settings import rule_reads
 from mbcompile.passes.legacy_weights import weights_set_after
 from mbcompile.passes.microbatch_rewrite import Cut, constants_at, cut_graph
-from mbcompile.passes.shape_prop import BlockRun, ShapePropagationError, shapes_and_cut
+from mbcompile.passes.shape_prop import (
+    FAILED_ON_FAKES,
+    BlockRun,
+    ShapePropagationError,
+    shapes_and_cut,
+)
 from mbcompile.passes.sharded_export import sharded_export
 from mbcompile.passes.state_updates import (
     StateUpdates,
@@ -278,7 +283,8 @@ def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
             return _analyse_captured(exported, request)
         may_export = False  # export cannot capture this model: do not try it twice
     analysed = _analyse_captured(captured, request)
-    if may_export and isinstance(analysed.rejected, UnsupportedOpError):
+    if may_export and (isinstance(analysed.rejected, UnsupportedOpError) or FAILED_ON_FAKES
+                       in str(getattr(analysed.rejected, "reason", ""))):
         exported = _export_instead(model, request)
         if isinstance(exported, CaptureResult):
             second = _analyse_captured(exported, request)

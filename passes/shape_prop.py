@@ -37,7 +37,8 @@ from .facts import SHAPES, InfoTuple, ValueInfo
 from .fake_probe import FakeProbe
 from .repeated_blocks import Blocks, find_blocks, truncate
 
-__all__ = ["BlockRun", "ShapePropagationError", "propagate_shapes", "shapes_and_cut"]
+__all__ = ["FAILED_ON_FAKES", "BlockRun", "ShapePropagationError", "propagate_shapes",
+           "shapes_and_cut"]
 
 
 class ShapePropagationError(Exception):
@@ -68,11 +69,15 @@ class ShapePropagationError(Exception):
             self.fix = ("derive the batch size from the input: x.view(x.size(0), -1), "
                         "x.flatten(1) or -1 instead of a constant")
         else:
-            self.reason = (f"it fails on shape-only (fake) tensors at batch {batch} ({detail}), so "
-                           "mbcompile cannot follow the batch dim through it")
+            self.reason = (f"{FAILED_ON_FAKES} at batch {batch} ({detail}), so mbcompile "
+                           "cannot follow the batch dim through it")
             self.fix = ("check the model runs eagerly on a batch of that size, and keep shapes "
                         "independent of tensor values")
 
+
+#: How an op the shapes cannot run on is refused (``capture="auto"`` then tries export:
+#: fx traced a value it could not see, a dict input's ``None`` entry as a proxy)
+FAILED_ON_FAKES = "it fails on shape-only (fake) tensors"
 
 _DATA_DEPENDENT: tuple[type[BaseException], ...] = (
     DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)

@@ -285,3 +285,29 @@ def test_a_transformers_output_made_by_ones_own_model_is_eagers(capture):
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=0)
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, batch: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
+        o = self.lin(batch["x"])
+        if batch["mask"] is not None:
+            o = o * batch["mask"][:, None]
+        return F.mse_loss(o, y)
+
+
+def test_a_none_entry_of_a_batch_dict_is_captured_by_export_under_auto():
+    """torch.fx traced the dict as one proxy, so ``is not None`` held and the analysis
+    refused the lookup of None with a misleading MixingError; auto now tries export."""
+    torch.manual_seed(0)
+    model = Masked()
+    eager = copy.deepcopy(model)
+    x, y = _pair()
+    batch = {"x": x, "mask": None}
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=(batch, y),
+                           **plan_free(MBS))
+    got, want = cm(batch, y), eager(batch, y)
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
