@@ -188,6 +188,9 @@ def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False) 
         detail = ", ".join(f"{leaf_name(*n)} has {b}" for b, n in seen.items())
         raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
                          "input must have the same number of samples along its in_dims dim")
+    if 0 in seen:  # (the plan's error named gbs, which the call did not pass)
+        raise InputError(f"input {leaf_name(*seen[0])} has no samples (its batch dim is 0); "
+                         "a step needs at least one: skip empty batches in the loop")
     return next(iter(seen), None)
 
 

@@ -311,3 +311,14 @@ def test_a_none_entry_of_a_batch_dict_is_captured_by_export_under_auto():
                            **plan_free(MBS))
     got, want = cm(batch, y), eager(batch, y)
     assert float(got) == pytest.approx(float(want), rel=1e-12)
+
+
+def test_an_empty_batch_is_named_as_such():
+    """It raised PlanError 'gbs must be at least 1, got 0', naming what the call did not
+    pass."""
+    model = LoggedTwice()
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=_pair(), **plan_free(MBS))
+    x, y = _pair()
+    with pytest.raises(mbcompile.InputError, match=r"input 'x' has no samples \(its batch dim "
+                       "is 0\\); a step needs at least one"):
+        cm(x[:0], y[:0])
