@@ -341,7 +341,7 @@ class CompiledModule(ModelFace, nn.Module):
         arguments = self._binder.bind(args, kwargs)
         values = [arguments[n] for n in self._inputs.names]
         check_unchanged(self._inputs, arguments)  # its non-tensor arguments
-        batch = batch_size(self._inputs, values)
+        batch = batch_size(self._inputs, values, empty=self.rank is not None)
         refused = None if self.rank is None else share_refused(self._selection.plan, self.rank,
                                                                batch)
         if refused is not None:  # run on the example, to raise in the step on every rank

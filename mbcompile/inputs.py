@@ -162,8 +162,10 @@ def with_keywords(sig: inspect.Signature, kwargs: Mapping[str, Any]) -> inspect.
     return sig.replace(parameters=[*named, *through])
 
 
-def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False) -> int | None:
-    """The common batch size of the batched inputs; raises if they disagree."""
+def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False,
+               empty: bool = False) -> int | None:
+    """The common batch size of the batched inputs; raises if they disagree, or if it is 0
+    unless ``empty`` (a rank's share may be)."""
     seen: dict[int, tuple[str, Any]] = {}
     for name, value, d in zip(inputs.names, values, inputs.in_dims):
         if d is None:
@@ -188,7 +190,7 @@ def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False) 
         detail = ", ".join(f"{leaf_name(*n)} has {b}" for b, n in seen.items())
         raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
                          "input must have the same number of samples along its in_dims dim")
-    if 0 in seen:  # (the plan's error named gbs, which the call did not pass)
+    if 0 in seen and not empty:  # (the plan's error named gbs, which the call did not pass)
         raise InputError(f"input {leaf_name(*seen[0])} has no samples (its batch dim is 0); "
                          "a step needs at least one: skip empty batches in the loop")
     return next(iter(seen), None)

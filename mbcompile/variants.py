@@ -154,7 +154,7 @@ def for_global_batch(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str
     object.__setattr__(cm, "_ran", None)
     arguments = cm._binder.bind(args, kwargs)
     values = [arguments[n] for n in cm._inputs.names]
-    batch, plan = batch_size(cm._inputs, values), cm._selection.plan
+    batch, plan = batch_size(cm._inputs, values, empty=cm.rank is not None), cm._selection.plan
     if batch is None or batch == plan.gbs:
         return cm
     if cm._request.options.batch_sizes == "fixed" or batch < plan.num_csx:
