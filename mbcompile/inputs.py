@@ -164,8 +164,7 @@ def with_keywords(sig: inspect.Signature, kwargs: Mapping[str, Any]) -> inspect.
 
 def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False,
                empty: bool = False) -> int | None:
-    """The common batch size of the batched inputs; raises if they disagree, or if it is 0
-    unless ``empty`` (a rank's share may be)."""
+    """The batched inputs' common batch size; raises if they disagree, or 0 unless ``empty``."""
     seen: dict[int, tuple[str, Any]] = {}
     for name, value, d in zip(inputs.names, values, inputs.in_dims):
         if d is None:
