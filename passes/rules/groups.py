@@ -41,7 +41,7 @@ UNARY_MATH = spellings(
     "signbit", "sin", "sinc", "sinh", "sqrt", "square", "tan", "tanh", "trunc", "positive",
     "isnan", "isinf", "isfinite", "isposinf", "isneginf", "isreal", "logical_not",
     "bitwise_not", "clamp", "clamp_min", "clamp_max", "clip", "pow", "float_power",
-    "conj", "conj_physical", "angle") + [
+    "conj", "conj_physical", "_conj", "_neg_view", "angle") + [
     "abs_", "ceil_", "clamp_", "clamp_min_", "clamp_max_", "exp_", "floor_", "log_", "pow_",
     "reciprocal_", "round_", "rsqrt_", "sigmoid_", "sqrt_", "tanh_", "trunc_", "nan_to_num_",
     "clip_"]
