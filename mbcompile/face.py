@@ -76,6 +76,12 @@ class ModelFace:
                                                remove_duplicate):
             yield _model_name(name, prefix), b
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint's hook for a module whose state-dict hooks rename
+        keys: the child ``module`` adds nothing to a name (``set_state_dict(cm, opt, ...)``
+        looked for ``module.tok.weight`` in a checkpoint ``get_state_dict(cm, opt)`` wrote)."""
+        return {"module": "module"}
+
     def get_extra_state(self) -> Any:
         """torch asks ``self.__class__`` (the model's) whether there is extra state, then
         asks this module for it (``nn.Module``'s own raises): the model's, which the

@@ -289,6 +289,15 @@ def test_named_parameters_and_the_keys_a_load_reports_are_the_state_dicts():
     assert len(other_opt.state) == len(opt.state) > 0
     for p, q in zip(other.parameters(), model.parameters()):
         assert torch.equal(other_opt.state[p]["exp_avg"], opt.state[q]["exp_avg"])
+    other, _ = make_tiny_gpt(GBS, dtype=torch.float64)  # and into another compiled module
+    other_cm = mbcompile.compile(other, GBS, SYSTEMS, MBS, example_inputs=batch,
+                                 cost_model=False)
+    other_opt = torch.optim.AdamW(other_cm.parameters(), lr=1e-2)
+    set_state_dict(other_cm, other_opt, model_state_dict=saved_model,
+                   optim_state_dict=saved_opt)  # looked for 'module.tok.weight' there
+    for p, q in zip(other.parameters(), model.parameters()):
+        assert torch.equal(p, q) and torch.equal(other_opt.state[p]["exp_avg"],
+                                                 opt.state[q]["exp_avg"])
     name = next(iter(saved_model))
     partial = {k: v for k, v in cm.state_dict().items() if k != name} | {"extra": torch.ones(1)}
     keys = cm.load_state_dict(partial, strict=False)
