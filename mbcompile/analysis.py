@@ -266,18 +266,18 @@ def _analyse(model: nn.Module, request: Request) -> Analysed:
 def _analyse_in_scope(model: nn.Module, request: Request) -> Analysed:
     """Capture, state updates, shapes and batch analysis; a rejection is kept, not raised.
 
-    With ``capture="auto"``, a torch.fx graph that writes in place, or that the analysis
-    refuses for an op it has no rule for (an ``fx.wrap``-ped function, an opaque layer),
-    is captured again with torch.export, which functionalizes in-place writes and looks
-    inside such calls; the export graph is kept when the analysis accepts it. Where export
-    cannot capture the model, the fx graph's writes are values already
-    (``passes/fx_writes.py``).
+    With ``capture="auto"``, a torch.fx graph that writes in place (not of an FSDP2 model:
+    that export left FSDP's root half initialised), or that the analysis refuses for an
+    op it has no rule for (an ``fx.wrap``-ped function, an opaque layer), is captured
+    again with torch.export, which functionalizes in-place writes and looks inside such
+    calls; the export graph is kept when the analysis accepts it. Where export cannot
+    capture the model, the fx graph's writes are values already (``fx_writes.py``).
     """
     with seeding_refused(model):  # a seed set in forward would be set once, at compile
         captured = _weights_set_after(_capture(model, request), model)
     may_export = (request.options.capture == "auto" and captured.method != "export"
                   and not isinstance(model, fx.GraphModule))
-    if may_export and has_mutations(captured.graph_module):
+    if may_export and has_mutations(captured.graph_module) and not fsdp_modules(model):
         exported = _export_instead(model, request)
         if isinstance(exported, CaptureResult):
             return _analyse_captured(exported, request)

@@ -3,6 +3,7 @@ sharded model both the ranks and the single-process reference build."""
 
 from __future__ import annotations
 
+import copy
 import os
 import traceback
 from collections.abc import Callable
@@ -464,3 +465,43 @@ def post_accumulate_steps(rank: int, world: int, out_dir: str, gbs: int, mbs: in
         opt.step()
         opt.zero_grad()
     torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+class Clipped(TokenNet):
+    """Clips the projection's activations in place under no_grad (a straight-through
+    clip: the gradient passes as if unclipped)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        with torch.no_grad():
+            h.clamp_(-0.1, 0.1)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+def clipped_steps(rank: int, world: int, out_dir: str, gbs: int) -> None:
+    """Two SGD steps of the sharded ``Clipped`` against eager on the whole batch in this
+    rank; saves the largest relative difference of the losses and full gradients."""
+    torch.manual_seed(0)
+    net = Clipped().double()
+    eager = copy.deepcopy(net)
+    shard(net)
+    cm = mbcompile.compile(net, gbs, world, 2, example_inputs=make_batch(gbs),
+                           backend="torch.distributed", cost_model=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, eager)]
+    worst = 0.0
+    for step in range(2):
+        batch = make_batch(gbs, seed=1 + step)
+        loss = cm(*mbdist.shard(batch, cm.plan, rank))
+        loss.backward()
+        want = eager(*batch)
+        want.backward()
+        worst = max(worst, float((loss - want).abs() / want.abs()))
+        for p, q in zip(net.parameters(), eager.parameters()):
+            g = p.grad.full_tensor()
+            worst = max(worst, float((g - q.grad).abs().max() / q.grad.abs().max()))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    torch.save({"worst": worst}, os.path.join(out_dir, f"rank{rank}.pt"))

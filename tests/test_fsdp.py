@@ -418,3 +418,13 @@ def test_post_accumulate_grad_hooks_fire_once_per_step_on_the_full_gradient(tmp_
             for name, g in grads.items():
                 assert torch.equal(step["seen"][name], step["local"][name]), (rank, name)
                 assert relative_error(step["grads"][name], g) <= 1e-10, (rank, name)
+
+
+def test_a_no_grad_write_in_a_sharded_model_trains_as_eager(tmp_path):
+    """``h.clamp_()`` under no_grad in an FSDP2 model: ``capture="auto"`` tried torch.export
+    for the in-place write, whose capture left FSDP's root marked initialised before its
+    lazy init finished, so every step failed inside FSDP ('FSDPParam' object has no
+    attribute 'param_dtype'). A sharded model keeps the fx graph, whose writes are values."""
+    _run(fsdp_workers.clipped_steps, 2, str(tmp_path), 7)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt")["worst"] <= 1e-10
