@@ -23,7 +23,6 @@ its submodule ``module``:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
 import torch.nn as nn
@@ -59,28 +58,6 @@ class ModelFace:
         self.register_state_dict_post_hook(_strip_module_prefix)  # type: ignore[attr-defined]
         self.register_load_state_dict_pre_hook(_add_module_prefix)  # type: ignore[attr-defined]
         self.register_load_state_dict_post_hook(_named_as_saved)  # type: ignore[attr-defined]
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
-        """The model's parameters under the model's names, as ``state_dict()`` keys them:
-        an EMA kept by those keys, and torch.distributed.checkpoint, which names optimizer
-        state from these and model state from ``state_dict()``, see one name per tensor."""
-        for name, p in nn.Module.named_parameters(self, prefix, recurse,  # type: ignore[arg-type]
-                                                  remove_duplicate):
-            yield _model_name(name, prefix), p
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
-        """The model's buffers under the model's names (``named_parameters``)."""
-        for name, b in nn.Module.named_buffers(self, prefix, recurse,  # type: ignore[arg-type]
-                                               remove_duplicate):
-            yield _model_name(name, prefix), b
-
-    def _fqn_modifiers(self) -> dict[str, str]:
-        """torch.distributed.checkpoint's hook for a module whose state-dict hooks rename
-        keys: the child ``module`` adds nothing to a name (``set_state_dict(cm, opt, ...)``
-        looked for ``module.tok.weight`` in a checkpoint ``get_state_dict(cm, opt)`` wrote)."""
-        return {"module": "module"}
 
     def get_extra_state(self) -> Any:
         """torch asks ``self.__class__`` (the model's) whether there is extra state, then
