@@ -132,6 +132,13 @@ def refuse_tensors(changes: Sequence[Change], prints: Sequence[PrintCall | Level
         # a size read off an input is symbolic there (the batch dim, a length that varies):
         # replayed as it is, it would leave export's symbol (``s23``) in the user's state
         map_leaves(value, found.append, (torch.SymInt, torch.SymFloat, torch.SymBool))
+        if found and not isinstance(found[0], torch.SymInt):  # loss.item(): a float symbol
+            raise CaptureError(
+                f"{model_name}.forward writes a Python number read off a traced tensor "
+                f"({found[0]}: .item(), float(t)) to {where}; the compiled step computes "
+                "the full batch's value as a tensor and cannot make it a Python number "
+                "without waiting for the device. Fix: store the tensor (loss.detach()) and "
+                "call .item() outside forward")
         if found:
             raise CaptureError(
                 f"{model_name}.forward writes a size read off an input ({found[0]}) to "

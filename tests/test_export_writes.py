@@ -250,3 +250,26 @@ def test_a_buffer_kept_in_python_state_is_the_buffer_itself():
         eager(*_batch(n)).backward()
         assert model.snap is model.run and eager.snap is eager.run
         _close(model.run, eager.run, f"batch {n}")
+
+
+class ItemLogged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.stats: dict[str, Any] = {}
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.lin(x), y)
+        self.stats["loss"] = loss.item()
+        return loss
+
+
+def test_a_number_read_off_a_tensor_under_export_names_item():
+    """It was called 'a size read off an input', with a fix (capture='fx') that transformers'
+    models cannot take."""
+    model = ItemLogged()
+    with pytest.raises(mbcompile.CaptureError, match=r"writes a Python number read off a "
+                       r"traced tensor .*stats\['loss'\].*store the tensor \(loss.detach\(\)\)"):
+        mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=_batch(GBS),
+                          **plan_free(MBS, capture="export"))
+    assert model.stats == {}
