@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from mbcompile.errors import InputError
 from mbcompile.inputs import ExampleValue, Inputs, check_value, leaf_name, leaves
@@ -52,6 +51,6 @@ def check_values(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...])
     silently ran the example's; torch.fx reads a number there as the call's)."""
     for name, value, (_, shapes) in zip(inputs.names, values, layout):
         if any(isinstance(w, ExampleValue) for w in shapes):
-            for (path, t), want in zip(pytree.tree_flatten_with_path(value)[0], shapes):
+            for (path, t), want in zip(leaves(value), shapes):
                 if isinstance(want, ExampleValue):
                     check_value(leaf_name(name, path), t, want)

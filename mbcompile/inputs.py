@@ -27,9 +27,8 @@ from mbcompile.passes.guards import plain
 
 __all__ = ["CallBinder", "InputPresenceError", "Inputs", "batch_size", "bind_example",
            "ExampleValue", "PLAIN", "check_unchanged", "check_layout", "check_value",
-           "input_layout",
-           "keywords_through", "leaf_name", "leaves", "same_value", "tokens_per_sample",
-           "with_keywords"]
+           "input_layout", "keywords_through", "leaf_name", "leaves", "same_value",
+           "tokens_per_sample", "with_keywords"]
 
 
 @dataclass(frozen=True)

@@ -413,17 +413,18 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
     flat_out = list(output.args[0])
     structured = pytree.tree_unflatten([_Leaf(i) for i in range(len(flat_out))],
                                        exported._out_spec)
+
+    def copied(leaf: _Leaf) -> Any:  # a flat output as the new graph has it
+        value = flat_out[leaf.index]
+        return fx.node.map_arg(value, lambda n: env[n]) if isinstance(value, fx.Node) else value
+
     written: list[Any] = []
     if tensor_writes is not None:
         structured, extra = structured
-        written = [fx.node.map_arg(flat_out[leaf.index], lambda n: env[n])
-                   if isinstance(flat_out[leaf.index], fx.Node) else flat_out[leaf.index]
-                   for leaf in extra]
+        written = [copied(leaf) for leaf in extra]
     leaves: list[Any] = []
     spec = flatten_output(structured, leaves, lambda v: isinstance(v, _Leaf))
-    graph.output(tuple(fx.node.map_arg(flat_out[leaf.index], lambda n: env[n])
-                       if isinstance(flat_out[leaf.index], fx.Node) else flat_out[leaf.index]
-                       for leaf in leaves))
+    graph.output(tuple(copied(leaf) for leaf in leaves))
     if tensor_writes is not None:
         changes, prints = tensor_writes.merged(changes, prints, written)
     effects = effects_as_outputs(graph, changes, prints, type(model).__name__)

@@ -239,13 +239,18 @@ class _Recorder:
         _check_no_hidden_proxy(mapped, what, self.model_name)
         texts: list[str] = []
         map_leaves(value, texts.append, str)
-        if any("Proxy(" in t or "FakeTensor(" in t for t in texts):
+        if any(_traced_text(t) for t in texts):
             raise CaptureError(
                 f"{self.model_name}.forward writes {what} a string formatted from a traced "
                 "value (f\"{loss}\", str(x.dtype) under torch.fx); the string holds no value "
                 "to write at each step. Fix: store the tensor or the number itself, and "
                 "format it outside forward")
         return Held(mapped, True) if traced else Held(value)
+
+
+def _traced_text(text: str) -> bool:
+    """Text formatted from a traced value: fx's proxy or export's fake tensor, as printed."""
+    return "Proxy(" in text or "FakeTensor(" in text
 
 
 def _check_exact(node: fx.Node, what: str, model_name: str) -> None:
@@ -363,7 +368,7 @@ def record_effects(changes: Sequence[Change], prints: Sequence[PrintCall | Level
                 "the trace held, so it would not show what eager shows there. Fix: print "
                 "the values themselves (print('loss', loss.detach())), or print the "
                 "container from the training loop")
-        if any(isinstance(a, str) and ("Proxy(" in a or "FakeTensor(" in a) for a in shown):
+        if any(isinstance(a, str) and _traced_text(a) for a in shown):
             raise CaptureError(
                 f"{model_name}.forward formats a traced tensor into a string it prints at "
                 f"{call.where}; the string holds no value to print at each step. Fix: pass "
