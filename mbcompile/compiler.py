@@ -30,6 +30,7 @@ from mbcompile.dynamic_shapes import checked_symbolic
 from mbcompile.errors import CaptureError, MbcompileError
 from mbcompile.execution.live_hooks import global_backward_refused
 from mbcompile.execution.replicas import replicas_agreed
+from mbcompile.held_inputs import check_held
 from mbcompile.integrations.transformers import (
     TRAINER_KEYWORDS,
     as_the_trainer_sets,
@@ -107,6 +108,9 @@ def _compile_request(request: Request) -> CompiledModule:
         analysed = captures.analysed(request)
         selection = select(request, analysed)
         lowered = lower(request, analysed, selection)
+        # an input forward writes in place, passed as another too (labels=input_ids)
+        check_held(request.inputs, [request.example[n] for n in request.inputs.names], (),
+                   False, lowered.state.written_inputs)
         # symbolic dims: the step proved the same at another length, bounded where it holds
         request = _proved(request, selection, lowered, captures, analysed)
     return _module(request, selection, lowered, captures, Family())
@@ -133,6 +137,9 @@ def _split(captures: Captures, family: Family, request: Request, selection: Sele
     with _crash_named(request.model):
         analysed = captures.analysed(request)
         lowered = lower(request, analysed, selection)
+        # an input forward writes in place, passed as another too (labels=input_ids)
+        check_held(request.inputs, [request.example[n] for n in request.inputs.names], (),
+                   False, lowered.state.written_inputs)
     return _module(request, selection, lowered, captures, family)
 
 
@@ -152,6 +159,9 @@ def _variant(origin: Request, first: Selection, captures: Captures, family: Fami
         else:
             selection = select(request, analysed, prior=first)
         lowered = lower(request, analysed, selection)
+        # an input forward writes in place, passed as another too (labels=input_ids)
+        check_held(request.inputs, [request.example[n] for n in request.inputs.names], (),
+                   False, lowered.state.written_inputs)
         request = _proved(request, selection, lowered, captures, analysed)
     return _module(request, selection, lowered, captures, family)
 
@@ -163,6 +173,9 @@ def _relower(request: Request, selection: Selection, captures: Captures) -> Lowe
     with global_hooks.hidden():  # no probe calls one (the trace shows them: code_reach)
         analysed = captures.analysed(request, plan=selection.plan)
         lowered = lower(request, analysed, selection)
+        # an input forward writes in place, passed as another too (labels=input_ids)
+        check_held(request.inputs, [request.example[n] for n in request.inputs.names], (),
+                   False, lowered.state.written_inputs)
         # symbolic dims: the graph of the new mode holds at another length too
         _proved(request, selection, lowered, captures, analysed, adopt=False)
     return lowered

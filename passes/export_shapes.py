@@ -56,6 +56,11 @@ def export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
     storages = [_storage(t) for t in pytree.tree_leaves(dict(example))
                 if isinstance(t, torch.Tensor)]
     shared = {p for p in storages if storages.count(p) > 1}
+    owner: dict[int, str] = {}  # a storage -> the first input that holds it
+    for name, value in example.items():
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor) and _storage(t):
+                owner.setdefault(_storage(t), name)
     kwargs: dict[str, Any] = {}
     dynamic: dict[str, Any] = {}
     for name, value in example.items():
@@ -65,9 +70,10 @@ def export_kwargs(model: torch.nn.Module, example: Mapping[str, Any],
                 value = grow_batch(value, dim, 2)
             # a strided view (ids[:, :n]) would make export trace its strides as sizes and
             # guard on them (length != stride): the graph's ops read values, not layout;
-            # views of one tensor stay (a write through one is read through the other)
-            value = pytree.tree_map(lambda t: t if isinstance(t, torch.Tensor) and
-                                    _storage(t) in shared else _contiguous(t), value)
+            # views of one tensor in one input stay (a write through one is read through
+            # the other). Another input's tensor (labels=input_ids) is copied apart: export
+            # fails on a write into either, which compile() refuses by name (check_held)
+            value = pytree.tree_map(lambda t, n=name: _apart(t, n, shared, owner), value)
             kwargs[name] = value
             free = (symbolic or {}).get(name, {})
             dynamic[name] = pytree.tree_map(
@@ -87,6 +93,13 @@ def _storage(t: torch.Tensor) -> int:
     """Where ``t``'s values live (its storage's address; 0 on the meta device, where
     nothing does, so that no meta tensor is copied)."""
     return t.untyped_storage().data_ptr()
+
+
+def _apart(t: Any, name: str, shared: set[int], owner: Mapping[int, str]) -> Any:
+    """``t`` as export is given it in input ``name`` (``export_kwargs``)."""
+    if not isinstance(t, torch.Tensor) or _storage(t) not in shared:
+        return _contiguous(t)
+    return t if owner.get(_storage(t)) == name else t.clone()
 
 
 def _contiguous(t: Any) -> Any:

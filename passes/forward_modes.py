@@ -187,6 +187,18 @@ class differentiation_refused(TorchFunctionMode):  # noqa: N801 (used as a conte
         if func in _DIFFERENTIATIONS:
             raise differentiation_error(self.model_name, func is torch.autograd.grad,
                                         self.fx_error)
+        if func is torch._make_dual:  # forward_ad.make_dual; torch.func.jvp, jacfwd, hessian
+            from .sources import user_frame
+
+            tried = (f" torch.fx failed first: {str(self.fx_error).rstrip('.')}."
+                     if self.fx_error else "")
+            raise CaptureError(
+                f"{self.model_name}.forward runs forward-mode AD at "
+                f"{user_frame(traceback.extract_stack()[:-1])} (torch.func.jvp, jacfwd, "
+                "hessian or torch.autograd.forward_ad.make_dual), which neither torch.export "
+                f"nor torch.fx captures.{tried} Fix: compute it outside the compiled module, "
+                "or take the derivative with torch.autograd.grad(..., create_graph=True) "
+                "under capture='fx'")
         return func(*args, **(kwargs or {}))
 
 

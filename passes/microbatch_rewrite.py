@@ -50,6 +50,7 @@ from .facts import (
     SHAPES,
     Batched,
     BatchSize,
+    Container,
     Coupled,
     ReductionSpec,
     ValueInfo,
@@ -143,7 +144,7 @@ def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None,
         source.update((i, n) for i in slots[n])
 
     coupled, free = _coupled_module(gm, part, frontier, slots, specs, names, source, leaves,
-                                    draws) if analysis.two_phase else (None, ())
+                                    draws, batch) if analysis.two_phase else (None, ())
     return Cut(gm, placeholders, leaves, part, frontier, body, specs, slots, names, source,
                coupled, free, tuple(draws), body_draws)
 
@@ -227,7 +228,8 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
                      {"fused_index": fused, "count_index": count_index,
                       "systems": tuple(systems), "sizes": sizes}, "loop")
         acc = _accumulated(top, loop, specs, names, source, systems)
-        _emit_tail(top, top_env, part, frontier, slots, acc)
+        _emit_tail(top, top_env, part, frontier, slots, acc, None if rows is None else rows[1],
+                   shapes=rows is not None)
         top.output(tuple(top_env[x] if isinstance(x, fx.Node) else x for x in leaves))
     for n in top.nodes:
         if n.op in ("get_attr", "call_module") and n.target not in root:
@@ -302,9 +304,12 @@ def _accumulated(graph: fx.Graph, loop: fx.Node, specs: Sequence[ops.BodyOutput]
 
 def _emit_tail(graph: fx.Graph, env: dict[fx.Node, fx.Node], part: Partition,
                frontier: Sequence[fx.Node], slots: Mapping[fx.Node, list[int]],
-               joined: Sequence[fx.Node]) -> None:
+               joined: Sequence[fx.Node], batch: int | None = None,
+               shapes: bool = False) -> None:
     """The tail's nodes into ``graph``: reductions combined from their global partials,
-    frontier values from their joined pieces, numbers as their full-batch constants."""
+    frontier values from their joined pieces, numbers as their full-batch constants, and
+    with ``shapes`` a shape it reads from an input with the batch dims at the whole batch,
+    ``batch`` (None: the analysed one), where a rank's inputs hold a share."""
     for n in part.reductions:
         spec: ReductionSpec = n.meta[REDUCTION]
         ids = slots[n]
@@ -321,13 +326,21 @@ def _emit_tail(graph: fx.Graph, env: dict[fx.Node, fx.Node], part: Partition,
         env[n] = _call(graph, operator.pos, (number,), {}, n.name, n)
     for n in part.tail:
         env[n] = graph.node_copy(n, lambda a: env[a])
+        fact, info = n.meta.get(FACT), n.meta.get(SHAPES)
+        if not shapes or not isinstance(fact, Container) or not isinstance(info, tuple):
+            continue
+        sizes = tuple((k, f.factor * batch if batch is not None else info[k].int_a)
+                      for k, f in fact.items if isinstance(f, BatchSize) and f.multiple
+                      and isinstance(k, int) and k < len(info))
+        if sizes:  # read from a rank's share: at the whole batch, as its sizes are
+            env[n] = _call(graph, ops.global_shape, (env[n], sizes), {}, f"{n.name}_global", n)
 
 
 def _coupled_module(gm: fx.GraphModule, part: Partition, frontier: Sequence[fx.Node],
                     slots: Mapping[fx.Node, list[int]], specs: Sequence[ops.BodyOutput],
                     names: Mapping[int, str], source: Mapping[int, fx.Node],
-                    leaves: Sequence[Any], draws: Collection[fx.Node] = ()
-                    ) -> tuple[fx.GraphModule, tuple[fx.Node, ...]]:
+                    leaves: Sequence[Any], draws: Collection[fx.Node] = (),
+                    batch: int | None = None) -> tuple[fx.GraphModule, tuple[fx.Node, ...]]:
     """The coupled part C as a module: the joined body outputs (per-sample values and
     global partial sums, in body output order), then the unbatched inputs it reads (the
     graph's placeholders, returned beside it: the top graph passes them in)."""
@@ -343,7 +356,7 @@ def _coupled_module(gm: fx.GraphModule, part: Partition, frontier: Sequence[fx.N
     env: dict[fx.Node, fx.Node] = {}
     for p in free_inputs:
         env[p] = _input_like(graph, p)
-    _emit_tail(graph, env, part, frontier, slots, joined)
+    _emit_tail(graph, env, part, frontier, slots, joined, batch, shapes=True)
     graph.output(tuple(env[x] if isinstance(x, fx.Node) else x for x in leaves))
     return graph_module(gm, graph, "CoupledPart"), tuple(free_inputs)
 

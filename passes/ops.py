@@ -39,6 +39,7 @@ __all__ = [
     "bind",
     "fsdp_unit_enter",
     "fsdp_unit_exit",
+    "global_shape",
     "Microbatches",
     "microbatch_loop",
     "op_of",
@@ -135,6 +136,18 @@ def accumulate_sum(results: list[tuple[Any, ...]], index: int, systems: Sequence
     for t in totals[1:]:
         total = total + t
     return total
+
+
+def global_shape(shape: Any, sizes: Sequence[tuple[int, int]]) -> Any:
+    """A shape after the loop (``x.shape``, printed or returned) with its batch dims at the
+    step's whole batch, ``sizes`` as (dim, size): on a rank ``x`` holds its share, where a
+    size read from it as a number is the whole batch's (``microbatch_rewrite``)."""
+    if not isinstance(shape, tuple):
+        return shape
+    values = list(shape)
+    for dim, size in sizes:
+        values[dim] = size
+    return torch.Size(values) if isinstance(shape, torch.Size) else type(shape)(values)
 
 
 def all_reduce_sums(*values: Any) -> tuple[Any, ...]:

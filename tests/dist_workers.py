@@ -173,6 +173,47 @@ def state_step(rank: int, world: int, out_dir: str, gbs: int, mbs: int) -> None:
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+class Sized(torch.nn.Module):
+    """Prints, counts and returns the batch's shape; ``coupled``: its loss is an RMSE, a
+    two-phase step (the shape is read in the coupled part)."""
+
+    def __init__(self, coupled: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.coupled = coupled
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        err = (self.lin(x) - y).pow(2).mean()
+        loss = err.sqrt() if self.coupled else err
+        self.seen += x.shape[0]
+        print("shape", x.shape, x.size(0), x.shape[1:])
+        return loss, x.shape
+
+
+def sized_steps(rank: int, world: int, out_dir: str, gbs: int, coupled: bool) -> None:
+    """Two steps of ``Sized``: what it printed, counted and returned (test_distributed.py)."""
+    import contextlib
+    import io
+
+    torch.manual_seed(0)
+    model = Sized(coupled).to(torch.float64)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(gbs, 4, generator=g, dtype=torch.float64),
+             torch.randn(gbs, 3, generator=g, dtype=torch.float64))
+    cm = mbcompile.compile(model, gbs, world, 2, example_inputs=batch,
+                           backend="torch.distributed")
+    printed, shapes = io.StringIO(), []
+    with contextlib.redirect_stdout(printed):
+        for _ in range(2):
+            loss, shape = cm(*mbdist.shard(batch, cm.plan, rank))
+            loss.backward()
+            shapes.append(shape)
+    torch.save({"printed": printed.getvalue(), "shapes": shapes, "seen": model.seen,
+                "loss": loss.detach(), "grad": model.lin.weight.grad.clone()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def logged(rank: int, log_dir: str, target: Callable[..., None],
            target_args: tuple[Any, ...]) -> None:
     """``target(rank, *target_args)`` with this rank's stdout and stderr going to

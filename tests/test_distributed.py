@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import multiprocessing.forkserver
 import shutil
 import sys
@@ -98,6 +100,32 @@ def test_ranks_equal_full_batch_step(tmp_path, world, gbs, mbs, bucket_bytes):
             assert got["buckets"] > 1
             buckets_start_during_the_last_backward(got["events"])
         start += size
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("coupled", [False, True], ids=["loop", "two_phase"])
+def test_a_shape_printed_or_returned_on_a_rank_is_the_whole_batchs(tmp_path, coupled):
+    """Eager in each rank runs the whole batch: ``x.shape`` there is (7, 4). A rank printed
+    and returned its share's, (4, 4) or (3, 4), beside a counter of ``x.shape[0]`` that
+    counted the whole batch's 7 per step."""
+    _run(dist_workers.sized_steps, 2, str(tmp_path), 7, coupled)
+    torch.manual_seed(0)
+    model = dist_workers.Sized(coupled).to(torch.float64)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(7, 4, generator=g, dtype=torch.float64),
+             torch.randn(7, 3, generator=g, dtype=torch.float64))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for _ in range(2):
+            loss, shape = model(*batch)
+            loss.backward()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["printed"] == printed.getvalue()
+        assert got["shapes"] == [shape, shape] and type(got["shapes"][0]) is torch.Size
+        assert got["seen"] == model.seen == 14
+        assert relative_error(got["loss"], loss) <= 1e-12
+        assert relative_error(got["grad"], model.lin.weight.grad) <= 1e-12
 
 
 def buckets_start_during_the_last_backward(events: list[tuple]) -> None:

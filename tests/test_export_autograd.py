@@ -271,3 +271,27 @@ def test_a_gradient_penalty_is_still_refused_for_its_differentiation():
 
     message = _refused(penalty, "export", "differentiates inside forward")
     assert "requires_grad=True" not in message
+
+
+def _jvp(s: Net, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out, tangent = torch.func.jvp(lambda v: torch.tanh(s.a(v)), (x,), (torch.ones_like(x),))
+    return F.cross_entropy(s.o(out), y) + (tangent ** 2).mean()
+
+
+def _dual(s: Net, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        out, tangent = fwAD.unpack_dual(torch.tanh(s.a(fwAD.make_dual(x, torch.ones_like(x)))))
+    return F.cross_entropy(s.o(out), y) + (tangent ** 2).mean()
+
+
+@pytest.mark.parametrize("capture", ["export", "auto"])
+@pytest.mark.parametrize("body, line", [(_jvp, r"torch\.func\.jvp\(lambda"),
+                                        (_dual, r"fwAD\.make_dual\(x")], ids=["jvp", "make_dual"])
+def test_forward_mode_ad_in_forward_is_refused_by_name(capture, body, line):
+    """Export traced the dual tensors and blamed 'the batch size is baked in: the code only
+    works for a batch of 7', which is false; fx fails on them too."""
+    message = _refused(body, capture, r"(?s)runs forward-mode AD at .*test_export_autograd\.py:"
+                       rf"\d+: .*{line}.*Fix: compute it outside the compiled module")
+    assert "baked in" not in message
