@@ -286,9 +286,15 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
             raise
         except Exception as exc:  # any tracing failure becomes one clear error
             where = user_frame(traceback.extract_tb(exc.__traceback__))
+            layers = ", ".join(repr(n) for n in dict.fromkeys(tracer.traced_no_grad))
+            inside = (f"  torch.fx traced into the torch layers {layers}: they are called "
+                      "inside a no-grad region of forward with parameters that require grad, "
+                      "and their own code may branch on their input (BatchNorm checks its "
+                      "dims). Fix: freeze them (requires_grad_(False): they are then kept "
+                      "whole), or compile with capture='auto'.\n") if layers else ""
             raise CaptureError(
                 f"torch.fx could not trace {type(model).__name__}.forward at {where}\n"
-                f"  {type(exc).__name__}: {exc}\n"
+                f"  {type(exc).__name__}: {exc}\n{inside}"
                 "  fx tracing runs forward with symbolic values, so Python control flow on "
                 "tensor values or data-dependent shapes cannot be captured. Fix: move the "
                 "data-dependent part into a leaf module or function, make the branch depend "

@@ -56,7 +56,9 @@ RANDOM_OPS = frozenset({
     "exponential_", "cauchy_", "log_normal_", "geometric_", "uniform", "random", "exponential",
     "cauchy", "log_normal", "geometric", "native_dropout", "dropout", "dropout_",
     "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d",
-    "rrelu", "rrelu_with_noise", "gumbel_softmax", "normal_functional"})
+    "rrelu", "rrelu_with_noise", "gumbel_softmax", "normal_functional",
+    # torch.distributions' samplers: Gamma, Beta and Dirichlet, Binomial
+    "_standard_gamma", "_sample_dirichlet", "binomial"})
 
 
 def is_draw(node: fx.Node) -> bool:

@@ -129,6 +129,7 @@ class FlatOutputTracer(fx.Tracer):
         self.ambient_autocast = autocast_state()
         self.written: dict[fx.Node, str] = {}  # a write into state (or its result) -> the state
         self.written_ids: set[int] = set()  # the tensors of the state written so far
+        self.traced_no_grad: list[str] = []  # torch layers traced into in a no-grad region
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -184,7 +185,9 @@ class FlatOutputTracer(fx.Tracer):
                     "trusted module runs as one opaque call, so its parameters would get "
                     "gradients. Fix: call it outside the no-grad region and detach its output")
             return True
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and any(p.requires_grad for p in m.parameters()):
+            if super().is_leaf_module(m, module_qualified_name):  # a torch layer: said if
+                self.traced_no_grad.append(module_qualified_name)  # its own code fails
             return False  # traced into, so that its parameters are read (and detached) here
         if self.written_ids and self.written_ids & {id(t) for t in (*m.parameters(),
                                                                      *m.buffers())}:
@@ -271,6 +274,8 @@ class StateAsProxies(TorchFunctionMode):
         if func in _RANDOM_FACTORIES:
             return self.tracer.create_proxy("call_function", func, tuple(args), kwargs)
         state = [v for v in leaves if isinstance(v, torch.Tensor) and id(v) in self.state]
+        if _draws(func) and not state:  # (a draw into the state is a write: below)
+            return self._draw(func, args, kwargs)
         if not state:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
@@ -295,11 +300,18 @@ class StateAsProxies(TorchFunctionMode):
             if not (args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.state):
                 return func(*args, **kwargs)
         else:
+            if name in _VALUE_READS:
+                raise CaptureError(
+                    f"forward reads the value of {self.state[id(state[0])]!r} as a Python "
+                    f"value (Tensor.{name.strip('_')}) at "
+                    f"{user_frame(traceback.extract_stack())}. torch.fx would keep the value "
+                    "it has at compile, and a later change (an optimizer step, the loop "
+                    "filling a buffer) would not reach the step. Fix: keep it a tensor "
+                    "(o * self.scale, torch.where(self.flag, a, b)), or hold it as a plain "
+                    "Python attribute (compiled again when it changes)")
             result = func(*args, **kwargs)  # pure: a count or a shape is kept as it is
-            written = self.tracer.written_ids
-            if not any(id(v) in self.parameters or id(v) in written for v in state) or not any(
-                    isinstance(v, torch.Tensor) for v in pytree.tree_leaves(result)):
-                return result  # (a buffer forward does not write: a constant, as fx makes it)
+            if not any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(result)):
+                return result
         # a write into the model's state, or a tensor computed from a parameter (the EMA's
         # ``(1 - m) * p``): run at trace time it would be a constant of compile's values
         args, kwargs = pytree.tree_map(self._as_proxy, (args, kwargs))
@@ -309,6 +321,24 @@ class StateAsProxies(TorchFunctionMode):
             return self.tracer.create_proxy("call_method", func.__name__, tuple(args), kwargs)
         return func(*args, **kwargs)
 
+    def _draw(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A draw that reads no traced value (``torch.bernoulli(p)`` of a constant
+        ``p``, ``torch.distributions.Beta(a, b).sample()``): a node, drawn at each step as
+        eager draws it (once, before the loop: ``draws.py``). Run at trace time it would be
+        a constant of compile's draw, and the generator would not advance at each step."""
+        name = getattr(func, "__name__", "")
+        if _in_place(func) or getattr(func, "__self__", None) is not None and not \
+                torch.overrides.is_tensor_method_or_property(func):
+            raise CaptureError(
+                f"forward draws random numbers with {name} into a tensor it made at "
+                f"{user_frame(traceback.extract_stack())}, which torch.fx would draw once, at "
+                "compile, and keep as a constant. Fix: draw it with a factory "
+                "(torch.rand(()), torch.randn(shape)), or compile with capture='auto' or "
+                "capture='export'")
+        if torch.overrides.is_tensor_method_or_property(func):
+            return self.tracer.create_proxy("call_method", name, tuple(args), kwargs)
+        return self.tracer.create_proxy("call_function", func, tuple(args), kwargs)
+
     def _as_proxy(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and id(value) in self.state:
             return self.tracer.create_proxy("get_attr", self.state[id(value)], (), {})
@@ -317,6 +347,18 @@ class StateAsProxies(TorchFunctionMode):
 
 _RANDOM_FACTORIES = frozenset({torch.randn, torch.rand, torch.randint, torch.randperm,
                                torch.normal})
+
+
+#: what reads a tensor's values into Python (not its shape, dtype or device)
+_VALUE_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__",
+                          "__complex__", "equal", "allclose", "is_nonzero", "numpy"})
+
+
+def _draws(func: Any) -> bool:
+    """Whether ``func`` draws random numbers (``draws.RANDOM_OPS``, by its name)."""
+    from .draws import RANDOM_OPS  # the draws pass reads the rules, which read this module
+
+    return getattr(func, "__name__", "") in RANDOM_OPS
 
 
 def _in_place(func: Any) -> bool:
