@@ -63,8 +63,8 @@ from mbcompile.selection import Selection
 from mbcompile.variants import (
     Family,
     for_batch,
+    for_changed,
     for_keywords,
-    for_presence,
     for_shapes,
     for_size_one,
 )
@@ -140,8 +140,8 @@ class CompiledModule(ModelFace, nn.Module):
             p.kind == p.VAR_KEYWORD for p in face.parameters.values()) else None)
         object.__setattr__(self, "_keywords", request.keywords)
         object.__setattr__(self, "_variants", {})  # a batch size, keyword set... -> variants.py
-        object.__setattr__(self, "_inputs", request.inputs)
-        object.__setattr__(self, "_layout", input_layout(request.inputs, request.values))
+        self.__dict__.update(_inputs=request.inputs, _layout=input_layout(
+            request.inputs, request.values, lowered.values_fixed))  # export holds dtypes
         object.__setattr__(self, "_cache", GuardCache())
         self.__dict__.update(_modules_seen=(), _slots_seen=None,  # _mode_key's, and
                              _hooks_seen=None)  # _hooks_by_module at the last compile
@@ -299,8 +299,8 @@ class CompiledModule(ModelFace, nn.Module):
                 return self._runs(for_keywords(self, through, args, kwargs))(*args, **kwargs)
         try:
             arguments, values, batch, varying, refused = self._checked(args, kwargs)
-        except InputPresenceError:  # an input left out (or given) where the example's wasn't
-            if (variant := for_presence(self, args, kwargs)) is None:
+        except InputPresenceError as error:  # an input left out or given, or another dtype
+            if (variant := for_changed(self, args, kwargs, error)) is None:
                 raise  # on ranks, or an input forward has no default for
             return self._runs(variant)(*args, **kwargs)
         if varying:  # dynamic="auto": a length changed, so compile once with it symbolic

@@ -27,9 +27,10 @@ from mbcompile.analysis import Analysed, analyse, at_other_sizes
 from mbcompile.captures import Captures
 from mbcompile.compiled_module import CompiledModule, Recompile
 from mbcompile.dynamic_shapes import checked_symbolic
-from mbcompile.errors import CaptureError, MbcompileError
+from mbcompile.errors import CaptureError, InputError, MbcompileError
 from mbcompile.execution.live_hooks import global_backward_refused
 from mbcompile.execution.replicas import replicas_agreed
+from mbcompile.execution.sparse_grads import sharded_sparse_refused
 from mbcompile.held_inputs import check_held
 from mbcompile.integrations.transformers import (
     TRAINER_KEYWORDS,
@@ -66,7 +67,8 @@ def compile(model: nn.Module, gbs: int, num_csx: int, mbs: Any = "auto",
     parameter is described once, in docs/api.md.
     """
     global_backward_refused("Nothing was compiled or changed")
-    with replicas_agreed(model, gbs, options):  # on ranks: the same model, failed or not
+    inference_tensors_refused(model)
+    with _out_of_inference_mode(), replicas_agreed(model, gbs, options):
         request = make_request(model, gbs, num_csx, mbs, **options)
         if request.options.validate_only:
             return _validate(request)
@@ -102,6 +104,7 @@ def _compile_as_called(request: Request) -> CompiledModule:
 def _compile_request(request: Request) -> CompiledModule:
     """The chain after the request: analysis, selection, lowering, the compiled module."""
     # before any tracing: a model whose parameters alone cannot fit fails in milliseconds
+    sharded_sparse_refused(request.inner)  # FSDP2 has no sparse gradients
     check_static_memory(request.inner, request.system, request.shard)
     captures = Captures(request.gbs)
     with _crash_named(request.model):
@@ -223,12 +226,38 @@ def _validate(request: Request) -> Validation:
                          analysed.rejected, two_phase=analysed.mode == "two_phase")
 
 
+def inference_tensors_refused(model: Any) -> None:
+    """Refuse a model whose parameters or buffers were made under ``torch.inference_mode``
+    (inference tensors: no autograd, no version counter), before anything is traced.
+    Compile itself runs outside inference mode, whatever the caller's mode."""
+    if not isinstance(model, nn.Module):
+        return
+    for kind, named in (("parameter", model.named_parameters()),
+                        ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_inference():
+                raise InputError(
+                    f"{type(model).__name__}'s {kind} '{name}' is an inference tensor: the "
+                    "model was built inside torch.inference_mode(), so its tensors cannot "
+                    "take part in autograd, which compile's capture and every training step "
+                    "use. Build it outside inference_mode (torch.no_grad() is fine); the "
+                    "compiled module may then be called under inference_mode. Nothing was "
+                    "compiled or changed")
+
+
+def _out_of_inference_mode() -> contextlib.AbstractContextManager[Any]:
+    """Compile (and a call's recompile) as in grad mode: inside ``torch.inference_mode``
+    torch.export cannot capture, and every tensor compile makes would be an inference one."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else \
+        contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _crash_named(model: nn.Module) -> Iterator[None]:
     """A pass that crashed (not an error of ours): say so with the model's name. The global
     module hooks are hidden from compile's probes (``passes/global_hooks.py``)."""
     try:
-        with global_hooks.hidden():
+        with _out_of_inference_mode(), global_hooks.hidden():  # (also a recompile in a call)
             yield
     except MbcompileError:
         raise

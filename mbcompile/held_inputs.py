@@ -1,7 +1,7 @@
 """What one compiled graph assumes of a call's inputs beyond their shapes, checked at each
-call of that graph (``CompiledModule._call``): the example's values inside the inputs,
-where the graph holds them (torch.export's), and no input it writes in place sharing
-memory with another.
+call of that graph (``CompiledModule._call``): the example's values inside the inputs and
+their dtypes, where the graph holds them (torch.export's), and no input it writes in
+place sharing memory with another.
 
 >>> check_held(inputs, values, layout, fixed=True, written=("input_ids",))
 InputError: input 'input_ids' shares memory with input 'labels' ...
@@ -15,9 +15,17 @@ from typing import Any
 import torch
 
 from mbcompile.errors import InputError
-from mbcompile.inputs import ExampleValue, Inputs, check_value, leaf_name, leaves
+from mbcompile.input_kinds import dtype_error
+from mbcompile.inputs import (
+    ExampleValue,
+    InputDtypeError,
+    Inputs,
+    check_value,
+    leaf_name,
+    leaves,
+)
 
-__all__ = ["check_held", "check_values"]
+__all__ = ["check_dtypes", "check_held", "check_values"]
 
 
 def check_held(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...], fixed: bool,
@@ -29,6 +37,8 @@ def check_held(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...], f
     ``labels`` read the old ids, where eager's sees the write). Raises ``InputError``."""
     if fixed:
         check_values(inputs, values, layout)
+        if layout and not layout[0][0].fixed:  # the module's first graph was torch.fx's
+            check_dtypes(inputs, values, layout)
     for name in written:
         value = values[inputs.names.index(name)]
         if not isinstance(value, torch.Tensor):
@@ -54,3 +64,16 @@ def check_values(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...])
             for (path, t), want in zip(leaves(value), shapes):
                 if isinstance(want, ExampleValue):
                     check_value(leaf_name(name, path), t, want)
+
+
+def check_dtypes(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...]) -> None:
+    """Raise ``InputDtypeError`` where a tensor inside an input has another dtype than the
+    example's, for a torch.export graph of a module whose layout does not say so (its
+    first graph, in another train/eval mode, was torch.fx's: ``check_layout`` compares
+    dtypes where the first graph holds them)."""
+    changed = [(leaf_name(name, path), was, t.dtype)
+               for name, value, (held, _) in zip(inputs.names, values, layout)
+               for (path, t), was in zip(leaves(value), held.dtypes)
+               if was is not None and isinstance(t, torch.Tensor) and t.dtype is not was]
+    if changed:
+        raise InputDtypeError(dtype_error(changed))

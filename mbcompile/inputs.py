@@ -21,14 +21,15 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import ArgumentTypeError, CaptureError, InputError
+from mbcompile.input_kinds import Structure, check_kind, check_kinds, dtype_error, odd_kind
 from mbcompile.passes.export_shapes import has_tensor
 from mbcompile.passes.guard_values import fingerprint
 from mbcompile.passes.guards import plain
 
-__all__ = ["CallBinder", "InputPresenceError", "Inputs", "batch_size", "bind_example",
-           "ExampleValue", "PLAIN", "check_unchanged", "check_layout", "check_value",
-           "input_layout", "keywords_through", "leaf_name", "leaves", "same_value",
-           "tokens_per_sample", "with_keywords"]
+__all__ = ["CallBinder", "InputDtypeError", "InputPresenceError", "Inputs", "batch_size",
+           "bind_example", "ExampleValue", "PLAIN", "check_unchanged", "check_layout",
+           "check_value", "input_layout", "keywords_through", "leaf_name", "leaves",
+           "same_value", "tokens_per_sample", "with_keywords"]
 
 
 @dataclass(frozen=True)
@@ -93,16 +94,8 @@ def bind_example(model: nn.Module, example_inputs: Any, example_kwargs: Any, in_
             f"example_inputs hold tensors on the meta device (input {meta[0]!r}), which have no "
             "values to run the model on; pass real tensors (any batch size) on the model's "
             "device, or compile with compile_only=True (or validate_only=True) to plan only")
-    for name in names:
-        opaque = _opaque_holder(values[name])
-        if opaque is not None:
-            raise InputError(
-                f"input {name!r} holds tensors inside a {opaque.__module__}."
-                f"{opaque.__qualname__}, which mbcompile cannot look into (torch's pytree "
-                "does not know it): its tensors would be constants of the graph, not split "
-                "into microbatches. Fix: pass a dict, tuple or list of them (dict(batch), "
-                "dataclasses.asdict(batch)), or register the class with "
-                "torch.utils._pytree (register_dataclass, register_pytree_node)")
+    for name in names:  # nested, sparse, a subclass with an override; an opaque holder
+        check_kinds(name, values[name])
     if isinstance(in_dims, dict) and set(in_dims) - set(names):
         unknown = sorted(set(in_dims) - set(names))
         raise InputError(
@@ -171,6 +164,8 @@ def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False,
         for path, t in leaves(value):
             if not isinstance(t, torch.Tensor):
                 continue
+            if t.is_nested:  # no sizes to read (sparse, a subclass: in check_layout)
+                check_kind(leaf_name(name, path), t)
             if d < 0:
                 raise InputError(
                     f"in_dims gives input {leaf_name(name, path)} batch dim {d}: negative "
@@ -223,15 +218,23 @@ class InputPresenceError(InputError):
     compile variants compiles for it once (``variants.for_presence``)."""
 
 
-def input_layout(inputs: Inputs, values: Sequence[Any]) -> tuple[Any, ...]:
-    """Per input: its pytree structure and its tensors' shapes, the batch dim left out
-    (None) and symbolic dims marked ``ANY``."""
+class InputDtypeError(InputPresenceError):
+    """A tensor input of another dtype than the example's, where the graph holds the
+    example's (torch.export's: ``Structure.fixed``): another graph, compiled once for it
+    by a module that may compile variants (``variants.for_dtypes``)."""
+
+
+def input_layout(inputs: Inputs, values: Sequence[Any], fixed: bool = False
+                 ) -> tuple[Any, ...]:
+    """Per input: its ``Structure`` (pytree spec and leaf dtypes; ``fixed``: the graph holds
+    the dtypes) and its tensors' shapes, the batch dim left out (None) and symbolic dims
+    marked ``ANY``."""
     out = []
     for name, value, d in zip(inputs.names, values, inputs.in_dims):
         leaves, spec = pytree.tree_flatten(value)
         free = inputs.symbolic.get(name, {})
-        out.append((spec, tuple(ExampleValue(t) if type(t) in PLAIN else _shape(t, d, free)
-                                for t in leaves)))
+        out.append((Structure(spec, Structure.dtypes_of(leaves, d), fixed), tuple(
+            ExampleValue(t) if type(t) in PLAIN else _shape(t, d, free) for t in leaves)))
     return tuple(out)
 
 
@@ -250,20 +253,6 @@ class ExampleValue:
 ANY = "any"
 
 
-def _opaque_holder(value: Any) -> type | None:
-    """The type of a leaf of ``value`` (as torch's pytree sees it) that is not a tensor but
-    holds tensors one level down: a dataclass, a namespace, a ``UserDict``, transformers'
-    ``BatchEncoding`` passed whole; None where there is none."""
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, (torch.Tensor, nn.Module)) or type(leaf) in PLAIN:
-            continue
-        inner = leaf.values() if isinstance(leaf, Mapping) else \
-            vars(leaf).values() if hasattr(leaf, "__dict__") else ()
-        if any(isinstance(v, torch.Tensor) for v in inner):
-            return type(leaf)
-    return None
-
-
 def _shape(t: Any, d: int | None, free: Mapping[int, Any] = {}  # noqa: B006 - read only
            ) -> tuple[int | str | None, ...] | None:
     if not isinstance(t, torch.Tensor):
@@ -272,9 +261,11 @@ def _shape(t: Any, d: int | None, free: Mapping[int, Any] = {}  # noqa: B006 - r
 
 
 def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
-                 dynamic: Any = False) -> dict[str, frozenset[int]]:
-    """Raise ``InputError`` unless every input is nested and shaped like the example, and
-    its symbolic dims within their bounds.
+                 dynamic: Any = False, dtypes: bool = True) -> dict[str, frozenset[int]]:
+    """Raise ``InputError`` unless every input is nested and shaped like the example, its
+    symbolic dims within their bounds, its tensors of a kind the step runs (``check_kind``)
+    and, where the graph holds them, of the example's dtypes (``InputDtypeError``; not with
+    ``dtypes=False``: for a call that becomes a variant's example).
 
     With ``dynamic="auto"``, a call that differs from the example only in the sizes of
     non-batch dims returns those dims by input (the module compiles once with them
@@ -282,9 +273,11 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
     shapes are fixed at compile time: the graph may hold sizes computed from them.
     """
     varying: dict[str, set[int]] = {}
-    for name, value, d, (spec, shapes) in zip(inputs.names, values, inputs.in_dims, layout):
+    changed: list[tuple[str, Any, Any]] = []  # (leaf, the example's dtype, the call's)
+    for name, value, d, (held, shapes) in zip(inputs.names, values, inputs.in_dims, layout):
         if name in inputs.concrete:
             continue  # compared by value already
+        spec, fixed = held.spec, held.fixed and dtypes
         if isinstance(value, torch.Tensor) and spec.is_leaf():  # the usual input: no walk
             found = leaves(value)
         elif value is None and spec.is_leaf() and shapes[0] is not None:
@@ -297,11 +290,16 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
                     f"of {spec}); pass the same structure (keys, lengths) or compile again "
                     "with an example of this one")
         free = inputs.symbolic.get(name, {})
-        for (path, t), want in zip(found, shapes):
+        for (path, t), want, dtype in zip(found, shapes, held.dtypes):
             if isinstance(want, ExampleValue):  # compared where the graph holds it (check_values)
                 if type(t) not in PLAIN:
                     check_value(leaf_name(name, path), t, want)
                 continue
+            if isinstance(t, torch.Tensor):
+                if odd_kind(t):
+                    check_kind(leaf_name(name, path), t)
+                if fixed and dtype is not None and t.dtype is not dtype:
+                    changed.append((leaf_name(name, path), dtype, t.dtype))
             have = _shape(t, d, free)
             if have == want:
                 _check_bounds(leaf_name(name, path), t, free)
@@ -310,6 +308,8 @@ def check_layout(inputs: Inputs, values: Sequence[Any], layout: tuple[Any, ...],
             if dynamic != "auto" or not dims:
                 raise InputError(_layout_error(leaf_name(name, path), t, d, want, dynamic))
             varying.setdefault(name, set()).update(dims)
+    if changed:
+        raise InputDtypeError(dtype_error(changed))
     return {n: frozenset(ds) for n, ds in varying.items()}
 
 

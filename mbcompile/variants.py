@@ -33,7 +33,17 @@ import torch
 from mbcompile.dynamic_shapes import at_size_one, size_one_dims, symbolic_reason
 from mbcompile.errors import BatchSizeWarning, RecompileWarning
 from mbcompile.execution.seeding import Guesses
-from mbcompile.inputs import Inputs, batch_size, check_layout, check_unchanged, with_keywords
+from mbcompile.inputs import (
+    InputDtypeError,
+    InputPresenceError,
+    Inputs,
+    batch_size,
+    check_layout,
+    check_unchanged,
+    leaf_name,
+    leaves,
+    with_keywords,
+)
 from mbcompile.passes.errors import InputError
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.request import Request
@@ -41,8 +51,8 @@ from mbcompile.request import Request
 #: the ``CompiledModule`` these functions serve (``compiled_module.py`` imports this module)
 CompiledModule = Any
 
-__all__ = ["Family", "for_batch", "for_global_batch", "for_keywords", "for_presence",
-           "for_shapes", "for_size_one", "samples"]
+__all__ = ["Family", "for_batch", "for_changed", "for_dtypes", "for_global_batch",
+           "for_keywords", "for_presence", "for_shapes", "for_size_one", "samples"]
 
 
 class Family:
@@ -124,6 +134,43 @@ def for_presence(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, An
         variant = _variant(root, key, root._request.for_call(args, kwargs),
                            f"a call passes {' and '.join(said)}", RecompileWarning,
                            "an example call like it compiles it with the model")
+    return variant
+
+
+def for_changed(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+                error: InputPresenceError) -> CompiledModule | None:
+    """The module compiled for a call the module's checks refused with ``error``: an input
+    of another dtype (``for_dtypes``), or left out or given (``for_presence``); None where
+    none is made (then ``error`` stands)."""
+    if isinstance(error, InputDtypeError):
+        return for_dtypes(cm, args, kwargs)
+    return for_presence(cm, args, kwargs)
+
+
+def for_dtypes(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> CompiledModule | None:
+    """The module compiled for calls whose tensor inputs have the dtypes this call's have,
+    where ``cm``'s graph holds the example's (torch.export: ``input_kinds.Structure``),
+    compiled once from this call (``request.for_call``: captured again, since the capture's
+    key holds the dtypes); None on ranks, where each rank would compile alone."""
+    if cm.rank is not None:
+        return None
+    arguments = cm._binder.bind(args, kwargs)
+    found = [(n, path, t.dtype, was)  # (input, leaf, the call's dtype, the example's)
+             for n, (held, _) in zip(cm._inputs.names, cm._layout)
+             for (path, t), was in zip(leaves(arguments[n]), held.dtypes)
+             if isinstance(t, torch.Tensor)]
+    key = ("dtypes", tuple(now for _, _, now, _ in found))
+    variant = cm._variants.get(key)
+    if variant is None:
+        said = ", ".join(f"{now} for input {leaf_name(n, path)} where the example passed "
+                         f"{was}" for n, path, now, was in found
+                         if was is not None and now is not was)
+        variant = _variant(
+            cm, key, cm._request.for_call(args, kwargs),
+            f"a call passes {said}, and the graph torch.export captured holds the example's "
+            "dtypes", RecompileWarning, "an input cast to the example's dtype runs the first "
+            "graph; an example call of these dtypes compiles them with the model")
     return variant
 
 
@@ -242,7 +289,7 @@ def _check_like_example(cm: CompiledModule, arguments: dict[str, Any] | None) ->
     check_layout(Inputs(names, tuple(inputs.in_dims[i] for i in shared), concrete,
                         {n: v for n, v in inputs.symbolic.items() if n in names}),
                  [arguments[n] for n in names], tuple(cm._layout[i] for i in shared),
-                 cm._request.options.dynamic)
+                 cm._request.options.dynamic, dtypes=False)  # the variant's example: its own
 
 
 def _flips(cm: CompiledModule, arguments: Mapping[str, Any]) -> frozenset[str]:

@@ -271,6 +271,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                     autocast_entered() as regions:
                 with tensor_checks_answered():
                     graph = tracer.trace(model, concrete_args=concrete_args or None)
+                tracer.dtype_reads_refused()
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
                 with unrecorded():  # it copies the root's training flag: not forward's read

@@ -120,6 +120,9 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic: Any, strict
     """
     from torch._dynamo import config  # imported with torch.export already
 
+    # example inputs made under torch.inference_mode: export fakes only normal tensors
+    kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.clone() if t.is_inference() else t,
+                                  kwargs)
     with config.patch(fake_tensor_cache_enabled=False), export_warning_dropped():
         return torch.export.export(keyword_view(model, list(kwargs), after), (), kwargs,
                                    dynamic_shapes=dynamic, strict=strict)

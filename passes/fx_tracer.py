@@ -69,7 +69,10 @@ class _Proxy(fx.Proxy):
         return self.tracer.iter(self)
 
     def __getattr__(self, k: str) -> fx.Proxy:
-        return _Attribute(self, k)
+        attribute = _Attribute(self, k)
+        if k == "dtype":  # checked after the trace: read by an op, or only by Python
+            self.tracer.dtype_reads.append((attribute, user_frame(traceback.extract_stack())))
+        return attribute
 
     def __str__(self) -> str:
         return _as_text(self, fx.Proxy.__repr__(self))
@@ -130,6 +133,21 @@ class FlatOutputTracer(fx.Tracer):
         self.written: dict[fx.Node, str] = {}  # a write into state (or its result) -> the state
         self.written_ids: set[int] = set()  # the tensors of the state written so far
         self.traced_no_grad: list[str] = []  # torch layers traced into in a no-grad region
+        self.dtype_reads: list[tuple[fx.Proxy, str]] = []  # ``h.dtype`` and where
+
+    def dtype_reads_refused(self) -> None:
+        """Raise where forward read a traced tensor's dtype and no op took it: Python did
+        (``x.dtype is torch.float32``, ``x.dtype in {...}``), on fx's stand-in, which is
+        no dtype, so the branch took one side whatever the call's dtype (eager's other
+        side at the example's own). fx makes a node of it only where an op reads it."""
+        for attribute, where in self.dtype_reads:
+            if attribute._node is None:
+                raise CaptureError(
+                    f"forward reads a tensor's dtype at {where} in Python (an `is` test, a "
+                    "set lookup), where torch.fx has a traced value, no dtype: the test "
+                    "would take one side for every call. Fix: compile with capture='auto' "
+                    "or capture='export' (torch.export knows the dtype), or pass the dtype "
+                    "to a torch op (x.to(h.dtype))")
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)

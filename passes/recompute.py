@@ -15,26 +15,81 @@ Before (a body)::
 
 After::
 
-    submod_1 = torch.utils.checkpoint.checkpoint(self.submod_1, x, use_reentrant=False)
-    submod_2 = torch.utils.checkpoint.checkpoint(self.submod_2, submod_1, use_reentrant=False)
+    submod_1 = checkpoint_keeping_hooks(self.submod_1, x)       # checkpoint(..., use_reentrant
+    submod_2 = checkpoint_keeping_hooks(self.submod_2, submod_1)  # =False) at the call
 
 ``torch.fx.passes.split_module`` cuts the graph; what lies outside the blocks
 (embeddings, the head, the loss) runs as before.
+
+A step called under the user's ``torch.autograd.graph.saved_tensors_hooks`` (activation
+compression: pack to float16) runs its blocks without checkpointing: checkpoint's own
+hooks would take the blocks' saved tensors past the user's, where eager packs every one
+(``checkpoint_keeping_hooks``; a ``RecomputeBypassedWarning`` says so).
 """
 
 from __future__ import annotations
 
 import operator
 import re
+import warnings
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 from torch.fx.passes.split_module import split_module
 
+from .errors import MbcompileWarning
 from .generators import checkpoint_replaying, generators_of
+from .sources import user_stacklevel
 
-__all__ = ["block_of", "checkpoint_blocks"]
+__all__ = ["RecomputeBypassedWarning", "block_of", "checkpoint_blocks",
+           "checkpoint_keeping_hooks"]
+
+
+class RecomputeBypassedWarning(MbcompileWarning):
+    """``recompute``: the step ran under the user's ``saved_tensors_hooks``, so its blocks
+    ran without checkpointing, saving their tensors through those hooks as eager does."""
+
+
+def users_hooks() -> tuple[Any, Any] | None:
+    """The user's innermost saved-tensor hooks here, if any (not mbcompile's own, such as
+    the memory probe's, nor an enclosing checkpoint's)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return None
+    owner = getattr(hooks[0], "__module__", None) or ""
+    return None if owner.startswith(("mbcompile", "passes", "torch.utils.checkpoint")) \
+        else hooks
+
+
+class checkpoint_keeping_hooks(checkpoint_replaying):  # noqa: N801 (a graph op, like a function)
+    """A block's call: ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``
+    (replaying the model's own ``generators`` too, where it has some), or, under the user's
+    saved-tensor hooks, ``fn(*args)``: checkpoint's own hooks would save the block's tensors
+    past the user's pack and unpack (a float16 compression), where eager packs every one.
+    Run plainly, the block saves through them, exactly as eager, and keeps what they keep.
+    Under torch.compile the block is always checkpointed (its graph decides what is saved).
+    """
+
+    __name__ = "checkpoint_keeping_hooks"
+
+    def __call__(self, fn: Any, *args: Any) -> Any:
+        if torch.compiler.is_compiling() or users_hooks() is None:
+            if self.generators:
+                return super().__call__(fn, *args)
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        warnings.warn(
+            "recompute: the step runs under torch.autograd.graph.saved_tensors_hooks of "
+            "yours; activation checkpointing would save the blocks' tensors past your hooks "
+            "(eager packs every one), so the blocks ran without recomputation, saving through "
+            "your hooks, exactly as eager. Memory is then what your hooks keep, not the plan's: "
+            "compile with recompute=False to plan for that, or call outside the hooks",
+            RecomputeBypassedWarning, stacklevel=user_stacklevel())
+        return fn(*args)
+
+    def __repr__(self) -> str:
+        return f"checkpoint_keeping_hooks({len(self.generators)} generators)"
 
 _INDEXED = re.compile(r"(^|\.)\d+$")  # a child of a ModuleList / Sequential
 
@@ -54,6 +109,9 @@ def _attribute(gm: fx.GraphModule, arg: object) -> object:
     if isinstance(arg, fx.Node) and arg.op == "get_attr":
         return operator.attrgetter(str(arg.target))(gm)
     return None
+
+
+_CHECKPOINT = checkpoint_keeping_hooks(())  # one op for every block: blocks compare alike
 
 
 def checkpoint_blocks(gm: fx.GraphModule) -> fx.GraphModule | None:
@@ -82,14 +140,10 @@ def checkpoint_blocks(gm: fx.GraphModule) -> fx.GraphModule | None:
             continue
         generators = generators_of(getattr(split, n.target)) + tuple(  # or passed in
             g for g in (_attribute(split, a) for a in n.args) if isinstance(g, torch.Generator))
-        with split.graph.inserting_before(n):
+        with split.graph.inserting_before(n):  # the model's own generators are replayed too
             fn = split.graph.get_attr(n.target)
-            if generators:  # the model's own generators are replayed too
-                call = split.graph.call_function(checkpoint_replaying(generators),
-                                                 (fn, *n.args))
-            else:
-                call = split.graph.call_function(torch.utils.checkpoint.checkpoint,
-                                                 (fn, *n.args), {"use_reentrant": False})
+            op = checkpoint_keeping_hooks(generators) if generators else _CHECKPOINT
+            call = split.graph.call_function(op, (fn, *n.args))
         call.meta = dict(n.meta)
         n.replace_all_uses_with(call)
         split.graph.erase_node(n)

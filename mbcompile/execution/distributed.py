@@ -48,6 +48,7 @@ __all__ = [
     "OverlappedReduce",
     "PlanSampler",
     "all_reduce_gradients",
+    "all_reduce_sparse",
     "all_reduce_sums",
     "bucket_indices",
     "check_world",
@@ -137,8 +138,9 @@ def all_reduce_sums(*values: Any) -> tuple[Any, ...]:
 
 def all_reduce_gradients(grads: Sequence[torch.Tensor | None],
                          bucket_bytes: int | None = None) -> int:
-    """Sum gradients over ranks in place, in buckets; returns the number of calls made."""
-    present = [g for g in grads if g is not None]
+    """Sum gradients over ranks in place, in buckets (sparse ones after them, on their own:
+    ``all_reduce_sparse``); returns the number of bucket calls made."""
+    present = [g for g in grads if g is not None and not g.is_sparse]
     calls = 0
     for bucket in gradient_buckets(present, bucket_bytes or buckets.BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
@@ -146,7 +148,56 @@ def all_reduce_gradients(grads: Sequence[torch.Tensor | None],
         for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             g.copy_(reduced)
         calls += 1
+    sparse = [g for g in grads if g is not None and g.is_sparse]
+    if sparse:
+        all_reduce_sparse(sparse, sparse)
     return calls
+
+
+def all_reduce_sparse(grads: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor]) -> None:
+    """Sum gradients that may be sparse (``nn.Embedding(sparse=True)``'s) over ranks, each
+    on its own and in place, as DistributedDataParallel keeps them out of its buckets.
+
+    A sparse gradient's sum is the ranks' entries side by side: the indices and values
+    of every rank, gathered in rank order (one gather of the counts for all of them, then
+    two per gradient, padded to the longest), left uncoalesced as eager's embedding
+    backward leaves them; the optimizer (``SparseAdam``, SGD) sums repeated rows. So
+    only dense collectives run, on gloo and NCCL alike (NCCL has no sparse all-reduce).
+    A dense one (a weight tied to a dense head) is all-reduced alone; one that never
+    arrived (None, ``like`` gives its parameter) joins with no entries and stays None.
+    """
+    device = like[0].device if like else torch.device("cpu")
+    mine = [g for g in grads if g is None or g.is_sparse]
+    counts = torch.tensor([0 if g is None else g._nnz() for g in mine], dtype=torch.int64,
+                          device=device)
+    everyone = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
+    if mine:
+        dist.all_gather(everyone, counts)
+    k = 0
+    for g, p in zip(grads, like):
+        if g is not None and not g.is_sparse:
+            dist.all_reduce(g)
+            continue
+        nnz = [int(c[k]) for c in everyone]
+        k += 1
+        sparse_dim = 1 if g is None else g.sparse_dim()
+        indices = p.new_zeros((sparse_dim, 0), dtype=torch.int64) if g is None else g._indices()
+        values = p.new_zeros((0, *p.shape[sparse_dim:])) if g is None else g._values()
+        parts = [_gather_padded(indices, max(nnz), 1), _gather_padded(values, max(nnz), 0)]
+        if g is not None:
+            g.copy_(torch.sparse_coo_tensor(
+                torch.cat([t[:, :n] for t, n in zip(parts[0], nnz)], 1),
+                torch.cat([t[:n] for t, n in zip(parts[1], nnz)]), g.shape))
+
+
+def _gather_padded(t: torch.Tensor, length: int, dim: int) -> list[torch.Tensor]:
+    """Every rank's ``t``, padded with zeros along ``dim`` to ``length`` for the gather."""
+    shape = list(t.shape)
+    shape[dim] = length - t.shape[dim]
+    padded = torch.cat([t, t.new_zeros(shape)], dim).contiguous()
+    out = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, padded)
+    return out
 
 
 def gradient_buckets(tensors: Sequence[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
@@ -200,10 +251,18 @@ class OverlappedReduce:
     depends on the element's place in its bucket, so beyond two ranks the layout
     (not the overlap) can change the last bit; ``OVERLAP = False`` reduces this
     step's gradients the old way for comparison.
+
+    Parameters in ``sparse`` (``sparse_grads.sparse_gradient_params``: their gradient may be
+    sparse) stay out of the buckets, as DistributedDataParallel keeps them: ``wait(step)``
+    reduces them after the buckets (``all_reduce_sparse``), once every rank is known good.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], cap: int | None = None,
-                 first_cap: int | None = None) -> None:
+                 first_cap: int | None = None, *, sparse: Sequence[torch.Tensor] = ()) -> None:
+        alone = {id(p) for p in sparse}
+        self.alone = [i for i, p in enumerate(params) if id(p) in alone]  # of ``params``
+        self.sparse = [params[i] for i in self.alone]
+        params = [p for p in params if id(p) not in alone]
         total = sum(p.numel() * p.element_size() for p in params)
         cap = cap or buckets.bucket_cap(total)
         order = list(reversed(range(len(params))))
@@ -241,8 +300,10 @@ class OverlappedReduce:
         while len(self.launched) < len(self.buckets):
             self._launch(len(self.launched), zeros=failed)
 
-    def wait(self) -> None:
-        """Wait for every bucket once; the step's gradients become the sums over ranks."""
+    def wait(self, step: Sequence[torch.Tensor | None] = ()) -> None:
+        """Wait for every bucket once; the step's gradients become the sums over ranks.
+        ``step``: the step's gradients of the parameters given (those left out of the
+        buckets are reduced from there)."""
         for k, (work, flat, grads) in enumerate(self.launched):  # launched in bucket order
             work.wait()
             members = [self.params[i] for i in self.buckets[k]]
@@ -250,6 +311,8 @@ class OverlappedReduce:
                 if g is not None:  # a gradient that never arrived stays None, as before
                     g.copy_(reduced)
         self.launched = []
+        if self.alone:
+            all_reduce_sparse([step[i] for i in self.alone], self.sparse)
 
     def discard(self) -> None:
         """The step failed on some rank: let the all-reduces finish and drop their sums."""

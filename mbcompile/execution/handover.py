@@ -105,7 +105,8 @@ def _hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], 
     factor = g if seeding is None else seeding.factor(g, owner.seed_value)
     if noise is not None:
         noise(factor)
-    scaled = [s for s in step if s is not None]
+    # a sparse gradient (``nn.Embedding(sparse=True)``) is scaled through its values
+    scaled = [s._values() if s.is_sparse else s for s in step if s is not None]
     if scaled:
         overflow = _scale(scaled, factor)
         if seeding is not None and overflow is not None:
@@ -151,7 +152,16 @@ def _scale(grads: list[torch.Tensor], factor: torch.Tensor) -> torch.Tensor | No
     foreach call: the same products as a mul_ per parameter, without a Python dispatch
     for each. A float32 factor goes through GradScaler's own unscale kernel, the same
     products, which also says on the device whether a gradient is not finite (returned:
-    the next step's guess follows a GradScaler's back-off); None where it was not asked."""
+    the next step's guess follows a GradScaler's back-off); None where it was not asked.
+    FSDP2's shards (DTensors) and plain gradients (``fully_shard(..., ignored_params=)``)
+    go in one call each: a foreach call refuses the two mixed."""
+    kinds: dict[type, list[torch.Tensor]] = {}
+    for g in grads:
+        kinds.setdefault(type(g), []).append(g)
+    if len(kinds) > 1:
+        found = [_scale(group, factor) for group in kinds.values()]
+        return None if found[0] is None else torch.stack(
+            [f.to(found[0].device) for f in found if f is not None]).amax(0)
     if factor.dtype == torch.float32 and factor.numel() == 1 and all(
             g.device == factor.device for g in grads):
         found = torch.zeros(1, dtype=torch.float32, device=factor.device)
@@ -231,7 +241,7 @@ def _reduce(loop: Any, step: list[torch.Tensor | None]) -> None:
     """The step's gradients summed over ranks: the all-reduce the last microbatch's backward
     started, or one bucketed all-reduce per step, never per microbatch."""
     if loop.reducer is not None:  # launched during the last microbatch's backward
-        loop.reducer.wait()
+        loop.reducer.wait([s for s, r in zip(step, loop.reduced or [True] * len(step)) if r])
         loop.reducer = None
     elif loop.distributed:
         from mbcompile.execution.distributed import all_reduce_gradients

@@ -41,6 +41,7 @@ from torch.func import functional_call, grad_and_value
 from torch.nn.modules import module as module_globals
 from torch.utils import _pytree as pytree
 
+from mbcompile.execution.sparse_grads import has_sparse_gradients
 from mbcompile.execution.step_checks import StepChecks
 from mbcompile.passes.generators import checkpoint_replaying, generators_of
 from mbcompile.passes.ops import TensorHook, as_tuple
@@ -58,10 +59,7 @@ def joint_step(body: fx.GraphModule, options: Mapping[str, Any]) -> JointStep | 
                                         or isinstance(n.target, checkpoint_replaying))
            for n in body.graph.nodes):
         return None
-    if any(getattr(m, "sparse", False) is True for m in body.modules()
-           if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))) or any(
-            n.kwargs.get("sparse") is True for n in body.graph.nodes
-            if n.op == "call_function"):
+    if has_sparse_gradients(body):
         return None  # sparse gradients: torch.func.grad would hand back dense ones
     if takes_gradients(body):
         return None  # a gradient penalty: torch.compile has no double backward

@@ -8,14 +8,17 @@ backwards, and fails deep inside with torch's words:
 - ``torch.func`` (``grad``, ``jacrev`` over ``functional_call(cm, ...)``: per-sample
   gradients, meta-learning): functorch cannot transform that Function;
 - ``torch.utils.checkpoint`` (non-reentrant) around the call: its saved-tensor hooks meet
-  the step's own backwards (``Unexpected state: target_frame.early_stop``).
+  the step's own backwards (``Unexpected state: target_frame.early_stop``);
+- ``torch.autograd.forward_ad.dual_level()`` around the call (a JVP through a training
+  step, ``make_dual(x, t)``): the step's Function has no ``jvp``, so the loss and outputs
+  came back without tangents, silently, where eager's carry them.
 
 Each is refused when the call is about to run that step (grad enabled, a parameter
 trained, the loss inside the model: ``runtime._run``), before any microbatch runs. A call
 that trains nothing (``no_grad``, frozen parameters, ``vmap`` of a forward) is not a step,
-and runs as before. A reentrant checkpoint calls its function under ``no_grad``: the
-compiled call is then forward-only, as eager's, and eager's own error follows at backward
-where no input required grad.
+and runs as before (it carries forward-mode tangents as eager's does). A reentrant
+checkpoint calls its function under ``no_grad``: the compiled call is then forward-only,
+as eager's, and eager's own error follows at backward where no input required grad.
 
 A call under ``torch.no_grad()`` whose forward takes a gradient inside (an energy model's
 score: ``torch.enable_grad()`` around ``torch.autograd.grad``) runs its body with grad
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.fx as fx
 
 from mbcompile.execution.live_hooks import called_as
@@ -75,7 +79,8 @@ def outside_dynamo(compiled: torch.nn.Module, call: Callable[..., Any],
 
 def outer_calls_refused() -> None:
     """Raise ``InputError`` where a training step is called inside a ``torch.func``
-    transform or a non-reentrant ``torch.utils.checkpoint`` (two C reads)."""
+    transform, a non-reentrant ``torch.utils.checkpoint`` or a forward-mode AD level (two
+    C reads and a global's)."""
     if torch._C._functorch.peek_interpreter_stack() is not None:
         raise InputError(
             "a compiled module's training step was called inside a torch.func transform "
@@ -91,3 +96,12 @@ def outer_calls_refused() -> None:
             "again. Fix: call it directly, and checkpoint inside each microbatch with "
             "compile(..., recompute=True) (activation checkpointing per block, exact); "
             "nothing was changed")
+    if forward_ad._current_level >= 0:  # inside ``with forward_ad.dual_level():``
+        raise InputError(
+            "a compiled module's training step was called inside "
+            "torch.autograd.forward_ad.dual_level(); the step runs each microbatch's "
+            "backward inside the call and carries no forward-mode tangents, so the loss's "
+            "and outputs' tangents would be None where eager's has them. Fix: call the "
+            "training step outside the dual level, and take the JVP on a forward-only call "
+            "(under torch.no_grad(): exact) or on the model itself (cm.module); nothing was "
+            "changed")

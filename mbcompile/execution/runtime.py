@@ -212,14 +212,14 @@ class _Loop:
     def run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
         self.deferred = deferred(self, params)  # alike on every rank, before a collective
         if self.distributed:
-            from mbcompile.execution import distributed
-
+            from mbcompile.execution import distributed, sparse_grads
             # FSDP reduce-scatters its shards' gradients itself; mbcompile reduces the rest
             self.reduced = [not (self.sharded is not None and self.sharded.owns(p))
                             for p in params]
             replicated = [p for p, r in zip(params, self.reduced) if r]
             if distributed.OVERLAP and replicated and self.deferred is None:  # made first:
-                self.reducer = distributed.OverlappedReduce(replicated)  # a failing rank joins
+                self.reducer = distributed.OverlappedReduce(  # a failing rank joins
+                    replicated, sparse=sparse_grads.sparse_gradient_params(self.body))
         return self._agreed(lambda: self._run_fused(params), lambda: self.checks.packed())
 
     def _run_fused(self, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:

@@ -31,6 +31,7 @@ import torch.fx as fx
 from mbcompile.execution import runtime
 from mbcompile.execution.frontier_gather import RankGather, mark_sent
 from mbcompile.execution.handover import grads_aside, hand_over, hooks_aside
+from mbcompile.execution.outer_calls import outer_calls_refused
 from mbcompile.execution.replay import RngStates, RunningStatistics, fingerprint, same_values
 from mbcompile.execution.runtime import StepChannels, _Loop, read_host
 from mbcompile.execution.step_checks import take_refused
@@ -427,6 +428,7 @@ def make_two_phase(channels: StepChannels, gather: RankGather | None = None,
                 raise InputError("training on torch.distributed needs inputs that do not "
                                  "require grad")
             return step.run()
+        outer_calls_refused()  # inside torch.func, a checkpoint, a forward-AD level: named
         flat = iter(_TwoPhaseStep.apply(step, len(params), *params))
         outs = tuple(next(flat) if is_t else c for is_t, c in zip(step.layout, step.constants))
         step.constants = []  # the step is kept by autograd until backward: not the outputs

@@ -64,6 +64,13 @@ def autograd_grad_rule(ctx: RuleContext) -> Fact:
         elif seed is None and _full_sum_of_batched(ctx, y):
             values.append(y.args[0])
             summed.append(True)
+        elif isinstance(fact, Reduced) and _summing_loss(y):
+            name = _summing_loss(y)
+            ctx.mix(f"it differentiates {name}(..., reduction='sum'), a plain sum over the "
+                    "batch, but one the loss takes inside itself: the per-sample values a "
+                    "microbatch differentiates on its own rows are not in the graph",
+                    f"spell it {name}(..., reduction='none').sum() (the same value and "
+                    f"gradient): grad({name}(..., reduction='none').sum(), x)")
         elif isinstance(fact, Reduced):
             ctx.mix("it differentiates a reduction over the batch other than a plain sum "
                     "(a mean divides each sample's gradient by the batch size, which a "
@@ -87,6 +94,15 @@ def _made_to_require_grad(x: Any) -> bool:
     """Whether ``x`` is ``p.requires_grad_()`` of a graph input ``p`` itself."""
     return (isinstance(x, fx.Node) and x.op == "call_method" and x.target == "requires_grad_"
             and isinstance(x.args[0], fx.Node) and x.args[0].op == "placeholder")
+
+
+def _summing_loss(y: Any) -> str:
+    """The name of the loss function ``y`` calls with ``reduction="sum"`` ("" if none)."""
+    if not (isinstance(y, fx.Node) and y.op == "call_function"
+            and y.kwargs.get("reduction") == "sum"):
+        return ""
+    name = getattr(y.target, "__name__", "")
+    return f"F.{name.removesuffix('_partial')}" if name else "the loss"
 
 
 def _full_sum_of_batched(ctx: RuleContext, y: Any) -> bool:
