@@ -142,7 +142,9 @@ def mixing_error(node: fx.Node, gm: fx.GraphModule, reason: str, fix: str | Sequ
     """The ``MixingError`` for ``node``: op, node, source line, path, why, and fixes."""
     sources = [n for n in gm.graph.nodes
                if n.op == "placeholder" and not isinstance(n.meta.get(FACT), Free)]
-    path = _format_path(_path_from_inputs(node, sources))
+    found = _path_from_inputs(node, sources)
+    path = _format_path(found) if found[0] in sources else \
+        "none (it reads no batched input: a buffer, a parameter or a constant)"
     fixes = [fix] if isinstance(fix, str) else list(fix)
     fixes = list(dict.fromkeys(f for f in [*fixes, MBS_NONE] if f))
     op = describe_op(node, gm)

@@ -271,7 +271,6 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                     autocast_entered() as regions:
                 with tensor_checks_answered():
                     graph = tracer.trace(model, concrete_args=concrete_args or None)
-                tracer.dtype_reads_refused()
                 # now, while the constants fx stored on the root (_tensor_constant0, a
                 # generator's _opaque_obj0) are there to copy; the model is then restored
                 with unrecorded():  # it copies the root's training flag: not forward's read
@@ -283,6 +282,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                     del model.__dict__[attr]
                 rebound, rewired = snapshot.rebound_slots(), snapshot.rewired()
                 effects = effects_as_outputs(graph, snapshot.changes(), prints, name)
+                tracer.dtype_reads_refused()  # (a printed dtype is an output by now)
         except CaptureError:
             raise
         except Exception as exc:  # any tracing failure becomes one clear error

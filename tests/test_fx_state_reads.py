@@ -292,3 +292,13 @@ def test_a_dtype_tested_in_python_is_refused_under_fx_and_exact_under_auto(test)
         mbcompile.compile(DtypeBranch(test), GBS, SYSTEMS, MBS, example_inputs=_batch(),
                           **plan_free(MBS, capture="fx"))
     _compare(lambda: DtypeBranch(test), "auto", steps=2)
+
+
+def test_a_buffers_value_read_under_export_is_refused_without_a_path_from_the_batch():
+    """The refusal named 'path from the batched input: item' for ``self.scale.item()``,
+    which reads no batched input."""
+    body, _ = READS["item"]
+    with pytest.raises(mbcompile.MixingError, match=r"(?s)at .*test_fx_state_reads.*path "
+                       r"from the batched input: none \(it reads no batched input"):
+        mbcompile.compile(ValueRead(body), GBS, SYSTEMS, MBS, example_inputs=_batch(),
+                          **plan_free(MBS, capture="export"))
