@@ -47,7 +47,7 @@ from .graph_walks import ancestors, descendants
 from .rules import node_name
 from .sources import source_line
 
-__all__ = ["RANDOM_OPS", "emit_draws", "hoisted_draws", "is_draw"]
+__all__ = ["RANDOM_OPS", "emit_draws", "hoisted_draws", "is_draw", "merged_back"]
 
 #: the ops that draw from a generator (functions, methods, in-place fills, ATen spellings)
 RANDOM_OPS = frozenset({
@@ -148,8 +148,7 @@ def hoisted_draws(graph: fx.Graph) -> list[fx.Node]:
         if not is_draw(n) or (n in reached and _is_data(n)):
             continue
         fact = n.meta.get(FACT)
-        if isinstance(fact, Batched) and not (fact.factor == 1 and fact.major
-                                              and not fact.positions):
+        if isinstance(fact, Batched) and not (fact.major and not fact.positions):
             continue  # its pieces are not rows of the batch: drawn where it is
         if not isinstance(fact, (Batched, Free, Coupled)):
             continue
@@ -225,12 +224,29 @@ def emit_draws(graph: fx.Graph, env: dict[fx.Node, Any], draws: Sequence[fx.Node
 
 def _rows(graph: fx.Graph, drawn: Any, draw: fx.Node, rows: tuple[int, int] | None) -> Any:
     """What the body reads of ``drawn``: its ``rows`` along its batch dim (per-sample); the
-    whole draw without ``rows``, or when it is batch-free."""
+    whole draw without ``rows``, or when it is batch-free. A draw whose batch dim holds
+    ``factor`` rows per sample (``torch.rand(B * T)``) is split as (samples, factor) there
+    (``per_sample_view``; the body flattens it back: ``merged_back``)."""
     fact = draw.meta.get(FACT)
-    if rows is None or not isinstance(fact, Batched):
+    if not isinstance(fact, Batched):
+        return drawn
+    if fact.factor != 1:
+        drawn = graph.call_method("unflatten", (drawn, fact.dim, (-1, fact.factor)))
+    if rows is None:
         return drawn
     start, stop = rows
     return graph.call_method("narrow", (drawn, fact.dim, start, stop - start))
+
+
+def merged_back(graph: fx.Graph, placeholder: fx.Node, draw: fx.Node) -> fx.Node:
+    """The body's value of ``draw`` from its ``placeholder``: as split (``_rows``), with a
+    batch dim of ``factor`` rows per sample flattened back."""
+    fact = draw.meta.get(FACT)
+    if not isinstance(fact, Batched) or fact.factor == 1:
+        return placeholder
+    merged = graph.call_method("flatten", (placeholder, fact.dim, fact.dim + 1))
+    merged.meta = dict(draw.meta)
+    return merged
 
 
 def _analysed_batch(inputs: Sequence[fx.Node]) -> int:

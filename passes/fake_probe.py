@@ -88,6 +88,15 @@ def shaped_like(node: fx.Node) -> torch.Tensor:
     return torch.empty(info.shape_a, dtype=info.dtype, device="meta")
 
 
+def _as_split(node: fx.Node) -> torch.Tensor:
+    """A draw made before the loop as the body is handed it: ``factor`` rows per sample
+    along its batch dim as (samples, factor) there (``draws.merged_back``)."""
+    fact, shaped = node.meta.get(FACT), shaped_like(node)
+    if isinstance(fact, Batched) and fact.factor != 1:
+        return shaped.unflatten(fact.dim, (-1, fact.factor))
+    return shaped
+
+
 def resize_batch(value: Any, dim: int | None, batch: int, mode: FakeTensorMode,
                  device: torch.device | None = None) -> Any:
     """A fake copy of ``value`` whose tensors have size ``batch`` along ``dim``.
@@ -159,7 +168,7 @@ class FakeProbe(fx.Interpreter):
         if extra:
             device = next((planned_device(t) for t in pytree.tree_leaves(args)
                            if isinstance(t, torch.Tensor)), torch.device("cpu"))
-            args += [resize_batch(shaped_like(n), n.meta[FACT].dim if isinstance(
+            args += [resize_batch(_as_split(n), n.meta[FACT].dim if isinstance(
                 n.meta.get(FACT), Batched) else None, batch, self.mode, device) for n in extra]
         return args
 

@@ -43,7 +43,7 @@ import torch.fx as fx
 from . import ops, partials
 from .batch_analysis import BatchAnalysis
 from .coupling import Partition, partition
-from .draws import emit_draws, hoisted_draws
+from .draws import emit_draws, hoisted_draws, merged_back
 from .facts import (
     FACT,
     REDUCTION,
@@ -119,10 +119,10 @@ def cut_graph(analysis: BatchAnalysis, keep: Collection[int] | None = None,
     body_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for p in placeholders:
-        env[p] = body_graph.node_copy(p)
+        env[p] = _input_like(body_graph, p)
     body_draws = tuple(d for d in draws if d in in_body)
     for d in body_draws:  # drawn before the loop: the body reads its rows like an input
-        env[d] = _input_like(body_graph, d)
+        env[d] = merged_back(body_graph, _input_like(body_graph, d), d)
     body_outputs: list[fx.Node] = []
     specs: list[ops.BodyOutput] = []
     slots: dict[fx.Node, list[int]] = {}  # reduction or frontier value -> body output indices
@@ -362,10 +362,12 @@ def _coupled_module(gm: fx.GraphModule, part: Partition, frontier: Sequence[fx.N
 
 
 def _input_like(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    """A placeholder standing for ``node`` (a graph input, or a draw made before the loop)."""
-    if node.op == "placeholder":
-        return graph.node_copy(node)
-    ph = graph.placeholder(node.name)
+    """A placeholder standing for ``node`` (a graph input, or a draw made before the loop),
+    without the input's default: the body and the coupled part are always called with
+    every input, and a draw's placeholder after a defaulted one (``forward(x0,
+    noise=None)``) would not be valid Python."""
+    ph = graph.placeholder(node.target if node.op == "placeholder" else node.name,
+                           type_expr=node.type)
     ph.meta = dict(node.meta)
     return ph
 

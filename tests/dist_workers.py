@@ -214,6 +214,26 @@ def sized_steps(rank: int, world: int, out_dir: str, gbs: int, coupled: bool) ->
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def token_draw_step(rank: int, world: int, out_dir: str, gbs: int, norm: bool) -> None:
+    """One step of test_draws_merged's per-token mask, drawn at the global batch on every
+    rank (tests/test_distributed.py)."""
+    from test_draws_merged import TokenDraw, _mask
+
+    torch.manual_seed(0)
+    model = TokenDraw(_mask, norm).to(torch.float64)
+    x = torch.randn(gbs, 5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    cm = mbcompile.compile(model, gbs, world, 2, example_inputs=(x,),
+                           backend="torch.distributed")
+    torch.manual_seed(10)
+    loss, r = cm(*mbdist.shard((x,), cm.plan, rank))
+    after = torch.rand(())
+    loss.backward()
+    torch.save({"loss": loss.detach(), "r": r, "after": after,
+                "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                "sizes": list(cm.plan.per_system_batch_sizes)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def logged(rank: int, log_dir: str, target: Callable[..., None],
            target_args: tuple[Any, ...]) -> None:
     """``target(rank, *target_args)`` with this rank's stdout and stderr going to

@@ -128,6 +128,32 @@ def test_a_shape_printed_or_returned_on_a_rank_is_the_whole_batchs(tmp_path, cou
         assert relative_error(got["grad"], model.lin.weight.grad) <= 1e-12
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", [False, True], ids=["loop", "two_phase"])
+def test_a_draw_of_rows_per_sample_on_ranks_is_eagers(tmp_path, norm):
+    """``torch.rand(B * T)``: every rank draws the global batch's tokens once and reads its
+    own samples' rows (tests/test_draws_merged.py on one process)."""
+    from test_draws_merged import TokenDraw, _mask
+
+    _run(dist_workers.token_draw_step, 2, str(tmp_path), 7, norm)
+    torch.manual_seed(0)
+    model = TokenDraw(_mask, norm).to(torch.float64)
+    x = torch.randn(7, 5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    torch.manual_seed(10)
+    loss, r = model(x)
+    after = torch.rand(())
+    loss.backward()
+    start = 0
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        size = got["sizes"][rank]
+        assert relative_error(got["loss"], loss) <= 1e-12
+        assert torch.equal(got["r"], r[start:start + size]) and torch.equal(got["after"], after)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-10, atol=1e-14)
+        start += size
+
+
 def buckets_start_during_the_last_backward(events: list[tuple]) -> None:
     """The step's bucket all-reduces are launched, asynchronously, while the last
     microbatch's backward still runs; the status and the partial sums follow, and

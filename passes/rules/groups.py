@@ -144,10 +144,14 @@ INDEX_PUTS = ["index_put", "index_put_",
 CREATIONS = [
     "zero_", "zeros_like", "ones_like", "empty_like", "rand_like", "randn_like",
     "randint_like", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
+    "cauchy_", "log_normal_", "geometric_",
     *spellings("zeros", "ones", "empty", "rand", "randn", "randint", "zeros_like", "ones_like",
                "empty_like", "rand_like", "randn_like", "randint_like", "empty_strided", "eye",
                "bernoulli", "normal", "randperm", "linspace", "logspace", "empty_permuted",
-               "zero", "triu_indices", "tril_indices", method=False),
+               "zero", "triu_indices", "tril_indices", "uniform", "exponential", "cauchy",
+               "log_normal", "geometric", method=False),
+    # elementwise draws from their arguments' rates (torch.distributions' Poisson, Gamma)
+    *spellings("poisson", "binomial", "_standard_gamma", method=False),
     *aten("normal_functional")]
 NEW_CREATIONS = spellings("new_zeros", "new_ones", "new_empty", "new_empty_strided",
                           torch_ns=False, functional=False)
