@@ -9,8 +9,17 @@ its submodule ``module``:
 
 - an attribute the compiled module does not have is read from the model (``cm.config``,
   ``cm.save_pretrained(...)``, ``cm.generate(...)``, which runs the plain model);
-- an attribute the model has and the compiled module does not is written to the model
-  (``cm.loss_type = "ForCausalLM"`` changes what the model computes, so it must reach it);
+- an attribute the compiled module does not own is written to the model, as eager's
+  ``model.name = value`` (``cm.loss_type = "ForCausalLM"``, ``cm.temperature = 4.0`` read by
+  forward's ``getattr(self, "temperature", 1.0)``, a new Parameter or layer), and deleted
+  there (``del cm.head``); but a private plain value the model lacks (``cm._x = 1``) stays
+  on the compiled module: a library's bookkeeping on the object it was handed (accelerate
+  reads ``_original_forward`` back from ``cm.__dict__``);
+- ``cm.training`` is the model's, ``cm.apply(fn)`` and ``cm.modules()`` reach each of the
+  model's modules once (the compiled module passes ``isinstance(m, type(model))`` and has
+  the model's methods: listed too, a loop would act on the model twice), and a load
+  pre-hook registered on ``cm`` sees the model's keys (``face_methods.py``: the model's own
+  overrides of ``nn.Module`` methods);
 - ``inspect.signature(cm.forward)`` is the model's forward's;
 - ``cm.__class__`` is the model's class, so ``isinstance(cm, type(model))`` holds while
   ``type(cm)`` stays the compiled module's (as ``wrapt.ObjectProxy`` and ``unittest.mock``
@@ -23,15 +32,18 @@ its submodule ``module``:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.nn as nn
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
+from mbcompile.face_methods import ModelMethods
+
 __all__ = ["ModelFace", "SignedForward"]
 
 
-class ModelFace:
+class ModelFace(ModelMethods):
     """Mixin for an ``nn.Module`` subclass whose submodule ``module`` is the user's model,
     whose ``_face_signature`` is the signature of the model's forward and whose
     ``_face_class`` is the model's class (module doc)."""
@@ -56,8 +68,57 @@ class ModelFace:
         overrides, so nesting works; ``load_state_dict`` takes the same keys, and the keys
         it reports missing or unexpected are named so too."""
         self.register_state_dict_post_hook(_strip_module_prefix)  # type: ignore[attr-defined]
-        self.register_load_state_dict_pre_hook(_add_module_prefix)  # type: ignore[attr-defined]
+        handle = self.register_load_state_dict_pre_hook(  # type: ignore[attr-defined]
+            _add_module_prefix)  # kept last (_load_from_state_dict)
+        self.__dict__["_face_prefix_hook"] = handle.id
         self.register_load_state_dict_post_hook(_named_as_saved)  # type: ignore[attr-defined]
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """torch runs load pre-hooks in registration order: the one that adds ``module.``
+        runs last, so a hook the user registered on ``cm`` sees the model's keys (a hook
+        renaming legacy keys, as registered on the model)."""
+        hooks = self._load_state_dict_pre_hooks  # type: ignore[attr-defined]
+        if (key := self.__dict__.get("_face_prefix_hook")) in hooks:
+            hooks.move_to_end(key)
+        nn.Module._load_from_state_dict(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def training(self) -> bool:
+        """The model's flag (``cm.module.eval()``, a loop over ``cm.modules()`` setting
+        ``m.training``, change it); this module's own only while it is built."""
+        model = self.__dict__.get("_modules", {}).get("module")
+        return model.training if model is not None else self.__dict__.get("_face_training", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        model = self.__dict__.get("_modules", {}).get("module")
+        if model is not None:
+            model.training = mode
+        else:
+            self.__dict__["_face_training"] = mode
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> Any:
+        """``fn`` on each of the model's modules once, as ``model.apply(fn)``: not on this
+        module too, which passes ``isinstance(m, type(model))`` and has the model's methods
+        (an init for the model would act twice); returns this module."""
+        self.module.apply(fn)  # type: ignore[attr-defined]
+        return self
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """The model's modules, named as ``named_parameters()`` names them
+        (``module.head``): not this module itself, which looks like the model (a loop
+        testing ``isinstance(m, Net)`` or ``hasattr(m, "reset_parameters")`` would act on
+        the model twice). Inside a parent's walk (``memo`` given) it lists itself too."""
+        if memo is not None:
+            yield from nn.Module.named_modules(self, memo, prefix,  # type: ignore[arg-type]
+                                               remove_duplicate)
+            return
+        memo = {self} if remove_duplicate else set()  # type: ignore[arg-type]
+        for name, module in self._modules.items():  # type: ignore[attr-defined]
+            if module is not None:
+                yield from module.named_modules(memo, prefix + ("." if prefix else "") + name,
+                                                remove_duplicate)
 
     def get_extra_state(self) -> Any:
         """torch asks ``self.__class__`` (the model's) whether there is extra state, then
@@ -94,11 +155,24 @@ class ModelFace:
                 f"the {type(model).__name__} it compiled") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        model = self.__dict__.get("_modules", {}).get("module")
-        if model is not None and not self._owns(name) and hasattr(model, name):
-            setattr(model, name, value)
+        model = self._model_of(name)
+        if model is not None and (not name.startswith("_") or hasattr(model, name)
+                                  or isinstance(value, (nn.Parameter, nn.Module))):
+            setattr(model, name, value)  # as eager's model.name = value (module doc)
             return
         nn.Module.__setattr__(self, name, value)  # type: ignore[arg-type]
+
+    def __delattr__(self, name: str) -> None:
+        model = self._model_of(name)
+        if model is not None and hasattr(model, name):
+            delattr(model, name)
+            return
+        nn.Module.__delattr__(self, name)  # type: ignore[arg-type]
+
+    def _model_of(self, name: str) -> nn.Module | None:
+        """The model, where ``name`` is not this module's own (``_owns``); else None."""
+        model = self.__dict__.get("_modules", {}).get("module")
+        return None if model is None or self._owns(name) else model
 
     def _owns(self, name: str) -> bool:
         """Whether ``name`` is the compiled module's own (its state, a method, a property,

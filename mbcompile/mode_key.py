@@ -64,9 +64,17 @@ def kinds_changed(before: tuple[Any, ...] | None, now: tuple[Any, ...]) -> str |
 
     said = [f"torch's default dtype was {before[0]}, now {now[0]}"] if before[0] != now[0] \
         else []
-    if before[1:] != now[1:]:
-        said.append(f"the model's parameters or buffers were {kinds(before, now) or 'as now'}"
-                    f", now {kinds(now, before) or 'fewer'}")
+    gone, new = kinds(before, now), kinds(now, before)
+    if gone and new:
+        said.append(f"the model's parameters or buffers were {gone}, now {new}")
+    elif gone or new:  # a kind that none had before, or that none has now
+        said.append(f"some of the model's parameters or buffers are now {new}" if new else
+                    f"none of the model's parameters or buffers is {gone} any more")
+    if len(before) != len(now):  # weight_norm, register_parameter, a layer added or removed
+        said.append(f"the model had {len(before) - 1} parameters and buffers, now "
+                    f"{len(now) - 1}")
+    elif before[1:] != now[1:] and not (gone or new):
+        said.append("some of the model's parameters or buffers changed dtype or device")
     return "; ".join(said)
 
 

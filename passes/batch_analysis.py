@@ -7,11 +7,9 @@ depends on the batch is batch-free whatever its op. A rule that finds samples
 being mixed, or an op without a rule, raises ``MixingError`` naming the op, the
 node, the user's source line, the path from a batched input, why, and the fix.
 
-Before: ``h = self.l(x); loss = h.mean()``; after, ``node.meta[FACT]``::
-
-    x: per-sample(dim 0)   l: per-sample(dim 0)   mean: batch-reduction
-
-A rejection reads (``MixingError``)::
+Before: ``h = self.l(x); loss = h.mean()``; after, ``node.meta[FACT]``:
+``x: per-sample(dim 0)   l: per-sample(dim 0)   mean: batch-reduction``. A rejection
+reads (``MixingError``)::
 
     torch.nn.BatchNorm1d (module 'bn') at node 'bn' cannot be microbatched
       at /home/me/net.py:12: h = self.bn(self.fc(x))
@@ -125,11 +123,12 @@ def _path_from_inputs(node: fx.Node, sources: Sequence[fx.Node]) -> list[fx.Node
             path = nx.shortest_path(graph, s, node)
             if not best or len(path) < len(best):
                 best = path
-    return best or [node]
+    return best  # empty: no batched input reaches it
 
 
 def _format_path(path: Sequence[fx.Node]) -> str:
-    names = [n.name for n in path]
+    names = [n.name for n in path] or ["none (it reads no batched input: a buffer, a "
+                                       "parameter or a constant)"]
     if len(names) > _MAX_PATH:  # the input end and the op end matter; the middle is elided
         head, tail = 4, _MAX_PATH - 5
         hidden = len(names) - head - tail
@@ -142,9 +141,7 @@ def mixing_error(node: fx.Node, gm: fx.GraphModule, reason: str, fix: str | Sequ
     """The ``MixingError`` for ``node``: op, node, source line, path, why, and fixes."""
     sources = [n for n in gm.graph.nodes
                if n.op == "placeholder" and not isinstance(n.meta.get(FACT), Free)]
-    found = _path_from_inputs(node, sources)
-    path = _format_path(found) if found[0] in sources else \
-        "none (it reads no batched input: a buffer, a parameter or a constant)"
+    path = _format_path(_path_from_inputs(node, sources))
     fixes = [fix] if isinstance(fix, str) else list(fix)
     fixes = list(dict.fromkeys(f for f in [*fixes, MBS_NONE] if f))
     op = describe_op(node, gm)

@@ -32,7 +32,7 @@ from torch.nn.modules import module as module_globals
 
 from .hook_tables import refill
 
-__all__ = ["BACKWARD", "FORWARD", "forward_hooks", "hidden", "shown", "tables"]
+__all__ = ["BACKWARD", "FORWARD", "forward_hooks", "hidden", "module_tracker", "shown", "tables"]
 
 #: torch's tables of global module hooks, by kind
 FORWARD = (module_globals._global_forward_pre_hooks, module_globals._global_forward_hooks)
@@ -85,3 +85,19 @@ def forward_hooks() -> list[Any]:
     for saved in _stashed:
         found += [fn for table in saved[:len(FORWARD)] for fn in table.values()]
     return found
+
+
+def module_tracker() -> bool:
+    """Whether torch's ``torch.utils.module_tracker.ModuleTracker`` has its global forward
+    hooks registered (``FlopCounterMode`` enters one), seen through the wrappers a call
+    puts around them (``fn``, ``__wrapped__``): two truth tests when no global hook is."""
+    for table in FORWARD:
+        for fn in table.values():
+            for _ in range(4):  # the call's, the step's, dynamo's, a per_microbatch mark
+                inner = getattr(fn, "fn", None) or getattr(fn, "__wrapped__", None)
+                if inner is None or inner is fn:
+                    break
+                fn = inner
+            if getattr(fn, "__module__", "") == "torch.utils.module_tracker":
+                return True
+    return False

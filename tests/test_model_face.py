@@ -46,9 +46,11 @@ def test_writes_to_the_models_attributes_reach_the_model():
     model, _, cm = _compiled()
     model.temperature = 1.0
     cm.temperature = 0.5  # an attribute of the model: written there
-    cm.note = "mine"  # neither's: kept on the compiled module
+    cm.note = "mine"  # neither's: written to the model, as eager's model.note = "mine"
     assert model.temperature == 0.5 and "temperature" not in vars(cm)
-    assert cm.note == "mine" and not hasattr(model, "note")
+    assert cm.note == "mine" and model.note == "mine" and "note" not in vars(cm)
+    cm._mine = 1  # a private plain value the model lacks: the compiled module's
+    assert "_mine" in vars(cm) and not hasattr(model, "_mine")
 
 
 def test_the_signature_and_state_dict_are_the_models():

@@ -16,6 +16,10 @@ stepping in backward) and a parameter's tensor hooks (``p.register_hook``) are s
 while the step's own backwards run (``hooks_aside``): they fire once per step, on the
 full gradient, when autograd accumulates the handed-over gradient into ``.grad``, as in
 eager (on an FSDP2-sharded model too, where FSDP calls them after its reduce-scatter).
+
+Parameters that are computed tensors (``functional_call(cm, {name: p - lr * g})``: MAML's
+fast weights) are handed their gradient the same way: the step runs on leaf aliases of
+them (``_on_leaves``), and the caller's backward carries it on through their graph once.
 """
 
 from __future__ import annotations
@@ -23,15 +27,18 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
 
 from mbcompile.execution.noise import estimate_noise_scale
-from mbcompile.passes.errors import MicrobatchError
+from mbcompile.passes.errors import InputError, MicrobatchError
 from mbcompile.passes.hook_tables import emptied
 
 __all__ = ["FusedStep", "grads_aside", "hand_over", "hooks_aside", "output_grads_refused"]
+
+_GRAD_FN = attrgetter("grad_fn")
 
 
 def hand_over(owner: Any, grads: Sequence[Any], loss_positions: Sequence[int], n_params: int,
@@ -209,7 +216,9 @@ class FusedStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, loop: Any, n_params: int, *params: Any) -> Any:
-        results = loop.run_fused(params)
+        # a parameter slot holding a computed tensor (one C read a parameter)
+        results = _on_leaves(loop, params) if any(map(_GRAD_FN, params)) else \
+            loop.run_fused(params)
         ctx.loop, ctx.n_params = loop, n_params
         ctx.set_materialize_grads(False)
         flat = [o for out in results for o in out if isinstance(o, torch.Tensor)]
@@ -235,6 +244,37 @@ class FusedStep(torch.autograd.Function):
         finally:
             if loop.step_grads is None:  # handed over (or refused for good): as eager frees
                 loop.microbatches, loop.deferred = (), None  # its inputs, while loss is kept
+
+
+def _on_leaves(loop: Any, params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+    """The step run where some of ``params`` are computed tensors, not leaves
+    (``functional_call(cm, {name: p - lr * g})``: MAML's fast weights, a hypernetwork's
+    output, ``2 * p``). Each microbatch's backward would run on into the caller's graph
+    that made them (a second backward through it fails; the leaves behind them get
+    per-microbatch gradients in the call, unscaled by the factor). So the body's slots
+    hold leaf aliases (``w.detach().requires_grad_()``, the same storage) while the step
+    runs: their gradient is the step's, handed to the computed tensors in ``backward``, and
+    autograd carries it through the caller's graph once, as eager's backward does; a hook
+    on a computed weight fires there, once. Not with the joint graph (it names the body's
+    tensors) nor a first float16 step (its backwards would run after the slots are back)."""
+    if loop.sharded is not None:
+        raise InputError(
+            "a compiled module sharded with fully_shard was called with parameters that are "
+            "computed tensors (functional_call(cm, weights) with weights made from other "
+            "tensors); FSDP gathers and reduces its own parameters. Fix: call "
+            "functional_call on the model itself (cm.module); nothing was changed")
+    leaves = [p.detach().requires_grad_() if p.grad_fn is not None else p for p in params]
+    swap = {id(p): leaf for p, leaf in zip(params, leaves) if leaf is not p}
+    held = [(m._parameters, key, v) for m in loop.body.modules()
+            for key, v in m._parameters.items() if id(v) in swap]
+    loop.joint, loop.replayable = None, False
+    for table, key, v in held:
+        table[key] = swap[id(v)]
+    try:
+        return loop.run_fused(leaves)
+    finally:
+        for table, key, v in held:
+            table[key] = v
 
 
 def _reduce(loop: Any, step: list[torch.Tensor | None]) -> None:

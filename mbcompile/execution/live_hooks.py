@@ -44,7 +44,7 @@ import torch
 from torch.nn.modules import module as module_globals
 from torch.utils import _pytree as pytree
 
-from mbcompile.errors import UncheckedHookError
+from mbcompile.errors import CaptureError, InputError, UncheckedHookError
 from mbcompile.passes import global_hooks, sandbox_patches
 from mbcompile.passes.export_hooks import module_tracker_note
 from mbcompile.passes.hook_reads import reads_only
@@ -52,7 +52,7 @@ from mbcompile.passes.hook_sandbox import Kept, call_sandboxed, runs_per_microba
 from mbcompile.passes.library_calls import IN_PACKAGE as _LIBRARY
 from mbcompile.passes.python_state import REWIRED
 
-__all__ = ["CallHooks", "UncheckedHookError", "WatchedHook", "called_as",
+__all__ = ["CallHooks", "UncheckedHookError", "WatchedHook", "called_as", "capture_refused",
            "global_backward_refused", "hook_keys", "in_step", "rewatched", "unwatch",
            "watch_hooks"]
 
@@ -327,7 +327,20 @@ def called_as(compiled: torch.nn.Module, model: torch.nn.Module, call: Any,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``call(*args, **kwargs)``: torch's call of ``compiled``, where each global module
     hook torch calls on ``compiled`` is called on ``model``, as eager's call of the model
-    calls it; a global backward hook is refused first."""
+    calls it; a global backward hook is refused first. A capture refused because a
+    parameter slot holds a plain tensor (``functional_call(cm, ...)`` under export) says
+    so (``capture_refused``)."""
+    try:
+        return _called_as(compiled, model, call, args, kwargs)
+    except UncheckedHookError:
+        raise
+    except CaptureError as exc:
+        capture_refused(model, exc)
+        raise
+
+
+def _called_as(compiled: torch.nn.Module, model: torch.nn.Module, call: Any,
+               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not any(global_hooks.tables):
         return call(*args, **kwargs)
     global_backward_refused("The call was not run: nothing was changed")
@@ -402,3 +415,24 @@ def global_backward_refused(what: str) -> None:
                 "backward hooks on the torch layers themselves (compile checks a layer's own "
                 "backward hooks, and refuses one a microbatch would change), or remove it "
                 f"while training with the compiled module. {what}")
+
+
+def capture_refused(model: torch.nn.Module, exc: CaptureError) -> None:
+    """Raise ``InputError`` from ``exc`` where torch.export refused a call because a
+    parameter slot of ``model`` holds a plain tensor (``functional_call(cm, ...)``,
+    ``torch.nn.utils.stateless``), the cause export's own message does not name."""
+    if "torch.export" not in str(exc):
+        return
+    for name, m in model.named_modules():
+        for key, p in m._parameters.items():
+            if p is not None and not isinstance(p, torch.nn.Parameter):
+                where = f"{name}.{key}" if name else key
+                raise InputError(
+                    f"{type(model).__name__}'s parameter {where!r} "
+                    "holds a plain tensor, not an nn.Parameter (torch.func.functional_call("
+                    "cm, weights) and torch.nn.utils.stateless put the tensors they are given "
+                    "there), which capture='export' cannot capture: torch.export refused it "
+                    "(its error is the __cause__ of this one). Fix: call functional_call on "
+                    "the model itself (functional_call(cm.module, ...): exact), or compile "
+                    "with capture='fx', which runs such a call with weights that are leaf "
+                    "tensors or under torch.no_grad(); nothing was changed") from exc

@@ -11,7 +11,11 @@ backwards, and fails deep inside with torch's words:
   the step's own backwards (``Unexpected state: target_frame.early_stop``);
 - ``torch.autograd.forward_ad.dual_level()`` around the call (a JVP through a training
   step, ``make_dual(x, t)``): the step's Function has no ``jvp``, so the loss and outputs
-  came back without tangents, silently, where eager's carry them.
+  came back without tangents, silently, where eager's carry them;
+- ``FlopCounterMode`` (Lightning's ``measure_flops``, MFU loggers): its ``ModuleTracker``'s
+  global hooks would see each microbatch's layers and a gradient hook on outputs whose
+  backward already ran (they were refused as the user's hooks, also in a step without
+  a loss inside: ``flop_counter_refused``).
 
 Each is refused when the call is about to run that step (grad enabled, a parameter
 trained, the loss inside the model: ``runtime._run``), before any microbatch runs. A call
@@ -29,6 +33,12 @@ One wrapper is let through: ``torch.compile(cm)`` (``Trainer(torch_compile=True)
 split, the seeding, the hand-over) and fail there; ``outside_dynamo`` makes the call a
 graph break, so the step runs as it does uncompiled (``compile(..., torch_compile=True)``
 is the way to have inductor compile the microbatch body).
+
+Under ``capture="export"``, ``functional_call(cm, ...)`` puts plain tensors in the model's
+parameter slots, which torch.export refuses to capture (``SpecViolationError``), grad on
+or off: ``live_hooks.capture_refused`` names that cause and the fix in place of export's own advice.
+(Under ``capture="fx"`` it runs: computed weights, MAML's fast weights, are handed their
+gradient by the step's backward, ``handover.FusedStep``.)
 """
 
 from __future__ import annotations
@@ -41,11 +51,13 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 import torch.fx as fx
 
-from mbcompile.execution.live_hooks import called_as
+from mbcompile.execution.live_hooks import UncheckedHookError, called_as
+from mbcompile.passes import global_hooks
 from mbcompile.passes.errors import InputError
 from mbcompile.passes.penalties import takes_gradients
 
-__all__ = ["forward_only", "outer_calls_refused", "outside_dynamo"]
+__all__ = ["forward_only", "flop_counter_refused", "outer_calls_refused",
+           "outside_dynamo"]
 
 _DIFFERENTIATES: weakref.WeakKeyDictionary[fx.GraphModule, bool] = weakref.WeakKeyDictionary()
 
@@ -79,8 +91,9 @@ def outside_dynamo(compiled: torch.nn.Module, call: Callable[..., Any],
 
 def outer_calls_refused() -> None:
     """Raise ``InputError`` where a training step is called inside a ``torch.func``
-    transform, a non-reentrant ``torch.utils.checkpoint`` or a forward-mode AD level (two
-    C reads and a global's)."""
+    transform, a non-reentrant ``torch.utils.checkpoint`` or a forward-mode AD level, and
+    ``UncheckedHookError`` inside ``FlopCounterMode`` (two C reads, a global's, and two
+    truth tests of torch's global hook tables)."""
     if torch._C._functorch.peek_interpreter_stack() is not None:
         raise InputError(
             "a compiled module's training step was called inside a torch.func transform "
@@ -104,4 +117,25 @@ def outer_calls_refused() -> None:
             "and outputs' tangents would be None where eager's has them. Fix: call the "
             "training step outside the dual level, and take the JVP on a forward-only call "
             "(under torch.no_grad(): exact) or on the model itself (cm.module); nothing was "
+            "changed")
+    flop_counter_refused()
+
+
+def flop_counter_refused() -> None:
+    """Raise ``UncheckedHookError`` (the error a hook that would run per microbatch gets)
+    where a training step runs inside ``FlopCounterMode``: its ``ModuleTracker``'s global
+    module hooks are registered."""
+    if global_hooks.module_tracker():
+        raise UncheckedHookError(
+            "a compiled module's training step was called inside "
+            "torch.utils.flop_counter.FlopCounterMode: the global module hooks are "
+            "torch.utils.module_tracker.ModuleTracker's, which FlopCounterMode installs while "
+            "it is active (Lightning's measure_flops, an MFU logger, ModelSummary at "
+            "max_depth other than 1 with example_input_array), and they register gradient "
+            "hooks on each module's outputs; the step runs each microbatch's forward and "
+            "backward inside the call, so they would see each microbatch's layers and outputs "
+            "whose backward already ran, and the counts would not be eager's. Fix: count a "
+            "forward-only call (under torch.no_grad(): the counts of the model's forward), or "
+            "count the training step on the model itself (cm.module); in Lightning: "
+            "ModelSummary(max_depth=1), or leave example_input_array unset. Nothing was "
             "changed")

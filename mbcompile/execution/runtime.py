@@ -29,7 +29,7 @@ from mbcompile.execution.deferred import deferred
 from mbcompile.execution.handover import FusedStep, grads_aside, hand_over, hooks_aside
 from mbcompile.execution.live_hooks import UncheckedHookError, in_step
 from mbcompile.execution.noise import NoiseScale
-from mbcompile.execution.outer_calls import forward_only, outer_calls_refused
+from mbcompile.execution.outer_calls import flop_counter_refused, forward_only, outer_calls_refused
 from mbcompile.execution.replay import RngStates
 from mbcompile.execution.seeding import Seed
 from mbcompile.execution.step_checks import StepChecks, read_host, take_refused
@@ -426,8 +426,7 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
 
 def _run(loop: _Loop, params: Sequence[torch.Tensor] | None = None) -> list[tuple[Any, ...]]:
     """One call of the loop; ``params`` are the body's (None: listed now)."""
-    params = [p for p in (loop.body.parameters() if params is None else params)
-              if p.requires_grad]
+    params = [p for p in (loop.body.parameters() if params is None else params) if p.requires_grad]
     if not params or not torch.is_grad_enabled():
         return forward_only(loop.run, loop.body)
     if loop.fused_index is None or any(_requires_grad(mb) for mb in loop.microbatches[:1]):
@@ -437,8 +436,9 @@ def _run(loop: _Loop, params: Sequence[torch.Tensor] | None = None) -> list[tupl
                 "scalar loss) and inputs that do not require grad: gradients are reduced once per "
                 "step from the per-microbatch backward. Return the loss from forward, or wrap "
                 "the model in DistributedDataParallel and use the simulated backend")
+        flop_counter_refused()  # FlopCounterMode: named, nothing run
         return loop.run()
-    outer_calls_refused()  # inside torch.func or torch.utils.checkpoint: named, nothing run
+    outer_calls_refused()  # inside torch.func, a checkpoint, FlopCounterMode: named, none run
     flat = iter(FusedStep.apply(loop, len(params), *params))
     return [tuple(next(flat) if is_t else c for is_t, c in zip(layout, consts))
             for layout, consts in zip(loop.layout, loop.constants)]
