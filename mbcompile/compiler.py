@@ -173,7 +173,9 @@ def _relower(request: Request, selection: Selection, captures: Captures) -> Lowe
     """The request's graph in the model's current train/eval mode and Python state
     (captured once per state, for the module and its variants), lowered again for the
     same selection; with symbolic dims checked the same at other lengths."""
-    with global_hooks.hidden():  # no probe calls one (the trace shows them: code_reach)
+    # no probe calls a global hook (the trace shows them: code_reach); an eval call under
+    # torch.inference_mode (Lightning's validation) captures as compile() does, outside it
+    with _out_of_inference_mode(), global_hooks.hidden():
         analysed = captures.analysed(request, plan=selection.plan)
         lowered = lower(request, analysed, selection)
         # an input forward writes in place, passed as another too (labels=input_ids)

@@ -156,3 +156,42 @@ def test_optional_inputs_left_out_beside_a_draw_made_before_the_loop(capture, wi
         return (x0, torch.randint(0, 3, (GBS,), generator=g)) if with_labels else (x0,)
 
     _compare(Diffusion, capture, batch)
+
+
+class ScaledLoss(nn.Module):
+    """A loss scaled by a weight drawn from nothing traced (``generator``: the model's)."""
+
+    def __init__(self, own: bool) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 3)
+        self.g = torch.Generator().manual_seed(3) if own else None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(x), y) * torch.rand((), generator=self.g)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("own", [False, True], ids=["global", "own_generator"])
+def test_a_draw_that_only_scales_the_loss_is_drawn_once_per_step(capture, own):
+    """The backward's seed replayed the loss's tail, draw included: each step drew twice,
+    so with the generator seeded once the second step's loss was another (0.109 against
+    0.005)."""
+    torch.manual_seed(0)
+    model = ScaledLoss(own)
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(GBS, 4, generator=g), torch.randint(0, 3, (GBS,), generator=g)
+    cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=(x, y),
+                           **plan_free(MBS, capture=capture))
+    losses = []
+    for m in (cm, eager):
+        torch.manual_seed(7)  # once, for all three steps
+        steps = []
+        for _ in range(3):
+            loss = m(x, y)
+            loss.backward()
+            steps.append(float(loss))
+        losses.append((steps, torch.rand(()), (model if m is cm else eager).net.weight.grad))
+    assert losses[0][0] == pytest.approx(losses[1][0], rel=1e-12)
+    assert torch.equal(losses[0][1], losses[1][1])
+    torch.testing.assert_close(losses[0][2], losses[1][2], rtol=1e-12, atol=0)

@@ -72,6 +72,25 @@ def test_compile_inside_inference_mode_then_calls_equal_eager(capture):
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])
+def test_the_first_eval_call_inside_inference_mode_recaptures_out_of_it(capture):
+    """Compiled in training mode, the first eval call (Lightning's validation, under
+    inference_mode) captures the eval graph: under export it failed with 'AssertionError:
+    False != True' and advice about data-dependent Python (the recapture ran inside the
+    mode, where compile() does not)."""
+    torch.manual_seed(0)
+    model = Net().double()
+    eager = copy.deepcopy(model)
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=_batch(0), capture=capture,
+                           cost_model=False)
+    cm.eval()
+    eager.eval()
+    with torch.inference_mode():
+        (loss, out), (want_loss, want_out) = cm(*_batch(1)), eager(*_batch(1))
+    assert loss.is_inference() and relative_error(loss, want_loss) <= 1e-12
+    assert relative_error(out, want_out) <= 1e-6
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
 def test_a_model_built_inside_inference_mode_is_refused(capture):
     with torch.inference_mode():
         model = Net().double()

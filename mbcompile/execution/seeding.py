@@ -53,6 +53,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from mbcompile.execution.deferred import body_in_float16
 from mbcompile.passes import ops
+from mbcompile.passes.draws import is_draw
 from mbcompile.passes.graph_walks import ancestors
 from mbcompile.passes.loss_counts import count_graph
 
@@ -438,7 +439,8 @@ def _tail(top: fx.GraphModule, loss: fx.Node, total: fx.Node, count: fx.Node | N
             free.append(place)
             env[n] = graph.placeholder(n.name)
         elif n.target in (ops.split, ops.microbatch_loop, ops.accumulate_cat,
-                          ops.accumulate_sum, ops.all_reduce_sums) or n.op == "output":
+                          ops.accumulate_sum, ops.all_reduce_sums) or n.op == "output" \
+                or is_draw(n):  # a draw (loss * lam): replayed, it would draw again
             return None
         else:
             env[n] = graph.node_copy(n, lambda a: env[a])
