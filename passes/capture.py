@@ -265,7 +265,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                     prints, numbers_as_inputs(wanted), recorded_reads(
                         model, name, lambda h: _number_input(tracer, numbers, h)) as guards, \
                     refused_in_fx(name), torch.enable_grad(), \
-                    (contextlib.nullcontext() if units else StateAsProxies(tracer, model)), \
+                    StateAsProxies(tracer, model, sharded=bool(units)), \
                     reached_code(model, snapshot.add_slot, name,
                                  lambda m: tracer.is_leaf_module(m, ""), concrete_args) as reach, \
                     autocast_entered() as regions:

@@ -276,12 +276,15 @@ class StateAsProxies(TorchFunctionMode):
     together with a proxy is fx's own business: it becomes a ``get_attr``.)
     """
 
-    def __init__(self, tracer: FlatOutputTracer, model: torch.nn.Module) -> None:
+    def __init__(self, tracer: FlatOutputTracer, model: torch.nn.Module,
+                 sharded: bool = False) -> None:
         super().__init__()
         self.tracer = tracer
-        self.state = {id(t): name for name, t in (*model.named_parameters(),
-                                                  *model.named_buffers())}
-        self.parameters = {id(t) for t in model.parameters()}
+        # a sharded (FSDP2) model's parameters are stand-ins the tracer makes: its
+        # buffers and draws only
+        self.state = {id(t): name for name, t in (
+            *(() if sharded else model.named_parameters()), *model.named_buffers())}
+        self.parameters = {id(t) for t in model.parameters()} if not sharded else set()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:

@@ -505,3 +505,54 @@ def clipped_steps(rank: int, world: int, out_dir: str, gbs: int) -> None:
             opt.step()
             opt.zero_grad()
     torch.save({"worst": worst}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+class Reweighted(TokenNet):
+    """A class-weighted token loss whose weights the loop changes, scaled by a draw from
+    constants (mixup's weight): both were constants of the fx graph under FSDP2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("class_w", torch.ones(CLASSES))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        lam = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4)).sample()
+        h = self.proj(x * lam.to(x.dtype))
+        for block in self.blocks:
+            h = block(h)
+        w = self.class_w / self.class_w.mean()  # reads the buffer alone
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten(), weight=w,
+                               ignore_index=-100)
+
+
+def reweighted_steps(rank: int, world: int, out_dir: str, gbs: int) -> None:
+    """Three steps of the sharded ``Reweighted`` against eager on the whole batch in this
+    rank, the class weights changed between steps, the generator seeded alike before each;
+    saves the largest relative difference of the losses and full gradients, and whether
+    the generator ended where eager's does."""
+    torch.manual_seed(0)
+    net = Reweighted().double()
+    eager = copy.deepcopy(net)
+    shard(net)
+    cm = mbcompile.compile(net, gbs, world, 2, example_inputs=make_batch(gbs),
+                           backend="torch.distributed", cost_model=False)
+    worst, same_rng = 0.0, True
+    for step in range(3):
+        batch = make_batch(gbs, seed=1 + step)
+        torch.manual_seed(10 + step)
+        loss = cm(*mbdist.shard(batch, cm.plan, rank))
+        after = torch.rand(())
+        loss.backward()
+        torch.manual_seed(10 + step)
+        want = eager(*batch)
+        same_rng &= bool(torch.equal(after, torch.rand(())))
+        want.backward()
+        worst = max(worst, float((loss - want).abs() / want.abs()))
+        for p, q in zip(net.parameters(), eager.parameters()):
+            g = p.grad.full_tensor()
+            worst = max(worst, float((g - q.grad).abs().max() / q.grad.abs().max()))
+            p.grad, q.grad = None, None
+        with torch.no_grad():
+            for m in (net, eager):
+                m.class_w.copy_(torch.arange(1.0, CLASSES + 1) + step)
+    torch.save({"worst": worst, "same_rng": same_rng}, os.path.join(out_dir, f"rank{rank}.pt"))
