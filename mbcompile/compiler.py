@@ -110,10 +110,7 @@ def _compile_request(request: Request) -> CompiledModule:
     with _crash_named(request.model):
         analysed = captures.analysed(request)
         selection = select(request, analysed)
-        lowered = lower(request, analysed, selection)
-        # an input forward writes in place, passed as another too (labels=input_ids)
-        check_held(request.inputs, [request.example[n] for n in request.inputs.names], (),
-                   False, lowered.state.written_inputs)
+        lowered = _lowered(request, analysed, selection)
         # symbolic dims: the step proved the same at another length, bounded where it holds
         request = _proved(request, selection, lowered, captures, analysed)
     return _module(request, selection, lowered, captures, Family())
@@ -139,10 +136,7 @@ def _split(captures: Captures, family: Family, request: Request, selection: Sele
     call's length chose it: ``length_plans.py``), on the capture and analysis it has."""
     with _crash_named(request.model):
         analysed = captures.analysed(request)
-        lowered = lower(request, analysed, selection)
-        # an input forward writes in place, passed as another too (labels=input_ids)
-        check_held(request.inputs, [request.example[n] for n in request.inputs.names], (),
-                   False, lowered.state.written_inputs)
+        lowered = _lowered(request, analysed, selection)
     return _module(request, selection, lowered, captures, family)
 
 
@@ -161,12 +155,18 @@ def _variant(origin: Request, first: Selection, captures: Captures, family: Fami
             selection = first
         else:
             selection = select(request, analysed, prior=first)
-        lowered = lower(request, analysed, selection)
-        # an input forward writes in place, passed as another too (labels=input_ids)
-        check_held(request.inputs, [request.example[n] for n in request.inputs.names], (),
-                   False, lowered.state.written_inputs)
+        lowered = _lowered(request, analysed, selection)
         request = _proved(request, selection, lowered, captures, analysed)
     return _module(request, selection, lowered, captures, family)
+
+
+def _lowered(request: Request, analysed: Analysed, selection: Selection) -> Lowered:
+    """``lower``, with an input forward writes in place refused where the example passes it
+    as another input too (``labels=input_ids``: ``check_held``, as at each call)."""
+    lowered = lower(request, analysed, selection)
+    check_held(request.inputs, [request.example[n] for n in request.inputs.names], (), False,
+               lowered.state.written_inputs)
+    return lowered
 
 
 def _relower(request: Request, selection: Selection, captures: Captures) -> Lowered:
@@ -177,10 +177,7 @@ def _relower(request: Request, selection: Selection, captures: Captures) -> Lowe
     # torch.inference_mode (Lightning's validation) captures as compile() does, outside it
     with _out_of_inference_mode(), global_hooks.hidden():
         analysed = captures.analysed(request, plan=selection.plan)
-        lowered = lower(request, analysed, selection)
-        # an input forward writes in place, passed as another too (labels=input_ids)
-        check_held(request.inputs, [request.example[n] for n in request.inputs.names], (),
-                   False, lowered.state.written_inputs)
+        lowered = _lowered(request, analysed, selection)
         # symbolic dims: the graph of the new mode holds at another length too
         _proved(request, selection, lowered, captures, analysed, adopt=False)
     return lowered

@@ -58,7 +58,7 @@ class ModelFace(ModelMethods):
         return type(self).__name__ + text[len(shown):] if text.startswith(shown) else text
 
     def __dir__(self) -> list[str]:
-        model = self.__dict__.get("_modules", {}).get("module")
+        model = self._face_model()
         return sorted({*nn.Module.__dir__(self), *dir(type(self)),  # type: ignore[arg-type]
                        *(dir(model) if model is not None else ())})
 
@@ -86,12 +86,12 @@ class ModelFace(ModelMethods):
     def training(self) -> bool:
         """The model's flag (``cm.module.eval()``, a loop over ``cm.modules()`` setting
         ``m.training``, change it); this module's own only while it is built."""
-        model = self.__dict__.get("_modules", {}).get("module")
+        model = self._face_model()
         return model.training if model is not None else self.__dict__.get("_face_training", True)
 
     @training.setter
     def training(self, mode: bool) -> None:
-        model = self.__dict__.get("_modules", {}).get("module")
+        model = self._face_model()
         if model is not None:
             model.training = mode
         else:
@@ -144,7 +144,7 @@ class ModelFace(ModelMethods):
         try:
             return nn.Module.__getattr__(self, name)  # type: ignore[arg-type]
         except AttributeError:
-            model = self.__dict__.get("_modules", {}).get("module")
+            model = self._face_model()
             if model is None or name.startswith("__"):  # while building, and protocols
                 raise
         try:
@@ -171,7 +171,7 @@ class ModelFace(ModelMethods):
 
     def _model_of(self, name: str) -> nn.Module | None:
         """The model, where ``name`` is not this module's own (``_owns``); else None."""
-        model = self.__dict__.get("_modules", {}).get("module")
+        model = self._face_model()
         return None if model is None or self._owns(name) else model
 
     def _owns(self, name: str) -> bool:

@@ -37,6 +37,8 @@ from mbcompile.passes.errors import InputError
 
 __all__ = ["ModelMethods"]
 
+#: methods whose override's result is returned as it is
+_PASSED_ON = ("parameters", "buffers", "zero_grad")
 #: methods that return the module itself: the override runs on the model, ``cm`` is returned
 _RETURN_SELF = ("train", "eval", "requires_grad_", "to", "cpu", "cuda", "float", "double",
                 "half", "bfloat16", "type", "share_memory", "to_empty")
@@ -49,20 +51,17 @@ _FACE = "mbcompile.face"  # whose hooks keep the model's keys (``ModelFace._face
 class ModelMethods:
     """Mixin for ``ModelFace``: the model's overrides of ``nn.Module`` methods (module doc)."""
 
+    def _face_model(self) -> nn.Module | None:
+        """The model (submodule ``module``); None while this module is built. Read from
+        ``__dict__``: never through ``__getattr__``, which itself asks for it."""
+        return self.__dict__.get("_modules", {}).get("module")
+
     def _override(self, name: str) -> Callable[..., Any] | None:
         """The model's bound method ``name`` where its class overrides ``nn.Module``'s."""
-        model = self.__dict__.get("_modules", {}).get("module")
+        model = self._face_model()
         if model is None or getattr(type(model), name, None) is getattr(nn.Module, name):
             return None
         return getattr(model, name)
-
-    def parameters(self, *args: Any, **kwargs: Any) -> Iterator[nn.Parameter]:
-        own = self._override("parameters")
-        return own(*args, **kwargs) if own else nn.Module.parameters(self, *args, **kwargs)
-
-    def buffers(self, *args: Any, **kwargs: Any) -> Iterator[torch.Tensor]:
-        own = self._override("buffers")
-        return own(*args, **kwargs) if own else nn.Module.buffers(self, *args, **kwargs)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
         return self._named_tensors("named_parameters", args, kwargs)
@@ -97,10 +96,6 @@ class ModelMethods:
         self._refuse_hooks("load_state_dict")
         return own(*args, **kwargs)
 
-    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
-        own = self._override("zero_grad")
-        return own(*args, **kwargs) if own else nn.Module.zero_grad(self, *args, **kwargs)
-
     def add_module(self, name: str, module: nn.Module | None) -> None:
         model = self._model_of(name)  # type: ignore[attr-defined]
         (super() if model is None else model).add_module(name, module)  # type: ignore[misc]
@@ -123,7 +118,7 @@ class ModelMethods:
         hooks = [h for table in _HOOKS[method] for h in getattr(self, table).values()
                  if getattr(getattr(h, "hook", h), "__module__", None) != _FACE]
         if hooks:
-            model = type(self.__dict__["_modules"]["module"]).__name__
+            model = type(self._face_model()).__name__
             raise InputError(
                 f"{model} overrides {method}(), which cm.{method}() runs on the model, but "
                 f"hooks were registered on the compiled module for it ({hooks[0]!r}), which "
@@ -131,20 +126,24 @@ class ModelMethods:
                 f"(cm.module.register_..._hook), as eager would run them")
 
 
-def _return_self(name: str) -> Callable[..., Any]:
+def _model_first(name: str, returns_self: bool) -> Callable[..., Any]:
+    """``nn.Module``'s method ``name``, or the model's override of it (``returns_self``:
+    then this module is returned, as the override returns the model)."""
     default = getattr(nn.Module, name)
 
     def method(self: ModelMethods, *args: Any, **kwargs: Any) -> Any:
         own = self._override(name)
         if own is None:
             return default(self, *args, **kwargs)
-        own(*args, **kwargs)
-        return self
+        result = own(*args, **kwargs)
+        return self if returns_self else result
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = default.__doc__
     return method
 
 
+for _name in _PASSED_ON:
+    setattr(ModelMethods, _name, _model_first(_name, returns_self=False))
 for _name in _RETURN_SELF:
-    setattr(ModelMethods, _name, _return_self(_name))
+    setattr(ModelMethods, _name, _model_first(_name, returns_self=True))

@@ -226,7 +226,7 @@ def _rows(graph: fx.Graph, drawn: Any, draw: fx.Node, rows: tuple[int, int] | No
     """What the body reads of ``drawn``: its ``rows`` along its batch dim (per-sample); the
     whole draw without ``rows``, or when it is batch-free. A draw whose batch dim holds
     ``factor`` rows per sample (``torch.rand(B * T)``) is split as (samples, factor) there
-    (``per_sample_view``; the body flattens it back: ``merged_back``)."""
+    (as ``fake_probe`` fakes it for a probe; the body flattens it back: ``merged_back``)."""
     fact = draw.meta.get(FACT)
     if not isinstance(fact, Batched):
         return drawn

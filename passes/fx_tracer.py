@@ -267,13 +267,15 @@ class StateAsProxies(TorchFunctionMode):
     """While fx traces: a call without any proxy argument that fx would not see becomes a
     node when it writes into the model's own state (``for p in self.teacher.parameters():
     p.mul_(0.9)``: the parameters enter as ``get_attr`` nodes), computes a tensor from a
-    parameter (the EMA's ``(1 - m) * p``) or from a buffer forward wrote before, or draws
-    random numbers (``torch.randn(4, generator=self.g)``).
+    parameter or a buffer (the EMA's ``(1 - m) * p``, ``self.class_w / self.class_w.mean()``),
+    or draws random numbers (``torch.randn(4, generator=self.g)``, ``Beta(a, b).sample()``);
+    a value of the state read into Python (``.item()``, ``if self.flag:``) is refused.
 
     Without this such a call runs on real tensors at trace time: the EMA updates the
-    teacher once, at compile, from the weights of compile time; the draw advances the
-    generator once, and its noise is a constant of every step. (A state tensor used
-    together with a proxy is fx's own business: it becomes a ``get_attr``.)
+    teacher once, at compile, from the weights of compile time; a buffer the loop changes
+    keeps compile's value; the draw advances the generator once, and its noise is a
+    constant of every step. (A state tensor used together with a proxy is fx's own
+    business: it becomes a ``get_attr``.)
     """
 
     def __init__(self, tracer: FlatOutputTracer, model: torch.nn.Module,
@@ -284,7 +286,6 @@ class StateAsProxies(TorchFunctionMode):
         # buffers and draws only
         self.state = {id(t): name for name, t in (
             *(() if sharded else model.named_parameters()), *model.named_buffers())}
-        self.parameters = {id(t) for t in model.parameters()} if not sharded else set()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:

@@ -480,15 +480,22 @@ class Clipped(TokenNet):
         return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten(), ignore_index=-100)
 
 
+def _sharded_against_eager(cls: type[nn.Module], gbs: int, world: int
+                           ) -> tuple[nn.Module, nn.Module, Any]:
+    """``cls()`` in float64, an eager copy taken first, and the model sharded (``shard``)
+    and compiled at ``gbs`` over ``world`` ranks at MBS 2, planned without the cost model."""
+    torch.manual_seed(0)
+    net = cls().double()
+    eager = copy.deepcopy(net)
+    shard(net)
+    return net, eager, mbcompile.compile(net, gbs, world, 2, example_inputs=make_batch(gbs),
+                                         backend="torch.distributed", cost_model=False)
+
+
 def clipped_steps(rank: int, world: int, out_dir: str, gbs: int) -> None:
     """Two SGD steps of the sharded ``Clipped`` against eager on the whole batch in this
     rank; saves the largest relative difference of the losses and full gradients."""
-    torch.manual_seed(0)
-    net = Clipped().double()
-    eager = copy.deepcopy(net)
-    shard(net)
-    cm = mbcompile.compile(net, gbs, world, 2, example_inputs=make_batch(gbs),
-                           backend="torch.distributed", cost_model=False)
+    net, eager, cm = _sharded_against_eager(Clipped, gbs, world)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (net, eager)]
     worst = 0.0
     for step in range(2):
@@ -530,12 +537,7 @@ def reweighted_steps(rank: int, world: int, out_dir: str, gbs: int) -> None:
     rank, the class weights changed between steps, the generator seeded alike before each;
     saves the largest relative difference of the losses and full gradients, and whether
     the generator ended where eager's does."""
-    torch.manual_seed(0)
-    net = Reweighted().double()
-    eager = copy.deepcopy(net)
-    shard(net)
-    cm = mbcompile.compile(net, gbs, world, 2, example_inputs=make_batch(gbs),
-                           backend="torch.distributed", cost_model=False)
+    net, eager, cm = _sharded_against_eager(Reweighted, gbs, world)
     worst, same_rng = 0.0, True
     for step in range(3):
         batch = make_batch(gbs, seed=1 + step)

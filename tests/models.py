@@ -681,8 +681,8 @@ def buffer_errors(got: nn.Module, want: nn.Module, scale: float = 0.0) -> dict[s
 
 def step_errors(model: nn.Module, call: Callable[..., Any], inputs: tuple[Any, ...] = (),
                 kwargs: dict[str, Any] | None = None, floor: float = 0.0, seed: int = 0,
-                loss: Callable[[Any], torch.Tensor] | None = None, scale: float = 0.0
-                ) -> dict[str, float]:
+                loss: Callable[[Any], torch.Tensor] | None = None, scale: float = 0.0,
+                after: list[torch.Tensor] | None = None) -> dict[str, float]:
     """One training step of ``call`` (a compiled module sharing ``model``'s parameters) against
     one eager full-batch step of a deep copy of ``model`` taken first: each from no gradients
     and from ``torch.manual_seed(seed)``, backward on ``loss(out)``, by default the first
@@ -692,7 +692,8 @@ def step_errors(model: nn.Module, call: Callable[..., Any], inputs: tuple[Any, .
     gradient (``grad_errors`` with ``floor``) and every buffer (``buffer_errors``: the step's
     running statistics), each value's scale floored at ``scale`` (0: none; for values that
     cancel to rounding noise, such as the sum of a BatchNorm's outputs); assert on them with
-    ``assert_close_errors``.
+    ``assert_close_errors``. ``after``, when given, gets torch's next draw after each run
+    (the compiled one's, then eager's): a step that draws as eager's leaves them equal.
     """
     ref, kwargs = copy.deepcopy(model), kwargs or {}
     results = []
@@ -700,6 +701,8 @@ def step_errors(model: nn.Module, call: Callable[..., Any], inputs: tuple[Any, .
         module.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
         out = run(*inputs, **kwargs)
+        if after is not None:
+            after.append(torch.rand(()))
         leaves = tensor_leaves(out)
         assert leaves, "the step returned no tensor"
         (leaves[0][1] if loss is None else loss(out)).backward()

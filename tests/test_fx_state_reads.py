@@ -27,7 +27,7 @@ import torch
 import torch.distributions as D
 import torch.nn as nn
 import torch.nn.functional as F
-from models import TOL, plan_free, rel_err
+from models import TOL, assert_close_errors, plan_free, step_errors
 
 import mbcompile
 
@@ -96,31 +96,18 @@ def _moved(model: nn.Module, step: int) -> None:
 
 def _compare(make: Callable[[], nn.Module], capture: str, steps: int = 3
              ) -> mbcompile.CompiledModule:
+    """``steps`` steps of ``make()`` compiled against eager (``step_errors``, from
+    ``torch.manual_seed(10 + step)``), the global generator where eager's leaves it, and
+    the state moved by the loop between them (``_moved``)."""
     torch.manual_seed(0)
     model = make()
-    eager = copy.deepcopy(model)
     cm = mbcompile.compile(model, GBS, SYSTEMS, MBS, example_inputs=_batch(),
                            **plan_free(MBS, capture=capture))
     for step in range(steps):
-        torch.manual_seed(10 + step)
-        got = cm(*_batch())
-        after = torch.rand(())  # where the global generator stands after the step
-        torch.manual_seed(10 + step)
-        want = eager(*_batch())
-        assert torch.equal(after, torch.rand(())), step  # the step drew as eager's did
-        for g, w in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, want))):
-            assert rel_err(g.detach(), w.detach()) <= TOL, (step, g, w)
-        (got[0] if isinstance(got, tuple) else got).backward()
-        (want[0] if isinstance(want, tuple) else want).backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            assert (p.grad is None) == (q.grad is None), (step, name)
-            if q.grad is not None:
-                assert rel_err(p.grad, q.grad) <= TOL, (step, name)
-        for (name, b), c in zip(model.named_buffers(), eager.buffers()):
-            assert rel_err(b, c) <= TOL, (step, name)
-        for m in (model, eager):
-            _moved(m, step)
-            m.zero_grad()
+        after: list[torch.Tensor] = []
+        assert_close_errors(step_errors(model, cm, _batch(), seed=10 + step, after=after), TOL)
+        assert torch.equal(*after), step  # the step drew as eager's did
+        _moved(model, step)
     return cm
 
 
