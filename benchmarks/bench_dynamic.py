@@ -320,7 +320,7 @@ def seed_costs(cm: Any, batch: dict[str, Any], calls: int = 2000) -> dict[str, f
     """CPU ms of the seed of one step's backwards (``execution/seeding.py``), computed the
     two ways a step does, on that step's inputs: replayed (the loss's tail, then autograd's
     backward) and as the aten ops that replay ran, traced (after ``TRACE_AFTER`` steps)."""
-    from mbcompile.execution import seeding
+    from mbcompile.execution import seed_trace
 
     seed = cm._compiled().channels.config.seed
     seen: list[tuple[Any, ...]] = []
@@ -330,10 +330,10 @@ def seed_costs(cm: Any, batch: dict[str, Any], calls: int = 2000) -> dict[str, f
         cm(**batch).loss.backward()
     finally:
         del seed.seed
-    partial, count, first = seen[0]
-    args = (partial.detach(), seed._outer, seed._found, *((count,) if seed.counted else ()),
-            *(first[i] for i in seed.free))
-    traced = seeding._trace(seed._replay, args)
+    partial, count, first, *drawn = seen[0]
+    args = (partial.detach(), *seed._guess(), *((count,) if seed.counted else ()),
+            *(drawn[0] if drawn else ()), *(first[i] for i in seed.free))
+    traced = seed_trace.trace(seed._replay, args)
     ways = {"seed, replayed": lambda: seed._replay(*args), "seed, traced": lambda: traced(*args)}
     best = {way: float("inf") for way in ways}
     for _ in range(3):  # in turn; the best of three rounds

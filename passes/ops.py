@@ -104,13 +104,15 @@ def as_tuple(out: Any) -> tuple[Any, ...]:
 
 def microbatch_loop(body: Callable[..., Any], microbatches: list[tuple[Any, ...]], *,
                     fused_index: int | None, systems: Sequence[int],
-                    count_index: int | None = None, sizes: Sequence[int] = ()
-                    ) -> list[tuple[Any, ...]]:
+                    count_index: int | None = None, sizes: Sequence[int] = (),
+                    drawn: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """Every microbatch's body outputs (reference meaning: a plain loop).
 
     ``fused_index`` names the body output that is the trained loss's partial sum
     (a backend may run its backward per microbatch), ``count_index`` its count,
     ``systems`` how many microbatches each system runs and ``sizes`` their samples.
+    ``drawn``: values drawn before the loop that the loss reads after it (``loss * lam``),
+    with which a backend seeds the backwards it runs in the loop (``seeding.py``).
     """
     return [as_tuple(body(*mb)) for mb in microbatches]
 

@@ -234,6 +234,26 @@ def token_draw_step(rank: int, world: int, out_dir: str, gbs: int, norm: bool) -
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def drawn_scale_steps(rank: int, world: int, out_dir: str, gbs: int) -> None:
+    """Three calls from one state of test_seeded_backward's loss times a draw, on ranks:
+    every rank seeds its backwards with the value drawn (the same on every rank)."""
+    from test_seeded_backward import _DrawnScale
+
+    torch.manual_seed(0)
+    model = _DrawnScale()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(gbs, 4, generator=g), torch.randint(0, 3, (gbs,), generator=g)
+    cm = mbcompile.compile(model, gbs, world, 2, example_inputs=(x, y),
+                           backend="torch.distributed", cost_model=False)
+    state, grads = model.g.get_state(), []
+    for _ in range(3):
+        model.g.set_state(state)
+        cm(*mbdist.shard((x, y), cm.plan, rank)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    torch.save({"grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def logged(rank: int, log_dir: str, target: Callable[..., None],
            target_args: tuple[Any, ...]) -> None:
     """``target(rank, *target_args)`` with this rank's stdout and stderr going to

@@ -128,6 +128,25 @@ def test_a_shape_printed_or_returned_on_a_rank_is_the_whole_batchs(tmp_path, cou
         assert relative_error(got["grad"], model.lin.weight.grad) <= 1e-12
 
 
+def test_a_loss_times_a_draw_is_seeded_alike_at_every_step_on_ranks(tmp_path):
+    """The seed replays the loss's tail at the value drawn (test_seeded_backward): on 2
+    ranks every call from one state gives the same gradients, bit for bit, each rank the
+    same, and they are eager's full-batch gradients to rounding."""
+    from test_seeded_backward import _DrawnScale
+
+    _run(dist_workers.drawn_scale_steps, 2, str(tmp_path), 7)
+    torch.manual_seed(0)
+    model = _DrawnScale()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(7, 4, generator=g), torch.randint(0, 3, (7,), generator=g)
+    model(x, y).backward()
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt")["grads"] for rank in range(2)]
+    for grads in ranks:
+        for step in grads:
+            assert all(torch.equal(a, b) for a, b in zip(step, ranks[0][0]))
+            assert all(relative_error(a, p.grad) <= 1e-6 for a, p in zip(step, model.parameters()))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("norm", [False, True], ids=["loop", "two_phase"])
 def test_a_draw_of_rows_per_sample_on_ranks_is_eagers(tmp_path, norm):

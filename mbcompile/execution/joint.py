@@ -121,7 +121,7 @@ class JointStep:
         seed = None
         if loop.seeding is not None:
             count = loop.seeding.global_count(microbatches, loop.systems, loop.distributed)
-            seed = loop.seeding.seed(stand_in, count, microbatches[0])
+            seed = loop.seeding.seed(stand_in, count, microbatches[0], loop.drawn)
         loop.seed_value = seed = torch.ones_like(stand_in) if seed is None else seed
         grads, results = None, []
         for i, mb in enumerate(microbatches):

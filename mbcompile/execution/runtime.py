@@ -108,6 +108,7 @@ class _Loop:
         self.reducer: Any = None
         self.reduced: list[bool] | None = None  # per parameter: mbcompile all-reduces its grad
         self.refused: BaseException | None = None  # raised in the step (StepChannels.refused)
+        self.drawn: tuple[Any, ...] = ()  # draws before the loop its seed reads (``ops``)
 
     def where(self, index: int) -> tuple[int, int]:
         """(system, microbatch within it) of the ``index``-th non-empty microbatch."""
@@ -313,7 +314,8 @@ class _Loop:
                         if count is None and self.count_index is not None:
                             count = seeding.guess_count(out[self.count_index], self.sizes,
                                                         self.distributed)
-                        self.seed_value = seeding.seed(partial, count, self.microbatches[0])
+                        self.seed_value = seeding.seed(partial, count, self.microbatches[0],
+                                                    self.drawn)
                     if self.reducer is not None and last:
                         self.reducer.arm()  # gradients final in this backward start reducing
                     if real:
@@ -332,7 +334,8 @@ class _Loop:
                     if i == 0:  # outputs autograd never reaches (counts) get no gradient
                         self.no_grad_outputs = [isinstance(o, torch.Tensor) and not o.requires_grad
                                                 for o in out]
-                    results.append(tuple(_detach(o) for o in out))
+                    results.append(tuple(o.detach() if isinstance(o, torch.Tensor) else o
+                                         for o in out))
             if self.reducer is not None:
                 self.reducer.flush()  # parameters the last backward never reached
             self.step_grads = [p.grad for p in params]
@@ -366,10 +369,6 @@ class _Loop:
             self.small_sq, self.counts, self.big_sq = self.checks.noise_figures(values)
 
 
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
 def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[..., Any]:
     """The loop a backend binds for ``passes.ops.microbatch_loop``, reporting to ``channels``.
 
@@ -379,14 +378,14 @@ def make_loop(channels: StepChannels, distributed: bool = False) -> Callable[...
     """
     def microbatch_loop(body: fx.GraphModule, microbatches: list[tuple[Any, ...]], *,
                         fused_index: int | None, systems: Sequence[int],
-                        count_index: int | None = None, sizes: Sequence[int] = ()
-                        ) -> list[tuple[Any, ...]]:
+                        count_index: int | None = None, sizes: Sequence[int] = (),
+                        drawn: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         sharded, params, joint = known(body)
         config = channels.config
         loop = _Loop(body, microbatches, fused_index, systems, distributed, count_index, sizes,
                      channels.noise, sharded, joint, config.seed, config.nonfinite,
                      config.replayable)
-        loop.refused = take_refused(channels)
+        loop.refused, loop.drawn = take_refused(channels), drawn
         results = _run(loop, params)
         if count_index is not None:  # kept for reports (token counts); no copy, no sync
             channels.last_counts = tuple(r[count_index] for r in results)

@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from mbcompile.execution.deferred import body_in_float16
+from mbcompile.execution.seed_trace import TRACE_AFTER, TRACED, kind_of, trace
 from mbcompile.passes import ops
 from mbcompile.passes.draws import is_draw
 from mbcompile.passes.graph_walks import ancestors
@@ -96,7 +96,7 @@ class Seed:
                  free: Sequence[int] = (), counted: bool = False,
                  counts: fx.GraphModule | None = None, float16: bool = False) -> None:
         self.float16 = float16
-        self.tail = tail  # (S, [N], *free inputs) -> L; None: not replayable
+        self.tail = tail  # (S, [N], *draws, *free inputs) -> L; None: not replayable
         self.loss_pos = loss_pos  # L among the graph's outputs (watched for its gradient)
         self.free = tuple(free)  # the inputs the tail reads, by place in a microbatch
         self.counted = counted  # the tail divides by the loss's global count
@@ -110,7 +110,8 @@ class Seed:
         self._seen: torch.Tensor | None = None  # the loop's overflows when it last saw a g
         #: its own until the module's call hands it the module's (``Guesses``)
         self.shared = Guesses()
-        # per kind of input (``_kind``): its replays so far, then its trace (False: none)
+        # per kind of input (``seed_trace.kind_of``): its replays so far, then its trace
+        # (False: none)
         self._traced: dict[tuple[Any, ...], Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -215,13 +216,14 @@ class Seed:
         per_sample, rest = divmod(first, sizes[0])
         return per_sample * sum(sizes) if not rest else None
 
-    def seed(self, partial: torch.Tensor, count: Any, first: tuple[Any, ...]
-             ) -> torch.Tensor | None:
+    def seed(self, partial: torch.Tensor, count: Any, first: tuple[Any, ...],
+             drawn: tuple[torch.Tensor, ...] = ()) -> torch.Tensor | None:
         """The seed of every microbatch's backward (None: seed with 1, as a plain
-        ``backward()``): the tail's ``dL/dS`` for the guessed gradient of ``L``.
+        ``backward()``): the tail's ``dL/dS`` for the guessed gradient of ``L``, at this
+        step's draws (``drawn``) and unbatched inputs (in ``first``, the first microbatch).
 
         The replay (``_replay``: the tail's forward, then autograd's backward) of a kind of
-        input (``_kind``: shapes, dtypes, devices, Python numbers) replayed
+        input (``seed_trace.kind_of``: shapes, dtypes, devices, Python numbers) replayed
         ``TRACE_AFTER`` times is traced into the aten ops autograd runs (``make_fx``), so
         that later steps call those few ops, not the autograd engine: the same kernels on
         the same values, the same seed bit for bit (``tests/test_seeded_backward.py``).
@@ -232,13 +234,13 @@ class Seed:
             return last if last is not None and last.dtype == partial.dtype else None
         # the guess raw, with the overflows since: its halving is replayed (and traced) too
         args = (partial.detach(), *self._guess(),
-                *((count,) if self.counted else ()), *(first[i] for i in self.free))
-        kind = _kind(args)
+                *((count,) if self.counted else ()), *drawn, *(first[i] for i in self.free))
+        kind = kind_of(args)
         traced = self._traced.get(kind) if kind is not None else None
         if type(traced) is int or (traced is None and kind is not None
                                    and len(self._traced) < TRACED):  # another replay
             replays = (traced or 0) + 1
-            self._traced[kind] = replays if replays < TRACE_AFTER else _trace(
+            self._traced[kind] = replays if replays < TRACE_AFTER else trace(
                 self._replay, args)
         try:
             if isinstance(traced, fx.GraphModule):
@@ -310,61 +312,12 @@ class Seed:
         return torch.where(g == seed, 1.0, g / seed)
 
 
-#: Kinds of input whose replays are counted and traced (``Seed.seed``): a count that is a
-#: Python int and changes every step would make a kind per step; past these, replayed.
-TRACED = 4
-#: Replays of one kind of input before it is traced: a trace costs about a hundred
-#: replays (17 ms against 0.12 ms saved per step on bench_dynamic's GPT-2, CPU).
-TRACE_AFTER = 32
-
-
 def _halved(g: torch.Tensor | None, halvings: torch.Tensor | None) -> torch.Tensor | None:
     """``g`` halved once per overflow (``halvings``, a count; device ops only): exact, a
     power of two (``g * 1.0`` is ``g``)."""
     if g is None or halvings is None:
         return g
     return g * torch.pow(0.5, halvings.to(device=g.device, dtype=g.dtype).reshape(()))
-
-
-def _kind(values: Sequence[Any]) -> tuple[Any, ...] | None:
-    """What a traced replay depends on besides the tensors' values: each tensor's shape,
-    dtype and device, each Python number's value (traced as a constant); None where a value
-    is neither, or under an autocast."""
-    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-        return None  # its casts would be traced, and then cast again: replayed instead
-    key: list[Any] = []
-    for v in values:
-        if type(v) is torch.Tensor:  # not a subclass: a fake or distributed tensor replays
-            key.append((tuple(v.shape), v.dtype, v.device, v.layout))
-        elif v is None or type(v) in (bool, int, float):
-            key.append((type(v), v))
-        else:
-            return None
-    return tuple(key)
-
-
-def _trace(replay: Any, args: Sequence[Any]) -> Any:
-    """``replay`` traced into the aten ops it runs on ``args`` (False where it cannot be,
-    or where the trace holds a tensor of its own: the key would not say when it changes)."""
-    try:
-        traced = make_fx(replay)(*args)
-    except Exception:  # noqa: BLE001  (replayed instead, as before)
-        return False
-    if any(n.op == "get_attr" for n in traced.graph.nodes):
-        return False
-    for n in traced.graph.nodes:  # autograd's expand of a gradient to its own shape: a no-op
-        if n.target is torch.ops.aten.expand.default and _same_shape(n, n.args[0]):
-            n.replace_all_uses_with(n.args[0])
-    traced.graph.eliminate_dead_code()  # the tail's own forward: only its gradient is kept
-    traced.recompile()
-    return traced
-
-
-def _same_shape(a: fx.Node, b: Any) -> bool:
-    """Whether the traced values of ``a`` and ``b`` have one shape (False where unknown)."""
-    va, vb = a.meta.get("val"), b.meta.get("val") if isinstance(b, fx.Node) else None
-    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) \
-        and va.shape == vb.shape
 
 
 def _usable(g: torch.Tensor, infinite: bool = False) -> torch.Tensor:
@@ -382,7 +335,9 @@ def _usable(g: torch.Tensor, infinite: bool = False) -> torch.Tensor:
 def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
     """The ``Seed`` of a rewritten graph (before it is bound): the tail from the loop's
     trained partial sum to the one output that is the loss, or a bare ``Seed`` (guess the
-    last ``dL/dS``; a two-phase step's loss is the output itself) where there is none."""
+    last ``dL/dS``; a two-phase step's loss is the output itself) where there is none.
+    The loop is handed the draws the tail reads (``drawn``: ``loss * lam``, ``lam`` drawn
+    before the loop as eager draws it), which its seed replays with the values drawn."""
     nodes = list(top.graph.nodes)
     if any(n.target is ops.two_phase_step for n in nodes):
         return Seed()
@@ -407,19 +362,25 @@ def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
     bare = Seed(counted=count is not None, counts=counts, float16=float16)
     if total is None or len(losses) != 1:
         return bare
-    tail = _tail(top, leaves[losses[0]], total, denominator, split)
+    drawn_before = {n for n in nodes[:nodes.index(loop)] if is_draw(n)}
+    tail = _tail(top, leaves[losses[0]], total, denominator, split, drawn_before)
     if tail is None:
         return bare
-    graph, free = tail
+    graph, free, drawn = tail
+    if drawn:
+        loop.update_kwarg("drawn", tuple(drawn))
+        top.recompile()
     return Seed(graph, losses[0], free, denominator is not None, counts, float16)
 
 
 def _tail(top: fx.GraphModule, loss: fx.Node, total: fx.Node, count: fx.Node | None,
-          split: fx.Node) -> tuple[fx.GraphModule, list[int]] | None:
-    """``(S, [N], *inputs) -> L`` copied from ``top``; None when ``L`` reads anything
-    else the loop computes (another partial sum, a per-sample output) or a batched input."""
+          split: fx.Node, drawn_before: set[fx.Node]
+          ) -> tuple[fx.GraphModule, list[int], list[fx.Node]] | None:
+    """``(S, [N], *draws, *inputs) -> L`` copied from ``top``, and the draws it reads (of
+    ``drawn_before``, as inputs); None when ``L`` reads anything else the loop computes
+    (another partial sum, a per-sample output), a batched input or a later draw."""
     stops = {total} | ({count} if count is not None else set())
-    needed = ancestors([loss], through=lambda n: n not in stops)
+    needed = ancestors([loss], through=lambda n: n not in stops and n not in drawn_before)
     if total not in needed:
         return None
     placeholders = [n for n in top.graph.nodes if n.op == "placeholder"]
@@ -428,9 +389,11 @@ def _tail(top: fx.GraphModule, loss: fx.Node, total: fx.Node, count: fx.Node | N
     env = {total: graph.placeholder("total")}
     if count is not None:
         env[count] = graph.placeholder("count")
+    drawn = [n for n in top.graph.nodes if n in needed and n in drawn_before]
+    env.update((n, graph.placeholder(n.name)) for n in drawn)
     free = []
     for n in top.graph.nodes:
-        if n not in needed or n in stops:
+        if n not in needed or n in stops or n in env:
             continue
         if n.op == "placeholder":
             place = placeholders.index(n)
@@ -440,9 +403,9 @@ def _tail(top: fx.GraphModule, loss: fx.Node, total: fx.Node, count: fx.Node | N
             env[n] = graph.placeholder(n.name)
         elif n.target in (ops.split, ops.microbatch_loop, ops.accumulate_cat,
                           ops.accumulate_sum, ops.all_reduce_sums) or n.op == "output" \
-                or is_draw(n):  # a draw (loss * lam): replayed, it would draw again
+                or is_draw(n):  # drawn after the loop: replayed, it would draw again
             return None
         else:
             env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(env[loss])
-    return fx.GraphModule(top, graph, "LossTail"), free
+    return fx.GraphModule(top, graph, "LossTail"), free, drawn
