@@ -315,11 +315,13 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
             "with mbcompile.trust_module")
     assert tracer.output_spec is not None
     if rebound:  # self.seen = self.seen + n: fx records the sum, not the assignment
+        attr = f"self.{rebound[0].rsplit('.', 1)[-1]}"
         raise CaptureError(
-            f"{name}.forward assigns a new tensor to {rebound[0]!r}; torch.fx records the "
-            "value but not the assignment. Fix: compile with capture='auto' or 'export' "
-            "(torch.export writes it back once per step), or update it in place "
-            f"(self.{rebound[0].rsplit('.', 1)[-1]}.add_(...))")
+            f"{name}.forward assigns a tensor to {rebound[0]!r} ({attr} = {attr} + 1, or "
+            f"{attr} += 1, which a traced value runs as the same assignment); torch.fx "
+            "records the value but not the assignment. Fix: compile with capture='auto' or "
+            "'export' (torch.export writes it back once per step), or update it with an "
+            f"in-place method, which fx records ({attr}.add_(...))")
     rewiring_refused([*rewired, *_parameters_assigned(graph, effects, model)], name)
     autocast = autocast_nodes(graph)
     if autocast:

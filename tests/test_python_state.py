@@ -282,6 +282,7 @@ class Refused(nn.Module):
         self.history: list[Any] = [1.0]
         self.queue: list[Any] = [1, 2]
         self.box: dict[str, Any] = {"seen": []}
+        self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, opts: dict | None = None
                 ) -> torch.Tensor:
@@ -310,6 +311,8 @@ class Refused(nn.Module):
             self.history.append(loss.detach())
         elif self.kind == "argument":
             opts["loss"] = loss.detach()
+        elif self.kind == "buffer +=":  # in place in eager; fx's value runs it as `= +`
+            self.calls += 1
         return loss
 
 
@@ -324,6 +327,7 @@ class Refused(nn.Module):
     ("print container", ["prints a container or object it also changes",
                          "print the values themselves"]),
     ("argument", ["'opts'", "return the value"]),
+    ("buffer +=", ["'calls'", "self.calls += 1", "capture='auto'", "self.calls.add_(...)"]),
 ])
 def test_a_side_effect_that_cannot_be_exact_is_refused_and_changes_nothing(kind, names):
     torch.manual_seed(0)
@@ -337,7 +341,7 @@ def test_a_side_effect_that_cannot_be_exact_is_refused_and_changes_nothing(kind,
         assert name in str(err.value), (name, str(err.value))
     after, after_ids = _picture(model)
     assert after_ids == ids and after == before and opts == {}
-    assert SEEN == [] and BOXES == {"seen": []}
+    assert SEEN == [] and BOXES == {"seen": []} and float(model.calls) == 0
 
 
 SEEN: list[Any] = []  # a global list forward appends to
