@@ -26,6 +26,8 @@ After (``StateUpdates.targets == (StateTarget("buffer", "center"),)``)::
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +51,10 @@ class StateTarget:
 
     kind: str  # "buffer", "parameter" (a frozen one: an EMA copy) or "input"
     name: str  # the buffer's qualified name, or the input's placeholder name
+    #: written by a kernel that does not count it as a change (batch norm's running
+    #: statistics: eager's kernel writes them in place, their version unchanged), so a
+    #: backward that saved the buffer still runs after the write (``write_back``)
+    quiet: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,11 +77,16 @@ class StateUpdates:
         with torch.no_grad():
             for target, value in zip(self.targets, new):
                 if target.kind == "buffer":
-                    model.get_buffer(target.name).copy_(value)
+                    dest = model.get_buffer(target.name)
+                    if dest.shape != value.shape:  # an observer's min_val, made empty, resized
+                        dest.resize_(value.shape)  # by its first forward as eager resizes it
                 elif target.kind == "parameter":  # under no_grad: it stays a leaf
-                    model.get_parameter(target.name).copy_(value)
+                    dest = model.get_parameter(target.name)
                 else:
-                    arguments[target.name].copy_(value)
+                    dest = arguments[target.name]
+                with (torch.autograd._unsafe_preserve_version_counter(dest) if target.quiet
+                      else contextlib.nullcontext()):
+                    dest.copy_(value)
 
     def refuse_plain_tensors(self, model: torch.nn.Module) -> None:
         """A ``CaptureError`` where a state forward writes in place is a plain tensor
@@ -132,6 +143,16 @@ def _target(node: fx.Node, gm: fx.GraphModule) -> StateTarget | None:
     return None
 
 
+def _running_statistic(node: fx.Node) -> bool:
+    """Whether ``node`` is a running statistic a functional batch norm returns (its outputs
+    after the normalised value, the saved mean and the saved inverse deviation)."""
+    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return False
+    op = node.args[0].target
+    return isinstance(op, torch._ops.OpOverload) and "batch_norm" in op.name() \
+        and node.args[1] >= 3
+
+
 def _is_copy(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method") and node.target in _COPIES
 
@@ -155,6 +176,8 @@ def lift_state_updates(gm: fx.GraphModule) -> StateUpdates:
         target = _target(dst, gm) if isinstance(dst, fx.Node) else None
         if target is None or not isinstance(src, fx.Node):
             continue
+        if _running_statistic(src):
+            target = dataclasses.replace(target, quiet=True)
         with graph.inserting_before(node):
             value = graph.call_function(torch.ops.aten.detach.default, (src,))
         value.meta = dict(node.meta)  # the write's source line
