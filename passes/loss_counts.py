@@ -34,7 +34,7 @@ import torch.nn as nn
 from . import partials
 from .graph_walks import ancestors
 
-__all__ = ["count_graph"]
+__all__ = ["count_graph", "data_count_graph"]
 
 
 def count_graph(body: fx.GraphModule, count_index: int) -> fx.GraphModule | None:
@@ -53,7 +53,8 @@ def count_graph(body: fx.GraphModule, count_index: int) -> fx.GraphModule | None
     trained = _trained(body)
     # the score argument (the model's output) is what the count never reads: left out
     args = tuple(None if _reads(a, trained) else a for a in pair.args)
-    kwargs = {k: None if _reads(v, trained) else v for k, v in pair.kwargs.items()}
+    kwargs = {k: None if _reads(v, trained) else v for k, v in pair.kwargs.items()
+              if k != "sum_dtype"}  # (the partial's, not the loss's)
     needed = [a for a in (*args, *kwargs.values()) if isinstance(a, fx.Node)]
     if any(_reads(a, trained) for a in needed):
         return None
@@ -67,6 +68,32 @@ def count_graph(body: fx.GraphModule, count_index: int) -> fx.GraphModule | None
                                fx.node.map_arg(kwargs, lambda a: env[a]))
     graph.output(node)
     gm = fx.GraphModule(body, graph, "LossCount")
+    gm.graph.lint()
+    return gm
+
+
+def data_count_graph(body: fx.GraphModule, index: int) -> fx.GraphModule | None:
+    """``body``'s inputs -> output ``index``, where that output is a count the loss divides
+    by and is computed from the data alone (``(labels != -100).sum()``, ``mask.float().sum()``:
+    a hand-written token mean ``tok.sum() / mask.sum()``); None where it reads a trained
+    parameter, calls a layer or draws (run again before the loop, it would draw again)."""
+    from .draws import is_draw  # (draws reads the rules, which read the partials)
+
+    out = next(n for n in reversed(body.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    count = values[index]
+    if not isinstance(count, fx.Node):
+        return None
+    keep, trained = ancestors([count]), _trained(body)
+    if any(n in trained or n.op == "call_module" or is_draw(n) for n in keep):
+        return None
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in body.graph.nodes:
+        if n.op == "placeholder" or n in keep:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[count])
+    gm = fx.GraphModule(body, graph, "DataCount")
     gm.graph.lint()
     return gm
 

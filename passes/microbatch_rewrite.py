@@ -313,9 +313,10 @@ def _emit_tail(graph: fx.Graph, env: dict[fx.Node, fx.Node], part: Partition,
     for n in part.reductions:
         spec: ReductionSpec = n.meta[REDUCTION]
         ids = slots[n]
-        if spec.kind == "mean":
-            env[n] = _call(graph, partials.mean_combine, (joined[ids[0]], joined[ids[1]]), {},
-                           n.name)
+        if spec.kind == "mean":  # a half-precision mean, summed in float32: rounded once
+            half = _half(n)
+            env[n] = _call(graph, partials.mean_combine, (joined[ids[0]], joined[ids[1]]),
+                           {"dtype": half} if half is not None else {}, n.name)
         else:
             env[n] = joined[ids[0]]
         env[n].meta = dict(n.meta)
@@ -409,6 +410,12 @@ def _fetch(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
+def _half(n: fx.Node) -> torch.dtype | None:
+    """The dtype of a mean that eager computes in half precision (None: another)."""
+    info = n.meta.get(SHAPES)
+    return info.dtype if isinstance(info, ValueInfo) and info.dtype in partials.HALF else None
+
+
 def _emit_partial(n: fx.Node, graph: fx.Graph, env: dict[fx.Node, fx.Node],
                   outputs: list[fx.Node], specs: list[ops.BodyOutput],
                   gm: fx.GraphModule) -> list[int]:
@@ -420,10 +427,15 @@ def _emit_partial(n: fx.Node, graph: fx.Graph, env: dict[fx.Node, fx.Node],
         specs.append(ops.BodyOutput("sum"))
         return [len(outputs) - 1]
     args = fx.node.map_arg(n.args, lambda a: env[a])
-    kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+    kwargs = dict(fx.node.map_arg(n.kwargs, lambda a: env[a]))
     if n.op == "call_module":
         args = (graph.get_attr(n.target), *args)
-    pair = _call(graph, spec.partial, tuple(args), dict(kwargs), n.name)
+    if _half(n) is not None:  # summed in float32 (``partials.HALF``)
+        if spec.partial is not partials.mean_partial:
+            kwargs["sum_dtype"] = torch.float32
+        elif kwargs.get("dtype") is None:
+            kwargs["dtype"] = torch.float32
+    pair = _call(graph, spec.partial, tuple(args), kwargs, n.name)
     pair.meta = dict(n.meta)
     total = graph.call_function(operator.getitem, (pair, 0))
     count = graph.call_function(operator.getitem, (pair, 1))

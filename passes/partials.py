@@ -67,9 +67,24 @@ def mean_partial(input: torch.Tensor, dim: Any = None, keepdim: bool = False, *,
     return total, count
 
 
-def mean_combine(total: torch.Tensor, count: Count) -> torch.Tensor:
-    """The global mean from the added-up partials: one division by the global count."""
-    return total / count
+def mean_combine(total: torch.Tensor, count: Count, dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+    """The global mean from the added-up partials: one division by the global count; a
+    mean of half-precision values (``dtype``), whose partials the body sums in float32
+    (``HALF``), rounded once to it, as eager's mean rounds."""
+    mean = total / count
+    return mean if dtype is None else mean.to(dtype)
+
+
+#: the dtypes whose means a microbatch sums in float32, and the step adds up in float32:
+#: eager's mean accumulates in float32 and rounds once, where float16 partial sums
+#: overflowed (4 microbatches of an autoencoder's ``mse_loss``: inf, eager 0.88)
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _summed(values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A loss's ``reduction='none'`` values summed, in ``dtype`` where given."""
+    return values.sum() if dtype is None else values.sum(dtype=dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -265,7 +280,8 @@ def _named(partial: Callable[..., Any], name: str, doc: str) -> Callable[..., An
 
 
 def _partial(fn: Callable[..., Any], kind: LossKind) -> Callable[..., tuple[torch.Tensor, Count]]:
-    def partial(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Count]:
+    def partial(*args: Any, sum_dtype: torch.dtype | None = None, **kwargs: Any
+                ) -> tuple[torch.Tensor, Count]:
         a = _bound(fn, args, kwargs)
         mode = _reduction_of(a)
         for legacy in _LEGACY:  # already folded into mode
@@ -277,9 +293,9 @@ def _partial(fn: Callable[..., Any], kind: LossKind) -> Callable[..., tuple[torc
             if kind is LENGTHS:  # as ATen's ctc_loss: lengths in the values' dtype, clamped
                 lengths = torch.as_tensor(a["target_lengths"], device=values.device)
                 values = values / lengths.to(values.dtype).clamp_min(1)
-            return values.sum(), values.numel()
-        a["reduction"] = "sum"
-        total = fn(**a)
+            return _summed(values, sum_dtype), values.numel()
+        a["reduction"] = "sum" if sum_dtype is None else "none"  # (the sum of 'none' is 'sum')
+        total = fn(**a) if sum_dtype is None else _summed(fn(**a), sum_dtype)
         if kind is CLASSES:
             return total, _class_count(a)
         if kind is BATCHMEAN and mode == "batchmean":
@@ -316,14 +332,16 @@ def _aten_partial(packet: Any, kind: LossKind) -> Callable[..., tuple[torch.Tens
     """Class losses count non-ignored targets, weighted as PyTorch weighs their mean;
     the others count the elements of their reduction='none' values."""
 
-    def partial(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Count]:
+    def partial(*args: Any, sum_dtype: torch.dtype | None = None, **kwargs: Any
+                ) -> tuple[torch.Tensor, Count]:
         if kind is CLASSES:
-            total, a = _schema_call(packet, args, kwargs, reduction=_SUM)
-            return total, _class_count({"input": a["self"], "target": a["target"],
-                                        "weight": a.get("weight"),
-                                        "ignore_index": a.get("ignore_index", -100)})
+            total, a = _schema_call(packet, args, kwargs,
+                                    reduction=_SUM if sum_dtype is None else _NONE)
+            return _summed(total, sum_dtype) if sum_dtype is not None else total, _class_count(
+                {"input": a["self"], "target": a["target"], "weight": a.get("weight"),
+                 "ignore_index": a.get("ignore_index", -100)})
         values, _ = _schema_call(packet, args, kwargs, reduction=_NONE)
-        return values.sum(), values.numel()
+        return _summed(values, sum_dtype), values.numel()
 
     name = packet.__name__  # torch.ops.aten.nll_loss -> "nll_loss"
     return _named(partial, f"aten_{name}_partial",
@@ -357,11 +375,13 @@ def loss_for(op: Any) -> Loss | None:
     return None
 
 
-def module_loss_partial(module: nn.Module, *inputs: Any) -> tuple[torch.Tensor, Count]:
+def module_loss_partial(module: nn.Module, *inputs: Any, sum_dtype: torch.dtype | None = None
+                        ) -> tuple[torch.Tensor, Count]:
     """A loss module's ``(sum, count)`` for one microbatch, from its own settings.
 
     ``inputs`` are what the module is called with: ``(input, target)``, or three
-    tensors for ranking/triplet/Gaussian losses.
+    tensors for ranking/triplet/Gaussian losses. ``sum_dtype``: the values summed in it
+    (float32 for half precision: ``HALF``).
     """
     loss = loss_for(module)
     if loss is None:
@@ -369,7 +389,7 @@ def module_loss_partial(module: nn.Module, *inputs: Any) -> tuple[torch.Tensor, 
     kwargs = {a: getattr(module, a) for a in loss.settings}
     if module.reduction == "batchmean":
         kwargs["reduction"] = "batchmean"
-    return loss.partial(*inputs, **kwargs)
+    return loss.partial(*inputs, sum_dtype=sum_dtype, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -254,6 +254,27 @@ def drawn_scale_steps(rank: int, world: int, out_dir: str, gbs: int) -> None:
     torch.save({"grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def hand_mean_steps(rank: int, world: int, out_dir: str, gbs: int) -> None:
+    """Three steps of test_seeded_backward's hand-written token mean, the second with every
+    label masked, each rank on its share: the gradients of each step."""
+    from test_seeded_backward import IGNORE_INDEX, _HandMean
+
+    torch.manual_seed(0)
+    model = _HandMean("count").double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 11, (gbs, 5), generator=g),
+                torch.randint(0, 11, (gbs, 5), generator=g)) for _ in range(3)]
+    batches[1][1][:] = IGNORE_INDEX
+    cm = mbcompile.compile(model, gbs, world, 2, example_inputs=batches[0],
+                           backend="torch.distributed", cost_model=False)
+    grads = []
+    for batch in batches:
+        cm(*mbdist.shard(batch, cm.plan, rank)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    torch.save({"grads": grads}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def logged(rank: int, log_dir: str, target: Callable[..., None],
            target_args: tuple[Any, ...]) -> None:
     """``target(rank, *target_args)`` with this rank's stdout and stderr going to

@@ -147,6 +147,30 @@ def test_a_loss_times_a_draw_is_seeded_alike_at_every_step_on_ranks(tmp_path):
             assert all(relative_error(a, p.grad) <= 1e-6 for a, p in zip(step, model.parameters()))
 
 
+def test_a_hand_written_token_mean_with_every_label_masked_on_ranks_is_eagers(tmp_path):
+    """``tok.sum() / mask.sum()``, every label of the second batch masked: its count is
+    all-reduced before the backwards, so each rank's gradients are eager's zeros, not NaN."""
+    from test_seeded_backward import IGNORE_INDEX, _HandMean
+
+    _run(dist_workers.hand_mean_steps, 2, str(tmp_path), 7)
+    torch.manual_seed(0)
+    model = _HandMean("count").double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 11, (7, 5), generator=g),
+                torch.randint(0, 11, (7, 5), generator=g)) for _ in range(3)]
+    batches[1][1][:] = IGNORE_INDEX
+    want = []
+    for batch in batches:
+        model(*batch).backward()
+        want.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")["grads"]
+        for step, (a, b) in enumerate(zip(got, want)):
+            for p, q in zip(a, b):
+                assert torch.equal(p, q) if step == 1 else relative_error(p, q) <= 1e-12
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("norm", [False, True], ids=["loop", "two_phase"])
 def test_a_draw_of_rows_per_sample_on_ranks_is_eagers(tmp_path, norm):

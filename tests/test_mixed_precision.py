@@ -227,3 +227,46 @@ def test_an_overflow_in_one_graph_halves_the_next_guess_of_every_graph():
             scaler.update()
             got.append((scaler.get_scale(), finite))
         assert got[0] == got[1], (step, got)
+
+
+class _HalfMeans(torch.nn.Module):
+    """A model cast to half precision whose means add up past float16's range per
+    microbatch (an autoencoder's reconstruction loss over many pixels)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin, self.kind, self.l1 = torch.nn.Linear(64, 64), kind, torch.nn.L1Loss()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * 40
+        if self.kind == "mean":
+            return (h ** 2).mean()
+        if self.kind == "mse_loss":
+            return torch.nn.functional.mse_loss(h, x)
+        if self.kind == "l1_module":
+            return self.l1(h, x)
+        return torch.nn.functional.cross_entropy(h.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["mean", "mse_loss", "l1_module", "cross_entropy"])
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_half_precision_mean_is_added_up_in_float32_as_eager_adds_it(kind, dtype, capture):
+    """Eager's mean of float16 values accumulates in float32 and rounds once; each
+    microbatch's partial sum in float16 went past 65504, so the returned loss was inf where
+    eager's was finite (found by a hunt; the gradients were eager's). The partials are
+    summed and added up in float32 now, and the mean rounded once to the model's dtype:
+    the loss is eager's, bit for bit, in float16 and bfloat16."""
+    torch.manual_seed(0)
+    model = _HalfMeans(kind).to(dtype)
+    eager = copy.deepcopy(model)
+    x = torch.randn(GBS, 32, 64, dtype=dtype)
+    y = torch.randint(0, 64, (GBS, 32))
+    cm = mbcompile.compile(model, GBS, 2, MBS, example_inputs=(x, y), capture=capture,
+                           cost_model=False)
+    got, want = cm(x, y), eager(x, y)
+    assert want.isfinite() and got.dtype == want.dtype and torch.equal(got, want)
+    got.backward()
+    want.backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert _distance(p.grad.double(), q.grad.double()) < 0.05

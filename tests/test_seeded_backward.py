@@ -395,3 +395,52 @@ def test_a_loss_times_a_draw_is_seeded_with_the_drawn_value_from_the_first_step(
         model.g.set_state(state)
         cm(x, y).backward()
         assert all(torch.equal(a, b) for a, b in zip(_grads(model), want)), step
+
+
+class _HandMean(torch.nn.Module):
+    """A token mean written by hand, as SFT code writes it: ``tok.sum() / mask.sum()``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.emb, self.head, self.kind = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11), kind
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.emb(ids))).flatten(0, 1)
+        tok = F.cross_entropy(logits, labels.flatten(), reduction="none")
+        mask = labels.flatten() != IGNORE_INDEX
+        if self.kind == "where":
+            return torch.where(mask, tok, 0).sum() / mask.sum()
+        if self.kind == "float_mask":
+            m = mask.float()
+            return (tok * m).sum() / m.sum()
+        return tok.sum() / mask.sum()
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("kind", ["count", "where", "float_mask"])
+def test_a_hand_written_token_mean_of_a_batch_with_every_label_masked_is_eagers(kind, capture):
+    """``tok.sum() / mask.sum()`` where every label of the batch is masked: eager's loss is
+    NaN and its gradients exactly 0 (the cross entropy writes 0 at ignored labels whatever
+    it receives). The denominator, a sum of the data alone, was a second partial sum the
+    seed could not replay: the backwards were seeded with a guess and then multiplied by
+    ``dL/dS / seed = inf``, every gradient NaN (found by a hunt). It is now the loop's count,
+    counted before the backwards, so the seed is this step's ``1 / N`` (inf, as eager's)."""
+    torch.manual_seed(0)
+    model = _HandMean(kind).double()
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 11, (GBS, 5), generator=g),
+                torch.randint(0, 11, (GBS, 5), generator=g)) for _ in range(3)]
+    batches[1][1][:] = IGNORE_INDEX
+    cm = mbcompile.compile(model, GBS, 2, MBS, example_inputs=batches[0], capture=capture,
+                           cost_model=False)
+    for step, batch in enumerate(batches):
+        got, want = cm(*batch), eager(*batch)
+        got.backward()
+        want.backward()
+        assert torch.equal(got.isnan(), want.isnan()), step
+        for p, q in zip(_grads(model), _grads(eager)):
+            if step == 1:
+                assert torch.equal(q, torch.zeros_like(q)) and torch.equal(p, q)
+            else:
+                assert float((p - q).abs().max() / q.abs().max()) < 1e-12, step

@@ -55,7 +55,7 @@ from mbcompile.execution.seed_trace import TRACE_AFTER, TRACED, kind_of, trace
 from mbcompile.passes import ops
 from mbcompile.passes.draws import is_draw
 from mbcompile.passes.graph_walks import ancestors
-from mbcompile.passes.loss_counts import count_graph
+from mbcompile.passes.loss_counts import count_graph, data_count_graph
 
 __all__ = ["Guesses", "Seed", "step_seed"]
 
@@ -354,7 +354,7 @@ def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
                 and n.args[0].target is ops.all_reduce_sums:
             totals[acc.get(n.args[0].args[n.args[1]])] = n
-    total, denominator = totals.get(fused), totals.get(count)
+    total = totals.get(fused)
     out = nodes[-1]
     leaves = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     losses = [i for i in loss_outputs if isinstance(leaves[i], fx.Node)]
@@ -362,15 +362,37 @@ def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
     bare = Seed(counted=count is not None, counts=counts, float16=float16)
     if total is None or len(losses) != 1:
         return bare
+    found, found_counts = None, None
+    if count is None:  # a hand-written mean, tok.sum() / mask.sum(): its count, if any
+        found, found_counts = _data_count(body, leaves[losses[0]], totals, fused)
     drawn_before = {n for n in nodes[:nodes.index(loop)] if is_draw(n)}
-    tail = _tail(top, leaves[losses[0]], total, denominator, split, drawn_before)
+    tail = _tail(top, leaves[losses[0]], total, totals.get(count), split, drawn_before)
+    if tail is None and found is not None:
+        tail = _tail(top, leaves[losses[0]], total, totals[found], split, drawn_before)
+        if tail is not None:  # the loop counts it, as it counts a cross entropy's
+            count, counts = found, found_counts
+            loop.update_kwarg("count_index", count)
     if tail is None:
         return bare
     graph, free, drawn = tail
     if drawn:
         loop.update_kwarg("drawn", tuple(drawn))
+    if drawn or (found is not None and count == found):
         top.recompile()
-    return Seed(graph, losses[0], free, denominator is not None, counts, float16)
+    return Seed(graph, losses[0], free, count is not None, counts, float16)
+
+
+def _data_count(body: fx.GraphModule, loss: fx.Node, totals: dict[Any, fx.Node],
+                fused: int) -> tuple[int | None, Any]:
+    """The body output that counts the loss's denominator, where the loss reads exactly one
+    global sum besides its own and the data alone computes it (``mask.sum()``), and its
+    count graph: the seed then replays ``S / N`` with this step's ``N`` (``inf`` where
+    every label is masked, whose zero gradients eager's ops keep) instead of guessing."""
+    stops = set(totals.values())
+    needed = ancestors([loss], through=lambda n: n not in stops)
+    others = [i for i, n in totals.items() if n in needed and i != fused and i is not None]
+    counts = data_count_graph(body, others[0]) if len(others) == 1 else None
+    return (None, None) if counts is None else (others[0], counts)
 
 
 def _tail(top: fx.GraphModule, loss: fx.Node, total: fx.Node, count: fx.Node | None,
