@@ -39,6 +39,8 @@ _TRANSPOSES = {"t_": "h = h.t()", "swapdims_": "h = h.swapdims(d0, d1)",
 def refused_call(kind: str, target: Any, args: tuple[Any, ...], model_name: str
                  ) -> CaptureError | None:
     """The error for a call forward makes that the traced graph cannot keep, or None."""
+    if kind == "call_function" and getattr(target, "__name__", None) in OBSERVER_KERNELS:
+        return observer_kernel_error(model_name, target.__name__)
     if kind != "call_method" or not args or not isinstance(args[0], fx.Proxy):
         return None
     node = args[0].node
@@ -72,6 +74,23 @@ def refused_call(kind: str, target: Any, args: tuple[Any, ...], model_name: str
             f"out-of-place form and its result ({_TRANSPOSES[target]}), or compile with "
             "capture='auto' or capture='export' (torch.export follows the write)")
     return None
+
+
+#: torch.ao's fused observer kernels: they write the observer's buffers in place without
+#: an in-place method fx records (``torch.ao.quantization.FusedMovingAvgObsFakeQuantize``)
+OBSERVER_KERNELS = frozenset({"fused_moving_avg_obs_fake_quant",
+                              "_fused_moving_avg_obs_fq_helper"})
+
+
+def observer_kernel_error(model_name: str, kernel: str) -> CaptureError:
+    """The error for torch.ao's fused observer ``kernel`` called in forward (QAT)."""
+    return CaptureError(
+        f"{model_name}.forward calls torch.{kernel} at {_here()}: a quantization observer "
+        "(torch.ao's QAT) whose kernel updates the observer's statistics, scale and zero "
+        "point in place, unseen by torch.fx, so each microbatch would move them where eager "
+        "moves them once per step. Fix: compile with capture='auto' or capture='export' "
+        "(torch.export makes those updates values, written once per step; an observer of "
+        "activations, which sees the whole batch, is refused there)")
 
 
 def state_hook_error(model_name: str, state: str, method: str) -> CaptureError:

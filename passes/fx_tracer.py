@@ -32,7 +32,13 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
 from .forward_modes import autocast_state, differentiation_error, stamp_modes
-from .fx_refusals import HOOK_METHODS, refused_call, state_hook_error
+from .fx_refusals import (
+    HOOK_METHODS,
+    OBSERVER_KERNELS,
+    observer_kernel_error,
+    refused_call,
+    state_hook_error,
+)
 from .fx_writes import attribute_at, is_write, written_state, written_tensor
 from .guard_values import NUMPY_NUMBERS
 from .legacy_weights import WEIGHT_HOOKS
@@ -212,6 +218,8 @@ class FlatOutputTracer(fx.Tracer):
             return False  # it reads state forward wrote: traced into, it reads the new value
         if _runs_more_than_forward(m):
             return False  # its hooks and parametrizations are part of the step: traced too
+        if _overrides_its_rule(m):
+            return False  # a torch layer that runs another forward than its rule's: traced
         # a sharded model holds DTensor shards: its layers become functions of stand-ins
         return self.units is None and super().is_leaf_module(m, module_qualified_name)
 
@@ -318,6 +326,8 @@ class StateAsProxies(TorchFunctionMode):
                                             (self._as_proxy(args[0]), "data"), {})
         if name == "__get__":
             return func(*args, **kwargs)
+        if name in OBSERVER_KERNELS:  # before it runs: it writes state fx cannot see
+            raise observer_kernel_error(self.tracer.model_name, name)
         if _in_place(func):
             if not (args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.state):
                 return func(*args, **kwargs)
@@ -413,6 +423,14 @@ def hooks_see_every_use(graph: fx.Graph) -> bool:
             h.append(node)
             changed = True
     return changed
+
+
+def _overrides_its_rule(m: torch.nn.Module) -> bool:
+    """Whether ``m``'s class inherits a batch rule from a base class whose ``forward`` it
+    replaces (``rules.RuleTable.layer_class``: the QAT layers of ``torch.ao.nn.qat``)."""
+    from .rules import TABLE  # the rules read this module
+
+    return any(cls in TABLE.rules for cls in type(m).__mro__) and TABLE.layer_class(m) is None
 
 
 def _runs_more_than_forward(m: torch.nn.Module) -> bool:
