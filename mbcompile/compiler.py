@@ -234,6 +234,13 @@ def inference_tensors_refused(model: Any) -> None:
     for kind, named in (("parameter", model.named_parameters()),
                         ("buffer", model.named_buffers())):
         for name, t in named:
+            if isinstance(t, nn.parameter.UninitializedTensorMixin):
+                raise InputError(
+                    f"{type(model).__name__}'s {kind} '{name}' is not made yet: a lazy layer "
+                    "(nn.LazyLinear, LazyConv2d, ...) makes its weights at its first call, "
+                    "which compile does not make. Fix: call the model once on a batch "
+                    "before compile (model(*example)), or give the layer its sizes; nothing "
+                    "was compiled or changed")
             if t.is_inference():
                 raise InputError(
                     f"{type(model).__name__}'s {kind} '{name}' is an inference tensor: the "

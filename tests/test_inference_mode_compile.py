@@ -105,6 +105,21 @@ def test_a_model_built_inside_inference_mode_is_refused(capture):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_lazy_layer_not_made_yet_is_refused_naming_the_dry_run(capture):
+    """A lazy layer's weights are made by its first call: compile met them unmade and
+    failed with torch's ValueError from its own check (found by a hunt)."""
+    model = nn.Sequential(nn.LazyLinear(3)).double()
+    with pytest.raises(mbcompile.InputError, match=r"'0.weight' is not made yet.*model\(\*"):
+        mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=_batch(0)[:1],
+                          capture=capture, cost_model=False)
+    assert isinstance(model[0], nn.LazyLinear)
+    model(_batch(0)[0])  # made: compiled as any layer
+    cm = mbcompile.compile(model, GBS, NUM_CSX, MBS, example_inputs=_batch(0)[:1],
+                           capture=capture, cost_model=False)
+    assert relative_error(cm(_batch(1)[0]), model(_batch(1)[0])) <= 1e-12
+
+
 class VAT(nn.Module):
     """Virtual adversarial training: the adversarial direction is the gradient of a KL
     divergence, summed over the batch, with respect to a per-sample perturbation."""
