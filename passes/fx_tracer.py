@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
 from .forward_modes import autocast_state, differentiation_error, stamp_modes
+from .fx_leaves import traced_through
 from .fx_refusals import (
     HOOK_METHODS,
     OBSERVER_KERNELS,
@@ -41,7 +41,6 @@ from .fx_refusals import (
 )
 from .fx_writes import attribute_at, is_write, written_state, written_tensor
 from .guard_values import NUMPY_NUMBERS
-from .legacy_weights import WEIGHT_HOOKS
 from .ops import TensorHook, fsdp_unit_enter, fsdp_unit_exit
 from .output_spec import OutputSpec, flatten_output, through_leaves
 from .sources import source_line, user_frame
@@ -216,15 +215,15 @@ class FlatOutputTracer(fx.Tracer):
         if self.written_ids and self.written_ids & {id(t) for t in (*m.parameters(),
                                                                      *m.buffers())}:
             return False  # it reads state forward wrote: traced into, it reads the new value
-        if _runs_more_than_forward(m):
-            return False  # its hooks and parametrizations are part of the step: traced too
-        if _overrides_its_rule(m):
-            return False  # a torch layer that runs another forward than its rule's: traced
+        if traced_through(m):  # its hooks, parametrizations or own forward: part of the step
+            return False
         # a sharded model holds DTensor shards: its layers become functions of stand-ins
         return self.units is None and super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: torch.nn.Module, forward: Callable[..., Any],
                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self._installed(m):  # a stateless layer made in forward (loss = nn.CTCLoss())
+            return forward(*args, **kwargs)  # traced through: its ops, as eager runs them
         if (m._backward_hooks or m._backward_pre_hooks) and torch.is_grad_enabled() and \
                 not self.is_leaf_module(m, self.path_of_module(m)):
             fix = ("register it on the torch layers inside (their calls are kept with their "
@@ -246,6 +245,22 @@ class FlatOutputTracer(fx.Tracer):
             return self._marked(fsdp_unit_exit, name, forward(*a, **k))
 
         return super().call_module(m, bracketed, args, kwargs)
+
+    def _installed(self, m: torch.nn.Module) -> bool:
+        """Whether ``m`` is one of the model's layers (else fx has no name to call it by).
+        A layer made in forward with state of its own is refused: made anew each call, its
+        parameters are not the model's, and a trace would keep the first call's."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None:
+                raise CaptureError(
+                    f"forward makes a {type(m).__name__} with parameters or buffers at "
+                    f"{user_frame(traceback.extract_stack())} and calls it; made anew each "
+                    "call, they are not the model's. Fix: make it in __init__ "
+                    "(self.layer = ...)") from None
+            return False
+        return True
 
     def _marked(self, marker: Callable[..., Any], name: str, value: Any) -> Any:
         """``value`` with its proxies passed through one ``marker(name, *proxies)`` node."""
@@ -423,26 +438,6 @@ def hooks_see_every_use(graph: fx.Graph) -> bool:
             h.append(node)
             changed = True
     return changed
-
-
-def _overrides_its_rule(m: torch.nn.Module) -> bool:
-    """Whether ``m``'s class inherits a batch rule from a base class whose ``forward`` it
-    replaces (``rules.RuleTable.layer_class``: the QAT layers of ``torch.ao.nn.qat``)."""
-    from .rules import TABLE  # the rules read this module
-
-    return any(cls in TABLE.rules for cls in type(m).__mro__) and TABLE.layer_class(m) is None
-
-
-def _runs_more_than_forward(m: torch.nn.Module) -> bool:
-    """A layer whose call recomputes its weight: a parametrization (spectral norm's power
-    iteration also updates buffers), or the pre-hook of legacy ``spectral_norm`` /
-    ``weight_norm`` or of ``prune``. Kept as one node, that work would run once per
-    microbatch instead of once per step, so it is traced. (Other hooks of a layer run at
-    its call, once per microbatch: a hook of the user's that keeps state belongs on a
-    module of their own, whose hooks are traced.)"""
-    return (parametrize.is_parametrized(m)
-            or type(m).__module__.startswith("torch.nn.utils.parametriz")
-            or any(isinstance(h, WEIGHT_HOOKS) for h in m._forward_pre_hooks.values()))
 
 
 _DIFFERENTIATIONS = (torch.autograd.backward,)  # grad: a penalty, kept (penalties.py)

@@ -455,15 +455,18 @@ class CTC(nn.Module):
     """A frame classifier trained with CTC: (N, T, F) features -> (T, N, C) log-probs."""
 
     def __init__(self, reduction: str = "mean", zero_infinity: bool = False,
-                 module: bool = False) -> None:
+                 module: bool | str = False) -> None:
         super().__init__()
         self.net = nn.Linear(4, LABELS)
-        self.reduction, self.zero_infinity = reduction, zero_infinity
+        self.reduction, self.zero_infinity, self.module = reduction, zero_infinity, module
         self.loss = nn.CTCLoss(reduction=reduction, zero_infinity=zero_infinity) if module \
-            else None
+            is True else None
 
     def forward(self, x, targets, input_lengths, target_lengths):
         log_probs = self.net(x).log_softmax(-1).transpose(0, 1)
+        if self.module == "forward":  # made in forward, as transformers makes its losses
+            loss = nn.CTCLoss(reduction=self.reduction, zero_infinity=self.zero_infinity)
+            return loss(log_probs, targets, input_lengths, target_lengths), log_probs
         if self.loss is not None:
             return self.loss(log_probs, targets, input_lengths, target_lengths), log_probs
         return F.ctc_loss(log_probs, targets, input_lengths, target_lengths,
@@ -488,6 +491,8 @@ CTCS = {
     "mean": (dict(), False),
     "sum": (dict(reduction="sum"), False),
     "module_mean": (dict(module=True), False),
+    # fx had no name to call it by (NameError), and export refuses CTC: no path at all
+    "module_made_in_forward": (dict(module="forward"), False),
     "zero_infinity": (dict(zero_infinity=True), True),
 }
 
@@ -587,3 +592,23 @@ def test_batch_norm_with_a_cumulative_average_is_exact(plan):
     cm = assert_three_steps_exact(CumulativeBatchNorm, _pairs, plan)  # (Adam would scale the
     # rounding noise of net.bias's gradient, which the BatchNorm after it cancels, to a step)
     assert cm.analysis.two_phase
+
+
+class MadeInForward(nn.Module):
+    """A layer with a weight of its own (no draw: a layer norm's ones), made anew at each
+    call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        norm = nn.LayerNorm(3, dtype=DTYPE)
+        return F.mse_loss(norm(self.net(x)), y)
+
+
+def test_a_layer_with_weights_made_in_forward_is_refused_under_fx():
+    batch = (torch.randn(GBS, 4, dtype=DTYPE), torch.randn(GBS, 3, dtype=DTYPE))
+    assert_refused_unchanged(MadeInForward, batch, CaptureError,
+                             "makes a LayerNorm with parameters or buffers.*__init__",
+                             capture="fx")
