@@ -60,12 +60,15 @@ def export_error(model: torch.nn.Module, exc: BaseException,
     if length is not None:
         return length
     if baked:
-        why = (f"  the batch size is baked in: the code only works for a batch of "
-               f"{baked.group(1)} (a constant in a view or reshape, such as "
-               f"x.view({baked.group(1)}, -1), or a branch on the batch size), so it cannot "
-               "run on microbatches of other sizes.\n"
+        n = baked.group(1)
+        why = (f"  the batch size is baked in: the code only works for a batch of {n} (a "
+               f"constant in a view or reshape, such as x.view({n}, -1), a branch on the batch "
+               "size, or a Python loop over the samples: for b in range(len(x)), x.unbind(0), "
+               "zip over a batched tensor), so it cannot run on microbatches of other sizes "
+               "(torch.export does not say where; capture='fx' names the line).\n"
                "  Fix: derive batch sizes from the input (x.view(x.size(0), -1), x.flatten(1), "
-               "or -1).")
+               "or -1), or do per-sample work with batched ops (or torch.vmap) instead of a "
+               "loop.")
     else:
         where = user_frame(traceback.extract_tb(exc.__traceback__))
         at = f"  at {where}\n" if not where.startswith("<") else ""

@@ -105,6 +105,9 @@ def test_len_as_a_per_sample_value_is_refused_without_two_phase():
 def test_a_batch_size_baked_into_the_code_is_still_refused(cls):
     with pytest.raises(CaptureError, match="only works for a batch of 7"):
         mbcompile.compile(cls().double(), 7, 2, 2, example_inputs=_batch())
+    with pytest.raises(CaptureError, match=r"only works for a batch of 7.*loop over the "
+                       r"samples.*capture='fx' names the line"):  # (export names no line)
+        mbcompile.compile(cls().double(), 7, 2, 2, example_inputs=_batch(), capture="export")
 
 
 @pytest.mark.slow
