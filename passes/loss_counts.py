@@ -76,8 +76,10 @@ def data_count_graph(body: fx.GraphModule, index: int) -> fx.GraphModule | None:
     """``body``'s inputs -> output ``index``, where that output is a count the loss divides
     by and is computed from the data alone (``(labels != -100).sum()``, ``mask.float().sum()``:
     a hand-written token mean ``tok.sum() / mask.sum()``); None where it reads a trained
-    parameter, calls a layer or draws (run again before the loop, it would draw again)."""
+    parameter, calls a layer, draws or writes (run again before the loop, it would draw or
+    write again)."""
     from .draws import is_draw  # (draws reads the rules, which read the partials)
+    from .state_updates import mutates
 
     out = next(n for n in reversed(body.graph.nodes) if n.op == "output")
     values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
@@ -85,7 +87,7 @@ def data_count_graph(body: fx.GraphModule, index: int) -> fx.GraphModule | None:
     if not isinstance(count, fx.Node):
         return None
     keep, trained = ancestors([count]), _trained(body)
-    if any(n in trained or n.op == "call_module" or is_draw(n) for n in keep):
+    if any(n in trained or n.op == "call_module" or is_draw(n) or mutates(n) for n in keep):
         return None
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
