@@ -337,7 +337,9 @@ def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
     trained partial sum to the one output that is the loss, or a bare ``Seed`` (guess the
     last ``dL/dS``; a two-phase step's loss is the output itself) where there is none.
     The loop is handed the draws the tail reads (``drawn``: ``loss * lam``, ``lam`` drawn
-    before the loop as eager draws it), which its seed replays with the values drawn."""
+    before the loop as eager draws it), which its seed replays with the values drawn, and,
+    for a hand-written mean (``tok.sum() / mask.sum()``), the count it divides by
+    (``count_index``: ``_data_count``)."""
     nodes = list(top.graph.nodes)
     if any(n.target is ops.two_phase_step for n in nodes):
         return Seed()
