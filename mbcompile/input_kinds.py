@@ -35,7 +35,21 @@ from torch.utils import _pytree as pytree
 
 from mbcompile.errors import InputError
 
-__all__ = ["Structure", "check_kind", "check_kinds", "dtype_error", "odd_kind"]
+__all__ = ["InputDtypeError", "InputPresenceError", "Structure", "check_kind", "check_kinds",
+           "dtype_error", "odd_kind"]
+
+
+class InputPresenceError(InputError):
+    """An input is None where the example passed a tensor, or a tensor where it passed
+    None (a call without ``labels``, for logits): another graph, which a module that may
+    compile variants compiles for it once (``variants.for_presence``)."""
+
+
+class InputDtypeError(InputPresenceError):
+    """A tensor input of another dtype than the example's, where the graph holds the
+    example's (torch.export's: ``Structure.fixed``): another graph, compiled once for it
+    by a module that may compile variants (``variants.for_dtypes``)."""
+
 
 #: the ``__torch_function__`` of a subclass that runs torch's ops unchanged
 _PLAIN_FUNCTIONS = (torch.Tensor.__torch_function__.__func__,  # type: ignore[attr-defined]

@@ -21,7 +21,15 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from mbcompile.errors import ArgumentTypeError, CaptureError, InputError
-from mbcompile.input_kinds import Structure, check_kind, check_kinds, dtype_error, odd_kind
+from mbcompile.input_kinds import (
+    InputDtypeError,
+    InputPresenceError,
+    Structure,
+    check_kind,
+    check_kinds,
+    dtype_error,
+    odd_kind,
+)
 from mbcompile.passes.export_shapes import has_tensor
 from mbcompile.passes.guard_values import fingerprint
 from mbcompile.passes.guards import plain
@@ -171,9 +179,10 @@ def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False,
                     f"in_dims gives input {leaf_name(name, path)} batch dim {d}: negative "
                     f"dims are not supported; count from the front (in_dims={t.dim() + d} here)")
             if t.dim() == 0:
-                raise InputError(
+                raise InputError(  # (a list of per-sample labels: stack it in the collator)
                     f"input {leaf_name(name, path)} is a scalar (a 0-dim tensor), which has no "
-                    f"batch dim, but in_dims gives it {d}; give it None")
+                    f"batch dim, but in_dims gives it {d}; give it None, or pass per-sample "
+                    "scalars as one (B,) tensor (torch.stack them in the collator)")
             if t.dim() <= d:
                 raise InputError(
                     f"in_dims gives input {leaf_name(name, path)} batch dim {d}, but it has "
@@ -182,7 +191,10 @@ def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False,
     if len(seen) > 1:
         detail = ", ".join(f"{leaf_name(*n)} has {b}" for b, n in seen.items())
         raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
-                         "input must have the same number of samples along its in_dims dim")
+                         "input must have the same number of samples along its in_dims dim (a "
+                         "list of per-sample tensors of other sizes, one dict of boxes per image, "
+                         "cannot be cut: pad each field into one tensor, (B, max_boxes) with "
+                         "-1 labels, in the collator)")
     if 0 in seen and not empty:  # (the plan's error named gbs, which the call did not pass)
         raise InputError(f"input {leaf_name(*seen[0])} has no samples (its batch dim is 0); "
                          "a step needs at least one: skip empty batches in the loop")
@@ -210,18 +222,6 @@ def tokens_per_sample(inputs: Inputs, values: Mapping[str, Any]) -> int | None:
                 and value.dim() == 2):
             return int(value.shape[1 - d])
     return None
-
-
-class InputPresenceError(InputError):
-    """An input is None where the example passed a tensor, or a tensor where it passed
-    None (a call without ``labels``, for logits): another graph, which a module that may
-    compile variants compiles for it once (``variants.for_presence``)."""
-
-
-class InputDtypeError(InputPresenceError):
-    """A tensor input of another dtype than the example's, where the graph holds the
-    example's (torch.export's: ``Structure.fixed``): another graph, compiled once for it
-    by a module that may compile variants (``variants.for_dtypes``)."""
 
 
 def input_layout(inputs: Inputs, values: Sequence[Any], fixed: bool = False

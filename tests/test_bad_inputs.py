@@ -243,7 +243,7 @@ def test_in_dims_on_a_zero_dim_tensor():
              torch.tensor(2.0, dtype=DTYPE))
     # a batch dim given to it explicitly is refused with a message for scalars
     _raises(InputError, lambda: _compile(model, batch, in_dims=(0, 0, 0)), "'t'", "is a scalar",
-            "give it None")
+            "give it None", "torch.stack them in the collator")
     # by default a scalar has no batch dim (issue 27: HF's num_items_in_batch)
     ref = copy.deepcopy(model)
     cm = _compile(model, batch)
@@ -307,7 +307,8 @@ def test_call_with_another_batch_size(mlp, batch_size):
 def test_call_with_batch_sizes_that_disagree(mlp):
     model, (x, y) = mlp
     cm = _compile(model, (x, y))
-    err = _raises(InputError, lambda: cm(x, y[:6]), "'x'", "'y'", "8", "6", "disagree")
+    err = _raises(InputError, lambda: cm(x, y[:6]), "'x'", "'y'", "8", "6", "disagree",
+                  "pad each field into one tensor")
     assert isinstance(err, ValueError)
 
 
