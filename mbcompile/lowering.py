@@ -36,6 +36,7 @@ from mbcompile.passes.errors import InputError
 from mbcompile.passes.graph_code import code_now
 from mbcompile.passes.guards import Guard
 from mbcompile.passes.microbatch_rewrite import microbatch_rewrite
+from mbcompile.passes.norm_values import one_value_refused
 from mbcompile.passes.penalties import takes_gradients
 from mbcompile.passes.side_effects import NO_EFFECTS, Effects
 from mbcompile.passes.state_updates import StateUpdates
@@ -72,6 +73,10 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
     plan, rank = selection.plan, selection.rank
     captured = analysed.captured
     gm = captured.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    in_dims = request.inputs.in_dims
+    if plan.gbs == 1:  # eager's check of a batch norm, which torch.export traces away
+        one_value_refused(gm, 1, {p.name: d for p, d in zip(placeholders, in_dims)})
     if analysed.mode == "unsplit" or (analysed.unsplit_at_one
                                       and plan.num_nonempty_microbatches <= 1):
         # one system, one microbatch: nothing is split, so nothing can mix; the captured
@@ -80,11 +85,9 @@ def lower(request: Request, analysed: Analysed, selection: Selection) -> Lowered
                        StepChannels(noise=request.noise_scale), analysed.analysis,
                        analysed.state, captured.guards, captured.effects,
                        captured.autocast_regions, captured.method == "export")
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     systems = plan.microbatch_slices if rank is None else plan.microbatch_slices[rank:rank + 1]
     offset = 0 if rank is None else sum(plan.per_system_batch_sizes[:rank])  # rank-local rows
     slices = [(a - offset, b - offset) for system in systems for a, b in system if b > a]
-    in_dims = request.inputs.in_dims
     rewritten = microbatch_rewrite(
         analysed.analysis, slices=slices, systems=[sum(1 for a, b in s if b > a) for s in systems],
         in_dims={p.target: d for p, d in zip(placeholders, in_dims)}, keep=analysed.kept,

@@ -45,7 +45,6 @@ from mbcompile.inputs import (
     with_keywords,
 )
 from mbcompile.passes.errors import InputError
-from mbcompile.passes.norm_values import one_value_refused
 from mbcompile.passes.sources import user_stacklevel
 from mbcompile.request import Request
 
@@ -180,14 +179,11 @@ def for_batch(cm: CompiledModule, batch: int, arguments: Mapping[str, Any]) -> C
     one for forward-only calls (eval mode or ``no_grad``: planned without probes)."""
     forward_only = not (torch.is_grad_enabled() and cm._inner.training)
     key = (batch, forward_only)
-    variant = cm._variants.get(key) or _variant(
+    return cm._variants.get(key) or _variant(
         cm, key, cm._request.for_batch(batch, arguments, forward_only),
         f"a batch of {samples(batch)}, where {type(cm.module).__name__} was compiled "
         f"for gbs={cm.plan.gbs}", BatchSizeWarning,
         "compile(..., batch_sizes='fixed') makes another batch size an error")
-    if batch == 1 and not forward_only:  # eager's check of a batch norm, lost by export
-        one_value_refused(variant._compiled().original_graph_module, batch)
-    return variant
 
 
 def for_global_batch(cm: CompiledModule, args: tuple[Any, ...], kwargs: dict[str, Any]

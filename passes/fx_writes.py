@@ -47,12 +47,13 @@ from .facts import GRAD_ENABLED
 from .sources import source_line
 from .state_updates import IN_PLACE_OPERATORS
 
-__all__ = ["attribute_at", "is_write", "writes_as_values", "written_state", "written_tensor"]
+__all__ = ["ALIASING", "attribute_at", "is_write", "writes_as_values", "written_state",
+           "written_tensor"]
 
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "rename_", "retain_grad_"})
 
 # ops whose result may share storage with their input: a write into either changes both
-_ALIASING = frozenset({
+ALIASING = frozenset({
     "view", "view_as", "reshape", "reshape_as", "transpose", "transpose_", "t", "permute",
     "select", "narrow", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten",
     "getitem", "detach", "split", "chunk", "unbind", "diagonal", "as_strided", "unfold",
@@ -128,7 +129,7 @@ def written_state(base: fx.Node) -> str | None:
 
 def _aliases(node: fx.Node) -> bool:
     """Whether ``node``'s value may share storage with one of its inputs."""
-    return node.op in ("call_method", "call_function") and _name(node) in _ALIASING
+    return node.op in ("call_method", "call_function") and _name(node) in ALIASING
 
 
 def _refused(node: fx.Node, why: str) -> CaptureError:

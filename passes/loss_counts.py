@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from . import partials
 from .graph_walks import ancestors
+from .state_updates import mutates
 
 __all__ = ["count_graph", "data_count_graph"]
 
@@ -76,10 +77,10 @@ def data_count_graph(body: fx.GraphModule, index: int) -> fx.GraphModule | None:
     """``body``'s inputs -> output ``index``, where that output is a count the loss divides
     by and is computed from the data alone (``(labels != -100).sum()``, ``mask.float().sum()``:
     a hand-written token mean ``tok.sum() / mask.sum()``); None where it reads a trained
-    parameter, calls a layer, draws or writes (run again before the loop, it would draw or
-    write again)."""
+    parameter, calls a layer, draws or writes into an input or state (run again before the
+    loop, it would draw or write again); a write into a tensor it made itself is kept
+    (``lab = labels.clone(); lab.masked_fill_(ids == pad, -100)``)."""
     from .draws import is_draw  # (draws reads the rules, which read the partials)
-    from .state_updates import mutates
 
     out = next(n for n in reversed(body.graph.nodes) if n.op == "output")
     values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
@@ -87,7 +88,8 @@ def data_count_graph(body: fx.GraphModule, index: int) -> fx.GraphModule | None:
     if not isinstance(count, fx.Node):
         return None
     keep, trained = ancestors([count]), _trained(body)
-    if any(n in trained or n.op == "call_module" or is_draw(n) or mutates(n) for n in keep):
+    if any(n in trained or n.op == "call_module" or is_draw(n) or (
+            mutates(n) and not _writes_its_own(n, keep)) for n in keep):
         return None
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -98,6 +100,20 @@ def data_count_graph(body: fx.GraphModule, index: int) -> fx.GraphModule | None:
     gm = fx.GraphModule(body, graph, "DataCount")
     gm.graph.lint()
     return gm
+
+
+def _writes_its_own(node: fx.Node, keep: set[fx.Node]) -> bool:
+    """Whether the in-place ``node`` writes a tensor made among ``keep`` by an op that makes
+    a new one (not an input, state, or a view of either: ``fx_writes.ALIASING``)."""
+    from .fx_writes import ALIASING, written_tensor
+
+    target = written_tensor(node) if node.args else None
+    if not isinstance(target, fx.Node) or target not in keep \
+            or target.op not in ("call_function", "call_method"):
+        return False
+    name = target.target if isinstance(target.target, str) else getattr(target.target,
+                                                                         "__name__", "")
+    return name not in ALIASING and not mutates(target)
 
 
 def _counter(body: fx.GraphModule, pair: fx.Node) -> Callable[..., Any] | None:

@@ -189,7 +189,10 @@ def microbatch_rewrite(analysis: BatchAnalysis, *, slices: Sequence[tuple[int, i
     part, frontier, slots, specs = parts.part, parts.frontier, parts.slots, parts.specs
     names, source, body = parts.names, parts.source, parts.body
     if recompute:
-        body = checkpoint_blocks(body) or body
+        blocks = checkpoint_blocks(body)
+        if blocks is not None:  # its outputs are the body's: counted on the body's ops
+            blocks.__dict__["unsplit"] = body  # (seeding.step_seed; not a submodule)
+            body = blocks
 
     # 2. The top graph: split -> loop -> accumulate -> tail, or split -> two-phase step.
     top = fx.Graph()

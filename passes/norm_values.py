@@ -12,6 +12,8 @@ keeps the layer whole, whose own check runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -22,22 +24,40 @@ from .sources import source_line
 __all__ = ["one_value_refused"]
 
 
-def one_value_refused(gm: fx.GraphModule, batch: int) -> None:
+def one_value_refused(gm: fx.GraphModule, batch: int, in_dims: Mapping[str, int | None]
+                      ) -> None:
     """Raise eager's error where a batch norm of ``gm`` that trains would see one value per
-    channel in a batch of ``batch`` samples (each sample's values per channel: the product
-    of its input's dims after the channel dim, where they are fixed)."""
+    channel in a batch of ``batch`` samples: its input's sizes but the channel dim, each
+    at ``batch`` (the symbols of the inputs' batch dims, ``in_dims`` by placeholder name,
+    substituted; a size that reads another symbol, a varying length, is not judged)."""
+    batches = set()
+    for n in gm.graph.nodes:
+        d = in_dims.get(n.name) if n.op == "placeholder" else None
+        shape = getattr(n.meta.get("val"), "shape", ())
+        if d is not None and d < len(shape) and isinstance(shape[d], torch.SymInt):
+            batches.add(shape[d].node.expr)
     for node in gm.graph.nodes:
         value = node.args[0].meta.get("val") if _trains(node) else None
         if not isinstance(value, torch.Tensor) or value.dim() < 2:
             continue
-        rest = list(value.shape[2:])
-        if all(isinstance(d, int) for d in rest) and batch * math.prod(rest) == 1:
-            size = torch.Size([batch, *value.shape[1:]])
+        sizes = [_at(d, batches, batch) for i, d in enumerate(value.shape) if i != 1]
+        if all(size is not None for size in sizes) and math.prod(sizes) == 1:
+            size = torch.Size([sizes[0], *value.shape[1:]])
             raise InputError(
                 f"Expected more than 1 value per channel when training, got input size {size} "
                 f"(the batch norm at {source_line(node)}: eager raises this ValueError for a "
                 "batch of one sample in training). Fix: drop the short last batch "
                 "(DataLoader(..., drop_last=True)), or call in eval mode; nothing ran")
+
+
+def _at(size: Any, batches: set[Any], batch: int) -> int | None:
+    """``size`` at ``batch`` samples (None: it reads a symbol that is not the batch's)."""
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
+    if not expr.free_symbols <= batches:
+        return None
+    return int(expr.subs({s: batch for s in expr.free_symbols}))
 
 
 def _trains(node: fx.Node) -> bool:

@@ -144,6 +144,40 @@ class FeaturesBN(nn.Module):
         return F.cross_entropy(self.b(torch.relu(self.bn(self.a(x)))), y)
 
 
+class TokensBN(nn.Module):
+    """A batch norm over flattened tokens: a sample of 5 tokens gives 5 values a channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.b(self.bn(self.a(x).flatten(0, 1))), y.flatten())
+
+
+def test_export_refuses_one_value_a_channel_in_every_path_and_no_more():
+    """The refusal below, in the paths it missed (found by a hunt): a train-mode call of one
+    sample under ``no_grad`` (a BYOL target network) and a module compiled at gbs=1 gave NaN
+    running variances; and a batch norm over a sample's 5 tokens was refused for a batch
+    of one, which eager trains."""
+    torch.manual_seed(0)
+    x, y = torch.randn(7, 4, dtype=DTYPE), torch.randint(0, 3, (7,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = FeaturesBN().to(DTYPE)
+        cm = mbcompile.compile(model, 7, 2, 2, example_inputs=(x, y), capture="export")
+        with torch.no_grad(), pytest.raises(ValueError, match="more than 1 value per channel"):
+            cm(x[:1], y[:1])
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            mbcompile.compile(model, 1, 1, 1, example_inputs=(x[:1], y[:1]), capture="export")
+        assert int(model.bn.num_batches_tracked) == 0
+        tokens = TokensBN().to(DTYPE)
+        xt, yt = torch.randn(7, 5, 4, dtype=DTYPE), torch.randint(0, 3, (7, 5))
+        cm = mbcompile.compile(tokens, 7, 2, 2, example_inputs=(xt, yt), capture="export")
+        errors = step_errors(tokens, cm, (xt[:1], yt[:1]), floor=1e-4)
+    assert_close_errors(errors, 1e-10)
+
+
 @pytest.mark.parametrize("capture", ["fx", "export"])
 def test_a_training_batch_of_one_sample_of_features_is_refused_as_eager_refuses_it(capture):
     """Eager's BatchNorm1d raises ValueError for one value per channel in training;

@@ -349,6 +349,7 @@ def step_seed(top: fx.GraphModule, loss_outputs: Sequence[int]) -> Seed | None:
     split = next(n for n in nodes if n.target is ops.split)
     fused, count = loop.kwargs["fused_index"], loop.kwargs.get("count_index")
     body = operator.attrgetter(loop.args[0].target)(top)
+    body = body.__dict__.get("unsplit", body)  # ``recompute``'s blocks: their ops, whole
     counts = None if count is None else count_graph(body, count)
     totals = {}  # body output index -> its global value (after all_reduce_sums)
     acc = {n: n.args[1] for n in nodes if n.target is ops.accumulate_sum and n.args[0] is loop}
