@@ -50,6 +50,7 @@ from .custom_functions import refused_in_fx
 from .errors import CaptureError
 from .forward_modes import autocast_nodes
 from .fx_instance_checks import tensor_checks_answered, tensor_checks_refused
+from .fx_refusals import layer_settings_refused
 from .fx_tracer import FlatOutputTracer, StateAsProxies, hooks_see_every_use, user_stack
 from .fx_writes import writes_as_values
 from .generators import generators_made_refused, generators_of
@@ -281,6 +282,7 @@ def _traced(model: torch.nn.Module, concrete_args: dict[str, Any],
                 for attr in [*numbers, *_stashed_constants(tracer, model, before)]:
                     del model.__dict__[attr]
                 rebound, rewired = snapshot.rebound_slots(), snapshot.rewired()
+                layer_settings_refused(snapshot.changes(), name)
                 effects = effects_as_outputs(graph, snapshot.changes(), prints, name)
                 tracer.dtype_reads_refused()  # (a printed dtype is an output by now)
         except CaptureError:

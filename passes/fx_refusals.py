@@ -21,9 +21,11 @@ from __future__ import annotations
 import functools
 import traceback
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch.fx as fx
+import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .errors import CaptureError
@@ -144,3 +146,24 @@ def _held(fn: Any) -> list[tuple[str, Any]]:
     held += list(zip(positional[len(positional) - len(defaults):], defaults))
     held += list((fn.__kwdefaults__ or {}).items())
     return held
+
+
+def layer_settings_refused(changes: Sequence[Any], model_name: str) -> None:
+    """Refuse a setting forward writes into a torch layer (``self.teacher.eval()``,
+    ``self.drop.p = 0``, ``bn.momentum = ...``): fx replays forward's writes after the step,
+    but a torch layer kept as one call reads its settings when it runs, inside the step, so
+    the first step ran a BatchNorm in training where eager's ran it in eval (its running
+    statistics overwritten for good; found by a hunt). torch.export traces the layer with
+    the setting forward made, so ``capture="auto"`` takes it there."""
+    for change in changes:
+        owner = change.owner
+        if change.kind == "attr" and isinstance(owner, nn.Module) and isinstance(
+                change.value, (bool, int, float, str, type(None))) and (  # (a tensor: traced)
+                change.key == "training" or type(owner).__module__.startswith("torch.")):
+            raise CaptureError(
+                f"{model_name}.forward sets {change.where} = {change.value!r} (a layer's "
+                "setting: .eval(), .train(), p, eps, momentum); torch.fx replays forward's "
+                "writes after the step, where a torch layer reads its settings as it runs, "
+                "so the first step would run with the old one. Fix: set it outside forward "
+                "(teacher.eval() after model.train(), or override train()), or compile with "
+                "capture='auto' or 'export' (torch.export traces the setting forward made)")
