@@ -154,8 +154,37 @@ def hoisted_draws(graph: fx.Graph) -> list[fx.Node]:
             continue
         if all(a not in reached or a.op == "placeholder" and a not in sources
                or _made_at_full_batch(a, reached) for a in _needed([n], reached) - {n}):
+            if isinstance(fact, Free):  # (a batched one: each body writes its own rows)
+                _written_refused(n)
             out.append(n)
     return out
+
+
+def _written_refused(draw: fx.Node) -> None:
+    """Refuse a batch-free draw to hoist that a later op writes in place (torchvision's
+    ``stochastic_depth(mode="batch")``: ``noise.div_(keep)``): made once before the loop, it
+    is one tensor every microbatch's body would write again (divided 2, 4, 8 times; found
+    by a hunt). torch.export's graphs write nothing in place, so only fx's meets it."""
+    from .state_updates import mutates
+
+    seen, todo = {draw}, [draw]
+    while todo:
+        for user in todo.pop().users:
+            if mutates(user) and user.args and user.args[0] in seen:
+                raise CaptureError(
+                    f"a random draw made once per step is written in place at "
+                    f"{source_line(user)}; made before the microbatch loop, every microbatch "
+                    "would write it again. Fix: write it out of place (noise = noise / keep), "
+                    "or compile with capture='auto' or capture='export'")
+            if user not in seen and user.op in ("call_function", "call_method") and \
+                    node_name(user) in _VIEWS:
+                seen.add(user)
+                todo.append(user)
+
+
+#: ops whose result is a view of their input: a write into it writes the draw
+_VIEWS = frozenset({"view", "reshape", "expand", "unsqueeze", "squeeze", "__getitem__",
+                    "getitem", "narrow", "select", "transpose", "permute", "flatten"})
 
 
 def _refuse_generator_fills_of_likes(graph: fx.Graph, sources: Sequence[fx.Node],
