@@ -270,3 +270,21 @@ def test_a_half_precision_mean_is_added_up_in_float32_as_eager_adds_it(kind, dty
     want.backward()
     for p, q in zip(model.parameters(), eager.parameters()):
         assert _distance(p.grad.double(), q.grad.double()) < 0.05
+
+
+def test_a_half_precision_mean_under_torch_compile_is_seeded_with_its_count_at_once():
+    """With ``torch_compile`` each microbatch's forward and backward run as one graph, seeded
+    before any forward: a count the shapes fix was not known there, so the first step
+    seeded with 1, where eager's is 1/N, and float16 gradients of 2 x 32 x 64 values
+    overflowed to NaN (found by a hunt). The body's run on meta tensors gives the count."""
+    torch.manual_seed(0)
+    model = _HalfMeans("mean").half()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(GBS, 32, 64, dtype=torch.float16), torch.randint(0, 64, (GBS, 32))
+    cm = mbcompile.compile(model, GBS, 2, MBS, example_inputs=(x, y), cost_model=False,
+                           torch_compile={"backend": "aot_eager"})
+    got, want = cm(x, y), eager(x, y)
+    got.backward()
+    want.backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert p.grad.isfinite().all() and _distance(p.grad.double(), q.grad.double()) < 0.05

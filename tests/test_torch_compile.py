@@ -325,9 +325,10 @@ def test_the_meta_facts_of_a_body():
     names = tuple(n for n, _ in body.named_parameters())
     x = (torch.randn(4, 3),)
     facts = joint._meta_facts(body, names, params, 0, x)
-    assert facts == joint.MetaFacts((True, True), (True, True, False, False))
+    assert facts == joint.MetaFacts((True, True), (True, True, False, False),
+                                    numbers=(None, None))  # (no output is a count)
     facts = joint._meta_facts(body, names[2:], params[2:], 0, x)  # only the unused head trains
-    assert facts == joint.MetaFacts((False, True), (False, False))
+    assert facts == joint.MetaFacts((False, True), (False, False), numbers=(None, None))
     reads = fx.GraphModule(_ReadsAValue(), fx.Tracer().trace(_ReadsAValue()))
     assert joint._meta_facts(reads, (), [], 0, x) is None
 

@@ -84,7 +84,7 @@ class JointStep:
         self._norms = tuple(m for m in self._modules
                             if isinstance(m, torch.nn.modules.batchnorm._NormBase))
         self._step = torch.compile(_own_code(self, JointStep._step_impl), **options)
-        self._facts: dict[tuple[str, ...], MetaFacts | None] = {}
+        self._facts: dict[tuple[Any, ...], MetaFacts | None] = {}
         self.generators = generators_of(body)  # the model's own the body draws from
 
     def names(self, params: Sequence[torch.Tensor]) -> tuple[str, ...]:
@@ -121,7 +121,10 @@ class JointStep:
         seed = None
         if loop.seeding is not None:
             count = loop.seeding.global_count(microbatches, loop.systems, loop.distributed)
-            seed = loop.seeding.seed(stand_in, count, microbatches[0], loop.drawn)
+            if count is None and loop.count_index is not None:  # a count the shapes fix,
+                count = loop.seeding.guess_count(  # read off the meta run: in float16 a seed
+                    facts.numbers[loop.count_index], loop.sizes, loop.distributed)  # of 1
+            seed = loop.seeding.seed(stand_in, count, microbatches[0], loop.drawn)  # overflows
         loop.seed_value = seed = torch.ones_like(stand_in) if seed is None else seed
         grads, results = None, []
         for i, mb in enumerate(microbatches):
@@ -181,9 +184,11 @@ class JointStep:
         loop keeps autograd."""
         if self._hooks_would_see_meta():
             return None  # asked again each step: the hook may be removed
-        if names not in self._facts:
-            self._facts[names] = _meta_facts(self.body, names, params, fused_index, mb)
-        return self._facts[names]
+        key = (names, tuple(tuple(t.shape) for t in pytree.tree_leaves(mb)  # (its counts)
+                            if isinstance(t, torch.Tensor)))
+        if key not in self._facts:
+            self._facts[key] = _meta_facts(self.body, names, params, fused_index, mb)
+        return self._facts[key]
 
 
 def _own_code(owner: Any, method: Any) -> Any:
@@ -207,11 +212,13 @@ class MetaFacts:
     """``outputs``: per body output, would it require grad; ``reached``: per trained
     parameter, does the loss reach it (one that it does not keeps ``.grad`` None, as in
     autograd, never a zero gradient that weight decay or momentum would act on);
-    ``loss_dtype``: the loss partial's dtype (its seed's)."""
+    ``loss_dtype``: the loss partial's dtype (its seed's); ``numbers``: per body output, the
+    Python int it is (a mean's count the shapes fix), else None."""
 
     outputs: tuple[bool, ...]
     reached: tuple[bool, ...]
     loss_dtype: torch.dtype = torch.float32
+    numbers: tuple[int | None, ...] = ()
 
 
 def _meta_facts(body: fx.GraphModule, names: tuple[str, ...], params: Sequence[torch.Tensor],
@@ -231,4 +238,5 @@ def _meta_facts(body: fx.GraphModule, names: tuple[str, ...], params: Sequence[t
     except Exception:  # noqa: BLE001  (any failure: the autograd path, which needs no meta run)
         return None
     return MetaFacts(tuple(isinstance(o, torch.Tensor) and o.requires_grad for o in outs),
-                     tuple(g is not None for g in grads), loss.dtype)
+                     tuple(g is not None for g in grads), loss.dtype,
+                     tuple(o if type(o) is int else None for o in outs))
