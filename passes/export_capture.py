@@ -72,6 +72,7 @@ from .forward_modes import (
 )
 from .generators import generators_made_refused, generators_of
 from .guards import recorded_reads, unwritten
+from .hf_cache import cache_off
 from .keyword_view import keyword_view
 from .output_spec import flatten_output
 from .python_state import python_state_kept
@@ -126,39 +127,6 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic: Any, strict
     with config.patch(fake_tensor_cache_enabled=False), export_warning_dropped():
         return torch.export.export(keyword_view(model, list(kwargs), after), (), kwargs,
                                    dynamic_shapes=dynamic, strict=strict)
-
-
-@contextlib.contextmanager
-def _cache_off(model: torch.nn.Module, example: Mapping[str, Any]) -> Iterator[None]:
-    """``config.use_cache = False`` on every config of ``model`` while export traces it, then
-    each put back exactly as it was (the user's model is left untouched).
-
-    A forward without its own ``use_cache`` parameter (GraniteMoE, a PEFT ``PeftModel``)
-    passes it on through ``**kwargs``, where the example call cannot set it; the inner
-    model then reads its config (transformers' ``merge_with_config_defaults``) and builds a
-    ``DynamicCache`` that export cannot flatten. The cache is inference state, not part
-    of a training step: ``export_kwargs`` switches it off the same way when forward
-    names ``use_cache``. A call that sets ``use_cache`` itself decides.
-    """
-    if example.get("use_cache") is not None:
-        yield
-        return
-    configs: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", None) is True:
-            configs[id(config)] = config
-    own = {key: "use_cache" in getattr(c, "__dict__", {}) for key, c in configs.items()}
-    try:
-        for config in configs.values():
-            config.use_cache = False
-        yield
-    finally:
-        for key, config in configs.items():
-            if own[key]:
-                config.use_cache = True
-            else:  # it came from the class: drop the instance's copy again
-                del config.use_cache
 
 
 def _resolve(root: torch.nn.Module, fallback: torch.nn.Module, target: str) -> Any:
@@ -222,7 +190,7 @@ def _read_len_symbolically(model: torch.nn.Module, kwargs: dict[str, Any],
     through them, so this trace runs without them.
     """
     try:
-        with python_state_kept(model), _cache_off(model, example), checked_in_export(name), \
+        with python_state_kept(model), cache_off(model, example), checked_in_export(name), \
                 torch.enable_grad(), _quiet_dynamo():
             return _export(model, kwargs, dynamic, strict=True)
     except CaptureError:  # a custom Function's check: about the model, reported as it is
@@ -322,7 +290,7 @@ def export_capture(model: torch.nn.Module, example: Mapping[str, Any],
         with python_state_kept(model, concrete) as snapshot, prints_recorded() as prints:
             writes: dict[Any, Any] = {}  # export puts back what forward assigned: kept here
             tensor_writes: TensorWrites | None = TensorWrites(snapshot, prints)  # read in the trace
-            with _cache_off(model, example), recorded_reads(model, name, writes=writes) as \
+            with cache_off(model, example), recorded_reads(model, name, writes=writes) as \
                     guards, \
                     checked_in_export(name), inference_mode_as_no_grad(), \
                     tensor_hooks_refused(name), autograd_state_refused(name), \

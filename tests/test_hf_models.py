@@ -418,3 +418,31 @@ def test_export_capture_maps_inputs_and_rebuilds_outputs() -> None:
     # The graph is batch-size polymorphic: the same graph runs a batch of one.
     one = gm((x[:1], x[1:2]), 2.0, example["target"][:1])
     assert one[1].shape == (1, 3)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["config_default", "trainer_like"])
+def test_packed_rows_attend_as_eager_with_or_without_the_cache(use_cache):
+    """Rows of several documents (``position_ids`` restarting, no attention mask): with the
+    config's ``use_cache=True`` (every ``from_pretrained`` default) eager builds a cache in
+    training too, and transformers then does not detect the packing: attention crosses
+    the documents. The trace runs without the cache and masked each document apart (loss
+    4.1708 against 4.1626; found by a hunt); it keeps eager's answer now. With
+    ``use_cache=False`` (the HF Trainer's) both mask each document apart."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64, pad_token_id=0,
+        use_cache=use_cache)
+    model = transformers.LlamaForCausalLM(config).double()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 64, (7, 12), generator=g)
+    pos = torch.tensor([0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1]).repeat(7, 1)  # 3 documents a row
+    labels = ids.masked_fill(pos == 0, -100)
+    batch = dict(input_ids=ids, position_ids=pos, labels=labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = mbcompile.compile(model, 7, 2, 2, example_kwargs=batch, cost_model=False)
+        errors = step_errors(model, cm, kwargs=batch, loss=lambda out: out.loss)
+    assert_close_errors(errors, 1e-10)
+    assert model.config.use_cache is use_cache
