@@ -249,11 +249,13 @@ class FlatOutputTracer(fx.Tracer):
     def _installed(self, m: torch.nn.Module) -> bool:
         """Whether ``m`` is one of the model's layers (else fx has no name to call it by).
         A layer made in forward with state of its own is refused: made anew each call, its
-        parameters are not the model's, and a trace would keep the first call's."""
+        parameters are not the model's, and a trace would keep the first call's. One that
+        holds the model's own (``nn.CrossEntropyLoss(weight=self.class_w)``) is traced."""
         try:
             self.path_of_module(m)
         except NameError:
-            if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None:
+            own = {id(t) for t in (*self.root.parameters(), *self.root.buffers())}
+            if any(id(t) not in own for t in (*m.parameters(), *m.buffers())):
                 raise CaptureError(
                     f"forward makes a {type(m).__name__} with parameters or buffers at "
                     f"{user_frame(traceback.extract_stack())} and calls it; made anew each "

@@ -612,3 +612,25 @@ def test_a_layer_with_weights_made_in_forward_is_refused_under_fx():
     assert_refused_unchanged(MadeInForward, batch, CaptureError,
                              "makes a LayerNorm with parameters or buffers.*__init__",
                              capture="fx")
+
+
+class WeightedMadeInForward(nn.Module):
+    """A loss made in forward with the model's own class weights (a buffer it holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 3)
+        self.register_buffer("class_w", torch.tensor([1.0, 2.0, 0.5], dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.CrossEntropyLoss(weight=self.class_w)(self.net(x), y)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_loss_made_in_forward_with_the_models_weights_is_exact_under_fx(plan):
+    """Its buffer is the model's tensor: traced through, not refused as another's (found
+    by a hunt)."""
+    assert_three_steps_exact(WeightedMadeInForward, lambda s: (
+        torch.randn(GBS, 4, generator=torch.Generator().manual_seed(s), dtype=DTYPE),
+        torch.randint(0, 3, (GBS,), generator=torch.Generator().manual_seed(s))), plan,
+        capture="fx")
