@@ -52,6 +52,7 @@ from .penalties import DIFFERENTIATIONS
 from .rules import (
     MBS_NONE,
     NoRule,
+    Rejected,
     RuleContext,
     apply_rule,
     is_aten,
@@ -61,7 +62,6 @@ from .rules import (
     node_name,
     output_reason,
 )
-from .rules import Rejected as _Rejected
 from .sources import source_line
 
 __all__ = ["BatchAnalysis", "analyse_batch", "describe_op", "mixing_error", "source_line"]
@@ -163,14 +163,15 @@ def _carries_gradient(node: fx.Node, gm: fx.GraphModule) -> bool:
     Integer and boolean values (argmax, comparisons, counts) carry no gradient,
     so accuracy counts next to a loss do not count as a second trained output.
     """
-    if node.op == "get_attr":  # a parameter or buffer; a generator carries no values
-        return not isinstance(_attribute(gm, node.target), torch.Generator)
+    if node.op == "get_attr":  # a parameter; not a buffer, a constant or a generator
+        value = _attribute(gm, node.target)
+        return isinstance(value, nn.Parameter) or getattr(value, "requires_grad", False) \
+            or not isinstance(value, (torch.Tensor, torch.Generator))
     name = node_name(node) if node.op != "call_module" else ""
     if name in _NO_VALUES:
         return False
     broadcast = _broadcast_item(node)
-    if node.op == "call_module" and any(True for _ in gm.get_submodule(node.target)
-                                        .parameters()):
+    if node.op == "call_module" and [*gm.get_submodule(node.target).parameters()]:
         found = True
     elif broadcast is not None:  # broadcast_tensors' k-th output is its k-th input's
         found = bool(broadcast.meta.get(PARAMS, False))
@@ -367,7 +368,7 @@ def _write_facts(gm: fx.GraphModule, input_facts: Mapping[str, Fact], gbs: int
                     raise _unsupported(node, gm, module)
                 try:
                     fact = apply_rule(rule, ctx)
-                except _Rejected as rejected:
+                except Rejected as rejected:
                     node.meta.pop(REDUCTION, None)
                     first = first or mixing_error(node, gm, rejected.reason, rejected.fixes)
                     fact = Coupled(rejected.reason)

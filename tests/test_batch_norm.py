@@ -240,3 +240,35 @@ def test_quantization_aware_conv_bn_trains_as_eager():
                 assert b.shape == c.shape and torch.allclose(b.double(), c.double()), name
             model.zero_grad()
             eager.zero_grad()
+
+
+class ReturnsBufferScaled(nn.Module):
+    """A two-phase step (a BatchNorm in training) that also returns the input scaled by a
+    buffer, and a mask made from constants: no parameter reaches either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn = nn.Linear(4, 3), nn.BatchNorm1d(3)
+        self.register_buffer("scale", torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=DTYPE))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        mask = torch.ones_like(x)
+        mask[:, :2] = 0  # (an item write of a constant: export lifts the 0 as a constant)
+        return F.cross_entropy(self.bn(self.a(x)), y), x * self.scale, mask
+
+
+@pytest.mark.parametrize("capture", ["auto", "export"])  # (fx cannot trace the item write)
+def test_an_output_no_parameter_reaches_needs_no_gradient_in_a_two_phase_step(capture):
+    """Buffers and constants counted as parameters: such an output came back requiring grad
+    with a grad_fn (MAE's visualisation code, mask.numpy(), raised; found by a hunt)."""
+    torch.manual_seed(0)
+    model = ReturnsBufferScaled().to(DTYPE)
+    x, y = torch.randn(7, 4, dtype=DTYPE), torch.randint(0, 3, (7,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cm = mbcompile.compile(model, 7, 2, 2, example_inputs=(x, y), capture=capture)
+        errors = step_errors(model, cm, (x, y), floor=1e-4)
+        loss, scaled, mask = cm(x, y)
+    assert_close_errors(errors, 1e-10)
+    assert loss.requires_grad and not scaled.requires_grad and not mask.requires_grad
+    assert mask.numpy().tolist() == [[0, 0, 1, 1]] * 7
