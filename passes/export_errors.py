@@ -19,6 +19,8 @@ from .sources import is_library, user_frame
 __all__ = ["SPECIALISED", "export_error"]
 
 SPECIALISED = re.compile(r"specialized it to be a constant \((\d+)\)")
+#: export's guard that not every batch size satisfies (``chunk(2)`` of a symbolic size)
+GUARD = re.compile(r"Not all values of \w+ = [^\n]*? satisfy the generated guard ([^\n]+)")
 
 
 def _in_hook(model: torch.nn.Module, exc: BaseException) -> str:
@@ -69,6 +71,16 @@ def export_error(model: torch.nn.Module, exc: BaseException,
                "  Fix: derive batch sizes from the input (x.view(x.size(0), -1), x.flatten(1), "
                "or -1), or do per-sample work with batched ops (or torch.vmap) instead of a "
                "loop.")
+    elif GUARD.search(text):  # a size the code cuts or regroups (export names no line)
+        guards = "".join(f"    {re.split(r'[.](?=[A-Z])', g)[0].strip()}\n"  # (its own line)
+                         for g in GUARD.findall(text)[:3])
+        why = ("  the code holds only for some batch sizes; torch.export's guard on them:\n"
+               f"{guards}  Such a guard comes from an op that cuts or regroups the batch dim "
+               "(x.chunk(2) of a concatenated pair, x.view(-1, G) of groups, torch.split of "
+               "the flattened batch) or a Python number made from a size (int(N * k / E)); "
+               "capture='fx' names the line. Fix: keep per-sample work batched (r[:B], r[B:] "
+               "with B taken from an input's size), or compute it after the model, on its "
+               "outputs.")
     else:
         where = user_frame(traceback.extract_tb(exc.__traceback__))
         at = f"  at {where}\n" if not where.startswith("<") else ""

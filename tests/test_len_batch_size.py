@@ -144,3 +144,24 @@ def test_transformers_clip_model_with_its_loss_matches_eager():
     scale = max(g.abs().max().item() for g in want.values())
     for name in want:
         assert rel_err(got[name], want[name], floor=scale) <= 1e-13, name
+
+
+class ChunkedPair(nn.Module):
+    """A reward model scoring a concatenated pair in one call, then cutting it in two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(5, 1)
+
+    def forward(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+        good, bad = self.score(torch.cat([chosen, rejected])).chunk(2)
+        return -F.logsigmoid(good - bad).mean()
+
+
+def test_a_batch_cut_by_chunk_is_refused_with_exports_guard_and_the_fix():
+    """torch.export's own reason (a guard only some batch sizes meet) was dropped for a
+    generic 'remove data-dependent Python' (found by a hunt)."""
+    x = torch.randn(7, 5, dtype=torch.float64)
+    with pytest.raises(CaptureError, match=r"(?s)guard on them:.*== 2.*x\.chunk\(2\).*r\[:B\]"):
+        mbcompile.compile(ChunkedPair().double(), 7, 2, 2, example_inputs=(x, x + 1),
+                          capture="export")
