@@ -191,10 +191,10 @@ def batch_size(inputs: Inputs, values: Sequence[Any], check_ndim: bool = False,
     if len(seen) > 1:
         detail = ", ".join(f"{leaf_name(*n)} has {b}" for b, n in seen.items())
         raise InputError(f"batched inputs disagree on the batch size ({detail}); every batched "
-                         "input must have the same number of samples along its in_dims dim (a "
-                         "list of per-sample tensors of other sizes, one dict of boxes per image, "
-                         "cannot be cut: pad each field into one tensor, (B, max_boxes) with "
-                         "-1 labels, in the collator)")
+                         "input has the same samples along its in_dims dim: give one that holds "
+                         "none in_dims={name: None} (flash attention's cu_seq_lens_q); pad a "
+                         "list of per-sample tensors of other sizes (a dict of boxes per image) "
+                         "into one tensor a field, (B, max_boxes) with -1 labels, in the collator")
     if 0 in seen and not empty:  # (the plan's error named gbs, which the call did not pass)
         raise InputError(f"input {leaf_name(*seen[0])} has no samples (its batch dim is 0); "
                          "a step needs at least one: skip empty batches in the loop")

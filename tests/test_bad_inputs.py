@@ -308,7 +308,7 @@ def test_call_with_batch_sizes_that_disagree(mlp):
     model, (x, y) = mlp
     cm = _compile(model, (x, y))
     err = _raises(InputError, lambda: cm(x, y[:6]), "'x'", "'y'", "8", "6", "disagree",
-                  "pad each field into one tensor")
+                  "into one tensor a field", "in_dims={name: None}")
     assert isinstance(err, ValueError)
 
 
