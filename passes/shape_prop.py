@@ -55,7 +55,13 @@ class ShapePropagationError(Exception):
         self.node = node
         self.original = exc
         self.batch = batch
-        if isinstance(exc, _DATA_DEPENDENT):
+        if "vmap" in str(exc):  # torch.func.vmap's levels do not reach fake tensors
+            self.reason = (f"it calls torch.func.vmap inside forward ({detail}), which "
+                           "mbcompile cannot run on shape-only tensors to follow the batch")
+            self.fix = ("write the batched form instead of vmap (torch.einsum or torch.bmm "
+                        "over the stacked weights of an ensemble; a per-sample layer applied "
+                        "to the whole batch), or vmap over cm's outputs outside the model")
+        elif isinstance(exc, _DATA_DEPENDENT):
             self.reason = ("its output shape (or a Python value it produces) depends on the "
                            "values in the tensors, not only on their shapes (nonzero, "
                            "boolean-mask indexing, .item(), .tolist()), so mbcompile cannot "

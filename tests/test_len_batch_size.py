@@ -165,3 +165,24 @@ def test_a_batch_cut_by_chunk_is_refused_with_exports_guard_and_the_fix():
     with pytest.raises(CaptureError, match=r"(?s)guard on them:.*== 2.*x\.chunk\(2\).*r\[:B\]"):
         mbcompile.compile(ChunkedPair().double(), 7, 2, 2, example_inputs=(x, x + 1),
                           capture="export")
+
+
+class PerSampleVmap(nn.Module):
+    """A per-sample layer written with torch.func.vmap inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(torch.func.vmap(self.out)(x), y)
+
+
+@pytest.mark.parametrize("capture", ["auto", "export"])
+def test_vmap_in_forward_is_refused_naming_it_and_the_batched_form(capture):
+    """It was blamed on shapes that depend on tensor values (found by a hunt)."""
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(0, 3, (7,))
+    with pytest.raises(mbcompile.MbcompileError, match=r"(?s)torch\.func\.vmap inside forward"
+                       r".*the batched form"):
+        mbcompile.compile(PerSampleVmap().double(), 7, 2, 2, example_inputs=(x, y),
+                          capture=capture)
