@@ -43,9 +43,11 @@ import torch.fx as fx
 
 from .errors import CaptureError
 from .facts import FACT, SHAPES, Batched, Coupled, Free, ValueInfo
+from .fx_writes import aliases
 from .graph_walks import ancestors, descendants
 from .rules import node_name
 from .sources import source_line
+from .state_updates import mutates
 
 __all__ = ["RANDOM_OPS", "emit_draws", "hoisted_draws", "is_draw", "merged_back"]
 
@@ -165,8 +167,6 @@ def _written_refused(draw: fx.Node) -> None:
     ``stochastic_depth(mode="batch")``: ``noise.div_(keep)``): made once before the loop, it
     is one tensor every microbatch's body would write again (divided 2, 4, 8 times; found
     by a hunt). torch.export's graphs write nothing in place, so only fx's meets it."""
-    from .state_updates import mutates
-
     seen, todo = {draw}, [draw]
     while todo:
         for user in todo.pop().users:
@@ -176,15 +176,9 @@ def _written_refused(draw: fx.Node) -> None:
                     f"{source_line(user)}; made before the microbatch loop, every microbatch "
                     "would write it again. Fix: write it out of place (noise = noise / keep), "
                     "or compile with capture='auto' or capture='export'")
-            if user not in seen and user.op in ("call_function", "call_method") and \
-                    node_name(user) in _VIEWS:
+            if user not in seen and aliases(user):  # a view of it: a write writes the draw
                 seen.add(user)
                 todo.append(user)
-
-
-#: ops whose result is a view of their input: a write into it writes the draw
-_VIEWS = frozenset({"view", "reshape", "expand", "unsqueeze", "squeeze", "__getitem__",
-                    "getitem", "narrow", "select", "transpose", "permute", "flatten"})
 
 
 def _refuse_generator_fills_of_likes(graph: fx.Graph, sources: Sequence[fx.Node],

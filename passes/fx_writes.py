@@ -47,13 +47,13 @@ from .facts import GRAD_ENABLED
 from .sources import source_line
 from .state_updates import IN_PLACE_OPERATORS
 
-__all__ = ["ALIASING", "attribute_at", "is_write", "writes_as_values", "written_state",
+__all__ = ["aliases", "attribute_at", "is_write", "writes_as_values", "written_state",
            "written_tensor"]
 
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "rename_", "retain_grad_"})
 
 # ops whose result may share storage with their input: a write into either changes both
-ALIASING = frozenset({
+_ALIASING = frozenset({
     "view", "view_as", "reshape", "reshape_as", "transpose", "transpose_", "t", "permute",
     "select", "narrow", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten",
     "getitem", "detach", "split", "chunk", "unbind", "diagonal", "as_strided", "unfold",
@@ -127,9 +127,9 @@ def written_state(base: fx.Node) -> str | None:
     return str(node.target) if node.op == "get_attr" else None
 
 
-def _aliases(node: fx.Node) -> bool:
+def aliases(node: fx.Node) -> bool:
     """Whether ``node``'s value may share storage with one of its inputs."""
-    return node.op in ("call_method", "call_function") and _name(node) in ALIASING
+    return node.op in ("call_method", "call_function") and _name(node) in _ALIASING
 
 
 def _refused(node: fx.Node, why: str) -> CaptureError:
@@ -146,7 +146,7 @@ def _read_after(view: fx.Node, write: fx.Node, order: dict[fx.Node, int],
     """Whether ``view`` (or a view of it other than ``skip``) is read after ``write``: it
     would see the write."""
     return any(u is not skip and (order.get(u, -1) > order[write] or (
-        _aliases(u) and _read_after(u, write, order, skip))) for u in view.users)
+        aliases(u) and _read_after(u, write, order, skip))) for u in view.users)
 
 
 def _read_later(tensor: fx.Node, write: fx.Node, order: dict[fx.Node, int]) -> bool:
@@ -156,7 +156,7 @@ def _read_later(tensor: fx.Node, write: fx.Node, order: dict[fx.Node, int]) -> b
 
 def _viewed(tensor: fx.Node) -> fx.Node:
     """What ``tensor`` may be a view of, through every op that may alias (itself if none)."""
-    while _aliases(tensor) and tensor.args and isinstance(tensor.args[0], fx.Node):
+    while aliases(tensor) and tensor.args and isinstance(tensor.args[0], fx.Node):
         tensor = tensor.args[0]
     return tensor
 
@@ -221,14 +221,14 @@ def writes_as_values(graph: fx.Graph, root: Any) -> bool:
         data = _data_of(tensor)
         if data is not None and data.op in ("get_attr", "placeholder"):
             tensor = data  # x.data.mul_(0.9): a write into x that autograd does not record
-        if _aliases(tensor):  # a view: the write changes what it views too
+        if aliases(tensor):  # a view: the write changes what it views too
             viewed = _viewed(tensor)
-            if viewed.op in ("get_attr", "placeholder") or _aliases(viewed) or \
+            if viewed.op in ("get_attr", "placeholder") or aliases(viewed) or \
                     _read_after(viewed, node, order, skip=tensor):
                 raise _refused(node, f"into {tensor.name!r}, a view of {viewed.name!r} "
                                "(read after the write, or the model's state or an input)")
         views = [u for m in (tensor, *(w for w, r in tensor_of.items() if r is tensor))
-                 for u in m.users if _aliases(u) and order.get(u, -1) < order[node]
+                 for u in m.users if aliases(u) and order.get(u, -1) < order[node]
                  and _read_after(u, node, order)]
         if views:
             raise _refused(node, f"into {tensor.name!r}, of which {views[0].name!r} is a view "

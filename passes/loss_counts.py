@@ -59,18 +59,10 @@ def count_graph(body: fx.GraphModule, count_index: int) -> fx.GraphModule | None
     needed = [a for a in (*args, *kwargs.values()) if isinstance(a, fx.Node)]
     if any(_reads(a, trained) for a in needed):
         return None
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    keep = ancestors(needed)
-    for n in body.graph.nodes:
-        if n.op == "placeholder" or n in keep:
-            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph, env = _inputs_and(body, ancestors(needed))
     node = graph.call_function(counter, fx.node.map_arg(args, lambda a: env[a]),
                                fx.node.map_arg(kwargs, lambda a: env[a]))
-    graph.output(node)
-    gm = fx.GraphModule(body, graph, "LossCount")
-    gm.graph.lint()
-    return gm
+    return _counting(body, graph, node, "LossCount")
 
 
 def data_count_graph(body: fx.GraphModule, index: int) -> fx.GraphModule | None:
@@ -91,29 +83,39 @@ def data_count_graph(body: fx.GraphModule, index: int) -> fx.GraphModule | None:
     if any(n in trained or n.op == "call_module" or is_draw(n) or (
             mutates(n) and not _writes_its_own(n, keep)) for n in keep):
         return None
+    graph, env = _inputs_and(body, keep)
+    return _counting(body, graph, env[count], "DataCount")
+
+
+def _inputs_and(body: fx.GraphModule, keep: set[fx.Node]
+                ) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A graph of ``body``'s inputs (all of them: it is called as the body is) and the nodes
+    of ``keep``, copied in order, and each copy by its original."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in body.graph.nodes:
         if n.op == "placeholder" or n in keep:
             env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(env[count])
-    gm = fx.GraphModule(body, graph, "DataCount")
+    return graph, env
+
+
+def _counting(body: fx.GraphModule, graph: fx.Graph, count: fx.Node, name: str
+              ) -> fx.GraphModule:
+    """``graph`` returning ``count``, as a module of ``body``'s attributes."""
+    graph.output(count)
+    gm = fx.GraphModule(body, graph, name)
     gm.graph.lint()
     return gm
 
 
 def _writes_its_own(node: fx.Node, keep: set[fx.Node]) -> bool:
     """Whether the in-place ``node`` writes a tensor made among ``keep`` by an op that makes
-    a new one (not an input, state, or a view of either: ``fx_writes.ALIASING``)."""
-    from .fx_writes import ALIASING, written_tensor
+    a new one (not an input, state, or a view of either: ``fx_writes.aliases``)."""
+    from .fx_writes import aliases, written_tensor
 
     target = written_tensor(node) if node.args else None
-    if not isinstance(target, fx.Node) or target not in keep \
-            or target.op not in ("call_function", "call_method"):
-        return False
-    name = target.target if isinstance(target.target, str) else getattr(target.target,
-                                                                         "__name__", "")
-    return name not in ALIASING and not mutates(target)
+    return isinstance(target, fx.Node) and target in keep and target.op in (
+        "call_function", "call_method") and not aliases(target) and not mutates(target)
 
 
 def _counter(body: fx.GraphModule, pair: fx.Node) -> Callable[..., Any] | None:
